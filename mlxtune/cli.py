@@ -1,0 +1,178 @@
+"""The mlxtune command line. Exit codes: 0 done, 1 training failed, 2 bad input, 130 interrupted."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+import click
+
+from . import __version__, _blas
+from .errors import TrainingError, UserInputError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mlxtune")
+def cli():
+    """Fine-tune language models with MLX, from one YAML recipe."""
+
+
+@cli.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option(
+    "--run-dir", type=click.Path(file_okay=False), help="Where the run writes everything."
+)
+@click.option(
+    "--dry-run", is_flag=True, help="Build the model and data, compile and run one step, exit."
+)
+def run(recipe, overrides, run_dir, dry_run):
+    """Train RECIPE.yaml; OVERRIDES are key.sub=value pairs (e.g. train.max_steps=50)."""
+    from .recipe import load_recipe
+    from .trainer import Trainer
+
+    r = load_recipe(recipe, list(overrides))
+    Trainer(r, run_dir=run_dir, dry_run=dry_run).run()
+
+
+@cli.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+def validate(recipe, overrides):
+    """Check RECIPE.yaml (with any key.sub=value overrides) without running it."""
+    from .recipe import load_recipe
+
+    r = load_recipe(recipe, list(overrides))
+    missing = []
+    for key in ("train", "valid", "test"):
+        p = r.resolve_path(getattr(r.data, key))
+        if p is not None and not p.exists():
+            missing.append(f"data.{key}: {p}")
+    if r.model.path is not None:
+        p = r.resolve_path(r.model.path)
+        if not p.exists() and "/" not in r.model.path:
+            missing.append(f"model.path: {p}")
+    if missing:
+        raise UserInputError("file not found: " + "; ".join(missing), recipe)
+    click.echo(
+        f"{recipe}: ok ({r.name}: {r.adapter.type}, {r.train.max_steps or str(r.train.epochs) + ' epochs'}"
+        f"{' steps' if r.train.max_steps else ''})"
+    )
+
+
+def _memory_gb() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _matmul_gflops() -> float:
+    import mlx.core as mx
+
+    n = 512
+    a = mx.random.normal((n, n))
+    b = mx.random.normal((n, n))
+    mx.eval(a @ b)
+    t = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        mx.eval(a @ b)
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def _install_blas() -> str:
+    if sys.platform != "linux":
+        return "not needed: this is not Linux"
+    if _blas._find_openblas():
+        return "OpenBLAS is already installed"
+    apt = shutil.which("apt-get")
+    if apt is None:
+        return "no apt-get here: install OpenBLAS with your package manager (dnf install openblas, pacman -S openblas)"
+    prefix = [] if os.geteuid() == 0 else (["sudo", "-n"] if shutil.which("sudo") else None)
+    if prefix is None:
+        return "not root and no sudo: ask for `apt-get install libopenblas0-pthread`"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = prefix + [apt, "install", "-y", "-q", "libopenblas0-pthread"]
+    ok = subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    if not ok:  # a fresh machine may have no package lists yet
+        subprocess.run(prefix + [apt, "update", "-q"], env=env, capture_output=True)
+        ok = subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    if ok and _blas._find_openblas():
+        return "installed libopenblas0-pthread: mlxtune will use it from the next command on"
+    return (
+        "could not install libopenblas0-pthread (run `sudo apt-get install libopenblas0-pthread`)"
+    )
+
+
+@cli.command()
+@click.option(
+    "--install-blas", is_flag=True, help="On Linux, install OpenBLAS with apt-get if it is missing."
+)
+def doctor(install_blas):
+    """Print the backend, BLAS, memory and versions, and what to fix."""
+    if install_blas:
+        click.echo(f"OpenBLAS: {_install_blas()}")
+    import importlib.metadata as md
+
+    import mlx.core as mx
+
+    status = _blas.setup_blas()
+    backend = "Metal" if mx.metal.is_available() else ("CUDA" if mx.cuda.is_available() else "CPU")
+    mem = _memory_gb()
+    click.echo(f"mlxtune   {__version__}")
+    click.echo(f"python    {platform.python_version()} on {platform.system()} {platform.machine()}")
+    click.echo(f"backend   {backend} (default device {mx.default_device()})")
+    click.echo(f"BLAS      {status.name}: {status.note}")
+    click.echo(f"matmul    {_matmul_gflops():.1f} GFLOP/s (fp32, 512x512)")
+    click.echo(f"memory    {mem:.1f} GB" if mem else "memory    unknown")
+    for pkg in (
+        "mlx",
+        "mlx-lm",
+        "numpy",
+        "transformers",
+        "sentencepiece",
+        "safetensors",
+        "textual",
+    ):
+        try:
+            click.echo(f"{pkg:<9} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            click.echo(f"{pkg:<9} not installed")
+    fixes = []
+    if backend == "CPU" and not status.fast:
+        fixes.append(status.note)
+    if backend == "CPU" and sys.platform == "darwin":
+        fixes.append("MLX found no Metal GPU: use an Apple silicon Mac with macOS 14 or later")
+    click.echo("to fix    " + ("; ".join(fixes) if fixes else "nothing"))
+
+
+def main(argv=None) -> int:
+    try:
+        cli.main(args=argv, prog_name="mlxtune", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        return 130
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return 2
+    except UserInputError as e:
+        click.echo(f"mlxtune: error: {e}", err=True)
+        return 2
+    except TrainingError as e:
+        click.echo(f"mlxtune: training failed: {e}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

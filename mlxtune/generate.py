@@ -1,0 +1,96 @@
+"""Generation for samples and the exact-match metric: greedy or sampled, batched by prompt
+length (so no padding is needed), with mlx-lm's KV cache."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+
+def _eos_ids(tokenizer) -> set[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def generate_ids(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: set[int],
+    temperature: float = 0.0,
+    seed: int = 0,
+    max_batch: int = 64,
+) -> list[list[int]]:
+    """New token ids for each prompt (without the prompt, eos not included)."""
+    was_training = model.training
+    model.eval()
+    key = mx.random.key(seed)
+    out: list[list[int] | None] = [None] * len(prompts)
+    by_len = defaultdict(list)
+    for i, p in enumerate(prompts):
+        by_len[len(p)].append(i)
+    try:
+        for _, idx in sorted(by_len.items()):
+            for s in range(0, len(idx), max_batch):
+                group = idx[s : s + max_batch]
+                cache = make_prompt_cache(model)
+                x = mx.array([prompts[i] for i in group])
+                done = [False] * len(group)
+                new = [[] for _ in group]
+                for _ in range(max_new_tokens):
+                    logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
+                    if temperature > 0:
+                        key, sub = mx.random.split(key)
+                        nxt = mx.random.categorical(logits / temperature, key=sub)
+                    else:
+                        nxt = mx.argmax(logits, axis=-1)
+                    for j, t in enumerate(nxt.tolist()):
+                        if done[j]:
+                            continue
+                        if t in eos:
+                            done[j] = True
+                        else:
+                            new[j].append(t)
+                    if all(done):
+                        break
+                    x = nxt[:, None]
+                for j, i in enumerate(group):
+                    out[i] = new[j]
+    finally:
+        model.train(was_training)
+    return out
+
+
+def generate_text(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[str]:
+    ids = [list(tokenizer.encode(p)) for p in prompts]
+    new = generate_ids(model, ids, max_new_tokens, _eos_ids(tokenizer), temperature, seed)
+    return [tokenizer.decode(n) for n in new]
+
+
+def normalise_answer(s: str) -> str:
+    return " ".join(s.split())
+
+
+def exact_match(model, tokenizer, examples, max_new_tokens: int) -> tuple[float, list[dict]]:
+    """Share of examples whose greedy answer equals the reference (whitespace-normalised)."""
+    prompts = [e.prompt for e in examples]
+    answers = generate_text(model, tokenizer, prompts, max_new_tokens)
+    rows = []
+    hits = 0
+    for e, a in zip(examples, answers, strict=True):
+        ok = normalise_answer(a) == normalise_answer(e.answer)
+        hits += ok
+        rows.append({"prompt": e.prompt, "answer": a, "reference": e.answer, "correct": ok})
+    return hits / max(len(examples), 1), rows

@@ -1,0 +1,71 @@
+"""Fused training kernels, behind fixed entry points.
+
+``linear_cross_entropy(hidden, weight, targets, ...)`` is the LM head and the cross-entropy in
+one call. Each tier computes the same thing: "reference" is the naive MLX form (it builds the
+[N, V] logits), the tier every other one is tested against.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from .reference import linear_cross_entropy_reference
+
+IMPLS = {"reference": linear_cross_entropy_reference}
+
+
+def available_impls() -> list[str]:
+    """Tiers of linear_cross_entropy that run on this machine."""
+    return list(IMPLS)
+
+
+def _pick(impl: str | None) -> str:
+    impl = impl or os.environ.get("MLXTUNE_KERNELS") or "reference"
+    if impl not in IMPLS:
+        raise ValueError(
+            f"linear_cross_entropy impl {impl!r} is not available here; choose from {available_impls()}"
+        )
+    return impl
+
+
+def linear_cross_entropy(
+    hidden: mx.array,
+    weight: mx.array,
+    targets: mx.array,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "sum",
+    impl: str | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Cross-entropy of ``hidden @ weight.T`` against ``targets``: (loss, n_valid).
+
+    hidden [N, D], weight [V, D] (the LM head), targets [N] int. Targets equal to
+    ``ignore_index`` contribute nothing. ``reduction="sum"`` gives the loss summed over valid
+    tokens; "mean" divides by their count; "none" gives [N] per-token losses (0 where ignored).
+    ``label_smoothing`` mixes the one-hot target with the uniform distribution; ``softcap``
+    applies ``c * tanh(z / c)`` to the logits first. Accumulates in fp32 whatever the dtype.
+    """
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+    if hidden.ndim != 2 or weight.ndim != 2 or targets.ndim != 1:
+        raise ValueError("expected hidden [N, D], weight [V, D] and targets [N]")
+    if hidden.shape[1] != weight.shape[1] or hidden.shape[0] != targets.shape[0]:
+        raise ValueError(
+            f"shapes do not match: hidden {hidden.shape}, weight {weight.shape}, targets {targets.shape}"
+        )
+    fn = IMPLS[_pick(impl)]
+    losses, valid = fn(hidden, weight, targets, ignore_index, label_smoothing, softcap)
+    n_valid = valid.sum()
+    if reduction == "none":
+        return losses, n_valid
+    total = losses.sum()
+    if reduction == "mean":
+        total = total / mx.maximum(n_valid, 1).astype(total.dtype)
+    return total, n_valid
+
+
+__all__ = ["linear_cross_entropy", "available_impls"]

@@ -1,0 +1,714 @@
+"""The trainer: one loop, readable top to bottom (``Trainer.run``); the pieces it calls live in
+small modules of their own."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map
+
+from . import _blas
+from .console import Console
+from .data import Dataset, Encoder, eval_batches, iterate_batches, load_split, read_jsonl, split_off
+from .errors import TrainingError, UserInputError
+from .generate import exact_match, generate_text
+from .kernels import linear_cross_entropy
+from .lora import apply_adapters
+from .models import (
+    build_model,
+    count_parameters,
+    lm_parts,
+    load_model,
+    resolve_model_path,
+    save_model,
+)
+from .optim import build_optimizer, make_schedule
+from .recipe import Recipe, dump_yaml
+from .rundir import RunDir, default_run_dir
+from .tokenizer import load_tokenizer, train_sentencepiece
+
+IGNORE = -100
+
+
+@dataclass
+class StepEvent:
+    """What a callback sees after every optimizer step."""
+
+    step: int
+    epoch: float
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_seen: int
+    step_time_s: float
+
+
+class Callback:
+    """Hooks into a run. Override what you need; ``trainer.request_stop()`` and
+    ``trainer.request_save()`` steer the run from any hook."""
+
+    def on_train_start(self, trainer: Trainer) -> None: ...
+
+    def on_step(self, trainer: Trainer, event: StepEvent) -> None: ...
+
+    def on_eval(self, trainer: Trainer, metrics: dict) -> None: ...
+
+    def on_train_end(self, trainer: Trainer, summary: dict) -> None: ...
+
+
+class _FunctionCallback(Callback):
+    def __init__(self, fn):
+        self.fn = fn
+
+    def on_step(self, trainer, event):
+        self.fn(trainer, event)
+
+
+def _texts_for_tokenizer(rows: list[tuple[int, dict]]) -> list[str]:
+    out = []
+    for _, obj in rows:
+        for key in ("text", "prompt", "completion", "instruction", "input", "output"):
+            if isinstance(obj.get(key), str):
+                out.append(obj[key])
+        for m in obj.get("messages") or []:
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                out.append(m["content"])
+    return out
+
+
+class Trainer:
+    """Builds everything a recipe names, then trains it with ``run()``.
+
+    >>> trainer = Trainer(load_recipe("recipes/quickstart.yaml"), run_dir="runs/demo")
+    >>> summary = trainer.run()
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        run_dir: str | Path | None = None,
+        callbacks=(),
+        console: Console | None = None,
+        dry_run: bool = False,
+    ):
+        self.recipe = recipe
+        self.dry_run = dry_run
+        self.callbacks = [c if isinstance(c, Callback) else _FunctionCallback(c) for c in callbacks]
+        self.console = console or Console(quiet=False, progress=recipe.train.progress)
+        self._stop = False
+        self._save = False
+        self._tmp = None
+        if dry_run:
+            self._tmp = tempfile.TemporaryDirectory(prefix="mlxtune-dry-")
+            self.run_dir = RunDir(self._tmp.name, create=True)
+        else:
+            self.run_dir = RunDir(run_dir or recipe.run_dir or default_run_dir(recipe.name))
+        self.blas = _blas.setup_blas()
+        self._setup()
+
+    # ---------------------------------------------------------------- steering
+    def request_stop(self):
+        """Finish the current step, save, export as the recipe says, and return."""
+        self._stop = True
+
+    def request_save(self):
+        """Save a checkpoint after the current step."""
+        self._save = True
+
+    # ---------------------------------------------------------------- setup
+    def _setup(self):
+        r = self.recipe
+        self.log(f"BLAS: {self.blas.note}")
+        train_path = r.resolve_path(r.data.train)
+        train_rows = read_jsonl(train_path)
+
+        # Tokenizer
+        model_dir = (
+            resolve_model_path(r.model.path, Path(r.source).parent if r.source else None)
+            if r.model.path
+            else None
+        )
+        self.model_dir = model_dir
+        if r.tokenizer.train is not None:
+            t = r.tokenizer.train
+            self.tokenizer_dir = self.run_dir.inside("tokenizer")
+            self.log(
+                f"training a {t.model_type} sentencepiece tokenizer (vocab {t.vocab_size}) on {train_path}"
+            )
+            self.tokenizer = train_sentencepiece(
+                _texts_for_tokenizer(train_rows),
+                self.tokenizer_dir,
+                t.vocab_size,
+                t.model_type,
+                t.character_coverage,
+                t.max_sentences,
+                r.train.seed,
+            )
+        else:
+            self.tokenizer_dir = r.resolve_path(r.tokenizer.path) if r.tokenizer.path else model_dir
+            if self.tokenizer_dir is None:
+                raise UserInputError(
+                    "no tokenizer: set tokenizer.path or tokenizer.train", "tokenizer"
+                )
+            self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        if r.tokenizer.chat_template is not None:
+            self.tokenizer._tokenizer.chat_template = r.tokenizer.chat_template
+        vocab = len(self.tokenizer._tokenizer)
+
+        # Model
+        if r.model.arch is not None:
+            special = {
+                "bos_token_id": self.tokenizer.bos_token_id,
+                "eos_token_id": self.tokenizer.eos_token_id,
+            }
+            self.model, self.model_config = build_model(
+                r.model.arch, vocab, r.model.dtype, r.model.seed, special
+            )
+            self.log(f"built a new {self.model_config['model_type']} model from model.arch")
+        else:
+            self.model, self.model_config = load_model(
+                model_dir, r.model.dtype, r.model.trust_remote_code
+            )
+            self.log(f"loaded {model_dir}")
+        model_vocab = self.model_config.get("vocab_size") or vocab
+        if vocab > model_vocab:
+            raise UserInputError(
+                f"the tokenizer has {vocab} tokens but the model's vocabulary is {model_vocab}",
+                "tokenizer",
+            )
+        self.parts = lm_parts(self.model)
+
+        # Adapters
+        mx.random.seed(r.train.seed)
+        a = r.adapter
+        self.adapter_info = apply_adapters(
+            self.model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers
+        )
+        self.trainable, self.total_params = count_parameters(self.model)
+
+        # Data
+        d = r.data
+        enc = Encoder(self.tokenizer, d.mask_prompt, d.add_eos)
+        self.train_set = load_split(
+            train_path, enc, d.format, d.max_length, d.overlong, d.min_length
+        )
+        if d.valid:
+            self.valid_set = load_split(
+                r.resolve_path(d.valid), enc, d.format, d.max_length, d.overlong, d.min_length
+            )
+        else:
+            self.train_set, self.valid_set = split_off(
+                self.train_set, d.valid_fraction, r.train.seed
+            )
+        self.test_set = (
+            load_split(
+                r.resolve_path(d.test), enc, d.format, d.max_length, d.overlong, d.min_length
+            )
+            if d.test
+            else self.valid_set
+        )
+        self.pad_id = next(
+            i
+            for i in (self.tokenizer._tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
+            if i is not None
+        )
+
+        # Steps and schedule
+        t = r.train
+        self.batches_per_epoch = math.ceil(len(self.train_set) / t.batch_size)
+        if t.max_steps is not None:
+            self.total_steps = t.max_steps
+        else:
+            self.total_steps = max(
+                1, math.ceil(t.epochs * self.batches_per_epoch / t.grad_accumulation)
+            )
+        s = r.schedule
+        self.schedule = make_schedule(
+            s.name, r.optimizer.lr, self.total_steps, s.warmup_steps, s.min_lr
+        )
+        self.optimizer = build_optimizer(r.optimizer, self.schedule)
+        self._build_steps()
+        self._write_resolved()
+
+    def derived(self) -> dict:
+        t = self.recipe.train
+        mean_targets = self.train_set.stats.target_tokens / max(len(self.train_set), 1)
+        return {
+            "effective_steps": self.total_steps,
+            "epochs": round(self.total_steps * t.grad_accumulation / self.batches_per_epoch, 4),
+            "batches_per_epoch": self.batches_per_epoch,
+            "examples_per_step": t.batch_size * t.grad_accumulation,
+            "tokens_per_step": round(mean_targets * t.batch_size * t.grad_accumulation, 1),
+            "trainable_parameters": self.trainable,
+            "total_parameters": self.total_params,
+            "trainable_percent": round(100 * self.trainable / max(self.total_params, 1), 4),
+            "train_examples": len(self.train_set),
+            "valid_examples": len(self.valid_set),
+            "train_data": self.train_set.stats.line(),
+            "valid_data": self.valid_set.stats.line(),
+            "vocab_size": len(self.tokenizer._tokenizer),
+            "adapted_layers": len(self.adapter_info["adapted"]),
+            "blas": self.blas.name,
+            "device": str(mx.default_device()),
+        }
+
+    def _write_resolved(self):
+        rd = self.run_dir
+        rd.write_text("recipe.yaml", dump_yaml(self.recipe.to_dict()))
+        rd.write_json(
+            "config_resolved.json",
+            {
+                "recipe": self.recipe.to_dict(),
+                "recipe_file": self.recipe.source,
+                "model_dir": str(self.model_dir) if self.model_dir else None,
+                "model_config": self.model_config,
+                "derived": self.derived(),
+            },
+        )
+
+    # ---------------------------------------------------------------- the compiled step
+    def _loss(self, model, tokens, mask):
+        """Summed cross-entropy over target tokens, and their count."""
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        targets = mx.where(mask[:, 1:] > 0, targets, IGNORE)
+        h = self.parts.hidden(inputs)
+        return linear_cross_entropy(
+            h.reshape(-1, h.shape[-1]),
+            self.parts.head_weight(),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
+            label_smoothing=self.recipe.train.label_smoothing,
+            softcap=self.parts.softcap,
+        )
+
+    def _build_steps(self):
+        model, opt = self.model, self.optimizer
+        clip = self.recipe.optimizer.grad_clip
+        grad_fn = nn.value_and_grad(model, self._loss)
+        state = [model.state, opt.state, mx.random.state]
+
+        def apply(grads, n):
+            # Token-weighted: the gradient of the summed loss over all micro-batches, / tokens.
+            n = mx.maximum(n, 1).astype(mx.float32)
+            grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
+            if clip is not None:
+                grads, norm = optim.clip_grad_norm(grads, clip)
+            else:
+                norm = mx.sqrt(
+                    sum(mx.sum(mx.square(g.astype(mx.float32))) for _, g in tree_flatten(grads))
+                )
+            opt.update(model, grads)
+            return norm
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def train_step(tokens, mask):
+            (loss, n), grads = grad_fn(model, tokens, mask)
+            return loss, n, apply(grads, n)
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def grad_step(tokens, mask):
+            (loss, n), grads = grad_fn(model, tokens, mask)
+            return loss, n, grads
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def apply_step(grads, n):
+            return apply(grads, n)
+
+        @partial(mx.compile, inputs=[model.state])
+        def eval_step(tokens, mask):
+            return self._loss(model, tokens, mask)
+
+        self._train_step, self._grad_step, self._apply_step, self._eval_step = (
+            train_step,
+            grad_step,
+            apply_step,
+            eval_step,
+        )
+        self._state = state
+
+    def _optimizer_step(self, micro_batches):
+        """One optimizer step over grad_accumulation micro-batches: (loss sum, tokens, grad norm)."""
+        if len(micro_batches) == 1:
+            b = micro_batches[0]
+            loss, n, norm = self._train_step(mx.array(b.tokens), mx.array(b.mask))
+            mx.eval(self._state, loss, n, norm)
+            return loss, n, norm
+        acc = loss_sum = n_sum = None
+        for b in micro_batches:
+            loss, n, grads = self._grad_step(mx.array(b.tokens), mx.array(b.mask))
+            acc = grads if acc is None else tree_map(mx.add, acc, grads)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            n_sum = n if n_sum is None else n_sum + n
+            mx.eval(acc, loss_sum, n_sum)
+        norm = self._apply_step(acc, n_sum)
+        mx.eval(self._state, norm)
+        return loss_sum, n_sum, norm
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> dict:
+        """Train as the recipe says; returns the summary (also printed and logged)."""
+        r, rd, con = self.recipe, self.run_dir, self.console
+        t = r.train
+        self._print_header()
+        for cb in self.callbacks:
+            cb.on_train_start(self)
+        self.model.train()
+        batches = iterate_batches(
+            self.train_set,
+            t.batch_size,
+            self.pad_id,
+            r.data.pad_to_multiple,
+            t.seed,
+            r.data.bucket_size,
+        )
+
+        if self.dry_run:
+            return self._dry_run(batches)
+
+        before = self._task_metric("untrained") if r.eval.exact_match else None
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        step = 0
+        tokens_seen = 0
+        examples_seen = 0
+        window = _new_window()
+        step_times = []
+        self.best_eval = math.inf
+        self.last_loss = math.nan
+        first_step_time = None
+        first_row = True
+        con.start_progress(self.total_steps)
+        while step < self.total_steps:
+            t0 = time.perf_counter()
+            micro = []
+            for _ in range(t.grad_accumulation):
+                epoch, b = next(batches)
+                micro.append(b)
+            loss_sum, n, norm = self._optimizer_step(micro)
+            dt = time.perf_counter() - t0
+            step += 1
+            n_tokens = sum(b.n_targets for b in micro)
+            tokens_seen += n_tokens
+            examples_seen += sum(len(b.tokens) for b in micro)
+            loss = loss_sum.item() / max(n.item(), 1)
+            if not math.isfinite(loss):
+                self._save_checkpoint("final-nan", step, loss)
+                raise TrainingError(
+                    f"the loss became {loss} at step {step}; lower optimizer.lr or check the data"
+                )
+            if first_step_time is None:
+                first_step_time = dt
+            else:
+                step_times.append(dt)
+            window["loss"] += loss_sum.item()
+            window["n"] += n.item()
+            if step > 1:  # the first step's time is mostly compilation, reported on its own
+                window["timed_n"] += n.item()
+                window["time"] += dt
+                window["steps"] += 1
+            self.last_loss = loss
+            lr = float(self.schedule(step - 1))
+            epoch_f = examples_seen / len(self.train_set)
+            event = StepEvent(step, epoch_f, loss, lr, norm.item(), tokens_seen, dt)
+            for cb in self.callbacks:
+                cb.on_step(self, event)
+            con.advance(step, loss)
+
+            if step % t.log_every == 0 or step == self.total_steps:
+                row = {
+                    "step": step,
+                    "epoch": round(epoch_f, 4),
+                    "loss": window["loss"] / max(window["n"], 1),
+                    "grad_norm": event.grad_norm,
+                    "lr": lr,
+                    "tokens_seen": tokens_seen,
+                    "tokens_per_sec": window["timed_n"] / window["time"]
+                    if window["steps"]
+                    else None,
+                    "step_time_s": window["time"] / window["steps"]
+                    if window["steps"]
+                    else first_step_time,
+                    "peak_memory_gb": mx.get_peak_memory() / 1e9,
+                    "time": time.time(),
+                }
+                if first_row:
+                    row["first_step_compile_time_s"] = first_step_time
+                    first_row = False
+                rd.append_jsonl("metrics.jsonl", row)
+                con.log_step(row, self.total_steps)
+                window = _new_window()
+
+            if r.eval.every and step % r.eval.every == 0 and step != self.total_steps:
+                self._evaluate(step)
+            if r.samples.every and step % r.samples.every == 0 and step != self.total_steps:
+                self._samples(step)
+            if (r.checkpoints.every and step % r.checkpoints.every == 0) or self._save:
+                self._save = False
+                self._save_checkpoint(f"step-{step:06d}", step, loss)
+                self._prune_checkpoints()
+            if self._stop:
+                self.log(f"stop requested: stopping after step {step}")
+                break
+
+        con.end_progress()
+        train_time = time.perf_counter() - start
+        final_eval = self._evaluate(step)
+        if r.samples.every:
+            self._samples(step)
+        if r.checkpoints.save_final:
+            self._save_checkpoint("final", step, self.last_loss)
+        after = self._task_metric("trained") if r.eval.exact_match else None
+        self._export()
+        summary = {
+            "steps": step,
+            "train_time_s": round(train_time, 2),
+            "final_loss": self.last_loss,
+            "final_eval_loss": final_eval["eval_loss"],
+            "best_eval_loss": self.best_eval,
+            "mean_step_time_s": sum(step_times) / len(step_times)
+            if step_times
+            else first_step_time,
+            "first_step_compile_time_s": first_step_time,
+            "tokens_seen": tokens_seen,
+            "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            "run_dir": str(rd.path),
+        }
+        if before is not None:
+            summary["exact_match_before"] = before
+            summary["exact_match_after"] = after
+        rd.write_json("summary.json", summary)
+        con.summary(summary)
+        for cb in self.callbacks:
+            cb.on_train_end(self, summary)
+        return summary
+
+    def _dry_run(self, batches) -> dict:
+        t0 = time.perf_counter()
+        micro = [next(batches)[1] for _ in range(self.recipe.train.grad_accumulation)]
+        loss_sum, n, norm = self._optimizer_step(micro)
+        compile_s = time.perf_counter() - t0
+        out = {
+            "dry_run": True,
+            "first_step_compile_time_s": round(compile_s, 3),
+            "loss": loss_sum.item() / max(n.item(), 1),
+            "grad_norm": norm.item(),
+            "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            **self.derived(),
+        }
+        self.console.dry_run(out)
+        self._tmp.cleanup()
+        return out
+
+    # ---------------------------------------------------------------- evaluation, samples
+    def evaluate(self) -> dict:
+        """Token-weighted validation loss and perplexity (no metrics row written)."""
+        r = self.recipe
+        self.model.eval()
+        try:
+            bs = r.eval.batch_size or r.train.batch_size
+            total = 0.0
+            count = 0
+            for b in eval_batches(
+                self.valid_set, bs, self.pad_id, r.data.pad_to_multiple, r.eval.max_batches
+            ):
+                loss, n = self._eval_step(mx.array(b.tokens), mx.array(b.mask))
+                mx.eval(loss, n)
+                total += loss.item()
+                count += n.item()
+        finally:
+            self.model.train()
+        eval_loss = total / max(count, 1)
+        return {
+            "eval_loss": eval_loss,
+            "eval_ppl": math.exp(min(eval_loss, 50.0)),
+            "eval_tokens": count,
+        }
+
+    def _evaluate(self, step: int) -> dict:
+        m = self.evaluate()
+        row = {"step": step, **m, "time": time.time()}
+        self.run_dir.append_jsonl("metrics.jsonl", row)
+        self.console.log_eval(row)
+        if m["eval_loss"] < self.best_eval:
+            self.best_eval = m["eval_loss"]
+            if self.recipe.checkpoints.save_best:
+                self._save_checkpoint(
+                    "best", step, self.last_loss, extra={"eval_loss": m["eval_loss"]}
+                )
+        for cb in self.callbacks:
+            cb.on_eval(self, row)
+        return m
+
+    def _task_metric(self, when: str) -> float:
+        r = self.recipe
+        examples = [e for e in self.test_set.examples if e.prompt is not None][: r.eval.exact_match]
+        if not examples:
+            raise UserInputError(
+                "eval.exact_match needs completion, instruction or chat data", "eval.exact_match"
+            )
+        acc, rows = exact_match(self.model, self.tokenizer, examples, r.eval.max_new_tokens)
+        self.run_dir.append_jsonl(
+            "metrics.jsonl",
+            {
+                "step": 0 if when == "untrained" else self.total_steps,
+                f"exact_match_{'before' if when == 'untrained' else 'after'}": acc,
+                "exact_match_examples": len(examples),
+                "time": time.time(),
+            },
+        )
+        self.run_dir.write_json(f"exact_match_{when}.json", rows)
+        self.console.info(
+            f"exact match ({when}): {100 * acc:.1f}% of {len(examples)} held-out examples"
+        )
+        return acc
+
+    def _samples(self, step: int):
+        r = self.recipe.samples
+        prompts = (
+            list(r.prompts)
+            or [e.prompt for e in self.valid_set.examples if e.prompt is not None][: r.count]
+        )
+        if not prompts:
+            return
+        outs = generate_text(
+            self.model, self.tokenizer, prompts, r.max_new_tokens, r.temperature, seed=step
+        )
+        for p, o in zip(prompts, outs, strict=True):
+            self.run_dir.append_jsonl(
+                "samples.jsonl", {"step": step, "prompt": p, "completion": o, "time": time.time()}
+            )
+        self.console.sample(step, prompts[0], outs[0])
+
+    # ---------------------------------------------------------------- checkpoints, export
+    def trainable_weights(self) -> dict:
+        return dict(tree_flatten(self.model.trainable_parameters()))
+
+    def adapter_config(self) -> dict:
+        """mlx-lm's adapter_config.json for this run's adapters."""
+        a = self.recipe.adapter
+        info = self.adapter_info
+        n_layers = len(self.model.layers)
+        if a.type == "full":
+            return {"fine_tune_type": "full", "num_layers": n_layers}
+        keys = sorted({name.split(".", 2)[2] for name in info["adapted"]})
+        return {
+            "fine_tune_type": a.type,
+            "num_layers": n_layers - min(info["layers"]),
+            "lora_parameters": {
+                "rank": a.rank,
+                "scale": a.alpha / a.rank,
+                "dropout": a.dropout,
+                "keys": keys,
+            },
+            "base_model": str(self.model_dir) if self.model_dir else None,
+        }
+
+    def _save_checkpoint(self, name: str, step: int, loss: float, extra: dict | None = None):
+        rd = self.run_dir
+        final = rd.inside("checkpoints", name)
+        tmp = rd.inside("checkpoints", f".{name}.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        meta = {
+            "step": step,
+            "loss": loss,
+            "lr": float(self.schedule(max(step - 1, 0))),
+            "time": time.time(),
+            **(extra or {}),
+        }
+        mx.save_safetensors(
+            str(tmp / "adapters.safetensors"),
+            self.trainable_weights(),
+            metadata={k: str(v) for k, v in meta.items()},
+        )
+        (tmp / "adapter_config.json").write_text(json.dumps(self.adapter_config(), indent=2))
+        (tmp / "trainer_state.json").write_text(
+            json.dumps({**meta, "recipe": self.recipe.to_dict()}, indent=2)
+        )
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self.log(f"saved checkpoint checkpoints/{name} at step {step}")
+
+    def _prune_checkpoints(self):
+        keep = self.recipe.checkpoints.keep_last
+        steps = sorted(p for p in self.run_dir.checkpoints.iterdir() if p.name.startswith("step-"))
+        for p in steps[:-keep]:
+            shutil.rmtree(p)
+
+    def _export(self):
+        fmts = self.recipe.export.formats
+        if not fmts:
+            return
+        rd = self.run_dir
+        if "mlx-lm" in fmts:
+            out = rd.inside("export", "mlx-lm")
+            out.mkdir(parents=True, exist_ok=True)
+            weights = {k: v for k, v in self.trainable_weights().items()}
+            mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+            (out / "adapter_config.json").write_text(json.dumps(self.adapter_config(), indent=2))
+            self.console.info(f"exported an mlx-lm adapter to {out}")
+        if "model" in fmts:
+            out = rd.inside("export", "model")
+            save_model(
+                fuse_adapters(self.model),
+                self.model_config,
+                out,
+                self.tokenizer,
+                self.tokenizer_dir,
+                self.recipe.model.dtype,
+            )
+            self.console.info(f"exported the model (Hugging Face layout) to {out}")
+
+    # ---------------------------------------------------------------- output
+    def log(self, message: str):
+        self.run_dir.log(message)
+        self.console.info(message)
+
+    def _print_header(self):
+        d = self.derived()
+        r = self.recipe
+        a = r.adapter
+        kind = a.type if a.type == "full" else f"{a.type} r={a.rank} alpha={a.alpha}"
+        self.console.header(
+            [
+                f"run      {self.run_dir.path}" + ("  (dry run)" if self.dry_run else ""),
+                f"model    {self.model_dir or 'new ' + self.model_config['model_type']}  ({d['total_parameters']:,} parameters, {r.model.dtype})",
+                f"adapter  {kind}: {d['trainable_parameters']:,} trainable ({d['trainable_percent']:.2f}%) in {d['adapted_layers'] or 'all'} layers",
+                f"data     train {d['train_data']}",
+                f"         valid {d['valid_data']}",
+                f"train    {d['effective_steps']} steps ({d['epochs']} epochs), {d['examples_per_step']} examples/step, "
+                f"{r.optimizer.name} lr {r.optimizer.lr:g} {r.schedule.name}",
+                f"backend  {d['device']}, BLAS: {d['blas']}",
+            ]
+        )
+
+
+def _new_window() -> dict:
+    return {"loss": 0.0, "n": 0, "timed_n": 0, "time": 0.0, "steps": 0}
+
+
+def fuse_adapters(model: nn.Module) -> nn.Module:
+    """Merge every LoRA/DoRA layer into a plain Linear, in place; returns the model."""
+    from mlx.utils import tree_unflatten
+
+    from .lora import LoRALinear
+
+    fused = [(n, m.fused()) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    return model
+
+
+__all__ = ["Trainer", "Callback", "StepEvent", "Dataset"]
