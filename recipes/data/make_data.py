@@ -30,41 +30,27 @@ def write(path, rows):
             f.write(json.dumps(r) + "\n")
 
 
-def shift(w):
-    return "".join(LETTERS[(LETTERS.index(c) + 1) % 26] for c in w)
-
-
 def main():
     rng = random.Random(1234)
     held = words(rng, 400)
     train = words(rng, 6000, exclude=held)
     # quickstart: reverse a word (the model is trained from scratch)
-    rev = [{"prompt": f"reverse {w} =", "completion": f" {w[::-1]}"} for w in train]
-    write(HERE / "reverse" / "train.jsonl", rev)
-    write(
-        HERE / "reverse" / "valid.jsonl",
-        [{"prompt": f"reverse {w} =", "completion": f" {w[::-1]}"} for w in held[:200]],
-    )
-    write(
-        HERE / "reverse" / "test.jsonl",
-        [{"prompt": f"reverse {w} =", "completion": f" {w[::-1]}"} for w in held[200:]],
-    )
-    # quickstart-lora: a new task for the reverse model: shift each letter by one
+    task(HERE / "reverse", train, held, "reverse", lambda w: w[::-1])
+    # quickstart-lora: a new task for the reverse model: copy the word unchanged
     rng = random.Random(99)
     held = words(rng, 400)
     train = words(rng, 3000, exclude=held)
-    write(
-        HERE / "shift" / "train.jsonl",
-        [{"prompt": f"shift {w} =", "completion": f" {shift(w)}"} for w in train],
-    )
-    write(
-        HERE / "shift" / "valid.jsonl",
-        [{"prompt": f"shift {w} =", "completion": f" {shift(w)}"} for w in held[:200]],
-    )
-    write(
-        HERE / "shift" / "test.jsonl",
-        [{"prompt": f"shift {w} =", "completion": f" {shift(w)}"} for w in held[200:]],
-    )
+    task(HERE / "copy", train, held, "copy", lambda w: w)
+
+
+def task(folder, train, held, verb, answer):
+    """train/valid/test.jsonl of {"prompt": "VERB word =", "completion": " ANSWER"}."""
+    folder.mkdir(exist_ok=True)
+    for name, ws in (("train", train), ("valid", held[:200]), ("test", held[200:])):
+        write(
+            folder / f"{name}.jsonl",
+            [{"prompt": f"{verb} {w} =", "completion": f" {answer(w)}"} for w in ws],
+        )
 
 
 if __name__ == "__main__":

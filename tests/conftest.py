@@ -1,0 +1,154 @@
+"""Shared fixtures: a sentencepiece tokenizer trained on a small corpus, tiny random models in
+Hugging Face layout for each supported family, and small JSONL datasets."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+import mlxtune  # noqa: F401  (first: sets up BLAS before mlx is imported)
+
+REPO = Path(__file__).resolve().parent.parent
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+FAMILIES = {
+    "llama": dict(model_type="llama", num_key_value_heads=2, tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(
+        model_type="qwen3",
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    ),
+    "gemma": dict(model_type="gemma", num_key_value_heads=1, head_dim=8),
+    "gemma2": dict(
+        model_type="gemma2",
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=8.0,
+        final_logit_softcapping=5.0,
+    ),
+    "phi3": dict(
+        model_type="phi3",
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def tiny_arch(family: str, **extra) -> dict:
+    arch = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
+    arch.update(FAMILIES[family])
+    arch.update(extra)
+    return arch
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def reverse_rows(n: int, seed: int = 0, prefix: str = "reverse"):
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        w = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 6)))
+        rows.append({"prompt": f"{prefix} {w} =", "completion": f" {w[::-1]}"})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def corpus_rows():
+    return reverse_rows(400, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, corpus_rows):
+    """A unigram sentencepiece tokenizer trained on a small corpus, in HF + spm files."""
+    from mlxtune.tokenizer import train_sentencepiece
+
+    out = tmp_path_factory.mktemp("tok")
+    texts = [r["prompt"] + r["completion"] for r in corpus_rows] + [
+        "user: hello there\nassistant: hi, how can i help",
+        "the quick brown fox jumps over the lazy dog",
+    ] * 20
+    train_sentencepiece(texts, out, vocab_size=60, model_type="unigram")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from mlxtune.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def model_dir_factory(tmp_path_factory, tokenizer, tokenizer_dir):
+    """make(family) -> a directory with a tiny random model of that family, HF layout."""
+    from mlxtune.models import build_model, save_model
+
+    cache = {}
+
+    def make(family: str = "llama", **extra) -> Path:
+        key = (family, tuple(sorted(extra.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"model-{family}")
+            model, config = build_model(
+                tiny_arch(family, **extra), len(tokenizer._tokenizer), seed=3
+            )
+            save_model(model, config, out, tokenizer, tokenizer_dir)
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dir_factory):
+    return model_dir_factory("llama")
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", reverse_rows(96, seed=2))
+    write_jsonl(d / "valid.jsonl", reverse_rows(16, seed=3))
+    return d
+
+
+def tiny_recipe(data_dir: Path, model_dir: Path | None = None, **sections) -> dict:
+    """A recipe dict for a short run on tiny data; sections override whole keys."""
+    recipe = {
+        "name": "tiny",
+        "data": {
+            "train": str(data_dir / "train.jsonl"),
+            "valid": str(data_dir / "valid.jsonl"),
+            "max_length": 48,
+        },
+        "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
+        "optimizer": {"lr": 1e-2},
+        "train": {"batch_size": 8, "max_steps": 6, "log_every": 2, "progress": False},
+        "eval": {"every": 3},
+    }
+    if model_dir is not None:
+        recipe["model"] = {"path": str(model_dir)}
+    for k, v in sections.items():
+        recipe[k] = v
+    return recipe

@@ -1,0 +1,194 @@
+import numpy as np
+import pytest
+
+from conftest import reverse_rows, write_jsonl
+from mlxtune.data import (
+    Encoder,
+    batch_order,
+    detect_format,
+    eval_batches,
+    load_split,
+    make_batch,
+    split_off,
+)
+from mlxtune.errors import UserInputError
+
+
+def test_detect_format_from_keys():
+    assert detect_format({"text": "x"}, "f") == "text"
+    assert detect_format({"prompt": "a", "completion": "b"}, "f") == "completion"
+    assert detect_format({"instruction": "a", "input": "", "output": "b"}, "f") == "instruction"
+    assert detect_format({"messages": []}, "f") == "chat"
+    assert detect_format({"input_ids": [1, 2]}, "f") == "tokens"
+    with pytest.raises(UserInputError, match="cannot tell the format"):
+        detect_format({"foo": 1}, "f:3")
+
+
+def test_completion_mask_covers_exactly_the_answer_and_eos(tokenizer):
+    enc = Encoder(tokenizer)
+    ex = enc.encode({"prompt": "reverse abc =", "completion": " cba"}, "completion", "f:1")
+    prompt_ids = list(tokenizer.encode("reverse abc ="))
+    full = list(tokenizer.encode("reverse abc = cba"))
+    assert ex.ids == full + [tokenizer.eos_token_id]
+    start = next(i for i, (a, b) in enumerate(zip(prompt_ids + [-1], full, strict=False)) if a != b)
+    assert ex.mask == [0] * start + [1] * (len(ex.ids) - start)
+    assert (
+        tokenizer.decode([t for t, m in zip(ex.ids, ex.mask, strict=True) if m][:-1]).strip()
+        == "cba"
+    )
+    assert ex.prompt == "reverse abc =" and ex.answer == " cba"
+
+
+def test_unmasked_prompt_trains_on_every_token_after_the_first(tokenizer):
+    ex = Encoder(tokenizer, mask_prompt=False).encode(
+        {"prompt": "abc", "completion": " d"}, "completion", "f"
+    )
+    assert ex.mask == [0] + [1] * (len(ex.ids) - 1)
+
+
+def test_text_and_instruction_formats(tokenizer):
+    enc = Encoder(tokenizer, add_eos=False)
+    ex = enc.encode({"text": "hello there"}, "text", "f")
+    assert ex.ids == list(tokenizer.encode("hello there")) and ex.mask[0] == 0 and all(ex.mask[1:])
+    ins = enc.encode(
+        {"instruction": "say hi", "input": "to bob", "output": "hi bob"}, "instruction", "f"
+    )
+    assert "### Input:\nto bob" in ins.prompt and ins.answer == "hi bob"
+    n = ins.n_targets
+    assert 0 < n < len(ins.ids) - 1
+
+
+def test_tokens_format_with_and_without_mask(tokenizer):
+    enc = Encoder(tokenizer)
+    ex = enc.encode({"input_ids": [5, 6, 7, 8], "mask": [0, 0, 1, 1]}, "tokens", "f")
+    assert ex.ids == [5, 6, 7, 8] and ex.mask == [0, 0, 1, 1]
+    with pytest.raises(UserInputError, match="outside the vocabulary"):
+        enc.encode({"input_ids": [5, 10**6]}, "tokens", "f:2")
+    with pytest.raises(UserInputError, match="mask"):
+        enc.encode({"input_ids": [5, 6], "mask": [1]}, "tokens", "f:2")
+
+
+def test_chat_trains_on_every_assistant_turn_only(tokenizer):
+    enc = Encoder(tokenizer)
+    msgs = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi there"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "good bye"},
+    ]
+    ex = enc.encode({"messages": msgs}, "chat", "f:1")
+    tmpl = tokenizer._tokenizer
+    full = list(tmpl.apply_chat_template(msgs, tokenize=True, return_dict=False))
+    assert ex.ids == full
+    trained = [t for t, m in zip(ex.ids, ex.mask, strict=True) if m]
+    text = tokenizer.decode(trained)
+    assert "hi there" in text and "good bye" in text
+    assert "hello" not in text and "bye" not in text.replace("good bye", "")
+    # Two separate spans: the user turn between them is not trained on.
+    spans = sum(1 for i in range(1, len(ex.mask)) if ex.mask[i] and not ex.mask[i - 1])
+    assert spans == 2
+    assert ex.answer == "good bye" and ex.prompt.endswith("assistant: ")
+
+
+def test_chat_without_assistant_turn_is_refused(tokenizer):
+    with pytest.raises(UserInputError, match="no assistant turn"):
+        Encoder(tokenizer).encode({"messages": [{"role": "user", "content": "x"}]}, "chat", "f:4")
+
+
+def test_max_length_truncate_and_drop_are_counted(tmp_path, tokenizer):
+    rows = [{"text": "a b c d e f g h i j k l m n o p"}, {"text": "a b"}, {"text": "a"}]
+    p = write_jsonl(tmp_path / "t.jsonl", rows)
+    enc = Encoder(tokenizer)
+    short = len(enc.encode({"text": "a b"}, "text", "f").ids)
+    assert short < 8
+    ds = load_split(p, enc, "auto", max_length=8, overlong="truncate", min_length=short + 1)
+    assert ds.stats.truncated == 1 and all(len(e.ids) <= 8 for e in ds.examples)
+    assert ds.stats.dropped_too_short == 2 and ds.stats.kept == 1
+    ds = load_split(p, enc, "auto", max_length=8, overlong="drop", min_length=1)
+    assert ds.stats.dropped_too_long == 1 and ds.stats.kept == 2
+    assert "1 dropped too long" in ds.stats.line()
+
+
+def test_every_example_too_long_is_a_clear_error(tmp_path, tokenizer):
+    p = write_jsonl(tmp_path / "t.jsonl", [{"text": "a b c d e f g h"}] * 3)
+    with pytest.raises(UserInputError, match="no example is left"):
+        load_split(p, Encoder(tokenizer), "auto", max_length=3, overlong="drop", min_length=1)
+
+
+@pytest.mark.parametrize(
+    "content, message, line",
+    [
+        (b'{"text": "a"}\n{"text": \n', "not valid JSON", 2),
+        (b'{"text": "a"}\n\n[1, 2]\n', "must be a JSON object", 3),
+        (b'{"text": "a"}\n{"text": "\xff\xfe"}\n', "not UTF-8", 2),
+        (b'{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n', "missing field 'completion'", 2),
+        (b'{"prompt": "a", "completion": 3}\n', "must be a str", 1),
+    ],
+)
+def test_bad_lines_name_file_and_line(tmp_path, tokenizer, content, message, line):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(content)
+    with pytest.raises(UserInputError) as e:
+        load_split(p, Encoder(tokenizer), "auto", 64, "truncate", 1)
+    assert message in str(e.value)
+    assert f"{p}:{line}" in str(e.value)
+
+
+def test_empty_and_missing_files(tmp_path, tokenizer):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(UserInputError, match="no examples"):
+        load_split(tmp_path / "empty.jsonl", Encoder(tokenizer), "auto", 64, "truncate", 1)
+    with pytest.raises(UserInputError, match="not found"):
+        load_split(tmp_path / "nope.jsonl", Encoder(tokenizer), "auto", 64, "truncate", 1)
+
+
+def test_validation_split_is_deterministic_and_disjoint(tmp_path, tokenizer):
+    p = write_jsonl(tmp_path / "t.jsonl", reverse_rows(50))
+    ds = load_split(p, Encoder(tokenizer), "auto", 64, "truncate", 1)
+    tr, va = split_off(ds, 0.1, seed=0)
+    tr2, va2 = split_off(ds, 0.1, seed=0)
+    assert len(va) == 5 and len(tr) == 45
+    assert [e.ids for e in va.examples] == [e.ids for e in va2.examples]
+    ids = lambda d: {id(e) for e in d.examples}  # noqa: E731
+    assert not ids(tr) & ids(va)
+
+
+def test_batches_pad_right_and_mask_padding():
+    from mlxtune.data import Example
+
+    exs = [Example([1, 5, 6, 2], [0, 0, 1, 1]), Example([1, 7, 2], [0, 1, 1])]
+    b = make_batch(exs, pad_id=3, multiple=8)
+    assert b.tokens.shape == (2, 9)  # 3 positions read, rounded up to 8, plus 1
+    assert (b.tokens[1, 3:] == 3).all() and (b.mask[1, 3:] == 0).all()
+    assert b.n_targets == 2 + 2
+
+
+def test_epoch_order_is_seeded_and_reshuffled_every_epoch():
+    lengths = list(range(100))
+    e0 = batch_order(lengths, 4, epoch=0, seed=1, bucket_size=4)
+    e0b = batch_order(lengths, 4, epoch=0, seed=1, bucket_size=4)
+    e1 = batch_order(lengths, 4, epoch=1, seed=1, bucket_size=4)
+    assert e0 == e0b and e0 != e1
+    assert sorted(i for b in e0 for i in b) == lengths  # every example once
+
+
+def test_length_buckets_reduce_padding():
+    rng = np.random.default_rng(0)
+    lengths = list(rng.integers(5, 200, size=512))
+
+    def padding(batches):
+        return sum(
+            max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches
+        )
+
+    bucketed = padding(batch_order(lengths, 8, 0, 0, bucket_size=16))
+    plain = padding(batch_order(lengths, 8, 0, 0, bucket_size=1))
+    assert bucketed < 0.3 * plain
+
+
+def test_eval_batches_cover_the_split_once(tmp_path, tokenizer):
+    p = write_jsonl(tmp_path / "t.jsonl", reverse_rows(21))
+    ds = load_split(p, Encoder(tokenizer), "auto", 64, "truncate", 1)
+    bs = eval_batches(ds, 4, 0, 8)
+    assert sum(len(b.tokens) for b in bs) == 21
+    assert sum(b.n_targets for b in bs) == ds.stats.target_tokens

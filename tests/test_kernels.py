@@ -1,0 +1,99 @@
+"""linear_cross_entropy against a naive MLX reference built from mlx.nn.losses, values and
+gradients."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxtune.kernels import available_impls, linear_cross_entropy
+
+IGNORE = -100
+
+
+def naive(hidden, weight, targets, label_smoothing=0.0, softcap=None):
+    logits = hidden.astype(mx.float32) @ weight.astype(mx.float32).T
+    if softcap is not None:
+        logits = softcap * mx.tanh(logits / softcap)
+    valid = targets != IGNORE
+    ce = nn.losses.cross_entropy(
+        logits, mx.where(valid, targets, 0), label_smoothing=label_smoothing, reduction="none"
+    )
+    return (ce * valid).sum(), valid.sum()
+
+
+def inputs(n=37, d=16, v=29, dtype=mx.float32, seed=0, ignored=5):
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    h = mx.random.normal((n, d), key=k1).astype(dtype)
+    w = (0.3 * mx.random.normal((v, d), key=k2)).astype(dtype)
+    t = mx.random.randint(0, v, (n,), key=k3)
+    t = mx.where(mx.arange(n) % 7 == 0, IGNORE, t) if ignored else t
+    return h, w, t
+
+
+@pytest.mark.parametrize("impl", available_impls())
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_values_and_gradients_match_naive_fp32(impl, label_smoothing, softcap):
+    h, w, t = inputs(seed=1)
+
+    def f(h, w):
+        return linear_cross_entropy(
+            h, w, t, label_smoothing=label_smoothing, softcap=softcap, impl=impl
+        )[0]
+
+    def g(h, w):
+        return naive(h, w, t, label_smoothing, softcap)[0]
+
+    loss, n = linear_cross_entropy(
+        h, w, t, label_smoothing=label_smoothing, softcap=softcap, impl=impl
+    )
+    ref, ref_n = naive(h, w, t, label_smoothing, softcap)
+    assert n.item() == ref_n.item() == int((np.array(t) != IGNORE).sum())
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    gh, gw = mx.grad(f, argnums=(0, 1))(h, w)
+    rh, rw = mx.grad(g, argnums=(0, 1))(h, w)
+    np.testing.assert_allclose(np.array(gh), np.array(rh), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.array(gw), np.array(rw), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", available_impls())
+def test_bf16_inputs_accumulate_in_fp32(impl):
+    h, w, t = inputs(seed=2, dtype=mx.bfloat16)
+    loss, _ = linear_cross_entropy(h, w, t, impl=impl)
+    ref, _ = naive(h, w, t)
+    assert loss.dtype == mx.float32
+    assert abs(loss.item() - ref.item()) <= 1e-2 * abs(ref.item())
+    gh = mx.grad(lambda h: linear_cross_entropy(h, w, t, impl=impl)[0])(h)
+    rh = mx.grad(lambda h: naive(h, w, t)[0])(h)
+    rh = np.array(rh.astype(mx.float32))
+    err = np.linalg.norm(np.array(gh.astype(mx.float32)) - rh) / np.linalg.norm(rh)
+    assert err < 2e-2
+
+
+def test_reductions_and_ignored_rows():
+    h, w, t = inputs(seed=3)
+    per, n = linear_cross_entropy(h, w, t, reduction="none")
+    total, _ = linear_cross_entropy(h, w, t, reduction="sum")
+    mean, _ = linear_cross_entropy(h, w, t, reduction="mean")
+    assert per.shape == (h.shape[0],)
+    assert (np.array(per)[np.array(t) == IGNORE] == 0).all()
+    assert abs(per.sum().item() - total.item()) < 1e-4
+    assert abs(mean.item() - total.item() / n.item()) < 1e-6
+
+
+def test_gradient_of_ignored_rows_is_zero():
+    h, w, t = inputs(seed=4)
+    gh = mx.grad(lambda h: linear_cross_entropy(h, w, t)[0])(h)
+    ignored = np.array(t) == IGNORE
+    assert ignored.any() and (np.array(gh)[ignored] == 0).all()
+
+
+def test_bad_arguments():
+    h, w, t = inputs()
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(h, w, t, reduction="avg")
+    with pytest.raises(ValueError, match="shapes"):
+        linear_cross_entropy(h, w[:, :3], t)
+    with pytest.raises(ValueError, match="not available"):
+        linear_cross_entropy(h, w, t, impl="nonexistent")

@@ -1,0 +1,71 @@
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxtune.optim import AdamWMatrices, build_optimizer, make_schedule
+from mlxtune.recipe import OptimizerConfig
+
+
+def test_weight_decay_touches_matrices_only():
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    before = {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}
+    opt = AdamWMatrices(learning_rate=0.1, weight_decay=0.5)
+    zeros = nn.utils.tree_map(mx.zeros_like, model.parameters())
+    opt.update(model, zeros)  # zero gradient: only decay can move a weight
+    after = {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}
+    np.testing.assert_allclose(
+        after["layers.0.weight"], before["layers.0.weight"] * (1 - 0.1 * 0.5), rtol=1e-6
+    )
+    for k in ("layers.0.bias", "layers.1.weight", "layers.1.bias"):
+        np.testing.assert_array_equal(after[k], before[k])
+
+
+def test_adamw_matches_the_textbook_update_with_bias_correction():
+    p = mx.array([[1.0, -2.0], [0.5, 3.0]])
+    g = mx.array([[0.1, -0.2], [0.3, 0.05]])
+    opt = build_optimizer(
+        OptimizerConfig(name="adamw", lr=0.01, weight_decay=0.1), lambda step: mx.array(0.01)
+    )
+    params = {"w": p}
+    opt.init(params)
+    new = opt.apply_gradients({"w": g}, params)["w"]
+    b1, b2, eps, lr, wd = 0.9, 0.999, 1e-8, 0.01, 0.1
+    m = (1 - b1) * np.array(g)
+    v = (1 - b2) * np.array(g) ** 2
+    expected = np.array(p) * (1 - lr * wd) - lr * (m / (1 - b1)) / (np.sqrt(v / (1 - b2)) + eps)
+    np.testing.assert_allclose(np.array(new), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, step, expected",
+    [
+        ("constant", 10, 1.0),
+        ("constant", 99, 1.0),
+        ("linear", 10, 1.0),
+        ("linear", 55, 1.0 + (0.1 - 1.0) * 0.5),
+        ("linear", 99, 1.0 + (0.1 - 1.0) * (89 / 90)),
+        ("cosine", 10, 1.0),
+        ("cosine", 55, 0.1 + 0.45 * (1 + math.cos(math.pi * 0.5))),
+        ("cosine", 100, 0.1),
+    ],
+)
+def test_schedules_after_warmup(name, step, expected):
+    s = make_schedule(name, lr=1.0, total_steps=100, warmup_steps=10, min_lr=0.1)
+    assert float(s(step)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_warmup_rises_linearly_from_zero():
+    s = make_schedule("cosine", lr=1.0, total_steps=100, warmup_steps=10, min_lr=0.0)
+    vals = [float(s(i)) for i in range(10)]
+    assert vals == pytest.approx([(i + 1) / 10 for i in range(10)])
+
+
+def test_warmup_cosine_defaults_to_five_percent_warmup():
+    s = make_schedule("warmup_cosine", lr=1.0, total_steps=200, warmup_steps=None, min_lr=0.0)
+    assert float(s(0)) == pytest.approx(0.1)
+    assert float(s(9)) == pytest.approx(1.0)
+    assert float(s(10)) == pytest.approx(1.0)
+    assert float(s(199)) < 0.01
