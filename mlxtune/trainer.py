@@ -257,7 +257,7 @@ class Trainer:
             "train_data": self.train_set.stats.line(),
             "valid_data": self.valid_set.stats.line(),
             "vocab_size": len(self.tokenizer._tokenizer),
-            "adapted_layers": len(self.adapter_info["adapted"]),
+            "adapted_modules": len(self.adapter_info["adapted"]),
             "blas": self.blas.name,
             "device": str(mx.default_device()),
         }
@@ -375,7 +375,7 @@ class Trainer:
         if self.dry_run:
             return self._dry_run(batches)
 
-        before = self._task_metric("untrained") if r.eval.exact_match else None
+        before = self._task_metric("untrained", 0) if r.eval.exact_match else None
         mx.reset_peak_memory()
         start = time.perf_counter()
         step = 0
@@ -467,7 +467,7 @@ class Trainer:
             self._samples(step)
         if r.checkpoints.save_final:
             self._save_checkpoint("final", step, self.last_loss)
-        after = self._task_metric("trained") if r.eval.exact_match else None
+        after = self._task_metric("trained", step) if r.eval.exact_match else None
         self._export()
         summary = {
             "steps": step,
@@ -549,7 +549,7 @@ class Trainer:
             cb.on_eval(self, row)
         return m
 
-    def _task_metric(self, when: str) -> float:
+    def _task_metric(self, when: str, step: int) -> float:
         r = self.recipe
         examples = [e for e in self.test_set.examples if e.prompt is not None][: r.eval.exact_match]
         if not examples:
@@ -560,7 +560,7 @@ class Trainer:
         self.run_dir.append_jsonl(
             "metrics.jsonl",
             {
-                "step": 0 if when == "untrained" else self.total_steps,
+                "step": step,
                 f"exact_match_{'before' if when == 'untrained' else 'after'}": acc,
                 "exact_match_examples": len(examples),
                 "time": time.time(),
@@ -685,7 +685,8 @@ class Trainer:
             [
                 f"run      {self.run_dir.path}" + ("  (dry run)" if self.dry_run else ""),
                 f"model    {self.model_dir or 'new ' + self.model_config['model_type']}  ({d['total_parameters']:,} parameters, {r.model.dtype})",
-                f"adapter  {kind}: {d['trainable_parameters']:,} trainable ({d['trainable_percent']:.2f}%) in {d['adapted_layers'] or 'all'} layers",
+                f"adapter  {kind}: {d['trainable_parameters']:,} trainable ({d['trainable_percent']:.2f}%)"
+                + (f" in {d['adapted_modules']} linear layers" if d["adapted_modules"] else ""),
                 f"data     train {d['train_data']}",
                 f"         valid {d['valid_data']}",
                 f"train    {d['effective_steps']} steps ({d['epochs']} epochs), {d['examples_per_step']} examples/step, "

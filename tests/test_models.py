@@ -123,3 +123,10 @@ def test_tokenizer_bigger_than_the_model_is_refused(tmp_path, data_dir, tokenize
         UserInputError, match="the tokenizer has .* tokens but the model's vocabulary is 8"
     ):
         Trainer(recipe_from_dict(tiny_recipe(data_dir, small)), run_dir=tmp_path / "r")
+
+
+def test_hub_id_that_cannot_be_fetched_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserInputError, match="fetching it from the Hugging Face Hub failed") as e:
+        resolve_model_path("mlxtune-tests/no-such-model", None)
+    assert "mlxtune-tests/no-such-model" in str(e.value)

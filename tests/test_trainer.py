@@ -34,7 +34,7 @@ def make_trainer(tmp_path, data_dir, model_dir, name="run", **sections):
 
 
 def params(trainer):
-    return {k: np.array(v) for k, v in tree_flatten(trainer.model.parameters())}
+    return {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(trainer.model.parameters())}
 
 
 def test_loss_counts_exactly_the_masked_targets(tmp_path, data_dir, llama_dir):
@@ -306,3 +306,37 @@ def test_run_dir_paths_cannot_escape(tmp_path):
         rd.inside("..", "elsewhere")
     with pytest.raises(UserInputError, match="outside the run directory"):
         rd.inside("/etc/passwd")
+
+
+@pytest.mark.parametrize(
+    "adapter, model, train",
+    [
+        (
+            {"type": "dora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]},
+            {},
+            {},
+        ),
+        (
+            {"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"], "dropout": 0.1},
+            {"dtype": "bfloat16"},
+            {},
+        ),
+        ({"type": "full"}, {}, {"label_smoothing": 0.1}),
+    ],
+    ids=["dora", "lora-bf16-dropout", "full-label-smoothing"],
+)
+def test_adapter_kinds_dtypes_and_smoothing_train(
+    tmp_path, data_dir, llama_dir, adapter, model, train
+):
+    r = tiny_recipe(data_dir, llama_dir, adapter=adapter)
+    r["model"].update(model)
+    r["train"].update(train)
+    tr = Trainer(recipe_from_dict(r), run_dir=tmp_path / "k")
+    start = params(tr)
+    summary = tr.run()
+    assert np.isfinite(summary["final_loss"])
+    moved = [k for k, v in params(tr).items() if not np.array_equal(v, start[k])]
+    trainable = {k for k, _ in tree_flatten(tr.model.trainable_parameters())}
+    assert moved and set(moved) <= trainable
+    weights = mx.load(str(tmp_path / "k" / "checkpoints" / "final" / "adapters.safetensors"))
+    assert set(weights) == trainable
