@@ -71,7 +71,7 @@ class Console:
     def log_step(self, row: dict, total: int):
         self._print(
             f"step {row['step']:>6}/{total} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
-            f"grad {row['grad_norm']:.3f} | {row['tokens_per_sec'] or 0:,.0f} tok/s | "
+            f"grad {row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | "
             f"peak {row['peak_memory_gb']:.2f} GB"
         )
 

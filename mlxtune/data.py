@@ -7,6 +7,7 @@ counts iff ``mask[j]``; padding is never a target, so it never enters the loss.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ class Example:
     """The prompt text, for generating answers (completion, instruction and chat data)."""
     answer: str | None = None
     """The reference answer, for the exact-match metric."""
+    prompt_ids: list[int] | None = None
+    """The prompt exactly as the model reads it in training, for generating answers."""
 
     @property
     def n_targets(self) -> int:
@@ -161,7 +164,7 @@ class Encoder:
         if self.add_eos and self.eos is not None:
             ids.append(self.eos)
         mask = [0] * start + [1] * (len(ids) - start)
-        return Example(ids, mask, prompt=prompt, answer=answer)
+        return Example(ids, mask, prompt=prompt, answer=answer, prompt_ids=ids[:start])
 
     def encode(self, obj: dict, fmt: str, where: str) -> Example:
         if fmt == "text":
@@ -192,15 +195,21 @@ class Encoder:
                 raise UserInputError(
                     f"field {key!r} must be a list of non-negative integers", where
                 )
-            vocab = getattr(self.tok, "vocab_size", None)
-            if vocab and any(i >= vocab for i in ids):
+            vocab = (
+                len(self.tok._tokenizer) if hasattr(self.tok, "_tokenizer") else self.tok.vocab_size
+            )
+            if any(i >= vocab for i in ids):
                 raise UserInputError(
                     f"token id {max(ids)} is outside the vocabulary ({vocab})", where
                 )
             mask = obj.get("mask") or obj.get("loss_mask")
             if mask is None:
                 mask = [0] + [1] * (len(ids) - 1)
-            elif len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
+            elif (
+                not isinstance(mask, list)
+                or len(mask) != len(ids)
+                or not all(m in (0, 1) for m in mask)
+            ):
                 raise UserInputError("'mask' must be 0/1 values, one per token", where)
             return Example(list(ids), [int(m) for m in mask])
         raise ValueError(fmt)
@@ -223,30 +232,37 @@ class Encoder:
                 where,
             )
 
-        def render(messages, gen=False):
-            return list(
-                tmpl.apply_chat_template(
-                    messages, tokenize=True, add_generation_prompt=gen, return_dict=False
+        def render(messages, gen=False, tokenize=True):
+            if not messages:
+                return [] if tokenize else ""
+            try:
+                out = tmpl.apply_chat_template(
+                    messages, tokenize=tokenize, add_generation_prompt=gen, return_dict=False
                 )
-            )
+            except Exception as e:  # jinja raises for conversations a template refuses
+                raise UserInputError(
+                    f"the chat template refused this conversation: {e}", where
+                ) from None
+            return list(out) if tokenize else out
 
         ids = render(msgs)
         mask = [0] * len(ids) if self.mask_prompt else [0] + [1] * (len(ids) - 1)
-        prompt = answer = None
         if self.mask_prompt:
             for i, m in enumerate(msgs):
                 if m["role"] != "assistant":
                     continue
-                before = render(msgs[:i], gen=True)
-                upto = render(msgs[: i + 1])
-                start = _common_prefix(before, ids)
-                end = _common_prefix(upto, ids)
+                start = _common_prefix(render(msgs[:i], gen=True), ids)
+                end = _common_prefix(render(msgs[: i + 1]), ids)
                 for j in range(max(start, 1), end):
                     mask[j] = 1
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        prompt = tmpl.apply_chat_template(msgs[:last], tokenize=False, add_generation_prompt=True)
-        answer = msgs[last]["content"]
-        return Example(ids, mask, prompt=prompt, answer=answer)
+        return Example(
+            ids,
+            mask,
+            prompt=render(msgs[:last], gen=True, tokenize=False),
+            answer=msgs[last]["content"],
+            prompt_ids=render(msgs[:last], gen=True) or None,
+        )
 
 
 def load_split(
@@ -295,7 +311,13 @@ def split_off(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset
     order = np.random.default_rng(seed).permutation(n)
     valid = [ds.examples[i] for i in sorted(order[:k])]
     train = [ds.examples[i] for i in sorted(order[k:])]
-    return Dataset(train, _stats_of(train), ds.path), Dataset(
+    # The training split keeps what happened to the whole file (truncated, dropped).
+    file_counts = {
+        f: getattr(ds.stats, f)
+        for f in ("truncated", "dropped_too_long", "dropped_too_short", "dropped_no_targets")
+    }
+    train_stats = dataclasses.replace(_stats_of(train), **file_counts)
+    return Dataset(train, train_stats, ds.path), Dataset(
         valid, _stats_of(valid), ds.path + " (held out)"
     )
 
@@ -370,7 +392,13 @@ def eval_batches(
     ds: Dataset, batch_size: int, pad_id: int, multiple: int, max_batches: int | None = None
 ):
     """Fixed, length-sorted batches over a whole split (deterministic)."""
-    order = sorted(range(len(ds.examples)), key=lambda i: len(ds.examples[i].ids))
+    order = range(len(ds.examples))
+    if max_batches and max_batches * batch_size < len(ds.examples):
+        # A fixed random subset (not the shortest examples), sorted to keep padding small.
+        order = np.random.default_rng(0).choice(
+            len(ds.examples), max_batches * batch_size, replace=False
+        )
+    order = sorted(order, key=lambda i: len(ds.examples[i].ids))
     out = []
     for s in range(0, len(order), batch_size):
         out.append(

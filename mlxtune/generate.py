@@ -10,7 +10,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 
-def _eos_ids(tokenizer) -> set[int]:
+def eos_ids(tokenizer) -> set[int]:
     ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -66,27 +66,15 @@ def generate_ids(
     return out
 
 
-def generate_text(
-    model,
-    tokenizer,
-    prompts: list[str],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-) -> list[str]:
-    ids = [list(tokenizer.encode(p)) for p in prompts]
-    new = generate_ids(model, ids, max_new_tokens, _eos_ids(tokenizer), temperature, seed)
-    return [tokenizer.decode(n) for n in new]
-
-
 def normalise_answer(s: str) -> str:
     return " ".join(s.split())
 
 
 def exact_match(model, tokenizer, examples, max_new_tokens: int) -> tuple[float, list[dict]]:
     """Share of examples whose greedy answer equals the reference (whitespace-normalised)."""
-    prompts = [e.prompt for e in examples]
-    answers = generate_text(model, tokenizer, prompts, max_new_tokens)
+    ids = [e.prompt_ids for e in examples]
+    new = generate_ids(model, ids, max_new_tokens, eos_ids(tokenizer))
+    answers = [tokenizer.decode(n) for n in new]
     rows = []
     hits = 0
     for e, a in zip(examples, answers, strict=True):

@@ -29,6 +29,17 @@ HF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
 }
 
+# Architecture sizes that must be positive integers when a recipe gives them.
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -169,6 +180,18 @@ def build_model(
     """A freshly initialised model from an architecture config: (model, config)."""
     config = dict(arch)
     config.setdefault("vocab_size", vocab_size)
+    for key in _SIZES:
+        v = config.get(key)
+        if key in config and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise UserInputError(f"must be a positive integer, got {v!r}", f"model.arch.{key}")
+    if "head_dim" not in config and config.get("hidden_size", 0) % config.get(
+        "num_attention_heads", 1
+    ):
+        raise UserInputError(
+            f"hidden_size {config['hidden_size']} is not a multiple of num_attention_heads "
+            f"{config['num_attention_heads']} (or give head_dim)",
+            "model.arch",
+        )
     if config["vocab_size"] < vocab_size:
         raise UserInputError(
             f"vocab_size {config['vocab_size']} is smaller than the tokenizer's {vocab_size}",
@@ -189,7 +212,7 @@ def build_model(
         args = args_class.from_dict(config)
         mx.random.seed(seed)
         model = model_class(args)
-    except (TypeError, ValueError, KeyError, AssertionError) as e:
+    except Exception as e:  # the architecture is user input: any failure to build it is bad input
         raise UserInputError(
             f"cannot build this architecture: {type(e).__name__}: {e}", "model.arch"
         ) from None

@@ -19,12 +19,25 @@ class AdamWMatrices(optim.AdamW):
         return optim.Adam.apply_single(self, gradient, parameter, state)
 
 
+class SGDMatrices(optim.SGD):
+    """SGD (with momentum) whose L2 weight decay touches matrices only."""
+
+    def __init__(self, learning_rate, momentum: float = 0.0, weight_decay: float = 0.0):
+        super().__init__(learning_rate, momentum=momentum, weight_decay=0.0)
+        self.matrix_decay = weight_decay
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state):
+        if parameter.ndim >= 2 and self.matrix_decay:
+            gradient = gradient + self.matrix_decay * parameter
+        return super().apply_single(gradient, parameter, state)
+
+
 def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int | None, min_lr: float):
     """A function of the optimizer step (0-based) giving the learning rate."""
     if warmup_steps is None:
         warmup_steps = max(1, int(0.05 * total_steps)) if name == "warmup_cosine" else 0
     warmup_steps = min(warmup_steps, max(total_steps - 1, 0))
-    decay_steps = max(total_steps - warmup_steps, 1)
+    decay_steps = max(total_steps - 1 - warmup_steps, 1)  # the last step runs at min_lr
 
     def schedule(step):
         step = (
@@ -61,4 +74,4 @@ def build_optimizer(cfg, schedule):
             eps=cfg.eps,
             bias_correction=cfg.bias_correction,
         )
-    return optim.SGD(learning_rate=schedule, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return SGDMatrices(learning_rate=schedule, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

@@ -442,9 +442,13 @@ class _Validator:
                     self.fail(key, f"expected a number, got {_show(value)}")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 self.fail(key, f"expected a number, got {_show(value)}")
+            try:
+                value = float(value)
+            except OverflowError:
+                value = math.inf
             if not math.isfinite(value):
-                self.fail(key, f"expected a finite number, got {value}")
-            return float(value)
+                self.fail(key, "expected a finite number")
+            return value
         if tp is str:
             if not isinstance(value, str):
                 self.fail(key, f"expected a string, got {_show(value)}")
@@ -490,6 +494,7 @@ def _check_values(r: Recipe, v: _Validator):
             v.fail("tokenizer", "a model built from arch needs tokenizer.path or tokenizer.train")
     if r.tokenizer.train is not None:
         positive("tokenizer.train.vocab_size", r.tokenizer.train.vocab_size)
+        positive("tokenizer.train.max_sentences", r.tokenizer.train.max_sentences)
         in_range(
             "tokenizer.train.character_coverage",
             r.tokenizer.train.character_coverage,
@@ -519,6 +524,8 @@ def _check_values(r: Recipe, v: _Validator):
     positive("optimizer.eps", o.eps)
     if o.weight_decay < 0:
         v.fail("optimizer.weight_decay", f"must be 0 or more, got {o.weight_decay}")
+    if o.name == "adam" and o.weight_decay > 0:
+        v.fail("optimizer.weight_decay", "adam has no weight decay; use name: adamw")
     positive("optimizer.grad_clip", o.grad_clip, allow_none=True)
     s = r.schedule
     if s.warmup_steps is not None and s.warmup_steps < 0:
@@ -542,6 +549,7 @@ def _check_values(r: Recipe, v: _Validator):
     positive("eval.max_new_tokens", r.eval.max_new_tokens)
     positive("samples.every", r.samples.every, allow_none=True)
     positive("samples.max_new_tokens", r.samples.max_new_tokens)
+    positive("samples.count", r.samples.count)
     if r.samples.temperature < 0:
         v.fail("samples.temperature", f"must be 0 or more, got {r.samples.temperature}")
     positive("checkpoints.every", r.checkpoints.every, allow_none=True)

@@ -11,6 +11,8 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UserInputError
@@ -99,6 +101,29 @@ class RunDir:
             except json.JSONDecodeError:
                 continue
         return rows
+
+    @contextmanager
+    def staged(self, *parts: str) -> Iterator[Path]:
+        """Write a folder under the run directory all at once: yields an empty temporary folder;
+        when the block ends without error it replaces the folder at ``parts``. The old folder is
+        moved aside before the new one is renamed in, so a crash never leaves neither."""
+        final = self.inside(*parts)
+        tmp = final.with_name(f".{final.name}.tmp")
+        old = final.with_name(f".{final.name}.old")
+        for p in (tmp, old):
+            if p.exists():
+                shutil.rmtree(p)
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
 
     def remove(self, *parts: str):
         p = self.inside(*parts)

@@ -21,7 +21,7 @@ from . import _blas
 from .console import Console
 from .data import Dataset, Encoder, eval_batches, iterate_batches, load_split, read_jsonl, split_off
 from .errors import TrainingError, UserInputError
-from .generate import exact_match, generate_text
+from .generate import eos_ids, exact_match, generate_ids
 from .kernels import linear_cross_entropy
 from .lora import apply_adapters
 from .models import (
@@ -300,7 +300,8 @@ class Trainer:
         def apply(grads, n):
             # Token-weighted: the gradient of the summed loss over all micro-batches, / tokens.
             n = mx.maximum(n, 1).astype(mx.float32)
-            grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
+            # in fp32: a count of 65,520 or more is inf in float16
+            grads = tree_map(lambda g: (g.astype(mx.float32) / n).astype(g.dtype), grads)
             if clip is not None:
                 grads, norm = optim.clip_grad_norm(grads, clip)
             else:
@@ -417,7 +418,7 @@ class Trainer:
                 window["time"] += dt
                 window["steps"] += 1
             self.last_loss = loss
-            lr = float(self.schedule(step - 1))
+            lr = self.optimizer.learning_rate.item()  # the rate this step used, already evaluated
             epoch_f = examples_seen / len(self.train_set)
             event = StepEvent(step, epoch_f, loss, lr, norm.item(), tokens_seen, dt)
             for cb in self.callbacks:
@@ -425,6 +426,8 @@ class Trainer:
             con.advance(step, loss)
 
             if step % t.log_every == 0 or step == self.total_steps:
+                if not window["steps"]:  # only the first (compiling) step so far: it is all we have
+                    window.update(timed_n=window["n"], time=first_step_time, steps=1)
                 row = {
                     "step": step,
                     "epoch": round(epoch_f, 4),
@@ -432,12 +435,8 @@ class Trainer:
                     "grad_norm": event.grad_norm,
                     "lr": lr,
                     "tokens_seen": tokens_seen,
-                    "tokens_per_sec": window["timed_n"] / window["time"]
-                    if window["steps"]
-                    else None,
-                    "step_time_s": window["time"] / window["steps"]
-                    if window["steps"]
-                    else first_step_time,
+                    "tokens_per_sec": window["timed_n"] / window["time"],
+                    "step_time_s": window["time"] / window["steps"],
                     "peak_memory_gb": mx.get_peak_memory() / 1e9,
                     "time": time.time(),
                 }
@@ -551,7 +550,7 @@ class Trainer:
 
     def _task_metric(self, when: str, step: int) -> float:
         r = self.recipe
-        examples = [e for e in self.test_set.examples if e.prompt is not None][: r.eval.exact_match]
+        examples = [e for e in self.test_set.examples if e.prompt_ids][: r.eval.exact_match]
         if not examples:
             raise UserInputError(
                 "eval.exact_match needs completion, instruction or chat data", "eval.exact_match"
@@ -574,15 +573,18 @@ class Trainer:
 
     def _samples(self, step: int):
         r = self.recipe.samples
-        prompts = (
-            list(r.prompts)
-            or [e.prompt for e in self.valid_set.examples if e.prompt is not None][: r.count]
-        )
+        if r.prompts:
+            prompts = list(r.prompts)
+            ids = [list(self.tokenizer.encode(p)) for p in prompts]
+        else:  # validation prompts, as the model reads them in training
+            chosen = [e for e in self.valid_set.examples if e.prompt_ids][: r.count]
+            prompts, ids = [e.prompt for e in chosen], [e.prompt_ids for e in chosen]
         if not prompts:
             return
-        outs = generate_text(
-            self.model, self.tokenizer, prompts, r.max_new_tokens, r.temperature, seed=step
+        new = generate_ids(
+            self.model, ids, r.max_new_tokens, eos_ids(self.tokenizer), r.temperature, seed=step
         )
+        outs = [self.tokenizer.decode(n) for n in new]
         for p, o in zip(prompts, outs, strict=True):
             self.run_dir.append_jsonl(
                 "samples.jsonl", {"step": step, "prompt": p, "completion": o, "time": time.time()}
@@ -613,32 +615,27 @@ class Trainer:
             "base_model": str(self.model_dir) if self.model_dir else None,
         }
 
+    def _write_adapter(self, folder: Path, metadata: dict | None = None):
+        """The trainable weights and mlx-lm's adapter_config.json, into ``folder``."""
+        meta = {k: str(v) for k, v in (metadata or {}).items()}
+        mx.save_safetensors(
+            str(folder / "adapters.safetensors"), self.trainable_weights(), metadata=meta
+        )
+        (folder / "adapter_config.json").write_text(json.dumps(self.adapter_config(), indent=2))
+
     def _save_checkpoint(self, name: str, step: int, loss: float, extra: dict | None = None):
-        rd = self.run_dir
-        final = rd.inside("checkpoints", name)
-        tmp = rd.inside("checkpoints", f".{name}.tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
         meta = {
             "step": step,
             "loss": loss,
-            "lr": float(self.schedule(max(step - 1, 0))),
+            "lr": self.optimizer.learning_rate.item(),  # the rate of the last step taken
             "time": time.time(),
             **(extra or {}),
         }
-        mx.save_safetensors(
-            str(tmp / "adapters.safetensors"),
-            self.trainable_weights(),
-            metadata={k: str(v) for k, v in meta.items()},
-        )
-        (tmp / "adapter_config.json").write_text(json.dumps(self.adapter_config(), indent=2))
-        (tmp / "trainer_state.json").write_text(
-            json.dumps({**meta, "recipe": self.recipe.to_dict()}, indent=2)
-        )
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        with self.run_dir.staged("checkpoints", name) as tmp:
+            self._write_adapter(tmp, meta)
+            (tmp / "trainer_state.json").write_text(
+                json.dumps({**meta, "recipe": self.recipe.to_dict()}, indent=2)
+            )
         self.log(f"saved checkpoint checkpoints/{name} at step {step}")
 
     def _prune_checkpoints(self):
@@ -653,23 +650,22 @@ class Trainer:
             return
         rd = self.run_dir
         if "mlx-lm" in fmts:
-            out = rd.inside("export", "mlx-lm")
-            out.mkdir(parents=True, exist_ok=True)
-            weights = {k: v for k, v in self.trainable_weights().items()}
-            mx.save_safetensors(str(out / "adapters.safetensors"), weights)
-            (out / "adapter_config.json").write_text(json.dumps(self.adapter_config(), indent=2))
-            self.console.info(f"exported an mlx-lm adapter to {out}")
+            with rd.staged("export", "mlx-lm") as tmp:
+                self._write_adapter(tmp)
+            self.console.info(f"exported an mlx-lm adapter to {rd.path / 'export' / 'mlx-lm'}")
         if "model" in fmts:
-            out = rd.inside("export", "model")
-            save_model(
-                fuse_adapters(self.model),
-                self.model_config,
-                out,
-                self.tokenizer,
-                self.tokenizer_dir,
-                self.recipe.model.dtype,
+            with rd.staged("export", "model") as tmp:
+                save_model(
+                    fuse_adapters(self.model),
+                    self.model_config,
+                    tmp,
+                    self.tokenizer,
+                    self.tokenizer_dir,
+                    self.recipe.model.dtype,
+                )
+            self.console.info(
+                f"exported the model (Hugging Face layout) to {rd.path / 'export' / 'model'}"
             )
-            self.console.info(f"exported the model (Hugging Face layout) to {out}")
 
     # ---------------------------------------------------------------- output
     def log(self, message: str):

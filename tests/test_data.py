@@ -192,3 +192,91 @@ def test_eval_batches_cover_the_split_once(tmp_path, tokenizer):
     bs = eval_batches(ds, 4, 0, 8)
     assert sum(len(b.tokens) for b in bs) == 21
     assert sum(b.n_targets for b in bs) == ds.stats.target_tokens
+
+
+def test_generation_prompts_are_the_tokens_training_reads(tokenizer):
+    enc = Encoder(tokenizer)
+    comp = enc.encode({"prompt": "reverse abc =", "completion": " cba"}, "completion", "f")
+    chat = enc.encode(
+        {
+            "messages": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "hi"},
+            ]
+        },
+        "chat",
+        "f",
+    )
+    for ex in (comp, chat):
+        n = len(ex.prompt_ids)
+        assert ex.ids[:n] == ex.prompt_ids and ex.mask[n - 1] == 0 and ex.mask[n] == 1
+
+
+def test_token_ids_of_added_special_tokens_are_accepted(tokenizer_dir):
+    from mlxtune.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    tok._tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
+    new_id = tok._tokenizer.convert_tokens_to_ids("<|end|>")
+    ex = Encoder(tok).encode({"input_ids": [1, 5, new_id]}, "tokens", "f")
+    assert ex.ids[-1] == new_id
+
+
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        ({"input_ids": [1, 2, 3], "mask": 7}, "'mask' must be 0/1 values"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": "x"},
+                    {"role": "assistant", "content": "y"},
+                ]
+            },
+            None,
+        ),
+    ],
+)
+def test_odd_examples_give_clear_errors_or_work(tokenizer, obj, message):
+    enc = Encoder(tokenizer)
+    fmt = "tokens" if "input_ids" in obj else "chat"
+    if message:
+        with pytest.raises(UserInputError, match=message):
+            enc.encode(obj, fmt, "f:9")
+    else:
+        assert enc.encode(obj, fmt, "f:9").n_targets > 0
+
+
+def test_a_chat_template_that_refuses_names_the_line(tokenizer_dir):
+    from mlxtune.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(
+        tokenizer_dir,
+        chat_template="{% for m in messages %}{% if loop.index0 % 2 == 0 and m['role'] != 'user' %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}",
+    )
+    msgs = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+    with pytest.raises(
+        UserInputError, match="f:3: the chat template refused this conversation.*alternate"
+    ):
+        Encoder(tok).encode({"messages": msgs}, "chat", "f:3")
+
+
+def test_limited_evaluation_uses_a_fixed_sample_not_the_shortest(tmp_path, tokenizer):
+    p = write_jsonl(tmp_path / "t.jsonl", reverse_rows(64))
+    ds = load_split(p, Encoder(tokenizer), "auto", 64, "truncate", 1)
+    picked = eval_batches(ds, 4, 0, 8, max_batches=2)
+    again = eval_batches(ds, 4, 0, 8, max_batches=2)
+    assert [b.tokens.tolist() for b in picked] == [b.tokens.tolist() for b in again]
+    shortest = sorted(len(e.ids) for e in ds.examples)[:8]
+    lengths = sorted(int((b.tokens != 0).sum(axis=1).max()) for b in picked)
+    assert sum(b.n_targets for b in picked) > 0
+    assert max(lengths) > max(shortest) or len(set(len(e.ids) for e in ds.examples)) == 1
+
+
+def test_held_out_split_keeps_the_files_counts(tmp_path, tokenizer):
+    rows = reverse_rows(20) + [{"prompt": "reverse " + "a" * 80 + " =", "completion": " x"}]
+    p = write_jsonl(tmp_path / "t.jsonl", rows)
+    ds = load_split(p, Encoder(tokenizer), "auto", 32, "drop", 1)
+    tr, va = split_off(ds, 0.2, seed=0)
+    assert tr.stats.dropped_too_long == 1 and "1 dropped too long" in tr.stats.line()

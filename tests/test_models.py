@@ -59,22 +59,23 @@ def test_missing_weights_and_pickles_are_refused(tmp_path, llama_dir):
         load_model(d)
 
 
+def copy_with_config(src, dst, **changes):
+    """A copy of a model directory with some config.json keys changed."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
 def test_unsupported_architecture_names_the_supported_ones(tmp_path, llama_dir):
-    d = tmp_path / "m"
-    shutil.copytree(llama_dir, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "mamba"
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_with_config(llama_dir, tmp_path / "m", model_type="mamba")
     with pytest.raises(UserInputError, match="'mamba' is not supported.*llama"):
         load_model(d)
 
 
 def test_remote_code_needs_the_recipe_to_ask(tmp_path, llama_dir):
-    d = tmp_path / "m"
-    shutil.copytree(llama_dir, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["model_file"] = "custom.py"
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_with_config(llama_dir, tmp_path / "m", model_file="custom.py")
     (d / "custom.py").write_text("raise SystemExit('remote code ran')\n")
     with pytest.raises(UserInputError, match="trust_remote_code"):
         load_model(d)

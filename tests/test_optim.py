@@ -39,17 +39,18 @@ def test_adamw_matches_the_textbook_update_with_bias_correction():
     np.testing.assert_allclose(np.array(new), expected, rtol=1e-5)
 
 
+# total 100 steps, warmup 10: the decay runs from step 10 to step 99 (the last), t = (step - 10) / 89
 @pytest.mark.parametrize(
     "name, step, expected",
     [
         ("constant", 10, 1.0),
         ("constant", 99, 1.0),
         ("linear", 10, 1.0),
-        ("linear", 55, 1.0 + (0.1 - 1.0) * 0.5),
-        ("linear", 99, 1.0 + (0.1 - 1.0) * (89 / 90)),
+        ("linear", 55, 1.0 + (0.1 - 1.0) * 45 / 89),
+        ("linear", 99, 0.1),
         ("cosine", 10, 1.0),
-        ("cosine", 55, 0.1 + 0.45 * (1 + math.cos(math.pi * 0.5))),
-        ("cosine", 100, 0.1),
+        ("cosine", 55, 0.1 + 0.45 * (1 + math.cos(math.pi * 45 / 89))),
+        ("cosine", 99, 0.1),
     ],
 )
 def test_schedules_after_warmup(name, step, expected):
@@ -68,4 +69,17 @@ def test_warmup_cosine_defaults_to_five_percent_warmup():
     assert float(s(0)) == pytest.approx(0.1)
     assert float(s(9)) == pytest.approx(1.0)
     assert float(s(10)) == pytest.approx(1.0)
-    assert float(s(199)) < 0.01
+    assert float(s(199)) == pytest.approx(0.0, abs=1e-7)  # the last step runs at min_lr
+
+
+def test_sgd_decay_touches_matrices_only():
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    before = {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}
+    opt = build_optimizer(OptimizerConfig(name="sgd", lr=0.1, momentum=0.0, weight_decay=0.5), 0.1)
+    opt.update(model, nn.utils.tree_map(mx.zeros_like, model.parameters()))
+    after = {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}
+    np.testing.assert_allclose(
+        after["layers.0.weight"], before["layers.0.weight"] * (1 - 0.1 * 0.5), rtol=1e-6
+    )
+    for k in ("layers.0.bias", "layers.1.weight", "layers.1.bias"):
+        np.testing.assert_array_equal(after[k], before[k])

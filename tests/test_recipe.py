@@ -171,3 +171,42 @@ def test_cli_validate_reports_missing_data_files(tmp_path, capsys):
     p = write(tmp_path, GOOD)
     assert main(["validate", str(p)]) == 2
     assert "data.train" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optimizer.lr=1" + "0" * 400, "optimizer.lr"),
+        ("samples.count=-1", "samples.count"),
+        ("optimizer.name=adam", "optimizer.weight_decay"),
+    ],
+)
+def test_more_impossible_values(tmp_path, override, key):
+    extra = ["optimizer.weight_decay=0.1"] if "adam" in override else []
+    with pytest.raises(UserInputError) as e:
+        R.load_recipe(write(tmp_path, GOOD), [override, *extra])
+    assert key in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "arch, message",
+    [
+        ({"vocab_size": "100"}, "model.arch.vocab_size: must be a positive integer"),
+        ({"num_attention_heads": 0}, "model.arch.num_attention_heads: must be a positive integer"),
+        ({"hidden_size": 30}, "not a multiple of num_attention_heads"),
+        ({"rope_scaling": "wrong"}, "cannot build this architecture"),
+    ],
+)
+def test_bad_architectures_are_bad_input(arch, message):
+    from mlxtune.models import build_model
+
+    base = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "rms_norm_eps": 1e-5,
+    }
+    with pytest.raises(UserInputError, match=message):
+        build_model({**base, **arch}, 40)

@@ -340,3 +340,60 @@ def test_adapter_kinds_dtypes_and_smoothing_train(
     assert moved and set(moved) <= trainable
     weights = mx.load(str(tmp_path / "k" / "checkpoints" / "final" / "adapters.safetensors"))
     assert set(weights) == trainable
+
+
+def test_float16_step_with_many_tokens_still_learns(tmp_path, data_dir, llama_dir):
+    """The token count is divided out in fp32: 70,000 tokens is inf in float16."""
+    r = tiny_recipe(
+        data_dir,
+        llama_dir,
+        adapter={"type": "full"},
+        optimizer={"name": "sgd", "lr": 1.0, "momentum": 0.0, "grad_clip": None},
+    )
+    r["model"]["dtype"] = "float16"
+    tr = Trainer(recipe_from_dict(r), run_dir=tmp_path / "f16")
+    start = params(tr)
+    grads = {
+        k: mx.full(v.shape, 700.0, dtype=mx.float16)
+        for k, v in tree_flatten(tr.model.trainable_parameters())
+    }
+    from mlx.utils import tree_unflatten
+
+    norm = tr._apply_step(tree_unflatten(list(grads.items())), mx.array(70000))
+    mx.eval(norm)
+    assert np.isfinite(norm.item()) and norm.item() > 0
+    k = "model.layers.0.mlp.up_proj.weight"
+    np.testing.assert_allclose(start[k] - params(tr)[k], 0.01, rtol=1e-2)
+
+
+def test_every_logged_row_has_a_throughput(tmp_path, data_dir, llama_dir):
+    r = recipe_from_dict(
+        tiny_recipe(
+            data_dir,
+            llama_dir,
+            train={"batch_size": 8, "max_steps": 3, "log_every": 1, "progress": False},
+        )
+    )
+    tr = Trainer(r, run_dir=tmp_path / "t")
+    tr.run()
+    rows = [row for row in tr.run_dir.read_jsonl("metrics.jsonl") if "loss" in row]
+    assert len(rows) == 3 and all(
+        row["tokens_per_sec"] > 0 and row["step_time_s"] > 0 for row in rows
+    )
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path):
+    from mlxtune.rundir import RunDir
+
+    rd = RunDir(tmp_path / "r")
+    with rd.staged("checkpoints", "best") as d:
+        (d / "a.txt").write_text("first")
+    with pytest.raises(RuntimeError):
+        with rd.staged("checkpoints", "best") as d:
+            (d / "a.txt").write_text("second, half-written")
+            raise RuntimeError("disk full")
+    assert (tmp_path / "r" / "checkpoints" / "best" / "a.txt").read_text() == "first"
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["best"]
+    with rd.staged("checkpoints", "best") as d:
+        (d / "a.txt").write_text("third")
+    assert (tmp_path / "r" / "checkpoints" / "best" / "a.txt").read_text() == "third"
