@@ -237,6 +237,15 @@ class ExportConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Which implementation of the fused operations the trainer uses."""
+
+    loss: Literal["auto", "reference", "chunked"] = "auto"
+    """linear_cross_entropy tier: "auto" (MLXTUNE_KERNELS, else the best for the device),
+    "reference" (builds the [tokens, vocab] logits) or "chunked" (never builds them)."""
+
+
+@dataclass
 class Recipe:
     """A whole run."""
 
@@ -264,6 +273,8 @@ class Recipe:
     """Checkpoints."""
     export: ExportConfig = field(default_factory=ExportConfig)
     """Exports at the end of the run."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Kernel tiers for the loss."""
     run_dir: str | None = None
     """Run directory (relative to the current directory); --run-dir overrides it."""
 

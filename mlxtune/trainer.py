@@ -289,6 +289,7 @@ class Trainer:
             ignore_index=IGNORE,
             label_smoothing=self.recipe.train.label_smoothing,
             softcap=self.parts.softcap,
+            impl=None if self.recipe.kernels.loss == "auto" else self.recipe.kernels.loss,
         )
 
     def _build_steps(self):

@@ -2,7 +2,8 @@
 
 ``linear_cross_entropy(hidden, weight, targets, ...)`` is the LM head and the cross-entropy in
 one call. Each tier computes the same thing: "reference" is the naive MLX form (it builds the
-[N, V] logits), the tier every other one is tested against.
+[N, V] logits), the tier every other one is tested against; "chunked" is portable MLX that
+never builds them (see chunked.py).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import os
 
 import mlx.core as mx
 
+from .chunked import linear_cross_entropy_chunked
 from .reference import linear_cross_entropy_reference
 
-IMPLS = {"reference": linear_cross_entropy_reference}
+IMPLS = {"reference": linear_cross_entropy_reference, "chunked": linear_cross_entropy_chunked}
 
 
 def available_impls() -> list[str]:
@@ -21,8 +23,13 @@ def available_impls() -> list[str]:
     return list(IMPLS)
 
 
+def best_impl() -> str:
+    """The tier ``impl=None`` uses on this device."""
+    return "chunked"
+
+
 def _pick(impl: str | None) -> str:
-    impl = impl or os.environ.get("MLXTUNE_KERNELS") or "reference"
+    impl = impl or os.environ.get("MLXTUNE_KERNELS") or best_impl()
     if impl not in IMPLS:
         raise ValueError(
             f"linear_cross_entropy impl {impl!r} is not available here; choose from {available_impls()}"
@@ -41,6 +48,7 @@ def linear_cross_entropy(
     reduction: str = "sum",
     impl: str | None = None,
 ) -> tuple[mx.array, mx.array]:
+    # impl: None (MLXTUNE_KERNELS, else the best tier here), "reference" or "chunked".
     """Cross-entropy of ``hidden @ weight.T`` against ``targets``: (loss, n_valid).
 
     hidden [N, D], weight [V, D] (the LM head), targets [N] int. Targets equal to
