@@ -13,9 +13,11 @@ import os
 import mlx.core as mx
 
 from .chunked import linear_cross_entropy_chunked
+from .flash import attention_chunked, attention_reference
 from .reference import linear_cross_entropy_reference
 
 IMPLS = {"reference": linear_cross_entropy_reference, "chunked": linear_cross_entropy_chunked}
+ATTENTION_IMPLS = {"reference": attention_reference, "chunked": attention_chunked}
 
 
 def available_impls() -> list[str]:
@@ -28,12 +30,10 @@ def best_impl() -> str:
     return "chunked"
 
 
-def _pick(impl: str | None) -> str:
+def _pick(impl: str | None, impls: dict = IMPLS, what: str = "linear_cross_entropy") -> str:
     impl = impl or os.environ.get("MLXTUNE_KERNELS") or best_impl()
-    if impl not in IMPLS:
-        raise ValueError(
-            f"linear_cross_entropy impl {impl!r} is not available here; choose from {available_impls()}"
-        )
+    if impl not in impls:
+        raise ValueError(f"{what} impl {impl!r} is not available here; choose from {list(impls)}")
     return impl
 
 
@@ -76,4 +76,35 @@ def linear_cross_entropy(
     return total, n_valid
 
 
-__all__ = ["linear_cross_entropy", "available_impls"]
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    causal: bool = True,
+    segment_ids: mx.array | None = None,
+    impl: str | None = None,
+) -> mx.array:
+    """Scaled dot-product attention, [B, Hq, T, Dh] out.
+
+    q [B, Hq, T, Dh], k and v [B, Hkv, T, Dh] with Hq a multiple of Hkv (grouped-query attention).
+    ``segment_ids`` [B, T] keeps packed sequences apart: a query sees only keys of its own segment
+    (and, with ``causal``, not after itself). The chunked tier saves the per-row logsumexp and
+    recomputes probabilities block by block in the backward, never building [T, T] scores.
+    """
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(
+            f"expected q [B, Hq, T, Dh] and k, v [B, Hkv, T, Dh]; got {q.shape}, {k.shape}, {v.shape}"
+        )
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {q.shape} does not fit k/v {k.shape} (Hq must be a multiple of Hkv)")
+    if segment_ids is not None and segment_ids.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"segment_ids must be [B, T] = {(q.shape[0], q.shape[2])}, got {segment_ids.shape}"
+        )
+    fn = ATTENTION_IMPLS[_pick(impl, ATTENTION_IMPLS, "attention")]
+    return fn(q, k, v, scale, causal, segment_ids)
+
+
+__all__ = ["attention", "available_impls", "linear_cross_entropy"]

@@ -1,0 +1,159 @@
+"""attention: each tier against a naive MLX reference built from mx.softmax, in values and
+gradients: causal and not, GQA, packed segments, sizes that are not multiples of the block."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxtune.kernels import ATTENTION_IMPLS, attention
+from mlxtune.kernels.flash import attention_chunked
+
+
+def naive(q, k, v, scale, causal, seg):
+    """Expand the kv heads, build the full scores and mask, softmax: no shared code with the tiers."""
+    rep = q.shape[1] // k.shape[1]
+    k = mx.repeat(k, rep, axis=1).astype(mx.float32)
+    v = mx.repeat(v, rep, axis=1).astype(mx.float32)
+    s = (q.astype(mx.float32) @ k.swapaxes(-1, -2)) * scale
+    t = q.shape[2]
+    allowed = mx.ones((1, 1, t, t), dtype=mx.bool_)
+    if causal:
+        allowed = allowed & mx.tril(mx.ones((t, t), dtype=mx.bool_))[None, None]
+    if seg is not None:
+        allowed = allowed & (seg[:, None, :, None] == seg[:, None, None, :])
+    s = mx.where(allowed, s, -mx.inf)
+    return mx.softmax(s, axis=-1) @ v
+
+
+def qkv(b=2, hq=4, hkv=2, t=37, d=8, dtype=mx.float32, seed=0):
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    return (
+        mx.random.normal((b, hq, t, d), key=k1).astype(dtype),
+        mx.random.normal((b, hkv, t, d), key=k2).astype(dtype),
+        mx.random.normal((b, hkv, t, d), key=k3).astype(dtype),
+    )
+
+
+def segments(b, t, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), size=3, replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(t), side="right"))
+    return mx.array(np.stack(rows).astype(np.int32))
+
+
+CASES = [
+    dict(causal=True, hq=4, hkv=4, seg=False),
+    dict(causal=True, hq=4, hkv=2, seg=False),
+    dict(causal=False, hq=4, hkv=1, seg=False),
+    dict(causal=True, hq=4, hkv=2, seg=True),
+    dict(causal=False, hq=2, hkv=2, seg=True),
+]
+
+
+@pytest.mark.parametrize("impl", sorted(ATTENTION_IMPLS))
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"causal={c['causal']}-hq{c['hq']}-hkv{c['hkv']}-seg={c['seg']}"
+)
+def test_values_and_gradients_match_naive(impl, case):
+    q, k, v = qkv(hq=case["hq"], hkv=case["hkv"], t=37, seed=1)
+    seg = segments(2, 37) if case["seg"] else None
+    scale = 8**-0.5
+    w = mx.random.normal(q.shape, key=mx.random.key(9))  # a non-uniform cotangent
+
+    def ours(q, k, v):
+        return (
+            attention(q, k, v, scale=scale, causal=case["causal"], segment_ids=seg, impl=impl) * w
+        ).sum()
+
+    def ref(q, k, v):
+        return (naive(q, k, v, scale, case["causal"], seg) * w).sum()
+
+    np.testing.assert_allclose(
+        np.array(
+            attention(q, k, v, scale=scale, causal=case["causal"], segment_ids=seg, impl=impl)
+        ),
+        np.array(naive(q, k, v, scale, case["causal"], seg)),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    for a, b in zip(
+        mx.grad(ours, argnums=(0, 1, 2))(q, k, v),
+        mx.grad(ref, argnums=(0, 1, 2))(q, k, v),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [5, 16, 64])
+def test_chunked_blocks_that_do_not_divide_t(block):
+    q, k, v = qkv(hq=4, hkv=2, t=37, seed=2)
+    seg = segments(2, 37, seed=3)
+    scale = 0.3
+
+    def ours(q, k, v):
+        return (attention_chunked(q, k, v, scale, True, seg, block=block) ** 2).sum()
+
+    def ref(q, k, v):
+        return (naive(q, k, v, scale, True, seg) ** 2).sum()
+
+    assert ours(q, k, v).item() == pytest.approx(ref(q, k, v).item(), rel=1e-5)
+    for a, b in zip(
+        mx.grad(ours, argnums=(0, 1, 2))(q, k, v),
+        mx.grad(ref, argnums=(0, 1, 2))(q, k, v),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_inputs():
+    q, k, v = qkv(hq=4, hkv=2, t=40, dtype=mx.bfloat16, seed=4)
+    out = attention(q, k, v, scale=0.35, impl="chunked")
+    ref = naive(q, k, v, 0.35, True, None)
+    assert out.dtype == mx.bfloat16
+    err = np.linalg.norm(np.array(out.astype(mx.float32)) - np.array(ref)) / np.linalg.norm(
+        np.array(ref)
+    )
+    assert err < 1e-2
+
+
+def test_segments_do_not_see_each_other():
+    q, k, v = qkv(b=1, hq=2, hkv=2, t=12, seed=5)
+    seg = mx.array([[0] * 5 + [1] * 7])
+    base = attention(q, k, v, scale=0.5, segment_ids=seg, impl="chunked")
+    v2 = mx.concatenate([v[:, :, :5] + 10.0, v[:, :, 5:]], axis=2)  # change segment 0 only
+    moved = attention(q, k, v2, scale=0.5, segment_ids=seg, impl="chunked")
+    np.testing.assert_allclose(np.array(moved[:, :, 5:]), np.array(base[:, :, 5:]), atol=1e-6)
+    assert np.abs(np.array(moved[:, :, :5] - base[:, :, :5])).min() > 1.0
+
+
+def test_bad_shapes():
+    q, k, v = qkv(hq=3, hkv=2)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        attention(q, k, v, scale=1.0)
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="segment_ids"):
+        attention(q, k, v, scale=1.0, segment_ids=mx.zeros((2, 5), dtype=mx.int32))
+
+
+def _peak_mb(fn, *args):
+    mx.eval(fn(*args))
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(fn(*args))
+    return (mx.get_peak_memory() - base) / 1e6
+
+
+def test_chunked_backward_memory_grows_linearly_not_quadratically():
+    peaks = {}
+    for t in (512, 1024):
+        q, k, v = qkv(b=1, hq=4, hkv=2, t=t, d=32, seed=6)
+        for impl in ("chunked", "reference"):
+            f = lambda q, k, v, impl=impl: attention(q, k, v, scale=0.2, impl=impl).sum()  # noqa: E731
+            g = mx.compile(lambda q, k, v, f=f: mx.value_and_grad(f, argnums=(0, 1, 2))(q, k, v))
+            peaks[impl, t] = _peak_mb(g, q, k, v)
+    assert peaks["reference", 1024] > 3 * peaks["reference", 512]  # the [T, T] scores
+    assert peaks["chunked", 1024] < 2.5 * peaks["chunked", 512]
+    assert peaks["chunked", 1024] < 0.3 * peaks["reference", 1024]
