@@ -275,3 +275,48 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     total = sum(v.size for _, v in tree_flatten(model.parameters()))
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     return trainable, total
+
+
+class kernel_attention:
+    """Route a model's training attention through ``mlxtune.kernels.attention`` while active.
+
+    mlx-lm's llama, qwen2, qwen3, gemma and phi3 modules call a module-level
+    ``scaled_dot_product_attention``; inside this context that name is a wrapper that sends
+    the training case (no KV cache, a plain causal mask, no sinks) to the kernel tier and every
+    other call (generation with a cache, explicit masks) to mlx-lm's own function. mlx-lm's files
+    are not edited, and the original is restored on exit. Families whose attention is their own
+    code (gemma2's soft-capped scores) keep it.
+    """
+
+    def __init__(self, model: nn.Module, impl: str | None = None):
+        import sys
+
+        self.module = sys.modules[type(model).__module__]
+        self.impl = impl
+        self.original = getattr(self.module, "scaled_dot_product_attention", None)
+
+    @property
+    def active(self) -> bool:
+        return self.original is not None
+
+    def __enter__(self):
+        if self.original is None:
+            return self
+        from .kernels import attention
+
+        original, impl = self.original, self.impl
+
+        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+            if cache is None and sinks is None and isinstance(mask, str) and mask == "causal":
+                return attention(queries, keys, values, scale=scale, causal=True, impl=impl)
+            if sinks is None:
+                return original(queries, keys, values, cache, scale=scale, mask=mask)
+            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+        self.module.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        if self.original is not None:
+            self.module.scaled_dot_product_attention = self.original
+        return False

@@ -243,6 +243,9 @@ class KernelsConfig:
     loss: Literal["auto", "reference", "chunked"] = "auto"
     """linear_cross_entropy tier: "auto" (MLXTUNE_KERNELS, else the best for the device),
     "reference" (builds the [tokens, vocab] logits) or "chunked" (never builds them)."""
+    attention: Literal["auto", "reference", "chunked", "off"] = "auto"
+    """attention tier in training: "auto" (MLXTUNE_KERNELS, else the best for the device),
+    "reference", "chunked" (never builds the [T, T] scores), or "off" (mlx-lm's own attention)."""
 
 
 @dataclass
@@ -423,6 +426,9 @@ class _Validator:
         if dataclasses.is_dataclass(tp):
             return self.build(tp, value, key)
         if origin is Literal:
+            if isinstance(value, bool):  # YAML 1.1 reads a bare off/no as false, on/yes as true
+                words = ("on", "yes", "true") if value else ("off", "no", "false")
+                value = next((w for w in words if w in args), value)
             if value not in args:
                 close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""

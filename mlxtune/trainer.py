@@ -27,6 +27,7 @@ from .lora import apply_adapters
 from .models import (
     build_model,
     count_parameters,
+    kernel_attention,
     lm_parts,
     load_model,
     resolve_model_path,
@@ -359,6 +360,13 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
     def run(self) -> dict:
         """Train as the recipe says; returns the summary (also printed and logged)."""
+        choice = self.recipe.kernels.attention
+        if choice == "off":
+            return self._run()
+        with kernel_attention(self.model, None if choice == "auto" else choice):
+            return self._run()
+
+    def _run(self) -> dict:
         r, rd, con = self.recipe, self.run_dir, self.console
         t = r.train
         self._print_header()

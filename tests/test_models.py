@@ -5,6 +5,7 @@ import json
 import shutil
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -131,3 +132,53 @@ def test_hub_id_that_cannot_be_fetched_is_a_clear_error(monkeypatch):
     with pytest.raises(UserInputError, match="fetching it from the Hugging Face Hub failed") as e:
         resolve_model_path("mlxtune-tests/no-such-model", None)
     assert "mlxtune-tests/no-such-model" in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "phi3"])
+def test_kernel_attention_gives_the_same_logits_and_gradients(
+    family, model_dir_factory, monkeypatch
+):
+    from mlx.utils import tree_flatten
+
+    from mlxtune import kernels
+    from mlxtune.models import kernel_attention
+
+    calls = []
+    chunked = kernels.ATTENTION_IMPLS["chunked"]
+    monkeypatch.setitem(
+        kernels.ATTENTION_IMPLS, "chunked", lambda *a: calls.append(1) or chunked(*a)
+    )
+
+    model, _ = load_model(model_dir_factory(family))
+    x = mx.array([[1, 5, 9, 12, 7, 3, 4, 8], [2, 6, 6, 1, 9, 9, 3, 5]])
+
+    def loss(model):
+        return (model(x).astype(mx.float32) ** 2).mean()
+
+    grad = lambda: dict(tree_flatten(nn.value_and_grad(model, loss)(model)[1]))  # noqa: E731
+    base_logits, base_grads = model(x), grad()
+    import sys
+
+    module = sys.modules[type(model).__module__]
+    original = module.scaled_dot_product_attention
+    with kernel_attention(model, "chunked") as ka:
+        assert ka.active and module.scaled_dot_product_attention is not original
+        logits, grads = model(x), grad()
+    assert module.scaled_dot_product_attention is original
+    assert len(calls) >= 2 * 2  # every layer, forward and under grad
+    np.testing.assert_allclose(np.array(logits), np.array(base_logits), rtol=1e-4, atol=1e-5)
+    for k in base_grads:
+        np.testing.assert_allclose(
+            np.array(grads[k]), np.array(base_grads[k]), rtol=1e-3, atol=1e-6
+        )
+
+
+def test_kernel_attention_leaves_cached_generation_to_mlx_lm(llama_dir, tokenizer):
+    from mlxtune.generate import eos_ids, generate_ids
+    from mlxtune.models import kernel_attention
+
+    model, _ = load_model(llama_dir)
+    prompt = [list(tokenizer.encode("reverse abc ="))]
+    plain = generate_ids(model, prompt, 6, eos_ids(tokenizer))
+    with kernel_attention(model, "chunked"):
+        assert generate_ids(model, prompt, 6, eos_ids(tokenizer)) == plain

@@ -210,3 +210,13 @@ def test_bad_architectures_are_bad_input(arch, message):
     }
     with pytest.raises(UserInputError, match=message):
         build_model({**base, **arch}, 40)
+
+
+def test_bare_off_in_yaml_means_the_word_off(tmp_path):
+    r = R.load_recipe(write(tmp_path, GOOD + "kernels:\n  attention: off\n"))
+    assert r.kernels.attention == "off"
+    assert (
+        R.load_recipe(write(tmp_path, GOOD), ["kernels.attention=off"]).kernels.attention == "off"
+    )
+    with pytest.raises(UserInputError, match="kernels.loss"):
+        R.load_recipe(write(tmp_path, GOOD), ["kernels.loss=off"])  # no such choice there
