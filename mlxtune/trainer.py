@@ -196,6 +196,8 @@ class Trainer:
             self.model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers
         )
         self.trainable, self.total_params = count_parameters(self.model)
+        trainable_names = {k for k, _ in tree_flatten(self.model.trainable_parameters())}
+        self._head_trains = bool({"lm_head.weight", "model.embed_tokens.weight"} & trainable_names)
 
         # Data
         d = r.data
@@ -291,6 +293,7 @@ class Trainer:
             label_smoothing=self.recipe.train.label_smoothing,
             softcap=self.parts.softcap,
             impl=None if self.recipe.kernels.loss == "auto" else self.recipe.kernels.loss,
+            weight_grad=self._head_trains,
         )
 
     def _build_steps(self):

@@ -180,3 +180,15 @@ def test_impl_is_chosen_by_argument_environment_and_default(monkeypatch):
     monkeypatch.setenv("MLXTUNE_KERNELS", "reference")
     assert kernels._pick(None) == "reference"
     assert kernels._pick("chunked") == "chunked"
+
+
+def test_frozen_head_skips_the_weight_gradient_but_not_the_hidden_one():
+    h, w, t = inputs(n=40, d=12, v=50, seed=8)
+
+    def f(weight_grad):
+        return lambda h, w: linear_cross_entropy(h, w, t, impl="chunked", weight_grad=weight_grad)[0]
+
+    gh, gw = mx.grad(f(True), argnums=(0, 1))(h, w)
+    fh, fw = mx.grad(f(False), argnums=(0, 1))(h, w)
+    np.testing.assert_allclose(np.array(fh), np.array(gh), rtol=1e-5, atol=1e-7)
+    assert not np.array(fw).any() and np.array(gw).any()

@@ -397,3 +397,9 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path):
     with rd.staged("checkpoints", "best") as d:
         (d / "a.txt").write_text("third")
     assert (tmp_path / "r" / "checkpoints" / "best" / "a.txt").read_text() == "third"
+
+
+def test_the_loss_is_told_whether_the_head_trains(tmp_path, data_dir, llama_dir):
+    lora = make_trainer(tmp_path, data_dir, llama_dir, "lora")
+    full = make_trainer(tmp_path, data_dir, llama_dir, "full", adapter={"type": "full"})
+    assert lora._head_trains is False and full._head_trains is True

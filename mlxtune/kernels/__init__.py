@@ -47,6 +47,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     reduction: str = "sum",
     impl: str | None = None,
+    weight_grad: bool = True,
 ) -> tuple[mx.array, mx.array]:
     # impl: None (MLXTUNE_KERNELS, else the best tier here), "reference" or "chunked".
     """Cross-entropy of ``hidden @ weight.T`` against ``targets``: (loss, n_valid).
@@ -56,6 +57,8 @@ def linear_cross_entropy(
     tokens; "mean" divides by their count; "none" gives [N] per-token losses (0 where ignored).
     ``label_smoothing`` mixes the one-hot target with the uniform distribution; ``softcap``
     applies ``c * tanh(z / c)`` to the logits first. Accumulates in fp32 whatever the dtype.
+    ``weight_grad=False`` says the head is frozen: tiers that compute gradients themselves skip
+    the head's (it comes back as zeros), saving a matmul per chunk in the backward.
     """
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
@@ -66,7 +69,9 @@ def linear_cross_entropy(
             f"shapes do not match: hidden {hidden.shape}, weight {weight.shape}, targets {targets.shape}"
         )
     fn = IMPLS[_pick(impl)]
-    losses, valid = fn(hidden, weight, targets, ignore_index, label_smoothing, softcap)
+    losses, valid = fn(
+        hidden, weight, targets, ignore_index, label_smoothing, softcap, weight_grad=weight_grad
+    )
     n_valid = valid.sum()
     if reduction == "none":
         return losses, n_valid

@@ -11,7 +11,8 @@ the gradient in place. Two things keep the peak at one chunk rather than all of 
   that each read a chunk but lived in separate chains would let all chunks be computed up
   front, because the first chain would pull every chunk in before the others ran.
 
-The weight gradient is a separate pass, so for a frozen head (LoRA) it is never evaluated.
+The weight's gradient comes from the same recomputed chunk as the hidden state's; a frozen head
+(LoRA) skips it with ``weight_grad=False``.
 """
 
 from __future__ import annotations
@@ -74,9 +75,12 @@ def _chunk_grad(h, w_chunk, t, start, lse, g, label_smoothing, softcap, v):
 
 
 def linear_cross_entropy_chunked(
-    hidden, weight, targets, ignore_index, label_smoothing, softcap, chunk=None
+    hidden, weight, targets, ignore_index, label_smoothing, softcap, chunk=None, weight_grad=True
 ):
-    """Per-token losses [N] (0 where ignored) and the valid mask [N], chunked over the vocabulary."""
+    """Per-token losses [N] (0 where ignored) and the valid mask [N], chunked over the vocabulary.
+
+    With ``weight_grad=False`` (a frozen head) the backward skips the weight's gradient and
+    reports it as zeros."""
     n, v = hidden.shape[0], weight.shape[0]
     c = chunk or chunk_size(n, v)
     valid = targets != ignore_index
@@ -97,22 +101,19 @@ def linear_cross_entropy_chunked(
         h, w, t = primals
         g = mx.where(valid, cotangents[0].astype(mx.float32), 0.0)
         lse = outputs[1]
-        dh = mx.zeros(h.shape, dtype=mx.float32)
-        for start in range(0, v, c):
-            wc = w[start : start + c]
-            # mx.depends: chunk k starts only once dh holds chunk k-1, or MLX would run ahead
-            dz = _chunk_grad(mx.depends(h, dh), wc, t, start, lse, g, label_smoothing, softcap, v)
-            dh = mx.addmm(dh, dz, wc.astype(mx.float32))
-        # The weight's gradient: its own chain, evaluated only when something uses it.
         hf = h.astype(mx.float32)
+        dh = mx.zeros(h.shape, dtype=mx.float32)
         pieces = []
         for start in range(0, v, c):
-            after = mx.depends(h, pieces[-1]) if pieces else h
-            dz = _chunk_grad(
-                after, w[start : start + c], t, start, lse, g, label_smoothing, softcap, v
-            )
-            pieces.append((dz.T @ hf).astype(w.dtype))
-        dw = mx.concatenate(pieces, axis=0)
+            wc = w[start : start + c]
+            # chunk k starts only once everything reading chunk k-1's tile is done, or MLX's
+            # scheduler would run ahead and hold many tiles at once
+            after = mx.depends(h, [dh, pieces[-1]] if pieces else dh)
+            dz = _chunk_grad(after, wc, t, start, lse, g, label_smoothing, softcap, v)
+            dh = mx.addmm(dh, dz, wc.astype(mx.float32))
+            if weight_grad:
+                pieces.append((dz.T @ hf).astype(w.dtype))
+        dw = mx.concatenate(pieces, axis=0) if weight_grad else mx.zeros_like(w)
         return dh.astype(h.dtype), dw, mx.zeros_like(t)
 
     losses, _ = losses_fn(hidden, weight, safe)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def linear_cross_entropy_reference(hidden, weight, targets, ignore_index, label_smoothing, softcap):
-    """Per-token losses [N] (0 where ignored) and the valid mask [N]."""
+def linear_cross_entropy_reference(
+    hidden, weight, targets, ignore_index, label_smoothing, softcap, weight_grad=True
+):
+    """Per-token losses [N] (0 where ignored) and the valid mask [N]. (Autograd differentiates
+    this form, so ``weight_grad`` has nothing to skip.)"""
     logits = (hidden @ weight.T).astype(mx.float32)
     if softcap is not None:
         logits = softcap * mx.tanh(logits / softcap)
