@@ -64,6 +64,52 @@ def validate(recipe, overrides):
     )
 
 
+@cli.command("export")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["mlx-lm", "peft", "fused"]),
+    required=True,
+    help="What to write.",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    help="Folder to write (default: RUN_DIR/export/FORMAT).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="Weight dtype of a fused model.",
+)
+def export_cmd(path, fmt, out, dtype):
+    """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""
+    import shutil
+    from pathlib import Path
+
+    from .export import export, find_checkpoint, load_trained
+
+    ckpt = find_checkpoint(path)
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else Path(path)
+    out = Path(out) if out else run_dir / "export" / fmt
+    if out.exists() and any(out.iterdir()):
+        raise UserInputError("already exists and is not empty; choose another --out", str(out))
+    trained = load_trained(ckpt)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        export(trained, fmt, tmp, dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    click.echo(f"wrote {fmt} from {ckpt} to {out}")
+
+
 def _memory_gb() -> float | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9

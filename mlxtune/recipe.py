@@ -120,6 +120,8 @@ class AdapterConfig:
     layers: Any = None
     """Transformer layers to adapt: null (all), N (the last N), "a-b" (a to b inclusive) or a
     list of layer indices."""
+    init_from: str | None = None
+    """Start from an existing mlx-lm or PEFT adapter directory (its rank and layers must match)."""
 
 
 @dataclass
@@ -231,9 +233,9 @@ class CheckpointConfig:
 class ExportConfig:
     """What the run writes into RUN_DIR/export when training ends."""
 
-    formats: list[Literal["mlx-lm", "model"]] = field(default_factory=list)
-    """"mlx-lm": an adapter that mlx-lm loads; "model": the whole model in Hugging Face layout
-    (config.json, model.safetensors, tokenizer files)."""
+    formats: list[Literal["mlx-lm", "peft", "fused"]] = field(default_factory=list)
+    """"mlx-lm": an adapter mlx-lm loads; "peft": an adapter PEFT loads; "fused": the model with
+    the adapters merged in, Hugging Face layout (config.json, model.safetensors, tokenizer)."""
 
 
 @dataclass
@@ -571,8 +573,11 @@ def _check_values(r: Recipe, v: _Validator):
         v.fail("samples.temperature", f"must be 0 or more, got {r.samples.temperature}")
     positive("checkpoints.every", r.checkpoints.every, allow_none=True)
     positive("checkpoints.keep_last", r.checkpoints.keep_last)
-    if "mlx-lm" in r.export.formats and r.adapter.type == "full":
-        v.fail("export.formats", "mlx-lm adapters need adapter.type lora or dora; use model")
+    for fmt in ("mlx-lm", "peft"):
+        if fmt in r.export.formats and r.adapter.type == "full":
+            v.fail("export.formats", f"{fmt} adapters need adapter.type lora or dora; use fused")
+    if a.init_from is not None and a.type == "full":
+        v.fail("adapter.init_from", "starting from an adapter needs adapter.type lora or dora")
     _check_layers(a.layers, v)
 
 

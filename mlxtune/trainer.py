@@ -21,6 +21,7 @@ from . import _blas
 from .console import Console
 from .data import Dataset, Encoder, eval_batches, iterate_batches, load_split, read_jsonl, split_off
 from .errors import TrainingError, UserInputError
+from .export import TrainedModel, export, import_adapter, write_mlx_lm
 from .generate import eos_ids, exact_match, generate_ids
 from .kernels import linear_cross_entropy
 from .lora import apply_adapters
@@ -31,7 +32,6 @@ from .models import (
     lm_parts,
     load_model,
     resolve_model_path,
-    save_model,
 )
 from .optim import build_optimizer, make_schedule
 from .recipe import Recipe, dump_yaml
@@ -195,6 +195,9 @@ class Trainer:
         self.adapter_info = apply_adapters(
             self.model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers
         )
+        if a.init_from is not None:
+            import_adapter(self.model, r.resolve_path(a.init_from))
+            self.log(f"adapter weights from {a.init_from}")
         self.trainable, self.total_params = count_parameters(self.model)
         trainable_names = {k for k, _ in tree_flatten(self.model.trainable_parameters())}
         self._head_trains = bool({"lm_head.weight", "model.embed_tokens.weight"} & trainable_names)
@@ -607,33 +610,27 @@ class Trainer:
     def trainable_weights(self) -> dict:
         return dict(tree_flatten(self.model.trainable_parameters()))
 
-    def adapter_config(self) -> dict:
-        """mlx-lm's adapter_config.json for this run's adapters."""
+    @property
+    def trained(self) -> TrainedModel:
+        """The model being trained, with what it came from, for checkpoints and exports."""
         a = self.recipe.adapter
-        info = self.adapter_info
-        n_layers = len(self.model.layers)
-        if a.type == "full":
-            return {"fine_tune_type": "full", "num_layers": n_layers}
-        keys = sorted({name.split(".", 2)[2] for name in info["adapted"]})
-        return {
-            "fine_tune_type": a.type,
-            "num_layers": n_layers - min(info["layers"]),
-            "lora_parameters": {
-                "rank": a.rank,
-                "scale": a.alpha / a.rank,
-                "dropout": a.dropout,
-                "keys": keys,
-            },
-            "base_model": str(self.model_dir) if self.model_dir else None,
+        adapter = {
+            "type": a.type,
+            "rank": a.rank,
+            "alpha": a.alpha,
+            "dropout": a.dropout,
+            "targets": list(a.targets),
+            "layers": self.adapter_info.get("layers"),
+            "adapted": self.adapter_info["adapted"],
         }
-
-    def _write_adapter(self, folder: Path, metadata: dict | None = None):
-        """The trainable weights and mlx-lm's adapter_config.json, into ``folder``."""
-        meta = {k: str(v) for k, v in (metadata or {}).items()}
-        mx.save_safetensors(
-            str(folder / "adapters.safetensors"), self.trainable_weights(), metadata=meta
+        return TrainedModel(
+            self.model,
+            self.tokenizer,
+            self.model_config,
+            adapter,
+            self.model_dir,
+            self.tokenizer_dir,
         )
-        (folder / "adapter_config.json").write_text(json.dumps(self.adapter_config(), indent=2))
 
     def _save_checkpoint(self, name: str, step: int, loss: float, extra: dict | None = None):
         meta = {
@@ -643,11 +640,19 @@ class Trainer:
             "time": time.time(),
             **(extra or {}),
         }
+        t = self.trained
+        state = {
+            **meta,
+            "base_model_dir": str(Path(t.base_dir).resolve()) if t.base_dir else None,
+            "tokenizer_dir": str(Path(t.tokenizer_dir).resolve()) if t.tokenizer_dir else None,
+            "model_config": t.model_config,
+            "dtype": self.recipe.model.dtype,
+            "adapter": t.adapter,
+            "recipe": self.recipe.to_dict(),
+        }
         with self.run_dir.staged("checkpoints", name) as tmp:
-            self._write_adapter(tmp, meta)
-            (tmp / "trainer_state.json").write_text(
-                json.dumps({**meta, "recipe": self.recipe.to_dict()}, indent=2)
-            )
+            write_mlx_lm(t, tmp, meta)
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
         self.log(f"saved checkpoint checkpoints/{name} at step {step}")
 
     def _prune_checkpoints(self):
@@ -657,27 +662,12 @@ class Trainer:
             shutil.rmtree(p)
 
     def _export(self):
-        fmts = self.recipe.export.formats
-        if not fmts:
-            return
-        rd = self.run_dir
-        if "mlx-lm" in fmts:
-            with rd.staged("export", "mlx-lm") as tmp:
-                self._write_adapter(tmp)
-            self.console.info(f"exported an mlx-lm adapter to {rd.path / 'export' / 'mlx-lm'}")
-        if "model" in fmts:
-            with rd.staged("export", "model") as tmp:
-                save_model(
-                    fuse_adapters(self.model),
-                    self.model_config,
-                    tmp,
-                    self.tokenizer,
-                    self.tokenizer_dir,
-                    self.recipe.model.dtype,
-                )
-            self.console.info(
-                f"exported the model (Hugging Face layout) to {rd.path / 'export' / 'model'}"
-            )
+        # fused last: it merges the adapters into the model in place
+        fmts = sorted(self.recipe.export.formats, key=lambda f: f == "fused")
+        for fmt in fmts:
+            with self.run_dir.staged("export", fmt) as tmp:
+                export(self.trained, fmt, tmp, self.recipe.model.dtype if fmt == "fused" else None)
+            self.log(f"exported {fmt} to {self.run_dir.path / 'export' / fmt}")
 
     # ---------------------------------------------------------------- output
     def log(self, message: str):
@@ -706,18 +696,6 @@ class Trainer:
 
 def _new_window() -> dict:
     return {"loss": 0.0, "n": 0, "timed_n": 0, "time": 0.0, "steps": 0}
-
-
-def fuse_adapters(model: nn.Module) -> nn.Module:
-    """Merge every LoRA/DoRA layer into a plain Linear, in place; returns the model."""
-    from mlx.utils import tree_unflatten
-
-    from .lora import LoRALinear
-
-    fused = [(n, m.fused()) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
-    if fused:
-        model.update_modules(tree_unflatten(fused))
-    return model
 
 
 __all__ = ["Trainer", "Callback", "StepEvent", "Dataset"]

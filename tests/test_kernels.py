@@ -186,7 +186,9 @@ def test_frozen_head_skips_the_weight_gradient_but_not_the_hidden_one():
     h, w, t = inputs(n=40, d=12, v=50, seed=8)
 
     def f(weight_grad):
-        return lambda h, w: linear_cross_entropy(h, w, t, impl="chunked", weight_grad=weight_grad)[0]
+        return lambda h, w: linear_cross_entropy(h, w, t, impl="chunked", weight_grad=weight_grad)[
+            0
+        ]
 
     gh, gw = mx.grad(f(True), argnums=(0, 1))(h, w)
     fh, fw = mx.grad(f(False), argnums=(0, 1))(h, w)

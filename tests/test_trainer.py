@@ -203,11 +203,11 @@ def test_training_from_scratch_saves_a_loadable_model(tmp_path, data_dir):
         },
         tokenizer={"train": {"vocab_size": 40, "model_type": "char"}},
         adapter={"type": "full"},
-        export={"formats": ["model"]},
+        export={"formats": ["fused"]},
     )
     tr = Trainer(recipe_from_dict(r), run_dir=tmp_path / "scratch")
     tr.run()
-    out = tmp_path / "scratch" / "export" / "model"
+    out = tmp_path / "scratch" / "export" / "fused"
     from mlx_lm.utils import load as mlx_lm_load
     from transformers import AutoConfig, AutoTokenizer
 

@@ -1,0 +1,270 @@
+"""Export a trained model to the formats other tools load, and import adapters back.
+
+- ``mlx-lm``: adapter_config.json + adapters.safetensors (mlx-lm's names: lora_a [in, r],
+  lora_b [r, out], an absolute scale), loaded by ``mlx_lm.load(base, adapter_path=...)``.
+- ``peft``: adapter_config.json (r, lora_alpha, target_modules, base_model_name_or_path) +
+  adapter_model.safetensors (``base_model.model.<module>.lora_A.weight`` [r, in] and
+  ``lora_B.weight`` [out, r]; DoRA magnitudes as ``lora_magnitude_vector``), as PEFT saves.
+- ``fused``: the base with the adapters merged in, Hugging Face layout.
+
+A checkpoint is self-describing (trainer_state.json names the base model, its config, the
+tokenizer and the adapter), so ``load_trained`` rebuilds the trained model from it alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .errors import UserInputError
+from .lora import DoRALinear, LoRALinear, apply_adapters
+from .models import DTYPES, build_model, load_model, save_model
+from .tokenizer import load_tokenizer
+
+FORMATS = ("mlx-lm", "peft", "fused")
+
+
+@dataclass
+class TrainedModel:
+    """A model with its trained adapters (or weights) in place, and what it came from."""
+
+    model: nn.Module
+    tokenizer: object
+    model_config: dict
+    adapter: dict
+    """type, rank, alpha, dropout, targets, layers (indices) and adapted (module names)."""
+    base_dir: Path | None
+    tokenizer_dir: Path | None
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory: PATH itself, or a run directory's final (else best, else latest)."""
+    p = Path(path)
+    if (p / "trainer_state.json").exists():
+        return p
+    ckpts = p / "checkpoints"
+    if ckpts.is_dir():
+        for name in ("final", "best"):
+            if (ckpts / name / "trainer_state.json").exists():
+                return ckpts / name
+        steps = sorted(
+            c
+            for c in ckpts.iterdir()
+            if c.name.startswith("step-") and (c / "trainer_state.json").exists()
+        )
+        if steps:
+            return steps[-1]
+    raise UserInputError("not a run directory or checkpoint (no trainer_state.json found)", str(p))
+
+
+def load_trained(path: str | Path) -> TrainedModel:
+    """Rebuild the trained model a run directory or checkpoint describes."""
+    ckpt = find_checkpoint(path)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if "model_config" not in state:
+        raise UserInputError(
+            "this checkpoint does not describe its model (written by an older mlxtune)", str(ckpt)
+        )
+    base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
+    if base is not None:
+        model, config = load_model(base, state.get("dtype", "float32"))
+    else:
+        model, config = build_model(
+            state["model_config"],
+            state["model_config"]["vocab_size"],
+            state.get("dtype", "float32"),
+        )
+    a = state["adapter"]
+    apply_adapters(
+        model,
+        a["type"],
+        a.get("rank", 8),
+        a.get("alpha", 16.0),
+        0.0,
+        a.get("targets", []),
+        a.get("layers"),
+    )
+    weights = mx.load(str(ckpt / "adapters.safetensors"))
+    _load_exact(model, weights, str(ckpt / "adapters.safetensors"))
+    tok_dir = Path(state["tokenizer_dir"]) if state.get("tokenizer_dir") else base
+    tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
+    model.eval()
+    return TrainedModel(model, tokenizer, config, a, base, tok_dir)
+
+
+def _load_exact(model: nn.Module, weights: dict, where: str):
+    """Load weights that must each match a trainable parameter in name and shape."""
+    params = dict(tree_flatten(model.trainable_parameters()))
+    for k, v in weights.items():
+        if k not in params:
+            raise UserInputError(
+                f"{k!r} is not a trainable parameter of this model and adapter", where
+            )
+        if v.shape != params[k].shape:
+            raise UserInputError(
+                f"{k}: shape {tuple(v.shape)} does not match the model's {tuple(params[k].shape)}",
+                where,
+            )
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise UserInputError(
+            f"no weight for {missing[0]} (and {len(missing) - 1} more)"
+            if len(missing) > 1
+            else f"no weight for {missing[0]}",
+            where,
+        )
+    model.load_weights(list(weights.items()), strict=False)
+
+
+# ------------------------------------------------------------------------------ formats
+
+
+def adapter_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def mlx_lm_config(t: TrainedModel) -> dict:
+    a = t.adapter
+    n_layers = len(t.model.layers)
+    if a["type"] == "full":
+        return {"fine_tune_type": "full", "num_layers": n_layers}
+    keys = sorted({name.split(".", 2)[2] for name in a["adapted"]})
+    return {
+        "fine_tune_type": a["type"],
+        "num_layers": n_layers - min(a["layers"]),
+        "lora_parameters": {
+            "rank": a["rank"],
+            "scale": a["alpha"] / a["rank"],
+            "dropout": a.get("dropout", 0.0),
+            "keys": keys,
+        },
+        "base_model": str(t.base_dir) if t.base_dir else None,
+    }
+
+
+def write_mlx_lm(t: TrainedModel, out: Path, metadata: dict | None = None):
+    weights = dict(tree_flatten(t.model.trainable_parameters()))
+    mx.save_safetensors(
+        str(out / "adapters.safetensors"),
+        weights,
+        metadata={k: str(v) for k, v in (metadata or {}).items()},
+    )
+    (out / "adapter_config.json").write_text(json.dumps(mlx_lm_config(t), indent=2))
+
+
+def peft_weights(model: nn.Module) -> dict[str, mx.array]:
+    out = {}
+    for name, m in adapter_modules(model):
+        key = f"base_model.model.{name}"
+        out[f"{key}.lora_A.weight"] = mx.contiguous(m.lora_a.T)
+        out[f"{key}.lora_B.weight"] = mx.contiguous(m.lora_b.T)
+        if isinstance(m, DoRALinear):
+            out[f"{key}.lora_magnitude_vector"] = m.m
+    return out
+
+
+def write_peft(t: TrainedModel, out: Path, base_name: str | None = None):
+    a = t.adapter
+    if a["type"] == "full":
+        raise UserInputError(
+            "PEFT adapters hold LoRA/DoRA weights; a full fine-tune exports as fused", "export"
+        )
+    mx.save_safetensors(
+        str(out / "adapter_model.safetensors"), peft_weights(t.model), metadata={"format": "pt"}
+    )
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_name or (str(t.base_dir) if t.base_dir else None),
+        "r": a["rank"],
+        "lora_alpha": a["alpha"],
+        "lora_dropout": a.get("dropout", 0.0),
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in a["adapted"]}),
+        "layers_to_transform": sorted(a["layers"]),
+        "use_dora": a["type"] == "dora",
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Merge every LoRA/DoRA layer into a plain Linear, in place; returns the model."""
+    fused = [(n, m.fused()) for n, m in adapter_modules(model)]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    return model
+
+
+def write_fused(t: TrainedModel, out: Path, dtype: str | None = None):
+    save_model(fuse(t.model), t.model_config, out, t.tokenizer, t.tokenizer_dir, dtype)
+
+
+def export(t: TrainedModel, fmt: str, out: Path, dtype: str | None = None):
+    """Write format ``fmt`` into the (existing, empty) folder ``out``."""
+    if fmt == "mlx-lm":
+        if t.adapter["type"] == "full":
+            raise UserInputError(
+                "mlx-lm adapters hold LoRA/DoRA weights; a full fine-tune exports as fused",
+                "export",
+            )
+        write_mlx_lm(t, out)
+    elif fmt == "peft":
+        write_peft(t, out)
+    elif fmt == "fused":
+        if dtype is not None and dtype not in DTYPES:
+            raise UserInputError(f"--dtype must be one of {', '.join(DTYPES)}", "export")
+        write_fused(t, out, dtype)
+    else:
+        raise UserInputError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}", "export")
+
+
+# ------------------------------------------------------------------------------ import
+
+
+def read_adapter(path: str | Path) -> dict[str, mx.array]:
+    """An mlx-lm or PEFT adapter directory, as weights under mlxtune's (mlx-lm's) names."""
+    p = Path(path)
+    cfg_path = p / "adapter_config.json"
+    if not cfg_path.exists():
+        raise UserInputError(
+            "no adapter_config.json: not an mlx-lm or PEFT adapter directory", str(p)
+        )
+    if (p / "adapters.safetensors").exists():
+        return mx.load(str(p / "adapters.safetensors"))
+    if (p / "adapter_model.safetensors").exists():
+        weights = {}
+        for k, v in mx.load(str(p / "adapter_model.safetensors")).items():
+            name = k.removeprefix("base_model.model.")
+            if name.endswith(".lora_A.weight"):
+                weights[name.removesuffix(".lora_A.weight") + ".lora_a"] = mx.contiguous(v.T)
+            elif name.endswith(".lora_B.weight"):
+                weights[name.removesuffix(".lora_B.weight") + ".lora_b"] = mx.contiguous(v.T)
+            elif name.endswith(".lora_magnitude_vector") or name.endswith(
+                ".lora_magnitude_vector.weight"
+            ):
+                weights[name.split(".lora_magnitude_vector")[0] + ".m"] = v
+            else:
+                raise UserInputError(
+                    f"unexpected tensor {k!r} in a PEFT adapter",
+                    str(p / "adapter_model.safetensors"),
+                )
+        return weights
+    hint = (
+        " (pickled adapter_model.bin is never loaded)" if (p / "adapter_model.bin").exists() else ""
+    )
+    raise UserInputError(f"no adapters.safetensors or adapter_model.safetensors{hint}", str(p))
+
+
+def import_adapter(model: nn.Module, path: str | Path):
+    """Load an mlx-lm or PEFT adapter into a model whose adapters are already in place."""
+    _load_exact(model, read_adapter(path), str(path))

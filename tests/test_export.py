@@ -1,0 +1,152 @@
+"""Export and import: every format written, loaded back by the tool that consumes it (or by
+mlxtune's importer), and compared by logits."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import tiny_recipe
+from mlxtune import Trainer, recipe_from_dict
+from mlxtune.cli import main
+from mlxtune.errors import UserInputError
+from mlxtune.export import import_adapter, load_trained, read_adapter
+from mlxtune.lora import apply_adapters
+from mlxtune.models import load_model
+
+ADAPTERS = {
+    "lora": {
+        "type": "lora",
+        "rank": 4,
+        "alpha": 8,
+        "targets": ["q_proj", "v_proj", "down_proj"],
+        "layers": "1-1",
+    },
+    "dora": {"type": "dora", "rank": 4, "alpha": 8, "targets": ["all-linear"]},
+}
+
+
+def trained_run(tmp_path, data_dir, llama_dir, kind, formats):
+    r = tiny_recipe(data_dir, llama_dir, adapter=ADAPTERS[kind], export={"formats": formats})
+    r["optimizer"] = {"lr": 5e-2}
+    tr = Trainer(recipe_from_dict(r), run_dir=tmp_path / kind)
+    tr.run()
+    tr.model.eval()
+    return tr
+
+
+def logits(model, ids):
+    return np.array(model(mx.array([ids])).astype(mx.float32))
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_every_format_round_trips_with_the_same_logits(tmp_path, data_dir, llama_dir, kind):
+    from mlx_lm.utils import load as mlx_lm_load
+
+    tr = trained_run(tmp_path, data_dir, llama_dir, kind, ["mlx-lm", "peft"])
+    ids = tr.train_set.examples[0].ids
+    want = logits(tr.model, ids)
+    base_logits = logits(load_model(llama_dir)[0], ids)
+    assert np.abs(want - base_logits).max() > 1e-3  # the adapter changed something
+    run = tmp_path / kind
+    # the checkpoint alone rebuilds the model
+    np.testing.assert_allclose(logits(load_trained(run).model, ids), want, rtol=1e-4, atol=1e-4)
+    # mlx-lm loads its format
+    model, _ = mlx_lm_load(str(llama_dir), adapter_path=str(run / "export" / "mlx-lm"))
+    np.testing.assert_allclose(logits(model, ids), want, rtol=1e-4, atol=1e-4)
+    # PEFT's format: names and orientation as PEFT writes them, and it imports back exactly
+    peft_cfg = json.loads((run / "export" / "peft" / "adapter_config.json").read_text())
+    assert peft_cfg["peft_type"] == "LORA" and peft_cfg["r"] == 4 and peft_cfg["lora_alpha"] == 8
+    assert peft_cfg["use_dora"] == (kind == "dora")
+    peft_w = mx.load(str(run / "export" / "peft" / "adapter_model.safetensors"))
+    a_key = next(k for k in peft_w if k.endswith("self_attn.q_proj.lora_A.weight"))
+    assert a_key.startswith("base_model.model.model.layers.1.") and peft_w[a_key].shape == (4, 32)
+    assert peft_w[a_key.replace("lora_A", "lora_B")].shape[1] == 4
+    fresh, _ = load_model(llama_dir)
+    a = ADAPTERS[kind]
+    apply_adapters(fresh, a["type"], 4, 8.0, 0.0, a["targets"], a.get("layers"))
+    import_adapter(fresh, run / "export" / "peft")
+    fresh.eval()
+    np.testing.assert_allclose(logits(fresh, ids), want, rtol=1e-4, atol=1e-4)
+    # fused: mlx-lm loads the merged model with the same outputs
+    assert main(["export", str(run), "--format", "fused"]) == 0
+    fused, _ = mlx_lm_load(str(run / "export" / "fused"))
+    np.testing.assert_allclose(logits(fused, ids), want, rtol=1e-4, atol=1e-4)
+    assert not any(
+        "lora" in k for k in mx.load(str(run / "export" / "fused" / "model.safetensors"))
+    )
+
+
+def test_fused_export_in_another_dtype(tmp_path, data_dir, llama_dir):
+    trained_run(tmp_path, data_dir, llama_dir, "lora", [])
+    out = tmp_path / "f16"
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "lora"),
+                "--format",
+                "fused",
+                "--out",
+                str(out),
+                "--dtype",
+                "float16",
+            ]
+        )
+        == 0
+    )
+    w = mx.load(str(out / "model.safetensors"))
+    assert all(v.dtype == mx.float16 for v in w.values())
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
+
+
+def test_a_run_can_start_from_an_exported_adapter(tmp_path, data_dir, llama_dir):
+    tr = trained_run(tmp_path, data_dir, llama_dir, "lora", ["peft"])
+    ids = tr.train_set.examples[0].ids
+    r = tiny_recipe(
+        data_dir,
+        llama_dir,
+        adapter={**ADAPTERS["lora"], "init_from": str(tmp_path / "lora" / "export" / "peft")},
+    )
+    again = Trainer(recipe_from_dict(r), run_dir=tmp_path / "again")
+    again.model.eval()
+    np.testing.assert_allclose(
+        logits(again.model, ids), logits(tr.model, ids), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_mismatched_adapter_is_refused(tmp_path, data_dir, llama_dir):
+    trained_run(tmp_path, data_dir, llama_dir, "lora", ["mlx-lm"])
+    other = {
+        **ADAPTERS["lora"],
+        "rank": 2,
+        "init_from": str(tmp_path / "lora" / "export" / "mlx-lm"),
+    }
+    with pytest.raises(UserInputError, match="shape"):
+        Trainer(
+            recipe_from_dict(tiny_recipe(data_dir, llama_dir, adapter=other)),
+            run_dir=tmp_path / "x",
+        )
+
+
+def test_export_errors_exit_2(tmp_path, data_dir, llama_dir, capsys):
+    trained_run(tmp_path, data_dir, llama_dir, "lora", ["mlx-lm"])
+    run = tmp_path / "lora"
+    assert (
+        main(["export", str(run), "--format", "mlx-lm"]) == 2
+    )  # already there: nothing is overwritten
+    assert "not empty" in capsys.readouterr().err
+    assert main(["export", str(tmp_path), "--format", "peft"]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    assert main(["export", str(run), "--format", "gguf-nope"]) == 2
+    with pytest.raises(UserInputError, match="no adapter_config.json"):
+        read_adapter(tmp_path)
+
+
+def test_full_fine_tune_exports_fused_only(tmp_path, data_dir, llama_dir, capsys):
+    r = tiny_recipe(data_dir, llama_dir, adapter={"type": "full"})
+    Trainer(recipe_from_dict(r), run_dir=tmp_path / "full").run()
+    assert main(["export", str(tmp_path / "full"), "--format", "peft"]) == 2
+    assert "exports as fused" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "full"), "--format", "fused"]) == 0
