@@ -110,6 +110,91 @@ def export_cmd(path, fmt, out, dtype):
     click.echo(f"wrote {fmt} from {ckpt} to {out}")
 
 
+def _sampling_options(f):
+    f = click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True)(f)
+    f = click.option(
+        "--temp", type=click.FloatRange(0), default=0.0, show_default=True, help="0 is greedy."
+    )(f)
+    f = click.option(
+        "--top-k", type=click.IntRange(0), default=0, help="Sample among the k likeliest (0: off)."
+    )(f)
+    f = click.option(
+        "--top-p", type=click.FloatRange(0, 1), default=0.0, help="Nucleus sampling (0: off)."
+    )(f)
+    f = click.option("--seed", type=int, default=0, show_default=True)(f)
+    f = click.option("--scale", type=float, help="Multiply the adapter's scale (0 turns it off).")(
+        f
+    )
+    f = click.option(
+        "--adapter",
+        type=click.Path(exists=True, file_okay=False),
+        help="An mlx-lm or PEFT adapter.",
+    )(f)
+    f = click.option(
+        "--model",
+        required=True,
+        help="A model directory (or fused export), Hub id, or mlxtune run.",
+    )(f)
+    return f
+
+
+def _stream(model, tokenizer, prompt, max_tokens, temp, top_k, top_p) -> str:
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k)
+    text = []
+    for piece in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler):
+        click.echo(piece.text, nl=False)
+        text.append(piece.text)
+    click.echo()
+    return "".join(text)
+
+
+@cli.command()
+@_sampling_options
+@click.argument("prompt")
+def generate(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, prompt):
+    """Complete PROMPT, streaming tokens as they come."""
+    import mlx.core as mx
+
+    from .export import load_for_generation
+
+    m, tok = load_for_generation(model, adapter, scale)
+    mx.random.seed(seed)
+    _stream(m, tok, prompt, max_tokens, temp, top_k, top_p)
+
+
+@cli.command()
+@_sampling_options
+@click.option("--system", help="A system message to start the conversation with.")
+def chat(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, system):
+    """Talk to a model through its chat template; an empty line or end of input ends it."""
+    import mlx.core as mx
+
+    from .export import load_for_generation
+
+    m, tok = load_for_generation(model, adapter, scale)
+    if not getattr(tok._tokenizer, "chat_template", None):
+        raise UserInputError(
+            "this tokenizer has no chat template; use mlxtune generate", str(model)
+        )
+    mx.random.seed(seed)
+    messages = [{"role": "system", "content": system}] if system else []
+    stdin = click.get_text_stream("stdin")
+    while True:
+        click.echo("> ", nl=False)
+        line = stdin.readline()
+        if not line or not line.strip():
+            break
+        messages.append({"role": "user", "content": line.strip()})
+        ids = tok._tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        reply = _stream(m, tok, list(ids), max_tokens, temp, top_k, top_p)
+        messages.append({"role": "assistant", "content": reply})
+
+
 def _memory_gb() -> float | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9

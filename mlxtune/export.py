@@ -268,3 +268,79 @@ def read_adapter(path: str | Path) -> dict[str, mx.array]:
 def import_adapter(model: nn.Module, path: str | Path):
     """Load an mlx-lm or PEFT adapter into a model whose adapters are already in place."""
     _load_exact(model, read_adapter(path), str(path))
+
+
+def adapter_settings(path: str | Path) -> dict:
+    """LoRA settings (type, rank, alpha, targets, layers) from an mlx-lm or PEFT adapter_config.json."""
+    p = Path(path)
+    try:
+        cfg = json.loads((p / "adapter_config.json").read_text())
+    except FileNotFoundError:
+        raise UserInputError(
+            "no adapter_config.json: not an mlx-lm or PEFT adapter directory", str(p)
+        ) from None
+    except json.JSONDecodeError as e:
+        raise UserInputError(f"adapter_config.json is not valid JSON: {e}", str(p)) from None
+    if "lora_parameters" in cfg:  # mlx-lm
+        lp = cfg["lora_parameters"]
+        keys = lp.get("keys")
+        return {
+            "type": cfg.get("fine_tune_type", "lora"),
+            "rank": lp["rank"],
+            "alpha": lp["scale"] * lp["rank"],
+            "targets": sorted({k.rsplit(".", 1)[-1] for k in keys}) if keys else ["all-linear"],
+            "layers": cfg.get("num_layers"),
+        }
+    if cfg.get("peft_type") == "LORA":
+        targets = cfg.get("target_modules")
+        if not isinstance(targets, list):
+            raise UserInputError(
+                "target_modules as a regular expression is not supported; list the module names",
+                str(p),
+            )
+        return {
+            "type": "dora" if cfg.get("use_dora") else "lora",
+            "rank": cfg["r"],
+            "alpha": cfg["lora_alpha"],
+            "targets": targets,
+            "layers": cfg.get("layers_to_transform"),
+        }
+    raise UserInputError(
+        "adapter_config.json is neither mlx-lm's (lora_parameters) nor PEFT's (peft_type LORA)",
+        str(p),
+    )
+
+
+def load_for_generation(
+    model: str | Path, adapter: str | Path | None = None, scale: float | None = None
+):
+    """(model, tokenizer) from a Hugging Face layout directory (a fused export too) or an mlxtune
+    run/checkpoint, with an optional mlx-lm or PEFT adapter; ``scale`` multiplies the adapter's."""
+    p = Path(model)
+    if (p / "trainer_state.json").exists() or (p / "checkpoints").is_dir():
+        t = load_trained(p)
+        m, tok = t.model, t.tokenizer
+    else:
+        from .models import resolve_model_path
+
+        path = resolve_model_path(str(model), None)
+        m, _ = load_model(path)
+        tok = load_tokenizer(path)
+    if adapter is not None:
+        s = adapter_settings(adapter)
+        if s["type"] not in ("lora", "dora"):
+            raise UserInputError(
+                f"a {s['type']!r} adapter holds whole weights; load it as --model", str(adapter)
+            )
+        apply_adapters(m, s["type"], s["rank"], s["alpha"], 0.0, s["targets"], s["layers"])
+        import_adapter(m, adapter)
+    if scale is not None:
+        mods = adapter_modules(m)
+        if not mods:
+            raise UserInputError(
+                "--scale needs an adapter (--adapter, or a LoRA/DoRA run)", "--scale"
+            )
+        for _, mod in mods:
+            mod.scale = mod.scale * scale
+    m.eval()
+    return m, tok

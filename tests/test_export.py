@@ -150,3 +150,79 @@ def test_full_fine_tune_exports_fused_only(tmp_path, data_dir, llama_dir, capsys
     assert main(["export", str(tmp_path / "full"), "--format", "peft"]) == 2
     assert "exports as fused" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "full"), "--format", "fused"]) == 0
+
+
+def test_generate_with_the_shipped_model_reverses_a_word(capsys):
+    from conftest import REPO
+
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(REPO / "recipes" / "models" / "reverse-tiny"),
+                "reverse mlxtune =",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.strip() == "enutxlm"
+
+
+def test_generate_from_a_run_an_adapter_and_a_scale(tmp_path, data_dir, llama_dir, capsys):
+    from mlxtune.export import load_for_generation
+    from mlxtune.generate import eos_ids, generate_ids
+
+    tr = trained_run(tmp_path, data_dir, llama_dir, "lora", ["peft", "mlx-lm"])
+    prompt = tr.train_set.examples[0].prompt_ids
+    want = generate_ids(tr.model, [prompt], 8, eos_ids(tr.tokenizer))[0]
+    base = generate_ids(load_model(llama_dir)[0], [prompt], 8, eos_ids(tr.tokenizer))[0]
+    run = tmp_path / "lora"
+    for model, adapter in (
+        (run, None),
+        (llama_dir, run / "export" / "peft"),
+        (llama_dir, run / "export" / "mlx-lm"),
+    ):
+        m, tok = load_for_generation(model, adapter)
+        assert generate_ids(m, [prompt], 8, eos_ids(tok))[0] == want, (model, adapter)
+    m, tok = load_for_generation(llama_dir, run / "export" / "peft", scale=0.0)
+    assert generate_ids(m, [prompt], 8, eos_ids(tok))[0] == base
+    text = tr.tokenizer.decode(prompt[1:])
+    assert main(["generate", "--model", str(run), "--max-tokens", "8", text]) == 0
+    assert capsys.readouterr().out.strip() == tr.tokenizer.decode(want).strip()
+    assert main(["generate", "--model", str(llama_dir), "--scale", "0.5", "x"]) == 2
+    assert "--scale needs an adapter" in capsys.readouterr().err
+
+
+def test_chat_streams_replies_through_the_chat_template(llama_dir):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxtune.cli",
+            "chat",
+            "--model",
+            str(llama_dir),
+            "--max-tokens",
+            "4",
+        ],
+        input="hello\nhow are you\n\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("> ") == 3  # two turns, then the empty line ends it
+
+
+def test_adapter_settings_refuses_regex_targets(tmp_path):
+    from mlxtune.export import adapter_settings
+
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ".*proj"})
+    )
+    with pytest.raises(UserInputError, match="regular expression"):
+        adapter_settings(tmp_path)
