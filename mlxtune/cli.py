@@ -69,7 +69,7 @@ def validate(recipe, overrides):
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["mlx-lm", "peft", "fused"]),
+    type=click.Choice(["mlx-lm", "peft", "fused", "gguf", "gguf-adapter"]),
     required=True,
     help="What to write.",
 )
@@ -80,8 +80,8 @@ def validate(recipe, overrides):
 )
 @click.option(
     "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
-    help="Weight dtype of a fused model.",
+    type=click.Choice(["float32", "bfloat16", "float16", "f32", "f16", "bf16", "q8_0"]),
+    help="fused: float32|bfloat16|float16; gguf: f32|f16|bf16|q8_0 (default f16).",
 )
 def export_cmd(path, fmt, out, dtype):
     """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""

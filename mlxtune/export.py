@@ -26,7 +26,7 @@ from .lora import DoRALinear, LoRALinear, apply_adapters
 from .models import DTYPES, build_model, load_model, save_model
 from .tokenizer import load_tokenizer
 
-FORMATS = ("mlx-lm", "peft", "fused")
+FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter")
 
 
 @dataclass
@@ -222,8 +222,23 @@ def export(t: TrainedModel, fmt: str, out: Path, dtype: str | None = None):
         write_peft(t, out)
     elif fmt == "fused":
         if dtype is not None and dtype not in DTYPES:
-            raise UserInputError(f"--dtype must be one of {', '.join(DTYPES)}", "export")
+            raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
         write_fused(t, out, dtype)
+    elif fmt == "gguf":
+        from .gguf_export import write_gguf_model
+
+        name = Path(t.base_dir).name if t.base_dir else "model"
+        write_gguf_model(
+            fuse(t.model), t.model_config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name
+        )
+    elif fmt == "gguf-adapter":
+        from .gguf_export import write_gguf_adapter
+
+        if t.adapter["type"] != "lora":
+            raise UserInputError(
+                "gguf-adapter holds LoRA weights; export a full or DoRA run as gguf", "export"
+            )
+        write_gguf_adapter(t.model, t.model_config, t.adapter["alpha"], out)
     else:
         raise UserInputError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}", "export")
 

@@ -662,8 +662,8 @@ class Trainer:
             shutil.rmtree(p)
 
     def _export(self):
-        # fused last: it merges the adapters into the model in place
-        fmts = sorted(self.recipe.export.formats, key=lambda f: f == "fused")
+        # fused and gguf last: they merge the adapters into the model in place
+        fmts = sorted(self.recipe.export.formats, key=lambda f: f in ("fused", "gguf"))
         for fmt in fmts:
             with self.run_dir.staged("export", fmt) as tmp:
                 export(self.trained, fmt, tmp, self.recipe.model.dtype if fmt == "fused" else None)

@@ -1,0 +1,305 @@
+"""GGUF, written natively with the ``gguf`` package (llama.cpp's own reader/writer; no llama.cpp
+build and no torch needed).
+
+- ``write_gguf_model``: the fused model in f32, f16, bf16 or q8_0, with the tokenizer's
+  vocabulary, scores, token types and special tokens as llama.cpp expects them.
+- ``write_gguf_adapter``: a LoRA adapter for llama.cpp's ``--lora``: general.type = adapter,
+  adapter.type = lora, adapter.lora.alpha, tensors ``blk.N.<name>.weight.lora_a`` [r, in] and
+  ``.lora_b`` [out, r] (numpy order).
+
+llama-family models store q/k in Hugging Face's rotate-half layout; llama.cpp's converter
+permutes their rows to the interleaved layout its rope uses, so the same permutation is applied
+here (to q/k weights, and to the rows of LoRA B for q/k). Every file is read back and checked
+(architecture, metadata, tensor names and shapes) before the export counts as written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .errors import UserInputError
+
+# model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
+ARCHES = {
+    "llama": ("llama", True),
+    "mistral": ("llama", True),
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+}
+DTYPES = ("f32", "f16", "bf16", "q8_0")
+
+_LINEAR = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_OTHER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+}
+
+
+def _arch(config: dict) -> tuple[str, bool]:
+    mt = config.get("model_type")
+    if mt not in ARCHES:
+        raise UserInputError(
+            f"GGUF export supports {', '.join(ARCHES)} so far, not {mt!r}", "export --format gguf"
+        )
+    return ARCHES[mt]
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows of a q/k projection from rotate-half to interleaved order (llama.cpp's convention)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_name(hf: str) -> str | None:
+    """The GGUF tensor name for a Hugging Face/mlx-lm parameter name (None: not exported)."""
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    parts = hf.split(".")
+    if parts[:2] != ["model", "layers"]:
+        return None
+    bid, rest = parts[2], ".".join(parts[3:])
+    if rest in _OTHER:
+        return f"blk.{bid}.{_OTHER[rest]}"
+    for hf_mod, name in _LINEAR.items():
+        if rest == f"{hf_mod}.weight":
+            return f"blk.{bid}.{name}.weight"
+    return None
+
+
+def _heads(config: dict) -> tuple[int, int, int]:
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_head
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    return n_head, n_kv, head_dim
+
+
+def _tensor_array(v: mx.array, dtype: str):
+    """(numpy data, raw dtype or None) for GGUFWriter.add_tensor."""
+    import gguf
+
+    a = np.array(v.astype(mx.float32))
+    if (
+        dtype == "f32" or a.ndim == 1
+    ):  # norms and biases stay f32, as llama.cpp's converter keeps them
+        return a.astype(np.float32), None
+    if dtype == "f16":
+        return a.astype(np.float16), None
+    if dtype == "bf16":
+        q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16)
+        return q, gguf.GGMLQuantizationType.BF16
+    if a.shape[-1] % 32:  # q8_0 packs 32 values per block
+        return a.astype(np.float16), None
+    return gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+
+
+def _add_tokenizer(w, tokenizer_dir: Path | None, tokenizer):
+    import gguf
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    spm_path = tokenizer_dir / "tokenizer.model" if tokenizer_dir else None
+    if spm_path is None or not spm_path.exists():
+        raise UserInputError(
+            "GGUF export needs a sentencepiece tokenizer.model beside the tokenizer for now",
+            "export --format gguf",
+        )
+    proto = pb.ModelProto()
+    proto.ParseFromString(spm_path.read_bytes())
+    types = {
+        pb.ModelProto.SentencePiece.NORMAL: gguf.TokenType.NORMAL,
+        pb.ModelProto.SentencePiece.UNKNOWN: gguf.TokenType.UNKNOWN,
+        pb.ModelProto.SentencePiece.CONTROL: gguf.TokenType.CONTROL,
+        pb.ModelProto.SentencePiece.USER_DEFINED: gguf.TokenType.USER_DEFINED,
+        pb.ModelProto.SentencePiece.UNUSED: gguf.TokenType.UNUSED,
+        pb.ModelProto.SentencePiece.BYTE: gguf.TokenType.BYTE,
+    }
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([p.piece.encode("utf-8") for p in proto.pieces])
+    w.add_token_scores([float(p.score) for p in proto.pieces])
+    w.add_token_types([int(types[p.type]) for p in proto.pieces])
+    spec = proto.trainer_spec
+    for key, tid in (
+        ("bos", spec.bos_id),
+        ("eos", spec.eos_id),
+        ("unk", spec.unk_id),
+        ("pad", spec.pad_id),
+    ):
+        if tid >= 0:
+            getattr(w, f"add_{key}_token_id")(tid)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(bool(proto.normalizer_spec.add_dummy_prefix))
+    template = (
+        getattr(tokenizer._tokenizer, "chat_template", None) if tokenizer is not None else None
+    )
+    if isinstance(template, str):
+        w.add_chat_template(template)
+
+
+def _add_hparams(w, config: dict):
+    n_head, n_kv, head_dim = _heads(config)
+    w.add_context_length(int(config.get("max_position_embeddings") or 2048))
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(config.get("rope_theta") or 10000.0))
+    w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-5))
+    w.add_vocab_size(config["vocab_size"])
+    if config.get("head_dim"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+
+
+def write_gguf_model(
+    model,
+    config: dict,
+    tokenizer,
+    tokenizer_dir: Path | None,
+    out: Path,
+    dtype: str = "f16",
+    name: str = "model",
+):
+    """The (already fused) model as one GGUF file; returns its path."""
+    import gguf
+
+    if dtype not in DTYPES:
+        raise UserInputError(
+            f"GGUF dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "--dtype"
+        )
+    arch, permute = _arch(config)
+    n_head, n_kv, _ = _heads(config)
+    path = out / f"{name}-{dtype}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
+    _add_hparams(w, config)
+    _add_tokenizer(w, tokenizer_dir, tokenizer)
+    for hf, v in tree_flatten(model.parameters()):
+        g = gguf_name(hf)
+        if g is None:
+            raise UserInputError(f"no GGUF name for tensor {hf!r}", "export --format gguf")
+        a = np.array(v.astype(mx.float32))
+        if permute and g.endswith("attn_q.weight"):
+            a = permute_qk(a, n_head)
+        elif permute and g.endswith("attn_k.weight"):
+            a = permute_qk(a, n_kv)
+        data, raw = _tensor_array(mx.array(a), dtype)
+        w.add_tensor(g, data, raw_dtype=raw)
+    _finish(w)
+    verify(path, arch, {gguf_name(k): v.shape[::-1] for k, v in tree_flatten(model.parameters())})
+    return path
+
+
+def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str = "adapter"):
+    """The LoRA adapter of a model (its LoRALinear layers) for llama.cpp's --lora; returns its path."""
+    import gguf
+
+    from .lora import DoRALinear, LoRALinear
+
+    arch, permute = _arch(config)
+    n_head, n_kv, _ = _heads(config)
+    path = out / f"{name}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_string("general.type", "adapter")
+    w.add_name(name)
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(alpha))
+    shapes = {}
+    for mod_name, m in model.named_modules():
+        if not isinstance(m, LoRALinear):
+            continue
+        if isinstance(m, DoRALinear):
+            raise UserInputError(
+                "llama.cpp's LoRA adapters cannot hold DoRA; export gguf (fused) instead", "export"
+            )
+        g = gguf_name(f"{mod_name}.weight")
+        if g is None:
+            raise UserInputError(f"no GGUF name for {mod_name!r}", "export --format gguf-adapter")
+        a = np.ascontiguousarray(np.array(m.lora_a.astype(mx.float32)).T)  # [r, in]
+        b = np.ascontiguousarray(np.array(m.lora_b.astype(mx.float32)).T)  # [out, r]
+        if permute and g.endswith("attn_q.weight"):
+            b = permute_qk(b, n_head)
+        elif permute and g.endswith("attn_k.weight"):
+            b = permute_qk(b, n_kv)
+        w.add_tensor(f"{g}.lora_a", a)
+        w.add_tensor(f"{g}.lora_b", b)
+        shapes[f"{g}.lora_a"], shapes[f"{g}.lora_b"] = a.shape[::-1], b.shape[::-1]
+    _finish(w)
+    verify(path, arch, shapes, adapter=True)
+    return path
+
+
+def _finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def verify(path: Path, arch: str, shapes: dict, adapter: bool = False):
+    """Read a GGUF back and check its header, metadata and tensor shapes (GGUF lists dims
+    innermost first)."""
+    import gguf
+
+    try:
+        r = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise UserInputError(f"the GGUF just written does not read back: {e}", str(path)) from None
+
+    def field(key):
+        f = r.fields.get(key)
+        return None if f is None else f.contents()
+
+    problems = []
+    if field("general.architecture") != arch:
+        problems.append(f"general.architecture is {field('general.architecture')!r}, not {arch!r}")
+    if adapter and (field("general.type") != "adapter" or field("adapter.type") != "lora"):
+        problems.append("adapter metadata (general.type, adapter.type) missing")
+    if not adapter:
+        types = r.fields.get("tokenizer.ggml.token_type")
+        if types is None or types.types[-1] != gguf.GGUFValueType.INT32:
+            problems.append("tokenizer.ggml.token_type is not an array of int32")
+    got = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+    for name, shape in shapes.items():
+        if name not in got:
+            problems.append(f"tensor {name} is missing")
+        elif got[name] != tuple(int(x) for x in shape):
+            problems.append(f"tensor {name} has shape {got[name]}, expected {tuple(shape)}")
+    if problems:
+        path.unlink(missing_ok=True)
+        raise UserInputError("GGUF check failed: " + "; ".join(problems), str(path))

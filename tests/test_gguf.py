@@ -1,0 +1,198 @@
+"""GGUF: written natively, read back with the gguf package (llama.cpp's reader), and checked by
+a numpy forward pass that follows llama.cpp's conventions (interleaved rope on the stored q/k)."""
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+import sentencepiece as spm
+from mlx.utils import tree_flatten
+from test_export import trained_run
+
+from mlxtune.cli import main
+from mlxtune.errors import UserInputError
+from mlxtune.export import load_trained
+from mlxtune.gguf_export import permute_qk
+
+
+def read(path):
+    r = gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in r.fields.items()}
+    tensors = {}
+    for t in r.tensors:
+        data = np.array(t.data)
+        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            data = gguf.quants.dequantize(data, t.tensor_type)
+        tensors[t.name] = data.astype(np.float32).reshape([int(x) for x in reversed(t.shape)])
+    return fields, tensors, r
+
+
+def rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def llama_cpp_forward(f, t, ids):
+    """A llama forward the way llama.cpp computes it from a GGUF: rope on adjacent pairs."""
+    arch = f["general.architecture"]
+    n_head, n_kv = f[f"{arch}.attention.head_count"], f[f"{arch}.attention.head_count_kv"]
+    eps, base = f[f"{arch}.attention.layer_norm_rms_epsilon"], f[f"{arch}.rope.freq_base"]
+    x = t["token_embd.weight"][ids]
+    seq = len(ids)
+    hd = x.shape[1] // n_head
+    inv = base ** (-np.arange(0, hd, 2) / hd)
+    ang = np.arange(seq)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def rope(v):  # v [T, H, hd]: rotate (v[2i], v[2i+1]) by pos * theta_i
+        a, b = v[..., 0::2], v[..., 1::2]
+        out = np.empty_like(v)
+        out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+        return out
+
+    for i in range(f[f"{arch}.block_count"]):
+        p = f"blk.{i}."
+        h = rms(x, t[p + "attn_norm.weight"], eps)
+        q = rope((h @ t[p + "attn_q.weight"].T).reshape(seq, n_head, hd))
+        k = rope((h @ t[p + "attn_k.weight"].T).reshape(seq, n_kv, hd))
+        v = (h @ t[p + "attn_v.weight"].T).reshape(seq, n_kv, hd)
+        k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
+        s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + np.triu(np.full((seq, seq), -np.inf), 1)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        x = x + np.einsum("hqk,khd->qhd", a, v).reshape(seq, -1) @ t[p + "attn_output.weight"].T
+        h = rms(x, t[p + "ffn_norm.weight"], eps)
+        g = h @ t[p + "ffn_gate.weight"].T
+        x = (
+            x
+            + ((g / (1 + np.exp(-g))) * (h @ t[p + "ffn_up.weight"].T)) @ t[p + "ffn_down.weight"].T
+        )
+    x = rms(x, t["output_norm.weight"], eps)
+    return x @ t.get("output.weight", t["token_embd.weight"]).T
+
+
+@pytest.mark.parametrize("dtype, tol", [("f32", 1e-4), ("f16", 2e-2), ("q8_0", 5e-2)])
+def test_gguf_model_matches_mlx_the_way_llama_cpp_reads_it(
+    tmp_path, data_dir, llama_dir, tokenizer_dir, dtype, tol
+):
+    tr = trained_run(tmp_path, data_dir, llama_dir, "lora", [])
+    out = tmp_path / f"g-{dtype}"
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "lora"),
+                "--format",
+                "gguf",
+                "--dtype",
+                dtype,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    f, t, r = read(next(out.glob("*.gguf")))
+    assert f["general.architecture"] == "llama" and f["llama.block_count"] == 2
+    assert f["tokenizer.ggml.model"] == "llama"
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
+    assert f["tokenizer.ggml.tokens"] == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    assert r.fields["tokenizer.ggml.token_type"].types[-1] == gguf.GGUFValueType.INT32
+    assert (
+        f["tokenizer.ggml.token_type"][1] == int(gguf.TokenType.CONTROL)
+        and f["tokenizer.ggml.bos_token_id"] == 1
+    )
+    ids = tr.train_set.examples[0].ids
+    want = np.array(tr.model(mx.array([ids]))[0])
+    got = llama_cpp_forward(f, t, ids)
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+
+
+def test_q_and_k_rows_are_permuted_and_nothing_else(tmp_path, data_dir, llama_dir):
+    trained_run(tmp_path, data_dir, llama_dir, "lora", [])
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "lora"),
+                "--format",
+                "gguf",
+                "--dtype",
+                "f32",
+                "--out",
+                str(tmp_path / "g"),
+            ]
+        )
+        == 0
+    )
+    _, t, _ = read(next((tmp_path / "g").glob("*.gguf")))
+    fused = load_trained(tmp_path / "lora")
+    from mlxtune.export import fuse
+
+    w = {k: np.array(v) for k, v in tree_flatten(fuse(fused.model).parameters())}
+    np.testing.assert_allclose(
+        t["blk.1.attn_q.weight"],
+        permute_qk(w["model.layers.1.self_attn.q_proj.weight"], 4),
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(
+        t["blk.1.attn_k.weight"],
+        permute_qk(w["model.layers.1.self_attn.k_proj.weight"], 2),
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(
+        t["blk.1.attn_v.weight"], w["model.layers.1.self_attn.v_proj.weight"], rtol=1e-6
+    )
+
+
+def test_gguf_adapter_applies_as_llama_cpp_applies_it(tmp_path, data_dir, llama_dir):
+    trained_run(tmp_path, data_dir, llama_dir, "lora", ["gguf-adapter"])
+    f, ad, _ = read(tmp_path / "lora" / "export" / "gguf-adapter" / "adapter.gguf")
+    assert (
+        f["general.type"] == "adapter"
+        and f["adapter.type"] == "lora"
+        and f["adapter.lora.alpha"] == 8.0
+    )
+    assert f["general.architecture"] == "llama"
+    assert ad["blk.1.attn_q.weight.lora_a"].shape == (4, 32) and ad[
+        "blk.1.attn_q.weight.lora_b"
+    ].shape == (32, 4)
+    # base GGUF + alpha/r * B @ A (llama.cpp's rule) == the fused model's GGUF tensor
+    from mlxtune.gguf_export import write_gguf_model
+    from mlxtune.models import load_model
+    from mlxtune.tokenizer import load_tokenizer
+
+    base, cfg = load_model(llama_dir)
+    (tmp_path / "base").mkdir()
+    _, bt, _ = read(
+        write_gguf_model(base, cfg, load_tokenizer(llama_dir), llama_dir, tmp_path / "base", "f32")
+    )
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "lora"),
+                "--format",
+                "gguf",
+                "--dtype",
+                "f32",
+                "--out",
+                str(tmp_path / "fz"),
+            ]
+        )
+        == 0
+    )
+    _, ft, _ = read(next((tmp_path / "fz").glob("*.gguf")))
+    for name in ("blk.1.attn_q.weight", "blk.1.attn_v.weight", "blk.1.ffn_down.weight"):
+        merged = bt[name] + (8.0 / 4) * ad[name + ".lora_b"] @ ad[name + ".lora_a"]
+        np.testing.assert_allclose(merged, ft[name], rtol=1e-4, atol=1e-5)
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path, model_dir_factory):
+    from mlxtune.gguf_export import write_gguf_model
+    from mlxtune.models import load_model
+
+    model, cfg = load_model(model_dir_factory("phi3"))
+    with pytest.raises(
+        UserInputError, match="GGUF export supports llama, mistral, qwen2, qwen3 so far, not 'phi3'"
+    ):
+        write_gguf_model(model, cfg, None, None, tmp_path)
