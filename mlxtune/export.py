@@ -205,8 +205,22 @@ def fuse(model: nn.Module) -> nn.Module:
     return model
 
 
+def dequantize(model: nn.Module, config: dict) -> tuple[nn.Module, dict]:
+    """Every quantized layer back to a dense one, and the config without quantization."""
+    from mlx_lm.utils import dequantize_model
+
+    if not any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
+    ):
+        return model, config
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    return dequantize_model(model), config
+
+
 def write_fused(t: TrainedModel, out: Path, dtype: str | None = None):
-    save_model(fuse(t.model), t.model_config, out, t.tokenizer, t.tokenizer_dir, dtype)
+    """The model with its adapters merged in; de-quantized when the base was quantized."""
+    model, config = dequantize(fuse(t.model), t.model_config)
+    save_model(model, config, out, t.tokenizer, t.tokenizer_dir, dtype)
 
 
 def export(t: TrainedModel, fmt: str, out: Path, dtype: str | None = None):
@@ -228,9 +242,8 @@ def export(t: TrainedModel, fmt: str, out: Path, dtype: str | None = None):
         from .gguf_export import write_gguf_model
 
         name = Path(t.base_dir).name if t.base_dir else "model"
-        write_gguf_model(
-            fuse(t.model), t.model_config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name
-        )
+        model, config = dequantize(fuse(t.model), t.model_config)
+        write_gguf_model(model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name)
     elif fmt == "gguf-adapter":
         from .gguf_export import write_gguf_adapter
 

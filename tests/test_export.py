@@ -226,3 +226,45 @@ def test_adapter_settings_refuses_regex_targets(tmp_path):
     )
     with pytest.raises(UserInputError, match="regular expression"):
         adapter_settings(tmp_path)
+
+
+def test_a_lora_run_over_a_quantized_base_exports_dequantized(
+    tmp_path, data_dir, llama_dir, tokenizer, tokenizer_dir
+):
+    """QLoRA: LoRA over an 8-bit base; fused and GGUF exports come out dense."""
+    import mlx.nn as nn
+    from mlx_lm.utils import load as mlx_lm_load
+
+    from mlxtune.models import save_model
+
+    base, config = load_model(llama_dir)
+    nn.quantize(base, group_size=32, bits=8)
+    qdir = save_model(
+        base,
+        {**config, "quantization": {"group_size": 32, "bits": 8}},
+        tmp_path / "q8",
+        tokenizer,
+        tokenizer_dir,
+    )
+    r = tiny_recipe(
+        data_dir, qdir, adapter={**ADAPTERS["lora"], "targets": ["all-linear"], "layers": None}
+    )
+    r["optimizer"] = {"lr": 5e-2}
+    tr = Trainer(recipe_from_dict(r), run_dir=tmp_path / "qlora")
+    assert isinstance(tr.model.layers[0].self_attn.q_proj.linear, nn.QuantizedLinear)
+    tr.run()
+    tr.model.eval()
+    ids = tr.train_set.examples[0].ids
+    want = logits(tr.model, ids)
+    assert main(["export", str(tmp_path / "qlora"), "--format", "fused"]) == 0
+    out = tmp_path / "qlora" / "export" / "fused"
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization" not in cfg
+    weights = mx.load(str(out / "model.safetensors"))
+    assert not any(k.endswith(".scales") for k in weights) and all(
+        v.dtype == mx.float32 for v in weights.values()
+    )
+    fused, _ = mlx_lm_load(str(out))
+    np.testing.assert_allclose(logits(fused, ids), want, rtol=1e-3, atol=1e-3)
+    assert main(["export", str(tmp_path / "qlora"), "--format", "gguf", "--dtype", "f32"]) == 0
+    assert next((tmp_path / "qlora" / "export" / "gguf").glob("*.gguf")).stat().st_size > 0
