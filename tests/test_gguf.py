@@ -32,29 +32,45 @@ def rms(x, w, eps):
 
 
 def llama_cpp_forward(f, t, ids):
-    """A llama forward the way llama.cpp computes it from a GGUF: rope on adjacent pairs."""
+    """A forward pass the way llama.cpp computes it from a GGUF: llama ropes adjacent pairs of
+    the stored q/k ("normal" rope); qwen2/qwen3 rope the two halves ("neox" rope), qwen2 adds
+    q/k/v biases, qwen3 normalises each head of q and k before the rope."""
     arch = f["general.architecture"]
     n_head, n_kv = f[f"{arch}.attention.head_count"], f[f"{arch}.attention.head_count_kv"]
     eps, base = f[f"{arch}.attention.layer_norm_rms_epsilon"], f[f"{arch}.rope.freq_base"]
     x = t["token_embd.weight"][ids]
     seq = len(ids)
-    hd = x.shape[1] // n_head
+    hd = f.get(f"{arch}.attention.key_length") or x.shape[1] // n_head
     inv = base ** (-np.arange(0, hd, 2) / hd)
     ang = np.arange(seq)[:, None] * inv[None, :]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
 
-    def rope(v):  # v [T, H, hd]: rotate (v[2i], v[2i+1]) by pos * theta_i
-        a, b = v[..., 0::2], v[..., 1::2]
+    def rope(v):  # v [T, H, hd]
         out = np.empty_like(v)
-        out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+        if arch == "llama":  # rotate (v[2i], v[2i+1]) by pos * theta_i
+            a, b = v[..., 0::2], v[..., 1::2]
+            out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+        else:  # rotate (v[i], v[i + hd/2])
+            a, b = v[..., : hd // 2], v[..., hd // 2 :]
+            out[..., : hd // 2], out[..., hd // 2 :] = a * cos - b * sin, a * sin + b * cos
         return out
+
+    def proj(h, name):
+        y = h @ t[name + ".weight"].T
+        return y + t[name + ".bias"] if name + ".bias" in t else y
 
     for i in range(f[f"{arch}.block_count"]):
         p = f"blk.{i}."
         h = rms(x, t[p + "attn_norm.weight"], eps)
-        q = rope((h @ t[p + "attn_q.weight"].T).reshape(seq, n_head, hd))
-        k = rope((h @ t[p + "attn_k.weight"].T).reshape(seq, n_kv, hd))
-        v = (h @ t[p + "attn_v.weight"].T).reshape(seq, n_kv, hd)
+        q = proj(h, p + "attn_q").reshape(seq, n_head, hd)
+        k = proj(h, p + "attn_k").reshape(seq, n_kv, hd)
+        if p + "attn_q_norm.weight" in t:
+            q, k = (
+                rms(q, t[p + "attn_q_norm.weight"], eps),
+                rms(k, t[p + "attn_k_norm.weight"], eps),
+            )
+        q, k = rope(q), rope(k)
+        v = proj(h, p + "attn_v").reshape(seq, n_kv, hd)
         k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
         s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + np.triu(np.full((seq, seq), -np.inf), 1)
         a = np.exp(s - s.max(-1, keepdims=True))
@@ -196,3 +212,23 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, model_dir_f
         UserInputError, match="GGUF export supports llama, mistral, qwen2, qwen3 so far, not 'phi3'"
     ):
         write_gguf_model(model, cfg, None, None, tmp_path)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_families_match_mlx_the_way_llama_cpp_reads_them(
+    tmp_path, model_dir_factory, tokenizer, tokenizer_dir, family
+):
+    from mlxtune.gguf_export import write_gguf_model
+    from mlxtune.models import load_model
+
+    model, cfg = load_model(model_dir_factory(family))
+    if family == "qwen2":  # non-zero biases, so that a wrong name or order shows
+        for layer in model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                proj = getattr(layer.self_attn, name)
+                proj.bias = mx.random.normal(proj.bias.shape) * 0.5
+    f, t, _ = read(write_gguf_model(model, cfg, tokenizer, tokenizer_dir, tmp_path, "f32"))
+    assert f["general.architecture"] == {"mistral": "llama"}.get(family, family)
+    ids = [1, 5, 9, 12, 7, 3, 4, 8, 20, 11]
+    want = np.array(model(mx.array([ids]))[0])
+    np.testing.assert_allclose(llama_cpp_forward(f, t, ids), want, rtol=1e-3, atol=1e-4)
