@@ -133,6 +133,18 @@ def data_dir(tmp_path):
     return d
 
 
+def peak_memory_mb(fn, *args) -> float:
+    """Peak memory (MB above what is already held) of evaluating fn(*args), after a warm-up."""
+    import mlx.core as mx
+
+    mx.eval(fn(*args))
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(fn(*args))
+    return (mx.get_peak_memory() - base) / 1e6
+
+
 def tiny_recipe(data_dir: Path, model_dir: Path | None = None, **sections) -> dict:
     """A recipe dict for a short run on tiny data; sections override whole keys."""
     recipe = {

@@ -5,6 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import peak_memory_mb
 from mlxtune.kernels import ATTENTION_IMPLS, attention
 from mlxtune.kernels.flash import attention_chunked
 
@@ -137,15 +138,6 @@ def test_bad_shapes():
         attention(q, k, v, scale=1.0, segment_ids=mx.zeros((2, 5), dtype=mx.int32))
 
 
-def _peak_mb(fn, *args):
-    mx.eval(fn(*args))
-    mx.synchronize()
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    mx.eval(fn(*args))
-    return (mx.get_peak_memory() - base) / 1e6
-
-
 def test_chunked_backward_memory_grows_linearly_not_quadratically():
     peaks = {}
     for t in (512, 1024):
@@ -153,7 +145,7 @@ def test_chunked_backward_memory_grows_linearly_not_quadratically():
         for impl in ("chunked", "reference"):
             f = lambda q, k, v, impl=impl: attention(q, k, v, scale=0.2, impl=impl).sum()  # noqa: E731
             g = mx.compile(lambda q, k, v, f=f: mx.value_and_grad(f, argnums=(0, 1, 2))(q, k, v))
-            peaks[impl, t] = _peak_mb(g, q, k, v)
+            peaks[impl, t] = peak_memory_mb(g, q, k, v)
     assert peaks["reference", 1024] > 3 * peaks["reference", 512]  # the [T, T] scores
     assert peaks["chunked", 1024] < 2.5 * peaks["chunked", 512]
     assert peaks["chunked", 1024] < 0.3 * peaks["reference", 1024]

@@ -27,6 +27,12 @@ def read(path):
     return fields, tensors, r
 
 
+def export_gguf(run, out, dtype="f32"):
+    """mlxtune export RUN --format gguf; the path of the file written."""
+    assert main(["export", str(run), "--format", "gguf", "--dtype", dtype, "--out", str(out)]) == 0
+    return next(out.glob("*.gguf"))
+
+
 def rms(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
@@ -91,23 +97,7 @@ def test_gguf_model_matches_mlx_the_way_llama_cpp_reads_it(
     tmp_path, data_dir, llama_dir, tokenizer_dir, dtype, tol
 ):
     tr = trained_run(tmp_path, data_dir, llama_dir, "lora", [])
-    out = tmp_path / f"g-{dtype}"
-    assert (
-        main(
-            [
-                "export",
-                str(tmp_path / "lora"),
-                "--format",
-                "gguf",
-                "--dtype",
-                dtype,
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    f, t, r = read(next(out.glob("*.gguf")))
+    f, t, r = read(export_gguf(tmp_path / "lora", tmp_path / f"g-{dtype}", dtype))
     assert f["general.architecture"] == "llama" and f["llama.block_count"] == 2
     assert f["tokenizer.ggml.model"] == "llama"
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
@@ -125,22 +115,7 @@ def test_gguf_model_matches_mlx_the_way_llama_cpp_reads_it(
 
 def test_q_and_k_rows_are_permuted_and_nothing_else(tmp_path, data_dir, llama_dir):
     trained_run(tmp_path, data_dir, llama_dir, "lora", [])
-    assert (
-        main(
-            [
-                "export",
-                str(tmp_path / "lora"),
-                "--format",
-                "gguf",
-                "--dtype",
-                "f32",
-                "--out",
-                str(tmp_path / "g"),
-            ]
-        )
-        == 0
-    )
-    _, t, _ = read(next((tmp_path / "g").glob("*.gguf")))
+    _, t, _ = read(export_gguf(tmp_path / "lora", tmp_path / "g"))
     fused = load_trained(tmp_path / "lora")
     from mlxtune.export import fuse
 
@@ -182,22 +157,7 @@ def test_gguf_adapter_applies_as_llama_cpp_applies_it(tmp_path, data_dir, llama_
     _, bt, _ = read(
         write_gguf_model(base, cfg, load_tokenizer(llama_dir), llama_dir, tmp_path / "base", "f32")
     )
-    assert (
-        main(
-            [
-                "export",
-                str(tmp_path / "lora"),
-                "--format",
-                "gguf",
-                "--dtype",
-                "f32",
-                "--out",
-                str(tmp_path / "fz"),
-            ]
-        )
-        == 0
-    )
-    _, ft, _ = read(next((tmp_path / "fz").glob("*.gguf")))
+    _, ft, _ = read(export_gguf(tmp_path / "lora", tmp_path / "fz"))
     for name in ("blk.1.attn_q.weight", "blk.1.attn_v.weight", "blk.1.ffn_down.weight"):
         merged = bt[name] + (8.0 / 4) * ad[name + ".lora_b"] @ ad[name + ".lora_a"]
         np.testing.assert_allclose(merged, ft[name], rtol=1e-4, atol=1e-5)

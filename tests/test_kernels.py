@@ -6,6 +6,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from conftest import peak_memory_mb
 from mlxtune.kernels import available_impls, linear_cross_entropy
 
 IGNORE = -100
@@ -138,15 +139,6 @@ def test_chunked_tier_in_bf16_over_chunks():
     assert np.linalg.norm(np.array(gw.astype(mx.float32)) - rw) / np.linalg.norm(rw) < 2e-2
 
 
-def _peak_mb(fn, *args):
-    mx.eval(fn(*args))
-    mx.synchronize()
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    mx.eval(fn(*args))
-    return (mx.get_peak_memory() - base) / 1e6
-
-
 def test_chunked_tier_never_builds_the_logits(monkeypatch):
     """Measured, not assumed: the compiled forward+backward (hidden and head) of the chunked
     tier peaks at a few chunks whatever the vocabulary, while the reference grows with it."""
@@ -158,7 +150,7 @@ def test_chunked_tier_never_builds_the_logits(monkeypatch):
         h, w, t = inputs(n=512, d=32, v=v, seed=7, ignored=0)
         for impl in ("chunked", "reference"):
             f = lambda h, w, impl=impl, t=t: linear_cross_entropy(h, w, t, impl=impl)[0]  # noqa: E731
-            peaks[impl, v] = _peak_mb(
+            peaks[impl, v] = peak_memory_mb(
                 mx.compile(lambda h, w, f=f: mx.value_and_grad(f, argnums=(0, 1))(h, w)), h, w
             )
     logits_mb = 512 * 16384 * 4 / 1e6
