@@ -150,10 +150,11 @@ def check_model_dir(p: Path):
     return config
 
 
-def load_model(path: Path, dtype: str = "float32", trust_remote_code: bool = False):
+def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
     """Load a model directory (Hugging Face layout) with mlx-lm's loader: (model, config)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
+    path = Path(path)
     config = check_model_dir(path)
     try:
         model, config = mlx_lm_load_model(path, trust_remote_code=trust_remote_code)
