@@ -29,10 +29,17 @@ ARCHES = {
     "mistral": ("llama", True),
     "qwen2": ("qwen2", False),
     "qwen3": ("qwen3", False),
+    "gemma": ("gemma", False),
+    "gemma2": ("gemma2", False),
+    "phi3": ("phi3", False),
 }
+# gemma's RMSNorm scales by (1 + w); llama.cpp's by w, so its converter stores w + 1
+NORM_PLUS_ONE = ("gemma", "gemma2")
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 _LINEAR = {
+    "self_attn.qkv_proj": "attn_qkv",  # phi3: q, k and v in one matrix
+    "mlp.gate_up_proj": "ffn_up",  # phi3: gate and up in one matrix
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
@@ -78,7 +85,15 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def gguf_name(hf: str) -> str | None:
+# gemma2 has four norms per block; its post_attention_layernorm is not llama's (pre-FFN) one
+_GEMMA2 = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def gguf_name(hf: str, model_type: str = "llama") -> str | None:
     """The GGUF tensor name for a Hugging Face/mlx-lm parameter name (None: not exported)."""
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -90,6 +105,8 @@ def gguf_name(hf: str) -> str | None:
     if parts[:2] != ["model", "layers"]:
         return None
     bid, rest = parts[2], ".".join(parts[3:])
+    if model_type == "gemma2" and rest in _GEMMA2:
+        return f"blk.{bid}.{_GEMMA2[rest]}"
     if rest in _OTHER:
         return f"blk.{bid}.{_OTHER[rest]}"
     for hf_mod, name in _LINEAR.items():
@@ -168,8 +185,13 @@ def _add_tokenizer(w, tokenizer_dir: Path | None, tokenizer):
         w.add_chat_template(template)
 
 
-def _add_hparams(w, config: dict):
+def _add_hparams(w, config: dict, model=None):
     n_head, n_kv, head_dim = _heads(config)
+    if config["model_type"] == "gemma2":
+        args = getattr(model, "args", None)
+        w.add_attn_logit_softcapping(float(getattr(args, "attn_logit_softcapping", 50.0)))
+        w.add_final_logit_softcapping(float(getattr(args, "final_logit_softcapping", 30.0)))
+        w.add_sliding_window(int(config.get("sliding_window") or 4096))
     w.add_context_length(int(config.get("max_position_embeddings") or 2048))
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
@@ -202,15 +224,23 @@ def write_gguf_model(
             f"GGUF dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "--dtype"
         )
     arch, permute = _arch(config)
-    n_head, n_kv, _ = _heads(config)
+    n_head, n_kv, head_dim = _heads(config)
+    scalar = getattr(getattr(model, "args", None), "query_pre_attn_scalar", None)
+    if config["model_type"] == "gemma2" and scalar is not None and scalar != head_dim:
+        raise UserInputError(
+            f"llama.cpp scales gemma2 queries by 1/sqrt(head_dim); this model's query_pre_attn_scalar "
+            f"is {scalar:g}, not head_dim {head_dim}",
+            "export --format gguf",
+        )
     path = out / f"{name}-{dtype}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
-    _add_hparams(w, config)
+    _add_hparams(w, config, model)
     _add_tokenizer(w, tokenizer_dir, tokenizer)
+    mt = config["model_type"]
     for hf, v in tree_flatten(model.parameters()):
-        g = gguf_name(hf)
+        g = gguf_name(hf, mt)
         if g is None:
             raise UserInputError(f"no GGUF name for tensor {hf!r}", "export --format gguf")
         a = np.array(v.astype(mx.float32))
@@ -218,10 +248,14 @@ def write_gguf_model(
             a = permute_qk(a, n_head)
         elif permute and g.endswith("attn_k.weight"):
             a = permute_qk(a, n_kv)
+        elif mt in NORM_PLUS_ONE and g.endswith("norm.weight"):
+            a = a + 1.0
         data, raw = _tensor_array(mx.array(a), dtype)
         w.add_tensor(g, data, raw_dtype=raw)
     _finish(w)
-    verify(path, arch, {gguf_name(k): v.shape[::-1] for k, v in tree_flatten(model.parameters())})
+    verify(
+        path, arch, {gguf_name(k, mt): v.shape[::-1] for k, v in tree_flatten(model.parameters())}
+    )
     return path
 
 
@@ -247,7 +281,7 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
             raise UserInputError(
                 "llama.cpp's LoRA adapters cannot hold DoRA; export gguf (fused) instead", "export"
             )
-        g = gguf_name(f"{mod_name}.weight")
+        g = gguf_name(f"{mod_name}.weight", config["model_type"])
         if g is None:
             raise UserInputError(f"no GGUF name for {mod_name!r}", "export --format gguf-adapter")
         a = np.ascontiguousarray(np.array(m.lora_a.astype(mx.float32)).T)  # [r, in]

@@ -163,15 +163,52 @@ def test_gguf_adapter_applies_as_llama_cpp_applies_it(tmp_path, data_dir, llama_
         np.testing.assert_allclose(merged, ft[name], rtol=1e-4, atol=1e-5)
 
 
-def test_unsupported_architecture_names_the_supported_ones(tmp_path, model_dir_factory):
+def test_gemma_phi3_and_gemma2_follow_llama_cpp_conventions(
+    tmp_path, model_dir_factory, tokenizer, tokenizer_dir
+):
+    """Checked against llama.cpp by hand (logits within 3e-4); these pin the conventions."""
     from mlxtune.gguf_export import write_gguf_model
     from mlxtune.models import load_model
 
-    model, cfg = load_model(model_dir_factory("phi3"))
-    with pytest.raises(
-        UserInputError, match="GGUF export supports llama, mistral, qwen2, qwen3 so far, not 'phi3'"
-    ):
-        write_gguf_model(model, cfg, None, None, tmp_path)
+    for family in ("gemma", "gemma2", "phi3"):
+        model, cfg = load_model(model_dir_factory(family))
+        w = dict(tree_flatten(model.parameters()))
+        d = tmp_path / family
+        d.mkdir()
+        f, t, _ = read(write_gguf_model(model, cfg, tokenizer, tokenizer_dir, d, "f32"))
+        assert f["general.architecture"] == family
+        if family in ("gemma", "gemma2"):  # llama.cpp multiplies by w; gemma by (1 + w)
+            np.testing.assert_allclose(
+                t["blk.0.attn_norm.weight"],
+                np.array(w["model.layers.0.input_layernorm.weight"]) + 1,
+            )
+            np.testing.assert_allclose(
+                t["output_norm.weight"], np.array(w["model.norm.weight"]) + 1
+            )
+            assert "output.weight" not in t and f[f"{family}.attention.key_length"] == 8
+        if family == "gemma2":
+            norms = {"post_attention_norm", "ffn_norm", "post_ffw_norm", "attn_norm"}
+            assert norms <= {n.split(".")[2] for n in t if n.startswith("blk.0.")}
+            assert (
+                f["gemma2.final_logit_softcapping"] == 5.0
+                and f["gemma2.attn_logit_softcapping"] == 50.0
+            )
+        if family == "phi3":  # fused projections keep their fused shape
+            assert t["blk.0.attn_qkv.weight"].shape == (3 * 32, 32) and t[
+                "blk.0.ffn_up.weight"
+            ].shape == (2 * 64, 32)
+            assert "output.weight" in t
+
+
+def test_gemma2_with_a_query_scale_llama_cpp_ignores_is_refused(
+    tmp_path, model_dir_factory, tokenizer, tokenizer_dir
+):
+    from mlxtune.gguf_export import write_gguf_model
+    from mlxtune.models import load_model
+
+    model, cfg = load_model(model_dir_factory("gemma2", query_pre_attn_scalar=16.0))
+    with pytest.raises(UserInputError, match="query_pre_attn_scalar is 16, not head_dim 8"):
+        write_gguf_model(model, cfg, tokenizer, tokenizer_dir, tmp_path, "f32")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
@@ -192,3 +229,19 @@ def test_other_families_match_mlx_the_way_llama_cpp_reads_them(
     ids = [1, 5, 9, 12, 7, 3, 4, 8, 20, 11]
     want = np.array(model(mx.array([ids]))[0])
     np.testing.assert_allclose(llama_cpp_forward(f, t, ids), want, rtol=1e-3, atol=1e-4)
+
+
+def test_what_gguf_cannot_write_yet_is_named(tmp_path, llama_dir, tokenizer):
+    from mlxtune.gguf_export import _arch, write_gguf_model
+    from mlxtune.models import load_model
+
+    with pytest.raises(
+        UserInputError,
+        match="supports llama, mistral, qwen2, qwen3, gemma, gemma2, phi3 so far, not 'mamba'",
+    ):
+        _arch({"model_type": "mamba"})
+    model, cfg = load_model(llama_dir)
+    with pytest.raises(UserInputError, match="needs a sentencepiece tokenizer.model"):
+        write_gguf_model(
+            model, cfg, tokenizer, tmp_path, tmp_path, "f32"
+        )  # no tokenizer.model there
