@@ -141,14 +141,83 @@ def _tensor_array(v: mx.array, dtype: str):
     return gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
 
 
+# Split patterns of byte-level BPE pre-tokenizers, and the names llama.cpp knows them by.
+_PRE_PATTERNS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+}
+
+
+def _bpe_pre_name(data: dict) -> str:
+    """llama.cpp's name for a tokenizer.json's pre-tokenizer (UserInputError when unknown)."""
+    pre = data.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    split = next((s for s in steps if s.get("type") == "Split"), None)
+    level = next((s for s in steps if s.get("type") == "ByteLevel"), None)
+    if split is None and level is not None and level.get("use_regex", True):
+        return "gpt-2"
+    pattern = split.get("pattern", {}).get("Regex") if split else None
+    if pattern in _PRE_PATTERNS:
+        return _PRE_PATTERNS[pattern]
+    raise UserInputError(
+        "this BPE tokenizer's pre-tokenizer is not one llama.cpp knows (GPT-2, Qwen2, Llama 3 are)",
+        "export --format gguf",
+    )
+
+
+def _add_bpe_tokenizer(w, tokenizer):
+    """A byte-level BPE vocabulary (tokenizer.json) as llama.cpp's "gpt2" tokenizer model."""
+    import json
+
+    import gguf
+
+    fast = tokenizer._tokenizer
+    data = json.loads(fast.backend_tokenizer.to_str())
+    model = data["model"]
+    n = len(fast)
+    tokens: list[str | None] = [None] * n
+    types = [int(gguf.TokenType.NORMAL)] * n
+    for tok, i in model["vocab"].items():
+        tokens[i] = tok
+    for added in data.get("added_tokens", []):
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = int(
+            gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+        )
+    for i, tok in enumerate(tokens):  # holes in the ids, filled as llama.cpp's converter fills them
+        if tok is None:
+            tokens[i], types[i] = f"[PAD{i}]", int(gguf.TokenType.UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_bpe_pre_name(data))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for key in ("bos", "eos", "unk", "pad"):
+        tid = getattr(fast, f"{key}_token_id", None)
+        if tid is not None:
+            getattr(w, f"add_{key}_token_id")(tid)
+    w.add_add_bos_token(bool(getattr(fast, "add_bos_token", False)))
+    template = getattr(fast, "chat_template", None)
+    if isinstance(template, str):
+        w.add_chat_template(template)
+
+
+def _is_bpe(tokenizer) -> bool:
+    backend = getattr(getattr(tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+    return backend is not None and type(backend.model).__name__ == "BPE"
+
+
 def _add_tokenizer(w, tokenizer_dir: Path | None, tokenizer):
     import gguf
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     spm_path = tokenizer_dir / "tokenizer.model" if tokenizer_dir else None
     if spm_path is None or not spm_path.exists():
+        if _is_bpe(tokenizer):
+            return _add_bpe_tokenizer(w, tokenizer)
         raise UserInputError(
-            "GGUF export needs a sentencepiece tokenizer.model beside the tokenizer for now",
+            "GGUF export needs a sentencepiece tokenizer.model or a BPE tokenizer.json",
             "export --format gguf",
         )
     proto = pb.ModelProto()

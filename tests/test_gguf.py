@@ -245,3 +245,85 @@ def test_what_gguf_cannot_write_yet_is_named(tmp_path, llama_dir, tokenizer):
         write_gguf_model(
             model, cfg, tokenizer, tmp_path, tmp_path, "f32"
         )  # no tokenizer.model there
+
+
+def bpe_tokenizer_dir(path, style):
+    """A byte-level BPE tokenizer.json trained here, GPT-2 or Qwen2 style pre-tokenization."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxtune.gguf_export import _PRE_PATTERNS
+
+    tk = Tokenizer(models.BPE())
+    if style == "gpt-2":
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        pattern = (
+            next(k for k, v in _PRE_PATTERNS.items() if v == style)
+            if style in _PRE_PATTERNS.values()
+            else style
+        )
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tk.decoder = decoders.ByteLevel()
+    corpus = [
+        "reverse hello = olleh",
+        "The quick brown fox jumps.",
+        "Numbers 12345!",
+        "ünïcödé émigré",
+    ] * 30
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tk.train_from_iterator(corpus, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>").save_pretrained(
+        str(path)
+    )
+    return path
+
+
+@pytest.mark.parametrize("style", ["gpt-2", "qwen2"])
+def test_bpe_vocabulary_is_written_as_llama_cpp_gpt2_tokenizer(tmp_path, style):
+    """Checked against llama.cpp by hand: identical tokens on unicode, digits and whitespace."""
+    import json
+
+    from conftest import tiny_arch
+    from mlxtune.gguf_export import write_gguf_model
+    from mlxtune.models import build_model
+    from mlxtune.tokenizer import load_tokenizer
+
+    tok_dir = bpe_tokenizer_dir(tmp_path / "tok", style)
+    tok = load_tokenizer(tok_dir)
+    model, cfg = build_model(tiny_arch("qwen2"), len(tok._tokenizer))
+    f, _, r = read(write_gguf_model(model, cfg, tok, tok_dir, tmp_path, "f32"))
+    spec = json.loads((tok_dir / "tokenizer.json").read_text())
+    assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == style
+    vocab = spec["model"]["vocab"]
+    assert [f["tokenizer.ggml.tokens"][i] for i in sorted(vocab.values())] == sorted(
+        vocab, key=vocab.get
+    )
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    assert f["tokenizer.ggml.merges"] == merges and len(merges) > 20
+    eos = tok.eos_token_id
+    assert f["tokenizer.ggml.eos_token_id"] == eos and f["tokenizer.ggml.token_type"][eos] == int(
+        gguf.TokenType.CONTROL
+    )
+
+
+def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
+    from conftest import tiny_arch
+    from mlxtune.gguf_export import write_gguf_model
+    from mlxtune.models import build_model
+    from mlxtune.tokenizer import load_tokenizer
+
+    tok_dir = bpe_tokenizer_dir(tmp_path / "tok", r"\p{L}+|\s+|[^\s\p{L}]+")
+    tok = load_tokenizer(tok_dir)
+    model, cfg = build_model(tiny_arch("qwen2"), len(tok._tokenizer))
+    with pytest.raises(UserInputError, match="pre-tokenizer is not one llama.cpp knows"):
+        write_gguf_model(model, cfg, tok, tok_dir, tmp_path, "f32")
