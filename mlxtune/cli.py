@@ -83,7 +83,15 @@ def validate(recipe, overrides):
     type=click.Choice(["float32", "bfloat16", "float16", "f32", "f16", "bf16", "q8_0"]),
     help="fused: float32|bfloat16|float16; gguf: f32|f16|bf16|q8_0 (default f16).",
 )
-def export_cmd(path, fmt, out, dtype):
+@click.option(
+    "--quantize",
+    type=click.Choice(["4", "8"]),
+    help="fused: quantize the merged model to 4 or 8 bits.",
+)
+@click.option(
+    "--q-group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True
+)
+def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""
     import shutil
     from pathlib import Path
@@ -100,7 +108,7 @@ def export_cmd(path, fmt, out, dtype):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        export(trained, fmt, tmp, dtype)
+        export(trained, fmt, tmp, dtype, int(quantize) if quantize else None, int(q_group_size))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -217,14 +217,45 @@ def dequantize(model: nn.Module, config: dict) -> tuple[nn.Module, dict]:
     return dequantize_model(model), config
 
 
-def write_fused(t: TrainedModel, out: Path, dtype: str | None = None):
-    """The model with its adapters merged in; de-quantized when the base was quantized."""
+def write_fused(
+    t: TrainedModel,
+    out: Path,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    group_size: int = 64,
+):
+    """The model with its adapters merged in; de-quantized when the base was quantized, and
+    quantized again (``quantize`` bits, affine, per group of ``group_size``) when asked."""
     model, config = dequantize(fuse(t.model), t.model_config)
+    if dtype is not None:
+        from .models import cast_floats
+
+        cast_floats(model, dtype)
+    if quantize is not None:
+        try:
+            nn.quantize(model, group_size=group_size, bits=quantize)
+        except ValueError as e:
+            raise UserInputError(
+                f"cannot quantize to {quantize} bits in groups of {group_size}: {e}", "--quantize"
+            ) from None
+        config = {**config, "quantization": {"group_size": group_size, "bits": quantize}}
+        dtype = None
     save_model(model, config, out, t.tokenizer, t.tokenizer_dir, dtype)
 
 
-def export(t: TrainedModel, fmt: str, out: Path, dtype: str | None = None):
+def export(
+    t: TrainedModel,
+    fmt: str,
+    out: Path,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    group_size: int = 64,
+):
     """Write format ``fmt`` into the (existing, empty) folder ``out``."""
+    if quantize is not None and fmt != "fused":
+        raise UserInputError(
+            "--quantize applies to fused exports (gguf has --dtype q8_0)", "export"
+        )
     if fmt == "mlx-lm":
         if t.adapter["type"] == "full":
             raise UserInputError(
@@ -237,7 +268,7 @@ def export(t: TrainedModel, fmt: str, out: Path, dtype: str | None = None):
     elif fmt == "fused":
         if dtype is not None and dtype not in DTYPES:
             raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
-        write_fused(t, out, dtype)
+        write_fused(t, out, dtype, quantize, group_size)
     elif fmt == "gguf":
         from .gguf_export import write_gguf_model
 

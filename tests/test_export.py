@@ -268,3 +268,53 @@ def test_a_lora_run_over_a_quantized_base_exports_dequantized(
     np.testing.assert_allclose(logits(fused, ids), want, rtol=1e-3, atol=1e-3)
     assert main(["export", str(tmp_path / "qlora"), "--format", "gguf", "--dtype", "f32"]) == 0
     assert next((tmp_path / "qlora" / "export" / "gguf").glob("*.gguf")).stat().st_size > 0
+
+
+def test_fused_export_can_be_quantized_again(tmp_path, data_dir, llama_dir, capsys):
+    import mlx.nn as nn
+    from mlx_lm.utils import load as mlx_lm_load
+
+    tr = trained_run(tmp_path, data_dir, llama_dir, "lora", [])
+    ids = tr.train_set.examples[0].ids
+    want = logits(tr.model, ids)
+    out = tmp_path / "q8"
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "lora"),
+                "--format",
+                "fused",
+                "--quantize",
+                "8",
+                "--q-group-size",
+                "32",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert json.loads((out / "config.json").read_text())["quantization"] == {
+        "group_size": 32,
+        "bits": 8,
+    }
+    model, _ = mlx_lm_load(str(out))
+    assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert np.abs(logits(model, ids) - want).max() < 0.05 * np.abs(want).max()
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "lora"),
+                "--format",
+                "gguf",
+                "--quantize",
+                "8",
+                "--out",
+                str(tmp_path / "g"),
+            ]
+        )
+        == 2
+    )
+    assert "--quantize applies to fused" in capsys.readouterr().err

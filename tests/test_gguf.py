@@ -92,7 +92,9 @@ def llama_cpp_forward(f, t, ids):
     return x @ t.get("output.weight", t["token_embd.weight"]).T
 
 
-@pytest.mark.parametrize("dtype, tol", [("f32", 1e-4), ("f16", 2e-2), ("q8_0", 5e-2)])
+@pytest.mark.parametrize(
+    "dtype, tol", [("f32", 1e-4), ("f16", 2e-2), ("bf16", 5e-2), ("q8_0", 5e-2)]
+)
 def test_gguf_model_matches_mlx_the_way_llama_cpp_reads_it(
     tmp_path, data_dir, llama_dir, tokenizer_dir, dtype, tol
 ):
