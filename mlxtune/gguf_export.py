@@ -230,7 +230,14 @@ def _add_tokenizer(w, tokenizer_dir: Path | None, tokenizer):
         pb.ModelProto.SentencePiece.UNUSED: gguf.TokenType.UNUSED,
         pb.ModelProto.SentencePiece.BYTE: gguf.TokenType.BYTE,
     }
-    w.add_tokenizer_model("llama")
+    if proto.trainer_spec.model_type == pb.TrainerSpec.UNIGRAM:
+        # llama.cpp's "llama" tokenizer merges pieces by score (sentencepiece BPE); a unigram
+        # model needs its Viterbi tokenizer ("t5", UGM) and the normaliser's character map.
+        w.add_tokenizer_model("t5")
+        w.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
+        w.add_remove_extra_whitespaces(bool(proto.normalizer_spec.remove_extra_whitespaces))
+    else:
+        w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list([p.piece.encode("utf-8") for p in proto.pieces])
     w.add_token_scores([float(p.score) for p in proto.pieces])

@@ -101,7 +101,8 @@ def test_gguf_model_matches_mlx_the_way_llama_cpp_reads_it(
     tr = trained_run(tmp_path, data_dir, llama_dir, "lora", [])
     f, t, r = read(export_gguf(tmp_path / "lora", tmp_path / f"g-{dtype}", dtype))
     assert f["general.architecture"] == "llama" and f["llama.block_count"] == 2
-    assert f["tokenizer.ggml.model"] == "llama"
+    # a unigram sentencepiece model: llama.cpp's Viterbi tokenizer, with the normaliser's map
+    assert f["tokenizer.ggml.model"] == "t5" and len(f["tokenizer.ggml.precompiled_charsmap"]) > 0
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
     assert f["tokenizer.ggml.tokens"] == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     assert r.fields["tokenizer.ggml.token_type"].types[-1] == gguf.GGUFValueType.INT32
@@ -329,3 +330,16 @@ def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
     model, cfg = build_model(tiny_arch("qwen2"), len(tok._tokenizer))
     with pytest.raises(UserInputError, match="pre-tokenizer is not one llama.cpp knows"):
         write_gguf_model(model, cfg, tok, tok_dir, tmp_path, "f32")
+
+
+def test_a_char_sentencepiece_model_uses_llama_cpp_llama_tokenizer(tmp_path):
+    from mlxtune.gguf_export import write_gguf_model
+    from mlxtune.models import load_model
+    from mlxtune.tokenizer import load_tokenizer
+
+    from conftest import REPO
+
+    base = REPO / "recipes" / "models" / "reverse-tiny"  # the quickstart's char tokenizer
+    model, cfg = load_model(base)
+    f, _, _ = read(write_gguf_model(model, cfg, load_tokenizer(base), base, tmp_path, "f32"))
+    assert f["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.precompiled_charsmap" not in f
