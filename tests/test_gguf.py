@@ -333,11 +333,10 @@ def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
 
 
 def test_a_char_sentencepiece_model_uses_llama_cpp_llama_tokenizer(tmp_path):
+    from conftest import REPO
     from mlxtune.gguf_export import write_gguf_model
     from mlxtune.models import load_model
     from mlxtune.tokenizer import load_tokenizer
-
-    from conftest import REPO
 
     base = REPO / "recipes" / "models" / "reverse-tiny"  # the quickstart's char tokenizer
     model, cfg = load_model(base)
