@@ -77,14 +77,6 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    return (
-        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
 # gemma2 has four norms per block; its post_attention_layernorm is not llama's (pre-FFN) one
 _GEMMA2 = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",

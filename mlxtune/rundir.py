@@ -124,10 +124,3 @@ class RunDir:
         tmp.rename(final)
         if old.exists():
             shutil.rmtree(old)
-
-    def remove(self, *parts: str):
-        p = self.inside(*parts)
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
