@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from . import _blas
 from .console import Console
+from .control import take_requests
 from .data import Dataset, Encoder, eval_batches, iterate_batches, load_split, read_jsonl, split_off
 from .errors import TrainingError, UserInputError
 from .export import TrainedModel, export, import_adapter, write_mlx_lm
@@ -118,6 +119,22 @@ class Trainer:
         self._setup()
 
     # ---------------------------------------------------------------- steering
+    def _take_control(self) -> set[str]:
+        """Requests from RUN_DIR/control/ (the dashboard's keys); pause waits here for resume."""
+        asked = take_requests(self.run_dir.path)
+        if "pause" in asked and "resume" not in asked and "stop" not in asked:
+            self.log("paused (control/resume to go on)")
+            self.console.end_progress()
+            while not ({"resume", "stop"} & asked):
+                time.sleep(0.2)
+                asked |= take_requests(self.run_dir.path)
+            self.log("resumed" if "resume" in asked else "stop requested while paused")
+        if "save" in asked:
+            self._save = True
+        if "stop" in asked:
+            self._stop = True
+        return asked
+
     def request_stop(self):
         """Finish the current step, save, export as the recipe says, and return."""
         self._stop = True
@@ -462,9 +479,14 @@ class Trainer:
                 con.log_step(row, self.total_steps)
                 window = _new_window()
 
-            if r.eval.every and step % r.eval.every == 0 and step != self.total_steps:
+            asked = self._take_control()
+            if "eval" in asked or (
+                r.eval.every and step % r.eval.every == 0 and step != self.total_steps
+            ):
                 self._evaluate(step)
-            if r.samples.every and step % r.samples.every == 0 and step != self.total_steps:
+            if "sample" in asked or (
+                r.samples.every and step % r.samples.every == 0 and step != self.total_steps
+            ):
                 self._samples(step)
             if (r.checkpoints.every and step % r.checkpoints.every == 0) or self._save:
                 self._save = False
