@@ -203,6 +203,20 @@ def chat(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, system):
         messages.append({"role": "assistant", "content": reply})
 
 
+@cli.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--read-only", is_flag=True, help="Watch without the keys that steer the run.")
+def watch(run_dir, read_only):
+    """Open the dashboard on a running or finished run."""
+    from pathlib import Path
+
+    from .tui.app import WatchApp
+
+    if not (Path(run_dir) / "config_resolved.json").exists():
+        raise UserInputError("not a run directory (no config_resolved.json)", run_dir)
+    WatchApp(run_dir, read_only=read_only).run()
+
+
 def _memory_gb() -> float | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9

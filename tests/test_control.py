@@ -40,7 +40,9 @@ def test_save_eval_sample_and_stop_requests_steer_the_run(tmp_path, data_dir, ll
     rd = tr.run_dir
     assert (rd.path / "checkpoints" / "step-000002").exists()
     assert [row["step"] for row in rd.read_jsonl("metrics.jsonl") if "eval_loss" in row] == [2, 4]
-    assert {row["step"] for row in rd.read_jsonl("samples.jsonl")} == {2}  # asked for; none scheduled
+    assert {row["step"] for row in rd.read_jsonl("samples.jsonl")} == {
+        2
+    }  # asked for; none scheduled
     assert not list((rd.path / "control").iterdir())
 
 

@@ -1,0 +1,202 @@
+"""mlxtune watch: a Textual dashboard over a run directory.
+
+It reads only the run directory (tui/rundata.py) and steers the trainer only through
+RUN_DIR/control/ (mlxtune.control), so it works the same on a running or a finished run, in
+another terminal or in the same process, and closing it (ctrl+q) leaves training running.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Log, Sparkline, Static
+
+from mlxtune.control import request
+
+from .rundata import RunData, ema
+
+HELP = (
+    "p pause/resume · s save a checkpoint · e evaluate · g generate a sample · q stop the run "
+    "(finish the step, save, export) · 1-6 show/hide panels · ctrl+q close the dashboard only"
+)
+
+
+def _fmt_time(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "--:--"
+    s = int(s)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m:02d}:{sec:02d}"
+
+
+def _num(v, fmt: str) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN"
+    return format(v, fmt)
+
+
+def _metric(row: dict, key: str, fmt: str) -> str:
+    """A metric of a logged row: '-' when absent, 'NaN' when written as null (the run directory
+    writes non-finite numbers as null)."""
+    if key in row and row[key] is None:
+        return "NaN"
+    return _num(row.get(key), fmt)
+
+
+class WatchApp(App):
+    """A live view of one run; keys send requests to its trainer unless read-only."""
+
+    CSS = """
+    Screen { layout: vertical; }
+    #header { height: auto; padding: 0 1; background: $panel; }
+    #progress { height: 1; padding: 0 1; }
+    .panel { border: round $primary; height: auto; min-height: 3; padding: 0 1; }
+    Sparkline { height: 4; }
+    #curves { height: auto; }
+    #curves > Vertical { width: 1fr; }
+    #log { height: 6; }
+    """
+
+    BINDINGS = [
+        Binding("p", "control('pause')", "pause/resume"),
+        Binding("s", "control('save')", "save"),
+        Binding("e", "control('eval')", "eval"),
+        Binding("g", "control('sample')", "sample"),
+        Binding("q", "control('stop')", "stop run"),
+        Binding("question_mark", "help", "help"),
+        *[Binding(str(i), f"toggle({i})", show=False) for i in range(1, 7)],
+    ]
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        read_only: bool = False,
+        poll_s: float = 0.5,
+        smoothing: float = 0.9,
+    ):
+        super().__init__()
+        self.data = RunData(run_dir)
+        self.read_only = read_only
+        self.poll_s = poll_s
+        self.smoothing = smoothing
+        self.paused = False
+        self.requests: list[str] = []
+
+    # ------------------------------------------------------------------ layout
+    def compose(self) -> ComposeResult:
+        yield Static(id="header")
+        yield Static(id="progress")
+        with Horizontal(id="curves"):
+            with Vertical(classes="panel", id="p1"):
+                yield Static("loss (train, smoothed)", id="loss-title")
+                yield Sparkline([], id="loss")
+            with Vertical(classes="panel", id="p2"):
+                yield Static("learning rate", id="lr-title")
+                yield Sparkline([], id="lr")
+        yield Static(id="stats", classes="panel")
+        yield Static(id="sample", classes="panel")
+        yield Static(id="checkpoints", classes="panel")
+        yield Log(id="log", classes="panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.title = f"mlxtune · {self.data.run_dir}" + (" (read-only)" if self.read_only else "")
+        self.refresh_data()
+        self.set_interval(self.poll_s, self.refresh_data)
+
+    # ------------------------------------------------------------------ data
+    def refresh_data(self) -> None:
+        d = self.data
+        if not d.poll() and d.last:
+            self._progress()  # keep the clock moving
+            return
+        cfg = d.config.get("recipe", {})
+        der = d.config.get("derived", {})
+        a = cfg.get("adapter", {})
+        adapter = (
+            a.get("type", "?")
+            if a.get("type") == "full"
+            else f"{a.get('type', '?')} r={a.get('rank')} alpha={a.get('alpha')}"
+        )
+        self.query_one("#header", Static).update(
+            f"[b]{cfg.get('name', d.run_dir.name)}[/b]  model {d.config.get('model_dir') or 'new ' + str(d.config.get('model_config', {}).get('model_type', '?'))}"
+            f" · {adapter} · {der.get('trainable_parameters', 0):,} trainable ({der.get('trainable_percent', 0):.2f}%)\n"
+            f"data {der.get('train_examples', '?')} train / {der.get('valid_examples', '?')} valid · "
+            f"{cfg.get('optimizer', {}).get('name', '?')} lr {cfg.get('optimizer', {}).get('lr', '?')} "
+            f"{cfg.get('schedule', {}).get('name', '')} · batch {cfg.get('train', {}).get('batch_size', '?')} "
+            f"× {cfg.get('train', {}).get('grad_accumulation', 1)} · {d.total_steps or '?'} steps"
+        )
+        self._progress()
+        smooth = ema(d.loss.ys, self.smoothing)
+        self.query_one("#loss", Sparkline).data = [v for v in smooth if math.isfinite(v)] or [0.0]
+        last = d.last
+        title = f"loss {_metric(last, 'loss', '.4f')} (smoothed {_num(smooth[-1] if smooth else None, '.4f')})"
+        if d.last_eval:
+            title += f" · eval {_metric(d.last_eval, 'eval_loss', '.4f')} ppl {_metric(d.last_eval, 'eval_ppl', '.3f')}"
+        self.query_one("#loss-title", Static).update(title)
+        self.query_one("#lr", Sparkline).data = [v for v in d.lr.ys if math.isfinite(v)] or [0.0]
+        self.query_one("#lr-title", Static).update(f"learning rate {_metric(last, 'lr', '.2e')}")
+        self.query_one("#stats", Static).update(
+            f"tokens/s {_metric(last, 'tokens_per_sec', ',.0f')} · step {_metric(last, 'step_time_s', '.3f')} s · "
+            f"peak memory {_metric(last, 'peak_memory_gb', '.2f')} GB · grad norm {_metric(last, 'grad_norm', '.3f')}"
+            + (f" · loss scale {last['loss_scale']}" if "loss_scale" in last else "")
+            + (f" · {d.bad_lines} malformed lines skipped" if d.bad_lines else "")
+        )
+        if d.samples:
+            s = d.samples[-1]
+            self.query_one("#sample", Static).update(
+                f"sample @ {s.get('step')}: {s.get('prompt', '')!r} → {s.get('completion', '')!r}"
+            )
+        else:
+            self.query_one("#sample", Static).update("no sample yet")
+        self.query_one("#checkpoints", Static).update(
+            "checkpoints: " + (", ".join(d.checkpoints()) or "none yet")
+        )
+        if d.summary is not None:
+            self.query_one("#progress", Static).update(
+                f"finished: {d.summary.get('steps')} steps · final loss {_num(d.summary.get('final_loss'), '.4f')} · "
+                f"best eval {_num(d.summary.get('best_eval_loss'), '.4f')}"
+            )
+
+    def _progress(self) -> None:
+        d = self.data
+        if d.summary is not None:
+            return
+        step, total = d.last.get("step", 0), d.total_steps or 0
+        width = 30
+        done = int(width * step / total) if total else 0
+        state = " · paused" if self.paused else ""
+        self.query_one("#progress", Static).update(
+            f"[{'#' * done}{'.' * (width - done)}] {step}/{total or '?'}  ETA {_fmt_time(d.eta_s())}{state}"
+        )
+
+    # ------------------------------------------------------------------ actions
+    def action_control(self, what: str) -> None:
+        if self.read_only:
+            self.notify("read-only: this dashboard does not steer the run", severity="warning")
+            return
+        if what == "pause":
+            what = "resume" if self.paused else "pause"
+            self.paused = not self.paused
+        request(self.data.run_dir, what)
+        self.requests.append(what)
+        self.query_one("#log", Log).write_line(
+            f"{time.strftime('%H:%M:%S')} asked the trainer to {what}"
+        )
+        self._progress()
+
+    def action_toggle(self, n: int) -> None:
+        ids = {1: "#p1", 2: "#p2", 3: "#stats", 4: "#sample", 5: "#checkpoints", 6: "#log"}
+        w = self.query_one(ids[n])
+        w.display = not w.display
+
+    def action_help(self) -> None:
+        self.notify(HELP, timeout=8)

@@ -1,0 +1,152 @@
+"""What the dashboard knows about a run, read from its directory and nothing else.
+
+``RunData.poll()`` reads what was appended to metrics.jsonl and samples.jsonl since the last call
+(whole lines only: a half-written last line waits for the next poll), skips and counts lines that
+are not JSON, and keeps at most ``max_points`` points per curve by dropping every other old
+point when full, so a run of any length takes bounded memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class Tail:
+    """Complete new lines of a growing file, from a remembered byte offset."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.bad_lines = 0
+
+    def rows(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        out = []
+        for line in chunk[: end + 1].splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                self.bad_lines += 1
+                continue
+            if isinstance(row, dict):
+                out.append(row)
+            else:
+                self.bad_lines += 1
+        return out
+
+
+@dataclass
+class Curve:
+    """(x, y) points, decimated to stay under max_points."""
+
+    max_points: int = 2000
+    xs: list[float] = field(default_factory=list)
+    ys: list[float] = field(default_factory=list)
+
+    def add(self, x, y):
+        y = math.nan if y is None else float(y)
+        self.xs.append(x)
+        self.ys.append(y)
+        if len(self.xs) > self.max_points:
+            keep = len(self.xs) // 2  # thin the older half, keep recent points exact
+            self.xs = self.xs[:keep:2] + self.xs[keep:]
+            self.ys = self.ys[:keep:2] + self.ys[keep:]
+
+    def __len__(self):
+        return len(self.xs)
+
+
+def ema(values: list[float], alpha: float) -> list[float]:
+    """Exponential moving average with bias correction (NaN values are skipped, not spread)."""
+    out, avg, weight = [], 0.0, 0.0
+    for v in values:
+        if math.isfinite(v):
+            avg = alpha * avg + (1 - alpha) * v
+            weight = alpha * weight + (1 - alpha)
+        out.append(avg / weight if weight else math.nan)
+    return out
+
+
+class RunData:
+    def __init__(self, run_dir: str | Path, max_points: int = 2000):
+        self.run_dir = Path(run_dir)
+        self.metrics = Tail(self.run_dir / "metrics.jsonl")
+        self.sample_tail = Tail(self.run_dir / "samples.jsonl")
+        self.loss = Curve(max_points)
+        self.eval_loss = Curve(max_points)
+        self.lr = Curve(max_points)
+        self.tokens_per_sec = Curve(max_points)
+        self.last: dict = {}
+        self.last_eval: dict = {}
+        self.first_time: float | None = None
+        self.samples: list[dict] = []
+        self.config: dict = {}
+        self.summary: dict | None = None
+
+    @property
+    def bad_lines(self) -> int:
+        return self.metrics.bad_lines + self.sample_tail.bad_lines
+
+    @property
+    def total_steps(self) -> int | None:
+        return self.config.get("derived", {}).get("effective_steps")
+
+    def poll(self) -> bool:
+        """Read what is new; True if anything changed."""
+        changed = False
+        if not self.config:
+            try:
+                self.config = json.loads((self.run_dir / "config_resolved.json").read_text())
+                changed = True
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+        for row in self.metrics.rows():
+            changed = True
+            step = row.get("step")
+            if "loss" in row:
+                self.last = row
+                if self.first_time is None and row.get("time"):
+                    self.first_time = row["time"] - row.get("step_time_s", 0) * step
+                self.loss.add(step, row.get("loss"))
+                self.lr.add(step, row.get("lr"))
+                self.tokens_per_sec.add(step, row.get("tokens_per_sec"))
+            if "eval_loss" in row:
+                self.last_eval = row
+                self.eval_loss.add(step, row.get("eval_loss"))
+        new_samples = self.sample_tail.rows()
+        if new_samples:
+            self.samples = (self.samples + new_samples)[-20:]
+            changed = True
+        if self.summary is None and (self.run_dir / "summary.json").exists():
+            try:
+                self.summary = json.loads((self.run_dir / "summary.json").read_text())
+                changed = True
+            except json.JSONDecodeError:
+                pass
+        return changed
+
+    def eta_s(self) -> float | None:
+        step, total = self.last.get("step"), self.total_steps
+        if not step or not total or not self.last.get("step_time_s"):
+            return None
+        return max(total - step, 0) * self.last["step_time_s"]
+
+    def checkpoints(self) -> list[str]:
+        folder = self.run_dir / "checkpoints"
+        if not folder.is_dir():
+            return []
+        return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
