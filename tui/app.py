@@ -14,6 +14,7 @@ from pathlib import Path
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Log, Sparkline, Static
 
 from mlxtune.control import request
@@ -58,11 +59,12 @@ class WatchApp(App):
     Screen { layout: vertical; }
     #header { height: auto; padding: 0 1; background: $panel; }
     #progress { height: 1; padding: 0 1; }
-    .panel { border: round $primary; height: auto; min-height: 3; padding: 0 1; }
+    .panel { border: round $primary; height: auto; padding: 0 1; }
     Sparkline { height: 4; }
     #curves { height: auto; }
     #curves > Vertical { width: 1fr; }
-    #log { height: 6; }
+    #info > Static { height: auto; }
+    #log { height: 1fr; min-height: 3; }
     """
 
     BINDINGS = [
@@ -80,7 +82,7 @@ class WatchApp(App):
         run_dir: str | Path,
         read_only: bool = False,
         poll_s: float = 0.5,
-        smoothing: float = 0.9,
+        smoothing: float = 0.6,
     ):
         super().__init__()
         self.data = RunData(run_dir)
@@ -101,9 +103,10 @@ class WatchApp(App):
             with Vertical(classes="panel", id="p2"):
                 yield Static("learning rate", id="lr-title")
                 yield Sparkline([], id="lr")
-        yield Static(id="stats", classes="panel")
-        yield Static(id="sample", classes="panel")
-        yield Static(id="checkpoints", classes="panel")
+        with Vertical(classes="panel", id="info"):
+            yield Static(id="stats")
+            yield Static(id="sample")
+            yield Static(id="checkpoints")
         yield Log(id="log", classes="panel")
         yield Footer()
 
@@ -114,6 +117,12 @@ class WatchApp(App):
 
     # ------------------------------------------------------------------ data
     def refresh_data(self) -> None:
+        try:
+            self._refresh()
+        except NoMatches:  # the timer fired while the app was closing and its widgets are gone
+            pass
+
+    def _refresh(self) -> None:
         d = self.data
         if not d.poll() and d.last:
             self._progress()  # keep the clock moving
