@@ -27,6 +27,11 @@ ADAPTERS = {
 }
 
 
+def export_cli(*args) -> int:
+    """mlxtune export ARGS...; the exit code."""
+    return main(["export", *map(str, args)])
+
+
 def trained_run(tmp_path, data_dir, llama_dir, kind, formats):
     r = tiny_recipe(data_dir, llama_dir, adapter=ADAPTERS[kind], export={"formats": formats})
     r["optimizer"] = {"lr": 5e-2}
@@ -82,17 +87,8 @@ def test_fused_export_in_another_dtype(tmp_path, data_dir, llama_dir):
     trained_run(tmp_path, data_dir, llama_dir, "lora", [])
     out = tmp_path / "f16"
     assert (
-        main(
-            [
-                "export",
-                str(tmp_path / "lora"),
-                "--format",
-                "fused",
-                "--out",
-                str(out),
-                "--dtype",
-                "float16",
-            ]
+        export_cli(
+            str(tmp_path / "lora"), "--format", "fused", "--out", str(out), "--dtype", "float16"
         )
         == 0
     )
@@ -279,19 +275,16 @@ def test_fused_export_can_be_quantized_again(tmp_path, data_dir, llama_dir, caps
     want = logits(tr.model, ids)
     out = tmp_path / "q8"
     assert (
-        main(
-            [
-                "export",
-                str(tmp_path / "lora"),
-                "--format",
-                "fused",
-                "--quantize",
-                "8",
-                "--q-group-size",
-                "32",
-                "--out",
-                str(out),
-            ]
+        export_cli(
+            str(tmp_path / "lora"),
+            "--format",
+            "fused",
+            "--quantize",
+            "8",
+            "--q-group-size",
+            "32",
+            "--out",
+            str(out),
         )
         == 0
     )
@@ -303,17 +296,14 @@ def test_fused_export_can_be_quantized_again(tmp_path, data_dir, llama_dir, caps
     assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     assert np.abs(logits(model, ids) - want).max() < 0.05 * np.abs(want).max()
     assert (
-        main(
-            [
-                "export",
-                str(tmp_path / "lora"),
-                "--format",
-                "gguf",
-                "--quantize",
-                "8",
-                "--out",
-                str(tmp_path / "g"),
-            ]
+        export_cli(
+            str(tmp_path / "lora"),
+            "--format",
+            "gguf",
+            "--quantize",
+            "8",
+            "--out",
+            str(tmp_path / "g"),
         )
         == 2
     )

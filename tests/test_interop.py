@@ -8,9 +8,7 @@ skipped where those are not installed. To run them:
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_export import logits, trained_run
-
-from mlxtune.cli import main
+from test_export import export_cli, logits, trained_run
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])
@@ -42,17 +40,14 @@ def test_llama_cpp_runs_the_gguf_model_and_adapter(tmp_path, data_dir, llama_dir
     (tmp_path / "base").mkdir()
     base_gguf = write_gguf_model(base_model, cfg, tokenizer, llama_dir, tmp_path / "base", "f32")
     assert (
-        main(
-            [
-                "export",
-                str(tmp_path / "lora"),
-                "--format",
-                "gguf",
-                "--dtype",
-                "f32",
-                "--out",
-                str(tmp_path / "fused"),
-            ]
+        export_cli(
+            str(tmp_path / "lora"),
+            "--format",
+            "gguf",
+            "--dtype",
+            "f32",
+            "--out",
+            str(tmp_path / "fused"),
         )
         == 0
     )
