@@ -217,6 +217,20 @@ def watch(run_dir, read_only):
     WatchApp(run_dir, read_only=read_only).run()
 
 
+@cli.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+def compare(run_dirs):
+    """Print the figures of several runs side by side (* marks the best eval loss)."""
+    from pathlib import Path
+
+    from .tui.compare import compare_rows, format_table
+
+    for rd in run_dirs:
+        if not (Path(rd) / "config_resolved.json").exists():
+            raise UserInputError("not a run directory (no config_resolved.json)", rd)
+    click.echo(format_table(compare_rows(list(run_dirs))))
+
+
 def _memory_gb() -> float | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9

@@ -157,3 +157,17 @@ def test_read_only_sends_nothing_and_small_terminals_work(tmp_path):
             assert "finished: 31 steps" in str(app.query_one("#progress", Static).render())
 
     asyncio.run(drive())
+
+
+def test_compare_prints_each_runs_figures_and_marks_the_best(tmp_path, capsys):
+    from mlxtune.cli import main
+
+    a = recorded_run(tmp_path / "a", steps=30)
+    b = recorded_run(tmp_path / "b", steps=10, bad=False)
+    (a / "summary.json").write_text(json.dumps({"steps": 31}))
+    assert main(["compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    row_a, row_b = out[2], out[3]
+    assert "31" in row_a and "yes *" in row_a  # eval 2/30 beats 2/10
+    assert row_b.rstrip().endswith("running") and "0.2000" in row_b  # b's best eval: 2/10
+    assert main(["compare", str(tmp_path)]) == 2
