@@ -30,8 +30,12 @@ def request(run_dir: str | Path, what: str) -> Path:
 def take_requests(run_dir: str | Path) -> set[str]:
     """The pending requests, removed from the folder (so each is acted on once)."""
     folder = Path(run_dir) / "control"
+    try:
+        present = set(os.listdir(folder)) & set(REQUESTS)  # one look per step, usually empty
+    except FileNotFoundError:
+        return set()
     taken = set()
-    for what in REQUESTS:
+    for what in present:
         p = folder / what
         try:
             p.unlink()

@@ -425,15 +425,15 @@ class Trainer:
             t0 = time.perf_counter()
             micro = []
             for _ in range(t.grad_accumulation):
-                epoch, b = next(batches)
-                micro.append(b)
-            loss_sum, n, norm = self._optimizer_step(micro)
+                micro.append(next(batches)[1])
+            loss_sum, _, norm = self._optimizer_step(micro)
             dt = time.perf_counter() - t0
             step += 1
-            n_tokens = sum(b.n_targets for b in micro)
+            n_tokens = sum(b.n_targets for b in micro)  # the host knows what the step counted as n
             tokens_seen += n_tokens
             examples_seen += sum(len(b.tokens) for b in micro)
-            loss = loss_sum.item() / max(n.item(), 1)
+            step_loss_sum = loss_sum.item()
+            loss = step_loss_sum / max(n_tokens, 1)
             if not math.isfinite(loss):
                 self._save_checkpoint("final-nan", step, loss)
                 raise TrainingError(
@@ -443,10 +443,10 @@ class Trainer:
                 first_step_time = dt
             else:
                 step_times.append(dt)
-            window["loss"] += loss_sum.item()
-            window["n"] += n.item()
+            window["loss"] += step_loss_sum
+            window["n"] += n_tokens
             if step > 1:  # the first step's time is mostly compilation, reported on its own
-                window["timed_n"] += n.item()
+                window["timed_n"] += n_tokens
                 window["time"] += dt
                 window["steps"] += 1
             self.last_loss = loss
