@@ -245,12 +245,14 @@ class ExportConfig:
 class KernelsConfig:
     """Which implementation of the fused operations the trainer uses."""
 
-    loss: Literal["auto", "reference", "chunked"] = "auto"
+    loss: Literal["auto", "reference", "chunked", "metal", "cuda"] = "auto"
     """linear_cross_entropy tier: "auto" (MLXTUNE_KERNELS, else the best for the device),
-    "reference" (builds the [tokens, vocab] logits) or "chunked" (never builds them)."""
-    attention: Literal["auto", "reference", "chunked", "off"] = "auto"
+    "reference" (builds the [tokens, vocab] logits), "chunked" (portable MLX, never builds them),
+    or the GPU kernels, "metal" or "cuda" (where MLX has that backend)."""
+    attention: Literal["auto", "reference", "chunked", "metal", "cuda", "off"] = "auto"
     """attention tier in training: "auto" (MLXTUNE_KERNELS, else the best for the device),
-    "reference", "chunked" (never builds the [T, T] scores), or "off" (mlx-lm's own attention)."""
+    "reference", "chunked" (never builds the [T, T] scores), "metal" or "cuda" (GPU kernels), or
+    "off" (mlx-lm's own attention)."""
 
 
 @dataclass

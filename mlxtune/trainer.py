@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -144,9 +145,42 @@ class Trainer:
         self._save = True
 
     # ---------------------------------------------------------------- setup
+    def _check_kernels(self):
+        """Refuse a kernel tier this machine cannot run, before anything is loaded."""
+        from .kernels import _on_gpu, best_impl, check_impl, gpu_backend, self_check
+
+        k = self.recipe.kernels
+        env = os.environ.get("MLXTUNE_KERNELS")
+        for key, choice in (("kernels.loss", k.loss), ("kernels.attention", k.attention)):
+            if choice == "off":
+                continue
+            if choice == "auto" and env:
+                why = check_impl(env)
+                if why:
+                    raise UserInputError(f"MLXTUNE_KERNELS={env}: {why}", key)
+            why = None if choice == "auto" else check_impl(choice)
+            if why:
+                raise UserInputError(f"{why}; use auto (here: {best_impl()})", key)
+        # before anything is compiled: a GPU tier runs only once it has passed its check
+        # against the reference on this machine ("auto" falls back to chunked; a recipe that
+        # names the tier is refused)
+        gpu = gpu_backend()
+        if gpu is None or not _on_gpu():
+            return
+        why = self_check(gpu)
+        for key, choice in (("kernels.loss", k.loss), ("kernels.attention", k.attention)):
+            if why is not None and gpu in (choice, env):
+                raise UserInputError(f"the {gpu} kernels failed their check here: {why}", key)
+        self.log(
+            f"kernels: the {gpu} tier agrees with the reference here"
+            if why is None
+            else f"kernels: not using the {gpu} tier ({why}); running the chunked tier"
+        )
+
     def _setup(self):
         r = self.recipe
         self.log(f"BLAS: {self.blas.note}")
+        self._check_kernels()
         train_path = r.resolve_path(r.data.train)
         train_rows = read_jsonl(train_path)
 

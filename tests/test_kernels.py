@@ -96,8 +96,11 @@ def test_bad_arguments():
         linear_cross_entropy(h, w, t, reduction="avg")
     with pytest.raises(ValueError, match="shapes"):
         linear_cross_entropy(h, w[:, :3], t)
-    with pytest.raises(ValueError, match="not available"):
+    with pytest.raises(ValueError, match="unknown kernel tier 'nonexistent'"):
         linear_cross_entropy(h, w, t, impl="nonexistent")
+    if "cuda" not in available_impls():
+        with pytest.raises(ValueError, match="need MLX's cuda backend.*available here: reference"):
+            linear_cross_entropy(h, w, t, impl="cuda")
 
 
 @pytest.mark.parametrize(

@@ -403,3 +403,29 @@ def test_the_loss_is_told_whether_the_head_trains(tmp_path, data_dir, llama_dir)
     lora = make_trainer(tmp_path, data_dir, llama_dir, "lora")
     full = make_trainer(tmp_path, data_dir, llama_dir, "full", adapter={"type": "full"})
     assert lora._head_trains is False and full._head_trains is True
+
+
+@pytest.mark.parametrize(
+    "kernels,env,key",
+    [
+        ({"loss": "cuda"}, None, "kernels.loss"),
+        ({"attention": "metal"}, None, "kernels.attention"),
+        ({}, "cuda", "kernels.loss"),
+    ],
+)
+def test_a_kernel_tier_this_machine_lacks_is_refused(
+    tmp_path, data_dir, llama_dir, capsys, monkeypatch, kernels, env, key
+):
+    import yaml
+
+    from mlxtune.kernels import IMPLS
+
+    if "cuda" in IMPLS or "metal" in IMPLS:
+        pytest.skip("this machine has a GPU tier")
+    if env:
+        monkeypatch.setenv("MLXTUNE_KERNELS", env)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(tiny_recipe(data_dir, llama_dir, kernels=kernels)))
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert key in err and "backend" in err and "Traceback" not in err

@@ -1,9 +1,11 @@
 """Fused training kernels, behind fixed entry points.
 
 ``linear_cross_entropy(hidden, weight, targets, ...)`` is the LM head and the cross-entropy in
-one call. Each tier computes the same thing: "reference" is the naive MLX form (it builds the
-[N, V] logits), the tier every other one is tested against; "chunked" is portable MLX that
-never builds them (see chunked.py).
+one call; ``attention(q, k, v, ...)`` is scaled dot-product attention. Each tier computes the
+same thing: "reference" is the naive MLX form (it builds the [N, V] logits, the [T, T] scores),
+the tier every other one is tested against; "chunked" is portable MLX that never builds them
+(chunked.py, flash.py); "metal" and "cuda" run the same blocks as GPU kernels written once for
+both backends (fused.py, mlxtune.metal_kernels), and exist where that GPU backend does.
 """
 
 from __future__ import annotations
@@ -14,26 +16,117 @@ import mlx.core as mx
 
 from .chunked import linear_cross_entropy_chunked
 from .flash import attention_chunked, attention_reference
+from .fused import FastLauncher, make_attention, make_linear_cross_entropy
 from .reference import linear_cross_entropy_reference
+
+# Every tier there is; IMPLS and ATTENTION_IMPLS hold those that run on this machine.
+TIERS = ("reference", "chunked", "metal", "cuda")
 
 IMPLS = {"reference": linear_cross_entropy_reference, "chunked": linear_cross_entropy_chunked}
 ATTENTION_IMPLS = {"reference": attention_reference, "chunked": attention_chunked}
 
 
+def gpu_backend() -> str | None:
+    """ "metal" or "cuda" where MLX has that GPU backend here, else None."""
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+_GPU = gpu_backend()
+if _GPU is not None:
+    _launcher = FastLauncher(_GPU)
+    IMPLS[_GPU] = make_linear_cross_entropy(_launcher)
+    ATTENTION_IMPLS[_GPU] = make_attention(_launcher)
+
+
 def available_impls() -> list[str]:
-    """Tiers of linear_cross_entropy that run on this machine."""
+    """Tiers of linear_cross_entropy (and of attention) that run on this machine."""
     return list(IMPLS)
 
 
+def _on_gpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+# tier -> None when it agreed with the reference on this machine, else why not
+_SELF_CHECKS: dict[str, str | None] = {}
+
+
+def self_check(tier: str) -> str | None:
+    """Run ``tier`` once per process on small inputs, values and gradients of both operations,
+    against the reference: None when it agrees, else what went wrong (a kernel that does not
+    compile on this GPU, or wrong numbers). ``impl=None`` uses a GPU tier only once it passes.
+    Call it (or ``best_impl()``) before ``mx.compile`` traces a function that uses the kernels:
+    it evaluates arrays, which a trace does not allow."""
+    if tier in _SELF_CHECKS:
+        return _SELF_CHECKS[tier]
+    try:
+        why = _compare_with_reference(tier)
+    except Exception as e:  # a kernel that fails to build or run on this device
+        if "transformation" in str(e):
+            return f"not checked yet (called inside a transformation): {e}"
+        why = f"failed to run: {e}".strip()
+    _SELF_CHECKS[tier] = why
+    return why
+
+
+def _compare_with_reference(tier: str, tol: float = 1e-3) -> str | None:
+    k = mx.random.split(mx.random.key(1234), 6)
+    h, w = mx.random.normal((70, 32), key=k[0]), 0.3 * mx.random.normal((300, 32), key=k[1])
+    t = mx.where(mx.arange(70) % 9 == 0, -100, mx.random.randint(0, 300, (70,), key=k[2]))
+    q = mx.random.normal((1, 4, 45, 32), key=k[3])
+    kk, v = mx.random.normal((1, 2, 45, 32), key=k[4]), mx.random.normal((1, 2, 45, 32), key=k[5])
+
+    def loss(impl):
+        def f(h, w):
+            fn = IMPLS[impl]
+            return fn(h, w, t, -100, 0.1, 5.0)[0].sum()
+
+        return mx.value_and_grad(f, argnums=(0, 1))(h, w)
+
+    def attn(impl):
+        def f(q, kk, v):
+            return (ATTENTION_IMPLS[impl](q, kk, v, 32**-0.5, True, None) ** 2).sum()
+
+        return mx.value_and_grad(f, argnums=(0, 1, 2))(q, kk, v)
+
+    for what, run in (("linear_cross_entropy", loss), ("attention", attn)):
+        got, want = run(tier), run("reference")
+        mx.eval(got, want)
+        pairs = [(got[0], want[0]), *zip(got[1], want[1], strict=True)]
+        for a, b in pairs:
+            err = (mx.linalg.norm(a - b) / mx.maximum(mx.linalg.norm(b), 1e-30)).item()
+            if not err <= tol:  # NaN fails too
+                return f"{what} differs from the reference (relative error {err:.1e})"
+    return None
+
+
 def best_impl() -> str:
-    """The tier ``impl=None`` uses on this device."""
+    """The tier ``impl=None`` uses: the GPU kernels when the default device is that GPU and they
+    pass ``self_check`` here, else the chunked tier."""
+    if _GPU is not None and _on_gpu() and self_check(_GPU) is None:
+        return _GPU
     return "chunked"
+
+
+def check_impl(impl: str | None) -> str | None:
+    """None if ``impl`` (a tier name, or None for the best one) runs here, else why not."""
+    if impl is None or impl in IMPLS:
+        return None
+    if impl in TIERS:
+        return f"the {impl!r} kernels need MLX's {impl} backend, which this machine does not have"
+    return f"unknown kernel tier {impl!r}; choose from {list(TIERS)}"
 
 
 def _pick(impl: str | None, impls: dict = IMPLS, what: str = "linear_cross_entropy") -> str:
     impl = impl or os.environ.get("MLXTUNE_KERNELS") or best_impl()
     if impl not in impls:
-        raise ValueError(f"{what} impl {impl!r} is not available here; choose from {list(impls)}")
+        why = check_impl(impl) or ""
+        raise ValueError(f"{what}: {why} (available here: {', '.join(impls)})")
     return impl
 
 
@@ -49,7 +142,7 @@ def linear_cross_entropy(
     impl: str | None = None,
     weight_grad: bool = True,
 ) -> tuple[mx.array, mx.array]:
-    # impl: None (MLXTUNE_KERNELS, else the best tier here), "reference" or "chunked".
+    # impl: None (MLXTUNE_KERNELS, else the best tier here), "reference", "chunked", "metal", "cuda".
     """Cross-entropy of ``hidden @ weight.T`` against ``targets``: (loss, n_valid).
 
     hidden [N, D], weight [V, D] (the LM head), targets [N] int. Targets equal to
@@ -112,4 +205,4 @@ def attention(
     return fn(q, k, v, scale, causal, segment_ids)
 
 
-__all__ = ["attention", "available_impls", "linear_cross_entropy"]
+__all__ = ["attention", "available_impls", "best_impl", "linear_cross_entropy", "self_check"]

@@ -1,0 +1,220 @@
+"""The GPU tiers ("metal", "cuda"): the chunked tier's blocks, with the work inside each block
+done by one kernel written once for both backends (``mlxtune.metal_kernels``).
+
+linear_cross_entropy keeps the chunked tier's loop over vocabulary chunks. The matmuls stay
+MLX's own (its GEMMs are the fastest on each device); what the kernels fuse is everything
+between them, which the chunked tier spends several passes over the [N, C] chunk on:
+
+- forward: ``lce_forward`` folds a chunk's logits into each row's running (max, sum of exp,
+  target logit, sum of logits) in one pass: the online logsumexp, softcap included;
+- backward: ``lce_backward`` turns a recomputed chunk of logits into d loss / d logits in one pass
+  (softmax minus the smoothed one-hot, times the cotangent and the softcap's derivative).
+
+attention is FlashAttention-2 in three kernels: ``attn_forward`` (online softmax over key tiles,
+saving the row logsumexp), ``attn_dq`` and ``attn_dkv`` (recomputing P and dS tile by tile);
+scores exist only as one tile in threadgroup memory. Head sizes the kernels do not take (not a
+multiple of 4, or above 256) go to the chunked tier.
+
+Each tier is built from a *launcher*, the function that runs a kernel: ``mx.fast.metal_kernel``
+or ``mx.fast.cuda_kernel`` on a GPU, or the CPU emulator (``metal_kernels.emulate``) in tests, so
+the code below is the same whichever runs the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ..metal_kernels import (
+    ATTN_DKV,
+    ATTN_DQ,
+    ATTN_FORWARD,
+    LCE_BACKWARD,
+    LCE_FORWARD,
+    Kernel,
+    attention_block,
+    header,
+    source,
+)
+from .chunked import chunk_size
+from .flash import attention_chunked
+
+# Threads per group of the cross-entropy kernels (a multiple of 32).
+LCE_THREADS = 256
+
+# launch(kernel, inputs, output_shapes, groups (x, y), threads per group, consts) -> outputs
+Launcher = Callable[[Kernel, list, list, tuple, int, dict], list]
+
+
+class FastLauncher:
+    """Runs kernels through ``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel``."""
+
+    def __init__(self, backend: str):
+        if backend not in ("metal", "cuda"):
+            raise ValueError(f"backend must be 'metal' or 'cuda', not {backend!r}")
+        self.backend = backend
+        self._kernels: dict[str, object] = {}
+
+    def _kernel(self, kernel: Kernel):
+        if kernel.name not in self._kernels:
+            make = mx.fast.metal_kernel if self.backend == "metal" else mx.fast.cuda_kernel
+            self._kernels[kernel.name] = make(
+                name=f"mlxtune_{kernel.name}",
+                input_names=list(kernel.inputs),
+                output_names=list(kernel.outputs),
+                source=source(kernel, self.backend),
+                header=header(self.backend),
+                ensure_row_contiguous=True,
+            )
+        return self._kernels[kernel.name]
+
+    def __call__(self, kernel, inputs, outputs, groups, threads, consts):
+        return self._kernel(kernel)(
+            inputs=inputs,
+            template=list(consts.items()),
+            grid=(groups[0] * threads, groups[1], 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=outputs,
+            output_dtypes=[mx.float32] * len(outputs),
+        )
+
+
+class EmulatedLauncher:
+    """Runs kernels on the CPU emulator: for tests. Not traceable by ``mx.compile`` (it reads
+    its inputs on the host). ``launches`` counts the kernels run, by name."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.launches: dict[str, int] = {}
+
+    def __call__(self, kernel, inputs, outputs, groups, threads, consts):
+        from ..metal_kernels import emulate
+
+        arrays = []
+        for a in inputs:
+            kind = np.int32 if mx.issubdtype(a.dtype, mx.integer) else np.float32
+            arrays.append(np.array(a.astype(mx.float32 if kind is np.float32 else mx.int32)))
+        outs, _ = emulate.run(kernel, arrays, outputs, groups, threads, consts, seed=self.seed)
+        self.launches[kernel.name] = self.launches.get(kernel.name, 0) + 1
+        return [mx.array(o) for o in outs]
+
+
+def make_linear_cross_entropy(launch: Launcher):
+    """The linear_cross_entropy tier whose per-chunk work runs through ``launch``."""
+
+    def linear_cross_entropy_fused(
+        hidden,
+        weight,
+        targets,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        chunk=None,
+        weight_grad=True,
+    ):
+        n, v = hidden.shape[0], weight.shape[0]
+        c = chunk or chunk_size(n, v)
+        valid = targets != ignore_index
+        safe = mx.where(valid, targets, 0).astype(mx.int32)
+        capped = softcap is not None
+        consts = {"TG": LCE_THREADS, "SOFTCAP": capped}
+
+        @mx.custom_function
+        def losses_fn(h, w, t):
+            state = mx.broadcast_to(mx.array([-1e30, 0.0, 0.0, 0.0]), (n, 4))
+            prm = mx.array([softcap if capped else 1.0], dtype=mx.float32)
+            for start in range(0, v, c):
+                # chunk k is computed only once chunk k-1 is folded in (one tile at a time)
+                after = mx.depends(h, state) if start else h
+                z = after @ w[start : start + c].T
+                (state,) = launch(
+                    LCE_FORWARD, [z, t - start, state, prm], [(n, 4)], (n, 1), LCE_THREADS, consts
+                )
+            lse = state[:, 0] + mx.log(state[:, 1])
+            nll = lse - state[:, 2]
+            if label_smoothing > 0:
+                nll = (1 - label_smoothing) * nll + label_smoothing * (lse - state[:, 3] / v)
+            return mx.where(valid, nll, 0.0), lse
+
+        @losses_fn.vjp
+        def losses_vjp(primals, cotangents, outputs):
+            h, w, t = primals
+            g = mx.where(valid, cotangents[0].astype(mx.float32), 0.0)
+            lse = outputs[1]
+            prm = mx.array(
+                [softcap if capped else 1.0, 1.0 - label_smoothing, label_smoothing / v],
+                dtype=mx.float32,
+            )
+            hf = h.astype(mx.float32)
+            dh = mx.zeros(h.shape, dtype=mx.float32)
+            pieces = []
+            for start in range(0, v, c):
+                wc = w[start : start + c]
+                width = wc.shape[0]
+                after = mx.depends(h, [dh, pieces[-1]] if pieces else dh)
+                z = after @ wc.T
+                (dz,) = launch(
+                    LCE_BACKWARD,
+                    [z, t - start, lse, g, prm],
+                    [(n, width)],
+                    (math.ceil(width / LCE_THREADS), n),
+                    LCE_THREADS,
+                    consts,
+                )
+                dh = mx.addmm(dh, dz, wc.astype(mx.float32))
+                if weight_grad:
+                    pieces.append((dz.T @ hf).astype(w.dtype))
+            dw = mx.concatenate(pieces, axis=0) if weight_grad else mx.zeros_like(w)
+            return dh.astype(h.dtype), dw, mx.zeros_like(t)
+
+        losses, _ = losses_fn(hidden, weight, safe)
+        return losses, valid
+
+    return linear_cross_entropy_fused
+
+
+def attention_supported(head_dim: int) -> bool:
+    """Whether the attention kernels take this head size (else the chunked tier runs)."""
+    return all(attention_block(head_dim, k) for k in (ATTN_FORWARD, ATTN_DQ, ATTN_DKV))
+
+
+def make_attention(launch: Launcher):
+    """The attention tier whose kernels run through ``launch``."""
+
+    def attention_fused(q, k, v, scale, causal=True, segment_ids=None):
+        b, hq, t, d = q.shape
+        hkv = k.shape[1]
+        if not attention_supported(d):
+            return attention_chunked(q, k, v, scale, causal, segment_ids)
+        seg = (
+            mx.zeros((1,), dtype=mx.int32) if segment_ids is None else segment_ids.astype(mx.int32)
+        )
+        prm = mx.array([scale], dtype=mx.float32)
+
+        def run(kernel, inputs, outputs, heads):
+            bq = attention_block(d, kernel)
+            consts = {"DH": d, "BQ": bq, "CAUSAL": causal, "HAS_SEG": segment_ids is not None}
+            return launch(kernel, inputs, outputs, (math.ceil(t / bq), heads), 4 * bq, consts)
+
+        @mx.custom_function
+        def attn(q, k, v):
+            out, lse = run(ATTN_FORWARD, [q, k, v, seg, prm], [q.shape, (b, hq, t)], b * hq)
+            return out.astype(q.dtype), lse
+
+        @attn.vjp
+        def attn_vjp(primals, cotangents, outputs):
+            q, k, v = primals
+            d_out = cotangents[0]
+            out, lse = outputs
+            delta = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(axis=-1)
+            inputs = [q, k, v, d_out, lse, delta, seg, prm]
+            (dq,) = run(ATTN_DQ, inputs, [q.shape], b * hq)
+            dk, dv = run(ATTN_DKV, inputs, [k.shape, v.shape], b * hkv)
+            return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+        return attn(q, k, v)[0]
+
+    return attention_fused
