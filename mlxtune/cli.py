@@ -30,12 +30,18 @@ def cli():
 @click.option(
     "--dry-run", is_flag=True, help="Build the model and data, compile and run one step, exit."
 )
-def run(recipe, overrides, run_dir, dry_run):
+@click.option("--tui", is_flag=True, help="Train with the live dashboard in front.")
+def run(recipe, overrides, run_dir, dry_run, tui):
     """Train RECIPE.yaml; OVERRIDES are key.sub=value pairs (e.g. train.max_steps=50)."""
     from .recipe import load_recipe
     from .trainer import Trainer
 
     r = load_recipe(recipe, list(overrides))
+    if tui and not dry_run:
+        from .tui.live import run_with_dashboard
+
+        run_with_dashboard(r, run_dir)
+        return
     Trainer(r, run_dir=run_dir, dry_run=dry_run).run()
 
 
@@ -219,16 +225,27 @@ def watch(run_dir, read_only):
 
 @cli.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-def compare(run_dirs):
-    """Print the figures of several runs side by side (* marks the best eval loss)."""
+@click.option(
+    "--by",
+    type=click.Choice(["step", "tokens"]),
+    default="step",
+    help="Align the curves by step or by tokens seen (t switches in the dashboard).",
+)
+@click.option("--table", is_flag=True, help="Print the table only (also when not on a terminal).")
+def compare(run_dirs, by, table):
+    """Overlay several runs' loss curves and tabulate their figures (* marks the best eval loss)."""
+    import sys
     from pathlib import Path
 
-    from .tui.compare import compare_rows, format_table
+    from .tui.compare import CompareApp, compare_rows, format_table
 
     for rd in run_dirs:
         if not (Path(rd) / "config_resolved.json").exists():
             raise UserInputError("not a run directory (no config_resolved.json)", rd)
-    click.echo(format_table(compare_rows(list(run_dirs))))
+    if table or not sys.stdout.isatty():
+        click.echo(format_table(compare_rows(list(run_dirs))))
+        return
+    CompareApp(list(run_dirs), by=by).run()
 
 
 def _memory_gb() -> float | None:

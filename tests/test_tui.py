@@ -3,9 +3,11 @@
 import asyncio
 import json
 
-from textual.widgets import Sparkline, Static
+import pytest
+from textual.widgets import DataTable, Log, Static
 
 from mlxtune.tui.app import WatchApp
+from mlxtune.tui.plot import Plot
 from mlxtune.tui.rundata import Curve, RunData, ema
 
 
@@ -116,11 +118,20 @@ def test_keys_send_requests_to_the_trainer(tmp_path):
             header = str(app.query_one("#header", Static).render())
             assert "demo" in header and "lora r=8" in header
             assert "31/100" in str(app.query_one("#progress", Static).render())
-            assert (
-                len(app.query_one("#loss", Sparkline).data) == 31
-            )  # the smoothed curve holds over the NaN
+            loss = app.query_one("#loss", Plot)
+            names = [s[0] for s in loss.series]
+            assert names == ["train", "smoothed", "eval"]
+            train, smoothed, evals = loss.series
+            assert len(train[1]) == 31 and len(evals[1]) == 3
+            assert all(v == v for v in smoothed[2])  # the smoothed curve holds over the NaN
             assert "1 malformed" in str(app.query_one("#stats", Static).render())
-            assert "NaN" in str(app.query_one("#loss-title", Static).render())
+            assert "loss NaN" in loss.title and "eval 0.0667" in loss.title
+            assert "grad norm NaN" in app.query_one("#gnorm", Plot).title
+            await pilot.press("right_square_bracket")
+            assert app.smoothing == 0.8 and "(ema 0.8)" in loss.title
+            await pilot.press("left_square_bracket", "left_square_bracket", "left_square_bracket")
+            assert app.smoothing == 0.0
+            assert loss.series[1][2][:3] == loss.series[0][2][:3]  # no smoothing: the raw curve
             for key in ("s", "e", "g", "p"):
                 await pilot.press(key)
             assert {p.name for p in (run / "control").iterdir()} == {
@@ -171,3 +182,154 @@ def test_compare_prints_each_runs_figures_and_marks_the_best(tmp_path, capsys):
     assert "31" in row_a and "yes *" in row_a  # eval 2/30 beats 2/10
     assert row_b.rstrip().endswith("running") and "0.2000" in row_b  # b's best eval: 2/10
     assert main(["compare", str(tmp_path)]) == 2
+
+
+def test_log_pane_follows_the_runs_log_and_the_side_plots_fold_on_small_terminals(tmp_path):
+    run = recorded_run(tmp_path / "run", bad=False)
+    (run / "log.txt").write_text("2026-11-22 10:00:00 loaded models/base\n")
+
+    async def drive():
+        app = WatchApp(run, poll_s=0.05)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause(0.2)
+            assert not app.query_one("#side").display  # 80 columns: the loss plot alone
+            with open(run / "log.txt", "a") as f:
+                f.write("2026-11-22 10:00:05 WARNING: 3 examples dropped\n")
+            await pilot.pause(0.3)
+            text = "\n".join(app.query_one("#log", Log).lines)
+            assert "loaded models/base" in text and "3 examples dropped" in text
+            await pilot.press("2")  # asks for the learning-rate plot: it comes, alone
+            assert app.query_one("#side").display and app.query_one("#lr").display
+            assert not app.query_one("#gnorm").display
+        app = WatchApp(run, poll_s=0.05)
+        async with app.run_test(size=(140, 40)) as pilot:
+            await pilot.pause(0.2)
+            assert app.query_one("#side").display
+
+    asyncio.run(drive())
+
+
+def test_a_long_run_keeps_the_plot_bounded(tmp_path):
+    run = recorded_run(tmp_path / "run", steps=0, bad=False)
+    rows = [
+        json.dumps({"step": s, "loss": 1.0 + 1 / s, "lr": 1e-3, "grad_norm": 1.0, "time": s})
+        for s in range(1, 100_001)
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+
+    async def drive():
+        app = WatchApp(run, poll_s=0.05)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.pause(0.2)
+            train = app.query_one("#loss", Plot).series[0]
+            assert len(train[1]) <= 2000 and train[1][-1] == 100_000
+
+    asyncio.run(drive())
+
+
+def test_compare_overlays_the_runs_by_step_or_tokens(tmp_path):
+    from mlxtune.tui.compare import CompareApp
+
+    a = recorded_run(tmp_path / "a", steps=30, bad=False)
+    b = recorded_run(tmp_path / "b", steps=10, bad=False)
+
+    async def drive():
+        app = CompareApp([a, b], poll_s=0.05)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.pause(0.2)
+            plot = app.query_one("#overlay", Plot)
+            lines = [s for s in plot.series if s[3] == "line"]
+            assert [len(s[1]) for s in lines] == [30, 10] and lines[0][1][-1] == 30
+            assert app.query_one("#table", DataTable).row_count == 2
+            await pilot.press("t")
+            assert plot.x_label == "tokens seen"
+            lines = [s for s in plot.series if s[3] == "line"]
+            assert lines[0][1][-1] == 3000  # 100 tokens a step
+            await pilot.press("q")
+
+    asyncio.run(drive())
+
+
+@pytest.mark.parametrize("size", [(80, 24), (140, 40)])
+def test_snapshots_of_the_dashboard(tmp_path, snap_compare, size):
+    run = recorded_run(tmp_path / "demo")
+    assert snap_compare(WatchApp(run, poll_s=60), terminal_size=size)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (140, 40)])
+def test_snapshots_of_compare(tmp_path, snap_compare, size):
+    from mlxtune.tui.compare import CompareApp
+
+    a = recorded_run(tmp_path / "a", steps=30, bad=False)
+    b = recorded_run(tmp_path / "b", steps=12, bad=False)
+    assert snap_compare(CompareApp([a, b], poll_s=60), terminal_size=size)
+
+
+def test_run_tui_trains_a_real_run_behind_the_dashboard(tmp_path):
+    """mlxtune run --tui on a short cut of quickstart-lora: the dashboard follows the run live,
+    its s key saves a checkpoint mid-run, and q closes it once training has ended."""
+    from pathlib import Path
+
+    from mlxtune.recipe import load_recipe
+    from mlxtune.tui.live import run_with_dashboard
+
+    repo = Path(__file__).resolve().parents[1]
+    recipe = load_recipe(
+        repo / "recipes" / "quickstart-lora.yaml",
+        [
+            "train.max_steps=40",
+            "train.log_every=5",
+            "eval.every=20",
+            "eval.exact_match=0",
+            "samples.every=20",
+            "export.formats=[]",
+        ],
+    )
+    seen = {}
+
+    class Driven:
+        def __init__(self, path, training):
+            self.app = WatchApp(path, training=training, poll_s=0.05)
+            self.training = training
+
+        def run(self):
+            async def drive():
+                async with self.app.run_test(size=(120, 36)) as pilot:
+                    await pilot.press("s")
+                    for _ in range(1500):
+                        await pilot.pause(0.1)
+                        if not self.training.is_alive():
+                            break
+                    await pilot.pause(0.3)
+                    loss = self.app.query_one("#loss", Plot)
+                    seen["train points"] = len(loss.series[0][1])
+                    seen["eval points"] = len(loss.series[2][1])
+                    seen["log"] = "\n".join(self.app.query_one("#log", Log).lines)
+                    seen["checkpoints"] = str(self.app.query_one("#checkpoints", Static).render())
+                    await pilot.press("q")  # the run has ended: q closes the dashboard
+                    seen["closed"] = not self.app.is_running
+
+            asyncio.run(drive())
+
+    summary = run_with_dashboard(recipe, tmp_path / "run", app_factory=Driven)
+    assert summary["steps"] == 40
+    assert seen["train points"] == 8 and seen["eval points"] == 2
+    assert "asked the trainer to save" in seen["log"] and "training finished" in seen["log"]
+    assert "loaded" in seen["log"]  # the trainer's own log.txt, followed live
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert len(saved) >= 2 and "final" in " ".join(saved)  # the one asked for, and the last
+    assert seen["closed"]
+
+
+def test_run_tui_reports_bad_input_before_the_dashboard_opens(tmp_path, capsys):
+    from pathlib import Path
+
+    from mlxtune.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "metrics.jsonl").write_text("{}\n")
+    recipe = str(repo / "recipes" / "quickstart-lora.yaml")
+    assert main(["run", recipe, "--tui", "--run-dir", str(taken)]) == 2
+    assert "already holds a run" in capsys.readouterr().err

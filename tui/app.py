@@ -15,16 +15,25 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
-from textual.widgets import Footer, Log, Sparkline, Static
+from textual.widgets import Footer, Log, Static
 
 from mlxtune.control import request
 
+from .plot import Plot
 from .rundata import RunData, ema
 
 HELP = (
     "p pause/resume · s save a checkpoint · e evaluate · g generate a sample · q stop the run "
-    "(finish the step, save, export) · 1-6 show/hide panels · ctrl+q close the dashboard only"
+    "(finish the step, save, export; closes the dashboard once the run has ended) · "
+    "[ ] less/more smoothing · 1-6 show/hide panels · ctrl+q close the dashboard only "
+    "(training goes on)"
 )
+
+SMOOTHING_STEPS = [0.0, 0.3, 0.6, 0.8, 0.9, 0.95, 0.99]
+
+
+def _log2(v):
+    return math.log2(v) if v is not None and math.isfinite(v) and v > 0 else math.nan
 
 
 def _fmt_time(s: float | None) -> str:
@@ -59,12 +68,12 @@ class WatchApp(App):
     Screen { layout: vertical; }
     #header { height: auto; padding: 0 1; background: $panel; }
     #progress { height: 1; padding: 0 1; }
-    .panel { border: round $primary; height: auto; padding: 0 1; }
-    Sparkline { height: 4; }
-    #curves { height: auto; }
-    #curves > Vertical { width: 1fr; }
+    #curves { height: 1fr; min-height: 8; }
+    #loss { width: 2fr; }
+    #side { width: 1fr; }
+    #info { height: auto; padding: 0 1; border-top: solid $primary; }
     #info > Static { height: auto; }
-    #log { height: 1fr; min-height: 3; }
+    #log { height: 5; min-height: 3; }
     """
 
     BINDINGS = [
@@ -73,6 +82,8 @@ class WatchApp(App):
         Binding("e", "control('eval')", "eval"),
         Binding("g", "control('sample')", "sample"),
         Binding("q", "control('stop')", "stop run"),
+        Binding("left_square_bracket", "smooth(-1)", "less smooth", show=False),
+        Binding("right_square_bracket", "smooth(1)", "more smooth", show=False),
         Binding("question_mark", "help", "help"),
         *[Binding(str(i), f"toggle({i})", show=False) for i in range(1, 7)],
     ]
@@ -83,35 +94,41 @@ class WatchApp(App):
         read_only: bool = False,
         poll_s: float = 0.5,
         smoothing: float = 0.6,
+        training=None,
     ):
+        """``training``: when the dashboard runs in front of its own training (``mlxtune run
+        --tui``), the thread that trains; its end and any error it raised are shown."""
         super().__init__()
         self.data = RunData(run_dir)
         self.read_only = read_only
         self.poll_s = poll_s
         self.smoothing = smoothing
+        self.training = training
         self.paused = False
         self.requests: list[str] = []
+        self._reported_end = False
+        self._side_forced = False
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
         yield Static(id="header")
         yield Static(id="progress")
         with Horizontal(id="curves"):
-            with Vertical(classes="panel", id="p1"):
-                yield Static("loss (train, smoothed)", id="loss-title")
-                yield Sparkline([], id="loss")
-            with Vertical(classes="panel", id="p2"):
-                yield Static("learning rate", id="lr-title")
-                yield Sparkline([], id="lr")
-        with Vertical(classes="panel", id="info"):
+            yield Plot("loss", log_y=False, id="loss")
+            with Vertical(id="side"):
+                yield Plot("learning rate", id="lr")
+                yield Plot("grad norm", id="gnorm")
+        with Vertical(id="info"):
             yield Static(id="stats")
             yield Static(id="sample")
             yield Static(id="checkpoints")
-        yield Log(id="log", classes="panel")
+        yield Log(id="log")
         yield Footer()
 
     def on_mount(self) -> None:
-        self.title = f"mlxtune · {self.data.run_dir}" + (" (read-only)" if self.read_only else "")
+        self.title = f"mlxtune · {self.data.run_dir.name}" + (
+            " (read-only)" if self.read_only else ""
+        )
         self.refresh_data()
         self.set_interval(self.poll_s, self.refresh_data)
 
@@ -124,9 +141,31 @@ class WatchApp(App):
 
     def _refresh(self) -> None:
         d = self.data
-        if not d.poll() and d.last:
+        self._check_training()
+        changed = d.poll()
+        if d.log_lines:
+            log = self.query_one("#log", Log)
+            for line in d.log_lines:
+                log.write_line(line)
+        if not changed and d.last:
             self._progress()  # keep the clock moving
             return
+        self._draw()
+
+    def _check_training(self) -> None:
+        t = self.training
+        if t is None or t.is_alive() or self._reported_end:
+            return
+        self._reported_end = True
+        log = self.query_one("#log", Log)
+        if getattr(t, "error", None) is not None:
+            log.write_line(f"training stopped with an error: {t.error}")
+            self.notify(f"training failed: {t.error}", severity="error", timeout=30)
+        else:
+            log.write_line("training finished; q closes the dashboard")
+
+    def _draw(self) -> None:
+        d = self.data
         cfg = d.config.get("recipe", {})
         der = d.config.get("derived", {})
         a = cfg.get("adapter", {})
@@ -136,7 +175,7 @@ class WatchApp(App):
             else f"{a.get('type', '?')} r={a.get('rank')} alpha={a.get('alpha')}"
         )
         self.query_one("#header", Static).update(
-            f"[b]{cfg.get('name', d.run_dir.name)}[/b]  model {d.config.get('model_dir') or 'new ' + str(d.config.get('model_config', {}).get('model_type', '?'))}"
+            f"[b]{cfg.get('name', d.run_dir.name)}[/b] · model {d.config.get('model_dir') or 'new ' + str(d.config.get('model_config', {}).get('model_type', '?'))}"
             f" · {adapter} · {der.get('trainable_parameters', 0):,} trainable ({der.get('trainable_percent', 0):.2f}%)\n"
             f"data {der.get('train_examples', '?')} train / {der.get('valid_examples', '?')} valid · "
             f"{cfg.get('optimizer', {}).get('name', '?')} lr {cfg.get('optimizer', {}).get('lr', '?')} "
@@ -145,18 +184,32 @@ class WatchApp(App):
         )
         self._progress()
         smooth = ema(d.loss.ys, self.smoothing)
-        self.query_one("#loss", Sparkline).data = [v for v in smooth if math.isfinite(v)] or [0.0]
         last = d.last
-        title = f"loss {_metric(last, 'loss', '.4f')} (smoothed {_num(smooth[-1] if smooth else None, '.4f')})"
+        title = f"loss {_metric(last, 'loss', '.4f')} · smoothed {_num(smooth[-1] if smooth else None, '.4f')} (ema {self.smoothing})"
         if d.last_eval:
             title += f" · eval {_metric(d.last_eval, 'eval_loss', '.4f')} ppl {_metric(d.last_eval, 'eval_ppl', '.3f')}"
-        self.query_one("#loss-title", Static).update(title)
-        self.query_one("#lr", Sparkline).data = [v for v in d.lr.ys if math.isfinite(v)] or [0.0]
-        self.query_one("#lr-title", Static).update(f"learning rate {_metric(last, 'lr', '.2e')}")
+        self.query_one("#loss", Plot).show(
+            [
+                ("train", d.loss.xs, d.loss.ys, "dim"),
+                ("smoothed", d.loss.xs, smooth, "line"),
+                ("eval", d.eval_loss.xs, d.eval_loss.ys, "points"),
+            ],
+            title,
+        )
+        self.query_one("#lr", Plot).show(
+            [("lr", d.lr.xs, d.lr.ys, "line")], f"learning rate {_metric(last, 'lr', '.2e')}"
+        )
+        gn = [("grad norm", d.grad_norm.xs, d.grad_norm.ys, "line")]
+        gtitle = f"grad norm {_metric(last, 'grad_norm', '.3f')}"
+        if len(d.loss_scale):
+            gn.append(
+                ("loss scale (log2)", d.loss_scale.xs, [_log2(v) for v in d.loss_scale.ys], "line")
+            )
+            gtitle += f" · loss scale {_metric(last, 'loss_scale', 'g')}"
+        self.query_one("#gnorm", Plot).show(gn, gtitle)
         self.query_one("#stats", Static).update(
             f"tokens/s {_metric(last, 'tokens_per_sec', ',.0f')} · step {_metric(last, 'step_time_s', '.3f')} s · "
             f"peak memory {_metric(last, 'peak_memory_gb', '.2f')} GB · grad norm {_metric(last, 'grad_norm', '.3f')}"
-            + (f" · loss scale {last['loss_scale']}" if "loss_scale" in last else "")
             + (f" · {d.bad_lines} malformed lines skipped" if d.bad_lines else "")
         )
         if d.samples:
@@ -189,6 +242,9 @@ class WatchApp(App):
 
     # ------------------------------------------------------------------ actions
     def action_control(self, what: str) -> None:
+        if what == "stop" and self._ended():
+            self.exit()
+            return
         if self.read_only:
             self.notify("read-only: this dashboard does not steer the run", severity="warning")
             return
@@ -202,10 +258,43 @@ class WatchApp(App):
         )
         self._progress()
 
+    def _ended(self) -> bool:
+        """The run has finished (its summary is written, or its training thread is gone)."""
+        if self.training is not None:
+            return not self.training.is_alive()
+        return self.data.summary is not None
+
+    def on_resize(self, event) -> None:
+        """A small terminal shows the loss plot alone (2 and 3 bring the others back)."""
+        if not self._side_forced:
+            small = event.size.width < 100 or event.size.height < 30
+            self.query_one("#side").display = not small
+
+    def action_smooth(self, direction: int) -> None:
+        steps = SMOOTHING_STEPS
+        i = min(range(len(steps)), key=lambda j: abs(steps[j] - self.smoothing))
+        self.smoothing = steps[max(0, min(len(steps) - 1, i + direction))]
+        self._draw()
+
     def action_toggle(self, n: int) -> None:
-        ids = {1: "#p1", 2: "#p2", 3: "#stats", 4: "#sample", 5: "#checkpoints", 6: "#log"}
-        w = self.query_one(ids[n])
-        w.display = not w.display
+        ids = {
+            1: "#loss",
+            2: "#lr",
+            3: "#gnorm",
+            4: "#stats",
+            5: "#sample, #checkpoints",
+            6: "#log",
+        }
+        for w in self.query(ids[n]):
+            w.display = not w.display
+        if n in (2, 3):  # the side column goes when both of its plots do
+            side = self.query_one("#side")
+            if not side.display:  # hidden for a small terminal: show it with this plot alone
+                other = self.query_one("#gnorm" if n == 2 else "#lr")
+                other.display = False
+                w.display = True
+            side.display = self.query_one("#lr").display or self.query_one("#gnorm").display
+            self._side_forced = True
 
     def action_help(self) -> None:
-        self.notify(HELP, timeout=8)
+        self.notify(HELP, timeout=10)

@@ -1,11 +1,17 @@
-"""mlxtune compare: the figures of several runs side by side (from their run directories)."""
+"""mlxtune compare: several runs side by side, from their run directories: their loss curves
+overlaid (aligned by step or by tokens seen) and a table of their figures."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from .rundata import RunData
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import DataTable, Footer
+
+from .plot import Plot
+from .rundata import RunData, ema
 
 
 def _f(v, fmt):
@@ -14,11 +20,13 @@ def _f(v, fmt):
     return format(v, fmt)
 
 
-def compare_rows(run_dirs: list[str | Path]) -> list[dict]:
-    """One row of figures per run: steps, tokens seen, final and best losses, speed, memory."""
+def compare_rows(run_dirs: list) -> list[dict]:
+    """One row of figures per run (a run directory or its RunData): steps, tokens seen, final
+    and best losses, speed, memory."""
     rows = []
     for rd in run_dirs:
-        d = RunData(rd)
+        d = rd if isinstance(rd, RunData) else RunData(rd)
+        rd = d.run_dir
         d.poll()
         s = d.summary or {}
         evals = [v for v in d.eval_loss.ys if math.isfinite(v)]
@@ -51,3 +59,78 @@ def format_table(rows: list[dict]) -> str:
             f"{'yes' if r['finished'] else 'running'}{mark}"
         )
     return "\n".join(lines)
+
+
+COLUMNS = ("run", "steps", "tokens", "final loss", "best eval", "tok/s", "peak GB", "done")
+
+
+class CompareApp(App):
+    """The runs' loss curves overlaid (train smoothed, eval as points) and their table; t switches
+    the x axis between steps and tokens seen. Running runs update live."""
+
+    CSS = """
+    #overlay { height: 1fr; min-height: 8; }
+    #table { height: auto; max-height: 12; }
+    """
+    TITLE = "mlxtune compare"
+    BINDINGS = [
+        Binding("t", "toggle_x", "step/tokens"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, run_dirs, by: str = "step", poll_s: float = 1.0, smoothing: float = 0.6):
+        super().__init__()
+        self.runs = [RunData(rd) for rd in run_dirs]
+        self.by = by
+        self.poll_s = poll_s
+        self.smoothing = smoothing
+
+    def compose(self) -> ComposeResult:
+        yield Plot("loss", id="overlay")
+        yield DataTable(id="table", cursor_type="row")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#table", DataTable).add_columns(*COLUMNS)
+        self.refresh_data()
+        self.set_interval(self.poll_s, self.refresh_data)
+
+    def refresh_data(self) -> None:
+        rows = compare_rows(self.runs)  # polls each run
+        series = []
+        names = [r["name"] for r in rows]
+        for i, (d, row) in enumerate(zip(self.runs, rows, strict=True)):
+            # runs of one recipe share a name: tell them apart by their directories
+            label = row["name"] if names.count(row["name"]) == 1 else d.run_dir.name
+            row["label"] = label
+            train = d.loss_by_tokens if self.by == "tokens" else d.loss
+            evals = d.eval_by_tokens if self.by == "tokens" else d.eval_loss
+            series.append((label, train.xs, ema(train.ys, self.smoothing), "line", i))
+            if len(evals):
+                series.append((f"{label} eval", evals.xs, evals.ys, "points", i))
+        self.query_one("#overlay", Plot).show(
+            series,
+            f"loss (train smoothed, ema {self.smoothing}; eval as points) by {self.by}",
+            "tokens seen" if self.by == "tokens" else "step",
+        )
+        table = self.query_one("#table", DataTable)
+        table.clear()
+        best = min(
+            (r["best_eval_loss"] for r in rows if r["best_eval_loss"] is not None), default=None
+        )
+        for r in rows:
+            mark = " *" if best is not None and r["best_eval_loss"] == best else ""
+            table.add_row(
+                r["label"],
+                _f(r["steps"], "d"),
+                _f(r["tokens_seen"], ",d"),
+                _f(r["final_loss"], ".4f"),
+                _f(r["best_eval_loss"], ".4f") + mark,
+                _f(r["tokens_per_sec"], ",.0f"),
+                _f(r["peak_memory_gb"], ".2f"),
+                "yes" if r["finished"] else "running",
+            )
+
+    def action_toggle_x(self) -> None:
+        self.by = "tokens" if self.by == "step" else "step"
+        self.refresh_data()

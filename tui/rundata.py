@@ -49,6 +49,27 @@ class Tail:
         return out
 
 
+class TextTail:
+    """Complete new lines of a growing text file (the run's log.txt)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        return chunk[:end].decode("utf-8", errors="replace").splitlines()
+
+
 @dataclass
 class Curve:
     """(x, y) points, decimated to stay under max_points."""
@@ -86,10 +107,17 @@ class RunData:
         self.run_dir = Path(run_dir)
         self.metrics = Tail(self.run_dir / "metrics.jsonl")
         self.sample_tail = Tail(self.run_dir / "samples.jsonl")
+        self.log_tail = TextTail(self.run_dir / "log.txt")
+        self.log_lines: list[str] = []  # new since the last poll
         self.loss = Curve(max_points)
         self.eval_loss = Curve(max_points)
         self.lr = Curve(max_points)
         self.tokens_per_sec = Curve(max_points)
+        self.grad_norm = Curve(max_points)
+        self.loss_scale = Curve(max_points)
+        # train loss against tokens seen, and eval loss likewise (compare aligns runs by it)
+        self.loss_by_tokens = Curve(max_points)
+        self.eval_by_tokens = Curve(max_points)
         self.last: dict = {}
         self.last_eval: dict = {}
         self.first_time: float | None = None
@@ -124,9 +152,16 @@ class RunData:
                 self.loss.add(step, row.get("loss"))
                 self.lr.add(step, row.get("lr"))
                 self.tokens_per_sec.add(step, row.get("tokens_per_sec"))
+                self.grad_norm.add(step, row.get("grad_norm"))
+                if "loss_scale" in row:
+                    self.loss_scale.add(step, row.get("loss_scale"))
+                self.loss_by_tokens.add(row.get("tokens_seen", 0), row.get("loss"))
             if "eval_loss" in row:
                 self.last_eval = row
                 self.eval_loss.add(step, row.get("eval_loss"))
+                self.eval_by_tokens.add(self.last.get("tokens_seen", 0), row.get("eval_loss"))
+        self.log_lines = self.log_tail.lines()[-500:]
+        changed = changed or bool(self.log_lines)
         new_samples = self.sample_tail.rows()
         if new_samples:
             self.samples = (self.samples + new_samples)[-20:]

@@ -1,0 +1,75 @@
+"""mlxtune run --tui: training on a worker thread with the dashboard in front.
+
+The trainer is built and run entirely on the worker thread, so all MLX state lives there; the
+dashboard on the main thread only reads the run directory and writes control requests, exactly
+as ``mlxtune watch`` does from another terminal. Closing the dashboard with ctrl+q leaves
+training running (the command then waits for it); q asks the trainer to stop gracefully.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+from mlxtune.console import Console
+from mlxtune.control import request
+from mlxtune.rundir import default_run_dir
+
+from .app import WatchApp
+
+
+class TrainingThread(threading.Thread):
+    """Builds a Trainer for the recipe and runs it; keeps the summary or the exception."""
+
+    def __init__(self, recipe, run_dir: Path):
+        super().__init__(name="mlxtune-train")
+        self.recipe = recipe
+        self.run_dir = run_dir
+        self.summary: dict | None = None
+        self.exception: BaseException | None = None
+        self.ready = threading.Event()  # set once the trainer is built (or failed to be)
+
+    @property
+    def error(self) -> str | None:
+        return None if self.exception is None else str(self.exception)
+
+    def run(self) -> None:
+        from mlxtune.trainer import Trainer
+
+        try:
+            trainer = Trainer(self.recipe, run_dir=self.run_dir, console=Console(quiet=True))
+            self.ready.set()
+            self.summary = trainer.run()
+        except BaseException as e:  # handed to the main thread, which reports it
+            self.exception = e
+        finally:
+            self.ready.set()
+
+
+def run_with_dashboard(recipe, run_dir=None, app_factory=WatchApp) -> dict | None:
+    """Train ``recipe`` with the dashboard in front; returns the run's summary. An error while
+    setting up is raised before the dashboard opens; one in training, after it closes."""
+    path = Path(run_dir or recipe.run_dir or default_run_dir(recipe.name))
+    worker = TrainingThread(recipe, path)
+    worker.start()
+    worker.ready.wait()  # bad input (recipe, data, model) is reported before the dashboard opens
+    if worker.exception is not None and not worker.is_alive():
+        raise worker.exception
+    app_factory(path, training=worker).run()
+    if worker.is_alive():
+        print(
+            f"dashboard closed; training goes on ({path}). `mlxtune watch {path}` opens it "
+            "again; Ctrl-C stops the run gracefully.",
+            file=sys.stderr,
+        )
+        try:
+            while worker.is_alive():
+                worker.join(0.5)
+        except KeyboardInterrupt:
+            request(path, "stop")
+            print("stopping after this step...", file=sys.stderr)
+            worker.join()
+    if worker.exception is not None:
+        raise worker.exception
+    return worker.summary
