@@ -333,3 +333,27 @@ def test_run_tui_reports_bad_input_before_the_dashboard_opens(tmp_path, capsys):
     recipe = str(repo / "recipes" / "quickstart-lora.yaml")
     assert main(["run", recipe, "--tui", "--run-dir", str(taken)]) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_number_keys_toggle_every_panel_and_help_shows_the_keys(tmp_path):
+    run = recorded_run(tmp_path / "run", bad=False)
+
+    async def drive():
+        app = WatchApp(run, poll_s=0.05)
+        async with app.run_test(size=(140, 40)) as pilot:
+            await pilot.pause(0.2)
+            panels = ["#loss", "#lr", "#gnorm", "#stats", "#sample", "#log"]
+            for n, sel in enumerate(panels, start=1):
+                assert app.query_one(sel).display
+                await pilot.press(str(n))
+                assert not app.query_one(sel).display, sel
+            assert not app.query_one("#side").display  # both of its plots are hidden
+            assert not app.query_one("#checkpoints").display  # 5 hides sample and checkpoints
+            await pilot.press("1")
+            assert app.query_one("#loss").display
+            await pilot.press("question_mark")
+            await pilot.pause()
+            shown = [n.message for n in app._notifications]
+            assert any("[ ] less/more smoothing" in m and "ctrl+q" in m for m in shown)
+
+    asyncio.run(drive())
