@@ -12,7 +12,7 @@ import time
 import click
 
 from . import __version__, _blas
-from .errors import TrainingError, UserInputError
+from .errors import Interrupted, TrainingError, UserInputError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,7 +31,16 @@ def cli():
     "--dry-run", is_flag=True, help="Build the model and data, compile and run one step, exit."
 )
 @click.option("--tui", is_flag=True, help="Train with the live dashboard in front.")
-def run(recipe, overrides, run_dir, dry_run, tui):
+@click.option(
+    "--resume",
+    is_flag=False,
+    flag_value="latest",
+    default=None,
+    metavar="[latest|CHECKPOINT]",
+    help="Continue the run in --run-dir exactly where it stopped: from its newest intact "
+    "checkpoint, or the one named.",
+)
+def run(recipe, overrides, run_dir, dry_run, tui, resume):
     """Train RECIPE.yaml; OVERRIDES are key.sub=value pairs (e.g. train.max_steps=50)."""
     from .recipe import load_recipe
     from .trainer import Trainer
@@ -40,9 +49,9 @@ def run(recipe, overrides, run_dir, dry_run, tui):
     if tui and not dry_run:
         from .tui.live import run_with_dashboard
 
-        run_with_dashboard(r, run_dir)
+        run_with_dashboard(r, run_dir, resume=resume)
         return
-    Trainer(r, run_dir=run_dir, dry_run=dry_run).run()
+    Trainer(r, run_dir=run_dir, dry_run=dry_run, resume=resume).run()
 
 
 @cli.command()
@@ -352,6 +361,9 @@ def main(argv=None) -> int:
     except TrainingError as e:
         click.echo(f"mlxtune: training failed: {e}", err=True)
         return 1
+    except Interrupted as e:
+        click.echo(f"mlxtune: {e}", err=True)
+        return 130
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return 130

@@ -378,12 +378,16 @@ def iterate_batches(
     seed: int,
     bucket_size: int,
     start_epoch: int = 0,
+    skip: int = 0,
 ):
-    """Endless (epoch, batch) stream over the training set."""
+    """Endless (epoch, batch) stream over the training set, from batch ``skip`` of epoch
+    ``start_epoch`` (each epoch's order depends only on the seed and the epoch: a resumed run
+    sees the batches an uninterrupted one would)."""
     lengths = [len(e.ids) for e in ds.examples]
     epoch = start_epoch
     while True:
-        for idx in batch_order(lengths, batch_size, epoch, seed, bucket_size):
+        order = batch_order(lengths, batch_size, epoch, seed, bucket_size)
+        for idx in order[skip if epoch == start_epoch else 0 :]:
             yield epoch, make_batch([ds.examples[i] for i in idx], pad_id, multiple)
         epoch += 1
 

@@ -22,3 +22,7 @@ class UserInputError(MlxtuneError):
 
 class TrainingError(MlxtuneError):
     """Training could not go on (for example the loss became NaN); exit code 1."""
+
+
+class Interrupted(MlxtuneError):
+    """SIGINT or SIGTERM: the step finished and a checkpoint was saved; exit code 130."""

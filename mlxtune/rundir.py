@@ -106,16 +106,27 @@ class RunDir:
     def staged(self, *parts: str) -> Iterator[Path]:
         """Write a folder under the run directory all at once: yields an empty temporary folder;
         when the block ends without error it replaces the folder at ``parts``. The old folder is
-        moved aside before the new one is renamed in, so a crash never leaves neither."""
+        moved aside before the new one is renamed in, so a crash never leaves neither: a folder
+        left aside by a crash between the two renames is put back the next time. Files are
+        flushed to disk before the rename."""
         final = self.inside(*parts)
         tmp = final.with_name(f".{final.name}.tmp")
         old = final.with_name(f".{final.name}.old")
+        if old.exists() and not final.exists():
+            old.rename(final)  # a crash between the renames: the old folder is the good one
         for p in (tmp, old):
             if p.exists():
                 shutil.rmtree(p)
         tmp.mkdir(parents=True)
         try:
             yield tmp
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    fd = os.open(f, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

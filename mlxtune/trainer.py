@@ -7,7 +7,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -16,13 +18,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from . import _blas
 from .console import Console
 from .control import take_requests
 from .data import Dataset, Encoder, eval_batches, iterate_batches, load_split, read_jsonl, split_off
-from .errors import TrainingError, UserInputError
+from .errors import Interrupted, TrainingError, UserInputError
 from .export import TrainedModel, export, import_adapter, write_mlx_lm
 from .generate import eos_ids, exact_match, generate_ids
 from .kernels import linear_cross_entropy
@@ -37,6 +39,8 @@ from .models import (
 )
 from .optim import build_optimizer, make_schedule
 from .recipe import Recipe, dump_yaml
+from .resume import pick as pick_checkpoint
+from .resume import recipe_changes, write_checksums
 from .rundir import RunDir, default_run_dir
 from .tokenizer import load_tokenizer, train_sentencepiece
 
@@ -103,9 +107,14 @@ class Trainer:
         callbacks=(),
         console: Console | None = None,
         dry_run: bool = False,
+        resume: str | None = None,
     ):
+        """``resume``: continue the run in ``run_dir`` from "latest" (its newest intact
+        checkpoint) or from a named checkpoint, exactly where it stopped."""
         self.recipe = recipe
         self.dry_run = dry_run
+        self.resume_from = resume
+        self._resumed: dict | None = None
         self.callbacks = [c if isinstance(c, Callback) else _FunctionCallback(c) for c in callbacks]
         self.console = console or Console(quiet=False, progress=recipe.train.progress)
         self._stop = False
@@ -114,6 +123,13 @@ class Trainer:
         if dry_run:
             self._tmp = tempfile.TemporaryDirectory(prefix="mlxtune-dry-")
             self.run_dir = RunDir(self._tmp.name, create=True)
+        elif resume is not None:
+            path = Path(run_dir or recipe.run_dir or "")
+            if not run_dir and not recipe.run_dir:
+                raise UserInputError("--resume needs the run's directory (--run-dir)", "--resume")
+            if not (path / "metrics.jsonl").exists():
+                raise UserInputError("no run to resume here (no metrics.jsonl)", str(path))
+            self.run_dir = RunDir(path, create=False)
         else:
             self.run_dir = RunDir(run_dir or recipe.run_dir or default_run_dir(recipe.name))
         self.blas = _blas.setup_blas()
@@ -191,7 +207,10 @@ class Trainer:
             else None
         )
         self.model_dir = model_dir
-        if r.tokenizer.train is not None:
+        if r.tokenizer.train is not None and self.resume_from is not None:
+            self.tokenizer_dir = self.run_dir.inside("tokenizer")  # the one this run trained
+            self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        elif r.tokenizer.train is not None:
             t = r.tokenizer.train
             self.tokenizer_dir = self.run_dir.inside("tokenizer")
             self.log(
@@ -294,6 +313,8 @@ class Trainer:
             s.name, r.optimizer.lr, self.total_steps, s.warmup_steps, s.min_lr
         )
         self.optimizer = build_optimizer(r.optimizer, self.schedule)
+        if self.resume_from is not None and not self.dry_run:
+            self._load_resume(self.resume_from)
         self._build_steps()
         self._write_resolved()
 
@@ -416,12 +437,46 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> dict:
-        """Train as the recipe says; returns the summary (also printed and logged)."""
-        choice = self.recipe.kernels.attention
-        if choice == "off":
-            return self._run()
-        with kernel_attention(self.model, None if choice == "auto" else choice):
-            return self._run()
+        """Train as the recipe says; returns the summary (also printed and logged).
+
+        On SIGINT or SIGTERM (in the main thread) the current step finishes, a checkpoint is
+        saved and ``Interrupted`` is raised, saying how to resume; a second signal stops at once.
+        """
+        restore = self._catch_signals()
+        try:
+            choice = self.recipe.kernels.attention
+            if choice == "off":
+                return self._run()
+            with kernel_attention(self.model, None if choice == "auto" else choice):
+                return self._run()
+        finally:
+            restore()
+
+    def _catch_signals(self):
+        self._interrupted = None
+        if threading.current_thread() is not threading.main_thread() or self.dry_run:
+            return lambda: None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def handler(signum, frame):
+            if self._interrupted is not None:  # the second one: stop now
+                for s, h in previous.items():
+                    signal.signal(s, h)
+                raise KeyboardInterrupt
+            self._interrupted = signal.Signals(signum).name
+            self.console.info(
+                f"{self._interrupted}: finishing this step, then saving a checkpoint "
+                "(again to stop at once)"
+            )
+
+        for s in previous:
+            signal.signal(s, handler)
+
+        def restore():
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+        return restore
 
     def _run(self) -> dict:
         r, rd, con = self.recipe, self.run_dir, self.console
@@ -430,6 +485,8 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_train_start(self)
         self.model.train()
+        res = self._resumed or {}
+        data_epoch, data_batch = res.get("data_epoch", 0), res.get("data_batch", 0)
         batches = iterate_batches(
             self.train_set,
             t.batch_size,
@@ -437,29 +494,55 @@ class Trainer:
             r.data.pad_to_multiple,
             t.seed,
             r.data.bucket_size,
+            start_epoch=data_epoch,
+            skip=data_batch,
         )
 
         if self.dry_run:
             return self._dry_run(batches)
 
-        before = self._task_metric("untrained", 0) if r.eval.exact_match else None
+        before = (
+            self._task_metric("untrained", 0) if r.eval.exact_match and not self._resumed else None
+        )
         mx.reset_peak_memory()
         start = time.perf_counter()
-        step = 0
-        tokens_seen = 0
-        examples_seen = 0
-        window = _new_window()
+        step = res.get("step", 0)
+        tokens_seen = res.get("tokens_seen", 0)
+        examples_seen = res.get("examples_seen", 0)
+        window = res.get("window") or _new_window()
         step_times = []
-        self.best_eval = math.inf
-        self.last_loss = math.nan
+        self.best_eval = res.get("best_eval", math.inf)
+        self.last_loss = res.get("last_loss", math.nan)
         first_step_time = None
-        first_row = True
+        first_row = res.get("first_row", True)
+
+        def position():
+            """Everything the loop needs to continue exactly from here (saved in checkpoints)."""
+            key = [int(v) for v in mx.random.state[0].tolist()]
+            return {
+                "step": step,
+                "data_epoch": data_epoch,
+                "data_batch": data_batch,
+                "tokens_seen": tokens_seen,
+                "examples_seen": examples_seen,
+                "window": dict(window),
+                "best_eval": self.best_eval,
+                "last_loss": self.last_loss,
+                "first_row": first_row,
+                "rng": key,
+            }
+
+        self._position = position
         con.start_progress(self.total_steps)
         while step < self.total_steps:
             t0 = time.perf_counter()
             micro = []
             for _ in range(t.grad_accumulation):
-                micro.append(next(batches)[1])
+                epoch_now, batch = next(batches)
+                if epoch_now != data_epoch:
+                    data_epoch, data_batch = epoch_now, 0
+                data_batch += 1
+                micro.append(batch)
             loss_sum, _, norm = self._optimizer_step(micro)
             dt = time.perf_counter() - t0
             step += 1
@@ -529,6 +612,19 @@ class Trainer:
             if self._stop:
                 self.log(f"stop requested: stopping after step {step}")
                 break
+            if self._interrupted:
+                name = f"step-{step:06d}"
+                if not (self.run_dir.checkpoints / name).exists():
+                    self._save_checkpoint(name, step, loss)
+                    self._prune_checkpoints()
+                con.end_progress()
+                recipe = self.recipe.source or "RECIPE.yaml"
+                how = f"mlxtune run {recipe} --run-dir {self.run_dir.path} --resume"
+                self.log(f"{self._interrupted} at step {step}: saved checkpoints/{name}")
+                raise Interrupted(
+                    f"interrupted ({self._interrupted}) after step {step}; checkpoint "
+                    f"checkpoints/{name} saved. Resume with: {how}"
+                )
 
         con.end_progress()
         train_time = time.perf_counter() - start
@@ -706,10 +802,50 @@ class Trainer:
             "adapter": t.adapter,
             "recipe": self.recipe.to_dict(),
         }
+        position = getattr(self, "_position", None)
+        if position is not None:
+            state["resume"] = position()
         with self.run_dir.staged("checkpoints", name) as tmp:
             write_mlx_lm(t, tmp, meta)
+            if position is not None:
+                opt = dict(tree_flatten(self.optimizer.state))
+                mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            write_checksums(tmp)
         self.log(f"saved checkpoint checkpoints/{name} at step {step}")
+
+    def _load_resume(self, which: str):
+        """Put back the weights, optimizer state, random state and loop position of a checkpoint,
+        and cut metrics and samples back to its step."""
+        ckpt = pick_checkpoint(self.run_dir.path, which, lambda m: self.log(f"WARNING: {m}"))
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        res = state.get("resume")
+        if res is None:
+            raise UserInputError("this checkpoint holds no resume state", str(ckpt))
+        ok, refused = recipe_changes(state.get("recipe", {}), self.recipe.to_dict())
+        if refused:
+            raise UserInputError(
+                "the recipe changed in ways a resumed run cannot honour: " + "; ".join(refused),
+                refused[0].split(":")[0],
+            )
+        for line in ok:
+            self.log(f"resuming with a changed recipe: {line}")
+        self.model.load_weights(str(ckpt / "adapters.safetensors"), strict=False)
+        saved = mx.load(str(ckpt / "optimizer.safetensors"))
+        self.optimizer.state = tree_unflatten(list(saved.items()))
+        # fills in the structure around what was saved (frozen layers hold empty states)
+        self.optimizer.init(self.model.trainable_parameters())
+        hi, lo = res["rng"]
+        mx.random.seed((int(hi) << 32) | int(lo))
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        step = res["step"]
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            rows = self.run_dir.read_jsonl(name)
+            if rows:
+                kept = [row for row in rows if row.get("step", 0) <= step]
+                self.run_dir.write_text(name, "".join(json.dumps(r) + "\n" for r in kept))
+        self._resumed = res
+        self.log(f"resumed from checkpoints/{ckpt.name} at step {step}")
 
     def _prune_checkpoints(self):
         keep = self.recipe.checkpoints.keep_last

@@ -429,3 +429,17 @@ def test_a_kernel_tier_this_machine_lacks_is_refused(
     assert main(["run", str(p), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert key in err and "backend" in err and "Traceback" not in err
+
+
+def test_a_crash_between_the_renames_puts_the_old_checkpoint_back(tmp_path):
+    from mlxtune.rundir import RunDir
+
+    rd = RunDir(tmp_path / "r")
+    with rd.staged("checkpoints", "step-000003") as d:
+        (d / "a.txt").write_text("good")
+    ckpts = tmp_path / "r" / "checkpoints"
+    (ckpts / "step-000003").rename(ckpts / ".step-000003.old")  # the state such a crash leaves
+    with pytest.raises(RuntimeError):
+        with rd.staged("checkpoints", "step-000003") as d:
+            raise RuntimeError("killed again")
+    assert (ckpts / "step-000003" / "a.txt").read_text() == "good"

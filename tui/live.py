@@ -22,10 +22,11 @@ from .app import WatchApp
 class TrainingThread(threading.Thread):
     """Builds a Trainer for the recipe and runs it; keeps the summary or the exception."""
 
-    def __init__(self, recipe, run_dir: Path):
+    def __init__(self, recipe, run_dir: Path, resume: str | None = None):
         super().__init__(name="mlxtune-train")
         self.recipe = recipe
         self.run_dir = run_dir
+        self.resume = resume
         self.summary: dict | None = None
         self.exception: BaseException | None = None
         self.ready = threading.Event()  # set once the trainer is built (or failed to be)
@@ -38,7 +39,9 @@ class TrainingThread(threading.Thread):
         from mlxtune.trainer import Trainer
 
         try:
-            trainer = Trainer(self.recipe, run_dir=self.run_dir, console=Console(quiet=True))
+            trainer = Trainer(
+                self.recipe, run_dir=self.run_dir, console=Console(quiet=True), resume=self.resume
+            )
             self.ready.set()
             self.summary = trainer.run()
         except BaseException as e:  # handed to the main thread, which reports it
@@ -47,11 +50,13 @@ class TrainingThread(threading.Thread):
             self.ready.set()
 
 
-def run_with_dashboard(recipe, run_dir=None, app_factory=WatchApp) -> dict | None:
+def run_with_dashboard(
+    recipe, run_dir=None, app_factory=WatchApp, resume: str | None = None
+) -> dict | None:
     """Train ``recipe`` with the dashboard in front; returns the run's summary. An error while
     setting up is raised before the dashboard opens; one in training, after it closes."""
     path = Path(run_dir or recipe.run_dir or default_run_dir(recipe.name))
-    worker = TrainingThread(recipe, path)
+    worker = TrainingThread(recipe, path, resume)
     worker.start()
     worker.ready.wait()  # bad input (recipe, data, model) is reported before the dashboard opens
     if worker.exception is not None and not worker.is_alive():

@@ -1,0 +1,205 @@
+"""Exact resume: a run stopped at step k and resumed gives the metrics rows an uninterrupted run
+gives; damaged checkpoints are skipped; recipe changes are listed or refused."""
+
+import json
+
+import pytest
+import yaml
+
+from conftest import tiny_recipe
+from mlxtune import Callback, Trainer, recipe_from_dict
+from mlxtune.cli import main
+from mlxtune.console import Console
+from mlxtune.errors import UserInputError
+
+TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
+
+
+class Crash(Callback):
+    """Dies after a given step, as a killed process would (after the step's checkpoint)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_step(self, trainer, event):
+        if event.step == self.at + 1:
+            raise RuntimeError("simulated crash")
+
+
+def recipe(data_dir, model_dir, **over):
+    r = tiny_recipe(
+        data_dir,
+        model_dir,
+        adapter={
+            "type": "lora",
+            "rank": 4,
+            "alpha": 8,
+            "dropout": 0.1,
+            "targets": ["q_proj", "v_proj"],
+        },
+        train={"batch_size": 8, "max_steps": 12, "log_every": 1, "progress": False, "seed": 3},
+        eval={"every": 4},
+        checkpoints={"every": 3, "keep_last": 5},
+        **over,
+    )
+    return r
+
+
+def rows(run_dir):
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.append({k: v for k, v in row.items() if k not in TIMING})
+    return out
+
+
+def trainer(r, run_dir, **kw):
+    return Trainer(recipe_from_dict(r), run_dir=run_dir, console=Console(quiet=True), **kw)
+
+
+@pytest.fixture
+def reference(tmp_path, data_dir, llama_dir):
+    r = recipe(data_dir, llama_dir)
+    trainer(r, tmp_path / "whole").run()
+    return r, rows(tmp_path / "whole")
+
+
+def crashed(r, run_dir, at):
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        Trainer(
+            recipe_from_dict(r), run_dir=run_dir, console=Console(quiet=True), callbacks=[Crash(at)]
+        ).run()
+
+
+def test_a_resumed_run_gives_the_same_metrics_as_an_uninterrupted_one(tmp_path, reference):
+    r, want = reference
+    crashed(r, tmp_path / "cut", at=7)  # checkpoints at 3 and 6; rows up to 7 written
+    assert rows(tmp_path / "cut")[-1]["step"] == 7
+    summary = trainer(r, tmp_path / "cut", resume="latest").run()
+    assert summary["steps"] == 12
+    assert rows(tmp_path / "cut") == want  # step 7's row is cut and replayed identically
+    assert (
+        "resumed from checkpoints/step-000006 at step 6"
+        in (tmp_path / "cut" / "log.txt").read_text()
+    )
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, reference):
+    r, want = reference
+    crashed(r, tmp_path / "cut", at=7)
+    weights = tmp_path / "cut" / "checkpoints" / "step-000006" / "adapters.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    trainer(r, tmp_path / "cut", resume="latest").run()
+    log = (tmp_path / "cut" / "log.txt").read_text()
+    assert (
+        "skipping checkpoint step-000006: adapters.safetensors does not match its checksum" in log
+    )
+    # the newest intact one: the best-eval checkpoint saved at step 4's evaluation
+    assert "resumed from checkpoints/best at step 4" in log
+    assert rows(tmp_path / "cut") == want
+
+
+def test_resume_from_a_named_checkpoint_and_extend_the_run(tmp_path, data_dir, llama_dir):
+    r = recipe(data_dir, llama_dir)
+    trainer(r, tmp_path / "run").run()
+    longer = dict(r, train=dict(r["train"], max_steps=15))
+    summary = trainer(longer, tmp_path / "run", resume="final").run()
+    assert summary["steps"] == 15
+    got = [row["step"] for row in rows(tmp_path / "run") if "loss" in row]
+    assert got == list(range(1, 16))
+    assert "train.max_steps: 12 -> 15" in (tmp_path / "run" / "log.txt").read_text()
+
+
+def test_a_recipe_change_that_cannot_be_honoured_is_refused(tmp_path, data_dir, llama_dir, capsys):
+    r = recipe(data_dir, llama_dir)
+    crashed(r, tmp_path / "cut", at=4)
+    before = (tmp_path / "cut" / "metrics.jsonl").read_text()
+    p = tmp_path / "changed.yaml"
+    p.write_text(yaml.safe_dump(dict(r, optimizer={"lr": 5e-2})))
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "cut"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.lr: 0.01 -> 0.05" in err and "Traceback" not in err
+    assert (tmp_path / "cut" / "metrics.jsonl").read_text() == before  # nothing touched
+
+
+def test_resume_needs_a_run_and_an_intact_checkpoint(tmp_path, data_dir, llama_dir):
+    r = recipe(data_dir, llama_dir)
+    with pytest.raises(UserInputError, match="no run to resume"):
+        trainer(r, tmp_path / "empty", resume="latest")
+    crashed(r, tmp_path / "cut", at=2)  # no checkpoint yet
+    with pytest.raises(UserInputError, match="no checkpoint to resume from"):
+        trainer(r, tmp_path / "cut", resume="latest")
+    crashed(r, tmp_path / "cut2", at=4)
+    (tmp_path / "cut2" / "checkpoints" / "step-000003" / "checksums.json").unlink()
+    with pytest.raises(UserInputError, match="incomplete write"):
+        trainer(r, tmp_path / "cut2", resume="step-000003")
+
+
+class Signal(Callback):
+    def __init__(self, at, times=1, sig=None):
+        import signal
+
+        self.at, self.times, self.sig = at, times, sig or signal.SIGINT
+
+    def on_step(self, trainer, event):
+        import os
+
+        if event.step == self.at:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.sig)
+
+
+def test_a_signal_finishes_the_step_saves_and_the_run_resumes_exactly(tmp_path, reference):
+    import signal
+
+    from mlxtune.errors import Interrupted
+
+    r, want = reference
+    run = tmp_path / "sig"
+    before = signal.getsignal(signal.SIGINT)
+    t = Trainer(
+        recipe_from_dict(r),
+        run_dir=run,
+        console=Console(quiet=True),
+        callbacks=[Signal(5, sig=signal.SIGTERM)],
+    )
+    with pytest.raises(Interrupted, match=r"after step 5.*--resume"):
+        t.run()
+    assert signal.getsignal(signal.SIGINT) is before  # handlers put back
+    assert (run / "checkpoints" / "step-000005" / "checksums.json").exists()
+    assert rows(run)[-1]["step"] == 5
+    trainer(r, run, resume="latest").run()
+    assert rows(run) == want
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, data_dir, llama_dir):
+    r = recipe(data_dir, llama_dir)
+    t = Trainer(
+        recipe_from_dict(r),
+        run_dir=tmp_path / "run",
+        console=Console(quiet=True),
+        callbacks=[Signal(2, times=2)],
+    )
+    with pytest.raises(KeyboardInterrupt):
+        t.run()
+    assert not (tmp_path / "run" / "checkpoints" / "step-000002").exists()
+
+
+def test_the_cli_exits_130_and_says_how_to_resume(
+    tmp_path, data_dir, llama_dir, capsys, monkeypatch
+):
+    import mlxtune.trainer as trainer_module
+
+    r = recipe(data_dir, llama_dir)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(r))
+    real = trainer_module.Trainer.__init__
+
+    def with_signal(self, *a, **kw):
+        real(self, *a, **kw)
+        self.callbacks.append(Signal(3))
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", with_signal)
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "run")]) == 130
+    err = capsys.readouterr().err
+    assert f"mlxtune run {p} --run-dir {tmp_path / 'run'} --resume" in err
