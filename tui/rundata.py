@@ -14,8 +14,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def _complete_lines(path: Path, offset: int) -> tuple[list[bytes], int]:
+    """The complete lines of ``path`` after byte ``offset`` (a half-written last line waits for
+    the next call), and the offset after them."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = chunk.rfind(b"\n")
+    if end < 0:
+        return [], offset
+    return chunk[:end].splitlines(), offset + end + 1
+
+
 class Tail:
-    """Complete new lines of a growing file, from a remembered byte offset."""
+    """Complete new JSON lines of a growing file, from a remembered byte offset."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -23,18 +38,9 @@ class Tail:
         self.bad_lines = 0
 
     def rows(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            return []
-        self.offset += end + 1
+        lines, self.offset = _complete_lines(self.path, self.offset)
         out = []
-        for line in chunk[: end + 1].splitlines():
+        for line in lines:
             if not line.strip():
                 continue
             try:
@@ -57,17 +63,8 @@ class TextTail:
         self.offset = 0
 
     def lines(self) -> list[str]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            return []
-        self.offset += end + 1
-        return chunk[:end].decode("utf-8", errors="replace").splitlines()
+        lines, self.offset = _complete_lines(self.path, self.offset)
+        return [line.decode("utf-8", errors="replace") for line in lines]
 
 
 @dataclass

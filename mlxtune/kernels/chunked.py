@@ -74,6 +74,33 @@ def _chunk_grad(h, w_chunk, t, start, lse, g, label_smoothing, softcap, v):
     return dz
 
 
+def token_losses(lse, target, total, valid, label_smoothing, v):
+    """Per-token losses from the logsumexp, target logit and sum of logits (0 where ignored)."""
+    nll = lse - target
+    if label_smoothing > 0:
+        nll = (1 - label_smoothing) * nll + label_smoothing * (lse - total / v)
+    return mx.where(valid, nll, 0.0)
+
+
+def backward_over_chunks(h, w, c, chunk_grad, weight_grad):
+    """(d hidden, d weight) from each chunk's d loss / d logits, ``chunk_grad(h, w_chunk,
+    start)``, one chunk at a time; with ``weight_grad=False`` d weight is zeros."""
+    hf = h.astype(mx.float32)
+    dh = mx.zeros(h.shape, dtype=mx.float32)
+    pieces = []
+    for start in range(0, w.shape[0], c):
+        wc = w[start : start + c]
+        # chunk k starts only once everything reading chunk k-1's tile is done, or MLX's
+        # scheduler would run ahead and hold many tiles at once
+        after = mx.depends(h, [dh, pieces[-1]] if pieces else dh)
+        dz = chunk_grad(after, wc, start)
+        dh = mx.addmm(dh, dz, wc.astype(mx.float32))
+        if weight_grad:
+            pieces.append((dz.T @ hf).astype(w.dtype))
+    dw = mx.concatenate(pieces, axis=0) if weight_grad else mx.zeros_like(w)
+    return dh.astype(h.dtype), dw
+
+
 def linear_cross_entropy_chunked(
     hidden, weight, targets, ignore_index, label_smoothing, softcap, chunk=None, weight_grad=True
 ):
@@ -89,32 +116,21 @@ def linear_cross_entropy_chunked(
     @mx.custom_function
     def losses_fn(h, w, t):
         state = _forward(h, w, t, valid, c, label_smoothing, softcap)
-        lse, target, total = state[:, 0], state[:, 1], state[:, 2]
-        nll = lse - target
-        if label_smoothing > 0:
-            nll = (1 - label_smoothing) * nll + label_smoothing * (lse - total / v)
+        lse = state[:, 0]
         # lse rides along so the backward does not recompute the forward
-        return mx.where(valid, nll, 0.0), lse
+        return token_losses(lse, state[:, 1], state[:, 2], valid, label_smoothing, v), lse
 
     @losses_fn.vjp
     def losses_vjp(primals, cotangents, outputs):
         h, w, t = primals
         g = mx.where(valid, cotangents[0].astype(mx.float32), 0.0)
         lse = outputs[1]
-        hf = h.astype(mx.float32)
-        dh = mx.zeros(h.shape, dtype=mx.float32)
-        pieces = []
-        for start in range(0, v, c):
-            wc = w[start : start + c]
-            # chunk k starts only once everything reading chunk k-1's tile is done, or MLX's
-            # scheduler would run ahead and hold many tiles at once
-            after = mx.depends(h, [dh, pieces[-1]] if pieces else dh)
-            dz = _chunk_grad(after, wc, t, start, lse, g, label_smoothing, softcap, v)
-            dh = mx.addmm(dh, dz, wc.astype(mx.float32))
-            if weight_grad:
-                pieces.append((dz.T @ hf).astype(w.dtype))
-        dw = mx.concatenate(pieces, axis=0) if weight_grad else mx.zeros_like(w)
-        return dh.astype(h.dtype), dw, mx.zeros_like(t)
+
+        def chunk_grad(after, wc, start):
+            return _chunk_grad(after, wc, t, start, lse, g, label_smoothing, softcap, v)
+
+        dh, dw = backward_over_chunks(h, w, c, chunk_grad, weight_grad)
+        return dh, dw, mx.zeros_like(t)
 
     losses, _ = losses_fn(hidden, weight, safe)
     return losses, valid

@@ -39,7 +39,7 @@ from ..metal_kernels import (
     header,
     source,
 )
-from .chunked import chunk_size
+from .chunked import backward_over_chunks, chunk_size, token_losses
 from .flash import attention_chunked
 
 # Threads per group of the cross-entropy kernels (a multiple of 32).
@@ -134,10 +134,8 @@ def make_linear_cross_entropy(launch: Launcher):
                     LCE_FORWARD, [z, t - start, state, prm], [(n, 4)], (n, 1), LCE_THREADS, consts
                 )
             lse = state[:, 0] + mx.log(state[:, 1])
-            nll = lse - state[:, 2]
-            if label_smoothing > 0:
-                nll = (1 - label_smoothing) * nll + label_smoothing * (lse - state[:, 3] / v)
-            return mx.where(valid, nll, 0.0), lse
+            losses = token_losses(lse, state[:, 2], state[:, 3], valid, label_smoothing, v)
+            return losses, lse
 
         @losses_fn.vjp
         def losses_vjp(primals, cotangents, outputs):
@@ -148,27 +146,21 @@ def make_linear_cross_entropy(launch: Launcher):
                 [softcap if capped else 1.0, 1.0 - label_smoothing, label_smoothing / v],
                 dtype=mx.float32,
             )
-            hf = h.astype(mx.float32)
-            dh = mx.zeros(h.shape, dtype=mx.float32)
-            pieces = []
-            for start in range(0, v, c):
-                wc = w[start : start + c]
+
+            def chunk_grad(after, wc, start):
                 width = wc.shape[0]
-                after = mx.depends(h, [dh, pieces[-1]] if pieces else dh)
-                z = after @ wc.T
                 (dz,) = launch(
                     LCE_BACKWARD,
-                    [z, t - start, lse, g, prm],
+                    [after @ wc.T, t - start, lse, g, prm],
                     [(n, width)],
                     (math.ceil(width / LCE_THREADS), n),
                     LCE_THREADS,
                     consts,
                 )
-                dh = mx.addmm(dh, dz, wc.astype(mx.float32))
-                if weight_grad:
-                    pieces.append((dz.T @ hf).astype(w.dtype))
-            dw = mx.concatenate(pieces, axis=0) if weight_grad else mx.zeros_like(w)
-            return dh.astype(h.dtype), dw, mx.zeros_like(t)
+                return dz
+
+            dh, dw = backward_over_chunks(h, w, c, chunk_grad, weight_grad)
+            return dh, dw, mx.zeros_like(t)
 
         losses, _ = losses_fn(hidden, weight, safe)
         return losses, valid
