@@ -5,6 +5,9 @@
 // in a fresh random order each time, so a body that reads shared memory before the barrier
 // that publishes it gets stale data. A thread that finishes while others wait at a barrier is
 // reported as a divergent barrier.
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 600  // macOS declares the ucontext functions only for X/Open
+#endif
 #include <ucontext.h>
 
 #include <algorithm>
