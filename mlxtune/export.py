@@ -93,14 +93,14 @@ def load_trained(path: str | Path) -> TrainedModel:
         a.get("layers"),
     )
     weights = mx.load(str(ckpt / "adapters.safetensors"))
-    _load_exact(model, weights, str(ckpt / "adapters.safetensors"))
+    load_trainable_weights(model, weights, str(ckpt / "adapters.safetensors"))
     tok_dir = Path(state["tokenizer_dir"]) if state.get("tokenizer_dir") else base
     tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
     model.eval()
     return TrainedModel(model, tokenizer, config, a, base, tok_dir)
 
 
-def _load_exact(model: nn.Module, weights: dict, where: str):
+def load_trainable_weights(model: nn.Module, weights: dict, where: str):
     """Load weights that must each match a trainable parameter in name and shape."""
     params = dict(tree_flatten(model.trainable_parameters()))
     for k, v in weights.items():
@@ -326,7 +326,7 @@ def read_adapter(path: str | Path) -> dict[str, mx.array]:
 
 def import_adapter(model: nn.Module, path: str | Path):
     """Load an mlx-lm or PEFT adapter into a model whose adapters are already in place."""
-    _load_exact(model, read_adapter(path), str(path))
+    load_trainable_weights(model, read_adapter(path), str(path))
 
 
 def adapter_settings(path: str | Path) -> dict:

@@ -25,7 +25,7 @@ from .console import Console
 from .control import take_requests
 from .data import Dataset, Encoder, eval_batches, iterate_batches, load_split, read_jsonl, split_off
 from .errors import Interrupted, TrainingError, UserInputError
-from .export import TrainedModel, export, import_adapter, write_mlx_lm
+from .export import TrainedModel, export, import_adapter, load_trainable_weights, write_mlx_lm
 from .generate import eos_ids, exact_match, generate_ids
 from .kernels import linear_cross_entropy
 from .lora import apply_adapters
@@ -830,7 +830,10 @@ class Trainer:
             )
         for line in ok:
             self.log(f"resuming with a changed recipe: {line}")
-        self.model.load_weights(str(ckpt / "adapters.safetensors"), strict=False)
+        weights = str(ckpt / "adapters.safetensors")
+        load_trainable_weights(
+            self.model, mx.load(weights), weights
+        )  # every trainable weight, by name and shape
         saved = mx.load(str(ckpt / "optimizer.safetensors"))
         self.optimizer.state = tree_unflatten(list(saved.items()))
         # fills in the structure around what was saved (frozen layers hold empty states)
