@@ -163,7 +163,7 @@ class Trainer:
     # ---------------------------------------------------------------- setup
     def _check_kernels(self):
         """Refuse a kernel tier this machine cannot run, before anything is loaded."""
-        from .kernels import _on_gpu, best_impl, check_impl, gpu_backend, self_check
+        from .kernels import best_impl, check_impl, gpu_backend, on_gpu, self_check
 
         k = self.recipe.kernels
         env = os.environ.get("MLXTUNE_KERNELS")
@@ -181,7 +181,7 @@ class Trainer:
         # against the reference on this machine ("auto" falls back to chunked; a recipe that
         # names the tier is refused)
         gpu = gpu_backend()
-        if gpu is None or not _on_gpu():
+        if gpu is None or not on_gpu():
             return
         why = self_check(gpu)
         for key, choice in (("kernels.loss", k.loss), ("kernels.attention", k.attention)):

@@ -325,11 +325,11 @@ def test_auto_uses_a_gpu_tier_only_once_it_passes_its_self_check(monkeypatch):
     assert "linear_cross_entropy differs" in kernels.self_check("bad")
     assert launcher.launches["lce_forward"] >= 1 and launcher.launches["attn_dkv"] == 1
 
-    monkeypatch.setattr(kernels, "_on_gpu", lambda: True)
+    monkeypatch.setattr(kernels, "on_gpu", lambda: True)
     monkeypatch.setattr(kernels, "_GPU", "good")
     assert kernels.best_impl() == "good"
     monkeypatch.setattr(kernels, "_GPU", "bad")
     assert kernels.best_impl() == "chunked"
-    monkeypatch.setattr(kernels, "_on_gpu", lambda: False)
+    monkeypatch.setattr(kernels, "on_gpu", lambda: False)
     monkeypatch.setattr(kernels, "_GPU", "good")
     assert kernels.best_impl() == "chunked"  # the default device is the CPU

@@ -114,7 +114,7 @@ class WatchApp(App):
         yield Static(id="header")
         yield Static(id="progress")
         with Horizontal(id="curves"):
-            yield Plot("loss", log_y=False, id="loss")
+            yield Plot("loss", id="loss")
             with Vertical(id="side"):
                 yield Plot("learning rate", id="lr")
                 yield Plot("grad norm", id="gnorm")
@@ -158,7 +158,7 @@ class WatchApp(App):
             return
         self._reported_end = True
         log = self.query_one("#log", Log)
-        if getattr(t, "error", None) is not None:
+        if t.error is not None:
             log.write_line(f"training stopped with an error: {t.error}")
             self.notify(f"training failed: {t.error}", severity="error", timeout=30)
         else:

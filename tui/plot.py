@@ -24,10 +24,9 @@ class Plot(PlotextPlot):
     """A plot redrawn from a list of series: (label, xs, ys, style[, color index]), style
     "line", "dim" or "points"; without a colour index each series takes the next colour."""
 
-    def __init__(self, title: str = "", log_y: bool = False, **kw):
+    def __init__(self, title: str = "", **kw):
         super().__init__(**kw)
         self.title = title
-        self.log_y = log_y
         self.series: list[tuple] = []
         self.x_label = "step"
 
@@ -51,8 +50,6 @@ class Plot(PlotextPlot):
         drawn = False
         for i, (label, xs, ys, style, *rest) in enumerate(self.series):
             xs, ys = finite(xs, ys)
-            if self.log_y:
-                xs, ys = finite(xs, [math.log10(y) if y > 0 else math.nan for y in ys])
             if not xs:
                 continue
             drawn = True
@@ -63,8 +60,6 @@ class Plot(PlotextPlot):
                 plt.plot(xs, ys, label=label, marker="braille", color="gray")
             else:
                 plt.plot(xs, ys, label=label, marker="braille", color=color)
-        if self.log_y and drawn:
-            plt.ylabel("log10")
         if not drawn:
             plt.text("no data yet", x=0.5, y=0.5, alignment="center")
             plt.xlim(0, 1)

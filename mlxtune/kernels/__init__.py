@@ -48,7 +48,8 @@ def available_impls() -> list[str]:
     return list(IMPLS)
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
+    """Whether MLX's default device is a GPU."""
     return mx.default_device().type == mx.DeviceType.gpu
 
 
@@ -108,7 +109,7 @@ def _compare_with_reference(tier: str, tol: float = 1e-3) -> str | None:
 def best_impl() -> str:
     """The tier ``impl=None`` uses: the GPU kernels when the default device is that GPU and they
     pass ``self_check`` here, else the chunked tier."""
-    if _GPU is not None and _on_gpu() and self_check(_GPU) is None:
+    if _GPU is not None and on_gpu() and self_check(_GPU) is None:
         return _GPU
     return "chunked"
 
