@@ -69,10 +69,15 @@ class Console:
             self._bar_shown = False
 
     def log_step(self, row: dict, total: int):
+        loss = "skipped" if row["loss"] is None else f"{row['loss']:.4f}"
+        grad = "n/a" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
+        extra = f" | scale {row['loss_scale']:g}" if "loss_scale" in row else ""
+        if row.get("skipped_steps"):
+            extra += f" | {row['skipped_steps']} skipped"
         self._print(
-            f"step {row['step']:>6}/{total} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
-            f"grad {row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | "
-            f"peak {row['peak_memory_gb']:.2f} GB"
+            f"step {row['step']:>6}/{total} | loss {loss} | lr {row['lr']:.2e} | "
+            f"grad {grad} | {row['tokens_per_sec']:,.0f} tok/s | "
+            f"peak {row['peak_memory_gb']:.2f} GB{extra}"
         )
 
     def log_eval(self, row: dict):

@@ -256,6 +256,35 @@ class KernelsConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """Mixed precision: fp32 master weights, loss scaling, and what a non-finite step does."""
+
+    master_weights: bool = True
+    """When model.dtype is bfloat16 or float16: keep an fp32 copy of every 16-bit trainable
+    weight; the optimizer (and its state) works on the copies, the model computes in model.dtype.
+    LoRA and DoRA adapters are fp32 already and need no copy."""
+    loss_scale: Literal["auto", "dynamic", "static", "none"] = "auto"
+    """Scale the loss before the backward pass so small float16 gradients do not flush to zero;
+    the gradients are unscaled before clipping and the optimizer. "auto": dynamic for float16,
+    none otherwise; "static": always init_scale."""
+    init_scale: float = 65536.0
+    """The first loss scale (2^16)."""
+    growth_factor: float = 2.0
+    """Dynamic scaling multiplies the scale by this after growth_interval finite steps in a row."""
+    backoff_factor: float = 0.5
+    """... and by this after a step whose gradients overflowed (that update is skipped)."""
+    growth_interval: int = 2000
+    """Finite steps in a row before the scale grows."""
+    min_scale: float = 1.0
+    """A step still non-finite at this scale is not an overflow: nonfinite decides."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient that loss scaling cannot explain: "stop" ends the run with
+    exit 1 and leaves the checkpoints as they were; "skip" drops that update and goes on."""
+    max_skipped: int = 10
+    """With nonfinite: skip, stop after this many non-finite steps in a row."""
+
+
+@dataclass
 class Recipe:
     """A whole run."""
 
@@ -285,6 +314,8 @@ class Recipe:
     """Exports at the end of the run."""
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     """Kernel tiers for the loss."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Mixed precision and non-finite steps."""
     run_dir: str | None = None
     """Run directory (relative to the current directory); --run-dir overrides it."""
 
@@ -576,6 +607,20 @@ def _check_values(r: Recipe, v: _Validator):
     positive("samples.count", r.samples.count)
     if r.samples.temperature < 0:
         v.fail("samples.temperature", f"must be 0 or more, got {r.samples.temperature}")
+    p = r.precision
+    positive("precision.init_scale", p.init_scale)
+    if p.growth_factor <= 1:
+        v.fail("precision.growth_factor", f"must be greater than 1, got {p.growth_factor}")
+    in_range("precision.backoff_factor", p.backoff_factor, 0.0, 1.0)
+    if p.backoff_factor == 0:
+        v.fail("precision.backoff_factor", "must be greater than 0, got 0.0")
+    positive("precision.growth_interval", p.growth_interval)
+    positive("precision.min_scale", p.min_scale)
+    if p.min_scale > p.init_scale:
+        v.fail(
+            "precision.min_scale", f"must not exceed init_scale ({p.init_scale}), got {p.min_scale}"
+        )
+    positive("precision.max_skipped", p.max_skipped)
     positive("checkpoints.every", r.checkpoints.every, allow_none=True)
     positive("checkpoints.keep_last", r.checkpoints.keep_last)
     for fmt in ("mlx-lm", "peft"):

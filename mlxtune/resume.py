@@ -33,6 +33,8 @@ MAY_CHANGE = (
     "checkpoints.",
     "export.",
     "kernels.",
+    "precision.nonfinite",
+    "precision.max_skipped",
 )
 
 

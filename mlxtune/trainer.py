@@ -17,7 +17,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from . import _blas
@@ -38,6 +37,14 @@ from .models import (
     resolve_model_path,
 )
 from .optim import build_optimizer, make_schedule
+from .precision import (
+    all_finite,
+    copy_tree,
+    make_masters,
+    scaling_mode,
+    update_scale,
+    where_into,
+)
 from .recipe import Recipe, dump_yaml
 from .resume import pick as pick_checkpoint
 from .resume import recipe_changes, write_checksums
@@ -313,6 +320,16 @@ class Trainer:
             s.name, r.optimizer.lr, self.total_steps, s.warmup_steps, s.min_lr
         )
         self.optimizer = build_optimizer(r.optimizer, self.schedule)
+        self._dtypes = tree_map(lambda w: w.dtype, self.model.trainable_parameters())
+        self._masters = [
+            make_masters(self.model.trainable_parameters(), r.precision.master_weights)
+        ]
+        self.scaling = scaling_mode(r.precision, r.model.dtype)
+        self.scaler = {
+            "scale": mx.array(r.precision.init_scale if self.scaling != "none" else 1.0),
+            "good": mx.array(0, dtype=mx.int32),
+        }
+        self._nf = {"skipped": 0, "in_a_row": 0}
         if self.resume_from is not None and not self.dry_run:
             self._load_resume(self.resume_from)
         self._build_steps()
@@ -371,39 +388,70 @@ class Trainer:
             weight_grad=self._head_trains,
         )
 
+    def _opt_params(self) -> dict:
+        """What the optimizer updates: the fp32 masters, or the trainable weights themselves."""
+        box = self._masters
+        return box[0] if box[0] is not None else self.model.trainable_parameters()
+
     def _build_steps(self):
         model, opt = self.model, self.optimizer
         clip = self.recipe.optimizer.grad_clip
-        grad_fn = nn.value_and_grad(model, self._loss)
-        state = [model.state, opt.state, mx.random.state]
+        p = self.recipe.precision
+        dynamic = self.scaling == "dynamic"
+        dtypes = self._dtypes
+        scaler, box = self.scaler, self._masters
+        opt.init(self._opt_params())  # before compiling: the state's structure is then fixed
 
-        def apply(grads, n):
-            # Token-weighted: the gradient of the summed loss over all micro-batches, / tokens.
-            n = mx.maximum(n, 1).astype(mx.float32)
-            # in fp32: a count of 65,520 or more is inf in float16
-            grads = tree_map(lambda g: (g.astype(mx.float32) / n).astype(g.dtype), grads)
+        def scaled_loss(model, tokens, mask, factor):
+            loss, n = self._loss(model, tokens, mask)
+            return loss * factor, loss, n
+
+        grad_fn = nn.value_and_grad(model, scaled_loss)
+        state = [model.state, opt.state, mx.random.state, scaler]
+        if box[0] is not None:
+            state.append(box)
+
+        def apply(grads, loss_sum):
+            # the gradients are d(loss sum)/d(weights) x scale / tokens: unscale them in fp32
+            inv = 1.0 / scaler["scale"]
+            grads = tree_map(lambda g: g.astype(mx.float32) * inv, grads)
+            sq = sum(mx.sum(mx.square(g)) for _, g in tree_flatten(grads))
+            ok = all_finite(loss_sum, sq)
+            norm = mx.sqrt(sq)
             if clip is not None:
-                grads, norm = optim.clip_grad_norm(grads, clip)
+                shrink = mx.minimum(clip / (norm + 1e-6), 1.0)
+                grads = tree_map(lambda g: g * shrink, grads)
+            params = self._opt_params()
+            grads = tree_map(lambda g, w: g.astype(w.dtype), grads, params)
+            before = copy_tree(opt.state)
+            new = opt.apply_gradients(grads, params)
+            # a non-finite step changes nothing: weights, masters and optimizer state stay
+            new = tree_map(lambda a, b: mx.where(ok, a, b), new, params)
+            where_into(opt.state, before, ok)
+            if box[0] is not None:
+                box[0] = new
+                model.update(tree_map(lambda w, dt: w.astype(dt), new, dtypes))
             else:
-                norm = mx.sqrt(
-                    sum(mx.sum(mx.square(g.astype(mx.float32))) for _, g in tree_flatten(grads))
+                model.update(new)
+            if dynamic:
+                update_scale(
+                    scaler, ok, p.growth_factor, p.backoff_factor, p.growth_interval, p.min_scale
                 )
-            opt.update(model, grads)
-            return norm
+            return norm, ok
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def train_step(tokens, mask):
-            (loss, n), grads = grad_fn(model, tokens, mask)
-            return loss, n, apply(grads, n)
+        def train_step(tokens, mask, inv_tokens):
+            (_, loss, n), grads = grad_fn(model, tokens, mask, scaler["scale"] * inv_tokens)
+            return (loss, n, *apply(grads, loss))
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def grad_step(tokens, mask):
-            (loss, n), grads = grad_fn(model, tokens, mask)
-            return loss, n, grads
+        def grad_step(tokens, mask, inv_tokens):
+            (_, loss, n), grads = grad_fn(model, tokens, mask, scaler["scale"] * inv_tokens)
+            return loss, n, tree_map(lambda g: g.astype(mx.float32), grads)
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def apply_step(grads, n):
-            return apply(grads, n)
+        def apply_step(grads, loss_sum):
+            return apply(grads, loss_sum)
 
         @partial(mx.compile, inputs=[model.state])
         def eval_step(tokens, mask):
@@ -418,22 +466,64 @@ class Trainer:
         self._state = state
 
     def _optimizer_step(self, micro_batches):
-        """One optimizer step over grad_accumulation micro-batches: (loss sum, tokens, grad norm)."""
+        """One optimizer step over grad_accumulation micro-batches: (loss sum, tokens, grad norm,
+        finite). A step that is not finite left every weight and optimizer state as it was."""
+        n_total = sum(b.n_targets for b in micro_batches)
+        inv = mx.array(1.0 / max(n_total, 1), dtype=mx.float32)
         if len(micro_batches) == 1:
             b = micro_batches[0]
-            loss, n, norm = self._train_step(mx.array(b.tokens), mx.array(b.mask))
-            mx.eval(self._state, loss, n, norm)
-            return loss, n, norm
+            loss, n, norm, ok = self._train_step(mx.array(b.tokens), mx.array(b.mask), inv)
+            mx.eval(self._state, loss, n, norm, ok)
+            return loss, n, norm, ok
         acc = loss_sum = n_sum = None
         for b in micro_batches:
-            loss, n, grads = self._grad_step(mx.array(b.tokens), mx.array(b.mask))
+            loss, n, grads = self._grad_step(mx.array(b.tokens), mx.array(b.mask), inv)
             acc = grads if acc is None else tree_map(mx.add, acc, grads)
             loss_sum = loss if loss_sum is None else loss_sum + loss
             n_sum = n if n_sum is None else n_sum + n
             mx.eval(acc, loss_sum, n_sum)
-        norm = self._apply_step(acc, n_sum)
-        mx.eval(self._state, norm)
-        return loss_sum, n_sum, norm
+        norm, ok = self._apply_step(acc, loss_sum)
+        mx.eval(self._state, norm, ok)
+        return loss_sum, n_sum, norm, ok
+
+    def _nonfinite(self, step: int, loss: float, norm: float, scale_used: float):
+        """A step whose loss or gradients were not finite (its update was not applied): an
+        overflow the loss scaler handles, a skip, or the end of the run."""
+        p = self.recipe.precision
+        nf = self._nf
+        nf["skipped"] += 1
+        what = (
+            f"the loss became {loss}"
+            if not math.isfinite(loss)
+            else f"the gradients became non-finite (loss {loss:.4g})"
+        )
+        if self.scaling == "dynamic" and scale_used > p.min_scale:
+            now = self.scaler["scale"].item()
+            self.run_dir.log(
+                f"step {step}: gradients overflowed at loss scale {scale_used:g}; "
+                f"update skipped, scale now {now:g}"
+            )
+            return
+        nf["in_a_row"] += 1
+        if p.nonfinite == "skip" and nf["in_a_row"] <= p.max_skipped:
+            self.log(
+                f"WARNING: step {step}: {what}; update skipped "
+                f"({nf['in_a_row']} in a row, at most {p.max_skipped})"
+            )
+            return
+        steps = (
+            sorted(c.name for c in self.run_dir.checkpoints.glob("step-*") if c.is_dir())
+            if self.run_dir.checkpoints.exists()
+            else []
+        )
+        last = f"checkpoints/{steps[-1]}" if steps else "none saved yet"
+        in_a_row = f" ({nf['in_a_row']} steps in a row)" if nf["in_a_row"] > 1 else ""
+        raise TrainingError(
+            f"step {step}: {what}{in_a_row}; the update was not applied and the run stops. "
+            f"Last checkpoint: {last}. Try a lower optimizer.lr, optimizer.grad_clip, "
+            "model.dtype: float32, or check the data; resuming with "
+            "precision.nonfinite=skip steps over such batches"
+        )
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -530,6 +620,11 @@ class Trainer:
                 "last_loss": self.last_loss,
                 "first_row": first_row,
                 "rng": key,
+                "scaler": {
+                    "scale": self.scaler["scale"].item(),
+                    "good": self.scaler["good"].item(),
+                },
+                "nonfinite": dict(self._nf),
             }
 
         self._position = position
@@ -543,30 +638,31 @@ class Trainer:
                     data_epoch, data_batch = epoch_now, 0
                 data_batch += 1
                 micro.append(batch)
-            loss_sum, _, norm = self._optimizer_step(micro)
+            scale_used = self.scaler["scale"].item() if self.scaling != "none" else 1.0
+            loss_sum, _, norm, ok = self._optimizer_step(micro)
             dt = time.perf_counter() - t0
             step += 1
             n_tokens = sum(b.n_targets for b in micro)  # the host knows what the step counted as n
-            tokens_seen += n_tokens
             examples_seen += sum(len(b.tokens) for b in micro)
             step_loss_sum = loss_sum.item()
             loss = step_loss_sum / max(n_tokens, 1)
-            if not math.isfinite(loss):
-                self._save_checkpoint("final-nan", step, loss)
-                raise TrainingError(
-                    f"the loss became {loss} at step {step}; lower optimizer.lr or check the data"
-                )
+            applied = ok.item()
+            if applied:
+                self._nf["in_a_row"] = 0
+                tokens_seen += n_tokens  # tokens trained on: a skipped step's do not count
+                window["loss"] += step_loss_sum
+                window["n"] += n_tokens
+                self.last_loss = loss
+            else:
+                self._nonfinite(step, loss, norm.item(), scale_used)
             if first_step_time is None:
                 first_step_time = dt
             else:
                 step_times.append(dt)
-            window["loss"] += step_loss_sum
-            window["n"] += n_tokens
             if step > 1:  # the first step's time is mostly compilation, reported on its own
-                window["timed_n"] += n_tokens
+                window["timed_n"] += n_tokens if applied else 0
                 window["time"] += dt
                 window["steps"] += 1
-            self.last_loss = loss
             lr = self.optimizer.learning_rate.item()  # the rate this step used, already evaluated
             epoch_f = examples_seen / len(self.train_set)
             event = StepEvent(step, epoch_f, loss, lr, norm.item(), tokens_seen, dt)
@@ -580,8 +676,9 @@ class Trainer:
                 row = {
                     "step": step,
                     "epoch": round(epoch_f, 4),
-                    "loss": window["loss"] / max(window["n"], 1),
-                    "grad_norm": event.grad_norm,
+                    # null when every step since the last row was skipped
+                    "loss": window["loss"] / window["n"] if window["n"] else None,
+                    "grad_norm": event.grad_norm if math.isfinite(event.grad_norm) else None,
                     "lr": lr,
                     "tokens_seen": tokens_seen,
                     "tokens_per_sec": window["timed_n"] / window["time"],
@@ -589,6 +686,10 @@ class Trainer:
                     "peak_memory_gb": mx.get_peak_memory() / 1e9,
                     "time": time.time(),
                 }
+                if self.scaling != "none":
+                    row["loss_scale"] = self.scaler["scale"].item()
+                if self._nf["skipped"]:
+                    row["skipped_steps"] = self._nf["skipped"]
                 if first_row:
                     row["first_step_compile_time_s"] = first_step_time
                     first_row = False
@@ -661,7 +762,7 @@ class Trainer:
     def _dry_run(self, batches) -> dict:
         t0 = time.perf_counter()
         micro = [next(batches)[1] for _ in range(self.recipe.train.grad_accumulation)]
-        loss_sum, n, norm = self._optimizer_step(micro)
+        loss_sum, n, norm, _ = self._optimizer_step(micro)
         compile_s = time.perf_counter() - t0
         out = {
             "dry_run": True,
@@ -810,6 +911,9 @@ class Trainer:
             if position is not None:
                 opt = dict(tree_flatten(self.optimizer.state))
                 mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
+                if self._masters[0] is not None:
+                    masters = dict(tree_flatten(self._masters[0]))
+                    mx.save_safetensors(str(tmp / "masters.safetensors"), masters)
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
             write_checksums(tmp)
         self.log(f"saved checkpoint checkpoints/{name} at step {step}")
@@ -834,10 +938,26 @@ class Trainer:
         load_trainable_weights(
             self.model, mx.load(weights), weights
         )  # every trainable weight, by name and shape
+        masters = ckpt / "masters.safetensors"
+        if self._masters[0] is not None:
+            if not masters.exists():
+                raise UserInputError(
+                    "this checkpoint holds no fp32 master weights (precision.master_weights "
+                    "was off, or model.dtype was float32)",
+                    str(ckpt),
+                )
+            loaded = mx.load(str(masters))
+            load_trainable_weights(self.model, loaded, str(masters))  # checks names and shapes
+            self._masters[0] = self.model.trainable_parameters()  # now fp32: the masters
+            self.model.update(tree_map(lambda w, dt: w.astype(dt), self._masters[0], self._dtypes))
         saved = mx.load(str(ckpt / "optimizer.safetensors"))
         self.optimizer.state = tree_unflatten(list(saved.items()))
         # fills in the structure around what was saved (frozen layers hold empty states)
-        self.optimizer.init(self.model.trainable_parameters())
+        self.optimizer.init(self._opt_params())
+        if "scaler" in res:
+            self.scaler["scale"] = mx.array(float(res["scaler"]["scale"]))
+            self.scaler["good"] = mx.array(int(res["scaler"]["good"]), dtype=mx.int32)
+        self._nf.update(res.get("nonfinite", {}))
         hi, lo = res["rng"]
         mx.random.seed((int(hi) << 32) | int(lo))
         mx.eval(self.model.parameters(), self.optimizer.state)

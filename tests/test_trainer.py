@@ -103,8 +103,8 @@ def test_grad_norm_is_reported_and_clipping_caps_the_update(tmp_path, data_dir, 
     clip.model.update(free.model.parameters())
     start = params(free)
     batch = make_batch(free.train_set.examples[:8], free.pad_id, 8)
-    _, _, norm_free = free._optimizer_step([batch])
-    _, _, norm_clip = clip._optimizer_step([batch])
+    _, _, norm_free, _ = free._optimizer_step([batch])
+    _, _, norm_clip, _ = clip._optimizer_step([batch])
     assert norm_free.item() == pytest.approx(norm_clip.item(), rel=1e-5)  # reported before clipping
     step_free = np.sqrt(sum(((params(free)[k] - start[k]) ** 2).sum() for k in start))
     step_clip = np.sqrt(sum(((params(clip)[k] - start[k]) ** 2).sum() for k in start))
@@ -340,30 +340,6 @@ def test_adapter_kinds_dtypes_and_smoothing_train(
     assert moved and set(moved) <= trainable
     weights = mx.load(str(tmp_path / "k" / "checkpoints" / "final" / "adapters.safetensors"))
     assert set(weights) == trainable
-
-
-def test_float16_step_with_many_tokens_still_learns(tmp_path, data_dir, llama_dir):
-    """The token count is divided out in fp32: 70,000 tokens is inf in float16."""
-    r = tiny_recipe(
-        data_dir,
-        llama_dir,
-        adapter={"type": "full"},
-        optimizer={"name": "sgd", "lr": 1.0, "momentum": 0.0, "grad_clip": None},
-    )
-    r["model"]["dtype"] = "float16"
-    tr = Trainer(recipe_from_dict(r), run_dir=tmp_path / "f16")
-    start = params(tr)
-    grads = {
-        k: mx.full(v.shape, 700.0, dtype=mx.float16)
-        for k, v in tree_flatten(tr.model.trainable_parameters())
-    }
-    from mlx.utils import tree_unflatten
-
-    norm = tr._apply_step(tree_unflatten(list(grads.items())), mx.array(70000))
-    mx.eval(norm)
-    assert np.isfinite(norm.item()) and norm.item() > 0
-    k = "model.layers.0.mlp.up_proj.weight"
-    np.testing.assert_allclose(start[k] - params(tr)[k], 0.01, rtol=1e-2)
 
 
 def test_every_logged_row_has_a_throughput(tmp_path, data_dir, llama_dir):
