@@ -336,7 +336,30 @@ class Batch:
     mask: np.ndarray
     """[B, L] 1 where the token is a loss target."""
     n_targets: int
-    n_tokens: int
+    lengths: tuple[int, ...]
+    """Each row's length before padding."""
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def split_batch(b: Batch, parts: int) -> list[Batch]:
+    """``b`` as up to ``parts`` micro-batches of consecutive rows (same padding width): their
+    summed, token-weighted gradients are the batch's."""
+    rows = len(b.tokens)
+    if parts <= 1 or rows <= 1:
+        return [b]
+    size = math.ceil(rows / parts)
+    return [
+        Batch(
+            b.tokens[s : s + size],
+            b.mask[s : s + size],
+            int(b.mask[s : s + size, 1:].sum()),
+            b.lengths[s : s + size],
+        )
+        for s in range(0, rows, size)
+    ]
 
 
 def make_batch(examples: list[Example], pad_id: int, multiple: int) -> Batch:
@@ -348,7 +371,7 @@ def make_batch(examples: list[Example], pad_id: int, multiple: int) -> Batch:
     for i, e in enumerate(examples):
         tokens[i, : len(e.ids)] = e.ids
         mask[i, : len(e.mask)] = e.mask
-    return Batch(tokens, mask, int(mask[:, 1:].sum()), int(sum(len(e.ids) for e in examples)))
+    return Batch(tokens, mask, int(mask[:, 1:].sum()), tuple(len(e.ids) for e in examples))
 
 
 def batch_order(

@@ -53,6 +53,17 @@ def copy_tree(tree):
     return tree
 
 
+def restore_into(tree, snapshot) -> None:
+    """In place: put back every array leaf of ``tree`` from a ``copy_tree`` snapshot (a step
+    that failed left the state pointing at results that were never computed)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for k, v in list(items):
+        if isinstance(v, mx.array):
+            tree[k] = snapshot[k]
+        elif isinstance(v, (dict, list)):
+            restore_into(v, snapshot[k])
+
+
 def update_scale(
     scaler: dict, ok: mx.array, growth: float, backoff: float, interval: int, min_scale: float
 ) -> None:

@@ -285,6 +285,21 @@ class PrecisionConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Memory planning before the run, and what running out of memory mid-run does."""
+
+    limit_gb: float | None = None
+    """The memory the run may use, in GB; null: the device's (the GPU's recommended working set,
+    or this machine's RAM on the CPU)."""
+    check: Literal["refuse", "warn", "off"] = "refuse"
+    """When the estimated peak is over the limit: "refuse" to start (exit 2, listing changes that
+    would fit), "warn" and go on, or "off"."""
+    oom_fallback: bool = True
+    """On an out-of-memory failure mid-run: halve the micro-batch and double grad_accumulation
+    (the same examples per step), say so, and retry the step."""
+
+
+@dataclass
 class Recipe:
     """A whole run."""
 
@@ -316,6 +331,8 @@ class Recipe:
     """Kernel tiers for the loss."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Mixed precision and non-finite steps."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Memory planning and out-of-memory fallback."""
     run_dir: str | None = None
     """Run directory (relative to the current directory); --run-dir overrides it."""
 
@@ -621,6 +638,7 @@ def _check_values(r: Recipe, v: _Validator):
             "precision.min_scale", f"must not exceed init_scale ({p.init_scale}), got {p.min_scale}"
         )
     positive("precision.max_skipped", p.max_skipped)
+    positive("memory.limit_gb", r.memory.limit_gb, allow_none=True)
     positive("checkpoints.every", r.checkpoints.every, allow_none=True)
     positive("checkpoints.keep_last", r.checkpoints.keep_last)
     for fmt in ("mlx-lm", "peft"):

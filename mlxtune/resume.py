@@ -35,6 +35,7 @@ MAY_CHANGE = (
     "kernels.",
     "precision.nonfinite",
     "precision.max_skipped",
+    "memory.",
 )
 
 

@@ -22,12 +22,22 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from . import _blas
 from .console import Console
 from .control import take_requests
-from .data import Dataset, Encoder, eval_batches, iterate_batches, load_split, read_jsonl, split_off
+from .data import (
+    Dataset,
+    Encoder,
+    eval_batches,
+    iterate_batches,
+    load_split,
+    read_jsonl,
+    split_batch,
+    split_off,
+)
 from .errors import Interrupted, TrainingError, UserInputError
 from .export import TrainedModel, export, import_adapter, load_trainable_weights, write_mlx_lm
 from .generate import eos_ids, exact_match, generate_ids
 from .kernels import linear_cross_entropy
 from .lora import apply_adapters
+from .memory import GB, alternatives, describe, device_budget, estimate, is_out_of_memory, shape_of
 from .models import (
     build_model,
     count_parameters,
@@ -41,6 +51,7 @@ from .precision import (
     all_finite,
     copy_tree,
     make_masters,
+    restore_into,
     scaling_mode,
     update_scale,
     where_into,
@@ -330,10 +341,44 @@ class Trainer:
             "good": mx.array(0, dtype=mx.int32),
         }
         self._nf = {"skipped": 0, "in_a_row": 0}
+        self._split = 1  # micro-batches per batch (more after running out of memory)
         if self.resume_from is not None and not self.dry_run:
             self._load_resume(self.resume_from)
         self._build_steps()
+        self._plan_memory()
         self._write_resolved()
+
+    def _plan_memory(self):
+        """Estimate the peak memory; over the budget, refuse (or warn) naming what would fit."""
+        m = self.recipe.memory
+        shape = shape_of(self)
+        est = estimate(shape)
+        if m.limit_gb is not None:
+            budget, what = m.limit_gb * GB, "memory.limit_gb"
+        else:
+            budget, what = device_budget()
+        self.memory_estimate = est
+        self.log(
+            f"memory: estimated peak {describe(est)}; the budget is {budget / GB:.2f} GB ({what})"
+        )
+        if est["total"] <= budget or m.check == "off":
+            return
+        fits = alternatives(shape, budget, self.recipe)
+        msg = (
+            f"this run needs about {est['total'] / GB:.2f} GB at its peak, more than the "
+            f"{budget / GB:.2f} GB of {what}; "
+            + (
+                "any of these would fit: " + "; ".join(fits)
+                if fits
+                else "no single change fits: combine a smaller train.batch_size, a shorter "
+                "data.max_length, adapter.type: lora and model.dtype: bfloat16"
+            )
+            + " (memory.check: warn runs it anyway)"
+        )
+        if m.check == "warn":
+            self.log(f"WARNING: {msg}")
+            return
+        raise UserInputError(msg, self.recipe.source or "recipe")
 
     def derived(self) -> dict:
         t = self.recipe.train
@@ -353,6 +398,7 @@ class Trainer:
             "valid_data": self.valid_set.stats.line(),
             "vocab_size": len(self.tokenizer._tokenizer),
             "adapted_modules": len(self.adapter_info["adapted"]),
+            "estimated_peak_memory_gb": round(self.memory_estimate["total"] / GB, 3),
             "blas": self.blas.name,
             "device": str(mx.default_device()),
         }
@@ -485,6 +531,37 @@ class Trainer:
         norm, ok = self._apply_step(acc, loss_sum)
         mx.eval(self._state, norm, ok)
         return loss_sum, n_sum, norm, ok
+
+    def _step_or_fall_back(self, micro, step: int):
+        """``_optimizer_step`` over the step's batches, each split into ``self._split`` micro-batches;
+        out of memory, the split doubles (the same examples per step) and the step is retried."""
+        while True:
+            parts = [p for b in micro for p in split_batch(b, self._split)]
+            fallback = self.recipe.memory.oom_fallback
+            snapshot = copy_tree(self._state) if fallback else None
+            try:
+                return self._optimizer_step(parts)
+            except Exception as e:
+                if snapshot is None or not is_out_of_memory(e):
+                    raise
+                restore_into(self._state, snapshot)  # the failed step left nothing behind
+                del parts
+                mx.clear_cache()
+                rows = max(len(b.tokens) for b in micro)
+                t = self.recipe.train
+                if self._split >= rows:
+                    raise TrainingError(
+                        f"step {step}: out of memory even with micro-batches of one example "
+                        f"({e}); use a shorter data.max_length, adapter.type: lora, or "
+                        "model.dtype: bfloat16"
+                    ) from None
+                self._split *= 2
+                size = math.ceil(rows / self._split)
+                self.log(
+                    f"WARNING: step {step}: out of memory ({e}); going on with micro-batches of "
+                    f"{size} and grad_accumulation {t.grad_accumulation * self._split} (the same "
+                    f"{t.batch_size * t.grad_accumulation} examples per step)"
+                )
 
     def _nonfinite(self, step: int, loss: float, norm: float, scale_used: float):
         """A step whose loss or gradients were not finite (its update was not applied): an
@@ -625,6 +702,7 @@ class Trainer:
                     "good": self.scaler["good"].item(),
                 },
                 "nonfinite": dict(self._nf),
+                "micro_split": self._split,
             }
 
         self._position = position
@@ -639,7 +717,7 @@ class Trainer:
                 data_batch += 1
                 micro.append(batch)
             scale_used = self.scaler["scale"].item() if self.scaling != "none" else 1.0
-            loss_sum, _, norm, ok = self._optimizer_step(micro)
+            loss_sum, _, norm, ok = self._step_or_fall_back(micro, step + 1)
             dt = time.perf_counter() - t0
             step += 1
             n_tokens = sum(b.n_targets for b in micro)  # the host knows what the step counted as n
@@ -958,6 +1036,7 @@ class Trainer:
             self.scaler["scale"] = mx.array(float(res["scaler"]["scale"]))
             self.scaler["good"] = mx.array(int(res["scaler"]["good"]), dtype=mx.int32)
         self._nf.update(res.get("nonfinite", {}))
+        self._split = int(res.get("micro_split", 1))
         hi, lo = res["rng"]
         mx.random.seed((int(hi) << 32) | int(lo))
         mx.eval(self.model.parameters(), self.optimizer.state)

@@ -1,0 +1,233 @@
+"""Memory planning: an estimate of a run's peak memory before it starts, the device's budget,
+and what would fit instead; and recognising an out-of-memory failure mid-run.
+
+The estimate adds what a step holds at its peak: the weights as loaded, fp32 master copies, the
+optimizer's state, the gradients (and their fp32 accumulation), the activations the backward
+pass keeps for every layer, and the logits the loss builds. Activations are counted per token
+and layer from the architecture (a SwiGLU transformer block keeps its norms, q/k/v, attention
+output, gate/up/product and residuals); attention scores only where the attention tier builds
+them. ``tests/test_memory.py`` holds the estimate to within a factor of MLX's measured peak.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+GB = 1e9
+OVERHEAD = 1.10  # allocator rounding and small temporaries
+
+_OOM_MARKS = (
+    "unable to allocate",  # MLX's Metal and CUDA allocators
+    "attempting to allocate",  # Metal: larger than the biggest buffer
+    "resource limit",  # Metal: too many buffers
+    "insufficient memory",  # Metal command buffer
+    "outofmemory",
+    "out of memory",  # CUDA
+    "cudaerrormemoryallocation",
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether an exception is MLX (or the system) running out of memory."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower().replace("_", "")
+    return isinstance(exc, RuntimeError) and any(m.replace("_", "") in text for m in _OOM_MARKS)
+
+
+def device_budget() -> tuple[float, str]:
+    """(bytes, what they are) the device can give a run."""
+    info = mx.device_info()
+    for key, what in (
+        ("max_recommended_working_set_size", "the GPU's recommended working set"),
+        ("total_memory", "the GPU's memory"),
+        ("memory_size", "the device's memory"),
+    ):
+        if key in info:
+            return float(info[key]), what
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return float("inf"), "unknown"
+    return float(total), "this machine's RAM"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate needs to know about a run."""
+
+    weight_bytes: int  # every weight, as held (quantized ones packed)
+    trainable: int  # trainable elements
+    trainable_bytes: int  # ... as held
+    trainable_16bit: int  # trainable elements held in 16 bits (they get fp32 masters)
+    full: bool  # every weight trains
+    act_bytes: int  # bytes per element of model.dtype
+    layers: int
+    hidden: int
+    intermediate: int
+    q_dim: int  # heads x head_dim
+    kv_dim: int  # 2 x kv heads x head_dim
+    heads: int
+    vocab: int
+    batch: int
+    length: int  # positions the model reads per row (the longest padded batch)
+    accumulation: int
+    optimizer_slots: int  # arrays of state per weight: adam 2, sgd with momentum 1, else 0
+    masters: bool
+    attention_scores: bool  # the attention tier builds [T, T] scores
+    logits_full: bool  # the loss builds [tokens, vocab] logits
+    logit_chunk: int  # logits per chunk when it does not
+
+
+def estimate(s: Shape) -> dict[str, float]:
+    """Peak bytes by component, and ``total``."""
+    tokens = s.batch * s.length
+    # what the backward pass needs: norm inputs, q/k/v and the attention output, gate and up;
+    # the inputs of trained linear layers on top (all of them in full fine-tuning)
+    per_token_layer = 2 * s.hidden + 2 * s.q_dim + s.kv_dim + 2 * s.intermediate
+    if s.full:
+        per_token_layer += 2 * s.hidden + s.q_dim + s.intermediate
+    else:
+        per_token_layer += 2 * s.hidden
+    acts = tokens * per_token_layer * s.act_bytes * (s.layers + 2)  # + the layer in flight
+    acts += tokens * 4 * s.hidden * s.act_bytes  # embeddings, final norm, their gradients
+    if s.attention_scores:  # scores and probabilities kept per layer, and the backward's
+        acts += s.batch * s.heads * s.length * s.length * 4 * (2 * s.layers + 3)
+    if s.logits_full:
+        logits = tokens * s.vocab * (4 * 3 + s.act_bytes)
+    else:
+        logits = min(s.logit_chunk, tokens * s.vocab) * 4 * 3
+    state_bytes = 4 if (s.masters or s.trainable_bytes >= 4 * s.trainable) else 2
+    out = {
+        "weights": float(s.weight_bytes),
+        "masters": float(4 * s.trainable_16bit if s.masters else 0),
+        # the state, and its new values while the update runs
+        "optimizer": float(2 * s.optimizer_slots * s.trainable * state_bytes),
+        # the gradients as computed, their fp32 unscaled copy, the accumulator, and the
+        # updated weights before they replace the old
+        "gradients": float(
+            2 * s.trainable_bytes + 4 * s.trainable + (4 * s.trainable if s.accumulation > 1 else 0)
+        ),
+        "activations": float(acts),
+        "logits": float(logits),
+    }
+    out["total"] = sum(out.values()) * OVERHEAD
+    return out
+
+
+def describe(parts: dict[str, float]) -> str:
+    shown = [f"{k} {v / GB:.2f}" for k, v in parts.items() if k != "total" and v >= 0.005 * GB]
+    return f"{parts['total'] / GB:.2f} GB ({', '.join(shown) or 'all parts under 0.01 GB'})"
+
+
+def shape_of(trainer) -> Shape:
+    """The Shape of a built Trainer's run (its model, data and recipe)."""
+    r = trainer.recipe
+    cfg = trainer.model_config
+    model = trainer.model
+    weights = tree_flatten(model.parameters())
+    trainable = tree_flatten(model.trainable_parameters())
+    hidden = int(cfg.get("hidden_size") or 0)
+    heads = int(cfg.get("num_attention_heads") or 1)
+    head_dim = int(cfg.get("head_dim") or hidden // max(heads, 1))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    longest = max(
+        (len(e.ids) for e in trainer.train_set.examples), default=2
+    )  # the longest batch sets the peak
+    m = r.data.pad_to_multiple
+    length = -(-(longest - 1) // m) * m
+    o = r.optimizer
+    slots = 2 if o.name in ("adam", "adamw") else (1 if o.momentum else 0)
+    from .kernels.chunked import CHUNK_ELEMENTS
+
+    return Shape(
+        weight_bytes=sum(v.nbytes for _, v in weights),
+        trainable=sum(v.size for _, v in trainable),
+        trainable_bytes=sum(v.nbytes for _, v in trainable),
+        trainable_16bit=sum(v.size for _, v in trainable if v.dtype in (mx.bfloat16, mx.float16)),
+        full=r.adapter.type == "full",
+        act_bytes=4 if r.model.dtype == "float32" else 2,
+        layers=int(cfg.get("num_hidden_layers") or 0),
+        hidden=hidden,
+        intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+        q_dim=heads * head_dim,
+        kv_dim=2 * kv_heads * head_dim,
+        heads=heads,
+        vocab=int(cfg.get("vocab_size") or len(trainer.tokenizer._tokenizer)),
+        batch=r.train.batch_size,
+        length=length,
+        accumulation=r.train.grad_accumulation,
+        optimizer_slots=slots,
+        masters=trainer._masters[0] is not None,
+        attention_scores=r.kernels.attention in ("reference", "off"),
+        logits_full=r.kernels.loss == "reference",
+        logit_chunk=CHUNK_ELEMENTS,
+    )
+
+
+def alternatives(s: Shape, budget: float, recipe) -> list[str]:
+    """Concrete recipe changes that would fit the budget, each with its estimate."""
+    out = []
+
+    def fits(change: str, shape: Shape):
+        total = estimate(shape)["total"]
+        if total <= budget:
+            out.append(f"{change} (about {total / GB:.2f} GB)")
+            return True
+        return False
+
+    b, acc = s.batch, s.accumulation
+    while b > 1:
+        b //= 2
+        acc *= 2
+        per_step = s.batch * s.accumulation
+        if fits(
+            f"train.batch_size: {b} with train.grad_accumulation: {acc} "
+            f"(the same {per_step} examples per step)",
+            replace(s, batch=b, accumulation=acc),
+        ):
+            break
+    length = s.length
+    while length > 64:
+        length //= 2
+        if fits(
+            f"data.max_length: {length + 1} (longer examples are cut)", replace(s, length=length)
+        ):
+            break
+    if s.attention_scores:
+        fits(
+            "kernels.attention: chunked (never builds the scores)",
+            replace(s, attention_scores=False),
+        )
+    if s.logits_full:
+        fits("kernels.loss: chunked (never builds the logits)", replace(s, logits_full=False))
+    if s.act_bytes == 4:
+        half = replace(
+            s,
+            act_bytes=2,
+            weight_bytes=s.weight_bytes // 2,
+            trainable_bytes=s.trainable_bytes // 2
+            if recipe.adapter.type == "full"
+            else s.trainable_bytes,
+            trainable_16bit=s.trainable if recipe.adapter.type == "full" else 0,
+            masters=recipe.adapter.type == "full",
+        )
+        fits("model.dtype: bfloat16 (fp32 master weights are kept)", half)
+    if recipe.adapter.type == "full":
+        lora = s.layers * 8 * ((s.hidden + s.q_dim) + (s.hidden + s.kv_dim // 2))
+        fits(
+            "adapter.type: lora (rank 8 on q_proj and v_proj)",
+            replace(
+                s,
+                trainable=lora,
+                trainable_bytes=4 * lora,
+                trainable_16bit=0,
+                masters=False,
+                full=False,
+            ),
+        )
+    return out

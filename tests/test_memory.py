@@ -1,0 +1,191 @@
+"""Memory planning: the estimate against MLX's measured peak, refusing a run that will not fit
+(with changes that would), and the out-of-memory fallback mid-run."""
+
+import json
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import yaml
+
+from conftest import tiny_arch, tiny_recipe, write_jsonl
+from mlxtune import Trainer, recipe_from_dict
+from mlxtune.cli import main
+from mlxtune.console import Console
+from mlxtune.data import make_batch
+from mlxtune.errors import TrainingError, UserInputError
+from mlxtune.memory import estimate, is_out_of_memory, shape_of
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory, tokenizer, tokenizer_dir):
+    """A model wide enough, and data long enough, that activations and optimizer state matter."""
+    from mlxtune.models import build_model, save_model
+
+    root = tmp_path_factory.mktemp("wide")
+    arch = tiny_arch("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    model, config = build_model(arch, len(tokenizer._tokenizer), seed=1)
+    save_model(model, config, root / "model", tokenizer, tokenizer_dir)
+    rng = random.Random(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "there"]
+    rows = [{"text": " ".join(rng.choice(words) for _ in range(120))} for _ in range(40)]
+    write_jsonl(root / "train.jsonl", rows)
+    return root
+
+
+def wide_recipe(root, **over):
+    r = {
+        "name": "wide",
+        "model": {"path": str(root / "model")},
+        "data": {
+            "train": str(root / "train.jsonl"),
+            "format": "text",
+            "max_length": 160,
+            "overlong": "truncate",
+            "valid_fraction": 0.1,
+        },
+        "adapter": {"type": "full"},
+        "train": {"batch_size": 8, "max_steps": 2, "progress": False},
+        "eval": {"every": None},
+    }
+    for k, v in over.items():
+        r[k] = {**r.get(k, {}), **v}
+    return r
+
+
+def measured_peak(tr) -> float:
+    exs = sorted(tr.train_set.examples, key=lambda e: -len(e.ids))[: tr.recipe.train.batch_size]
+    batch = [make_batch(exs, tr.pad_id, 8)]
+    tr._optimizer_step(batch)  # compile
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    tr._optimizer_step(batch)
+    mx.synchronize()
+    return mx.get_peak_memory()
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"adapter": {"type": "lora", "targets": ["q_proj", "v_proj"]}},
+        {"train": {"batch_size": 4}, "optimizer": {"name": "sgd", "momentum": 0.9}},
+    ],
+    ids=["full-adamw", "lora", "full-sgd"],
+)
+def test_the_estimate_is_close_to_the_measured_peak(tmp_path, wide, over):
+    tr = Trainer(
+        recipe_from_dict(wide_recipe(wide, **over)), tmp_path / "r", console=Console(quiet=True)
+    )
+    est = estimate(shape_of(tr))["total"]
+    peak = measured_peak(tr)
+    assert 0.6 < est / peak < 1.6, (est, peak)
+
+
+def test_a_run_over_the_limit_is_refused_with_changes_that_fit(tmp_path, wide, capsys):
+    r = wide_recipe(wide, memory={"check": "off"})
+    tr = Trainer(recipe_from_dict(r), tmp_path / "probe", console=Console(quiet=True))
+    shape = shape_of(tr)
+    from dataclasses import replace
+
+    whole = estimate(shape)["total"]
+    quarter = estimate(replace(shape, batch=2, accumulation=4))["total"]
+    half = estimate(replace(shape, batch=4, accumulation=2))["total"]
+    assert quarter < half < whole
+    limit = (quarter + half) / 2 / 1e9  # batch 2 fits, batch 4 does not
+    r = wide_recipe(wide, memory={"limit_gb": limit})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(r))
+    run_dir = tmp_path / "refused"
+    code = main(["run", str(path), "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    assert f"{path}:" in err and "memory.limit_gb" in err
+    assert (
+        "train.batch_size: 2 with train.grad_accumulation: 4 (the same 8 examples per step)" in err
+    )
+    # the suggestion passes the check
+    r["train"].update(batch_size=2, grad_accumulation=4)
+    Trainer(recipe_from_dict(r), tmp_path / "fits", console=Console(quiet=True))
+    # warn: it starts anyway, and says so
+    r["train"].update(batch_size=8, grad_accumulation=1)
+    r["memory"]["check"] = "warn"
+    Trainer(recipe_from_dict(r), tmp_path / "warned", console=Console(quiet=True))
+    assert "WARNING: this run needs about" in (tmp_path / "warned" / "log.txt").read_text()
+
+
+def test_out_of_memory_messages_are_recognised():
+    for msg in (
+        "[malloc] Unable to allocate 1073741824 bytes.",
+        "[metal::malloc] Attempting to allocate 9 bytes which is greater than the maximum",
+        "[metal::malloc] Resource limit (499000) exceeded.",
+        "[METAL] Command buffer execution failed: Insufficient Memory "
+        "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory).",
+        "cudaMallocAsync(&data, size, stream) failed: out of memory",
+    ):
+        assert is_out_of_memory(RuntimeError(msg)), msg
+    assert is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(RuntimeError("[matmul] shapes (2,3) and (4,5) do not match"))
+    assert not is_out_of_memory(ValueError("Unable to allocate"))
+
+
+class FailBig:
+    """Runs the real compiled step (so the model state is replaced by results not yet computed)
+    and then fails as MLX does when memory runs out, whenever a micro-batch has more than
+    ``rows`` rows."""
+
+    def __init__(self, step, rows):
+        self.step, self.rows, self.seen = step, rows, []
+
+    def __call__(self, tokens, mask, *rest):
+        out = self.step(tokens, mask, *rest)
+        self.seen.append(tokens.shape[0])
+        if tokens.shape[0] > self.rows:
+            raise RuntimeError("[malloc] Unable to allocate 4294967296 bytes.")
+        return out
+
+
+def test_out_of_memory_halves_the_micro_batch_and_trains_the_same(tmp_path, data_dir, llama_dir):
+    r = tiny_recipe(
+        data_dir,
+        llama_dir,
+        train={"batch_size": 8, "max_steps": 6, "log_every": 1, "progress": False},
+        checkpoints={"every": 3},
+    )
+    Trainer(recipe_from_dict(r), tmp_path / "plain", console=Console(quiet=True)).run()
+    tr = Trainer(recipe_from_dict(r), tmp_path / "oom", console=Console(quiet=True))
+    tr._train_step = FailBig(tr._train_step, rows=2)
+    tr._grad_step = FailBig(tr._grad_step, rows=2)
+    tr.run()
+
+    def losses(d):
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        return [x["loss"] for x in rows if "grad_norm" in x]
+
+    # the failed tries were undone: the same updates as batches of 8
+    np.testing.assert_allclose(losses(tmp_path / "oom"), losses(tmp_path / "plain"), rtol=1e-4)
+    log = (tmp_path / "oom" / "log.txt").read_text()
+    assert "micro-batches of 4 and grad_accumulation 2 (the same 8 examples per step)" in log
+    assert "micro-batches of 2 and grad_accumulation 4" in log
+    assert max(tr._grad_step.seen[-4:]) == 2 and tr._split == 4
+    state = json.loads(
+        (tmp_path / "oom" / "checkpoints" / "step-000006" / "trainer_state.json").read_text()
+    )
+    assert state["resume"]["micro_split"] == 4
+
+
+def test_out_of_memory_with_one_example_per_micro_batch_stops(tmp_path, data_dir, llama_dir):
+    r = tiny_recipe(data_dir, llama_dir, train={"batch_size": 2, "max_steps": 2, "progress": False})
+    tr = Trainer(recipe_from_dict(r), tmp_path / "oom", console=Console(quiet=True))
+    tr._train_step = FailBig(tr._train_step, rows=0)
+    tr._grad_step = FailBig(tr._grad_step, rows=0)
+    with pytest.raises(TrainingError, match="out of memory even with micro-batches of one example"):
+        tr.run()
+
+
+def test_a_limit_must_be_positive(data_dir, llama_dir):
+    with pytest.raises(UserInputError, match="memory.limit_gb"):
+        recipe_from_dict(tiny_recipe(data_dir, llama_dir, memory={"limit_gb": 0}))
