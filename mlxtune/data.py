@@ -138,10 +138,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class Encoder:
     """Turns one JSON object into an Example, for one tokenizer and data config."""
 
-    def __init__(self, tokenizer, mask_prompt: bool = True, add_eos: bool = True):
+    def __init__(
+        self, tokenizer, mask_prompt: bool = True, add_eos: bool = True, train_on_eos: bool = True
+    ):
         self.tok = tokenizer
         self.mask_prompt = mask_prompt
         self.add_eos = add_eos
+        self.train_on_eos = train_on_eos
         self.eos = tokenizer.eos_token_id
 
     def _encode(self, text: str) -> list[int]:
@@ -161,18 +164,25 @@ class Encoder:
         p_ids = self._encode(prompt)
         ids = self._encode(prompt + answer)
         start = _common_prefix(p_ids, ids) if self.mask_prompt else 1
-        if self.add_eos and self.eos is not None:
+        eos = self.add_eos and self.eos is not None
+        if eos:
             ids.append(self.eos)
         mask = [0] * start + [1] * (len(ids) - start)
+        if eos and not self.train_on_eos:
+            mask[-1] = 0
         return Example(ids, mask, prompt=prompt, answer=answer, prompt_ids=ids[:start])
 
     def encode(self, obj: dict, fmt: str, where: str) -> Example:
         if fmt == "text":
             text = self._field(obj, "text", where)
             ids = self._encode(text)
-            if self.add_eos and self.eos is not None:
+            eos = self.add_eos and self.eos is not None
+            if eos:
                 ids.append(self.eos)
-            return Example(ids, [0] + [1] * (len(ids) - 1))
+            mask = [0] + [1] * (len(ids) - 1)
+            if eos and not self.train_on_eos:
+                mask[-1] = 0
+            return Example(ids, mask)
         if fmt == "completion":
             return self._prompt_answer(
                 self._field(obj, "prompt", where), self._field(obj, "completion", where)
@@ -337,11 +347,19 @@ class Batch:
     """[B, L] 1 where the token is a loss target."""
     n_targets: int
     lengths: tuple[int, ...]
-    """Each row's length before padding."""
+    """Each row's length before padding (a packed row: its tokens, all segments together)."""
+    segments: np.ndarray | None = None
+    """[B, L] packed rows: 1, 2, ... for each example in the row, 0 for padding."""
+    n_examples: int | None = None
+    """Examples in the batch (packed rows hold several); None: one per row."""
 
     @property
     def n_tokens(self) -> int:
         return sum(self.lengths)
+
+    @property
+    def examples(self) -> int:
+        return len(self.tokens) if self.n_examples is None else self.n_examples
 
 
 def split_batch(b: Batch, parts: int) -> list[Batch]:
@@ -351,15 +369,24 @@ def split_batch(b: Batch, parts: int) -> list[Batch]:
     if parts <= 1 or rows <= 1:
         return [b]
     size = math.ceil(rows / parts)
-    return [
-        Batch(
-            b.tokens[s : s + size],
-            b.mask[s : s + size],
-            int(b.mask[s : s + size, 1:].sum()),
-            b.lengths[s : s + size],
+    out = []
+    for s in range(0, rows, size):
+        seg = None if b.segments is None else b.segments[s : s + size]
+        out.append(
+            Batch(
+                b.tokens[s : s + size],
+                b.mask[s : s + size],
+                int(b.mask[s : s + size, 1:].sum()),
+                b.lengths[s : s + size],
+                seg,
+                None if seg is None else _count_segments(seg),
+            )
         )
-        for s in range(0, rows, size)
-    ]
+    return out
+
+
+def _count_segments(segments: np.ndarray) -> int:
+    return int(sum(len(set(row[row > 0].tolist())) for row in segments))
 
 
 def make_batch(examples: list[Example], pad_id: int, multiple: int) -> Batch:
@@ -434,3 +461,114 @@ def eval_batches(
         if max_batches and len(out) >= max_batches:
             break
     return out
+
+
+# ------------------------------------------------------------------------------------- packing
+
+
+def pack_rows(lengths: list[int], capacity: int, order: np.ndarray) -> list[list[int]]:
+    """Best-fit decreasing: example indices grouped into rows of at most ``capacity`` tokens.
+    ``order`` (a permutation) breaks ties between equal lengths, so each epoch packs anew."""
+    import bisect
+
+    items = sorted(order.tolist(), key=lambda i: -lengths[i])  # stable: ties keep ``order``
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row) sorted
+    for i in items:
+        n = lengths[i]
+        at = bisect.bisect_left(free, (n, -1))
+        if at < len(free):
+            room, r = free.pop(at)
+            rows[r].append(i)
+            if room - n > 0:
+                bisect.insort(free, (room - n, r))
+        else:
+            rows.append([i])
+            if capacity - n > 0:
+                bisect.insort(free, (capacity - n, len(rows) - 1))
+    return rows
+
+
+def make_packed_batch(
+    rows: list[list[Example]], pad_id: int, capacity: int, mask_boundary: bool = True
+) -> Batch:
+    """Rows of several examples each, ``capacity`` tokens long, with segment ids. A segment's
+    first token is a target only without ``mask_boundary`` (and never at a row's start)."""
+    tokens = np.full((len(rows), capacity), pad_id, dtype=np.int32)
+    mask = np.zeros((len(rows), capacity), dtype=np.int32)
+    seg = np.zeros((len(rows), capacity), dtype=np.int32)
+    lengths = []
+    n_examples = 0
+    for r, exs in enumerate(rows):
+        at = 0
+        for k, e in enumerate(exs, 1):
+            n = len(e.ids)
+            tokens[r, at : at + n] = e.ids
+            mask[r, at : at + n] = e.mask
+            # a segment's first token, predicted from the one before it (another document)
+            mask[r, at] = 0 if mask_boundary or at == 0 else 1
+            seg[r, at : at + n] = k
+            at += n
+        lengths.append(at)
+        n_examples += len(exs)
+    return Batch(tokens, mask, int(mask[:, 1:].sum()), tuple(lengths), seg, n_examples)
+
+
+def stream_rows(examples: list[Example], capacity: int, order: np.ndarray) -> list[list[Example]]:
+    """The examples, in ``order``, as one token stream cut into rows of ``capacity`` tokens: a
+    document runs on into the next row (its pieces are examples of their own)."""
+    rows: list[list[Example]] = []
+    row: list[Example] = []
+    room = capacity
+    for i in order.tolist():
+        e = examples[i]
+        ids, mask = e.ids, e.mask
+        while ids:
+            take = min(room, len(ids))
+            row.append(Example(ids[:take], mask[:take]))
+            ids, mask = ids[take:], mask[take:]
+            room -= take
+            if room == 0:
+                rows.append(row)
+                row, room = [], capacity
+    if row:
+        rows.append(row)
+    return rows
+
+
+def packed_epoch(
+    ds: Dataset, mode: str, capacity: int, seed: int, epoch: int
+) -> list[list[Example]]:
+    """One epoch's packed rows (shuffled from the seed and epoch)."""
+    rng = np.random.default_rng([seed, epoch, 1])
+    order = rng.permutation(len(ds.examples))
+    if mode == "stream":
+        rows = stream_rows(ds.examples, capacity, order)
+    else:
+        lengths = [len(e.ids) for e in ds.examples]
+        rows = [[ds.examples[i] for i in r] for r in pack_rows(lengths, capacity, order)]
+    return [rows[i] for i in rng.permutation(len(rows))]
+
+
+def iterate_packed(
+    ds: Dataset,
+    batch_size: int,
+    pad_id: int,
+    mode: str,
+    capacity: int,
+    seed: int,
+    mask_boundary: bool = True,
+    start_epoch: int = 0,
+    skip: int = 0,
+):
+    """Endless (epoch, batch) stream of packed rows, resumable like ``iterate_batches``."""
+    epoch = start_epoch
+    while True:
+        rows = packed_epoch(ds, mode, capacity, seed, epoch)
+        starts = range(0, len(rows), batch_size)
+        for s in list(starts)[skip if epoch == start_epoch else 0 :]:
+            yield (
+                epoch,
+                make_packed_batch(rows[s : s + batch_size], pad_id, capacity, mask_boundary),
+            )
+        epoch += 1

@@ -278,6 +278,31 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
+_SEGMENTS: list = [None]
+
+
+class segments:
+    """While active, training attention keeps packed examples apart: ``ids`` [B, T] gives each
+    position's example (0: padding). Needs ``kernel_attention`` active around the model.
+
+    With rotary position embeddings an attention score depends only on the distance between
+    query and key, so within a segment the scores (and the logits) are those of the example on
+    its own: positions restart per segment in effect, without rotating anything twice.
+    """
+
+    def __init__(self, ids: mx.array | None):
+        self.ids = ids
+
+    def __enter__(self):
+        self.saved = _SEGMENTS[0]
+        _SEGMENTS[0] = self.ids
+        return self
+
+    def __exit__(self, *exc):
+        _SEGMENTS[0] = self.saved
+        return False
+
+
 class kernel_attention:
     """Route a model's training attention through ``mlxtune.kernels.attention`` while active.
 
@@ -309,7 +334,15 @@ class kernel_attention:
 
         def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             if cache is None and sinks is None and isinstance(mask, str) and mask == "causal":
-                return attention(queries, keys, values, scale=scale, causal=True, impl=impl)
+                return attention(
+                    queries,
+                    keys,
+                    values,
+                    scale=scale,
+                    causal=True,
+                    segment_ids=_SEGMENTS[0],
+                    impl=impl,
+                )
             if sinks is None:
                 return original(queries, keys, values, cache, scale=scale, mask=mask)
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)

@@ -100,6 +100,18 @@ class DataConfig:
     which keeps padding small; 1 turns bucketing off."""
     pad_to_multiple: int = 8
     """Batch lengths are rounded up to a multiple of this, so few shapes are compiled."""
+    packing: Literal["off", "pack", "stream"] = "off"
+    """"pack": several examples share a row of pack_length tokens (best-fit), each attending only
+    to itself; "stream": the examples, in a shuffled order, as one token stream cut into rows
+    (pretraining text; documents run on into the next row and are not truncated); "off": one
+    example a row, padded."""
+    pack_length: int | None = None
+    """Tokens per packed row; default max_length (pack needs at least max_length)."""
+    mask_boundary_loss: bool = True
+    """Packed rows: never train on a document's first token predicted from the one before it."""
+    train_on_eos: bool = True
+    """With add_eos: the EOS token is a target (the model learns to stop); false keeps it as a
+    separator only."""
 
 
 @dataclass
@@ -582,6 +594,18 @@ def _check_values(r: Recipe, v: _Validator):
     in_range("data.valid_fraction", r.data.valid_fraction, 0.0, 1.0)
     positive("data.bucket_size", r.data.bucket_size)
     positive("data.pad_to_multiple", r.data.pad_to_multiple)
+    if r.data.pack_length is not None:
+        positive("data.pack_length", r.data.pack_length)
+        if r.data.packing == "off":
+            v.fail("data.pack_length", "is for packed rows; set data.packing: pack or stream")
+        if r.data.packing == "pack" and r.data.pack_length < r.data.max_length:
+            v.fail(
+                "data.pack_length",
+                f"must hold the longest example (data.max_length {r.data.max_length}), "
+                f"got {r.data.pack_length}",
+            )
+    if r.data.packing != "off" and r.kernels.attention == "off":
+        v.fail("data.packing", "packed rows need mlxtune's attention (kernels.attention not off)")
     a = r.adapter
     if a.type in ("lora", "dora"):
         positive("adapter.rank", a.rank)

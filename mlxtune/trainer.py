@@ -27,7 +27,9 @@ from .data import (
     Encoder,
     eval_batches,
     iterate_batches,
+    iterate_packed,
     load_split,
+    packed_epoch,
     read_jsonl,
     split_batch,
     split_off,
@@ -45,6 +47,7 @@ from .models import (
     lm_parts,
     load_model,
     resolve_model_path,
+    segments,
 )
 from .optim import build_optimizer, make_schedule
 from .precision import (
@@ -292,10 +295,10 @@ class Trainer:
 
         # Data
         d = r.data
-        enc = Encoder(self.tokenizer, d.mask_prompt, d.add_eos)
-        self.train_set = load_split(
-            train_path, enc, d.format, d.max_length, d.overlong, d.min_length
-        )
+        enc = Encoder(self.tokenizer, d.mask_prompt, d.add_eos, d.train_on_eos)
+        # a token stream is cut into rows, not truncated per document
+        train_max = 1 << 62 if d.packing == "stream" else d.max_length
+        self.train_set = load_split(train_path, enc, d.format, train_max, d.overlong, d.min_length)
         if d.valid:
             self.valid_set = load_split(
                 r.resolve_path(d.valid), enc, d.format, d.max_length, d.overlong, d.min_length
@@ -304,6 +307,9 @@ class Trainer:
             self.train_set, self.valid_set = split_off(
                 self.train_set, d.valid_fraction, r.train.seed
             )
+            if d.packing == "stream":  # evaluation reads one document a row, up to max_length
+                for e in self.valid_set.examples:
+                    e.ids, e.mask = e.ids[: d.max_length], e.mask[: d.max_length]
         self.test_set = (
             load_split(
                 r.resolve_path(d.test), enc, d.format, d.max_length, d.overlong, d.min_length
@@ -319,7 +325,19 @@ class Trainer:
 
         # Steps and schedule
         t = r.train
-        self.batches_per_epoch = math.ceil(len(self.train_set) / t.batch_size)
+        self.packing = d.packing
+        self.pack_length = d.pack_length or d.max_length
+        if self.packing != "off":
+            if not kernel_attention(self.model).active:
+                raise UserInputError(
+                    f"packed rows need the model's attention routed through mlxtune's kernels, "
+                    f"which {self.model_config.get('model_type')} does not allow; use packing: off",
+                    "data.packing",
+                )
+            rows = packed_epoch(self.train_set, self.packing, self.pack_length, t.seed, 0)
+            self.batches_per_epoch = math.ceil(len(rows) / t.batch_size)
+        else:
+            self.batches_per_epoch = math.ceil(len(self.train_set) / t.batch_size)
         if t.max_steps is not None:
             self.total_steps = t.max_steps
         else:
@@ -382,7 +400,10 @@ class Trainer:
 
     def derived(self) -> dict:
         t = self.recipe.train
-        mean_targets = self.train_set.stats.target_tokens / max(len(self.train_set), 1)
+        rows = (
+            self.batches_per_epoch * t.batch_size if self.packing != "off" else len(self.train_set)
+        )
+        mean_targets = self.train_set.stats.target_tokens / max(rows, 1)  # per row
         return {
             "effective_steps": self.total_steps,
             "epochs": round(self.total_steps * t.grad_accumulation / self.batches_per_epoch, 4),
@@ -418,11 +439,13 @@ class Trainer:
         )
 
     # ---------------------------------------------------------------- the compiled step
-    def _loss(self, model, tokens, mask):
-        """Summed cross-entropy over target tokens, and their count."""
+    def _loss(self, model, tokens, mask, segment_ids=None):
+        """Summed cross-entropy over target tokens, and their count. Packed rows pass
+        ``segment_ids`` so that attention stays within each example."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         targets = mx.where(mask[:, 1:] > 0, targets, IGNORE)
-        h = self.parts.hidden(inputs)
+        with segments(None if segment_ids is None else segment_ids[:, :-1]):
+            h = self.parts.hidden(inputs)
         return linear_cross_entropy(
             h.reshape(-1, h.shape[-1]),
             self.parts.head_weight(),
@@ -448,8 +471,8 @@ class Trainer:
         scaler, box = self.scaler, self._masters
         opt.init(self._opt_params())  # before compiling: the state's structure is then fixed
 
-        def scaled_loss(model, tokens, mask, factor):
-            loss, n = self._loss(model, tokens, mask)
+        def scaled_loss(model, tokens, mask, factor, *segment_ids):
+            loss, n = self._loss(model, tokens, mask, *segment_ids)
             return loss * factor, loss, n
 
         grad_fn = nn.value_and_grad(model, scaled_loss)
@@ -486,13 +509,13 @@ class Trainer:
             return norm, ok
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def train_step(tokens, mask, inv_tokens):
-            (_, loss, n), grads = grad_fn(model, tokens, mask, scaler["scale"] * inv_tokens)
+        def train_step(tokens, mask, inv_tokens, *seg):
+            (_, loss, n), grads = grad_fn(model, tokens, mask, scaler["scale"] * inv_tokens, *seg)
             return (loss, n, *apply(grads, loss))
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def grad_step(tokens, mask, inv_tokens):
-            (_, loss, n), grads = grad_fn(model, tokens, mask, scaler["scale"] * inv_tokens)
+        def grad_step(tokens, mask, inv_tokens, *seg):
+            (_, loss, n), grads = grad_fn(model, tokens, mask, scaler["scale"] * inv_tokens, *seg)
             return loss, n, tree_map(lambda g: g.astype(mx.float32), grads)
 
         @partial(mx.compile, inputs=state, outputs=state)
@@ -516,14 +539,18 @@ class Trainer:
         finite). A step that is not finite left every weight and optimizer state as it was."""
         n_total = sum(b.n_targets for b in micro_batches)
         inv = mx.array(1.0 / max(n_total, 1), dtype=mx.float32)
+
+        def seg(b):
+            return () if b.segments is None else (mx.array(b.segments),)
+
         if len(micro_batches) == 1:
             b = micro_batches[0]
-            loss, n, norm, ok = self._train_step(mx.array(b.tokens), mx.array(b.mask), inv)
+            loss, n, norm, ok = self._train_step(mx.array(b.tokens), mx.array(b.mask), inv, *seg(b))
             mx.eval(self._state, loss, n, norm, ok)
             return loss, n, norm, ok
         acc = loss_sum = n_sum = None
         for b in micro_batches:
-            loss, n, grads = self._grad_step(mx.array(b.tokens), mx.array(b.mask), inv)
+            loss, n, grads = self._grad_step(mx.array(b.tokens), mx.array(b.mask), inv, *seg(b))
             acc = grads if acc is None else tree_map(mx.add, acc, grads)
             loss_sum = loss if loss_sum is None else loss_sum + loss
             n_sum = n if n_sum is None else n_sum + n
@@ -654,16 +681,29 @@ class Trainer:
         self.model.train()
         res = self._resumed or {}
         data_epoch, data_batch = res.get("data_epoch", 0), res.get("data_batch", 0)
-        batches = iterate_batches(
-            self.train_set,
-            t.batch_size,
-            self.pad_id,
-            r.data.pad_to_multiple,
-            t.seed,
-            r.data.bucket_size,
-            start_epoch=data_epoch,
-            skip=data_batch,
-        )
+        if self.packing != "off":
+            batches = iterate_packed(
+                self.train_set,
+                t.batch_size,
+                self.pad_id,
+                self.packing,
+                self.pack_length,
+                t.seed,
+                r.data.mask_boundary_loss,
+                start_epoch=data_epoch,
+                skip=data_batch,
+            )
+        else:
+            batches = iterate_batches(
+                self.train_set,
+                t.batch_size,
+                self.pad_id,
+                r.data.pad_to_multiple,
+                t.seed,
+                r.data.bucket_size,
+                start_epoch=data_epoch,
+                skip=data_batch,
+            )
 
         if self.dry_run:
             return self._dry_run(batches)
@@ -676,7 +716,7 @@ class Trainer:
         step = res.get("step", 0)
         tokens_seen = res.get("tokens_seen", 0)
         examples_seen = res.get("examples_seen", 0)
-        window = res.get("window") or _new_window()
+        window = {**_new_window(), **(res.get("window") or {})}
         step_times = []
         self.best_eval = res.get("best_eval", math.inf)
         self.last_loss = res.get("last_loss", math.nan)
@@ -721,7 +761,9 @@ class Trainer:
             dt = time.perf_counter() - t0
             step += 1
             n_tokens = sum(b.n_targets for b in micro)  # the host knows what the step counted as n
-            examples_seen += sum(len(b.tokens) for b in micro)
+            examples_seen += sum(b.examples for b in micro)
+            window["real"] += sum(b.n_tokens for b in micro)  # packing_utilization
+            window["room"] += sum(b.tokens.size for b in micro)
             step_loss_sum = loss_sum.item()
             loss = step_loss_sum / max(n_tokens, 1)
             applied = ok.item()
@@ -742,7 +784,10 @@ class Trainer:
                 window["time"] += dt
                 window["steps"] += 1
             lr = self.optimizer.learning_rate.item()  # the rate this step used, already evaluated
-            epoch_f = examples_seen / len(self.train_set)
+            if self.packing == "off":
+                epoch_f = examples_seen / len(self.train_set)
+            else:  # rows per epoch vary a little with each epoch's packing
+                epoch_f = data_epoch + data_batch / self.batches_per_epoch
             event = StepEvent(step, epoch_f, loss, lr, norm.item(), tokens_seen, dt)
             for cb in self.callbacks:
                 cb.on_step(self, event)
@@ -764,6 +809,8 @@ class Trainer:
                     "peak_memory_gb": mx.get_peak_memory() / 1e9,
                     "time": time.time(),
                 }
+                if self.packing != "off":
+                    row["packing_utilization"] = round(window["real"] / max(window["room"], 1), 4)
                 if self.scaling != "none":
                     row["loss_scale"] = self.scaler["scale"].item()
                 if self._nf["skipped"]:
@@ -1089,7 +1136,7 @@ class Trainer:
 
 
 def _new_window() -> dict:
-    return {"loss": 0.0, "n": 0, "timed_n": 0, "time": 0.0, "steps": 0}
+    return {"loss": 0.0, "n": 0, "timed_n": 0, "time": 0.0, "steps": 0, "real": 0, "room": 0}
 
 
 __all__ = ["Trainer", "Callback", "StepEvent", "Dataset"]

@@ -1,0 +1,215 @@
+"""Packing: several examples a row with segment ids (attention never crosses them, the logits of
+each example are those it has alone, the loss masks the boundaries), the token-stream mode, and
+packed runs that resume exactly."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import tiny_recipe
+from mlxtune import Callback, Trainer, recipe_from_dict
+from mlxtune.console import Console
+from mlxtune.data import (
+    Example,
+    make_batch,
+    make_packed_batch,
+    pack_rows,
+    packed_epoch,
+    split_batch,
+    stream_rows,
+)
+from mlxtune.errors import UserInputError
+from mlxtune.models import kernel_attention, load_model, segments
+
+IGNORE = -100
+
+
+def test_best_fit_packs_every_example_once_and_fills_the_rows():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 120, size=500).tolist()
+    rows = pack_rows(lengths, 256, rng.permutation(500))
+    flat = sorted(i for r in rows for i in r)
+    assert flat == list(range(500))
+    assert all(sum(lengths[i] for i in r) <= 256 for r in rows)
+    utilization = sum(lengths) / (256 * len(rows))
+    assert utilization > 0.95
+
+
+def test_a_packed_batch_has_segments_and_no_target_across_a_boundary():
+    a = Example([5, 6, 7, 8], [0, 0, 1, 1])
+    b = Example([9, 10, 11], [1, 1, 1])  # a mask that would train its first token
+    batch = make_packed_batch([[a, b]], pad_id=0, capacity=10)
+    assert batch.tokens[0].tolist() == [5, 6, 7, 8, 9, 10, 11, 0, 0, 0]
+    assert batch.segments[0].tolist() == [1, 1, 1, 1, 2, 2, 2, 0, 0, 0]
+    assert batch.mask[0].tolist() == [0, 0, 1, 1, 0, 1, 1, 0, 0, 0]
+    assert batch.n_targets == 4 and batch.examples == 2 and batch.n_tokens == 7
+    halves = split_batch(make_packed_batch([[a], [b], [a, b]], 0, 10), 2)
+    assert [h.examples for h in halves] == [2, 2]
+
+
+def test_the_stream_runs_documents_on_into_the_next_row():
+    docs = [
+        Example(list(range(100 * k, 100 * k + n)), [0] + [1] * (n - 1))
+        for k, n in enumerate([7, 5, 9])
+    ]
+    rows = stream_rows(docs, 8, np.arange(3))
+    assert [sum(len(p.ids) for p in r) for r in rows] == [8, 8, 5]
+    flat = [t for r in rows for p in r for t in p.ids]
+    assert flat == [t for d in docs for t in d.ids]  # every token, in order
+    masked = make_packed_batch(rows[:1], 0, 8, mask_boundary=True)
+    trained = make_packed_batch(rows[:1], 0, 8, mask_boundary=False)
+    # row 0: doc 0 (7 tokens) then doc 1's first token at position 7
+    assert masked.mask[0, 7] == 0 and trained.mask[0, 7] == 1
+    assert masked.mask[0, 0] == trained.mask[0, 0] == 0  # a row's first token never counts
+
+
+@pytest.fixture(scope="module")
+def model(llama_dir):
+    m, _ = load_model(llama_dir)
+    return m
+
+
+def logits_of(model, tokens, seg=None):
+    with kernel_attention(model, "chunked"), segments(None if seg is None else mx.array(seg)):
+        return np.array(model(mx.array(tokens)))
+
+
+def test_attention_never_crosses_segments_and_each_example_sees_only_itself(model):
+    rng = np.random.default_rng(1)
+    a = rng.integers(3, 60, size=11).tolist()
+    b = rng.integers(3, 60, size=9).tolist()
+    row = np.array([a + b + [0] * 4])
+    seg = np.array([[1] * 11 + [2] * 9 + [0] * 4])
+    packed = logits_of(model, row, seg)
+    # b's logits are those of b alone: positions restart in effect (rotary scores are relative)
+    alone = logits_of(model, np.array([b]))
+    np.testing.assert_allclose(packed[0, 11:20], alone[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        packed[0, :11], logits_of(model, np.array([a]))[0], rtol=1e-4, atol=1e-4
+    )
+    # change a: b does not move; without segments it would
+    other = row.copy()
+    other[0, :11] = rng.integers(3, 60, size=11)
+    np.testing.assert_array_equal(logits_of(model, other, seg)[0, 11:20], packed[0, 11:20])
+    crossed = logits_of(model, other)[0, 11:20]
+    assert np.abs(crossed - logits_of(model, row)[0, 11:20]).max() > 1e-3
+
+
+def test_the_packed_loss_is_the_sum_of_the_examples_losses(tmp_path, data_dir, llama_dir):
+    r = tiny_recipe(
+        data_dir,
+        llama_dir,
+        data={**tiny_recipe(data_dir)["data"], "packing": "pack", "pack_length": 64},
+    )
+    tr = Trainer(recipe_from_dict(r), tmp_path / "p", console=Console(quiet=True))
+    exs = tr.train_set.examples[:6]
+    packed = make_packed_batch([exs[:3], exs[3:]], tr.pad_id, 64)
+    with kernel_attention(tr.model, "chunked"):
+        loss_p, n_p = tr._loss(
+            tr.model, mx.array(packed.tokens), mx.array(packed.mask), mx.array(packed.segments)
+        )
+        loss_u, n_u = tr._loss(
+            tr.model,
+            *(mx.array(x) for x in (lambda b: (b.tokens, b.mask))(make_batch(exs, tr.pad_id, 8))),
+        )
+    assert n_p.item() == n_u.item() == sum(e.n_targets for e in exs)
+    assert loss_p.item() == pytest.approx(loss_u.item(), rel=1e-5)
+
+
+def test_train_on_eos_false_keeps_eos_out_of_the_loss(tokenizer):
+    from mlxtune.data import Encoder
+
+    eos = tokenizer.eos_token_id
+    on = Encoder(tokenizer).encode({"text": "hello there"}, "text", "x")
+    off = Encoder(tokenizer, train_on_eos=False).encode({"text": "hello there"}, "text", "x")
+    assert on.ids[-1] == off.ids[-1] == eos
+    assert on.mask[-1] == 1 and off.mask[-1] == 0 and on.mask[:-1] == off.mask[:-1]
+
+
+def packed_recipe(data_dir, model_dir, mode="pack", **train):
+    r = tiny_recipe(
+        data_dir,
+        model_dir,
+        train={
+            "batch_size": 2,
+            "max_steps": 9,
+            "log_every": 1,
+            "progress": False,
+            "seed": 3,
+            **train,
+        },
+        eval={"every": 4, "max_batches": 2},
+        checkpoints={"every": 3, "keep_last": 5},
+    )
+    r["data"].update(packing=mode, pack_length=64)
+    return r
+
+
+class Crash(Callback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_step(self, trainer, event):
+        if event.step == self.at + 1:
+            raise RuntimeError("simulated crash")
+
+
+@pytest.mark.parametrize("mode", ["pack", "stream"])
+def test_a_packed_run_learns_reports_utilization_and_resumes_exactly(
+    tmp_path, data_dir, llama_dir, mode
+):
+    r = packed_recipe(data_dir, llama_dir, mode)
+
+    def rows(d):
+        skip = {
+            "tokens_per_sec",
+            "step_time_s",
+            "peak_memory_gb",
+            "time",
+            "first_step_compile_time_s",
+        }
+        return [
+            {k: v for k, v in json.loads(x).items() if k not in skip}
+            for x in (d / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    Trainer(recipe_from_dict(r), tmp_path / "whole", console=Console(quiet=True)).run()
+    want = rows(tmp_path / "whole")
+    steps = [x for x in want if "grad_norm" in x]
+    use = [x["packing_utilization"] for x in steps]
+    assert np.mean(use) > 0.85 and min(use) > 0.5  # the rows an epoch ends with are partly full
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        Trainer(
+            recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), callbacks=[Crash(7)]
+        ).run()
+    Trainer(
+        recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), resume="latest"
+    ).run()
+    assert rows(tmp_path / "cut") == want
+
+
+def test_epochs_count_packed_rows(tmp_path, data_dir, llama_dir):
+    r = packed_recipe(data_dir, llama_dir, max_steps=None, epochs=1)
+    tr = Trainer(recipe_from_dict(r), tmp_path / "e", console=Console(quiet=True))
+    rows = packed_epoch(tr.train_set, "pack", 64, 3, 0)
+    assert tr.total_steps == -(-len(rows) // 2) < len(tr.train_set) // 2
+
+
+def test_packing_settings_are_checked(
+    tmp_path, data_dir, llama_dir, model_dir_factory, tokenizer_dir
+):
+    r = packed_recipe(data_dir, llama_dir)
+    r["data"]["pack_length"] = 16  # shorter than max_length 48
+    with pytest.raises(UserInputError, match="data.pack_length: must hold the longest example"):
+        recipe_from_dict(r)
+    r = packed_recipe(data_dir, llama_dir)
+    r["kernels"] = {"attention": "off"}
+    with pytest.raises(UserInputError, match="data.packing: packed rows need"):
+        recipe_from_dict(r)
+    r = packed_recipe(data_dir, model_dir_factory("gemma2"))
+    r["tokenizer"] = {"path": str(tokenizer_dir)}
+    with pytest.raises(UserInputError, match="gemma2 does not allow"):
+        Trainer(recipe_from_dict(r), tmp_path / "g", console=Console(quiet=True))
