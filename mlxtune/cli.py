@@ -42,16 +42,29 @@ def cli():
 )
 def run(recipe, overrides, run_dir, dry_run, tui, resume):
     """Train RECIPE.yaml; OVERRIDES are key.sub=value pairs (e.g. train.max_steps=50)."""
+    from pathlib import Path
+
     from .recipe import load_recipe
+    from .rundir import removed_if_refused, run_dir_for
     from .trainer import Trainer
 
     r = load_recipe(recipe, list(overrides))
+    path = run_dir_for(r, run_dir)  # also checks that the name and run_dir stay in place
+    new_run = not dry_run and resume is None
+    if not new_run:  # a dry run writes to a temporary folder; --resume finds its run itself
+        path = run_dir
+    if resume not in (None, "latest") and (run_dir or r.run_dir):
+        from .resume import named
+
+        named(Path(run_dir or r.run_dir), resume)  # before anything is loaded or logged
     if tui and not dry_run:
         from .tui.live import run_with_dashboard
 
-        run_with_dashboard(r, run_dir, resume=resume)
+        run_with_dashboard(r, path, resume=resume)
         return
-    Trainer(r, run_dir=run_dir, dry_run=dry_run, resume=resume).run()
+    with removed_if_refused(path if new_run else None):  # bad input leaves no run folder
+        trainer = Trainer(r, run_dir=path, dry_run=dry_run, resume=resume)
+    trainer.run()
 
 
 @cli.command()
@@ -60,8 +73,10 @@ def run(recipe, overrides, run_dir, dry_run, tui, resume):
 def validate(recipe, overrides):
     """Check RECIPE.yaml (with any key.sub=value overrides) without running it."""
     from .recipe import load_recipe
+    from .rundir import run_dir_for
 
     r = load_recipe(recipe, list(overrides))
+    run_dir_for(r)  # the name and run_dir cannot point outside
     missing = []
     for key in ("train", "valid", "test"):
         p = r.resolve_path(getattr(r.data, key))
@@ -108,6 +123,7 @@ def validate(recipe, overrides):
 )
 def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""
+    import secrets
     import shutil
     from pathlib import Path
 
@@ -118,10 +134,14 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     out = Path(out) if out else run_dir / "export" / fmt
     if out.exists() and any(out.iterdir()):
         raise UserInputError("already exists and is not empty; choose another --out", str(out))
+    folder = (run_dir / "checkpoints").resolve()
+    if out.resolve() == folder or folder in out.resolve().parents:
+        raise UserInputError("is inside the run's checkpoints; choose another --out", str(out))
     trained = load_trained(ckpt)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a new folder beside ``out`` (never one that exists), renamed into place at the end
+    tmp = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    tmp.mkdir()
     try:
         export(trained, fmt, tmp, dtype, int(quantize) if quantize else None, int(q_group_size))
     except BaseException:

@@ -23,7 +23,15 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserInputError
 from .lora import DoRALinear, LoRALinear, apply_adapters
-from .models import DTYPES, build_model, load_model, save_model
+from .models import (
+    DTYPES,
+    PICKLED,
+    build_model,
+    load_model,
+    pickled_hint,
+    quantize_model,
+    save_model,
+)
 from .tokenizer import load_tokenizer
 
 FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter")
@@ -76,6 +84,9 @@ def load_trained(path: str | Path) -> TrainedModel:
     base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
     if base is not None:
         model, config = load_model(base, state.get("dtype", "float32"))
+        q = ((state.get("recipe") or {}).get("model") or {}).get("quantize")
+        if q:  # QLoRA: the adapters were trained over the quantized base
+            quantize_model(model, q["bits"], q["group_size"])
     else:
         model, config = build_model(
             state["model_config"],
@@ -293,6 +304,13 @@ def export(
 def read_adapter(path: str | Path) -> dict[str, mx.array]:
     """An mlx-lm or PEFT adapter directory, as weights under mlxtune's (mlx-lm's) names."""
     p = Path(path)
+    if p.is_file():
+        why = "pickled weights are never loaded; " if p.suffix in PICKLED else ""
+        raise UserInputError(
+            f"{why}an adapter is a directory with adapter_config.json and adapters.safetensors "
+            "(mlx-lm) or adapter_model.safetensors (PEFT)",
+            str(p),
+        )
     cfg_path = p / "adapter_config.json"
     if not cfg_path.exists():
         raise UserInputError(
@@ -318,10 +336,9 @@ def read_adapter(path: str | Path) -> dict[str, mx.array]:
                     str(p / "adapter_model.safetensors"),
                 )
         return weights
-    hint = (
-        " (pickled adapter_model.bin is never loaded)" if (p / "adapter_model.bin").exists() else ""
+    raise UserInputError(
+        f"no adapters.safetensors or adapter_model.safetensors{pickled_hint(p)}", str(p)
     )
-    raise UserInputError(f"no adapters.safetensors or adapter_model.safetensors{hint}", str(p))
 
 
 def import_adapter(model: nn.Module, path: str | Path):

@@ -23,6 +23,37 @@ def _base_dims(base: nn.Module) -> tuple[int, int]:
     return in_dims, out_dims
 
 
+_DROPOUT_KEY: list = [None]
+
+
+class dropout_key:
+    """While active, adapter dropout draws its masks from ``key`` (a random key array) instead
+    of the global random state, so that running a block twice draws the same masks: gradient
+    checkpointing runs it again in the backward pass. ``None`` leaves the global state in use."""
+
+    def __init__(self, key: mx.array | None):
+        self.key = key
+
+    def __enter__(self):
+        self.saved = _DROPOUT_KEY[0]
+        _DROPOUT_KEY[0] = self.key
+        return self
+
+    def __exit__(self, *exc):
+        _DROPOUT_KEY[0] = self.saved
+        return False
+
+
+def _dropout(layer: nn.Dropout, x: mx.array) -> mx.array:
+    """``layer(x)``, with the mask from the active dropout_key when there is one."""
+    key = _DROPOUT_KEY[0]
+    if key is None or not layer.training or layer._p_1 == 1:
+        return layer(x)
+    _DROPOUT_KEY[0], sub = mx.random.split(key)
+    mask = mx.random.bernoulli(layer._p_1, x.shape, key=sub)
+    return (mask * x) * (1 / layer._p_1)
+
+
 def _dense_weight(base: nn.Module) -> mx.array:
     if isinstance(base, nn.QuantizedLinear):
         return mx.dequantize(
@@ -59,7 +90,7 @@ class LoRALinear(nn.Module):
 
     def __call__(self, x):
         y = self.linear(x)
-        z = (self.dropout(x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
+        z = (_dropout(self.dropout, x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
         return y + (self.scale * z).astype(y.dtype)
 
     def delta(self) -> mx.array:
@@ -88,7 +119,7 @@ class DoRALinear(LoRALinear):
     def __call__(self, x):
         w = _dense_weight(self.linear)
         y = x @ w.T
-        z = (self.dropout(x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
+        z = (_dropout(self.dropout, x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
         out = y + (self.scale * z).astype(y.dtype)
         adapted = w.astype(mx.float32) + self.delta()
         out = out * (self.m / mx.linalg.norm(adapted, axis=1)).astype(out.dtype)

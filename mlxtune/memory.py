@@ -6,7 +6,9 @@ optimizer's state, the gradients (and their fp32 accumulation), the activations 
 pass keeps for every layer, and the logits the loss builds. Activations are counted per token
 and layer from the architecture (a SwiGLU transformer block keeps its norms, q/k/v, attention
 output, gate/up/product and residuals); attention scores only where the attention tier builds
-them. ``tests/test_memory.py`` holds the estimate to within a factor of MLX's measured peak.
+them. A layer under gradient checkpointing keeps only its input, and one such layer at a time
+holds its recomputed activations; a quantized base counts as packed. ``tests/test_memory.py``
+holds the estimate to within a factor of MLX's measured peak.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 GB = 1e9
@@ -81,6 +84,8 @@ class Shape:
     attention_scores: bool  # the attention tier builds [T, T] scores
     logits_full: bool  # the loss builds [tokens, vocab] logits
     logit_chunk: int  # logits per chunk when it does not
+    checkpointed: int = 0  # layers that recompute their activations in the backward pass
+    quantizable: int = 0  # dense linear/embedding weight elements 4-bit quantization would pack
 
 
 def estimate(s: Shape) -> dict[str, float]:
@@ -93,10 +98,14 @@ def estimate(s: Shape) -> dict[str, float]:
         per_token_layer += 2 * s.hidden + s.q_dim + s.intermediate
     else:
         per_token_layer += 2 * s.hidden
-    acts = tokens * per_token_layer * s.act_bytes * (s.layers + 2)  # + the layer in flight
+    # a checkpointed layer keeps only its input; one of them at a time recomputes the rest
+    kept = s.layers - s.checkpointed
+    again = 1 if s.checkpointed else 0
+    acts = tokens * per_token_layer * s.act_bytes * (kept + again + 2)  # + the layer in flight
+    acts += tokens * s.hidden * s.act_bytes * s.checkpointed
     acts += tokens * 4 * s.hidden * s.act_bytes  # embeddings, final norm, their gradients
     if s.attention_scores:  # scores and probabilities kept per layer, and the backward's
-        acts += s.batch * s.heads * s.length * s.length * 4 * (2 * s.layers + 3)
+        acts += s.batch * s.heads * s.length * s.length * 4 * (2 * (kept + again) + 3)
     if s.logits_full:
         logits = tokens * s.vocab * (4 * 3 + s.act_bytes)
     else:
@@ -124,6 +133,10 @@ def describe(parts: dict[str, float]) -> str:
     return f"{parts['total'] / GB:.2f} GB ({', '.join(shown) or 'all parts under 0.01 GB'})"
 
 
+def _is_q(m) -> bool:
+    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+
+
 def shape_of(trainer) -> Shape:
     """The Shape of a built Trainer's run (its model, data and recipe)."""
     r = trainer.recipe
@@ -140,18 +153,39 @@ def shape_of(trainer) -> Shape:
     )  # the longest batch sets the peak
     m = r.data.pad_to_multiple
     length = -(-(longest - 1) // m) * m
+    if r.data.packing != "off":  # packed rows are all pack_length long
+        length = (r.data.pack_length or r.data.max_length) - 1
     o = r.optimizer
     slots = 2 if o.name in ("adam", "adamw") else (1 if o.momentum else 0)
     from .kernels.chunked import CHUNK_ELEMENTS
 
+    layers = int(cfg.get("num_hidden_layers") or 0)
+    every = int(r.train.grad_checkpointing)  # false 0, true 1, or k
+    modules = [m for _, m in model.named_modules()]
+    quantized = any(_is_q(m) for m in modules)
+    quantizable = (
+        0
+        if quantized
+        else sum(
+            m.weight.size
+            for m in modules
+            if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 64 == 0
+        )
+    )
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        head = getattr(getattr(model, "model", None), "embed_tokens", None)
+    act_bytes = 4 if r.model.dtype == "float32" else 2
+    # the loss de-quantizes a quantized LM head: one dense copy while a step runs
+    dense_head = head.scales.shape[0] * hidden * act_bytes if quantized and _is_q(head) else 0
     return Shape(
-        weight_bytes=sum(v.nbytes for _, v in weights),
+        weight_bytes=sum(v.nbytes for _, v in weights) + dense_head,
         trainable=sum(v.size for _, v in trainable),
         trainable_bytes=sum(v.nbytes for _, v in trainable),
         trainable_16bit=sum(v.size for _, v in trainable if v.dtype in (mx.bfloat16, mx.float16)),
         full=r.adapter.type == "full",
-        act_bytes=4 if r.model.dtype == "float32" else 2,
-        layers=int(cfg.get("num_hidden_layers") or 0),
+        act_bytes=act_bytes,
+        layers=layers,
         hidden=hidden,
         intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
         q_dim=heads * head_dim,
@@ -166,6 +200,8 @@ def shape_of(trainer) -> Shape:
         attention_scores=r.kernels.attention in ("reference", "off"),
         logits_full=r.kernels.loss == "reference",
         logit_chunk=CHUNK_ELEMENTS,
+        checkpointed=len(range(0, layers, every)) if every else 0,
+        quantizable=quantizable,
     )
 
 
@@ -205,6 +241,18 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
         )
     if s.logits_full:
         fits("kernels.loss: chunked (never builds the logits)", replace(s, logits_full=False))
+    if s.checkpointed < s.layers:
+        fits(
+            "train.grad_checkpointing: true (each layer recomputes its activations in the "
+            "backward pass)",
+            replace(s, checkpointed=s.layers),
+        )
+    if recipe.adapter.type != "full" and s.quantizable:
+        packed = s.quantizable * (0.5 + 2 * s.act_bytes / 64)  # 4 bits, a scale and bias per 64
+        fits(
+            "model.quantize: {bits: 4, group_size: 64} (QLoRA: the base held in 4 bits)",
+            replace(s, weight_bytes=int(s.weight_bytes - s.quantizable * s.act_bytes + packed)),
+        )
     if s.act_bytes == 4:
         half = replace(
             s,

@@ -99,6 +99,7 @@ def resolve_model_path(path: str, base: Path | None) -> Path:
     if p.exists():
         if not p.is_dir():
             raise UserInputError("a model is a directory (config.json + *.safetensors)", str(p))
+        _check_layout(p)
         return p
     if re.fullmatch(r"[\w.-]+/[\w.-]+", path) is None:
         raise UserInputError("model directory not found", str(p))
@@ -122,10 +123,42 @@ def resolve_model_path(path: str, base: Path | None) -> Path:
             f"{str(e).splitlines()[0] if str(e) else ''})",
             path,
         ) from None
+    _check_layout(Path(local))
     return Path(local)
 
 
-def check_model_dir(p: Path):
+# Weights in these files are pickles, which run code as they load: they are never read.
+PICKLED = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def pickled_hint(p: Path) -> str:
+    """' (pickled .bin weights are never loaded: ...)' when ``p`` holds pickled weights."""
+    kinds = sorted({f.suffix for f in p.iterdir() if f.suffix in PICKLED}) if p.is_dir() else []
+    if not kinds:
+        return ""
+    return f" (pickled {'/'.join(kinds)} weights are never loaded: convert them to safetensors)"
+
+
+def code_files(p: Path, config: dict) -> list[str]:
+    """The Python code a model directory's config.json asks a loader to run: mlx-lm's
+    ``model_file``, and transformers' ``auto_map`` classes whose module is in the directory
+    (or in another Hub repository, ``repo--module.Class``)."""
+    found = []
+    if config.get("model_file") is not None:
+        found.append(str(config["model_file"]))
+    refs = config.get("auto_map") or {}
+    for ref in refs.values() if isinstance(refs, dict) else []:
+        for r in ref if isinstance(ref, list) else [ref]:
+            if not isinstance(r, str):
+                continue
+            module = r.rsplit(".", 1)[0]
+            if "--" in r or (p / f"{module}.py").exists():
+                found.append(f"{module}.py")
+    return sorted(set(found))
+
+
+def _check_layout(p: Path) -> dict:
+    """config.json and safetensors weights, or a UserInputError: the config."""
     if not (p / "config.json").exists():
         raise UserInputError("no config.json in the model directory", str(p))
     try:
@@ -134,13 +167,24 @@ def check_model_dir(p: Path):
         raise UserInputError(
             f"config.json is not valid JSON: {e}", str(p / "config.json")
         ) from None
+    if not isinstance(config, dict):
+        raise UserInputError("config.json is not a JSON object", str(p / "config.json"))
     if not list(p.glob("model*.safetensors")):
-        hint = (
-            " (pickled .bin weights are never loaded: convert them to safetensors)"
-            if list(p.glob("*.bin"))
-            else ""
+        raise UserInputError(
+            f"no model*.safetensors weights in the model directory{pickled_hint(p)}", str(p)
         )
-        raise UserInputError(f"no model*.safetensors weights in the model directory{hint}", str(p))
+    return config
+
+
+def check_model_dir(p: Path, trust_remote_code: bool = False):
+    config = _check_layout(p)
+    code = code_files(p, config)
+    if code and not trust_remote_code:
+        raise UserInputError(
+            f"this model asks to run its own Python code ({', '.join(code)}), which runs only "
+            "when the recipe sets model.trust_remote_code: true",
+            str(p / "config.json"),
+        )
     mt = config.get("model_type")
     if mt not in SUPPORTED:
         raise UserInputError(
@@ -155,7 +199,7 @@ def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = Path(path)
-    config = check_model_dir(path)
+    config = check_model_dir(path, trust_remote_code)
     try:
         model, config = mlx_lm_load_model(path, trust_remote_code=trust_remote_code)
     except ValueError as e:
@@ -354,3 +398,136 @@ class kernel_attention:
         if self.original is not None:
             self.module.scaled_dot_product_attention = self.original
         return False
+
+
+# --------------------------------------------------------------------------------------------
+# QLoRA: a quantized base
+
+
+def _is_quantized(m: nn.Module) -> bool:
+    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+
+
+def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dict:
+    """Quantize a model's base in place for QLoRA: every dense Linear and Embedding whose input
+    size is a multiple of ``group_size`` becomes its MLX quantized twin (affine, ``bits`` per
+    weight, one scale and bias per group), as mlx-lm's convert does; the tied LM head goes with
+    the embedding. Layers that are quantized already stay as they are.
+
+    Returns a summary: ``layers`` (how many were quantized), ``skipped`` (paths whose shapes do
+    not allow it), ``already`` (layers quantized before), ``bytes_before`` / ``bytes_after``
+    (every weight of the model, as held).
+    """
+    bytes_before = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    already = sum(1 for _, m in model.named_modules() if _is_quantized(m))
+    own = getattr(model, "quant_predicate", None)  # a family's own exclusions (mlx-lm's hook)
+    quantized: list[str] = []
+    skipped: list[str] = []
+
+    def predicate(path: str, m: nn.Module):
+        if not isinstance(m, (nn.Linear, nn.Embedding)) or not hasattr(m, "to_quantized"):
+            return False
+        if m.weight.shape[-1] % group_size:
+            skipped.append(path)
+            return False
+        choice = own(path, m) if own is not None else True
+        if choice:
+            quantized.append(path)
+        return choice
+
+    try:
+        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    except ValueError as e:
+        raise UserInputError(
+            f"cannot quantize to {bits} bits in groups of {group_size}: {e}", "model.quantize"
+        ) from None
+    mx.eval(model.parameters())
+    return {
+        "bits": bits,
+        "group_size": group_size,
+        "layers": len(quantized),
+        "skipped": skipped,
+        "already": already,
+        "bytes_before": bytes_before,
+        "bytes_after": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient checkpointing
+
+
+def _plain_argument(a) -> bool:
+    return a is None or isinstance(a, (mx.array, str, int, float))
+
+
+def _run_block(block: nn.Module, call, key, params: dict, seg, *args, **kwargs):
+    """The block's own forward with ``params`` in place, and the dropout key and packed segments
+    of the original call: the backward pass runs this again and must see exactly the same. (The
+    key is no input of the checkpointed function: nothing differentiates through a key.)"""
+    from .lora import dropout_key
+
+    held = block.trainable_parameters()
+    block.update(params)
+    try:
+        with segments(seg), dropout_key(key):
+            return call(block, *args, **kwargs)
+    finally:
+        block.update(held)
+
+
+def _checkpointed_call(self, *args, **kwargs):
+    """A checkpointed block's call: its trainable parameters go in as inputs of the checkpointed
+    function, so their gradients flow; the frozen ones are constants of the recomputation."""
+    call = type(self)._mlxtune_block_call
+    if not all(_plain_argument(a) for a in (*args, *kwargs.values())):
+        return call(self, *args, **kwargs)  # generation with a KV cache: nothing to save
+    key = None
+    if self.training and any(isinstance(m, nn.Dropout) and m._p_1 < 1 for m in self.modules()):
+        # adapter dropout draws its masks again in the backward pass: from the same key
+        key = mx.random.randint(0, 1 << 32, (2,), dtype=mx.uint32)
+    fn = mx.checkpoint(
+        lambda params, seg, *a, **kw: _run_block(self, call, key, params, seg, *a, **kw)
+    )
+    return fn(self.trainable_parameters(), _SEGMENTS[0], *args, **kwargs)
+
+
+_CHECKPOINTED: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    if getattr(cls, "_mlxtune_block_call", None) is not None:
+        return cls
+    if cls not in _CHECKPOINTED:
+        _CHECKPOINTED[cls] = type(
+            f"Checkpointed{cls.__name__}",
+            (cls,),
+            {
+                "__call__": _checkpointed_call,
+                "__module__": cls.__module__,
+                "__doc__": f"{cls.__name__} that recomputes its activations in the backward pass.",
+                "_mlxtune_block_call": cls.__call__,
+            },
+        )
+    return _CHECKPOINTED[cls]
+
+
+def checkpoint_layers(model: nn.Module, every: int = 1) -> int:
+    """Gradient checkpointing: transformer blocks 0, every, 2*every, ... keep only their input
+    for the backward pass and recompute their activations there (less memory, about a third
+    more compute for those blocks). Only these instances change (each gets a subclass of its
+    own class whose call is checkpointed); parameter names and values stay as they are, and
+    generation with a KV cache runs the blocks as before. Returns how many blocks it covers.
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be an integer 1 or more, got {every!r}")
+    blocks = model.layers
+    chosen = range(0, len(blocks), every)
+    for i in chosen:
+        blocks[i].__class__ = _checkpointed_class(type(blocks[i]))
+    return len(chosen)
+
+
+def checkpointed_layers(model: nn.Module) -> int:
+    """How many transformer blocks of a model recompute their activations (checkpoint_layers)."""
+    return sum(1 for b in model.layers if getattr(type(b), "_mlxtune_block_call", None) is not None)

@@ -55,6 +55,18 @@ class TokenizerConfig:
 
 
 @dataclass
+class QuantizeConfig:
+    """Quantize the base model when it loads (QLoRA): its linear layers and embedding are held
+    in bits per weight, the adapters train in full precision on top."""
+
+    bits: Literal[4, 8] = 4
+    """Bits per weight: 4 or 8."""
+    group_size: Literal[32, 64, 128] = 64
+    """Weights per scale and bias; a layer whose input size is not a multiple of it stays
+    unquantized."""
+
+
+@dataclass
 class ModelConfig:
     """The model to train: a local directory in Hugging Face layout, a Hub id, or an architecture."""
 
@@ -69,6 +81,10 @@ class ModelConfig:
     """Allow a model directory to run its own Python code (config.json's model_file)."""
     seed: int = 0
     """Seed for the random initialisation of a model built from arch."""
+    quantize: QuantizeConfig | None = None
+    """Quantize the base as it loads, for example {bits: 4, group_size: 64} (QLoRA: LoRA or DoRA
+    adapters train on the quantized base); null keeps the weights as they are. A model that is
+    quantized already (config.json with "quantization") loads quantized without this."""
 
 
 @dataclass
@@ -192,6 +208,10 @@ class TrainConfig:
     """Label smoothing of the cross-entropy, in [0, 1)."""
     progress: bool = True
     """Show a progress bar with ETA when writing to a terminal."""
+    grad_checkpointing: bool | int = False
+    """Recompute transformer blocks' activations in the backward pass instead of keeping them
+    (less memory, more compute): true for every block, an integer k for every k-th (blocks 0,
+    k, 2k, ...), false for none."""
 
 
 @dataclass
@@ -346,7 +366,8 @@ class Recipe:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Memory planning and out-of-memory fallback."""
     run_dir: str | None = None
-    """Run directory (relative to the current directory); --run-dir overrides it."""
+    """Run directory, relative to the current directory and without '..'; --run-dir overrides
+    it (and may name any folder)."""
 
     # Not part of the schema: where the recipe came from, for resolving relative paths.
     source: str | None = field(default=None, repr=False, metadata={"internal": True})
@@ -562,6 +583,16 @@ def _check_values(r: Recipe, v: _Validator):
             bracket = ")" if hi_open else "]"
             v.fail(key, f"must be in [{lo}, {hi}{bracket}, got {x}")
 
+    if "/" in r.name or "\\" in r.name or "\0" in r.name or r.name.strip() in (".", ".."):
+        v.fail("name", f"{r.name!r} is not a plain name: it becomes the folder runs/NAME-TIMESTAMP")
+    if r.run_dir is not None:
+        rd = Path(r.run_dir)
+        if rd.is_absolute() or ".." in rd.parts:
+            v.fail(
+                "run_dir",
+                f"{r.run_dir!r} is not a folder under the current directory (a relative path "
+                "without '..'); give --run-dir to write somewhere else",
+            )
     if r.model.path is None and r.model.arch is None:
         v.fail(
             "model",
@@ -569,6 +600,21 @@ def _check_values(r: Recipe, v: _Validator):
         )
     if r.model.path is not None and r.model.arch is not None:
         v.fail("model.arch", "give model.path or model.arch, not both")
+    q = r.model.quantize
+    if q is not None:
+        for name in ("bits", "group_size"):
+            if not isinstance(getattr(q, name), int):
+                v.fail(f"model.quantize.{name}", f"expected an integer, got {getattr(q, name)!r}")
+        if r.model.arch is not None:
+            v.fail(
+                "model.quantize",
+                "is for a loaded base (model.path); a model built from arch trains every weight",
+            )
+        if r.adapter.type == "full":
+            v.fail(
+                "model.quantize",
+                "quantized weights cannot train: use adapter.type lora or dora (QLoRA)",
+            )
     if r.model.arch is not None:
         if "model_type" not in r.model.arch:
             v.fail("model.arch", "needs model_type (for example llama)")
@@ -671,6 +717,9 @@ def _check_values(r: Recipe, v: _Validator):
     if a.init_from is not None and a.type == "full":
         v.fail("adapter.init_from", "starting from an adapter needs adapter.type lora or dora")
     _check_layers(a.layers, v)
+    gc = t.grad_checkpointing
+    if not isinstance(gc, bool) and gc < 1:
+        v.fail("train.grad_checkpointing", f"true, false or every k-th layer (k >= 1), got {gc}")
 
 
 def _check_layers(layers, v: _Validator):

@@ -36,6 +36,7 @@ MAY_CHANGE = (
     "precision.nonfinite",
     "precision.max_skipped",
     "memory.",
+    "train.grad_checkpointing",  # the same gradients (dropout masks are drawn differently)
 )
 
 
@@ -93,13 +94,32 @@ def candidates(run_dir: Path) -> list[Path]:
     return [c for _, _, c in sorted(found, key=lambda x: (x[0], x[1]), reverse=True)]
 
 
+def named(run_dir: Path, which: str) -> Path:
+    """The checkpoint folder ``which`` names: a name in RUN_DIR/checkpoints, or a path to one of
+    them; anything else (``../x``, another run's checkpoint) is refused."""
+    folder = Path(run_dir) / "checkpoints"
+    p = folder / which  # a name; an absolute path stays as it is
+    if not p.exists() and Path(which).exists():
+        p = Path(which)  # a path from the current directory
+    try:
+        ours = p.resolve().parent == folder.resolve()
+    except (OSError, ValueError):  # a NUL byte, a symlink loop
+        ours = False
+    if not ours:
+        raise UserInputError(
+            f"not one of this run's checkpoints: name one in {folder} (for example "
+            "step-000300), or give --resume alone for the newest",
+            f"--resume {which}",
+        )
+    return p
+
+
 def pick(run_dir: Path, which: str, warn) -> Path:
     """The checkpoint to resume from: ``which`` is "latest" (the newest intact one; damaged ones
-    are skipped with a warning) or a checkpoint folder (which must be intact)."""
+    are skipped with a warning) or one of the run's checkpoint folders, by name or path (which
+    must be intact)."""
     if which != "latest":
-        p = Path(which)
-        if not p.is_absolute() and not p.exists():
-            p = run_dir / "checkpoints" / which
+        p = named(run_dir, which)
         if not (p / "trainer_state.json").exists():
             raise UserInputError("not a checkpoint (no trainer_state.json)", str(p))
         why = verify(p)

@@ -33,10 +33,102 @@ def _clean(v):
     return v
 
 
+def check_run_name(name: str, where: str = "name"):
+    """A run's name becomes a folder name (runs/NAME-TIMESTAMP): it may not be a path."""
+    if "/" in name or "\\" in name or "\0" in name or name.strip() in (".", ".."):
+        raise UserInputError(
+            f"{name!r} is not a plain name: the name becomes the folder runs/NAME-TIMESTAMP "
+            "(set run_dir, or give --run-dir, to choose the folder)",
+            where,
+        )
+
+
 def default_run_dir(name: str) -> Path:
+    check_run_name(name)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name) or "run"
     return Path("runs") / f"{safe}-{stamp}"
+
+
+def run_dir_for(recipe, given: str | Path | None = None) -> Path:
+    """Where a run of ``recipe`` writes: ``given`` (--run-dir: any folder the user names), else
+    the recipe's ``run_dir`` (a folder under the current directory: a recipe file cannot point a
+    run elsewhere), else runs/NAME-TIMESTAMP. The recipe's name and run_dir are checked either
+    way."""
+    src = recipe.source or "recipe"
+    check_run_name(recipe.name, f"{src}: name")
+    if recipe.run_dir:
+        p = Path(recipe.run_dir)
+        if p.is_absolute() or ".." in p.parts:
+            raise UserInputError(
+                f"{recipe.run_dir!r} is not a folder under the current directory (a relative "
+                "path without '..'); give --run-dir to write somewhere else",
+                f"{src}: run_dir",
+            )
+    if given:
+        return Path(given)
+    if recipe.run_dir:
+        return Path(recipe.run_dir)
+    return default_run_dir(recipe.name)
+
+
+# What a run writes at the top of its directory; a folder holding any of them holds a run.
+_RUN_FILES = (
+    "recipe.yaml",
+    "config_resolved.json",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "summary.json",
+    "exact_match_untrained.json",
+    "exact_match_trained.json",
+)
+_RUN_FOLDERS = ("checkpoints", "export", "tokenizer")
+
+
+def holds_a_run(path: Path) -> bool:
+    """Whether ``path`` holds (part of) a run: a new run there would overwrite it."""
+    if any((path / name).exists() for name in _RUN_FILES):
+        return True
+    return any((path / name).is_dir() and any((path / name).iterdir()) for name in _RUN_FOLDERS)
+
+
+def _which_run(path: Path) -> str:
+    try:
+        cfg = json.loads((path / "config_resolved.json").read_text(encoding="utf-8"))
+        name, source = cfg["recipe"]["name"], cfg.get("recipe_file")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f" (recipe {name!r}" + (f" from {source})" if source else ")")
+
+
+@contextmanager
+def removed_if_refused(path: str | Path | None) -> Iterator[None]:
+    """Around building a run that may create ``path`` before it finds bad input: on a
+    UserInputError whatever the block created there (the folder, or new entries in a folder
+    that existed) is removed again, so refused input leaves nothing behind. Nothing that
+    existed before is touched."""
+    if path is None:
+        yield
+        return
+    path = Path(path)
+    top = None  # the highest folder on the way to ``path`` that does not exist yet
+    p = path
+    while not p.exists() and p != p.parent:
+        top, p = p, p.parent
+    before = set(os.listdir(path)) if top is None and path.is_dir() else None
+    try:
+        yield
+    except UserInputError:
+        if top is not None:
+            shutil.rmtree(top, ignore_errors=True)
+        elif before is not None and path.is_dir():
+            for name in set(os.listdir(path)) - before:
+                q = path / name
+                if q.is_dir() and not q.is_symlink():
+                    shutil.rmtree(q, ignore_errors=True)
+                else:
+                    q.unlink(missing_ok=True)
+        raise
 
 
 class RunDir:
@@ -47,9 +139,10 @@ class RunDir:
         if create:
             if self.path.exists() and not self.path.is_dir():
                 raise UserInputError("the run directory is a file", str(self.path))
-            if self.path.exists() and (self.path / "metrics.jsonl").exists():
+            if self.path.is_dir() and holds_a_run(self.path):
                 raise UserInputError(
-                    "this run directory already holds a run; choose another --run-dir",
+                    f"this run directory already holds a run{_which_run(self.path)}; continue "
+                    "it with --resume (same recipe), or choose a new --run-dir",
                     str(self.path),
                 )
             self.path.mkdir(parents=True, exist_ok=True)
@@ -59,10 +152,26 @@ class RunDir:
     def inside(self, *parts: str) -> Path:
         """A path under the run directory; refuses names that would escape it."""
         root = self.path.resolve()
-        p = (self.path.joinpath(*parts)).resolve()
+        try:
+            p = (self.path.joinpath(*parts)).resolve()
+        except (ValueError, OSError) as e:  # a NUL byte, a symlink loop
+            raise UserInputError(
+                f"{'/'.join(parts)!r} is not a usable path: {e}", str(self.path)
+            ) from None
         if p != root and root not in p.parents:
             raise UserInputError(
                 f"{'/'.join(parts)!r} would be outside the run directory", str(self.path)
+            )
+        return p
+
+    def below(self, *parts: str) -> Path:
+        """A path strictly under the run directory (a file or folder to write, never the run
+        directory itself)."""
+        p = self.inside(*parts)
+        if p == self.path.resolve():
+            raise UserInputError(
+                f"{'/'.join(parts)!r} names the run directory itself, not a path in it",
+                str(self.path),
             )
         return p
 
@@ -71,7 +180,7 @@ class RunDir:
         return self.path / "checkpoints"
 
     def write_text(self, name: str, text: str):
-        p = self.inside(name)
+        p = self.below(name)
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, p)
@@ -82,7 +191,7 @@ class RunDir:
     def append_jsonl(self, name: str, row: dict):
         row = {k: _clean(v) for k, v in row.items()}
         line = json.dumps(row, default=_json_default)
-        with open(self.inside(name), "a", encoding="utf-8") as f:
+        with open(self.below(name), "a", encoding="utf-8") as f:
             f.write(line + "\n")
             f.flush()
 
@@ -109,7 +218,7 @@ class RunDir:
         moved aside before the new one is renamed in, so a crash never leaves neither: a folder
         left aside by a crash between the two renames is put back the next time. Files are
         flushed to disk before the rename."""
-        final = self.inside(*parts)
+        final = self.below(*parts)
         tmp = final.with_name(f".{final.name}.tmp")
         old = final.with_name(f".{final.name}.old")
         if old.exists() and not final.exists():

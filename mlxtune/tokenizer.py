@@ -27,9 +27,15 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-def load_tokenizer(path: str | Path, chat_template: str | None = None):
-    """Load the tokenizer in a model directory as mlx-lm's TokenizerWrapper."""
+def load_tokenizer(
+    path: str | Path, chat_template: str | None = None, trust_remote_code: bool = False
+):
+    """Load the tokenizer in a model directory as mlx-lm's TokenizerWrapper. A tokenizer that
+    asks to run its own Python code (tokenizer_config.json's auto_map) is refused unless
+    ``trust_remote_code``."""
     from mlx_lm.tokenizer_utils import load as load_wrapper
+
+    from .models import code_files
 
     path = Path(path)
     if not path.is_dir():
@@ -39,8 +45,21 @@ def load_tokenizer(path: str | Path, chat_template: str | None = None):
         raise UserInputError(
             "no tokenizer files (tokenizer.json or tokenizer.model) here", str(path)
         )
+    cfg_path = path / "tokenizer_config.json"
     try:
-        tok = load_wrapper(path)
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserInputError(f"not valid JSON: {e}", str(cfg_path)) from None
+    code = code_files(path, cfg) if isinstance(cfg, dict) else []
+    if code and not trust_remote_code:
+        raise UserInputError(
+            f"this tokenizer asks to run its own Python code ({', '.join(code)}), which runs "
+            "only when the recipe sets model.trust_remote_code: true",
+            str(cfg_path),
+        )
+    try:
+        # never transformers' interactive prompt: the recipe decides
+        tok = load_wrapper(path, {"trust_remote_code": trust_remote_code})
     except Exception as e:  # transformers raises many kinds
         raise UserInputError(f"cannot load the tokenizer: {e}", str(path)) from None
     if chat_template is not None:

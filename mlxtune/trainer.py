@@ -42,10 +42,12 @@ from .lora import apply_adapters
 from .memory import GB, alternatives, describe, device_budget, estimate, is_out_of_memory, shape_of
 from .models import (
     build_model,
+    checkpoint_layers,
     count_parameters,
     kernel_attention,
     lm_parts,
     load_model,
+    quantize_model,
     resolve_model_path,
     segments,
 )
@@ -62,7 +64,7 @@ from .precision import (
 from .recipe import Recipe, dump_yaml
 from .resume import pick as pick_checkpoint
 from .resume import recipe_changes, write_checksums
-from .rundir import RunDir, default_run_dir
+from .rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
 from .tokenizer import load_tokenizer, train_sentencepiece
 
 IGNORE = -100
@@ -148,13 +150,26 @@ class Trainer:
             path = Path(run_dir or recipe.run_dir or "")
             if not run_dir and not recipe.run_dir:
                 raise UserInputError("--resume needs the run's directory (--run-dir)", "--resume")
-            if not (path / "metrics.jsonl").exists():
-                raise UserInputError("no run to resume here (no metrics.jsonl)", str(path))
+            if not holds_a_run(path):
+                raise UserInputError("no run to resume here", str(path))
             self.run_dir = RunDir(path, create=False)
         else:
-            self.run_dir = RunDir(run_dir or recipe.run_dir or default_run_dir(recipe.name))
+            path = run_dir_for(recipe, run_dir)
+            with removed_if_refused(path):  # refused input leaves no run folder behind
+                self.run_dir = RunDir(path)
+                self._set_up()
+            return
+        self._set_up()
+
+    def _set_up(self):
+        """Build everything; log lines reach log.txt only once the input has been accepted (a
+        refused --resume leaves the run's log as it was)."""
+        self._held_logs: list[str] | None = []
         self.blas = _blas.setup_blas()
         self._setup()
+        held, self._held_logs = self._held_logs, None
+        for line in held:
+            self.run_dir.log(line)
 
     # ---------------------------------------------------------------- steering
     def _take_control(self) -> set[str]:
@@ -252,7 +267,9 @@ class Trainer:
                 raise UserInputError(
                     "no tokenizer: set tokenizer.path or tokenizer.train", "tokenizer"
                 )
-            self.tokenizer = load_tokenizer(self.tokenizer_dir)
+            self.tokenizer = load_tokenizer(
+                self.tokenizer_dir, trust_remote_code=r.model.trust_remote_code
+            )
         if r.tokenizer.chat_template is not None:
             self.tokenizer._tokenizer.chat_template = r.tokenizer.chat_template
         vocab = len(self.tokenizer._tokenizer)
@@ -272,10 +289,13 @@ class Trainer:
                 model_dir, r.model.dtype, r.model.trust_remote_code
             )
             self.log(f"loaded {model_dir}")
+            if r.model.quantize is not None:
+                self._quantize_base(r.model.quantize)
         model_vocab = self.model_config.get("vocab_size") or vocab
         if vocab > model_vocab:
             raise UserInputError(
-                f"the tokenizer has {vocab} tokens but the model's vocabulary is {model_vocab}",
+                f"the tokenizer ({self.tokenizer_dir}) has {vocab} tokens but the model's "
+                f"vocabulary ({model_dir or 'model.arch'}) is {model_vocab}",
                 "tokenizer",
             )
         self.parts = lm_parts(self.model)
@@ -289,6 +309,12 @@ class Trainer:
         if a.init_from is not None:
             import_adapter(self.model, r.resolve_path(a.init_from))
             self.log(f"adapter weights from {a.init_from}")
+        if r.train.grad_checkpointing:
+            n = checkpoint_layers(self.model, int(r.train.grad_checkpointing))
+            self.log(
+                f"gradient checkpointing: {n} of {len(self.model.layers)} layers recompute "
+                "their activations in the backward pass"
+            )
         self.trainable, self.total_params = count_parameters(self.model)
         trainable_names = {k for k, _ in tree_flatten(self.model.trainable_parameters())}
         self._head_trains = bool({"lm_head.weight", "model.embed_tokens.weight"} & trainable_names)
@@ -397,6 +423,22 @@ class Trainer:
             self.log(f"WARNING: {msg}")
             return
         raise UserInputError(msg, self.recipe.source or "recipe")
+
+    def _quantize_base(self, cfg):
+        """QLoRA: quantize the loaded base before the adapters go in."""
+        q = quantize_model(self.model, cfg.bits, cfg.group_size)
+        if not q["layers"] and not q["already"]:
+            raise UserInputError(
+                f"no layer's input size is a multiple of {q['group_size']}; use a smaller "
+                "group_size",
+                "model.quantize.group_size",
+            )
+        self.log(
+            f"quantized the base to {q['bits']} bits in groups of {q['group_size']}: "
+            f"{q['layers']} layers, weights {q['bytes_before'] / GB:.3f} -> "
+            f"{q['bytes_after'] / GB:.3f} GB"
+            + (f"; {len(q['skipped'])} stay dense (input size)" if q["skipped"] else "")
+        )
 
     def derived(self) -> dict:
         t = self.recipe.train
@@ -1112,7 +1154,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- output
     def log(self, message: str):
-        self.run_dir.log(message)
+        held = getattr(self, "_held_logs", None)
+        if held is not None:
+            held.append(message)
+        else:
+            self.run_dir.log(message)
         self.console.info(message)
 
     def _print_header(self):

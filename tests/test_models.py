@@ -122,7 +122,8 @@ def test_tokenizer_bigger_than_the_model_is_refused(tmp_path, data_dir, tokenize
     model, config = build_model(tiny_arch("llama", vocab_size=8), 8)
     small = save_model(model, config, tmp_path / "small", tokenizer, tokenizer_dir)
     with pytest.raises(
-        UserInputError, match="the tokenizer has .* tokens but the model's vocabulary is 8"
+        UserInputError,
+        match=r"the tokenizer \(.*\) has .* tokens but the model's vocabulary \(.*small\) is 8",
     ):
         Trainer(recipe_from_dict(tiny_recipe(data_dir, small)), run_dir=tmp_path / "r")
 

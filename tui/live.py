@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mlxtune.console import Console
 from mlxtune.control import request
-from mlxtune.rundir import default_run_dir
+from mlxtune.rundir import default_run_dir, removed_if_refused
 
 from .app import WatchApp
 
@@ -29,6 +29,7 @@ class TrainingThread(threading.Thread):
         self.resume = resume
         self.summary: dict | None = None
         self.exception: BaseException | None = None
+        self.built = False  # the trainer was built: an exception after this is from training
         self.ready = threading.Event()  # set once the trainer is built (or failed to be)
 
     @property
@@ -42,6 +43,7 @@ class TrainingThread(threading.Thread):
             trainer = Trainer(
                 self.recipe, run_dir=self.run_dir, console=Console(quiet=True), resume=self.resume
             )
+            self.built = True
             self.ready.set()
             self.summary = trainer.run()
         except BaseException as e:  # handed to the main thread, which reports it
@@ -57,8 +59,13 @@ def run_with_dashboard(
     setting up is raised before the dashboard opens; one in training, after it closes."""
     path = Path(run_dir or recipe.run_dir or default_run_dir(recipe.name))
     worker = TrainingThread(recipe, path, resume)
-    worker.start()
-    worker.ready.wait()  # bad input (recipe, data, model) is reported before the dashboard opens
+    # bad input (recipe, data, model) is reported before the dashboard opens, leaving no folder
+    with removed_if_refused(path if resume is None else None):
+        worker.start()
+        worker.ready.wait()
+        if worker.exception is not None and not worker.built:
+            worker.join()
+            raise worker.exception
     if worker.exception is not None and not worker.is_alive():
         raise worker.exception
     app_factory(path, training=worker).run()

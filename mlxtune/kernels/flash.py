@@ -29,15 +29,14 @@ def _group(q, hkv):
     return q.reshape(b, hkv, hq // hkv, t, d)
 
 
-def _mask(t_q: int, start: int, width: int, causal: bool, segment_ids):
-    """Which keys [start, start+width) each query may see: [B or 1, 1, 1, T, width] bool, or None."""
+def _mask(q0: int, q1: int, k0: int, k1: int, causal: bool, segment_ids):
+    """Which keys [k0, k1) the queries [q0, q1) may see: [B or 1, 1, 1, q, k] bool, or None when
+    every pair may (a tile wholly below the causal diagonal, without segments)."""
     mask = None
-    if causal:
-        mask = (mx.arange(start, start + width)[None, :] <= mx.arange(t_q)[:, None])[
-            None, None, None
-        ]
+    if causal and k1 - 1 > q0:  # the tile reaches above the diagonal
+        mask = (mx.arange(k0, k1)[None, :] <= mx.arange(q0, q1)[:, None])[None, None, None]
     if segment_ids is not None:
-        same = segment_ids[:, :, None] == segment_ids[:, None, start : start + width]
+        same = segment_ids[:, q0:q1, None] == segment_ids[:, None, k0:k1]
         same = same[:, None, None]
         mask = same if mask is None else mask & same
     return mask
@@ -48,7 +47,8 @@ def attention_reference(q, k, v, scale, causal=True, segment_ids=None):
     hkv = k.shape[1]
     qg = _group(q, hkv).astype(mx.float32)
     s = (qg @ k[:, :, None].astype(mx.float32).swapaxes(-1, -2)) * scale
-    mask = _mask(q.shape[2], 0, k.shape[2], causal, segment_ids)
+    t = q.shape[2]
+    mask = _mask(0, t, 0, t, causal, segment_ids)
     if mask is not None:
         s = mx.where(mask, s, MASKED)
     p = mx.softmax(s, axis=-1)
@@ -62,33 +62,45 @@ def _scores(qg, kb, scale, mask):
 
 
 def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None):
-    """FlashAttention-2 forward and backward over key blocks, in MLX ops."""
+    """FlashAttention-2 forward and backward over [block x block] tiles, in MLX ops. Under causal
+    masking the tiles above the diagonal are never computed: about half the work (and half the
+    exponentials, which bound the CPU) of the full scores."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     blk = block or BLOCK
-    starts = list(range(0, t, blk))
+    blocks = [(s0, min(s0 + blk, t)) for s0 in range(0, t, blk)]
+
+    def keys_for(q0, q1):
+        return [(k0, k1) for k0, k1 in blocks if not causal or k0 < q1]
 
     @mx.custom_function
     def attn(q, k, v):
         qg = _group(q, hkv).astype(mx.float32)
-        m = mx.full(qg.shape[:-1], MASKED)
-        l = mx.zeros(qg.shape[:-1])  # noqa: E741
-        acc = mx.zeros(qg.shape)
-        for s0 in starts:
-            kb = k[:, :, None, s0 : s0 + blk].astype(mx.float32)
-            vb = v[:, :, None, s0 : s0 + blk].astype(mx.float32)
-            # block k starts once everything that reads block k-1's tile is done
-            after = mx.depends(qg, [acc, l, m])
-            s = _scores(after, kb, scale, _mask(t, s0, kb.shape[3], causal, segment_ids))
-            m_new = mx.maximum(m, s.max(axis=-1))
-            p = mx.exp(s - m_new[..., None])
-            alpha = mx.exp(m - m_new)
-            l = alpha * l + p.sum(axis=-1)  # noqa: E741
-            acc = alpha[..., None] * acc + p @ vb
-            m = m_new
-        out = (acc / l[..., None]).reshape(q.shape).astype(q.dtype)
-        lse = m + mx.log(l)
-        return out, lse
+        kf = k[:, :, None].astype(mx.float32)
+        vf = v[:, :, None].astype(mx.float32)
+        outs, lses = [], []
+        last = []  # what the next tile waits for, so that MLX runs the tiles one after another
+        for q0, q1 in blocks:
+            qb = qg[..., q0:q1, :]
+            m = mx.full(qb.shape[:-1], MASKED)
+            l = mx.zeros(qb.shape[:-1])  # noqa: E741
+            acc = mx.zeros(qb.shape)
+            for k0, k1 in keys_for(q0, q1):
+                after = mx.depends(qb, last) if last else qb
+                s = _scores(
+                    after, kf[..., k0:k1, :], scale, _mask(q0, q1, k0, k1, causal, segment_ids)
+                )
+                m_new = mx.maximum(m, s.max(axis=-1))
+                p = mx.exp(s - m_new[..., None])
+                alpha = mx.exp(m - m_new)
+                l = alpha * l + p.sum(axis=-1)  # noqa: E741
+                acc = alpha[..., None] * acc + p @ vf[..., k0:k1, :]
+                m = m_new
+                last = [acc, l, m]
+            outs.append(acc / l[..., None])
+            lses.append(m + mx.log(l))
+        out = mx.concatenate(outs, axis=-2).reshape(q.shape).astype(q.dtype)
+        return out, mx.concatenate(lses, axis=-1)
 
     @attn.vjp
     def attn_vjp(primals, cotangents, outputs):
@@ -96,25 +108,38 @@ def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None)
         d_out = _group(cotangents[0], hkv).astype(mx.float32)
         out, lse = outputs
         qg = _group(q, hkv).astype(mx.float32)
+        kf = k[:, :, None].astype(mx.float32)
+        vf = v[:, :, None].astype(mx.float32)
         delta = (d_out * _group(out, hkv).astype(mx.float32)).sum(axis=-1)  # D = rowsum(dO * O)
-        dq = mx.zeros(qg.shape)
+        dq = [None] * len(blocks)
         dks, dvs = [], []
-        for s0 in starts:
-            kb = k[:, :, None, s0 : s0 + blk].astype(mx.float32)
-            vb = v[:, :, None, s0 : s0 + blk].astype(mx.float32)
-            mask = _mask(t, s0, kb.shape[3], causal, segment_ids)
-            after = mx.depends(qg, [dq, dks[-1], dvs[-1]]) if dks else qg
-            s = _scores(after, kb, scale, mask)
-            p = mx.exp(s - lse[..., None])
-            dp = d_out @ vb.swapaxes(-1, -2)
-            ds = p * (dp - delta[..., None]) * scale
-            dq = dq + ds @ kb
-            # sum over the query heads of each group: [B, Hkv, G, T, blk] -> [B, Hkv, blk, D]
-            dks.append((ds.swapaxes(-1, -2) @ qg).sum(axis=2))
-            dvs.append((p.swapaxes(-1, -2) @ d_out).sum(axis=2))
+        last = []
+        for k0, k1 in blocks:
+            kb, vb = kf[..., k0:k1, :], vf[..., k0:k1, :]
+            dk = dv = None
+            for i, (q0, q1) in enumerate(blocks):
+                if causal and k0 >= q1:
+                    continue  # above the diagonal: nothing to do
+                qb = qg[..., q0:q1, :]
+                after = mx.depends(qb, last) if last else qb
+                s = _scores(after, kb, scale, _mask(q0, q1, k0, k1, causal, segment_ids))
+                p = mx.exp(s - lse[..., q0:q1, None])
+                dob = d_out[..., q0:q1, :]
+                dp = dob @ vb.swapaxes(-1, -2)
+                ds = p * (dp - delta[..., q0:q1, None]) * scale
+                dq[i] = ds @ kb if dq[i] is None else dq[i] + ds @ kb
+                # sum over the query heads of each group: [B, Hkv, G, q, k] -> [B, Hkv, k, D]
+                dk_t = (ds.swapaxes(-1, -2) @ qb).sum(axis=2)
+                dv_t = (p.swapaxes(-1, -2) @ dob).sum(axis=2)
+                dk = dk_t if dk is None else dk + dk_t
+                dv = dv_t if dv is None else dv + dv_t
+                last = [dq[i], dk, dv]
+            dks.append(dk)
+            dvs.append(dv)
+        dq = mx.concatenate(dq, axis=-2).reshape(q.shape).astype(q.dtype)
         dk = mx.concatenate(dks, axis=2).astype(k.dtype)
         dv = mx.concatenate(dvs, axis=2).astype(v.dtype)
-        return dq.reshape(q.shape).astype(q.dtype), dk, dv
+        return dq, dk, dv
 
     out, _ = attn(q, k, v)
     return out
