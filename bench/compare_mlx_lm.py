@@ -1,19 +1,30 @@
 """mlxtune against mlx-lm's LoRA trainer: the same model, data and LoRA, in one process.
 
-    python bench/compare_mlx_lm.py            # about 5 minutes on a 2-core CPU
-    python bench/compare_mlx_lm.py --quick    # under 2 minutes
+    python bench/compare_mlx_lm.py                 # every workload (about 15 minutes, 2-core CPU)
+    python bench/compare_mlx_lm.py --quick         # smaller and shorter (about 4 minutes)
+    python bench/compare_mlx_lm.py --workload chat-mixed --vocab 32768
 
-Both trainers get the same base weights, the same encoded examples (tokens and prompt masks),
-the same LoRA (rank, scale, layers), Adam with a constant learning rate and no clipping, and the
-same number of steps and batch size. Throughput counts valid target tokens only; mlx-lm's loss
-mask counts one position past each sequence as well, which is taken off its count. The first
-report window (compilation) is left out of both figures. Prints a table, then one JSON line.
+Workloads (each run on a small-vocabulary model and on a 32,768-token one):
+
+- chat-mixed: single-turn chats of widely mixed length, trained on the assistant turn. mlx-lm
+  pads every batch to its longest example; mlxtune packs rows (data.packing: pack).
+- text-fixed: plain text cut to one length, trained on every token. Nothing to pack: this
+  measures the step itself.
+
+Both trainers get the same base weights, the same encoded examples (tokens and loss masks), the
+same LoRA (rank, scale, q_proj/v_proj of every layer), Adam at a constant rate without clipping,
+and the same number of examples. Throughput counts valid target tokens only (mlx-lm's count of one
+extra target per example is taken off); the first report window (compilation) is left out. MFU
+is the model FLOPs of the real (unpadded) tokens per second over this machine's fp32 matmul
+peak, measured at the start. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import random
 import sys
 import tempfile
 import time
@@ -26,93 +37,212 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = REPO / "recipes" / "data" / "reverse"
-TOKENIZER = REPO / "recipes" / "models" / "reverse-tiny"
+TOKENIZER = REPO / "recipes" / "models" / "reverse-tiny"  # char-level, with a chat template
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
-SIZES = {
-    "quick": dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        intermediate_size=512,
-        num_attention_heads=8,
-        steps=40,
-        batch=16,
-        report=10,
-    ),
-    "full": dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        intermediate_size=1024,
-        num_attention_heads=8,
-        steps=100,
-        batch=32,
-        report=20,
-    ),
+MODEL = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=8)
+QUICK = {
+    "chat-mixed": dict(examples=16, steps=12, report=4),
+    "text-fixed": dict(examples=8, steps=12, report=4),
 }
+FULL = {
+    "chat-mixed": dict(examples=16, steps=40, report=10),
+    "text-fixed": dict(examples=8, steps=40, report=10),
+}
+TEXT_LENGTH = 256  # tokens per text-fixed example
+CHAT_MAX = 1024  # longest chat example; packed rows are this long
 
 
-def build_base(out: Path, size: dict) -> Path:
+def words(rng: random.Random, n_chars: int) -> str:
+    out = []
+    while sum(len(w) + 1 for w in out) < n_chars:
+        out.append("".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 8))))
+    return " ".join(out)
+
+
+def write_data(kind: str, path: Path, n: int = 600) -> None:
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            if kind == "chat-mixed":  # log-uniform lengths: many short, some long
+                user = words(rng, int(2 ** rng.uniform(3, 8.5)))
+                answer = words(rng, int(2 ** rng.uniform(3, 8.5)))
+                row = {
+                    "messages": [
+                        {"role": "user", "content": user},
+                        {"role": "assistant", "content": answer},
+                    ]
+                }
+            else:
+                row = {"text": words(rng, TEXT_LENGTH * 2)}
+            f.write(json.dumps(row) + "\n")
+
+
+def build_base(out: Path, vocab: int | None) -> Path:
     from mlxtune.models import build_model, save_model
     from mlxtune.tokenizer import load_tokenizer
 
     tok = load_tokenizer(TOKENIZER)
     arch = dict(
         model_type="llama",
-        hidden_size=size["hidden_size"],
-        num_hidden_layers=size["num_hidden_layers"],
-        intermediate_size=size["intermediate_size"],
-        num_attention_heads=size["num_attention_heads"],
-        num_key_value_heads=size["num_attention_heads"],
+        num_key_value_heads=MODEL["num_attention_heads"],
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
+        **MODEL,
     )
-    model, config = build_model(arch, len(tok._tokenizer), seed=0)
+    model, config = build_model(arch, vocab or len(tok._tokenizer), seed=0)
     return save_model(model, config, out, tok, TOKENIZER)
 
 
-def run_mlxtune(base: Path, size: dict, run_dir: Path, rank: int, lr: float) -> dict:
-    from mlxtune import Trainer, recipe_from_dict
+def matmul_peak() -> float:
+    """fp32 matmul FLOP/s of this machine under MLX (the best of a few 1024^3 products)."""
+    a = mx.random.normal((1024, 1024))
+    b = mx.random.normal((1024, 1024))
+    mx.eval(a @ b)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        mx.eval(a @ b)
+        best = max(best, 2 * 1024**3 / (time.perf_counter() - t))
+    return best
 
-    recipe = recipe_from_dict(
-        {
-            "name": "bench",
-            "model": {"path": str(base)},
-            "data": {"train": str(DATA / "train.jsonl"), "valid": str(DATA / "valid.jsonl")},
-            "adapter": {
-                "type": "lora",
-                "rank": rank,
-                "alpha": 2.0 * rank,
-                "targets": ["q_proj", "v_proj"],
-            },
-            "optimizer": {"name": "adam", "lr": lr, "grad_clip": None, "bias_correction": False},
-            "schedule": {"name": "constant"},
-            "train": {
-                "batch_size": size["batch"],
-                "max_steps": size["steps"],
-                "log_every": size["report"],
-                "progress": False,
-            },
-            "eval": {"every": None, "max_batches": 1},
-            "checkpoints": {"save_final": False, "save_best": False},
-        }
-    )
+
+def flops_per_token(vocab: int, mean_len: float) -> float:
+    """LoRA training FLOPs of one token: the forward pass (2 per weight) and the backward pass's
+    input gradients (2 per weight; the frozen weights get none of their own), attention included."""
+    h, i, L = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["num_hidden_layers"]
+    per_layer = 4 * h * h + 3 * h * i
+    attention = 2 * h * mean_len  # causal: half of the T x T scores and their product with V
+    return 4 * (L * (per_layer + attention) + vocab * h)
+
+
+def run_mlxtune(
+    base, data, kind, cfg, run_dir, rank, lr, packing="pack", attention="auto", bucket=16
+) -> dict:
+    from mlxtune import Trainer, recipe_from_dict
     from mlxtune.console import Console
 
-    trainer = Trainer(recipe, run_dir=run_dir, console=Console(quiet=True))
+    chat = kind == "chat-mixed"
+    recipe = {
+        "name": "bench",
+        "model": {"path": str(base)},
+        "data": {
+            "train": str(data),
+            "max_length": CHAT_MAX if chat else TEXT_LENGTH,
+            "overlong": "drop" if chat else "truncate",
+            "valid_fraction": 0.02,
+            "bucket_size": bucket,
+        },
+        "adapter": {
+            "type": "lora",
+            "rank": rank,
+            "alpha": 2.0 * rank,
+            "targets": ["q_proj", "v_proj"],
+        },
+        "optimizer": {"name": "adam", "lr": lr, "grad_clip": None, "bias_correction": False},
+        "schedule": {"name": "constant"},
+        "train": {
+            "batch_size": cfg["examples"],
+            "max_steps": cfg["steps"],
+            "log_every": cfg["report"],
+            "progress": False,
+        },
+        "eval": {"every": None, "max_batches": 1},
+        "checkpoints": {"save_final": False, "save_best": False},
+        "memory": {"check": "off"},
+        "kernels": {"attention": attention},
+    }
+    probe = Trainer(
+        recipe_from_dict(recipe), run_dir=run_dir / "probe", console=Console(quiet=True)
+    )
+    examples = probe.train_set.examples
+    mean_len = sum(len(e.ids) for e in examples) / len(examples)
+    del probe
+    if (
+        chat and packing == "pack"
+    ):  # rows of CHAT_MAX tokens holding about as many examples per step as mlx-lm's batch
+        recipe["data"].update(packing="pack")
+        recipe["train"]["batch_size"] = max(1, round(cfg["examples"] * mean_len / CHAT_MAX))
+    trainer = Trainer(
+        recipe_from_dict(recipe), run_dir=run_dir / "run", console=Console(quiet=True)
+    )
+    gc.collect()
+    mx.clear_cache()
     mx.reset_peak_memory()
     trainer.run()
+    peak = mx.get_peak_memory() / 1e9
     rows = [r for r in trainer.run_dir.read_jsonl("metrics.jsonl") if "tokens_per_sec" in r]
     steady = rows[1:] or rows
-    tokens = sum(r["tokens_per_sec"] * r["step_time_s"] * size["report"] for r in steady)
-    seconds = sum(r["step_time_s"] * size["report"] for r in steady)
-    return {
+    tokens = sum(r["tokens_per_sec"] * r["step_time_s"] * cfg["report"] for r in steady)
+    seconds = sum(r["step_time_s"] * cfg["report"] for r in steady)
+    out = {
         "tokens_per_sec": tokens / seconds,
-        "peak_gb": mx.get_peak_memory() / 1e9,
-        "examples": trainer.train_set.examples,
+        "peak_gb": peak,
+        "rows_per_step": trainer.recipe.train.batch_size,
+        "examples": examples,
+        "mean_len": mean_len,
     }
+    if chat and packing == "pack":
+        out["packing_utilization"] = sum(r["packing_utilization"] for r in steady) / len(steady)
+    out["step_split_s"] = step_split(trainer)
+    del trainer
+    gc.collect()
+    mx.clear_cache()
+    return out
 
 
-def run_mlx_lm(base: Path, size: dict, examples, rank: int, lr: float) -> dict:
+def step_split(trainer, n: int = 3) -> dict:
+    """mlxtune's step in three parts, seconds each (after one warm-up step): building the batch
+    on the host, the forward and backward pass, and the optimizer update (unscale, clip, guard,
+    AdamW). The trainer fuses the last two into one compiled step; here they run apart."""
+    import contextlib
+    import math
+
+    from mlxtune.data import iterate_batches, iterate_packed
+    from mlxtune.models import kernel_attention
+
+    r, t = trainer.recipe, trainer.recipe.train
+    if trainer.packing != "off":
+        it = iterate_packed(
+            trainer.train_set, t.batch_size, trainer.pad_id, trainer.packing,
+            trainer.pack_length, t.seed,
+        )  # fmt: skip
+    else:
+        it = iterate_batches(
+            trainer.train_set, t.batch_size, trainer.pad_id, r.data.pad_to_multiple, t.seed,
+            r.data.bucket_size,
+        )  # fmt: skip
+    choice = r.kernels.attention
+    ctx = (
+        contextlib.nullcontext()
+        if choice == "off"
+        else kernel_attention(trainer.model, None if choice == "auto" else choice)
+    )
+    total = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
+    with ctx:
+        for i in range(n + 1):
+            t0 = time.perf_counter()
+            _, b = next(it)
+            args = [mx.array(b.tokens), mx.array(b.mask)]
+            seg = () if b.segments is None else (mx.array(b.segments),)
+            mx.eval(args, seg)
+            t1 = time.perf_counter()
+            inv = mx.array(1.0 / max(b.n_targets, 1))
+            loss, _, grads = trainer._grad_step(*args, inv, *seg)
+            mx.eval(loss, grads)
+            t2 = time.perf_counter()
+            norm, ok = trainer._apply_step(grads, loss)
+            mx.eval(trainer._state, norm, ok)
+            t3 = time.perf_counter()
+            if i:  # the first compiles
+                total["data"] += t1 - t0
+                total["forward_backward"] += t2 - t1
+                total["optimizer"] += t3 - t2
+    assert math.isfinite(norm.item())
+    return {k: round(v / n, 4) for k, v in total.items()}
+
+
+def run_mlx_lm(base, examples, cfg, steps, rank, lr) -> dict:
     from mlx_lm.tuner.callbacks import TrainingCallback
     from mlx_lm.tuner.trainer import TrainingArgs, train
     from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -142,69 +272,146 @@ def run_mlx_lm(base: Path, size: dict, examples, rank: int, lr: float) -> dict:
 
     rec = Record()
     args = TrainingArgs(
-        batch_size=size["batch"],
-        iters=size["steps"],
-        steps_per_report=size["report"],
+        batch_size=cfg["examples"],
+        iters=steps,
+        steps_per_report=cfg["report"],
         steps_per_eval=10**9,
         steps_per_save=10**9,
-        max_seq_length=2048,
+        max_seq_length=CHAT_MAX + 1,
         adapter_file=str(Path(tempfile.mkdtemp()) / "a.safetensors"),
     )
+    gc.collect()
+    mx.clear_cache()
     mx.reset_peak_memory()
     train(model, optim.Adam(learning_rate=lr), data, None, args=args, training_callback=rec)
+    peak = mx.get_peak_memory() / 1e9
     steady = rec.rows[1:] or rec.rows
-    per_window_examples = size["batch"] * size["report"]
-    # tokens_per_second counts one extra (padding) target per example; take it off.
+    per_window_examples = cfg["examples"] * cfg["report"]
     valid = []
-    for r in steady:
-        window_s = r["iterations_per_second"] and size["report"] / r["iterations_per_second"]
+    for r in steady:  # tokens_per_second counts one extra target per example; take it off
+        window_s = cfg["report"] / r["iterations_per_second"]
         valid.append((r["tokens_per_second"] * window_s - per_window_examples, window_s))
+    del model
+    gc.collect()
+    mx.clear_cache()
+    return {"tokens_per_sec": sum(t for t, _ in valid) / sum(s for _, s in valid), "peak_gb": peak}
+
+
+def one(kind, vocab, sizes, tmp: Path, rank, lr, peak, packing="pack", attention="auto", bucket=16):
+    cfg = sizes[kind]
+    data = tmp / f"{kind}.jsonl"
+    if not data.exists():
+        write_data(kind, data)
+    base = (
+        build_base(tmp / f"base-{vocab}", vocab)
+        if not (tmp / f"base-{vocab}").exists()
+        else tmp / f"base-{vocab}"
+    )
+    ours = run_mlxtune(
+        base, data, kind, cfg, tmp / f"run-{kind}-{vocab}", rank, lr, packing, attention, bucket
+    )
+    examples = ours.pop("examples")
+    # the same number of examples: mlx-lm's steps hold cfg["examples"] each
+    theirs = run_mlx_lm(base, examples, cfg, cfg["steps"], rank, lr)
+    real_per_valid = sum(len(e.ids) for e in examples) / sum(e.n_targets for e in examples)
+    v = vocab or 32
+    fpt = flops_per_token(v, ours["mean_len"])
     return {
-        "tokens_per_sec": sum(t for t, _ in valid) / sum(s for _, s in valid),
-        "peak_gb": mx.get_peak_memory() / 1e9,
+        "workload": kind,
+        "vocab": v,
+        "mlxtune_tokens_per_sec": round(ours["tokens_per_sec"], 1),
+        "mlx_lm_tokens_per_sec": round(theirs["tokens_per_sec"], 1),
+        "tokens_per_sec_ratio": round(ours["tokens_per_sec"] / theirs["tokens_per_sec"], 3),
+        "mlxtune_peak_gb": round(ours["peak_gb"], 4),
+        "mlx_lm_peak_gb": round(theirs["peak_gb"], 4),
+        "peak_memory_ratio": round(ours["peak_gb"] / theirs["peak_gb"], 3),
+        "mlxtune_mfu": round(ours["tokens_per_sec"] * real_per_valid * fpt / peak, 4),
+        "mlx_lm_mfu": round(theirs["tokens_per_sec"] * real_per_valid * fpt / peak, 4),
+        "mean_tokens_per_example": round(ours["mean_len"], 1),
+        "mlxtune_step_split_s": ours["step_split_s"],
+        **(
+            {"packing_utilization": round(ours["packing_utilization"], 3)}
+            if "packing_utilization" in ours
+            else {}
+        ),
     }
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (about 4 minutes)")
+    ap.add_argument("--workload", choices=["chat-mixed", "text-fixed", "all"], default="all")
     ap.add_argument(
-        "--quick", action="store_true", help="a smaller model and fewer steps (under two minutes)"
+        "--vocab",
+        type=int,
+        nargs="*",
+        default=None,
+        help="model vocabularies (default: the tokenizer's 32, and 32768)",
     )
+    ap.add_argument(
+        "--packing",
+        choices=["pack", "off"],
+        default="pack",
+        help="mlxtune's data.packing for chat-mixed",
+    )
+    ap.add_argument("--attention", default="auto", help="mlxtune's kernels.attention")
+    ap.add_argument("--bucket-size", type=int, default=16, help="mlxtune's data.bucket_size")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args(argv)
-    size = SIZES["quick" if args.quick else "full"]
+    sizes = QUICK if args.quick else FULL
+    kinds = ["chat-mixed", "text-fixed"] if args.workload == "all" else [args.workload]
+    vocabs = args.vocab if args.vocab else [None, 32768]
+    peak = matmul_peak()
+    results = []
+    t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        base = build_base(Path(tmp) / "base", size)
-        t0 = time.time()
-        ours = run_mlxtune(base, size, Path(tmp) / "run", args.rank, args.lr)
-        theirs = run_mlx_lm(base, size, ours.pop("examples"), args.rank, args.lr)
-        elapsed = time.time() - t0
+        for kind in kinds:
+            for vocab in vocabs:
+                results.append(
+                    one(
+                        kind,
+                        vocab,
+                        sizes,
+                        Path(tmp),
+                        args.rank,
+                        args.lr,
+                        peak,
+                        args.packing,
+                        args.attention,
+                        args.bucket_size,
+                    )
+                )
+    err = sys.stderr
     print(
-        f"model: llama {size['hidden_size']}x{size['num_hidden_layers']}, batch {size['batch']}, {size['steps']} steps, "
-        f"LoRA r={args.rank} on q_proj/v_proj; data: {DATA.relative_to(REPO)} (mixed lengths)",
-        file=sys.stderr,
-    )
-    print(f"{'':10} {'valid tok/s':>12} {'peak GB':>9}", file=sys.stderr)
-    print(f"{'mlxtune':10} {ours['tokens_per_sec']:12,.0f} {ours['peak_gb']:9.3f}", file=sys.stderr)
-    print(
-        f"{'mlx-lm':10} {theirs['tokens_per_sec']:12,.0f} {theirs['peak_gb']:9.3f}", file=sys.stderr
+        f"model: llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']} (ffn {MODEL['intermediate_size']}), "
+        f"LoRA r={args.rank} on q_proj/v_proj; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; {time.time() - t0:.0f} s",
+        file=err,
     )
     print(
-        f"ratio      {ours['tokens_per_sec'] / theirs['tokens_per_sec']:12.2f}x {ours['peak_gb'] / theirs['peak_gb']:8.2f}x"
-        f"   (mlxtune / mlx-lm; {elapsed:.0f} s)",
-        file=sys.stderr,
+        f"{'workload':12} {'vocab':>6} {'mlxtune tok/s':>14} {'mlx-lm tok/s':>13} {'ratio':>6} {'peak GB (ours/theirs)':>22} {'MFU ours/theirs':>16}",
+        file=err,
     )
+    for r in results:
+        print(
+            f"{r['workload']:12} {r['vocab']:>6} {r['mlxtune_tokens_per_sec']:14,.0f} {r['mlx_lm_tokens_per_sec']:13,.0f} "
+            f"{r['tokens_per_sec_ratio']:5.2f}x {r['mlxtune_peak_gb']:9.3f}/{r['mlx_lm_peak_gb']:.3f} ({r['peak_memory_ratio']:.2f}x) "
+            f"{100 * r['mlxtune_mfu']:7.2f}%/{100 * r['mlx_lm_mfu']:.2f}%",
+            file=err,
+        )
+    for r in results:
+        sp = r["mlxtune_step_split_s"]
+        print(
+            f"mlxtune step, {r['workload']} vocab {r['vocab']}: data {sp['data']:.3f} s, "
+            f"forward+backward {sp['forward_backward']:.3f} s, optimizer {sp['optimizer']:.3f} s",
+            file=err,
+        )
     print(
         json.dumps(
             {
-                "mlxtune_tokens_per_sec": round(ours["tokens_per_sec"], 1),
-                "mlx_lm_tokens_per_sec": round(theirs["tokens_per_sec"], 1),
-                "mlxtune_peak_gb": round(ours["peak_gb"], 4),
-                "mlx_lm_peak_gb": round(theirs["peak_gb"], 4),
-                "tokens_per_sec_ratio": round(ours["tokens_per_sec"] / theirs["tokens_per_sec"], 3),
-                "peak_memory_ratio": round(ours["peak_gb"] / theirs["peak_gb"], 3),
                 "size": "quick" if args.quick else "full",
+                "matmul_peak_gflops": round(peak / 1e9, 1),
+                "results": results,
             }
         )
     )
