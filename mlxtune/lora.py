@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from ._slot import Slot
 from .errors import UserInputError
 
 
@@ -23,33 +24,22 @@ def _base_dims(base: nn.Module) -> tuple[int, int]:
     return in_dims, out_dims
 
 
-_DROPOUT_KEY: list = [None]
+_DROPOUT_KEY = Slot()
 
 
-class dropout_key:
+def dropout_key(key: mx.array | None):
     """While active, adapter dropout draws its masks from ``key`` (a random key array) instead
     of the global random state, so that running a block twice draws the same masks: gradient
     checkpointing runs it again in the backward pass. ``None`` leaves the global state in use."""
-
-    def __init__(self, key: mx.array | None):
-        self.key = key
-
-    def __enter__(self):
-        self.saved = _DROPOUT_KEY[0]
-        _DROPOUT_KEY[0] = self.key
-        return self
-
-    def __exit__(self, *exc):
-        _DROPOUT_KEY[0] = self.saved
-        return False
+    return _DROPOUT_KEY.holding(key)
 
 
 def _dropout(layer: nn.Dropout, x: mx.array) -> mx.array:
     """``layer(x)``, with the mask from the active dropout_key when there is one."""
-    key = _DROPOUT_KEY[0]
+    key = _DROPOUT_KEY.value
     if key is None or not layer.training or layer._p_1 == 1:
         return layer(x)
-    _DROPOUT_KEY[0], sub = mx.random.split(key)
+    _DROPOUT_KEY.value, sub = mx.random.split(key)
     mask = mx.random.bernoulli(layer._p_1, x.shape, key=sub)
     return (mask * x) * (1 / layer._p_1)
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ._slot import Slot
 from .errors import UserInputError
 
 # Families whose mlx-lm model exposes ``model.model(inputs) -> hidden`` and an LM head that is
@@ -322,10 +323,10 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-_SEGMENTS: list = [None]
+_SEGMENTS = Slot()
 
 
-class segments:
+def segments(ids: mx.array | None):
     """While active, training attention keeps packed examples apart: ``ids`` [B, T] gives each
     position's example (0: padding). Needs ``kernel_attention`` active around the model.
 
@@ -333,18 +334,7 @@ class segments:
     query and key, so within a segment the scores (and the logits) are those of the example on
     its own: positions restart per segment in effect, without rotating anything twice.
     """
-
-    def __init__(self, ids: mx.array | None):
-        self.ids = ids
-
-    def __enter__(self):
-        self.saved = _SEGMENTS[0]
-        _SEGMENTS[0] = self.ids
-        return self
-
-    def __exit__(self, *exc):
-        _SEGMENTS[0] = self.saved
-        return False
+    return _SEGMENTS.holding(ids)
 
 
 class kernel_attention:
@@ -384,7 +374,7 @@ class kernel_attention:
                     values,
                     scale=scale,
                     causal=True,
-                    segment_ids=_SEGMENTS[0],
+                    segment_ids=_SEGMENTS.value,
                     impl=impl,
                 )
             if sinks is None:
@@ -489,7 +479,7 @@ def _checkpointed_call(self, *args, **kwargs):
     fn = mx.checkpoint(
         lambda params, seg, *a, **kw: _run_block(self, call, key, params, seg, *a, **kw)
     )
-    return fn(self.trainable_parameters(), _SEGMENTS[0], *args, **kwargs)
+    return fn(self.trainable_parameters(), _SEGMENTS.value, *args, **kwargs)
 
 
 _CHECKPOINTED: dict[type, type] = {}

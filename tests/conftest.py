@@ -164,3 +164,56 @@ def tiny_recipe(data_dir: Path, model_dir: Path | None = None, **sections) -> di
     for k, v in sections.items():
         recipe[k] = v
     return recipe
+
+
+MINIMAL_RECIPE = """\
+name: t
+model:
+  path: some/model
+data:
+  train: train.jsonl
+train:
+  max_steps: 10
+"""
+
+
+def load_minimal(tmp_path: Path, overrides=(), text: str = MINIMAL_RECIPE):
+    """MINIMAL_RECIPE (or ``text``) written to tmp_path/r.yaml and loaded with overrides."""
+    from mlxtune.recipe import load_recipe
+
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return load_recipe(p, list(overrides))
+
+
+def make_crash(at: int):
+    """A callback that dies after step ``at``, as a killed process would (after that step's
+    checkpoint)."""
+    from mlxtune import Callback
+
+    class Crash(Callback):
+        def on_step(self, trainer, event):
+            if event.step == at + 1:
+                raise RuntimeError("simulated crash")
+
+    return Crash()
+
+
+def measured_peak(trainer) -> float:
+    """MLX's peak memory of one optimizer step of a built Trainer on its longest examples, after
+    a compiling step, with attention routed as Trainer.run routes it."""
+    import mlx.core as mx
+
+    from mlxtune.data import make_batch
+    from mlxtune.models import kernel_attention
+
+    exs = sorted(trainer.train_set.examples, key=lambda e: -len(e.ids))
+    batch = [make_batch(exs[: trainer.recipe.train.batch_size], trainer.pad_id, 8)]
+    with kernel_attention(trainer.model):
+        trainer._optimizer_step(batch)  # compile
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        trainer._optimizer_step(batch)
+        mx.synchronize()
+    return mx.get_peak_memory()

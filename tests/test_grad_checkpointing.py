@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from conftest import peak_memory_mb, tiny_arch, tiny_recipe
+from conftest import load_minimal, measured_peak, peak_memory_mb, tiny_arch, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
@@ -195,23 +195,9 @@ def test_checkpointing_lowers_the_peak_memory(kind):
 
 # ---------------------------------------------------------------------------- recipe, memory
 
-GOOD = """\
-name: t
-model:
-  path: some/model
-data:
-  train: train.jsonl
-train:
-  max_steps: 10
-"""
-
 
 def _load(tmp_path, overrides):
-    from mlxtune.recipe import load_recipe
-
-    p = tmp_path / "r.yaml"
-    p.write_text(GOOD)
-    return load_recipe(p, overrides)
+    return load_minimal(tmp_path, overrides)
 
 
 def test_recipe_values(tmp_path):
@@ -264,7 +250,6 @@ def test_the_estimate_is_close_to_the_measured_peak_with_checkpointing(
     import random
 
     from conftest import write_jsonl
-    from mlxtune.data import make_batch
     from mlxtune.models import save_model
 
     model, config = build_model(
@@ -287,16 +272,7 @@ def test_the_estimate_is_close_to_the_measured_peak_with_checkpointing(
     tr = Trainer(recipe_from_dict(recipe), tmp_path / "r", console=Console(quiet=True))
     if not checkpointed_layers(tr.model):  # until the trainer applies it itself
         checkpoint_layers(tr.model, 1)
-    exs = sorted(tr.train_set.examples, key=lambda e: -len(e.ids))[:8]
-    batch = [make_batch(exs, tr.pad_id, 8)]
-    with kernel_attention(tr.model):  # as Trainer.run has it
-        tr._optimizer_step(batch)  # compile
-        mx.synchronize()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        tr._optimizer_step(batch)
-        mx.synchronize()
-    peak = mx.get_peak_memory()
+    peak = measured_peak(tr)
     est = estimate(shape_of(tr))["total"]
     assert 0.6 < est / peak < 1.6, (est, peak)
 

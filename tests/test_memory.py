@@ -4,16 +4,14 @@
 import json
 import random
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import yaml
 
-from conftest import tiny_arch, tiny_recipe, write_jsonl
+from conftest import measured_peak, tiny_arch, tiny_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
-from mlxtune.data import make_batch
 from mlxtune.errors import TrainingError, UserInputError
 from mlxtune.memory import estimate, is_out_of_memory, shape_of
 
@@ -52,18 +50,6 @@ def wide_recipe(root, **over):
     for k, v in over.items():
         r[k] = {**r.get(k, {}), **v}
     return r
-
-
-def measured_peak(tr) -> float:
-    exs = sorted(tr.train_set.examples, key=lambda e: -len(e.ids))[: tr.recipe.train.batch_size]
-    batch = [make_batch(exs, tr.pad_id, 8)]
-    tr._optimizer_step(batch)  # compile
-    mx.synchronize()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    tr._optimizer_step(batch)
-    mx.synchronize()
-    return mx.get_peak_memory()
 
 
 @pytest.mark.parametrize(

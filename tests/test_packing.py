@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import tiny_recipe
-from mlxtune import Callback, Trainer, recipe_from_dict
+from conftest import make_crash, tiny_recipe
+from mlxtune import Trainer, recipe_from_dict
 from mlxtune.console import Console
 from mlxtune.data import (
     Example,
@@ -147,15 +147,6 @@ def packed_recipe(data_dir, model_dir, mode="pack", **train):
     return r
 
 
-class Crash(Callback):
-    def __init__(self, at):
-        self.at = at
-
-    def on_step(self, trainer, event):
-        if event.step == self.at + 1:
-            raise RuntimeError("simulated crash")
-
-
 @pytest.mark.parametrize("mode", ["pack", "stream"])
 def test_a_packed_run_learns_reports_utilization_and_resumes_exactly(
     tmp_path, data_dir, llama_dir, mode
@@ -183,7 +174,10 @@ def test_a_packed_run_learns_reports_utilization_and_resumes_exactly(
     assert steps[-1]["loss"] < steps[0]["loss"]
     with pytest.raises(RuntimeError, match="simulated crash"):
         Trainer(
-            recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), callbacks=[Crash(7)]
+            recipe_from_dict(r),
+            tmp_path / "cut",
+            console=Console(quiet=True),
+            callbacks=[make_crash(7)],
         ).run()
     Trainer(
         recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), resume="latest"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import tiny_recipe
+from conftest import make_crash, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
 from mlxtune.console import Console
 from mlxtune.errors import TrainingError
@@ -238,15 +238,6 @@ def test_skip_stops_after_max_skipped_in_a_row(tmp_path, data_dir, llama_dir):
         ).run()
 
 
-class Crash(Callback):
-    def __init__(self, at):
-        self.at = at
-
-    def on_step(self, trainer, event):
-        if event.step == self.at + 1:
-            raise RuntimeError("simulated crash")
-
-
 def test_a_float16_run_with_masters_and_scaling_resumes_exactly(tmp_path, data_dir, llama_dir):
     kw = dict(
         adapter=FULL,
@@ -258,7 +249,9 @@ def test_a_float16_run_with_masters_and_scaling_resumes_exactly(tmp_path, data_d
     )
     trainer(data_dir, llama_dir, tmp_path / "whole", "float16", **kw).run()
     with pytest.raises(RuntimeError, match="simulated crash"):
-        trainer(data_dir, llama_dir, tmp_path / "cut", "float16", callbacks=[Crash(7)], **kw).run()
+        trainer(
+            data_dir, llama_dir, tmp_path / "cut", "float16", callbacks=[make_crash(7)], **kw
+        ).run()
     assert (tmp_path / "cut" / "checkpoints" / "step-000006" / "masters.safetensors").exists()
     trainer(data_dir, llama_dir, tmp_path / "cut", "float16", resume="latest", **kw).run()
 

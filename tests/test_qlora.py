@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import tiny_recipe
+from conftest import MINIMAL_RECIPE, load_minimal, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
@@ -245,23 +245,8 @@ def test_memory_alternatives_suggest_quantizing_a_lora_base(data_dir, llama_dir)
     assert not any("model.quantize" in o for o in alternatives(s, budget, full))
 
 
-GOOD = """\
-name: t
-model:
-  path: some/model
-data:
-  train: train.jsonl
-train:
-  max_steps: 10
-"""
-
-
 def _load(tmp_path, overrides):
-    from mlxtune.recipe import load_recipe
-
-    p = tmp_path / "r.yaml"
-    p.write_text(GOOD)
-    return load_recipe(p, overrides)
+    return load_minimal(tmp_path, overrides)
 
 
 def test_recipe_quantize_settings(tmp_path):
@@ -300,7 +285,9 @@ def test_cli_exits_2_naming_the_key(tmp_path, capsys):
     from mlxtune.cli import main
 
     p = tmp_path / "r.yaml"
-    p.write_text(GOOD.replace("  path: some/model\n", "  path: m\n  quantize: {bits: 4}\n"))
+    p.write_text(
+        MINIMAL_RECIPE.replace("  path: some/model\n", "  path: m\n  quantize: {bits: 4}\n")
+    )
     (tmp_path / "train.jsonl").write_text('{"text": "a b"}\n')
     assert main(["validate", str(p), "adapter.type=full"]) == 2
     err = capsys.readouterr().err

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import MINIMAL_RECIPE, REPO
 from mlxtune import recipe as R
 from mlxtune.cli import main
 from mlxtune.errors import UserInputError
@@ -16,17 +16,6 @@ def write(tmp_path, text: str) -> Path:
     p = tmp_path / "r.yaml"
     p.write_text(text)
     return p
-
-
-GOOD = """\
-name: t
-model:
-  path: some/model
-data:
-  train: train.jsonl
-train:
-  max_steps: 10
-"""
 
 
 def test_shipped_recipes_exist_and_have_a_command_header():
@@ -66,14 +55,14 @@ def test_every_schema_field_has_a_docstring():
 
 
 def test_load_good_recipe_resolves_paths_relative_to_the_file(tmp_path):
-    r = R.load_recipe(write(tmp_path, GOOD))
+    r = R.load_recipe(write(tmp_path, MINIMAL_RECIPE))
     assert r.train.max_steps == 10
     assert r.resolve_path(r.data.train) == tmp_path / "train.jsonl"
     assert r.optimizer.lr == 1e-4 and r.adapter.type == "lora"
 
 
 def test_unknown_key_suggests_and_names_the_line(tmp_path):
-    p = write(tmp_path, GOOD + "  bach_size: 4\n")
+    p = write(tmp_path, MINIMAL_RECIPE + "  bach_size: 4\n")
     with pytest.raises(UserInputError) as e:
         R.load_recipe(p)
     msg = str(e.value)
@@ -82,7 +71,7 @@ def test_unknown_key_suggests_and_names_the_line(tmp_path):
 
 
 def test_wrong_type_names_key_and_line(tmp_path):
-    p = write(tmp_path, GOOD.replace("max_steps: 10", "max_steps: ten"))
+    p = write(tmp_path, MINIMAL_RECIPE.replace("max_steps: 10", "max_steps: ten"))
     with pytest.raises(
         UserInputError, match=r"r.yaml:7: train.max_steps: expected an integer, got 'ten'"
     ):
@@ -104,19 +93,19 @@ def test_wrong_type_names_key_and_line(tmp_path):
 )
 def test_impossible_values_are_refused_naming_the_key(tmp_path, override, key):
     with pytest.raises(UserInputError) as e:
-        R.load_recipe(write(tmp_path, GOOD), [override])
+        R.load_recipe(write(tmp_path, MINIMAL_RECIPE), [override])
     assert key in str(e.value)
     assert "override" in str(e.value)
 
 
 def test_literal_typo_gets_a_suggestion(tmp_path):
     with pytest.raises(UserInputError, match="did you mean 'lora'"):
-        R.load_recipe(write(tmp_path, GOOD), ["adapter.type=lorra"])
+        R.load_recipe(write(tmp_path, MINIMAL_RECIPE), ["adapter.type=lorra"])
 
 
 def test_overrides_set_nested_values_as_yaml(tmp_path):
     r = R.load_recipe(
-        write(tmp_path, GOOD),
+        write(tmp_path, MINIMAL_RECIPE),
         ["train.batch_size=16", "adapter.targets=[q_proj, k_proj]", "optimizer.grad_clip=null"],
     )
     assert r.train.batch_size == 16
@@ -126,7 +115,7 @@ def test_overrides_set_nested_values_as_yaml(tmp_path):
 
 def test_override_without_equals_is_refused(tmp_path):
     with pytest.raises(UserInputError, match="key.sub=value"):
-        R.load_recipe(write(tmp_path, GOOD), ["train.batch_size"])
+        R.load_recipe(write(tmp_path, MINIMAL_RECIPE), ["train.batch_size"])
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):
@@ -136,7 +125,7 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
 
 
 def test_yaml_is_read_safely(tmp_path):
-    p = write(tmp_path, GOOD + "extra: !!python/object/apply:os.system ['echo hacked']\n")
+    p = write(tmp_path, MINIMAL_RECIPE + "extra: !!python/object/apply:os.system ['echo hacked']\n")
     with pytest.raises(UserInputError, match="YAML does not parse"):
         R.load_recipe(p)
 
@@ -157,7 +146,7 @@ def test_scratch_model_needs_full_training_and_a_tokenizer(tmp_path):
 
 
 def test_cli_bad_recipe_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
-    p = write(tmp_path, GOOD + "  bach_size: 4\n")
+    p = write(tmp_path, MINIMAL_RECIPE + "  bach_size: 4\n")
     assert main(["run", str(p)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -168,7 +157,7 @@ def test_cli_bad_recipe_exits_2_with_one_line_and_no_traceback(tmp_path, capsys)
 
 
 def test_cli_validate_reports_missing_data_files(tmp_path, capsys):
-    p = write(tmp_path, GOOD)
+    p = write(tmp_path, MINIMAL_RECIPE)
     assert main(["validate", str(p)]) == 2
     assert "data.train" in capsys.readouterr().err
 
@@ -184,7 +173,7 @@ def test_cli_validate_reports_missing_data_files(tmp_path, capsys):
 def test_more_impossible_values(tmp_path, override, key):
     extra = ["optimizer.weight_decay=0.1"] if "adam" in override else []
     with pytest.raises(UserInputError) as e:
-        R.load_recipe(write(tmp_path, GOOD), [override, *extra])
+        R.load_recipe(write(tmp_path, MINIMAL_RECIPE), [override, *extra])
     assert key in str(e.value)
 
 
@@ -213,10 +202,11 @@ def test_bad_architectures_are_bad_input(arch, message):
 
 
 def test_bare_off_in_yaml_means_the_word_off(tmp_path):
-    r = R.load_recipe(write(tmp_path, GOOD + "kernels:\n  attention: off\n"))
+    r = R.load_recipe(write(tmp_path, MINIMAL_RECIPE + "kernels:\n  attention: off\n"))
     assert r.kernels.attention == "off"
     assert (
-        R.load_recipe(write(tmp_path, GOOD), ["kernels.attention=off"]).kernels.attention == "off"
+        R.load_recipe(write(tmp_path, MINIMAL_RECIPE), ["kernels.attention=off"]).kernels.attention
+        == "off"
     )
     with pytest.raises(UserInputError, match="kernels.loss"):
-        R.load_recipe(write(tmp_path, GOOD), ["kernels.loss=off"])  # no such choice there
+        R.load_recipe(write(tmp_path, MINIMAL_RECIPE), ["kernels.loss=off"])  # no such choice there

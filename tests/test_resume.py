@@ -6,24 +6,13 @@ import json
 import pytest
 import yaml
 
-from conftest import tiny_recipe
+from conftest import make_crash, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
 
 TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
-
-
-class Crash(Callback):
-    """Dies after a given step, as a killed process would (after the step's checkpoint)."""
-
-    def __init__(self, at):
-        self.at = at
-
-    def on_step(self, trainer, event):
-        if event.step == self.at + 1:
-            raise RuntimeError("simulated crash")
 
 
 def recipe(data_dir, model_dir, **over):
@@ -67,7 +56,10 @@ def reference(tmp_path, data_dir, llama_dir):
 def crashed(r, run_dir, at):
     with pytest.raises(RuntimeError, match="simulated crash"):
         Trainer(
-            recipe_from_dict(r), run_dir=run_dir, console=Console(quiet=True), callbacks=[Crash(at)]
+            recipe_from_dict(r),
+            run_dir=run_dir,
+            console=Console(quiet=True),
+            callbacks=[make_crash(at)],
         ).run()
 
 
