@@ -387,6 +387,17 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return 130
+    except (RuntimeError, MemoryError) as e:
+        from .memory import is_out_of_memory
+
+        if not is_out_of_memory(e):
+            raise
+        click.echo(
+            f"mlxtune: training failed: out of memory ({e}); see memory.* in the recipe, or "
+            "continue from the last checkpoint with --resume",
+            err=True,
+        )
+        return 1
     return 0
 
 

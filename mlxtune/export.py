@@ -82,8 +82,10 @@ def load_trained(path: str | Path) -> TrainedModel:
             "this checkpoint does not describe its model (written by an older mlxtune)", str(ckpt)
         )
     base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
+    # the run's recipe allowed the model's own code (or did not): so does its export
+    trust = bool(((state.get("recipe") or {}).get("model") or {}).get("trust_remote_code"))
     if base is not None:
-        model, config = load_model(base, state.get("dtype", "float32"))
+        model, config = load_model(base, state.get("dtype", "float32"), trust)
         q = ((state.get("recipe") or {}).get("model") or {}).get("quantize")
         if q:  # QLoRA: the adapters were trained over the quantized base
             quantize_model(model, q["bits"], q["group_size"])
@@ -106,7 +108,7 @@ def load_trained(path: str | Path) -> TrainedModel:
     weights = mx.load(str(ckpt / "adapters.safetensors"))
     load_trainable_weights(model, weights, str(ckpt / "adapters.safetensors"))
     tok_dir = Path(state["tokenizer_dir"]) if state.get("tokenizer_dir") else base
-    tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
+    tokenizer = load_tokenizer(tok_dir, trust_remote_code=trust) if tok_dir is not None else None
     model.eval()
     return TrainedModel(model, tokenizer, config, a, base, tok_dir)
 

@@ -228,11 +228,19 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
         ):
             break
     length = s.length
+    packing = recipe.data.packing
     while length > 64:
         length //= 2
-        if fits(
-            f"data.max_length: {length + 1} (longer examples are cut)", replace(s, length=length)
-        ):
+        if packing == "off":
+            change = f"data.max_length: {length + 1} (longer examples are cut)"
+        elif packing == "stream":
+            change = f"data.pack_length: {length + 1} (shorter rows of the stream)"
+        else:
+            change = (
+                f"data.pack_length: {length + 1} with data.max_length at most {length + 1} "
+                "(longer examples are cut)"
+            )
+        if fits(change, replace(s, length=length)):
             break
     if s.attention_scores:
         fits(

@@ -377,6 +377,14 @@ class kernel_attention:
                     segment_ids=_SEGMENTS.value,
                     impl=impl,
                 )
+            seg = _SEGMENTS.value
+            if cache is None and seg is not None and mask is not None and not isinstance(mask, str):
+                # an explicit mask (a sliding-window layer): packed examples stay apart there too
+                same = (seg[:, :, None] == seg[:, None, :])[:, None]
+                if mask.dtype == mx.bool_:
+                    mask = mask & same
+                else:  # additive
+                    mask = mx.where(same, mask, mx.array(-mx.inf, dtype=mask.dtype))
             if sinks is None:
                 return original(queries, keys, values, cache, scale=scale, mask=mask)
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)

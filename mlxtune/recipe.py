@@ -641,7 +641,8 @@ def _check_values(r: Recipe, v: _Validator):
     positive("data.bucket_size", r.data.bucket_size)
     positive("data.pad_to_multiple", r.data.pad_to_multiple)
     if r.data.pack_length is not None:
-        positive("data.pack_length", r.data.pack_length)
+        if r.data.pack_length < 2:
+            v.fail("data.pack_length", f"a row needs at least 2 tokens, got {r.data.pack_length}")
         if r.data.packing == "off":
             v.fail("data.pack_length", "is for packed rows; set data.packing: pack or stream")
         if r.data.packing == "pack" and r.data.pack_length < r.data.max_length:
@@ -650,6 +651,8 @@ def _check_values(r: Recipe, v: _Validator):
                 f"must hold the longest example (data.max_length {r.data.max_length}), "
                 f"got {r.data.pack_length}",
             )
+    if r.data.packing == "stream" and r.data.pack_length is None and r.data.max_length < 2:
+        v.fail("data.max_length", "stream rows (max_length long) need at least 2 tokens")
     if r.data.packing != "off" and r.kernels.attention == "off":
         v.fail("data.packing", "packed rows need mlxtune's attention (kernels.attention not off)")
     a = r.adapter

@@ -343,6 +343,10 @@ class Trainer:
             if d.test
             else self.valid_set
         )
+        if r.eval.exact_match and not any(e.prompt_ids for e in self.test_set.examples):
+            raise UserInputError(
+                "eval.exact_match needs completion, instruction or chat data", "eval.exact_match"
+            )
         self.pad_id = next(
             i
             for i in (self.tokenizer._tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)

@@ -139,6 +139,25 @@ def every_example_too_long(w):
     return w.run()
 
 
+def exact_match_on_text_data(w):
+    write_jsonl(w.data / "text.jsonl", [{"text": f"hello there {i}"} for i in range(20)])
+    w.write_recipe(
+        data=w.data_section(train=str(w.data / "text.jsonl"), valid=None),
+        eval={"exact_match": 4},
+    )
+    return w.run()
+
+
+def packed_rows_too_short(w):
+    w.write_recipe(data=w.data_section(packing="stream", pack_length=1))
+    return w.run()
+
+
+def over_the_memory_limit(w):
+    w.write_recipe(memory={"limit_gb": 1e-6})
+    return w.run()
+
+
 def chat_without_assistant(w):
     write_jsonl(
         w.data / "chat.jsonl",
@@ -215,6 +234,22 @@ CASES = [
         "chat-without-assistant",
         chat_without_assistant,
         r"data/chat\.jsonl:1: the conversation has no assistant turn",
+    ),
+    (
+        "exact-match-on-text-data",
+        exact_match_on_text_data,
+        r"eval\.exact_match: eval\.exact_match needs completion, instruction or chat data",
+    ),
+    (
+        "packed-rows-too-short",
+        packed_rows_too_short,
+        r"r\.yaml:\d+: data\.pack_length: a row needs at least 2 tokens, got 1",
+    ),
+    (
+        "over-the-memory-limit",
+        over_the_memory_limit,
+        r"r\.yaml: this run needs about .* GB at its peak, more than the 0\.00 GB of "
+        r"memory\.limit_gb",
     ),
     (
         "model-without-weights",

@@ -175,3 +175,27 @@ def test_out_of_memory_with_one_example_per_micro_batch_stops(tmp_path, data_dir
 def test_a_limit_must_be_positive(data_dir, llama_dir):
     with pytest.raises(UserInputError, match="memory.limit_gb"):
         recipe_from_dict(tiny_recipe(data_dir, llama_dir, memory={"limit_gb": 0}))
+
+
+def test_running_out_of_memory_outside_a_step_is_one_line_exit_1(
+    tmp_path, data_dir, llama_dir, monkeypatch, capsys
+):
+    """Evaluation, samples or a dry run can run out of memory too: one line, no traceback."""
+
+    def fail(self):
+        raise RuntimeError("[malloc] Unable to allocate 68719476736 bytes.")
+
+    monkeypatch.setattr(Trainer, "run", fail)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(data_dir, llama_dir)))
+    assert main(["run", str(path), "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith("mlxtune: training failed: out of memory ([malloc] Unable to allocate")
+    )
+    monkeypatch.setattr(Trainer, "run", lambda self: 1 / 0)  # anything else still surfaces
+    with pytest.raises(ZeroDivisionError):
+        main(["run", str(path), "--run-dir", str(tmp_path / "run2")])

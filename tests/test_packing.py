@@ -207,3 +207,35 @@ def test_packing_settings_are_checked(
     r["tokenizer"] = {"path": str(tokenizer_dir)}
     with pytest.raises(UserInputError, match="gemma2 does not allow"):
         Trainer(recipe_from_dict(r), tmp_path / "g", console=Console(quiet=True))
+
+
+def test_sliding_window_layers_keep_packed_examples_apart_too(model_dir_factory):
+    """mlx-lm gives a sliding-window layer an explicit mask once T exceeds the window; the
+    segment ids are folded into it."""
+    d = model_dir_factory(
+        "llama", layer_types=("sliding_attention", "full_attention"), sliding_window=4
+    )
+    m, _ = load_model(d)
+    rng = np.random.default_rng(2)
+    a = rng.integers(3, 60, size=7).tolist()
+    b = rng.integers(3, 60, size=6).tolist()
+    packed = logits_of(m, np.array([a + b]), np.array([[1] * 7 + [2] * 6]))
+    np.testing.assert_allclose(packed[0, 7:], logits_of(m, np.array([b]))[0], rtol=1e-4, atol=1e-4)
+    crossed = logits_of(m, np.array([a + b]))[0, 7:]
+    assert np.abs(crossed - packed[0, 7:]).max() > 1e-3
+
+
+def test_memory_suggestions_name_the_row_length_when_packing(tmp_path, data_dir, llama_dir):
+    from dataclasses import replace
+
+    from mlxtune.memory import alternatives, estimate, shape_of
+
+    r = packed_recipe(data_dir, llama_dir)
+    r["data"].update(pack_length=1024, max_length=48)
+    tr = Trainer(recipe_from_dict(r), tmp_path / "m", console=Console(quiet=True))
+    s = shape_of(tr)
+    assert s.length == 1023  # rows are pack_length long, whatever max_length is
+    budget = estimate(replace(s, length=511))["total"] * 1.01
+    fits = alternatives(s, budget, tr.recipe)
+    assert any(f.startswith("data.pack_length: 512 with data.max_length at most 512") for f in fits)
+    assert not any(f.startswith("data.max_length") for f in fits)

@@ -285,6 +285,24 @@ def test_trust_remote_code_is_the_switch(tmp_path, data_dir, llama_dir, monkeypa
     assert marker.read_text() == "ran"
 
 
+def test_a_run_that_trusted_the_model_s_code_exports_with_it(
+    tmp_path, data_dir, llama_dir, monkeypatch, capsys
+):
+    """export reloads the base as the run's recipe allowed: trusted there, trusted here."""
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "CODE_RAN"
+    m = model_with_code(llama_dir, tmp_path / "coded-model", marker, model_file="evil.py")
+    model = {"path": str(m), "trust_remote_code": True}
+    r = tiny_recipe(data_dir, model=model, train={"batch_size": 8, "max_steps": 1})
+    p = write_recipe(tmp_path / "r.yaml", r)
+    assert main(["run", p, "--run-dir", "run"]) == 0, capsys.readouterr().err
+    marker.unlink()
+    assert main(["export", "run", "--format", "mlx-lm", "--out", "out"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert (tmp_path / "out" / "adapters.safetensors").exists() and marker.exists()
+
+
 def test_a_tokenizer_that_ships_code_is_refused(tmp_path, data_dir, llama_dir, monkeypatch, capsys):
     from mlxtune.tokenizer import load_tokenizer
 
