@@ -47,7 +47,12 @@ def default_run_dir(name: str) -> Path:
     check_run_name(name)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name) or "run"
-    return Path("runs") / f"{safe}-{stamp}"
+    base = Path("runs") / f"{safe}-{stamp}"
+    path, n = base, 1
+    while path.exists():  # another run of this recipe started in the same second
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
 
 
 def run_dir_for(recipe, given: str | Path | None = None) -> Path:

@@ -478,3 +478,14 @@ def test_run_dir_api_never_replaces_the_run_dir_itself(tmp_path):
     with rd.staged("checkpoints", "step-000001") as d:  # the normal case still works
         (d / "a.txt").write_text("ok")
     assert (tmp_path / "run" / "checkpoints" / "step-000001" / "a.txt").read_text() == "ok"
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    from mlxtune import rundir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(rundir.time, "strftime", lambda fmt: "20261122-101500")
+    first = rundir.default_run_dir("demo")
+    first.mkdir(parents=True)
+    second = rundir.default_run_dir("demo")
+    assert (first.name, second.name) == ("demo-20261122-101500", "demo-20261122-101500-2")
