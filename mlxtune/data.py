@@ -160,29 +160,28 @@ class Encoder:
             )
         return v
 
-    def _prompt_answer(self, prompt: str, answer: str) -> Example:
-        p_ids = self._encode(prompt)
-        ids = self._encode(prompt + answer)
-        start = _common_prefix(p_ids, ids) if self.mask_prompt else 1
+    def _targets(self, ids: list[int], start: int) -> list[int]:
+        """Append EOS (add_eos) and return the mask: targets from ``start`` on, the EOS one only
+        with train_on_eos."""
         eos = self.add_eos and self.eos is not None
         if eos:
             ids.append(self.eos)
         mask = [0] * start + [1] * (len(ids) - start)
         if eos and not self.train_on_eos:
             mask[-1] = 0
+        return mask
+
+    def _prompt_answer(self, prompt: str, answer: str) -> Example:
+        p_ids = self._encode(prompt)
+        ids = self._encode(prompt + answer)
+        start = _common_prefix(p_ids, ids) if self.mask_prompt else 1
+        mask = self._targets(ids, start)
         return Example(ids, mask, prompt=prompt, answer=answer, prompt_ids=ids[:start])
 
     def encode(self, obj: dict, fmt: str, where: str) -> Example:
         if fmt == "text":
-            text = self._field(obj, "text", where)
-            ids = self._encode(text)
-            eos = self.add_eos and self.eos is not None
-            if eos:
-                ids.append(self.eos)
-            mask = [0] + [1] * (len(ids) - 1)
-            if eos and not self.train_on_eos:
-                mask[-1] = 0
-            return Example(ids, mask)
+            ids = self._encode(self._field(obj, "text", where))
+            return Example(ids, self._targets(ids, 1))
         if fmt == "completion":
             return self._prompt_answer(
                 self._field(obj, "prompt", where), self._field(obj, "completion", where)
@@ -350,8 +349,6 @@ class Batch:
     """Each row's length before padding (a packed row: its tokens, all segments together)."""
     segments: np.ndarray | None = None
     """[B, L] packed rows: 1, 2, ... for each example in the row, 0 for padding."""
-    n_examples: int | None = None
-    """Examples in the batch (packed rows hold several); None: one per row."""
 
     @property
     def n_tokens(self) -> int:
@@ -359,7 +356,8 @@ class Batch:
 
     @property
     def examples(self) -> int:
-        return len(self.tokens) if self.n_examples is None else self.n_examples
+        """Examples in the batch: one a row, or a packed row's segments (numbered 1..k)."""
+        return len(self.tokens) if self.segments is None else int(self.segments.max(axis=1).sum())
 
 
 def split_batch(b: Batch, parts: int) -> list[Batch]:
@@ -379,20 +377,19 @@ def split_batch(b: Batch, parts: int) -> list[Batch]:
                 int(b.mask[s : s + size, 1:].sum()),
                 b.lengths[s : s + size],
                 seg,
-                None if seg is None else _count_segments(seg),
             )
         )
     return out
 
 
-def _count_segments(segments: np.ndarray) -> int:
-    return int(sum(len(set(row[row > 0].tolist())) for row in segments))
+def read_positions(longest: int, multiple: int) -> int:
+    """Positions the model reads in a batch whose longest example has ``longest`` tokens: L-1,
+    rounded up to a multiple so that few shapes are compiled."""
+    return -(-(longest - 1) // multiple) * multiple
 
 
 def make_batch(examples: list[Example], pad_id: int, multiple: int) -> Batch:
-    longest = max(len(e.ids) for e in examples)
-    # The model reads L-1 positions; round that up so few shapes are compiled.
-    length = int(math.ceil((longest - 1) / multiple) * multiple) + 1
+    length = read_positions(max(len(e.ids) for e in examples), multiple) + 1
     tokens = np.full((len(examples), length), pad_id, dtype=np.int32)
     mask = np.zeros((len(examples), length), dtype=np.int32)
     for i, e in enumerate(examples):
@@ -498,7 +495,6 @@ def make_packed_batch(
     mask = np.zeros((len(rows), capacity), dtype=np.int32)
     seg = np.zeros((len(rows), capacity), dtype=np.int32)
     lengths = []
-    n_examples = 0
     for r, exs in enumerate(rows):
         at = 0
         for k, e in enumerate(exs, 1):
@@ -510,8 +506,7 @@ def make_packed_batch(
             seg[r, at : at + n] = k
             at += n
         lengths.append(at)
-        n_examples += len(exs)
-    return Batch(tokens, mask, int(mask[:, 1:].sum()), tuple(lengths), seg, n_examples)
+    return Batch(tokens, mask, int(mask[:, 1:].sum()), tuple(lengths), seg)
 
 
 def stream_rows(examples: list[Example], capacity: int, order: np.ndarray) -> list[list[Example]]:

@@ -20,6 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .data import read_positions
+from .models import checkpointed_layers
+
 GB = 1e9
 OVERHEAD = 1.10  # allocator rounding and small temporaries
 
@@ -148,11 +151,9 @@ def shape_of(trainer) -> Shape:
     heads = int(cfg.get("num_attention_heads") or 1)
     head_dim = int(cfg.get("head_dim") or hidden // max(heads, 1))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    longest = max(
-        (len(e.ids) for e in trainer.train_set.examples), default=2
-    )  # the longest batch sets the peak
-    m = r.data.pad_to_multiple
-    length = -(-(longest - 1) // m) * m
+    # the longest batch sets the peak
+    longest = max((len(e.ids) for e in trainer.train_set.examples), default=2)
+    length = read_positions(longest, r.data.pad_to_multiple)
     if r.data.packing != "off":  # packed rows are all pack_length long
         length = (r.data.pack_length or r.data.max_length) - 1
     o = r.optimizer
@@ -160,7 +161,6 @@ def shape_of(trainer) -> Shape:
     from .kernels.chunked import CHUNK_ELEMENTS
 
     layers = int(cfg.get("num_hidden_layers") or 0)
-    every = int(r.train.grad_checkpointing)  # false 0, true 1, or k
     modules = [m for _, m in model.named_modules()]
     quantized = any(_is_q(m) for m in modules)
     quantizable = (
@@ -200,7 +200,7 @@ def shape_of(trainer) -> Shape:
         attention_scores=r.kernels.attention in ("reference", "off"),
         logits_full=r.kernels.loss == "reference",
         logit_chunk=CHUNK_ELEMENTS,
-        checkpointed=len(range(0, layers, every)) if every else 0,
+        checkpointed=checkpointed_layers(model),
         quantizable=quantizable,
     )
 
@@ -255,7 +255,7 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
             "backward pass)",
             replace(s, checkpointed=s.layers),
         )
-    if recipe.adapter.type != "full" and s.quantizable:
+    if not s.full and s.quantizable:
         packed = s.quantizable * (0.5 + 2 * s.act_bytes / 64)  # 4 bits, a scale and bias per 64
         fits(
             "model.quantize: {bits: 4, group_size: 64} (QLoRA: the base held in 4 bits)",
@@ -266,14 +266,12 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
             s,
             act_bytes=2,
             weight_bytes=s.weight_bytes // 2,
-            trainable_bytes=s.trainable_bytes // 2
-            if recipe.adapter.type == "full"
-            else s.trainable_bytes,
-            trainable_16bit=s.trainable if recipe.adapter.type == "full" else 0,
-            masters=recipe.adapter.type == "full",
+            trainable_bytes=s.trainable_bytes // 2 if s.full else s.trainable_bytes,
+            trainable_16bit=s.trainable if s.full else 0,
+            masters=s.full,
         )
         fits("model.dtype: bfloat16 (fp32 master weights are kept)", half)
-    if recipe.adapter.type == "full":
+    if s.full:
         lora = s.layers * 8 * ((s.hidden + s.q_dim) + (s.hidden + s.kv_dim // 2))
         fits(
             "adapter.type: lora (rank 8 on q_proj and v_proj)",

@@ -31,37 +31,23 @@ def make_masters(params: dict, enabled: bool) -> dict | None:
     return tree_map(lambda p: p.astype(mx.float32) if p.dtype in SIXTEEN_BIT else p, params)
 
 
-def where_into(tree, old, ok: mx.array):
-    """In place: every array leaf of ``tree`` becomes ``where(ok, leaf, old_leaf)``; leaves that
-    ``old`` lacks (first-step optimizer state) are kept."""
+def snapshot(tree):
+    """New containers holding the same arrays, to put back with ``select_into``."""
+    return tree_map(lambda x: x, tree)
+
+
+def select_into(tree, old, ok: mx.array | None = None) -> None:
+    """In place, leaf by leaf: ``where(ok, leaf, old_leaf)``, or the old leaf itself when ``ok``
+    is None (a step that failed left the state pointing at results never computed). Leaves that
+    ``old`` lacks (optimizer state created by the first step) are kept."""
     items = tree.items() if isinstance(tree, dict) else enumerate(tree)
     for k, v in list(items):
         o = old.get(k) if isinstance(old, dict) else (old[k] if k < len(old) else None)
         if isinstance(v, mx.array):
             if isinstance(o, mx.array):
-                tree[k] = mx.where(ok, v, o)
+                tree[k] = o if ok is None else mx.where(ok, v, o)
         elif isinstance(v, (dict, list)) and o is not None:
-            where_into(v, o, ok)
-
-
-def copy_tree(tree):
-    """A new tree of containers holding the same arrays (a snapshot of optimizer state)."""
-    if isinstance(tree, dict):
-        return {k: copy_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [copy_tree(v) for v in tree]
-    return tree
-
-
-def restore_into(tree, snapshot) -> None:
-    """In place: put back every array leaf of ``tree`` from a ``copy_tree`` snapshot (a step
-    that failed left the state pointing at results that were never computed)."""
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
-    for k, v in list(items):
-        if isinstance(v, mx.array):
-            tree[k] = snapshot[k]
-        elif isinstance(v, (dict, list)):
-            restore_into(v, snapshot[k])
+            select_into(v, o, ok)
 
 
 def update_scale(

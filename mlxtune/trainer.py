@@ -54,12 +54,11 @@ from .models import (
 from .optim import build_optimizer, make_schedule
 from .precision import (
     all_finite,
-    copy_tree,
     make_masters,
-    restore_into,
     scaling_mode,
+    select_into,
+    snapshot,
     update_scale,
-    where_into,
 )
 from .recipe import Recipe, dump_yaml
 from .resume import pick as pick_checkpoint
@@ -538,11 +537,11 @@ class Trainer:
                 grads = tree_map(lambda g: g * shrink, grads)
             params = self._opt_params()
             grads = tree_map(lambda g, w: g.astype(w.dtype), grads, params)
-            before = copy_tree(opt.state)
+            before = snapshot(opt.state)
             new = opt.apply_gradients(grads, params)
             # a non-finite step changes nothing: weights, masters and optimizer state stay
             new = tree_map(lambda a, b: mx.where(ok, a, b), new, params)
-            where_into(opt.state, before, ok)
+            select_into(opt.state, before, ok)
             if box[0] is not None:
                 box[0] = new
                 model.update(tree_map(lambda w, dt: w.astype(dt), new, dtypes))
@@ -611,13 +610,13 @@ class Trainer:
         while True:
             parts = [p for b in micro for p in split_batch(b, self._split)]
             fallback = self.recipe.memory.oom_fallback
-            snapshot = copy_tree(self._state) if fallback else None
+            saved = snapshot(self._state) if fallback else None
             try:
                 return self._optimizer_step(parts)
             except Exception as e:
-                if snapshot is None or not is_out_of_memory(e):
+                if saved is None or not is_out_of_memory(e):
                     raise
-                restore_into(self._state, snapshot)  # the failed step left nothing behind
+                select_into(self._state, saved)  # the failed step left nothing behind
                 del parts
                 mx.clear_cache()
                 rows = max(len(b.tokens) for b in micro)
@@ -802,7 +801,8 @@ class Trainer:
                     data_epoch, data_batch = epoch_now, 0
                 data_batch += 1
                 micro.append(batch)
-            scale_used = self.scaler["scale"].item() if self.scaling != "none" else 1.0
+            # already computed (the last step was evaluated): only the overflow check reads it
+            scale_used = self.scaler["scale"].item() if self.scaling == "dynamic" else 1.0
             loss_sum, _, norm, ok = self._step_or_fall_back(micro, step + 1)
             dt = time.perf_counter() - t0
             step += 1

@@ -2,6 +2,8 @@
 against a dense model holding the de-quantized weights (values and gradients), the memory the
 quantized weights take, models that are quantized already, and the recipe's checks."""
 
+import dataclasses
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -242,7 +244,8 @@ def test_memory_alternatives_suggest_quantizing_a_lora_base(data_dir, llama_dir)
     # not for a base that is quantized already (nothing quantizable), nor full fine-tuning
     assert not any("model.quantize" in o for o in alternatives(_shape(quantizable=0), budget, lora))
     full = recipe_from_dict(tiny_recipe(data_dir, llama_dir, adapter={"type": "full"}))
-    assert not any("model.quantize" in o for o in alternatives(s, budget, full))
+    full_shape = dataclasses.replace(s, full=True)  # a full fine-tune's shape, as shape_of gives
+    assert not any("model.quantize" in o for o in alternatives(full_shape, budget, full))
 
 
 def _load(tmp_path, overrides):
