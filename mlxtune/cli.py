@@ -42,29 +42,17 @@ def cli():
 )
 def run(recipe, overrides, run_dir, dry_run, tui, resume):
     """Train RECIPE.yaml; OVERRIDES are key.sub=value pairs (e.g. train.max_steps=50)."""
-    from pathlib import Path
-
     from .recipe import load_recipe
-    from .rundir import removed_if_refused, run_dir_for
     from .trainer import Trainer
 
     r = load_recipe(recipe, list(overrides))
-    path = run_dir_for(r, run_dir)  # also checks that the name and run_dir stay in place
-    new_run = not dry_run and resume is None
-    if not new_run:  # a dry run writes to a temporary folder; --resume finds its run itself
-        path = run_dir
-    if resume not in (None, "latest") and (run_dir or r.run_dir):
-        from .resume import named
-
-        named(Path(run_dir or r.run_dir), resume)  # before anything is loaded or logged
     if tui and not dry_run:
         from .tui.live import run_with_dashboard
 
-        run_with_dashboard(r, path, resume=resume)
+        run_with_dashboard(r, run_dir, resume=resume)
         return
-    with removed_if_refused(path if new_run else None):  # bad input leaves no run folder
-        trainer = Trainer(r, run_dir=path, dry_run=dry_run, resume=resume)
-    trainer.run()
+    # refused input leaves no run folder behind (the Trainer sees to it)
+    Trainer(r, run_dir=run_dir, dry_run=dry_run, resume=resume).run()
 
 
 @cli.command()
@@ -73,10 +61,8 @@ def run(recipe, overrides, run_dir, dry_run, tui, resume):
 def validate(recipe, overrides):
     """Check RECIPE.yaml (with any key.sub=value overrides) without running it."""
     from .recipe import load_recipe
-    from .rundir import run_dir_for
 
     r = load_recipe(recipe, list(overrides))
-    run_dir_for(r)  # the name and run_dir cannot point outside
     missing = []
     for key in ("train", "valid", "test"):
         p = r.resolve_path(getattr(r.data, key))

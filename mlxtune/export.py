@@ -108,7 +108,12 @@ def load_trained(path: str | Path) -> TrainedModel:
     weights = mx.load(str(ckpt / "adapters.safetensors"))
     load_trainable_weights(model, weights, str(ckpt / "adapters.safetensors"))
     tok_dir = Path(state["tokenizer_dir"]) if state.get("tokenizer_dir") else base
-    tokenizer = load_tokenizer(tok_dir, trust_remote_code=trust) if tok_dir is not None else None
+    template = ((state.get("recipe") or {}).get("tokenizer") or {}).get("chat_template")
+    tokenizer = (  # as the run read it: its chat template, its trust in the folder's code
+        load_tokenizer(tok_dir, chat_template=template, trust_remote_code=trust)
+        if tok_dir is not None
+        else None
+    )
     model.eval()
     return TrainedModel(model, tokenizer, config, a, base, tok_dir)
 
@@ -245,12 +250,10 @@ def write_fused(
 
         cast_floats(model, dtype)
     if quantize is not None:
-        try:
-            nn.quantize(model, group_size=group_size, bits=quantize)
-        except ValueError as e:
-            raise UserInputError(
-                f"cannot quantize to {quantize} bits in groups of {group_size}: {e}", "--quantize"
-            ) from None
+        try:  # the same quantization as QLoRA's (layers whose size does not fit stay dense)
+            quantize_model(model, quantize, group_size)
+        except UserInputError as e:
+            raise UserInputError(e.message, "--quantize") from None
         config = {**config, "quantization": {"group_size": group_size, "bits": quantize}}
         dtype = None
     save_model(model, config, out, t.tokenizer, t.tokenizer_dir, dtype)

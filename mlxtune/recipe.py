@@ -583,16 +583,12 @@ def _check_values(r: Recipe, v: _Validator):
             bracket = ")" if hi_open else "]"
             v.fail(key, f"must be in [{lo}, {hi}{bracket}, got {x}")
 
-    if "/" in r.name or "\\" in r.name or "\0" in r.name or r.name.strip() in (".", ".."):
-        v.fail("name", f"{r.name!r} is not a plain name: it becomes the folder runs/NAME-TIMESTAMP")
-    if r.run_dir is not None:
-        rd = Path(r.run_dir)
-        if rd.is_absolute() or ".." in rd.parts:
-            v.fail(
-                "run_dir",
-                f"{r.run_dir!r} is not a folder under the current directory (a relative path "
-                "without '..'); give --run-dir to write somewhere else",
-            )
+    from .rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
+
+    if not is_plain_name(r.name):
+        v.fail("name", f"{r.name!r} {NOT_PLAIN}")
+    if r.run_dir is not None and not is_under_here(r.run_dir):
+        v.fail("run_dir", f"{r.run_dir!r} {NOT_UNDER_HERE}")
     if r.model.path is None and r.model.arch is None:
         v.fail(
             "model",

@@ -33,14 +33,30 @@ def _clean(v):
     return v
 
 
-def check_run_name(name: str, where: str = "name"):
+NOT_PLAIN = (
+    "is not a plain name: the name becomes the folder runs/NAME-TIMESTAMP (set run_dir, or give "
+    "--run-dir, to choose the folder)"
+)
+NOT_UNDER_HERE = (
+    "is not a folder under the current directory (a relative path without '..'); give --run-dir "
+    "to write somewhere else"
+)
+
+
+def is_plain_name(name: str) -> bool:
     """A run's name becomes a folder name (runs/NAME-TIMESTAMP): it may not be a path."""
-    if "/" in name or "\\" in name or "\0" in name or name.strip() in (".", ".."):
-        raise UserInputError(
-            f"{name!r} is not a plain name: the name becomes the folder runs/NAME-TIMESTAMP "
-            "(set run_dir, or give --run-dir, to choose the folder)",
-            where,
-        )
+    return not ("/" in name or "\\" in name or "\0" in name or name.strip() in (".", ".."))
+
+
+def is_under_here(path: str) -> bool:
+    """A recipe's run_dir: relative, without '..' (a recipe file cannot send a run elsewhere)."""
+    p = Path(path)
+    return not (p.is_absolute() or ".." in p.parts)
+
+
+def check_run_name(name: str, where: str = "name"):
+    if not is_plain_name(name):
+        raise UserInputError(f"{name!r} {NOT_PLAIN}", where)
 
 
 def default_run_dir(name: str) -> Path:
@@ -57,19 +73,8 @@ def default_run_dir(name: str) -> Path:
 
 def run_dir_for(recipe, given: str | Path | None = None) -> Path:
     """Where a run of ``recipe`` writes: ``given`` (--run-dir: any folder the user names), else
-    the recipe's ``run_dir`` (a folder under the current directory: a recipe file cannot point a
-    run elsewhere), else runs/NAME-TIMESTAMP. The recipe's name and run_dir are checked either
-    way."""
-    src = recipe.source or "recipe"
-    check_run_name(recipe.name, f"{src}: name")
-    if recipe.run_dir:
-        p = Path(recipe.run_dir)
-        if p.is_absolute() or ".." in p.parts:
-            raise UserInputError(
-                f"{recipe.run_dir!r} is not a folder under the current directory (a relative "
-                "path without '..'); give --run-dir to write somewhere else",
-                f"{src}: run_dir",
-            )
+    the recipe's ``run_dir`` (checked with the recipe: under the current directory), else
+    runs/NAME-TIMESTAMP."""
     if given:
         return Path(given)
     if recipe.run_dir:

@@ -61,6 +61,7 @@ from .precision import (
     update_scale,
 )
 from .recipe import Recipe, dump_yaml
+from .resume import named as named_checkpoint
 from .resume import pick as pick_checkpoint
 from .resume import recipe_changes, write_checksums
 from .rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
@@ -151,6 +152,8 @@ class Trainer:
                 raise UserInputError("--resume needs the run's directory (--run-dir)", "--resume")
             if not holds_a_run(path):
                 raise UserInputError("no run to resume here", str(path))
+            if resume != "latest":
+                named_checkpoint(path, resume)  # before anything is loaded or logged
             self.run_dir = RunDir(path, create=False)
         else:
             path = run_dir_for(recipe, run_dir)

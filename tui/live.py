@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mlxtune.console import Console
 from mlxtune.control import request
-from mlxtune.rundir import default_run_dir, removed_if_refused
+from mlxtune.rundir import run_dir_for
 
 from .app import WatchApp
 
@@ -57,15 +57,17 @@ def run_with_dashboard(
 ) -> dict | None:
     """Train ``recipe`` with the dashboard in front; returns the run's summary. An error while
     setting up is raised before the dashboard opens; one in training, after it closes."""
-    path = Path(run_dir or recipe.run_dir or default_run_dir(recipe.name))
+    # a new run's folder is chosen here, so the dashboard knows it; --resume names its run
+    path = run_dir_for(recipe, run_dir) if resume is None else run_dir or recipe.run_dir
     worker = TrainingThread(recipe, path, resume)
-    # bad input (recipe, data, model) is reported before the dashboard opens, leaving no folder
-    with removed_if_refused(path if resume is None else None):
-        worker.start()
-        worker.ready.wait()
-        if worker.exception is not None and not worker.built:
-            worker.join()
-            raise worker.exception
+    # bad input (recipe, data, model) is reported before the dashboard opens; the Trainer
+    # leaves no folder behind
+    worker.start()
+    worker.ready.wait()
+    if worker.exception is not None and not worker.built:
+        worker.join()
+        raise worker.exception
+    path = Path(path)
     if worker.exception is not None and not worker.is_alive():
         raise worker.exception
     app_factory(path, training=worker).run()
