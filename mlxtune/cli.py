@@ -109,11 +109,10 @@ def validate(recipe, overrides):
 )
 def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""
-    import secrets
-    import shutil
     from pathlib import Path
 
     from .export import export, find_checkpoint, load_trained
+    from .rundir import staged_folder
 
     ckpt = find_checkpoint(path)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else Path(path)
@@ -124,18 +123,8 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     if out.resolve() == folder or folder in out.resolve().parents:
         raise UserInputError("is inside the run's checkpoints; choose another --out", str(out))
     trained = load_trained(ckpt)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # a new folder beside ``out`` (never one that exists), renamed into place at the end
-    tmp = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    tmp.mkdir()
-    try:
+    with staged_folder(out) as tmp:  # written beside it, flushed, renamed into place
         export(trained, fmt, tmp, dtype, int(quantize) if quantize else None, int(q_group_size))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
     click.echo(f"wrote {fmt} from {ckpt} to {out}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Iterator
@@ -69,6 +70,41 @@ def default_run_dir(name: str) -> Path:
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
+
+
+@contextmanager
+def staged_folder(final: Path) -> Iterator[Path]:
+    """Write the folder ``final`` all at once: yields a new, empty temporary folder beside it;
+    when the block ends without error its files are flushed to disk and it replaces ``final``.
+    The old folder is moved aside before the new one is renamed in, so a crash never leaves
+    neither: a folder left aside by a crash between the two renames is put back the next time."""
+    final = Path(final)
+    old = final.with_name(f".{final.name}.old")
+    if old.exists() and not final.exists():
+        old.rename(final)  # a crash between the renames: the old folder is the good one
+    if old.exists():
+        shutil.rmtree(old)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # a name no other folder has: a user's own .NAME.tmp is never touched
+    tmp = final.with_name(f".{final.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def run_dir_for(recipe, given: str | Path | None = None) -> Path:
@@ -223,34 +259,6 @@ class RunDir:
 
     @contextmanager
     def staged(self, *parts: str) -> Iterator[Path]:
-        """Write a folder under the run directory all at once: yields an empty temporary folder;
-        when the block ends without error it replaces the folder at ``parts``. The old folder is
-        moved aside before the new one is renamed in, so a crash never leaves neither: a folder
-        left aside by a crash between the two renames is put back the next time. Files are
-        flushed to disk before the rename."""
-        final = self.below(*parts)
-        tmp = final.with_name(f".{final.name}.tmp")
-        old = final.with_name(f".{final.name}.old")
-        if old.exists() and not final.exists():
-            old.rename(final)  # a crash between the renames: the old folder is the good one
-        for p in (tmp, old):
-            if p.exists():
-                shutil.rmtree(p)
-        tmp.mkdir(parents=True)
-        try:
+        """``staged_folder`` for the folder at ``parts`` under the run directory."""
+        with staged_folder(self.below(*parts)) as tmp:
             yield tmp
-            for f in tmp.rglob("*"):
-                if f.is_file():
-                    fd = os.open(f, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)

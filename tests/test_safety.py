@@ -489,3 +489,23 @@ def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, mon
     first.mkdir(parents=True)
     second = rundir.default_run_dir("demo")
     assert (first.name, second.name) == ("demo-20261122-101500", "demo-20261122-101500-2")
+
+
+def test_staged_folders_replace_whole_or_not_at_all(tmp_path):
+    from mlxtune.rundir import staged_folder
+
+    final = tmp_path / "export" / "fmt"
+    with staged_folder(final) as tmp:
+        (tmp / "a.txt").write_text("one")
+    assert (final / "a.txt").read_text() == "one"
+    with pytest.raises(RuntimeError), staged_folder(final) as tmp:
+        (tmp / "a.txt").write_text("half")
+        raise RuntimeError("crash while writing")
+    assert (final / "a.txt").read_text() == "one"  # the good folder stays
+    assert sorted(p.name for p in final.parent.iterdir()) == ["fmt"]  # nothing left beside it
+    final.rename(final.with_name(".fmt.old"))  # a crash between the two renames
+    with staged_folder(final) as tmp:
+        assert (final / "a.txt").read_text() == "one"  # put back before anything else
+        (tmp / "a.txt").write_text("two")
+    assert (final / "a.txt").read_text() == "two"
+    assert sorted(p.name for p in final.parent.iterdir()) == ["fmt"]
