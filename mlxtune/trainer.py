@@ -219,7 +219,11 @@ class Trainer:
         # against the reference on this machine ("auto" falls back to chunked; a recipe that
         # names the tier is refused)
         gpu = gpu_backend()
-        if gpu is None or not on_gpu():
+        choices = (k.loss, k.attention)
+        # only where the GPU tier could run: "auto" (with no other tier in MLXTUNE_KERNELS), or
+        # named by the recipe or MLXTUNE_KERNELS
+        wanted = gpu in choices or env == gpu or ("auto" in choices and not env)
+        if gpu is None or not on_gpu() or not wanted:
             return
         why = self_check(gpu)
         for key, choice in (("kernels.loss", k.loss), ("kernels.attention", k.attention)):

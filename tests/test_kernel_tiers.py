@@ -333,3 +333,22 @@ def test_auto_uses_a_gpu_tier_only_once_it_passes_its_self_check(monkeypatch):
     monkeypatch.setattr(kernels, "on_gpu", lambda: False)
     monkeypatch.setattr(kernels, "_GPU", "good")
     assert kernels.best_impl() == "chunked"  # the default device is the CPU
+
+
+def test_the_trainer_checks_a_gpu_tier_only_when_the_recipe_could_use_it(
+    monkeypatch, tmp_path, data_dir, llama_dir
+):
+    from conftest import tiny_recipe
+    from mlxtune import Trainer, recipe_from_dict
+    from mlxtune.console import Console
+
+    checked = []
+    monkeypatch.delenv("MLXTUNE_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(kernels, "on_gpu", lambda: True)
+    monkeypatch.setattr(kernels, "check_impl", lambda impl: None)
+    monkeypatch.setattr(kernels, "self_check", lambda tier: checked.append(tier))
+    for name, chosen in (("fixed", "chunked"), ("auto", "auto")):
+        r = tiny_recipe(data_dir, llama_dir, kernels={"loss": chosen, "attention": chosen})
+        Trainer(recipe_from_dict(r), tmp_path / name, console=Console(quiet=True))
+        assert checked == ([] if name == "fixed" else ["metal"]), name
