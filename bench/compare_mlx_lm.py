@@ -242,8 +242,27 @@ def step_split(trainer, n: int = 3) -> dict:
     return {k: round(v / n, 4) for k, v in total.items()}
 
 
-def run_mlx_lm(base, examples, cfg, steps, rank, lr) -> dict:
+class _RawRows:
+    """mlx-lm's dataset interface (as its ChatDataset): raw rows by index, and ``process`` to
+    encode one. Each raw row is a one-key dict, like a chat row's {"messages": [...]}."""
+
+    def __init__(self, examples):
+        self._rows = [{"example": e} for e in examples]
+
+    def __getitem__(self, i):
+        return self._rows[i]
+
+    def __len__(self):
+        return len(self._rows)
+
+    def process(self, row):
+        e = row["example"]
+        return (e.ids, e.mask.index(1))
+
+
+def run_mlx_lm(base, examples, cfg, steps, rank, lr, sorted_batches=False) -> dict:
     from mlx_lm.tuner.callbacks import TrainingCallback
+    from mlx_lm.tuner.datasets import CacheDataset
     from mlx_lm.tuner.trainer import TrainingArgs, train
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load
@@ -261,7 +280,15 @@ def run_mlx_lm(base, examples, cfg, steps, rank, lr) -> dict:
         },
     )
     # The same encoded examples as mlxtune: (tokens, index of the first target).
-    data = [(e.ids, e.mask.index(1)) for e in examples]
+    if sorted_batches:
+        # A plain list: iterate_batches measures each example's tokens and sorts by length.
+        data = [(e.ids, e.mask.index(1)) for e in examples]
+    else:
+        # What `mlx_lm.lora` trains on: its dataset wrapped in CacheDataset (raw rows, encoded on
+        # first use). CacheDataset.itemlen measures the raw row, a one-key dict for every chat
+        # example, so the length sort keeps the file order and each batch is padded to its
+        # longest example.
+        data = CacheDataset(_RawRows(examples))
 
     class Record(TrainingCallback):
         def __init__(self):
@@ -297,7 +324,10 @@ def run_mlx_lm(base, examples, cfg, steps, rank, lr) -> dict:
     return {"tokens_per_sec": sum(t for t, _ in valid) / sum(s for _, s in valid), "peak_gb": peak}
 
 
-def one(kind, vocab, sizes, tmp: Path, rank, lr, peak, packing="pack", attention="auto", bucket=16):
+def one(
+    kind, vocab, sizes, tmp: Path, rank, lr, peak, packing="pack", attention="auto", bucket=16,
+    mlx_lm_sorted=False,
+):  # fmt: skip
     cfg = sizes[kind]
     data = tmp / f"{kind}.jsonl"
     if not data.exists():
@@ -312,7 +342,7 @@ def one(kind, vocab, sizes, tmp: Path, rank, lr, peak, packing="pack", attention
     )
     examples = ours.pop("examples")
     # the same number of examples: mlx-lm's steps hold cfg["examples"] each
-    theirs = run_mlx_lm(base, examples, cfg, cfg["steps"], rank, lr)
+    theirs = run_mlx_lm(base, examples, cfg, cfg["steps"], rank, lr, mlx_lm_sorted)
     real_per_valid = sum(len(e.ids) for e in examples) / sum(e.n_targets for e in examples)
     v = vocab or 32
     fpt = flops_per_token(v, ours["mean_len"])
@@ -356,6 +386,12 @@ def main(argv=None):
     )
     ap.add_argument("--attention", default="auto", help="mlxtune's kernels.attention")
     ap.add_argument("--bucket-size", type=int, default=16, help="mlxtune's data.bucket_size")
+    ap.add_argument(
+        "--mlx-lm-sorted",
+        action="store_true",
+        help="give mlx-lm a plain list, so that its length sort works (mlx_lm.lora's CacheDataset "
+        "keeps file order)",
+    )
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args(argv)
@@ -380,6 +416,7 @@ def main(argv=None):
                         args.packing,
                         args.attention,
                         args.bucket_size,
+                        args.mlx_lm_sorted,
                     )
                 )
     err = sys.stderr
@@ -410,6 +447,7 @@ def main(argv=None):
         json.dumps(
             {
                 "size": "quick" if args.quick else "full",
+                "mlx_lm_batches": "length-sorted" if args.mlx_lm_sorted else "as mlx_lm.lora",
                 "matmul_peak_gflops": round(peak / 1e9, 1),
                 "results": results,
             }

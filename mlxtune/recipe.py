@@ -311,7 +311,8 @@ class PrecisionConfig:
     """A step still non-finite at this scale is not an overflow: nonfinite decides."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient that loss scaling cannot explain: "stop" ends the run with
-    exit 1 and leaves the checkpoints as they were; "skip" drops that update and goes on."""
+    exit 1 when the loop next reads its steps (at the next log step at the latest) and leaves the
+    checkpoints as they were; "skip" drops that update and goes on."""
     max_skipped: int = 10
     """With nonfinite: skip, stop after this many non-finite steps in a row."""
 

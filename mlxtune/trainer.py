@@ -70,17 +70,76 @@ from .tokenizer import load_tokenizer, train_sentencepiece
 IGNORE = -100
 
 
-@dataclass
-class StepEvent:
-    """What a callback sees after every optimizer step."""
+@dataclass(eq=False)
+class _Step:
+    """One optimizer step as the loop queued it: what the host knows, the device's results
+    (lazy until read), and, once read, their values."""
 
     step: int
-    epoch: float
-    loss: float
-    lr: float
-    grad_norm: float
+    n: int  # target tokens (known on the host)
+    loss_sum: mx.array
+    norm: mx.array
+    ok: mx.array
+    scale: mx.array  # the loss scale the step multiplied by
+    lr: mx.array  # the learning rate it used
+    read: bool = False
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    lr_value: float = math.nan
+    applied: bool = True
+    tokens_seen: int = 0
+
+
+class StepEvent:
+    """What a callback sees after every optimizer step.
+
+    Steps are queued ahead of the device, so the step may still be running when ``on_step`` is
+    called. ``step``, ``epoch`` and ``step_time_s`` (the host's seconds since the previous step)
+    are plain numbers; reading ``loss``, ``lr``, ``grad_norm`` or ``tokens_seen`` waits for the
+    step to finish (a callback that reads them every step makes every step wait)."""
+
+    def __init__(self, step: int, epoch: float, step_time_s: float, record: _Step, read):
+        self.step, self.epoch, self.step_time_s = step, epoch, step_time_s
+        self._record, self._read = record, read
+
+    def _value(self, name: str):
+        if not self._record.read:
+            self._read()
+        return getattr(self._record, name)
+
+    @property
+    def loss(self) -> float:
+        """Mean loss over the step's target tokens."""
+        return self._value("loss")
+
+    @property
+    def lr(self) -> float:
+        return self._value("lr_value")
+
+    @property
+    def grad_norm(self) -> float:
+        """Before clipping; not finite for a step whose update was skipped."""
+        return self._value("grad_norm")
+
+    @property
+    def tokens_seen(self) -> int:
+        """Target tokens trained on so far, this step included (skipped steps' not counted)."""
+        return self._value("tokens_seen")
+
+    def __repr__(self) -> str:
+        return f"StepEvent(step={self.step}, epoch={self.epoch:.4f})"
+
+
+@dataclass(eq=False)
+class _Loop:
+    """The loop's running totals, shared by Trainer._run and Trainer._read_steps."""
+
     tokens_seen: int
-    step_time_s: float
+    window: dict
+    mark: float  # when the time being counted began
+    first_step_time: float | None = None
+    timed_s: float = 0.0
+    timed_steps: int = 0
 
 
 class Callback:
@@ -178,12 +237,14 @@ class Trainer:
         """Requests from RUN_DIR/control/ (the dashboard's keys); pause waits here for resume."""
         asked = take_requests(self.run_dir.path)
         if "pause" in asked and "resume" not in asked and "stop" not in asked:
+            self._read_steps()  # the steps before the pause are timed without it
             self.log("paused (control/resume to go on)")
             self.console.end_progress()
             while not ({"resume", "stop"} & asked):
                 time.sleep(0.2)
                 asked |= take_requests(self.run_dir.path)
             self.log("resumed" if "resume" in asked else "stop requested while paused")
+            self._loop.mark = time.perf_counter()
         if "save" in asked:
             self._save = True
         if "stop" in asked:
@@ -588,7 +649,8 @@ class Trainer:
 
     def _optimizer_step(self, micro_batches):
         """One optimizer step over grad_accumulation micro-batches: (loss sum, tokens, grad norm,
-        finite). A step that is not finite left every weight and optimizer state as it was."""
+        finite), queued on the device without waiting for it. A step that is not finite leaves
+        every weight and optimizer state as it was."""
         n_total = sum(b.n_targets for b in micro_batches)
         inv = mx.array(1.0 / max(n_total, 1), dtype=mx.float32)
 
@@ -598,7 +660,7 @@ class Trainer:
         if len(micro_batches) == 1:
             b = micro_batches[0]
             loss, n, norm, ok = self._train_step(mx.array(b.tokens), mx.array(b.mask), inv, *seg(b))
-            mx.eval(self._state, loss, n, norm, ok)
+            mx.async_eval(self._state, loss, n, norm, ok)
             return loss, n, norm, ok
         acc = loss_sum = n_sum = None
         for b in micro_batches:
@@ -606,9 +668,9 @@ class Trainer:
             acc = grads if acc is None else tree_map(mx.add, acc, grads)
             loss_sum = loss if loss_sum is None else loss_sum + loss
             n_sum = n if n_sum is None else n_sum + n
-            mx.eval(acc, loss_sum, n_sum)
+            mx.async_eval(acc, loss_sum, n_sum)
         norm, ok = self._apply_step(acc, loss_sum)
-        mx.eval(self._state, norm, ok)
+        mx.async_eval(self._state, norm, ok)
         return loss_sum, n_sum, norm, ok
 
     def _step_or_fall_back(self, micro, step: int):
@@ -642,7 +704,46 @@ class Trainer:
                     f"{t.batch_size * t.grad_accumulation} examples per step)"
                 )
 
-    def _nonfinite(self, step: int, loss: float, norm: float, scale_used: float):
+    def _read_steps(self):
+        """Wait for the queued steps (one wait for all of them) and account for each in order:
+        its loss and gradient norm, whether its update was applied, the tokens trained on, the
+        loss scaler's and the non-finite policy's verdicts, and the time they took."""
+        queued, loop = self._queued, self._loop
+        if not queued:
+            return
+        mx.eval([(q.loss_sum, q.norm, q.ok, q.scale, q.lr) for q in queued])
+        now = time.perf_counter()
+        elapsed, loop.mark = now - loop.mark, now
+        self._queued = []
+        for q in queued:
+            q.grad_norm, q.lr_value, q.applied = q.norm.item(), q.lr.item(), q.ok.item()
+        w = loop.window
+        if loop.first_step_time is None:  # the first step (compilation included) is read alone
+            loop.first_step_time = elapsed
+        else:
+            w["timed_n"] += sum(q.n for q in queued if q.applied)
+            w["time"] += elapsed
+            w["steps"] += len(queued)
+            loop.timed_s += elapsed
+            loop.timed_steps += len(queued)
+        after = [q.scale for q in queued[1:]] + [self.scaler["scale"]]
+        for q, scale_after in zip(queued, after, strict=True):
+            loss_sum = q.loss_sum.item()
+            q.loss = loss_sum / max(q.n, 1)
+            if q.applied:
+                self._nf["in_a_row"] = 0
+                loop.tokens_seen += q.n  # tokens trained on: a skipped step's do not count
+                w["loss"] += loss_sum
+                w["n"] += q.n
+                self.last_loss = q.loss
+            q.tokens_seen = loop.tokens_seen
+            q.read = True
+            if not q.applied:
+                self._nonfinite(q.step, q.loss, q.grad_norm, q.scale.item(), scale_after.item())
+
+    def _nonfinite(
+        self, step: int, loss: float, norm: float, scale_used: float, scale_after: float
+    ):
         """A step whose loss or gradients were not finite (its update was not applied): an
         overflow the loss scaler handles, a skip, or the end of the run."""
         p = self.recipe.precision
@@ -654,10 +755,9 @@ class Trainer:
             else f"the gradients became non-finite (loss {loss:.4g})"
         )
         if self.scaling == "dynamic" and scale_used > p.min_scale:
-            now = self.scaler["scale"].item()
             self.run_dir.log(
                 f"step {step}: gradients overflowed at loss scale {scale_used:g}; "
-                f"update skipped, scale now {now:g}"
+                f"update skipped, scale now {scale_after:g}"
             )
             return
         nf["in_a_row"] += 1
@@ -766,25 +866,28 @@ class Trainer:
         mx.reset_peak_memory()
         start = time.perf_counter()
         step = res.get("step", 0)
-        tokens_seen = res.get("tokens_seen", 0)
         examples_seen = res.get("examples_seen", 0)
-        window = {**_new_window(), **(res.get("window") or {})}
-        step_times = []
+        self._loop = loop = _Loop(
+            tokens_seen=res.get("tokens_seen", 0),
+            window={**_new_window(), **(res.get("window") or {})},
+            mark=start,
+        )
+        self._queued: list[_Step] = []
         self.best_eval = res.get("best_eval", math.inf)
         self.last_loss = res.get("last_loss", math.nan)
-        first_step_time = None
         first_row = res.get("first_row", True)
 
         def position():
             """Everything the loop needs to continue exactly from here (saved in checkpoints)."""
+            self._read_steps()
             key = [int(v) for v in mx.random.state[0].tolist()]
             return {
                 "step": step,
                 "data_epoch": data_epoch,
                 "data_batch": data_batch,
-                "tokens_seen": tokens_seen,
+                "tokens_seen": loop.tokens_seen,
                 "examples_seen": examples_seen,
-                "window": dict(window),
+                "window": dict(loop.window),
                 "best_eval": self.best_eval,
                 "last_loss": self.last_loss,
                 "first_row": first_row,
@@ -799,8 +902,8 @@ class Trainer:
 
         self._position = position
         con.start_progress(self.total_steps)
+        last_event = time.perf_counter()
         while step < self.total_steps:
-            t0 = time.perf_counter()
             micro = []
             for _ in range(t.grad_accumulation):
                 epoch_now, batch = next(batches)
@@ -808,85 +911,78 @@ class Trainer:
                     data_epoch, data_batch = epoch_now, 0
                 data_batch += 1
                 micro.append(batch)
-            # already computed (the last step was evaluated): only the overflow check reads it
-            scale_used = self.scaler["scale"].item() if self.scaling == "dynamic" else 1.0
+            # The step is queued, not waited for: its results are read at log steps (and
+            # wherever the loop needs them), so the host prepares the next batch meanwhile.
+            scale = self.scaler["scale"]
             loss_sum, _, norm, ok = self._step_or_fall_back(micro, step + 1)
-            dt = time.perf_counter() - t0
             step += 1
             n_tokens = sum(b.n_targets for b in micro)  # the host knows what the step counted as n
+            record = _Step(step, n_tokens, loss_sum, norm, ok, scale, self.optimizer.learning_rate)
+            self._queued.append(record)
             examples_seen += sum(b.examples for b in micro)
-            window["real"] += sum(b.n_tokens for b in micro)  # packing_utilization
-            window["room"] += sum(b.tokens.size for b in micro)
-            step_loss_sum = loss_sum.item()
-            loss = step_loss_sum / max(n_tokens, 1)
-            applied = ok.item()
-            if applied:
-                self._nf["in_a_row"] = 0
-                tokens_seen += n_tokens  # tokens trained on: a skipped step's do not count
-                window["loss"] += step_loss_sum
-                window["n"] += n_tokens
-                self.last_loss = loss
-            else:
-                self._nonfinite(step, loss, norm.item(), scale_used)
-            if first_step_time is None:
-                first_step_time = dt
-            else:
-                step_times.append(dt)
-            if step > 1:  # the first step's time is mostly compilation, reported on its own
-                window["timed_n"] += n_tokens if applied else 0
-                window["time"] += dt
-                window["steps"] += 1
-            lr = self.optimizer.learning_rate.item()  # the rate this step used, already evaluated
+            loop.window["real"] += sum(b.n_tokens for b in micro)  # packing_utilization
+            loop.window["room"] += sum(b.tokens.size for b in micro)
             if self.packing == "off":
                 epoch_f = examples_seen / len(self.train_set)
             else:  # rows per epoch vary a little with each epoch's packing
                 epoch_f = data_epoch + data_batch / self.batches_per_epoch
-            event = StepEvent(step, epoch_f, loss, lr, norm.item(), tokens_seen, dt)
+            log_now = step % t.log_every == 0 or step == self.total_steps
+            if log_now or loop.first_step_time is None:  # the first step is timed on its own
+                self._read_steps()
+            now = time.perf_counter()
+            event = StepEvent(step, epoch_f, now - last_event, record, self._read_steps)
+            last_event = now
             for cb in self.callbacks:
                 cb.on_step(self, event)
-            con.advance(step, loss)
+            con.advance(step, self.last_loss)
 
-            if step % t.log_every == 0 or step == self.total_steps:
-                if not window["steps"]:  # only the first (compiling) step so far: it is all we have
-                    window.update(timed_n=window["n"], time=first_step_time, steps=1)
+            if log_now:
+                w = loop.window
+                if not w["steps"]:  # only the first (compiling) step so far: it is all we have
+                    w.update(timed_n=w["n"], time=loop.first_step_time, steps=1)
                 row = {
                     "step": step,
                     "epoch": round(epoch_f, 4),
                     # null when every step since the last row was skipped
-                    "loss": window["loss"] / window["n"] if window["n"] else None,
-                    "grad_norm": event.grad_norm if math.isfinite(event.grad_norm) else None,
-                    "lr": lr,
-                    "tokens_seen": tokens_seen,
-                    "tokens_per_sec": window["timed_n"] / window["time"],
-                    "step_time_s": window["time"] / window["steps"],
+                    "loss": w["loss"] / w["n"] if w["n"] else None,
+                    "grad_norm": record.grad_norm if math.isfinite(record.grad_norm) else None,
+                    "lr": record.lr_value,
+                    "tokens_seen": loop.tokens_seen,
+                    "tokens_per_sec": w["timed_n"] / w["time"],
+                    "step_time_s": w["time"] / w["steps"],
                     "peak_memory_gb": mx.get_peak_memory() / 1e9,
                     "time": time.time(),
                 }
                 if self.packing != "off":
-                    row["packing_utilization"] = round(window["real"] / max(window["room"], 1), 4)
+                    row["packing_utilization"] = round(w["real"] / max(w["room"], 1), 4)
                 if self.scaling != "none":
                     row["loss_scale"] = self.scaler["scale"].item()
                 if self._nf["skipped"]:
                     row["skipped_steps"] = self._nf["skipped"]
                 if first_row:
-                    row["first_step_compile_time_s"] = first_step_time
+                    row["first_step_compile_time_s"] = loop.first_step_time
                     first_row = False
                 rd.append_jsonl("metrics.jsonl", row)
                 con.log_step(row, self.total_steps)
-                window = _new_window()
+                loop.window = _new_window()
 
             asked = self._take_control()
-            if "eval" in asked or (
+            do_eval = "eval" in asked or (
                 r.eval.every and step % r.eval.every == 0 and step != self.total_steps
-            ):
-                self._evaluate(step)
-            if "sample" in asked or (
+            )
+            do_samples = "sample" in asked or (
                 r.samples.every and step % r.samples.every == 0 and step != self.total_steps
-            ):
+            )
+            do_save = (r.checkpoints.every and step % r.checkpoints.every == 0) or self._save
+            if do_eval or do_samples or do_save or self._stop or self._interrupted:
+                self._read_steps()  # everything below needs the steps' results
+            if do_eval:
+                self._evaluate(step)
+            if do_samples:
                 self._samples(step)
-            if (r.checkpoints.every and step % r.checkpoints.every == 0) or self._save:
+            if do_save:
                 self._save = False
-                self._save_checkpoint(f"step-{step:06d}", step, loss)
+                self._save_checkpoint(f"step-{step:06d}", step, self.last_loss)
                 self._prune_checkpoints()
             if self._stop:
                 self.log(f"stop requested: stopping after step {step}")
@@ -894,7 +990,7 @@ class Trainer:
             if self._interrupted:
                 name = f"step-{step:06d}"
                 if not (self.run_dir.checkpoints / name).exists():
-                    self._save_checkpoint(name, step, loss)
+                    self._save_checkpoint(name, step, self.last_loss)
                     self._prune_checkpoints()
                 con.end_progress()
                 recipe = self.recipe.source or "RECIPE.yaml"
@@ -904,7 +1000,10 @@ class Trainer:
                     f"interrupted ({self._interrupted}) after step {step}; checkpoint "
                     f"checkpoints/{name} saved. Resume with: {how}"
                 )
+            if not self._queued:  # read in this round: what came after it is not training time
+                loop.mark = time.perf_counter()
 
+        self._read_steps()
         con.end_progress()
         train_time = time.perf_counter() - start
         final_eval = self._evaluate(step)
@@ -920,11 +1019,11 @@ class Trainer:
             "final_loss": self.last_loss,
             "final_eval_loss": final_eval["eval_loss"],
             "best_eval_loss": self.best_eval,
-            "mean_step_time_s": sum(step_times) / len(step_times)
-            if step_times
-            else first_step_time,
-            "first_step_compile_time_s": first_step_time,
-            "tokens_seen": tokens_seen,
+            "mean_step_time_s": loop.timed_s / loop.timed_steps
+            if loop.timed_steps
+            else loop.first_step_time,
+            "first_step_compile_time_s": loop.first_step_time,
+            "tokens_seen": loop.tokens_seen,
             "peak_memory_gb": mx.get_peak_memory() / 1e9,
             "run_dir": str(rd.path),
         }
