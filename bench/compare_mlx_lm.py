@@ -7,7 +7,10 @@
 Workloads (each run on a small-vocabulary model and on a 32,768-token one):
 
 - chat-mixed: single-turn chats of widely mixed length, trained on the assistant turn. mlx-lm
-  pads every batch to its longest example; mlxtune packs rows (data.packing: pack).
+  gets them as `mlx_lm.lora` does (in its CacheDataset, whose length sort keeps the file order),
+  so each batch is padded to its longest example; `--mlx-lm-sorted` hands it a plain list, which
+  it does sort by length. mlxtune runs its defaults: batches sorted by length within buckets of
+  16 batches (`--packing pack` packs rows of 1,024 tokens instead).
 - text-fixed: plain text cut to one length, trained on every token. Nothing to pack: this
   measures the step itself.
 
@@ -117,7 +120,7 @@ def flops_per_token(vocab: int, mean_len: float) -> float:
 
 
 def run_mlxtune(
-    base, data, kind, cfg, run_dir, rank, lr, packing="pack", attention="auto", bucket=16
+    base, data, kind, cfg, run_dir, rank, lr, packing="off", attention="auto", bucket=16
 ) -> dict:
     from mlxtune import Trainer, recipe_from_dict
     from mlxtune.console import Console
@@ -212,12 +215,8 @@ def step_split(trainer, n: int = 3) -> dict:
             trainer.train_set, t.batch_size, trainer.pad_id, r.data.pad_to_multiple, t.seed,
             r.data.bucket_size,
         )  # fmt: skip
-    choice = r.kernels.attention
-    ctx = (
-        contextlib.nullcontext()
-        if choice == "off"
-        else kernel_attention(trainer.model, None if choice == "auto" else choice)
-    )
+    tier = trainer.tiers["attention"]
+    ctx = contextlib.nullcontext() if tier == "off" else kernel_attention(trainer.model, tier)
     total = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
     with ctx:
         for i in range(n + 1):
@@ -325,7 +324,7 @@ def run_mlx_lm(base, examples, cfg, steps, rank, lr, sorted_batches=False) -> di
 
 
 def one(
-    kind, vocab, sizes, tmp: Path, rank, lr, peak, packing="pack", attention="auto", bucket=16,
+    kind, vocab, sizes, tmp: Path, rank, lr, peak, packing="off", attention="auto", bucket=16,
     mlx_lm_sorted=False,
 ):  # fmt: skip
     cfg = sizes[kind]
@@ -381,8 +380,8 @@ def main(argv=None):
     ap.add_argument(
         "--packing",
         choices=["pack", "off"],
-        default="pack",
-        help="mlxtune's data.packing for chat-mixed",
+        default="off",
+        help="mlxtune's data.packing for chat-mixed (default: off, mlxtune's default)",
     )
     ap.add_argument("--attention", default="auto", help="mlxtune's kernels.attention")
     ap.add_argument("--bucket-size", type=int, default=16, help="mlxtune's data.bucket_size")

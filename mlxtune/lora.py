@@ -14,6 +14,7 @@ from mlx.utils import tree_unflatten
 
 from ._slot import Slot
 from .errors import UserInputError
+from .models import dense_weight
 
 
 def _base_dims(base: nn.Module) -> tuple[int, int]:
@@ -42,19 +43,6 @@ def _dropout(layer: nn.Dropout, x: mx.array) -> mx.array:
     _DROPOUT_KEY.value, sub = mx.random.split(key)
     mask = mx.random.bernoulli(layer._p_1, x.shape, key=sub)
     return (mask * x) * (1 / layer._p_1)
-
-
-def _dense_weight(base: nn.Module) -> mx.array:
-    if isinstance(base, nn.QuantizedLinear):
-        return mx.dequantize(
-            base.weight,
-            base.scales,
-            base.get("biases"),
-            base.group_size,
-            base.bits,
-            mode=getattr(base, "mode", "affine"),
-        )
-    return base.weight
 
 
 class LoRALinear(nn.Module):
@@ -89,7 +77,7 @@ class LoRALinear(nn.Module):
 
     def fused(self) -> nn.Linear:
         """A plain Linear with the adapter merged in (de-quantized when the base was quantized)."""
-        w = _dense_weight(self.linear)
+        w = dense_weight(self.linear)
         fused = nn.Linear(w.shape[1], w.shape[0], bias="bias" in self.linear)
         fused.weight = (w.astype(mx.float32) + self.delta()).astype(w.dtype)
         if "bias" in self.linear:
@@ -103,11 +91,11 @@ class DoRALinear(LoRALinear):
     @classmethod
     def from_base(cls, base: nn.Module, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0):
         layer = super().from_base(base, rank, alpha, dropout)
-        layer.m = mx.linalg.norm(_dense_weight(base).astype(mx.float32), axis=1)
+        layer.m = mx.linalg.norm(dense_weight(base).astype(mx.float32), axis=1)
         return layer
 
     def __call__(self, x):
-        w = _dense_weight(self.linear)
+        w = dense_weight(self.linear)
         y = x @ w.T
         z = (_dropout(self.dropout, x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
         out = y + (self.scale * z).astype(y.dtype)
@@ -118,7 +106,7 @@ class DoRALinear(LoRALinear):
         return out
 
     def fused(self) -> nn.Linear:
-        w = _dense_weight(self.linear)
+        w = dense_weight(self.linear)
         adapted = w.astype(mx.float32) + self.delta()
         adapted = adapted * (self.m / mx.linalg.norm(adapted, axis=1))[:, None]
         fused = nn.Linear(w.shape[1], w.shape[0], bias="bias" in self.linear)

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .data import read_positions
-from .models import checkpointed_layers
+from .models import checkpointed_layers, is_quantized
 
 GB = 1e9
 OVERHEAD = 1.10  # allocator rounding and small temporaries
@@ -136,10 +136,6 @@ def describe(parts: dict[str, float]) -> str:
     return f"{parts['total'] / GB:.2f} GB ({', '.join(shown) or 'all parts under 0.01 GB'})"
 
 
-def _is_q(m) -> bool:
-    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-
-
 def shape_of(trainer) -> Shape:
     """The Shape of a built Trainer's run (its model, data and recipe)."""
     r = trainer.recipe
@@ -162,7 +158,7 @@ def shape_of(trainer) -> Shape:
 
     layers = int(cfg.get("num_hidden_layers") or 0)
     modules = [m for _, m in model.named_modules()]
-    quantized = any(_is_q(m) for m in modules)
+    quantized = any(is_quantized(m) for m in modules)
     quantizable = (
         0
         if quantized
@@ -177,7 +173,9 @@ def shape_of(trainer) -> Shape:
         head = getattr(getattr(model, "model", None), "embed_tokens", None)
     act_bytes = 4 if r.model.dtype == "float32" else 2
     # the loss de-quantizes a quantized LM head: one dense copy while a step runs
-    dense_head = head.scales.shape[0] * hidden * act_bytes if quantized and _is_q(head) else 0
+    dense_head = (
+        head.scales.shape[0] * hidden * act_bytes if quantized and is_quantized(head) else 0
+    )
     return Shape(
         weight_bytes=sum(v.nbytes for _, v in weights) + dense_head,
         trainable=sum(v.size for _, v in trainable),
@@ -197,8 +195,8 @@ def shape_of(trainer) -> Shape:
         accumulation=r.train.grad_accumulation,
         optimizer_slots=slots,
         masters=trainer._masters[0] is not None,
-        attention_scores=r.kernels.attention in ("reference", "off"),
-        logits_full=r.kernels.loss == "reference",
+        attention_scores=trainer.tiers["attention"] in ("reference", "off"),
+        logits_full=trainer.tiers["loss"] == "reference",
         logit_chunk=CHUNK_ELEMENTS,
         checkpointed=checkpointed_layers(model),
         quantizable=quantizable,

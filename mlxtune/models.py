@@ -44,6 +44,25 @@ _SIZES = (
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
+def is_quantized(m: nn.Module) -> bool:
+    """Whether a layer is one of MLX's quantized linear or embedding layers."""
+    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+
+
+def dense_weight(m: nn.Module) -> mx.array:
+    """A linear or embedding layer's [out, in] weight, de-quantized when the layer is quantized."""
+    if not is_quantized(m):
+        return m.weight
+    return mx.dequantize(
+        m.weight,
+        m.scales,
+        m.get("biases"),
+        m.group_size,
+        m.bits,
+        mode=getattr(m, "mode", "affine"),
+    )
+
+
 @dataclass
 class LMParts:
     """What the loss needs from a model: hidden states, the head weight, and a softcap."""
@@ -60,16 +79,7 @@ class LMParts:
         head = getattr(m, "lm_head", None)
         if head is None:
             head = m.model.embed_tokens
-        if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            return mx.dequantize(
-                head.weight,
-                head.scales,
-                head.get("biases"),
-                head.group_size,
-                head.bits,
-                mode=getattr(head, "mode", "affine"),
-            )
-        return head.weight
+        return dense_weight(head)
 
     @property
     def softcap(self) -> float | None:
@@ -402,10 +412,6 @@ class kernel_attention:
 # QLoRA: a quantized base
 
 
-def _is_quantized(m: nn.Module) -> bool:
-    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-
-
 def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dict:
     """Quantize a model's base in place for QLoRA: every dense Linear and Embedding whose input
     size is a multiple of ``group_size`` becomes its MLX quantized twin (affine, ``bits`` per
@@ -417,7 +423,7 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dic
     (every weight of the model, as held).
     """
     bytes_before = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    already = sum(1 for _, m in model.named_modules() if _is_quantized(m))
+    already = sum(1 for _, m in model.named_modules() if is_quantized(m))
     own = getattr(model, "quant_predicate", None)  # a family's own exclusions (mlx-lm's hook)
     quantized: list[str] = []
     skipped: list[str] = []

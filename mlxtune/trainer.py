@@ -261,35 +261,35 @@ class Trainer:
 
     # ---------------------------------------------------------------- setup
     def _check_kernels(self):
-        """Refuse a kernel tier this machine cannot run, before anything is loaded."""
-        from .kernels import best_impl, check_impl, gpu_backend, on_gpu, self_check
+        """Resolve each kernel choice to the tier it runs as here (``self.tiers``), refusing one
+        this machine cannot run, before anything is loaded or compiled."""
+        from .kernels import gpu_backend, on_gpu, resolve, self_check
 
         k = self.recipe.kernels
-        env = os.environ.get("MLXTUNE_KERNELS")
-        for key, choice in (("kernels.loss", k.loss), ("kernels.attention", k.attention)):
+        self.tiers = {}
+        for name, choice in (("loss", k.loss), ("attention", k.attention)):
             if choice == "off":
+                self.tiers[name] = "off"
                 continue
-            if choice == "auto" and env:
-                why = check_impl(env)
-                if why:
-                    raise UserInputError(f"MLXTUNE_KERNELS={env}: {why}", key)
-            why = None if choice == "auto" else check_impl(choice)
-            if why:
-                raise UserInputError(f"{why}; use auto (here: {best_impl()})", key)
-        # before anything is compiled: a GPU tier runs only once it has passed its check
-        # against the reference on this machine ("auto" falls back to chunked; a recipe that
-        # names the tier is refused)
-        gpu = gpu_backend()
-        choices = (k.loss, k.attention)
-        # only where the GPU tier could run: "auto" (with no other tier in MLXTUNE_KERNELS), or
-        # named by the recipe or MLXTUNE_KERNELS
-        wanted = gpu in choices or env == gpu or ("auto" in choices and not env)
-        if gpu is None or not on_gpu() or not wanted:
+            try:
+                self.tiers[name] = resolve(choice)
+            except ValueError as e:
+                raise UserInputError(str(e), f"kernels.{name}") from None
+        # A GPU tier runs only once it has passed its check against the reference on this
+        # machine: "auto" falls back to chunked, a recipe or MLXTUNE_KERNELS naming it is refused.
+        # Checked only where the GPU tier could run.
+        gpu, env = gpu_backend(), os.environ.get("MLXTUNE_KERNELS")
+        chosen = (k.loss, k.attention)
+        if gpu is None or not on_gpu():
+            return
+        if not (gpu in self.tiers.values() or ("auto" in chosen and not env)):
             return
         why = self_check(gpu)
-        for key, choice in (("kernels.loss", k.loss), ("kernels.attention", k.attention)):
-            if why is not None and gpu in (choice, env):
-                raise UserInputError(f"the {gpu} kernels failed their check here: {why}", key)
+        for name, tier in self.tiers.items():
+            if why is not None and tier == gpu:
+                raise UserInputError(
+                    f"the {gpu} kernels failed their check here: {why}", f"kernels.{name}"
+                )
         self.log(
             f"kernels: the {gpu} tier agrees with the reference here"
             if why is None
@@ -566,7 +566,7 @@ class Trainer:
             ignore_index=IGNORE,
             label_smoothing=self.recipe.train.label_smoothing,
             softcap=self.parts.softcap,
-            impl=None if self.recipe.kernels.loss == "auto" else self.recipe.kernels.loss,
+            impl=self.tiers["loss"],
             weight_grad=self._head_trains,
         )
 
@@ -790,10 +790,9 @@ class Trainer:
         """
         restore = self._catch_signals()
         try:
-            choice = self.recipe.kernels.attention
-            if choice == "off":
+            if self.tiers["attention"] == "off":
                 return self._run()
-            with kernel_attention(self.model, None if choice == "auto" else choice):
+            with kernel_attention(self.model, self.tiers["attention"]):
                 return self._run()
         finally:
             restore()

@@ -171,10 +171,18 @@ def test_chunked_tier_never_builds_the_logits(monkeypatch):
 def test_impl_is_chosen_by_argument_environment_and_default(monkeypatch):
     from mlxtune import kernels
 
+    monkeypatch.delenv("MLXTUNE_KERNELS", raising=False)
     assert kernels._pick(None) == kernels.best_impl() == "chunked"
+    assert kernels.resolve("auto") == kernels.resolve(None) == "chunked"
     monkeypatch.setenv("MLXTUNE_KERNELS", "reference")
-    assert kernels._pick(None) == "reference"
-    assert kernels._pick("chunked") == "chunked"
+    assert kernels._pick(None) == kernels.resolve("auto") == "reference"
+    assert kernels._pick("chunked") == kernels.resolve("chunked") == "chunked"
+    monkeypatch.setenv("MLXTUNE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="MLXTUNE_KERNELS=fast: unknown kernel tier 'fast'"):
+        kernels.resolve("auto")
+    assert kernels.resolve("chunked") == "chunked"  # a tier named by the caller wins
+    with pytest.raises(ValueError, match="unknown kernel tier 'tiled'; .*use auto"):
+        kernels.resolve("tiled")
 
 
 def test_frozen_head_skips_the_weight_gradient_but_not_the_hidden_one():

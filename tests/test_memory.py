@@ -70,6 +70,22 @@ def test_the_estimate_is_close_to_the_measured_peak(tmp_path, wide, over):
     assert 0.6 < est / peak < 1.6, (est, peak)
 
 
+def test_the_plan_counts_what_the_resolved_tiers_build(tmp_path, wide, monkeypatch):
+    """MLXTUNE_KERNELS=reference makes "auto" build the logits and the scores, and the estimate
+    counts them; the chunked tier builds neither."""
+    monkeypatch.delenv("MLXTUNE_KERNELS", raising=False)
+    r = recipe_from_dict(wide_recipe(wide, memory={"check": "off"}))
+    chunked = Trainer(r, tmp_path / "chunked", console=Console(quiet=True))
+    monkeypatch.setenv("MLXTUNE_KERNELS", "reference")
+    reference = Trainer(r, tmp_path / "reference", console=Console(quiet=True))
+    assert chunked.tiers == {"loss": "chunked", "attention": "chunked"}
+    assert reference.tiers == {"loss": "reference", "attention": "reference"}
+    a, b = shape_of(chunked), shape_of(reference)
+    assert not a.logits_full and not a.attention_scores
+    assert b.logits_full and b.attention_scores
+    assert estimate(b)["total"] > estimate(a)["total"]
+
+
 def test_a_run_over_the_limit_is_refused_with_changes_that_fit(tmp_path, wide, capsys):
     r = wide_recipe(wide, memory={"check": "off"})
     tr = Trainer(recipe_from_dict(r), tmp_path / "probe", console=Console(quiet=True))

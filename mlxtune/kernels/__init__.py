@@ -123,12 +123,32 @@ def check_impl(impl: str | None) -> str | None:
     return f"unknown kernel tier {impl!r}; choose from {list(TIERS)}"
 
 
+def resolve(choice: str | None) -> str:
+    """The tier a kernel choice runs as on this machine. A tier name stands for itself; None or
+    "auto" means MLXTUNE_KERNELS where it is set, else ``best_impl()``. Raises ValueError saying
+    why the tier cannot run here (its message names MLXTUNE_KERNELS when the choice came from it).
+    """
+    env = os.environ.get("MLXTUNE_KERNELS")
+    if choice in (None, "auto"):
+        tier = env or best_impl()
+        why = check_impl(tier)
+        if why:
+            raise ValueError(f"MLXTUNE_KERNELS={env}: {why}")
+        return tier
+    why = check_impl(choice)
+    if why:
+        raise ValueError(f"{why}; use auto (here: {best_impl()})")
+    return choice
+
+
 def _pick(impl: str | None, impls: dict = IMPLS, what: str = "linear_cross_entropy") -> str:
-    impl = impl or os.environ.get("MLXTUNE_KERNELS") or best_impl()
-    if impl not in impls:
-        why = check_impl(impl) or ""
-        raise ValueError(f"{what}: {why} (available here: {', '.join(impls)})")
-    return impl
+    try:
+        tier = resolve(impl)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e} (available here: {', '.join(impls)})") from None
+    if tier not in impls:
+        raise ValueError(f"{what}: no {tier!r} tier (available here: {', '.join(impls)})")
+    return tier
 
 
 def linear_cross_entropy(
@@ -143,7 +163,7 @@ def linear_cross_entropy(
     impl: str | None = None,
     weight_grad: bool = True,
 ) -> tuple[mx.array, mx.array]:
-    # impl: None (MLXTUNE_KERNELS, else the best tier here), "reference", "chunked", "metal", "cuda".
+    # impl: a tier, or None / "auto" (MLXTUNE_KERNELS, else the best tier here): see resolve().
     """Cross-entropy of ``hidden @ weight.T`` against ``targets``: (loss, n_valid).
 
     hidden [N, D], weight [V, D] (the LM head), targets [N] int. Targets equal to
@@ -206,4 +226,11 @@ def attention(
     return fn(q, k, v, scale, causal, segment_ids)
 
 
-__all__ = ["attention", "available_impls", "best_impl", "linear_cross_entropy", "self_check"]
+__all__ = [
+    "attention",
+    "available_impls",
+    "best_impl",
+    "linear_cross_entropy",
+    "resolve",
+    "self_check",
+]
