@@ -114,7 +114,7 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     from .export import export, find_checkpoint, load_trained
     from .rundir import staged_folder
 
-    ckpt = find_checkpoint(path)
+    ckpt = find_checkpoint(path, warn=lambda m: click.echo(m, err=True))
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else Path(path)
     out = Path(out) if out else run_dir / "export" / fmt
     if out.exists() and any(out.iterdir()):

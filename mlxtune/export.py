@@ -27,11 +27,13 @@ from .models import (
     DTYPES,
     PICKLED,
     build_model,
+    is_quantized,
     load_model,
     pickled_hint,
     quantize_model,
     save_model,
 )
+from .resume import candidates, verify
 from .tokenizer import load_tokenizer
 
 FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter")
@@ -53,24 +55,29 @@ class TrainedModel:
 # ------------------------------------------------------------------------------ loading
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory: PATH itself, or a run directory's final (else best, else latest)."""
+def find_checkpoint(path: str | Path, warn=None) -> Path:
+    """An intact checkpoint directory: PATH itself, or a run directory's final, else best, else
+    newest step (``resume.candidates``). A damaged one (``resume.verify``) is refused when named,
+    and skipped, through ``warn(message)``, when picked from a run."""
     p = Path(path)
     if (p / "trainer_state.json").exists():
+        why = verify(p)
+        if why:
+            raise UserInputError(f"cannot read this checkpoint: {why}", str(p))
         return p
-    ckpts = p / "checkpoints"
-    if ckpts.is_dir():
-        for name in ("final", "best"):
-            if (ckpts / name / "trainer_state.json").exists():
-                return ckpts / name
-        steps = sorted(
-            c
-            for c in ckpts.iterdir()
-            if c.name.startswith("step-") and (c / "trainer_state.json").exists()
+    found = candidates(p)
+    if not found:
+        raise UserInputError(
+            "not a run directory or checkpoint (no trainer_state.json found)", str(p)
         )
-        if steps:
-            return steps[-1]
-    raise UserInputError("not a run directory or checkpoint (no trainer_state.json found)", str(p))
+    rank = {"final": 0, "best": 1}
+    for c in sorted(found, key=lambda c: rank.get(c.name, 2)):  # stable: newest step first
+        why = verify(c)
+        if why is None:
+            return c
+        if warn is not None:
+            warn(f"WARNING: skipping {c}: {why}")
+    raise UserInputError("no intact checkpoint in this run", str(p / "checkpoints"))
 
 
 def load_trained(path: str | Path) -> TrainedModel:
@@ -227,9 +234,7 @@ def dequantize(model: nn.Module, config: dict) -> tuple[nn.Module, dict]:
     """Every quantized layer back to a dense one, and the config without quantization."""
     from mlx_lm.utils import dequantize_model
 
-    if not any(
-        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
-    ):
+    if not any(is_quantized(m) for _, m in model.named_modules()):
         return model, config
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     return dequantize_model(model), config

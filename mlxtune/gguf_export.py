@@ -114,15 +114,12 @@ def _heads(config: dict) -> tuple[int, int, int]:
     return n_head, n_kv, head_dim
 
 
-def _tensor_array(v: mx.array, dtype: str):
-    """(numpy data, raw dtype or None) for GGUFWriter.add_tensor."""
+def _tensor_array(a: np.ndarray, dtype: str):
+    """(numpy data, raw dtype or None) for GGUFWriter.add_tensor, from an fp32 array."""
     import gguf
 
-    a = np.array(v.astype(mx.float32))
-    if (
-        dtype == "f32" or a.ndim == 1
-    ):  # norms and biases stay f32, as llama.cpp's converter keeps them
-        return a.astype(np.float32), None
+    if dtype == "f32" or a.ndim == 1:  # norms and biases stay f32, as llama.cpp's converter does
+        return a, None
     if dtype == "f16":
         return a.astype(np.float16), None
     if dtype == "bf16":
@@ -318,7 +315,7 @@ def write_gguf_model(
             a = permute_qk(a, n_kv)
         elif mt in NORM_PLUS_ONE and g.endswith("norm.weight"):
             a = a + 1.0
-        data, raw = _tensor_array(mx.array(a), dtype)
+        data, raw = _tensor_array(np.ascontiguousarray(a, dtype=np.float32), dtype)
         w.add_tensor(g, data, raw_dtype=raw)
     _finish(w)
     verify(

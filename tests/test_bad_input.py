@@ -205,8 +205,13 @@ def export_not_a_run(w):
 
 
 def export_over_a_full_folder(w):
-    (w.old / "checkpoints" / "final").mkdir()
-    (w.old / "checkpoints" / "final" / "trainer_state.json").write_text("{}")
+    from mlxtune.resume import write_checksums
+
+    final = w.old / "checkpoints" / "final"  # an intact checkpoint: the --out check refuses
+    final.mkdir()
+    for name in ("trainer_state.json", "adapters.safetensors", "optimizer.safetensors"):
+        (final / name).write_text("{}")
+    write_checksums(final)
     return ["export", str(w.old), "--format", "mlx-lm"]  # export/mlx-lm holds files
 
 

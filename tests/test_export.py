@@ -308,3 +308,27 @@ def test_fused_export_can_be_quantized_again(tmp_path, data_dir, llama_dir, caps
         == 2
     )
     assert "--quantize applies to fused" in capsys.readouterr().err
+
+
+def test_export_skips_a_damaged_checkpoint_and_refuses_a_named_one(
+    tmp_path, data_dir, llama_dir, capsys
+):
+    r = tiny_recipe(data_dir, llama_dir, adapter=ADAPTERS["lora"])
+    r["checkpoints"] = {"every": 2}
+    run = tmp_path / "run"
+    Trainer(recipe_from_dict(r), run_dir=run).run()
+    ckpts = run / "checkpoints"
+    with open(ckpts / "final" / "adapters.safetensors", "r+b") as f:  # a flipped byte
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    capsys.readouterr()
+    assert export_cli(run, "--format", "mlx-lm", "--out", tmp_path / "out") == 0
+    out = capsys.readouterr()
+    assert "skipping" in out.err and "final" in out.err
+    assert f"from {ckpts / 'best'}" in out.out  # the next in line: best, before the newest step
+    assert export_cli(ckpts / "final", "--format", "mlx-lm", "--out", tmp_path / "o2") == 2
+    err = capsys.readouterr().err
+    assert "cannot read this checkpoint" in err and "Traceback" not in err
+    assert not (tmp_path / "o2").exists()
