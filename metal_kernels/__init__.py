@@ -96,6 +96,32 @@ def cuda_name(kernel: Kernel, dtypes: dict, consts: dict) -> str:
     return "_".join([f"mlxtune_{kernel.name}", *tags])
 
 
+def parameters(kernel: Kernel, ctypes: dict[str, str], qualifier: str = "") -> list[str]:
+    """The kernel function's parameters as C declarations: each input as a const pointer to its
+    C type (``ctypes[name]``), followed by ``const int* NAME_shape`` where the body indexes the
+    input's shape, then each output as ``float*``. ``qualifier`` (``__restrict__``) goes after
+    the data pointers' ``*``."""
+    shaped = set(kernel.shape_inputs())
+    q = f"{qualifier} " if qualifier else ""
+    params = []
+    for name in kernel.inputs:
+        params.append(f"const {ctypes[name]}* {q}{name}")
+        if name in shaped:
+            params.append(f"const int* {name}_shape")
+    return params + [f"float* {q}{name}" for name in kernel.outputs]
+
+
+def constants(consts: dict) -> list[str]:
+    """The kernel's compile-time constants as ``constexpr`` lines (bools stay bools)."""
+    lines = []
+    for name, value in consts.items():
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        else:
+            lines.append(f"  constexpr int {name} = {int(value)};")
+    return lines
+
+
 def cuda_standalone(launches: list[tuple[Kernel, dict, dict]]) -> str:
     """A CUDA translation unit holding the CUDA twins of several kernels, each as an
     ``extern "C" __global__`` function named by ``cuda_name``, for nvcc and for harnesses that load
@@ -104,21 +130,11 @@ def cuda_standalone(launches: list[tuple[Kernel, dict, dict]]) -> str:
     indexes them)."""
     parts = ["#include <cuda_fp16.h>", "#include <cuda_bf16.h>", header("cuda")]
     for kernel, dtypes, consts in launches:
-        shaped = set(kernel.shape_inputs())
-        params = []
-        for name in kernel.inputs:
-            params.append(f"const {CTYPES[dtypes.get(name, 'float32')]}* __restrict__ {name}")
-            if name in shaped:
-                params.append(f"const int* {name}_shape")
-        params += [f"float* __restrict__ {name}" for name in kernel.outputs]
-        lines = []
-        for name, value in consts.items():
-            kind = "bool" if isinstance(value, bool) else "int"
-            text = ("true" if value else "false") if isinstance(value, bool) else str(int(value))
-            lines.append(f"  constexpr {kind} {name} = {text};")
+        ctypes = {name: CTYPES[dtypes.get(name, "float32")] for name in kernel.inputs}
+        params = parameters(kernel, ctypes, "__restrict__")
         parts += [
             f'extern "C" __global__ void {cuda_name(kernel, dtypes, consts)}({", ".join(params)}) {{',
-            *lines,
+            *constants(consts),
             source(kernel, "cuda"),
             "}",
         ]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import Kernel, header, source
+from . import Kernel, constants, header, parameters, source
 
 _LIBS: dict[str, ctypes.CDLL] = {}
 
@@ -47,23 +47,11 @@ def _ctype(a: np.ndarray) -> str:
 
 def program(kernel: Kernel, inputs: list[np.ndarray], consts: dict) -> str:
     """The C++ translation unit that runs ``kernel`` with these input types and constants."""
-    shaped = set(kernel.shape_inputs())
-    params, args = [], []
-    for name, a in zip(kernel.inputs, inputs, strict=True):
-        params.append(f"const {_ctype(a)}* {name}")
-        args.append(f"(const {_ctype(a)}*)P[{len(args)}]")
-        if name in shaped:
-            params.append(f"const int* {name}_shape")
-            args.append(f"(const int*)P[{len(args)}]")
-    for name in kernel.outputs:
-        params.append(f"float* {name}")
-        args.append(f"(float*)P[{len(args)}]")
-    lines = []
-    for name, value in consts.items():
-        if isinstance(value, bool):
-            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
-        else:
-            lines.append(f"  constexpr int {name} = {int(value)};")
+    c_types = {name: _ctype(a) for name, a in zip(kernel.inputs, inputs, strict=True)}
+    params = parameters(kernel, c_types)
+    # the launcher passes every pointer through P, in the parameters' order
+    args = [f"({p.rsplit(' ', 1)[0]})P[{i}]" for i, p in enumerate(params)]
+    lines = constants(consts)
     return "\n".join(
         [
             header("emulate"),

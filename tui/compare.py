@@ -47,21 +47,40 @@ def compare_rows(run_dirs: list) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    head = f"{'run':<28} {'steps':>7} {'tokens':>11} {'final loss':>10} {'best eval':>10} {'tok/s':>9} {'peak GB':>8}  done"
-    lines = [head, "-" * len(head)]
-    best = min((r["best_eval_loss"] for r in rows if r["best_eval_loss"] is not None), default=None)
-    for r in rows:
-        mark = " *" if best is not None and r["best_eval_loss"] == best else ""
-        lines.append(
-            f"{r['name'][:28]:<28} {_f(r['steps'], 'd'):>7} {_f(r['tokens_seen'], ',d'):>11} {_f(r['final_loss'], '.4f'):>10} "
-            f"{_f(r['best_eval_loss'], '.4f'):>10} {_f(r['tokens_per_sec'], ',.0f'):>9} {_f(r['peak_memory_gb'], '.2f'):>8}  "
-            f"{'yes' if r['finished'] else 'running'}{mark}"
-        )
-    return "\n".join(lines)
-
-
 COLUMNS = ("run", "steps", "tokens", "final loss", "best eval", "tok/s", "peak GB", "done")
+
+
+def table_cells(rows: list[dict]) -> list[tuple[str, ...]]:
+    """Each run's row of COLUMNS as text; the best eval loss is marked with " *". A row's
+    "label" (set by CompareApp) names it where there is one, else its recipe name."""
+    best = min((r["best_eval_loss"] for r in rows if r["best_eval_loss"] is not None), default=None)
+    return [
+        (
+            r.get("label", r["name"]),
+            _f(r["steps"], "d"),
+            _f(r["tokens_seen"], ",d"),
+            _f(r["final_loss"], ".4f"),
+            _f(r["best_eval_loss"], ".4f")
+            + (" *" if best is not None and r["best_eval_loss"] == best else ""),
+            _f(r["tokens_per_sec"], ",.0f"),
+            _f(r["peak_memory_gb"], ".2f"),
+            "yes" if r["finished"] else "running",
+        )
+        for r in rows
+    ]
+
+
+def format_table(rows: list[dict]) -> str:
+    """The table as plain text (``mlxtune compare --table``)."""
+    widths = (28, 7, 11, 12, 12, 9, 8, 7)
+
+    def line(cells):
+        first, *rest, last = cells
+        middle = " ".join(f"{c:>{w}}" for c, w in zip(rest, widths[1:-1], strict=True))
+        return f"{first[: widths[0]]:<{widths[0]}} {middle}  {last}"
+
+    head = line(COLUMNS)
+    return "\n".join([head, "-" * len(head), *(line(c) for c in table_cells(rows))])
 
 
 class CompareApp(App):
@@ -115,21 +134,8 @@ class CompareApp(App):
         )
         table = self.query_one("#table", DataTable)
         table.clear()
-        best = min(
-            (r["best_eval_loss"] for r in rows if r["best_eval_loss"] is not None), default=None
-        )
-        for r in rows:
-            mark = " *" if best is not None and r["best_eval_loss"] == best else ""
-            table.add_row(
-                r["label"],
-                _f(r["steps"], "d"),
-                _f(r["tokens_seen"], ",d"),
-                _f(r["final_loss"], ".4f"),
-                _f(r["best_eval_loss"], ".4f") + mark,
-                _f(r["tokens_per_sec"], ",.0f"),
-                _f(r["peak_memory_gb"], ".2f"),
-                "yes" if r["finished"] else "running",
-            )
+        for cells in table_cells(rows):
+            table.add_row(*cells)
 
     def action_toggle_x(self) -> None:
         self.by = "tokens" if self.by == "step" else "step"
