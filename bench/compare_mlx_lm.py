@@ -1,7 +1,7 @@
 """mlxtune against mlx-lm's LoRA trainer: the same model, data and LoRA, in one process.
 
-    python bench/compare_mlx_lm.py                 # every workload (about 15 minutes, 2-core CPU)
-    python bench/compare_mlx_lm.py --quick         # smaller and shorter (about 4 minutes)
+    python bench/compare_mlx_lm.py                 # every workload (about 30 minutes, 2-core CPU)
+    python bench/compare_mlx_lm.py --quick         # smaller and shorter (about 12 minutes)
     python bench/compare_mlx_lm.py --workload chat-mixed --vocab 32768
 
 Workloads (each run on a small-vocabulary model and on a 32,768-token one):
@@ -10,7 +10,9 @@ Workloads (each run on a small-vocabulary model and on a 32,768-token one):
   gets them as `mlx_lm.lora` does (in its CacheDataset, whose length sort keeps the file order),
   so each batch is padded to its longest example; `--mlx-lm-sorted` hands it a plain list, which
   it does sort by length. mlxtune runs its defaults: batches sorted by length within buckets of
-  16 batches (`--packing pack` packs rows of 1,024 tokens instead).
+  16 batches (`--packing pack` packs rows of 1,024 tokens instead). Each report window is one
+  epoch (64 training examples with --quick, else 128), so both trainers are timed on the same
+  examples; packed rows do not keep to those windows exactly.
 - text-fixed: plain text cut to one length, trained on every token. Nothing to pack: this
   measures the step itself.
 
@@ -44,14 +46,17 @@ TOKENIZER = REPO / "recipes" / "models" / "reverse-tiny"  # char-level, with a c
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 MODEL = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=8)
+# chat-mixed: one report window is one epoch of `train` examples (train / examples steps), so
+# that both trainers are timed on the same examples; the first epoch (compilation) is left out.
 QUICK = {
-    "chat-mixed": dict(examples=16, steps=12, report=4),
+    "chat-mixed": dict(examples=16, steps=12, report=4, train=64),
     "text-fixed": dict(examples=8, steps=12, report=4),
 }
 FULL = {
-    "chat-mixed": dict(examples=16, steps=40, report=10),
+    "chat-mixed": dict(examples=16, steps=32, report=8, train=128),
     "text-fixed": dict(examples=8, steps=40, report=10),
 }
+VALID_FRACTION = 0.02  # mlxtune's held-out split of the data file
 TEXT_LENGTH = 256  # tokens per text-fixed example
 CHAT_MAX = 1024  # longest chat example; packed rows are this long
 
@@ -61,6 +66,14 @@ def words(rng: random.Random, n_chars: int) -> str:
     while sum(len(w) + 1 for w in out) < n_chars:
         out.append("".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 8))))
     return " ".join(out)
+
+
+def rows_for(train: int) -> int:
+    """How many rows the data file needs for ``train`` examples after the held-out split."""
+    n = train + 1
+    while n - min(max(1, round(n * VALID_FRACTION)), n - 1) < train:
+        n += 1
+    return n
 
 
 def write_data(kind: str, path: Path, n: int = 600) -> None:
@@ -133,7 +146,7 @@ def run_mlxtune(
             "train": str(data),
             "max_length": CHAT_MAX if chat else TEXT_LENGTH,
             "overlong": "drop" if chat else "truncate",
-            "valid_fraction": 0.02,
+            "valid_fraction": VALID_FRACTION,
             "bucket_size": bucket,
         },
         "adapter": {
@@ -330,7 +343,7 @@ def one(
     cfg = sizes[kind]
     data = tmp / f"{kind}.jsonl"
     if not data.exists():
-        write_data(kind, data)
+        write_data(kind, data, rows_for(cfg["train"]) if "train" in cfg else 600)
     base = (
         build_base(tmp / f"base-{vocab}", vocab)
         if not (tmp / f"base-{vocab}").exists()
@@ -340,6 +353,8 @@ def one(
         base, data, kind, cfg, tmp / f"run-{kind}-{vocab}", rank, lr, packing, attention, bucket
     )
     examples = ours.pop("examples")
+    if "train" in cfg and len(examples) != cfg["train"]:
+        raise SystemExit(f"{kind}: {len(examples)} training examples, not {cfg['train']}")
     # the same number of examples: mlx-lm's steps hold cfg["examples"] each
     theirs = run_mlx_lm(base, examples, cfg, cfg["steps"], rank, lr, mlx_lm_sorted)
     real_per_valid = sum(len(e.ids) for e in examples) / sum(e.n_targets for e in examples)

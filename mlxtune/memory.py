@@ -89,6 +89,7 @@ class Shape:
     logit_chunk: int  # logits per chunk when it does not
     checkpointed: int = 0  # layers that recompute their activations in the backward pass
     quantizable: int = 0  # dense linear/embedding weight elements 4-bit quantization would pack
+    fused_scores: bool = False  # short rows in MLX's fused attention: its backward builds them
 
 
 def estimate(s: Shape) -> dict[str, float]:
@@ -109,6 +110,8 @@ def estimate(s: Shape) -> dict[str, float]:
     acts += tokens * 4 * s.hidden * s.act_bytes  # embeddings, final norm, their gradients
     if s.attention_scores:  # scores and probabilities kept per layer, and the backward's
         acts += s.batch * s.heads * s.length * s.length * 4 * (2 * (kept + again) + 3)
+    elif s.fused_scores:  # one layer's at a time, in its backward: scores, probabilities, grads
+        acts += s.batch * s.heads * s.length * s.length * 4 * 4
     if s.logits_full:
         logits = tokens * s.vocab * (4 * 3 + s.act_bytes)
     else:
@@ -155,6 +158,7 @@ def shape_of(trainer) -> Shape:
     o = r.optimizer
     slots = 2 if o.name in ("adam", "adamw") else (1 if o.momentum else 0)
     from .kernels.chunked import CHUNK_ELEMENTS
+    from .kernels.flash import uses_fused
 
     layers = int(cfg.get("num_hidden_layers") or 0)
     modules = [m for _, m in model.named_modules()]
@@ -196,6 +200,8 @@ def shape_of(trainer) -> Shape:
         optimizer_slots=slots,
         masters=trainer._masters[0] is not None,
         attention_scores=trainer.tiers["attention"] in ("reference", "off"),
+        fused_scores=trainer.tiers["attention"] == "chunked"
+        and uses_fused(r.train.batch_size, heads, length),
         logits_full=trainer.tiers["loss"] == "reference",
         logit_chunk=CHUNK_ELEMENTS,
         checkpointed=checkpointed_layers(model),
