@@ -111,10 +111,10 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""
     from pathlib import Path
 
-    from .export import export, find_checkpoint, load_trained
+    from .export import export, find_checkpoint, load_checkpoint
     from .rundir import staged_folder
 
-    ckpt = find_checkpoint(path, warn=lambda m: click.echo(m, err=True))
+    ckpt = find_checkpoint(path, warn=_warn)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else Path(path)
     out = Path(out) if out else run_dir / "export" / fmt
     if out.exists() and any(out.iterdir()):
@@ -122,10 +122,14 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     folder = (run_dir / "checkpoints").resolve()
     if out.resolve() == folder or folder in out.resolve().parents:
         raise UserInputError("is inside the run's checkpoints; choose another --out", str(out))
-    trained = load_trained(ckpt)
+    trained = load_checkpoint(ckpt)
     with staged_folder(out) as tmp:  # written beside it, flushed, renamed into place
         export(trained, fmt, tmp, dtype, int(quantize) if quantize else None, int(q_group_size))
     click.echo(f"wrote {fmt} from {ckpt} to {out}")
+
+
+def _warn(message: str) -> None:
+    click.echo(message, err=True)
 
 
 def _sampling_options(f):
@@ -178,7 +182,7 @@ def generate(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, prompt
 
     from .export import load_for_generation
 
-    m, tok = load_for_generation(model, adapter, scale)
+    m, tok = load_for_generation(model, adapter, scale, warn=_warn)
     mx.random.seed(seed)
     _stream(m, tok, prompt, max_tokens, temp, top_k, top_p)
 
@@ -192,7 +196,7 @@ def chat(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, system):
 
     from .export import load_for_generation
 
-    m, tok = load_for_generation(model, adapter, scale)
+    m, tok = load_for_generation(model, adapter, scale, warn=_warn)
     if not getattr(tok._tokenizer, "chat_template", None):
         raise UserInputError(
             "this tokenizer has no chat template; use mlxtune generate", str(model)

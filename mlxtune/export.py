@@ -80,9 +80,13 @@ def find_checkpoint(path: str | Path, warn=None) -> Path:
     raise UserInputError("no intact checkpoint in this run", str(p / "checkpoints"))
 
 
-def load_trained(path: str | Path) -> TrainedModel:
-    """Rebuild the trained model a run directory or checkpoint describes."""
-    ckpt = find_checkpoint(path)
+def load_trained(path: str | Path, warn=None) -> TrainedModel:
+    """Rebuild the trained model a run directory or checkpoint describes (``find_checkpoint``)."""
+    return load_checkpoint(find_checkpoint(path, warn))
+
+
+def load_checkpoint(ckpt: Path) -> TrainedModel:
+    """Rebuild the trained model of a checkpoint ``find_checkpoint`` has found and checked."""
     state = json.loads((ckpt / "trainer_state.json").read_text())
     if "model_config" not in state:
         raise UserInputError(
@@ -398,13 +402,14 @@ def adapter_settings(path: str | Path) -> dict:
 
 
 def load_for_generation(
-    model: str | Path, adapter: str | Path | None = None, scale: float | None = None
+    model: str | Path, adapter: str | Path | None = None, scale: float | None = None, warn=None
 ):
     """(model, tokenizer) from a Hugging Face layout directory (a fused export too) or an mlxtune
-    run/checkpoint, with an optional mlx-lm or PEFT adapter; ``scale`` multiplies the adapter's."""
+    run/checkpoint, with an optional mlx-lm or PEFT adapter; ``scale`` multiplies the adapter's.
+    ``warn(message)`` hears of damaged checkpoints passed over in a run."""
     p = Path(model)
     if (p / "trainer_state.json").exists() or (p / "checkpoints").is_dir():
-        t = load_trained(p)
+        t = load_trained(p, warn)
         m, tok = t.model, t.tokenizer
     else:
         from .models import resolve_model_path

@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .data import read_positions
+from .kernels.flash import uses_fused
 from .models import checkpointed_layers, is_quantized
 
 GB = 1e9
@@ -89,7 +90,7 @@ class Shape:
     logit_chunk: int  # logits per chunk when it does not
     checkpointed: int = 0  # layers that recompute their activations in the backward pass
     quantizable: int = 0  # dense linear/embedding weight elements 4-bit quantization would pack
-    fused_scores: bool = False  # short rows in MLX's fused attention: its backward builds them
+    chunked_attention: bool = False  # short rows then go to MLX's fused attention (see below)
 
 
 def estimate(s: Shape) -> dict[str, float]:
@@ -110,7 +111,9 @@ def estimate(s: Shape) -> dict[str, float]:
     acts += tokens * 4 * s.hidden * s.act_bytes  # embeddings, final norm, their gradients
     if s.attention_scores:  # scores and probabilities kept per layer, and the backward's
         acts += s.batch * s.heads * s.length * s.length * 4 * (2 * (kept + again) + 3)
-    elif s.fused_scores:  # one layer's at a time, in its backward: scores, probabilities, grads
+    elif s.chunked_attention and uses_fused(s.batch, s.heads, s.length):
+        # MLX's fused attention: one layer's scores at a time, in its backward (scores,
+        # probabilities and their gradients)
         acts += s.batch * s.heads * s.length * s.length * 4 * 4
     if s.logits_full:
         logits = tokens * s.vocab * (4 * 3 + s.act_bytes)
@@ -158,7 +161,6 @@ def shape_of(trainer) -> Shape:
     o = r.optimizer
     slots = 2 if o.name in ("adam", "adamw") else (1 if o.momentum else 0)
     from .kernels.chunked import CHUNK_ELEMENTS
-    from .kernels.flash import uses_fused
 
     layers = int(cfg.get("num_hidden_layers") or 0)
     modules = [m for _, m in model.named_modules()]
@@ -200,8 +202,7 @@ def shape_of(trainer) -> Shape:
         optimizer_slots=slots,
         masters=trainer._masters[0] is not None,
         attention_scores=trainer.tiers["attention"] in ("reference", "off"),
-        fused_scores=trainer.tiers["attention"] == "chunked"
-        and uses_fused(r.train.batch_size, heads, length),
+        chunked_attention=trainer.tiers["attention"] == "chunked",
         logits_full=trainer.tiers["loss"] == "reference",
         logit_chunk=CHUNK_ELEMENTS,
         checkpointed=checkpointed_layers(model),
@@ -248,8 +249,8 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
             break
     if s.attention_scores:
         fits(
-            "kernels.attention: chunked (never builds the scores)",
-            replace(s, attention_scores=False),
+            "kernels.attention: chunked (keeps no scores)",
+            replace(s, attention_scores=False, chunked_attention=True),
         )
     if s.logits_full:
         fits("kernels.loss: chunked (never builds the logits)", replace(s, logits_full=False))

@@ -105,6 +105,8 @@ class StepEvent:
     def _value(self, name: str):
         if not self._record.read:
             self._read()
+        if not self._record.read:  # only when the run ended with this step still queued
+            raise RuntimeError(f"step {self.step}'s results were never read: the run ended first")
         return getattr(self._record, name)
 
     @property
@@ -727,6 +729,7 @@ class Trainer:
             loop.timed_s += elapsed
             loop.timed_steps += len(queued)
         after = [q.scale for q in queued[1:]] + [self.scaler["scale"]]
+        stop = None  # the first non-finite step that ends the run; raised once all are read
         for q, scale_after in zip(queued, after, strict=True):
             loss_sum = q.loss_sum.item()
             q.loss = loss_sum / max(q.n, 1)
@@ -738,8 +741,13 @@ class Trainer:
                 self.last_loss = q.loss
             q.tokens_seen = loop.tokens_seen
             q.read = True
-            if not q.applied:
-                self._nonfinite(q.step, q.loss, q.grad_norm, q.scale.item(), scale_after.item())
+            if not q.applied and stop is None:
+                try:
+                    self._nonfinite(q.step, q.loss, q.grad_norm, q.scale.item(), scale_after.item())
+                except TrainingError as e:
+                    stop = e
+        if stop is not None:
+            raise stop
 
     def _nonfinite(
         self, step: int, loss: float, norm: float, scale_used: float, scale_after: float
@@ -973,7 +981,8 @@ class Trainer:
                 r.samples.every and step % r.samples.every == 0 and step != self.total_steps
             )
             do_save = (r.checkpoints.every and step % r.checkpoints.every == 0) or self._save
-            if do_eval or do_samples or do_save or self._stop or self._interrupted:
+            interrupted = self._interrupted  # read once: a signal may arrive meanwhile
+            if do_eval or do_samples or do_save or self._stop or interrupted:
                 self._read_steps()  # everything below needs the steps' results
             if do_eval:
                 self._evaluate(step)
@@ -986,7 +995,7 @@ class Trainer:
             if self._stop:
                 self.log(f"stop requested: stopping after step {step}")
                 break
-            if self._interrupted:
+            if interrupted:
                 name = f"step-{step:06d}"
                 if not (self.run_dir.checkpoints / name).exists():
                     self._save_checkpoint(name, step, self.last_loss)
@@ -994,9 +1003,9 @@ class Trainer:
                 con.end_progress()
                 recipe = self.recipe.source or "RECIPE.yaml"
                 how = f"mlxtune run {recipe} --run-dir {self.run_dir.path} --resume"
-                self.log(f"{self._interrupted} at step {step}: saved checkpoints/{name}")
+                self.log(f"{interrupted} at step {step}: saved checkpoints/{name}")
                 raise Interrupted(
-                    f"interrupted ({self._interrupted}) after step {step}; checkpoint "
+                    f"interrupted ({interrupted}) after step {step}; checkpoint "
                     f"checkpoints/{name} saved. Resume with: {how}"
                 )
             if not self._queued:  # read in this round: what came after it is not training time

@@ -90,10 +90,21 @@ def test_evaluation_and_checkpoints_read_the_steps_before_them(tmp_path, data_di
     )
     tr.run()
     assert reads == [[1], [2], [3], [4], [5, 6]]  # step 5 has no eval, checkpoint or row
-    state = json.loads((tr.run_dir.checkpoints / "step-000004" / "trainer_state.json").read_text())
-    assert state["resume"]["tokens_seen"] > 0 and state["loss"] == pytest.approx(
-        state["resume"]["last_loss"]
+    # the checkpoint of step 4 holds step 4's figures, as a run that reads every step sees them
+    reader = Reader()
+    eager, _ = make(
+        data_dir,
+        llama_dir,
+        tmp_path / "eager",
+        [reader],
+        train=train,
+        eval={"every": 3},
+        checkpoints={"every": 2, "save_final": False},
     )
+    eager.run()
+    state = json.loads((tr.run_dir.checkpoints / "step-000004" / "trainer_state.json").read_text())
+    assert state["resume"]["tokens_seen"] == reader.seen[4]["tokens_seen"]
+    assert state["loss"] == reader.seen[4]["loss"] and state["resume"]["last_loss"] == state["loss"]
 
 
 class Poison(Callback):
@@ -130,10 +141,30 @@ def test_a_skipped_step_between_log_steps_is_found_and_named(tmp_path, data_dir,
     assert last["tokens_seen"] == summary["tokens_seen"]
 
 
+class Keep(Callback):
+    def __init__(self):
+        self.events = {}
+
+    def on_step(self, trainer, event):
+        self.events[event.step] = event
+
+
 def test_stop_names_the_first_bad_step_when_the_steps_are_read(tmp_path, data_dir, llama_dir):
     train = {"batch_size": 4, "max_steps": 12, "log_every": 4, "progress": False}
-    tr, _ = make(data_dir, llama_dir, tmp_path / "stop", [Poison(at=5)], train=train)
+    keep = Keep()
+    tr, _ = make(
+        data_dir,
+        llama_dir,
+        tmp_path / "stop",
+        [Poison(at=5), keep],
+        train=train,
+        eval={"every": None},
+    )
     with pytest.raises(TrainingError, match=r"step 6: the loss became nan"):
         tr.run()
-    # read at step 8: steps 6-8 were not finite; nothing after step 8 ran
-    assert [r["step"] for r in rows(tr)] == [4]
+    # read at step 8, before its callbacks: steps 6-8 were not finite; nothing after step 8 ran
+    assert [r["step"] for r in rows(tr)] == [4] and max(keep.events) == 7
+    # every step read before the run stopped was accounted for, the ones after step 6 too
+    assert not tr._queued
+    assert keep.events[7].tokens_seen == keep.events[5].tokens_seen > 0
+    assert not keep.events[7].grad_norm == keep.events[7].grad_norm  # NaN: not applied

@@ -81,9 +81,19 @@ def test_the_plan_counts_what_the_resolved_tiers_build(tmp_path, wide, monkeypat
     assert chunked.tiers == {"loss": "chunked", "attention": "chunked"}
     assert reference.tiers == {"loss": "reference", "attention": "reference"}
     a, b = shape_of(chunked), shape_of(reference)
-    assert not a.logits_full and not a.attention_scores
+    assert not a.logits_full and not a.attention_scores and a.chunked_attention
     assert b.logits_full and b.attention_scores
     assert estimate(b)["total"] > estimate(a)["total"]
+    # the chunked tier's short rows: MLX's fused attention builds one layer's scores at a time
+    from dataclasses import replace
+
+    from mlxtune.kernels import flash
+
+    tiles = estimate(replace(a, chunked_attention=False))["activations"]
+    assert flash.uses_fused(a.batch, a.heads, a.length)
+    assert estimate(a)["activations"] - tiles == a.batch * a.heads * a.length**2 * 16
+    monkeypatch.setattr(flash, "FUSED_SCORES", 0)
+    assert estimate(a)["activations"] == tiles
 
 
 def test_a_run_over_the_limit_is_refused_with_changes_that_fit(tmp_path, wide, capsys):

@@ -4,7 +4,7 @@
 one call; ``attention(q, k, v, ...)`` is scaled dot-product attention. Each tier computes the
 same thing: "reference" is the naive MLX form (it builds the [N, V] logits, the [T, T] scores),
 the tier every other one is tested against; "chunked" is portable MLX that never builds them
-(chunked.py, flash.py); "metal" and "cuda" run the same blocks as GPU kernels written once for
+(chunked.py, flash.py; attention hands rows with small scores to MLX's fused attention); "metal" and "cuda" run the same blocks as GPU kernels written once for
 both backends (fused.py, mlxtune.metal_kernels), and exist where that GPU backend does.
 """
 
@@ -130,11 +130,12 @@ def resolve(choice: str | None) -> str:
     """
     env = os.environ.get("MLXTUNE_KERNELS")
     if choice in (None, "auto"):
-        tier = env or best_impl()
-        why = check_impl(tier)
+        if not env:
+            return best_impl()
+        why = check_impl(env)
         if why:
             raise ValueError(f"MLXTUNE_KERNELS={env}: {why}")
-        return tier
+        return env
     why = check_impl(choice)
     if why:
         raise ValueError(f"{why}; use auto (here: {best_impl()})")
@@ -210,7 +211,9 @@ def attention(
     q [B, Hq, T, Dh], k and v [B, Hkv, T, Dh] with Hq a multiple of Hkv (grouped-query attention).
     ``segment_ids`` [B, T] keeps packed sequences apart: a query sees only keys of its own segment
     (and, with ``causal``, not after itself). The chunked tier saves the per-row logsumexp and
-    recomputes probabilities block by block in the backward, never building [T, T] scores.
+    recomputes probabilities block by block in the backward, never building [T, T] scores, except
+    for rows whose scores hold at most ``flash.FUSED_SCORES`` elements, which go to MLX's fused
+    attention.
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(

@@ -1,5 +1,6 @@
-"""Attention that never builds the [T, T] scores in training: the reference form and the portable
-chunked tier (FlashAttention-2's algorithm in MLX ops).
+"""Attention in training: the reference form and the portable chunked tier (FlashAttention-2's
+algorithm in MLX ops, which never builds the [T, T] scores; short rows go to MLX's own fused
+attention instead, see FUSED_SCORES).
 
 Shapes: q [B, Hq, T, Dh], k and v [B, Hkv, T, Dh] with Hq a multiple of Hkv (grouped-query
 attention); segment_ids [B, T] keeps packed sequences from attending to each other.
@@ -67,7 +68,7 @@ def _scores(qg, kb, scale, mask):
     return s if mask is None else mx.where(mask, s, MASKED)
 
 
-def attention_fused(q, k, v, scale, causal=True, segment_ids=None):
+def attention_native(q, k, v, scale, causal=True, segment_ids=None):
     """MLX's own fused attention (``mx.fast.scaled_dot_product_attention``), with segments and
     causality as a boolean mask. Its backward builds the [B, Hq, T, T] scores."""
     if segment_ids is None:
@@ -93,7 +94,7 @@ def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None)
     FUSED_SCORES elements, go to MLX's fused attention instead, unless ``block`` is given."""
     b, hq, t, d = q.shape
     if block is None and uses_fused(b, hq, t):
-        return attention_fused(q, k, v, scale, causal, segment_ids)
+        return attention_native(q, k, v, scale, causal, segment_ids)
     hkv = k.shape[1]
     blk = block or BLOCK
     blocks = [(s0, min(s0 + blk, t)) for s0 in range(0, t, blk)]
