@@ -214,20 +214,9 @@ def step_split(trainer, n: int = 3) -> dict:
     import contextlib
     import math
 
-    from mlxtune.data import iterate_batches, iterate_packed
     from mlxtune.models import kernel_attention
 
-    r, t = trainer.recipe, trainer.recipe.train
-    if trainer.packing != "off":
-        it = iterate_packed(
-            trainer.train_set, t.batch_size, trainer.pad_id, trainer.packing,
-            trainer.pack_length, t.seed,
-        )  # fmt: skip
-    else:
-        it = iterate_batches(
-            trainer.train_set, t.batch_size, trainer.pad_id, r.data.pad_to_multiple, t.seed,
-            r.data.bucket_size,
-        )  # fmt: skip
+    it = trainer.batches()
     tier = trainer.tiers["attention"]
     ctx = contextlib.nullcontext() if tier == "off" else kernel_attention(trainer.model, tier)
     total = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0}

@@ -831,6 +831,33 @@ class Trainer:
 
         return restore
 
+    def batches(self, start_epoch: int = 0, skip: int = 0):
+        """The endless (epoch, Batch) stream the run trains on, from batch ``skip`` of epoch
+        ``start_epoch``: packed rows, or length-bucketed batches, as the recipe says."""
+        r, t = self.recipe, self.recipe.train
+        if self.packing != "off":
+            return iterate_packed(
+                self.train_set,
+                t.batch_size,
+                self.pad_id,
+                self.packing,
+                self.pack_length,
+                t.seed,
+                r.data.mask_boundary_loss,
+                start_epoch=start_epoch,
+                skip=skip,
+            )
+        return iterate_batches(
+            self.train_set,
+            t.batch_size,
+            self.pad_id,
+            r.data.pad_to_multiple,
+            t.seed,
+            r.data.bucket_size,
+            start_epoch=start_epoch,
+            skip=skip,
+        )
+
     def _run(self) -> dict:
         r, rd, con = self.recipe, self.run_dir, self.console
         t = r.train
@@ -840,29 +867,7 @@ class Trainer:
         self.model.train()
         res = self._resumed or {}
         data_epoch, data_batch = res.get("data_epoch", 0), res.get("data_batch", 0)
-        if self.packing != "off":
-            batches = iterate_packed(
-                self.train_set,
-                t.batch_size,
-                self.pad_id,
-                self.packing,
-                self.pack_length,
-                t.seed,
-                r.data.mask_boundary_loss,
-                start_epoch=data_epoch,
-                skip=data_batch,
-            )
-        else:
-            batches = iterate_batches(
-                self.train_set,
-                t.batch_size,
-                self.pad_id,
-                r.data.pad_to_multiple,
-                t.seed,
-                r.data.bucket_size,
-                start_epoch=data_epoch,
-                skip=data_batch,
-            )
+        batches = self.batches(data_epoch, data_batch)
 
         if self.dry_run:
             return self._dry_run(batches)

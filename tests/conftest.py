@@ -199,6 +199,24 @@ def make_crash(at: int):
     return Crash()
 
 
+class Poison(mlxtune.Callback):
+    """Makes the forward pass NaN after step ``at`` (a NaN in the final norm's weight); undoes it
+    after step ``until`` (never when None)."""
+
+    def __init__(self, at, until=None):
+        self.at, self.until, self.saved = at, until, None
+
+    def on_step(self, trainer, event):
+        import mlx.core as mx
+
+        norm = trainer.model.model.norm
+        if event.step == self.at:
+            self.saved = norm.weight
+            norm.weight = norm.weight * mx.array(float("nan"))
+        if event.step == self.until:
+            norm.weight = self.saved
+
+
 def measured_peak(trainer) -> float:
     """MLX's peak memory of one optimizer step of a built Trainer on its longest examples, after
     a compiling step, with attention routed as Trainer.run routes it."""

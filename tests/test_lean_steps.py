@@ -4,10 +4,9 @@ callback that asks for a value)."""
 
 import json
 
-import mlx.core as mx
 import pytest
 
-from conftest import tiny_recipe
+from conftest import Poison, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
 from mlxtune.console import Console
 from mlxtune.errors import TrainingError
@@ -79,47 +78,21 @@ def test_steps_are_read_at_log_steps_only_and_a_reading_callback_sees_the_same(
 
 
 def test_evaluation_and_checkpoints_read_the_steps_before_them(tmp_path, data_dir, llama_dir):
-    train = {"batch_size": 4, "max_steps": 6, "log_every": 6, "progress": False}
-    tr, reads = make(
-        data_dir,
-        llama_dir,
-        tmp_path / "run",
-        train=train,
+    kw = dict(
+        train={"batch_size": 4, "max_steps": 6, "log_every": 6, "progress": False},
         eval={"every": 3},
         checkpoints={"every": 2, "save_final": False},
     )
+    tr, reads = make(data_dir, llama_dir, tmp_path / "run", **kw)
     tr.run()
     assert reads == [[1], [2], [3], [4], [5, 6]]  # step 5 has no eval, checkpoint or row
     # the checkpoint of step 4 holds step 4's figures, as a run that reads every step sees them
     reader = Reader()
-    eager, _ = make(
-        data_dir,
-        llama_dir,
-        tmp_path / "eager",
-        [reader],
-        train=train,
-        eval={"every": 3},
-        checkpoints={"every": 2, "save_final": False},
-    )
+    eager, _ = make(data_dir, llama_dir, tmp_path / "eager", [reader], **kw)
     eager.run()
     state = json.loads((tr.run_dir.checkpoints / "step-000004" / "trainer_state.json").read_text())
     assert state["resume"]["tokens_seen"] == reader.seen[4]["tokens_seen"]
     assert state["loss"] == reader.seen[4]["loss"] and state["resume"]["last_loss"] == state["loss"]
-
-
-class Poison(Callback):
-    """A NaN in the final norm's weight after step ``at``, undone after step ``until``."""
-
-    def __init__(self, at, until=None):
-        self.at, self.until, self.saved = at, until, None
-
-    def on_step(self, trainer, event):
-        norm = trainer.model.model.norm
-        if event.step == self.at:
-            self.saved = norm.weight
-            norm.weight = norm.weight * mx.array(float("nan"))
-        if event.step == self.until:
-            norm.weight = self.saved
 
 
 def test_a_skipped_step_between_log_steps_is_found_and_named(tmp_path, data_dir, llama_dir):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+import conftest
 from conftest import make_crash, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
 from mlxtune.console import Console
@@ -165,21 +166,16 @@ def test_float16_dynamic_scaling_skips_overflowing_steps_and_settles(tmp_path, d
     assert losses[-1] < losses[0] - 0.3
 
 
-class Poison(Callback):
-    """Makes the forward pass NaN after step ``at`` (a NaN in the final norm's weight); undoes it
-    after step ``until`` (never when None)."""
+class Poison(conftest.Poison):
+    """conftest's Poison, recording the trainable weights after every step."""
 
     def __init__(self, at, until=None):
-        self.at, self.until, self.saved, self.weights = at, until, None, {}
+        super().__init__(at, until)
+        self.weights = {}
 
     def on_step(self, trainer, event):
         self.weights[event.step] = trainable(trainer)
-        norm = trainer.model.model.norm
-        if event.step == self.at:
-            self.saved = norm.weight
-            norm.weight = norm.weight * mx.array(float("nan"))
-        if event.step == self.until:
-            norm.weight = self.saved
+        super().on_step(trainer, event)
 
 
 def test_a_nan_stops_the_run_and_leaves_the_last_checkpoint_intact(tmp_path, data_dir, llama_dir):
