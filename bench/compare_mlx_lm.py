@@ -20,8 +20,11 @@ Both trainers get the same base weights, the same encoded examples (tokens and l
 same LoRA (rank, scale, q_proj/v_proj of every layer), Adam at a constant rate without clipping,
 and the same number of examples. Throughput counts valid target tokens only (mlx-lm's count of one
 extra target per example is taken off); the first report window (compilation) is left out. MFU
-is the model FLOPs of the real (unpadded) tokens per second over this machine's fp32 matmul
-peak, measured at the start. Prints a table, then one JSON line.
+is the model FLOPs of the real (unpadded) tokens per second over this machine's matmul peak in
+the bench's dtype, measured at the start. Prints a table, then one JSON line.
+
+`--model 1b` swaps the small model for a 1B-class one (hidden 2048, 16 layers) and `--dtype
+bfloat16` trains it in bf16: sizes for a GPU (see bench/device/README.md), far too slow here.
 """
 
 from __future__ import annotations
@@ -45,7 +48,18 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "recipes" / "models" / "reverse-tiny"  # char-level, with a chat template
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
-MODEL = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=8)
+MODELS = {
+    # the CPU default: small enough that a full run fits in half an hour on two cores
+    "tiny": dict(
+        hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=8
+    ),
+    # about 1B parameters (at vocab 32k), where the linear layers dominate: for a GPU
+    "1b": dict(
+        hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, num_attention_heads=16
+    ),
+}
+MODEL = dict(MODELS["tiny"])  # the size in use (main sets it from --model)
+DTYPE = "float32"  # the base model's dtype (main sets it from --dtype)
 # chat-mixed: one report window is one epoch of `train` examples (train / examples steps), so
 # that both trainers are timed on the same examples; the first epoch (compilation) is left out.
 QUICK = {
@@ -106,20 +120,22 @@ def build_base(out: Path, vocab: int | None) -> Path:
         tie_word_embeddings=True,
         **MODEL,
     )
-    model, config = build_model(arch, vocab or len(tok._tokenizer), seed=0)
-    return save_model(model, config, out, tok, TOKENIZER)
+    model, config = build_model(arch, vocab or len(tok._tokenizer), dtype=DTYPE, seed=0)
+    return save_model(model, config, out, tok, TOKENIZER, dtype=DTYPE)
 
 
 def matmul_peak() -> float:
-    """fp32 matmul FLOP/s of this machine under MLX (the best of a few 1024^3 products)."""
-    a = mx.random.normal((1024, 1024))
-    b = mx.random.normal((1024, 1024))
+    """Matmul FLOP/s of this machine under MLX in the bench's dtype (the best of a few n^3
+    products: 1024 on a CPU, 8192 on a GPU)."""
+    n = 8192 if mx.default_device().type == mx.DeviceType.gpu else 1024
+    a = mx.random.normal((n, n)).astype(getattr(mx, DTYPE))
+    b = mx.random.normal((n, n)).astype(getattr(mx, DTYPE))
     mx.eval(a @ b)
     best = 0.0
     for _ in range(5):
         t = time.perf_counter()
         mx.eval(a @ b)
-        best = max(best, 2 * 1024**3 / (time.perf_counter() - t))
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
     return best
 
 
@@ -141,7 +157,7 @@ def run_mlxtune(
     chat = kind == "chat-mixed"
     recipe = {
         "name": "bench",
-        "model": {"path": str(base)},
+        "model": {"path": str(base), "dtype": DTYPE},
         "data": {
             "train": str(data),
             "max_length": CHAT_MAX if chat else TEXT_LENGTH,
@@ -341,11 +357,15 @@ def one(
     ours = run_mlxtune(
         base, data, kind, cfg, tmp / f"run-{kind}-{vocab}", rank, lr, packing, attention, bucket
     )
+    print(f"  mlxtune  {kind} vocab {vocab or 32}: {ours['tokens_per_sec']:,.0f} tok/s, "
+          f"peak {ours['peak_gb']:.2f} GB", file=sys.stderr, flush=True)  # fmt: skip
     examples = ours.pop("examples")
     if "train" in cfg and len(examples) != cfg["train"]:
         raise SystemExit(f"{kind}: {len(examples)} training examples, not {cfg['train']}")
     # the same number of examples: mlx-lm's steps hold cfg["examples"] each
     theirs = run_mlx_lm(base, examples, cfg, cfg["steps"], rank, lr, mlx_lm_sorted)
+    print(f"  mlx-lm   {kind} vocab {vocab or 32}: {theirs['tokens_per_sec']:,.0f} tok/s, "
+          f"peak {theirs['peak_gb']:.2f} GB", file=sys.stderr, flush=True)  # fmt: skip
     real_per_valid = sum(len(e.ids) for e in examples) / sum(e.n_targets for e in examples)
     v = vocab or 32
     fpt = flops_per_token(v, ours["mean_len"])
@@ -395,9 +415,25 @@ def main(argv=None):
         help="give mlx-lm a plain list, so that its length sort works (mlx_lm.lora's CacheDataset "
         "keeps file order)",
     )
+    ap.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="tiny",
+        help="model size: tiny (256x4, the CPU default) or 1b (2048x16, for a GPU)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the base model's dtype (bfloat16 is slow on a CPU)",
+    )
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args(argv)
+    global DTYPE
+    MODEL.clear()
+    MODEL.update(MODELS[args.model])
+    DTYPE = args.dtype
     sizes = QUICK if args.quick else FULL
     kinds = ["chat-mixed", "text-fixed"] if args.workload == "all" else [args.workload]
     vocabs = args.vocab if args.vocab else [None, 32768]
@@ -425,7 +461,8 @@ def main(argv=None):
     err = sys.stderr
     print(
         f"model: llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']} (ffn {MODEL['intermediate_size']}), "
-        f"LoRA r={args.rank} on q_proj/v_proj; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; {time.time() - t0:.0f} s",
+        f"{DTYPE}, LoRA r={args.rank} on q_proj/v_proj; {mx.default_device()}, {DTYPE} matmul "
+        f"peak {peak / 1e9:.0f} GFLOP/s; {time.time() - t0:.0f} s",
         file=err,
     )
     print(
@@ -450,6 +487,9 @@ def main(argv=None):
         json.dumps(
             {
                 "size": "quick" if args.quick else "full",
+                "model": args.model,
+                "dtype": DTYPE,
+                "device": str(mx.default_device()),
                 "mlx_lm_batches": "length-sorted" if args.mlx_lm_sorted else "as mlx_lm.lora",
                 "matmul_peak_gflops": round(peak / 1e9, 1),
                 "results": results,

@@ -1,5 +1,6 @@
 """The GPU tiers on a real GPU, against the naive reference: ``pytest -m metal`` on Apple
-silicon, ``pytest -m cuda`` under MLX's CUDA backend (skipped where neither exists)."""
+silicon, ``pytest -m cuda`` under MLX's CUDA backend (skipped where neither exists).
+bench/device/README.md says how to run them on an NVIDIA machine."""
 
 import mlx.core as mx
 import numpy as np
@@ -8,48 +9,81 @@ from test_kernel_tiers import lce_inputs, qkv, rel
 
 from mlxtune import kernels
 
-
-def gpu_tiers():
-    return [t for t in ("metal", "cuda") if t in kernels.IMPLS]
+GPU_TIERS = [t for t in ("metal", "cuda") if t in kernels.IMPLS]
+on_gpu = pytest.mark.skipif(
+    not GPU_TIERS,
+    reason="needs MLX's Metal backend (Apple silicon) or its CUDA backend (mlx-cuda on NVIDIA)",
+)
+DTYPES = pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-4), (mx.bfloat16, 2e-2)])
 
 
 @pytest.mark.metal
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not gpu_tiers(),
-    reason="needs MLX's Metal backend (Apple silicon) or its CUDA backend (mlx-cuda on NVIDIA)",
-)
-@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-4), (mx.bfloat16, 2e-2)])
-def test_gpu_tier_matches_reference(dtype, tol):
-    tiers = gpu_tiers()
-    h, w, t = lce_inputs(n=300, d=64, v=5000, dtype=dtype)
-    q, k, v, ct = qkv(b=2, hq=8, hkv=2, t=300, d=64, dtype=dtype)
-    seg = mx.array((np.arange(300)[None, :] // 70 + np.arange(2)[:, None]).astype(np.int32))
-    for impl in tiers:
-        for ls, cap in ((0.0, None), (0.1, 5.0)):
+@on_gpu
+@DTYPES
+@pytest.mark.parametrize("smoothing,cap", [(0.0, None), (0.1, 5.0)])
+@pytest.mark.parametrize("n,v", [(300, 5000), (37, 70001)])
+def test_gpu_linear_cross_entropy(dtype, tol, smoothing, cap, n, v):
+    h, w, t = lce_inputs(n=n, d=64, v=v, dtype=dtype)
+    for impl in GPU_TIERS:
 
-            def f(h, w, impl=impl, ls=ls, cap=cap):
-                return kernels.linear_cross_entropy(
-                    h, w, t, label_smoothing=ls, softcap=cap, impl=impl
-                )[0]
+        def f(h, w, impl=impl):
+            return kernels.linear_cross_entropy(
+                h, w, t, label_smoothing=smoothing, softcap=cap, impl=impl
+            )[0]
 
-            got, g1 = mx.value_and_grad(f, argnums=(0, 1))(h, w)
-            want, g2 = mx.value_and_grad(lambda h, w: f(h, w, "reference"), argnums=(0, 1))(h, w)
-            assert rel(got, want) < tol
-            for a, b in zip(g1, g2, strict=True):
-                assert rel(a.astype(mx.float32), b.astype(mx.float32)) < tol
-        for causal, s in ((True, None), (False, None), (True, seg)):
+        got, g1 = mx.value_and_grad(f, argnums=(0, 1))(h, w)
+        want, g2 = mx.value_and_grad(lambda h, w: f(h, w, "reference"), argnums=(0, 1))(h, w)
+        assert rel(got, want) < tol, impl
+        for a, b in zip(g1, g2, strict=True):
+            assert rel(a.astype(mx.float32), b.astype(mx.float32)) < tol, impl
 
-            def fa(q, k, v, impl=impl, causal=causal, s=s):
-                out = kernels.attention(
-                    q, k, v, scale=0.125, causal=causal, segment_ids=s, impl=impl
-                )
-                return (out * ct).sum()
 
-            got, g1 = mx.value_and_grad(fa, argnums=(0, 1, 2))(q, k, v)
-            want, g2 = mx.value_and_grad(
-                lambda q, k, v: fa(q, k, v, "reference"), argnums=(0, 1, 2)
-            )(q, k, v)
-            assert rel(got, want) < tol
-            for a, b in zip(g1, g2, strict=True):
-                assert rel(a.astype(mx.float32), b.astype(mx.float32)) < tol
+@pytest.mark.metal
+@pytest.mark.cuda
+@on_gpu
+@DTYPES
+@pytest.mark.parametrize("mode", ["causal", "full", "segments"])
+@pytest.mark.parametrize("t,d", [(300, 64), (77, 128), (129, 40)])
+def test_gpu_attention(dtype, tol, mode, t, d):
+    q, k, v, ct = qkv(b=2, hq=8, hkv=2, t=t, d=d, dtype=dtype)
+    seg = None
+    if mode == "segments":
+        seg = mx.array((np.arange(t)[None, :] // 70 + np.arange(2)[:, None]).astype(np.int32))
+    for impl in GPU_TIERS:
+
+        def fa(q, k, v, impl=impl):
+            out = kernels.attention(
+                q, k, v, scale=d**-0.5, causal=mode != "full", segment_ids=seg, impl=impl
+            )
+            return (out * ct).sum()
+
+        got, g1 = mx.value_and_grad(fa, argnums=(0, 1, 2))(q, k, v)
+        want, g2 = mx.value_and_grad(lambda q, k, v: fa(q, k, v, "reference"), argnums=(0, 1, 2))(
+            q, k, v
+        )
+        assert rel(got, want) < tol, impl
+        for a, b in zip(g1, g2, strict=True):
+            assert rel(a.astype(mx.float32), b.astype(mx.float32)) < tol, impl
+
+
+@pytest.mark.metal
+@pytest.mark.cuda
+@on_gpu
+def test_gpu_tier_is_picked_and_compiles():
+    """auto picks the GPU tier here, and both kernels run inside mx.compile."""
+    assert kernels.self_check(GPU_TIERS[0]) is None
+    assert kernels.resolve("auto") == GPU_TIERS[0]
+    h, w, t = lce_inputs(n=64, d=32, v=1000, dtype=mx.float32)
+    q, k, v, ct = qkv(b=1, hq=4, hkv=2, t=64, d=32, dtype=mx.float32)
+
+    def loss(h, w, q, k, v, impl):
+        ce = kernels.linear_cross_entropy(h, w, t, impl=impl)[0].sum()
+        return ce + (kernels.attention(q, k, v, scale=0.2, impl=impl) * ct).sum()
+
+    step = mx.compile(mx.value_and_grad(lambda *a: loss(*a, GPU_TIERS[0]), argnums=(0, 1, 2)))
+    got, g1 = step(h, w, q, k, v)
+    want, g2 = mx.value_and_grad(lambda *a: loss(*a, "reference"), argnums=(0, 1, 2))(h, w, q, k, v)
+    assert rel(got, want) < 1e-4
+    for a, b in zip(g1, g2, strict=True):
+        assert rel(a, b) < 1e-4

@@ -75,7 +75,9 @@ def self_check(tier: str) -> str | None:
     return why
 
 
-def _compare_with_reference(tier: str, tol: float = 1e-3) -> str | None:
+def _compare_with_reference(tier: str, tol: float = 3e-3) -> str | None:
+    # The tolerance leaves room for the reference's own fp32 matmuls, which MLX's CUDA backend
+    # runs in TF32 (about 5e-4 apart at these sizes), and still catches a tier 1% off.
     k = mx.random.split(mx.random.key(1234), 6)
     h, w = mx.random.normal((70, 32), key=k[0]), 0.3 * mx.random.normal((300, 32), key=k[1])
     t = mx.where(mx.arange(70) % 9 == 0, -100, mx.random.randint(0, 300, (70,), key=k[2]))

@@ -34,6 +34,15 @@ def chunk_size(n: int, v: int, elements: int | None = None) -> int:
     return min(c, v)
 
 
+def chunk_starts(v: int, c: int) -> mx.array:
+    """Each chunk's first column, as an array made in the graph: ``chunk_starts(v, c)[k]`` is
+    chunk k's offset. The per-chunk arithmetic takes its offset from here, not as a Python
+    number, because ``mx.compile`` writes scalar constants into the source of the kernels it
+    fuses: one number per chunk would make a distinct kernel per chunk, and on a GPU each is a
+    JIT build of a second or more (minutes for a 32k vocabulary's first step)."""
+    return mx.arange(0, v, c, dtype=mx.int32)
+
+
 def _logits(h, w_chunk, softcap):
     """fp32 logits of one chunk, soft-capped when asked."""
     z = (h @ w_chunk.T).astype(mx.float32)
@@ -46,10 +55,11 @@ def _forward(h, w, t, valid, c, label_smoothing, softcap):
     """Per-token (logsumexp, target logit, sum of logits), as one packed [N, 3] state."""
     n, v = h.shape[0], w.shape[0]
     state = mx.stack([mx.full((n,), -math.inf), mx.zeros((n,)), mx.zeros((n,))], axis=-1)
-    for start in range(0, v, c):
+    starts = chunk_starts(v, c)
+    for k, start in enumerate(range(0, v, c)):
         z = _logits(h, w[start : start + c], softcap)
         width = z.shape[1]
-        local = t - start
+        local = t - starts[k]
         inside = (local >= 0) & (local < width) & valid
         picked = mx.take_along_axis(z, mx.clip(local, 0, width - 1)[:, None], axis=-1)[:, 0]
         lse = mx.logaddexp(state[:, 0], mx.logsumexp(z, axis=-1))
@@ -60,7 +70,8 @@ def _forward(h, w, t, valid, c, label_smoothing, softcap):
 
 
 def _chunk_grad(h, w_chunk, t, start, lse, g, label_smoothing, softcap, v):
-    """d loss / d raw logits of one chunk, [N, C] (g: the per-token cotangent, 0 if ignored)."""
+    """d loss / d raw logits of one chunk, [N, C] (g: the per-token cotangent, 0 if ignored;
+    ``start``: the chunk's offset, a scalar array from ``chunk_starts``)."""
     z = _logits(h, w_chunk, softcap)
     p = mx.exp(z - lse[:, None])
     width = z.shape[1]
@@ -84,16 +95,18 @@ def token_losses(lse, target, total, valid, label_smoothing, v):
 
 def backward_over_chunks(h, w, c, chunk_grad, weight_grad):
     """(d hidden, d weight) from each chunk's d loss / d logits, ``chunk_grad(h, w_chunk,
-    start)``, one chunk at a time; with ``weight_grad=False`` d weight is zeros."""
+    start)`` (``start`` a scalar array, see ``chunk_starts``), one chunk at a time; with
+    ``weight_grad=False`` d weight is zeros."""
     hf = h.astype(mx.float32)
     dh = mx.zeros(h.shape, dtype=mx.float32)
     pieces = []
-    for start in range(0, w.shape[0], c):
+    starts = chunk_starts(w.shape[0], c)
+    for k, start in enumerate(range(0, w.shape[0], c)):
         wc = w[start : start + c]
         # chunk k starts only once everything reading chunk k-1's tile is done, or MLX's
         # scheduler would run ahead and hold many tiles at once
         after = mx.depends(h, [dh, pieces[-1]] if pieces else dh)
-        dz = chunk_grad(after, wc, start)
+        dz = chunk_grad(after, wc, starts[k])
         dh = mx.addmm(dh, dz, wc.astype(mx.float32))
         if weight_grad:
             pieces.append((dz.T @ hf).astype(w.dtype))

@@ -39,7 +39,7 @@ from ..metal_kernels import (
     header,
     source,
 )
-from .chunked import backward_over_chunks, chunk_size, token_losses
+from .chunked import backward_over_chunks, chunk_size, chunk_starts, token_losses
 from .flash import attention_chunked
 
 # Threads per group of the cross-entropy kernels (a multiple of 32).
@@ -126,12 +126,18 @@ def make_linear_cross_entropy(launch: Launcher):
         def losses_fn(h, w, t):
             state = mx.broadcast_to(mx.array([-1e30, 0.0, 0.0, 0.0]), (n, 4))
             prm = mx.array([softcap if capped else 1.0], dtype=mx.float32)
-            for start in range(0, v, c):
+            starts = chunk_starts(v, c)  # offsets as arrays: one fused kernel for every chunk
+            for k, start in enumerate(range(0, v, c)):
                 # chunk k is computed only once chunk k-1 is folded in (one tile at a time)
                 after = mx.depends(h, state) if start else h
                 z = after @ w[start : start + c].T
                 (state,) = launch(
-                    LCE_FORWARD, [z, t - start, state, prm], [(n, 4)], (n, 1), LCE_THREADS, consts
+                    LCE_FORWARD,
+                    [z, t - starts[k], state, prm],
+                    [(n, 4)],
+                    (n, 1),
+                    LCE_THREADS,
+                    consts,
                 )
             lse = state[:, 0] + mx.log(state[:, 1])
             losses = token_losses(lse, state[:, 2], state[:, 3], valid, label_smoothing, v)
