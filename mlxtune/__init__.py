@@ -6,9 +6,12 @@ summary = mlxtune.Trainer(recipe, run_dir="runs/demo").run()
 """
 
 from ._blas import setup_blas as _setup_blas
+from ._malloc import setup_malloc as _setup_malloc
 
 # Must run before mlx.core is first imported (see _blas.py).
 _setup_blas()
+# Before MLX allocates: freed buffers stay in the process (see _malloc.py).
+_setup_malloc()
 
 from .errors import MlxtuneError, TrainingError, UserInputError  # noqa: E402
 from .recipe import Recipe, load_recipe, recipe_from_dict  # noqa: E402

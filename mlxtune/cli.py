@@ -11,7 +11,7 @@ import time
 
 import click
 
-from . import __version__, _blas
+from . import __version__, _blas, _malloc
 from .errors import Interrupted, TrainingError, UserInputError
 
 
@@ -320,6 +320,7 @@ def doctor(install_blas):
     click.echo(f"python    {platform.python_version()} on {platform.system()} {platform.machine()}")
     click.echo(f"backend   {backend} (default device {mx.default_device()})")
     click.echo(f"BLAS      {status.name}: {status.note}")
+    click.echo(f"malloc    {_malloc.setup_malloc()}")
     click.echo(f"matmul    {_matmul_gflops():.1f} GFLOP/s (fp32, 512x512)")
     click.echo(f"memory    {mem:.1f} GB" if mem else "memory    unknown")
     for pkg in (

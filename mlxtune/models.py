@@ -356,6 +356,10 @@ class kernel_attention:
     other call (generation with a cache, explicit masks) to mlx-lm's own function. mlx-lm's files
     are not edited, and the original is restored on exit. Families whose attention is their own
     code (gemma2's soft-capped scores) keep it.
+
+    On the CPU, unless the tier is "reference", the modules' ``swiglu`` (llama, qwen2, qwen3,
+    phi3) becomes ``kernels.cpu.swiglu`` too: the same function with an exponential that MLX's
+    CPU backend vectorises (see kernels/cpu.py).
     """
 
     def __init__(self, model: nn.Module, impl: str | None = None):
@@ -364,6 +368,7 @@ class kernel_attention:
         self.module = sys.modules[type(model).__module__]
         self.impl = impl
         self.original = getattr(self.module, "scaled_dot_product_attention", None)
+        self.original_swiglu = getattr(self.module, "swiglu", None)
 
     @property
     def active(self) -> bool:
@@ -400,11 +405,21 @@ class kernel_attention:
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
         self.module.scaled_dot_product_attention = sdpa
+        if (
+            self.original_swiglu is not None
+            and self.impl != "reference"
+            and mx.default_device() == mx.cpu
+        ):
+            from .kernels import cpu
+
+            self.module.swiglu = cpu.swiglu
         return self
 
     def __exit__(self, *exc):
         if self.original is not None:
             self.module.scaled_dot_product_attention = self.original
+        if self.original_swiglu is not None:
+            self.module.swiglu = self.original_swiglu
         return False
 
 

@@ -1,6 +1,6 @@
 """Attention in training: the reference form and the portable chunked tier (FlashAttention-2's
-algorithm in MLX ops, which never builds the [T, T] scores; short rows go to MLX's own fused
-attention instead, see FUSED_SCORES).
+algorithm in MLX ops, which never builds the [T, T] scores; short rows build them instead, see
+FUSED_SCORES).
 
 Shapes: q [B, Hq, T, Dh], k and v [B, Hkv, T, Dh] with Hq a multiple of Hkv (grouped-query
 attention); segment_ids [B, T] keeps packed sequences from attending to each other.
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import cpu
+
 # Masked scores: finite, so that a block in which a row sees nothing yet gives no NaN; every row
 # sees at least one key (itself, under causal masking or within its segment).
 MASKED = -1e30
@@ -23,10 +25,10 @@ MASKED = -1e30
 # Dh=64 the compiled forward+backward peaks at 83 MB against the naive path's 434 MB (0.19x).
 BLOCK = 64
 
-# Up to this many score elements (B x Hq x T x T; 64 MB in fp32), the chunked tier runs MLX's
-# fused attention instead of tiles: on the CPU it does the same work about a fifth faster (its
-# exponentials are vectorised; mx.exp is not), and scores of this size are small next to the
-# activations of the same batch.
+# Up to this many score elements (B x Hq x T x T; 64 MB in fp32), the chunked tier builds the
+# scores instead of tiling them: MLX's fused attention on a GPU, and on the CPU cpu.attention,
+# whose exponentials are vectorised (mx.exp is not) and which skips most causal upper blocks.
+# Scores of this size are small next to the activations of the same batch.
 FUSED_SCORES = 1 << 24
 
 
@@ -91,9 +93,13 @@ def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None)
     """FlashAttention-2 forward and backward over [block x block] tiles, in MLX ops. Under causal
     masking the tiles above the diagonal are never computed: about half the work (and half the
     exponentials, which bound the CPU) of the full scores. Short rows, whose scores hold at most
-    FUSED_SCORES elements, go to MLX's fused attention instead, unless ``block`` is given."""
+    FUSED_SCORES elements, go to MLX's fused attention instead (``cpu.attention`` on the CPU),
+    unless ``block`` is given."""
     b, hq, t, d = q.shape
     if block is None and uses_fused(b, hq, t):
+        if mx.default_device() == mx.cpu:
+            # the same probabilities with a vectorised exp, the causal upper blocks left out
+            return cpu.attention(q, k, v, scale, causal, segment_ids)
         return attention_native(q, k, v, scale, causal, segment_ids)
     hkv = k.shape[1]
     blk = block or BLOCK
