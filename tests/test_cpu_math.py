@@ -209,3 +209,17 @@ def test_malloc_keeps_large_buffers_in_the_heap():
 
     assert run({}).startswith("True glibc malloc keeps freed buffers")
     assert run({"MLXTUNE_MALLOC": "system"}) == "False system allocator (MLXTUNE_MALLOC=system)"
+
+
+def test_logsumexp_and_dispatch(monkeypatch):
+    z = 6 * mx.random.normal((33, 1000), key=mx.random.key(13))
+    got = mx.compile(cpu.logsumexp)(z)
+    np.testing.assert_allclose(np.array(got), np.array(mx.logsumexp(z, axis=-1)), rtol=1e-6)
+    x = -mx.abs(z)
+    assert cpu.on_cpu()
+    fast = np.array(cpu.exp_of_nonpositive(x))
+    np.testing.assert_allclose(fast, np.exp(np.array(x, np.float64)), rtol=1e-6, atol=1e-38)
+    assert not np.array_equal(fast, np.array(mx.exp(x)))  # not MLX's own
+    monkeypatch.setattr(cpu, "on_cpu", lambda: False)  # elsewhere: MLX's own
+    np.testing.assert_array_equal(np.array(cpu.exp_of_nonpositive(x)), np.array(mx.exp(x)))
+    np.testing.assert_array_equal(np.array(cpu.logsumexp(z)), np.array(mx.logsumexp(z, axis=-1)))

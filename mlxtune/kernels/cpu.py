@@ -18,8 +18,10 @@ The attention here covers the rows that the chunked tier gives to MLX's fused at
 gives each block only the keys up to its end, so the probabilities above the diagonal are mostly
 never computed: with 4 blocks, 62% of the full scores.
 
-Only the trainer's CPU path uses these (see ``kernels.attention`` and ``models.kernel_attention``);
-on a GPU MLX's own kernels are faster.
+The chunked tier's cross-entropy and attention tiles take their exponentials from here too
+(``exp_of_nonpositive``, ``logsumexp``): every one of them has an argument <= 0. On a GPU those
+fall back to MLX's own, and the trainer uses the rest only on the CPU (``flash.attention_chunked``
+for short rows, ``models.kernel_attention`` for SwiGLU): MLX's GPU kernels are faster there.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ _LN2_HI = 0.693145751953125
 _LN2_LO = 1.428606765330187e-06
 # Adding and taking away 1.5 * 2^23 rounds an fp32 of magnitude under 2^22 to an integer.
 _ROUND = 12582912.0
-# Below this exp() would leave fp32's normal range: inputs are clipped to it (e^-87 = 1.6e-38).
+# Inputs are clipped to [_LOWEST, _HIGHEST]: below, e^x would leave fp32's normal range; above,
+# 2^n would overflow its exponent bits.
 _LOWEST = -87.0
+_HIGHEST = 88.0
 
 
 def _fit_coefficients(degree: int = 5) -> tuple[float, ...]:
@@ -54,13 +58,16 @@ _C = _fit_coefficients()
 
 
 def exp_nonpositive(x: mx.array) -> mx.array:
-    """e^x for fp32 x <= 0 (larger inputs are not allowed), as fusible arithmetic; inputs under
-    -87 give e^-87. NaN stays NaN.
+    """e^x for x <= 0, as fusible fp32 arithmetic, in x's dtype. Inputs are clipped to
+    [-87, 88] (e^-87 = 1.6e-38, the bottom of fp32's normal range; the top keeps 2^n's exponent
+    bits in range, for callers whose inputs are 0 up to rounding). NaN stays NaN.
 
     Two passes when compiled: one builds 2^n from its exponent bits (a bit view ends a fused
     kernel), the other the polynomial times 2^n. A single pass with two outputs would be slower
     on MLX's CPU backend."""
-    x = mx.maximum(x, _LOWEST)
+    if x.dtype != mx.float32:
+        return exp_nonpositive(x.astype(mx.float32)).astype(x.dtype)
+    x = mx.clip(x, _LOWEST, _HIGHEST)
     n = (x * _LOG2E + _ROUND) - _ROUND
     r = (x - n * _LN2_HI) - n * _LN2_LO
     r2 = r * r
@@ -68,6 +75,26 @@ def exp_nonpositive(x: mx.array) -> mx.array:
     p = (c0 + r * c1) + r2 * ((c2 + r * c3) + r2 * (c4 + r * c5))
     two_n = mx.view((n.astype(mx.int32) + 127) << 23, mx.float32)
     return p * two_n
+
+
+def on_cpu() -> bool:
+    """Whether MLX's default device is the CPU, where this module's forms are the faster ones."""
+    return mx.default_device() == mx.cpu
+
+
+def exp_of_nonpositive(x: mx.array) -> mx.array:
+    """e^x for x <= 0: exp_nonpositive on the CPU, mx.exp elsewhere."""
+    return exp_nonpositive(x) if on_cpu() else mx.exp(x)
+
+
+def logsumexp(x: mx.array) -> mx.array:
+    """log(sum(e^x)) over the last axis of fp32 x with finite entries: mx.logsumexp, with
+    exp_nonpositive on the CPU. No gradient of its own: for the forward of functions that have
+    their own VJP."""
+    if not on_cpu():
+        return mx.logsumexp(x, axis=-1)
+    m = x.max(axis=-1, keepdims=True)
+    return (m + mx.log(exp_nonpositive(_materialized(x - m)).sum(axis=-1, keepdims=True)))[..., 0]
 
 
 def _materialized(x: mx.array) -> mx.array:

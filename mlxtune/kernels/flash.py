@@ -126,8 +126,8 @@ def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None)
                     after, kf[..., k0:k1, :], scale, _mask(q0, q1, k0, k1, causal, segment_ids)
                 )
                 m_new = mx.maximum(m, s.max(axis=-1))
-                p = mx.exp(s - m_new[..., None])
-                alpha = mx.exp(m - m_new)
+                p = cpu.exp_of_nonpositive(s - m_new[..., None])
+                alpha = cpu.exp_of_nonpositive(m - m_new)
                 l = alpha * l + p.sum(axis=-1)  # noqa: E741
                 acc = alpha[..., None] * acc + p @ vf[..., k0:k1, :]
                 m = m_new
@@ -158,7 +158,7 @@ def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None)
                 qb = qg[..., q0:q1, :]
                 after = mx.depends(qb, last) if last else qb
                 s = _scores(after, kb, scale, _mask(q0, q1, k0, k1, causal, segment_ids))
-                p = mx.exp(s - lse[..., q0:q1, None])
+                p = cpu.exp_of_nonpositive(s - lse[..., q0:q1, None])
                 dob = d_out[..., q0:q1, :]
                 dp = dob @ vb.swapaxes(-1, -2)
                 ds = p * (dp - delta[..., q0:q1, None]) * scale
