@@ -223,3 +223,11 @@ def test_logsumexp_and_dispatch(monkeypatch):
     monkeypatch.setattr(cpu, "on_cpu", lambda: False)  # elsewhere: MLX's own
     np.testing.assert_array_equal(np.array(cpu.exp_of_nonpositive(x)), np.array(mx.exp(x)))
     np.testing.assert_array_equal(np.array(cpu.logsumexp(z)), np.array(mx.logsumexp(z, axis=-1)))
+
+
+def test_tanh_matches_float64():
+    x = mx.concatenate([mx.linspace(-30.0, 30.0, 100_001), mx.array([0.0, -0.0, 1e-8, -1e-8])])
+    got = np.array(mx.compile(cpu.tanh)(x), np.float64)
+    want = np.tanh(np.array(x, np.float64))
+    assert np.max(np.abs(got - want)) < 2e-7
+    assert cpu.tanh(mx.array([0.5], dtype=mx.bfloat16)).dtype == mx.bfloat16

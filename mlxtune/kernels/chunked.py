@@ -49,7 +49,7 @@ def _logits(h, w_chunk, softcap):
     """fp32 logits of one chunk, soft-capped when asked."""
     z = (h @ w_chunk.T).astype(mx.float32)
     if softcap is not None:
-        z = softcap * mx.tanh(z / softcap)
+        z = softcap * cpu.tanh(z / softcap)
     return z
 
 
