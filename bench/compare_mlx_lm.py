@@ -1,7 +1,7 @@
 """mlxtune against mlx-lm's LoRA trainer: the same model, data and LoRA, in one process.
 
-    python bench/compare_mlx_lm.py                 # every workload (about 30 minutes, 2-core CPU)
-    python bench/compare_mlx_lm.py --quick         # smaller and shorter (about 12 minutes)
+    python bench/compare_mlx_lm.py                 # every workload (about 20 minutes, 2-core CPU)
+    python bench/compare_mlx_lm.py --quick         # smaller and shorter (about 7 minutes)
     python bench/compare_mlx_lm.py --workload chat-mixed --vocab 32768
 
 Workloads (each run on a small-vocabulary model and on a 32,768-token one):
@@ -392,7 +392,7 @@ def one(
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps (about 4 minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps (about 7 minutes)")
     ap.add_argument("--workload", choices=["chat-mixed", "text-fixed", "all"], default="all")
     ap.add_argument(
         "--vocab",

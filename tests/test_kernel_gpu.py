@@ -17,6 +17,16 @@ on_gpu = pytest.mark.skipif(
 DTYPES = pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-4), (mx.bfloat16, 2e-2)])
 
 
+def assert_matches_reference(f, args, impl, tol):
+    """f(*args, impl) and its gradients with respect to every arg, against the reference tier."""
+    argnums = tuple(range(len(args)))
+    got, g1 = mx.value_and_grad(lambda *a: f(*a, impl), argnums=argnums)(*args)
+    want, g2 = mx.value_and_grad(lambda *a: f(*a, "reference"), argnums=argnums)(*args)
+    assert rel(got, want) < tol, impl
+    for a, b in zip(g1, g2, strict=True):
+        assert rel(a.astype(mx.float32), b.astype(mx.float32)) < tol, impl
+
+
 @pytest.mark.metal
 @pytest.mark.cuda
 @on_gpu
@@ -25,18 +35,14 @@ DTYPES = pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-4), (mx.bfloat16,
 @pytest.mark.parametrize("n,v", [(300, 5000), (37, 70001)])
 def test_gpu_linear_cross_entropy(dtype, tol, smoothing, cap, n, v):
     h, w, t = lce_inputs(n=n, d=64, v=v, dtype=dtype)
+
+    def f(h, w, impl):
+        return kernels.linear_cross_entropy(
+            h, w, t, label_smoothing=smoothing, softcap=cap, impl=impl
+        )[0]
+
     for impl in GPU_TIERS:
-
-        def f(h, w, impl=impl):
-            return kernels.linear_cross_entropy(
-                h, w, t, label_smoothing=smoothing, softcap=cap, impl=impl
-            )[0]
-
-        got, g1 = mx.value_and_grad(f, argnums=(0, 1))(h, w)
-        want, g2 = mx.value_and_grad(lambda h, w: f(h, w, "reference"), argnums=(0, 1))(h, w)
-        assert rel(got, want) < tol, impl
-        for a, b in zip(g1, g2, strict=True):
-            assert rel(a.astype(mx.float32), b.astype(mx.float32)) < tol, impl
+        assert_matches_reference(f, (h, w), impl, tol)
 
 
 @pytest.mark.metal
@@ -50,21 +56,15 @@ def test_gpu_attention(dtype, tol, mode, t, d):
     seg = None
     if mode == "segments":
         seg = mx.array((np.arange(t)[None, :] // 70 + np.arange(2)[:, None]).astype(np.int32))
-    for impl in GPU_TIERS:
 
-        def fa(q, k, v, impl=impl):
-            out = kernels.attention(
-                q, k, v, scale=d**-0.5, causal=mode != "full", segment_ids=seg, impl=impl
-            )
-            return (out * ct).sum()
-
-        got, g1 = mx.value_and_grad(fa, argnums=(0, 1, 2))(q, k, v)
-        want, g2 = mx.value_and_grad(lambda q, k, v: fa(q, k, v, "reference"), argnums=(0, 1, 2))(
-            q, k, v
+    def fa(q, k, v, impl):
+        out = kernels.attention(
+            q, k, v, scale=d**-0.5, causal=mode != "full", segment_ids=seg, impl=impl
         )
-        assert rel(got, want) < tol, impl
-        for a, b in zip(g1, g2, strict=True):
-            assert rel(a.astype(mx.float32), b.astype(mx.float32)) < tol, impl
+        return (out * ct).sum()
+
+    for impl in GPU_TIERS:
+        assert_matches_reference(fa, (q, k, v), impl, tol)
 
 
 @pytest.mark.metal
