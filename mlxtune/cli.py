@@ -307,13 +307,22 @@ def _install_blas() -> str:
 )
 def doctor(install_blas):
     """Print the backend, BLAS, memory and versions, and what to fix."""
+    installed = None
     if install_blas:
-        click.echo(f"OpenBLAS: {_install_blas()}")
+        installed = _install_blas()
+        click.echo(f"OpenBLAS: {installed}")
     import importlib.metadata as md
 
     import mlx.core as mx
 
     status = _blas.setup_blas()
+    if not status.fast and installed and installed.startswith("installed"):
+        # this process imported mlx before the install; the next command loads it
+        status = _blas.BlasStatus(
+            "bundled reference BLAS in this process",
+            None,
+            "OpenBLAS was just installed; every mlxtune command from the next one on uses it",
+        )
     backend = "Metal" if mx.metal.is_available() else ("CUDA" if mx.cuda.is_available() else "CPU")
     mem = _memory_gb()
     click.echo(f"mlxtune   {__version__}")
@@ -337,7 +346,7 @@ def doctor(install_blas):
         except md.PackageNotFoundError:
             click.echo(f"{pkg:<9} not installed")
     fixes = []
-    if backend == "CPU" and not status.fast:
+    if backend == "CPU" and not status.fast and not (installed or "").startswith("installed"):
         fixes.append(status.note)
     if backend == "CPU" and sys.platform == "darwin":
         fixes.append("MLX found no Metal GPU: use an Apple silicon Mac with macOS 14 or later")

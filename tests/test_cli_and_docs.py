@@ -52,6 +52,19 @@ def test_doctor_reports_backend_blas_and_versions(capsys):
     assert _blas.STATUS.name in out
 
 
+def test_doctor_after_a_fresh_install_says_the_next_command_uses_it(capsys, monkeypatch):
+    from mlxtune import cli
+
+    monkeypatch.setattr(cli, "_install_blas", lambda: "installed libopenblas0-pthread: ...")
+    slow = _blas.BlasStatus("bundled reference BLAS", None, "no OpenBLAS found; install it")
+    monkeypatch.setattr(_blas, "STATUS", slow)
+    assert main(["doctor", "--install-blas"]) == 0
+    out = capsys.readouterr().out
+    assert "OpenBLAS: installed" in out
+    assert "from the next one on" in out
+    assert "to fix    nothing" in out
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS loading is for Linux")
 def test_openblas_is_used_when_installed_and_bundled_opts_out():
     found = _blas._find_openblas()
