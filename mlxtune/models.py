@@ -367,14 +367,22 @@ class kernel_attention:
 
         self.module = sys.modules[type(model).__module__]
         self.impl = impl
-        self.original = getattr(self.module, "scaled_dot_product_attention", None)
-        self.original_swiglu = getattr(self.module, "swiglu", None)
+        # mlx-lm's own functions, also when another kernel_attention is active around this one
+        self.original = _unpatched(getattr(self.module, "scaled_dot_product_attention", None))
+        self.original_swiglu = _unpatched(getattr(self.module, "swiglu", None))
+        self._saved: list[tuple] = []  # what each __enter__ found, for its __exit__
 
     @property
     def active(self) -> bool:
         return self.original is not None
 
     def __enter__(self):
+        self._saved.append(
+            (
+                getattr(self.module, "scaled_dot_product_attention", None),
+                getattr(self.module, "swiglu", None),
+            )
+        )
         if self.original is None:
             return self
         from .kernels import attention
@@ -404,23 +412,33 @@ class kernel_attention:
                 return original(queries, keys, values, cache, scale=scale, mask=mask)
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
+        sdpa._mlxtune_original = original
         self.module.scaled_dot_product_attention = sdpa
-        if (
-            self.original_swiglu is not None
-            and self.impl != "reference"
-            and mx.default_device() == mx.cpu
-        ):
-            from .kernels import cpu
+        if self.original_swiglu is not None:
+            if self.impl != "reference" and mx.default_device() == mx.cpu:
+                from .kernels import cpu
 
-            self.module.swiglu = cpu.swiglu
+                def swiglu(gate, x):
+                    return cpu.swiglu(gate, x)
+
+                swiglu._mlxtune_original = self.original_swiglu
+                self.module.swiglu = swiglu
+            else:  # the naive tier keeps mlx-lm's, inside another kernel_attention too
+                self.module.swiglu = self.original_swiglu
         return self
 
     def __exit__(self, *exc):
-        if self.original is not None:
-            self.module.scaled_dot_product_attention = self.original
-        if self.original_swiglu is not None:
-            self.module.swiglu = self.original_swiglu
+        sdpa, swiglu = self._saved.pop()
+        if sdpa is not None:
+            self.module.scaled_dot_product_attention = sdpa
+        if swiglu is not None:
+            self.module.swiglu = swiglu
         return False
+
+
+def _unpatched(fn):
+    """mlx-lm's function behind a kernel_attention replacement (fn itself when it is not one)."""
+    return getattr(fn, "_mlxtune_original", fn)
 
 
 # --------------------------------------------------------------------------------------------

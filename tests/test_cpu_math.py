@@ -29,9 +29,25 @@ def test_exp_matches_float64_to_a_millionth(compiled):
 
 
 def test_exp_below_the_normal_range_and_nan():
-    out = np.array(cpu.exp_nonpositive(mx.array([-88.0, -1e30, -mx.inf, mx.nan])))
-    assert np.all(out[:3] > 0) and np.all(out[:3] < 2e-38)  # tiny, normal, never negative
-    assert np.isnan(out[3])
+    out = np.array(cpu.exp_nonpositive(mx.array([-87.3, -88.0, -1e30, -mx.inf, mx.nan])))
+    assert 0 < out[0] < 1.3e-38 and out[0] == pytest.approx(np.exp(-87.3), rel=1e-5)
+    assert np.all(out[1:4] == 0)  # flushed, as a subnormal would be: e^-inf is 0
+    assert np.isnan(out[4])
+    for dtype in (mx.float16, mx.bfloat16):
+        half = cpu.exp_nonpositive(mx.array([-1.0, -mx.inf], dtype=dtype))
+        assert half.dtype == dtype and half[1].item() == 0
+        assert half[0].item() == pytest.approx(np.exp(-1.0), rel=1e-2)
+
+
+def test_logsumexp_and_softmax_with_masked_entries():
+    x = mx.array([[-mx.inf, -mx.inf, -mx.inf], [1.0, -mx.inf, 2.0], [0.5, -3.0, 40.0]])
+    got = np.array(cpu.logsumexp(x))
+    want = np.array(mx.logsumexp(x, axis=-1))
+    assert got[0] == -np.inf
+    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-6)
+    p = np.array(cpu.softmax(x[1:]))
+    assert p[0, 1] == 0
+    np.testing.assert_allclose(p, np.array(mx.softmax(x[1:], axis=-1)), rtol=1e-5, atol=0)
 
 
 def test_softmax_values_and_gradients():
@@ -52,7 +68,7 @@ def test_softmax_values_and_gradients():
         np.array(mx.grad(ours)(x)), np.array(mx.grad(ref)(x)), rtol=1e-4, atol=1e-6
     )
     compiled = mx.compile(mx.value_and_grad(ours))(x)
-    assert compiled[0].item() == pytest.approx(ours(x).item(), rel=1e-5)
+    assert compiled[0].item() == pytest.approx(ref(x).item(), rel=1e-5)
     np.testing.assert_allclose(np.array(compiled[1]), np.array(mx.grad(ref)(x)), atol=1e-6)
 
 
@@ -60,7 +76,7 @@ def test_softmax_keeps_dtype_and_nan():
     x = mx.random.normal((3, 40), key=mx.random.key(3)).astype(mx.bfloat16)
     out = cpu.softmax(x)
     assert out.dtype == mx.bfloat16
-    assert rel(out.astype(mx.float32), mx.softmax(x.astype(mx.float32), axis=-1)) < 1e-2
+    assert rel(out.astype(mx.float32), mx.softmax(x.astype(mx.float32), axis=-1)) < 5e-3
     bad = mx.array([[0.0, mx.nan, 1.0], [0.0, 1.0, 2.0]])
     out = np.array(cpu.softmax(bad))
     assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
@@ -81,7 +97,7 @@ def test_swiglu_values_and_gradients(dtype):
         g, u = g.astype(mx.float32), u.astype(mx.float32)
         return (nn.silu(g) * u * w).sum()
 
-    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    tol = 1e-5 if dtype == mx.float32 else 5e-3
     out = cpu.swiglu(gate, up)
     assert out.dtype == dtype
     assert rel(out.astype(mx.float32), nn.silu(gate.astype(mx.float32)) * up) < tol
@@ -137,10 +153,15 @@ def test_attention_bf16():
     out = cpu.attention(q, k, v, 0.35)
     assert out.dtype == mx.bfloat16
     assert rel(out.astype(mx.float32), naive(q, k, v, 0.35, True, None)) < 1e-2
+    w = mx.random.normal(q.shape, key=mx.random.key(13))
     grads = mx.grad(
-        lambda q, k, v: cpu.attention(q, k, v, 0.35).astype(mx.float32).sum(), (0, 1, 2)
-    )
-    assert [g.dtype for g in grads(q, k, v)] == [mx.bfloat16] * 3
+        lambda q, k, v: (cpu.attention(q, k, v, 0.35).astype(mx.float32) * w).sum(), (0, 1, 2)
+    )(q, k, v)
+    assert [g.dtype for g in grads] == [mx.bfloat16] * 3
+    f32 = [a.astype(mx.float32) for a in (q, k, v)]
+    want = mx.grad(lambda q, k, v: (naive(q, k, v, 0.35, True, None) * w).sum(), (0, 1, 2))(*f32)
+    for g, r in zip(grads, want, strict=True):
+        assert rel(g, r) < 1e-2
 
 
 def test_the_chunked_tier_gives_short_rows_to_it_on_the_cpu(monkeypatch):
@@ -172,7 +193,7 @@ def test_training_routes_swiglu_on_the_cpu_with_the_same_gradients(llama_dir):
     with kernel_attention(model, "reference"):  # the naive tier keeps mlx-lm's swiglu
         assert llama_module.swiglu is original
     with kernel_attention(model):
-        assert llama_module.swiglu is cpu.swiglu
+        assert llama_module.swiglu is not original
         routed = nn.value_and_grad(model, loss)(model)
     assert llama_module.swiglu is original
     assert routed[0].item() == pytest.approx(plain[0].item(), rel=1e-5)
@@ -231,3 +252,25 @@ def test_tanh_matches_float64():
     want = np.tanh(np.array(x, np.float64))
     assert np.max(np.abs(got - want)) < 2e-7
     assert cpu.tanh(mx.array([0.5], dtype=mx.bfloat16)).dtype == mx.bfloat16
+
+
+def test_kernel_attention_nests_and_restores_after_errors(llama_dir):
+    import mlx_lm.models.llama as llama_module
+
+    from mlxtune.models import kernel_attention, load_model
+
+    model, _ = load_model(llama_dir)
+    sdpa, swiglu = llama_module.scaled_dot_product_attention, llama_module.swiglu
+    outer = kernel_attention(model)
+    with outer:
+        patched = (llama_module.scaled_dot_product_attention, llama_module.swiglu)
+        assert patched[0] is not sdpa and patched[1] is not swiglu
+        with kernel_attention(model, "reference"):
+            assert llama_module.swiglu is swiglu  # the naive tier: mlx-lm's own
+        with outer:  # re-entered: the inner exit leaves the outer patch in place
+            pass
+        assert (llama_module.scaled_dot_product_attention, llama_module.swiglu) == patched
+        with pytest.raises(ValueError), kernel_attention(model, "chunked"):
+            raise ValueError("a failing step")
+        assert (llama_module.scaled_dot_product_attention, llama_module.swiglu) == patched
+    assert llama_module.scaled_dot_product_attention is sdpa and llama_module.swiglu is swiglu

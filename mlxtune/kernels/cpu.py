@@ -39,9 +39,10 @@ _LN2_HI = 0.693145751953125
 _LN2_LO = 1.428606765330187e-06
 # Adding and taking away 1.5 * 2^23 rounds an fp32 of magnitude under 2^22 to an integer.
 _ROUND = 12582912.0
-# Inputs are clipped to [_LOWEST, _HIGHEST]: below, e^x would leave fp32's normal range; above,
+# Inputs are clipped to [_LOWEST, _HIGHEST]. At _LOWEST, n = -127, whose exponent bits are those
+# of 0.0, so e^x is 0 below about -87.7 (fp32's normal range ends at e^-87.3); above _HIGHEST
 # 2^n would overflow its exponent bits.
-_LOWEST = -87.0
+_LOWEST = -88.0
 _HIGHEST = 88.0
 
 
@@ -60,15 +61,17 @@ _C = _fit_coefficients()
 
 
 def exp_nonpositive(x: mx.array) -> mx.array:
-    """e^x for x <= 0, as fusible fp32 arithmetic, in x's dtype. Inputs are clipped to
-    [-87, 88] (e^-87 = 1.6e-38, the bottom of fp32's normal range; the top keeps 2^n's exponent
-    bits in range, for callers whose inputs are 0 up to rounding). NaN stays NaN.
+    """e^x for x <= 0, as fusible fp32 arithmetic, in x's dtype (fp32 for integer x). Below about
+    -87.7 (fp32's normal range ends at e^-87.3) the result is 0, as a flushed subnormal would be,
+    so e^-inf = 0; inputs above 0 are clipped to 88 (2^n's exponent bits stay in range, for
+    callers whose inputs are 0 up to rounding). NaN stays NaN.
 
     Two passes when compiled: one builds 2^n from its exponent bits (a bit view ends a fused
     kernel), the other the polynomial times 2^n. A single pass with two outputs would be slower
     on MLX's CPU backend."""
     if x.dtype != mx.float32:
-        return exp_nonpositive(x.astype(mx.float32)).astype(x.dtype)
+        out = exp_nonpositive(x.astype(mx.float32))
+        return out.astype(x.dtype) if mx.issubdtype(x.dtype, mx.floating) else out
     x = mx.clip(x, _LOWEST, _HIGHEST)
     n = (x * _LOG2E + _ROUND) - _ROUND
     r = (x - n * _LN2_HI) - n * _LN2_LO
@@ -96,6 +99,7 @@ def logsumexp(x: mx.array) -> mx.array:
     if not on_cpu():
         return mx.logsumexp(x, axis=-1)
     m = x.max(axis=-1, keepdims=True)
+    m = mx.where(m == -mx.inf, 0.0, m)  # a row of -inf gives -inf, not NaN
     return (m + mx.log(exp_nonpositive(_materialized(x - m)).sum(axis=-1, keepdims=True)))[..., 0]
 
 
@@ -144,7 +148,8 @@ def _sigmoid(x: mx.array) -> mx.array:
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up, as mlx-lm's models compute their MLP (fp32 inside)."""
     g = gate.astype(mx.float32)
-    return (g * _sigmoid(g) * up.astype(mx.float32)).astype(up.dtype)
+    out = up.dtype if gate.dtype == up.dtype else mx.float32  # as MLX promotes mixed halves
+    return (g * _sigmoid(g) * up.astype(mx.float32)).astype(out)
 
 
 @swiglu.vjp
