@@ -277,17 +277,21 @@ def _matmul_gflops() -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
 
 
-def _install_blas() -> str:
+def _install_blas() -> tuple[bool, str]:
+    """Install OpenBLAS where it is missing: (whether this call installed it, what happened)."""
     if sys.platform != "linux":
-        return "not needed: this is not Linux"
+        return False, "not needed: this is not Linux"
     if _blas._find_openblas():
-        return "OpenBLAS is already installed"
+        return False, "OpenBLAS is already installed"
     apt = shutil.which("apt-get")
     if apt is None:
-        return "no apt-get here: install OpenBLAS with your package manager (dnf install openblas, pacman -S openblas)"
+        return (
+            False,
+            "no apt-get here: install OpenBLAS with your package manager (dnf install openblas, pacman -S openblas)",
+        )
     prefix = [] if os.geteuid() == 0 else (["sudo", "-n"] if shutil.which("sudo") else None)
     if prefix is None:
-        return "not root and no sudo: ask for `apt-get install libopenblas0-pthread`"
+        return False, "not root and no sudo: ask for `apt-get install libopenblas0-pthread`"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     cmd = prefix + [apt, "install", "-y", "-q", "libopenblas0-pthread"]
     ok = subprocess.run(cmd, env=env, capture_output=True).returncode == 0
@@ -295,8 +299,8 @@ def _install_blas() -> str:
         subprocess.run(prefix + [apt, "update", "-q"], env=env, capture_output=True)
         ok = subprocess.run(cmd, env=env, capture_output=True).returncode == 0
     if ok and _blas._find_openblas():
-        return "installed libopenblas0-pthread: mlxtune will use it from the next command on"
-    return (
+        return True, "installed libopenblas0-pthread"
+    return False, (
         "could not install libopenblas0-pthread (run `sudo apt-get install libopenblas0-pthread`)"
     )
 
@@ -307,17 +311,16 @@ def _install_blas() -> str:
 )
 def doctor(install_blas):
     """Print the backend, BLAS, memory and versions, and what to fix."""
-    installed = None
+    just_installed = False
     if install_blas:
-        installed = _install_blas()
-        click.echo(f"OpenBLAS: {installed}")
+        just_installed, what = _install_blas()
+        click.echo(f"OpenBLAS: {what}")
     import importlib.metadata as md
 
     import mlx.core as mx
 
     status = _blas.setup_blas()
-    if not status.fast and installed and installed.startswith("installed"):
-        # this process imported mlx before the install; the next command loads it
+    if just_installed and not status.fast:  # this process loaded mlx before the install
         status = _blas.BlasStatus(
             "bundled reference BLAS in this process",
             None,
@@ -346,7 +349,7 @@ def doctor(install_blas):
         except md.PackageNotFoundError:
             click.echo(f"{pkg:<9} not installed")
     fixes = []
-    if backend == "CPU" and not status.fast and not (installed or "").startswith("installed"):
+    if backend == "CPU" and not status.fast and not just_installed:
         fixes.append(status.note)
     if backend == "CPU" and sys.platform == "darwin":
         fixes.append("MLX found no Metal GPU: use an Apple silicon Mac with macOS 14 or later")

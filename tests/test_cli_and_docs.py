@@ -55,7 +55,7 @@ def test_doctor_reports_backend_blas_and_versions(capsys):
 def test_doctor_after_a_fresh_install_says_the_next_command_uses_it(capsys, monkeypatch):
     from mlxtune import cli
 
-    monkeypatch.setattr(cli, "_install_blas", lambda: "installed libopenblas0-pthread: ...")
+    monkeypatch.setattr(cli, "_install_blas", lambda: (True, "installed libopenblas0-pthread"))
     slow = _blas.BlasStatus("bundled reference BLAS", None, "no OpenBLAS found; install it")
     monkeypatch.setattr(_blas, "STATUS", slow)
     assert main(["doctor", "--install-blas"]) == 0
