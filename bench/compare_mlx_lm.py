@@ -232,7 +232,7 @@ def step_split(trainer, n: int = 3) -> dict:
 
     from mlxtune.models import kernel_attention
 
-    it = trainer.batches()
+    it, engine = trainer.batches(), trainer.engine
     tier = trainer.tiers["attention"]
     ctx = contextlib.nullcontext() if tier == "off" else kernel_attention(trainer.model, tier)
     total = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
@@ -240,16 +240,15 @@ def step_split(trainer, n: int = 3) -> dict:
         for i in range(n + 1):
             t0 = time.perf_counter()
             _, b = next(it)
-            args = [mx.array(b.tokens), mx.array(b.mask)]
-            seg = () if b.segments is None else (mx.array(b.segments),)
-            mx.eval(args, seg)
+            arrays = engine.arrays(b)
+            mx.eval(arrays)
             t1 = time.perf_counter()
-            inv = mx.array(1.0 / max(b.n_targets, 1))
-            loss, _, grads = trainer._grad_step(*args, inv, *seg)
+            inv = mx.array(1.0 / max(trainer.objective.count(b), 1))
+            loss, _, _, grads = engine.grad_step(arrays, inv)
             mx.eval(loss, grads)
             t2 = time.perf_counter()
-            norm, ok = trainer._apply_step(grads, loss)
-            mx.eval(trainer._state, norm, ok)
+            norm, ok = engine.apply_step(grads, loss)
+            mx.eval(engine.state, norm, ok)
             t3 = time.perf_counter()
             if i:  # the first compiles
                 total["data"] += t1 - t0

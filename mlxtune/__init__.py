@@ -14,8 +14,8 @@ _setup_blas()
 _setup_malloc()
 
 from .errors import MlxtuneError, TrainingError, UserInputError  # noqa: E402
+from .loop import Callback, StepEvent, Trainer  # noqa: E402
 from .recipe import Recipe, load_recipe, recipe_from_dict  # noqa: E402
-from .trainer import Callback, StepEvent, Trainer  # noqa: E402
 
 __version__ = "0.1.0"
 

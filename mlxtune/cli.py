@@ -42,8 +42,8 @@ def cli():
 )
 def run(recipe, overrides, run_dir, dry_run, tui, resume):
     """Train RECIPE.yaml; OVERRIDES are key.sub=value pairs (e.g. train.max_steps=50)."""
+    from .loop import Trainer
     from .recipe import load_recipe
-    from .trainer import Trainer
 
     r = load_recipe(recipe, list(overrides))
     if tui and not dry_run:
@@ -111,7 +111,8 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""
     from pathlib import Path
 
-    from .export import export, find_checkpoint, load_checkpoint
+    from .checkpoint import find_checkpoint, load_checkpoint
+    from .export import export
     from .rundir import staged_folder
 
     ckpt = find_checkpoint(path, warn=_warn)
@@ -180,7 +181,7 @@ def generate(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, prompt
     """Complete PROMPT, streaming tokens as they come."""
     import mlx.core as mx
 
-    from .export import load_for_generation
+    from .generate import load_for_generation
 
     m, tok = load_for_generation(model, adapter, scale, warn=_warn)
     mx.random.seed(seed)
@@ -194,7 +195,7 @@ def chat(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, system):
     """Talk to a model through its chat template; an empty line or end of input ends it."""
     import mlx.core as mx
 
-    from .export import load_for_generation
+    from .generate import load_for_generation
 
     m, tok = load_for_generation(model, adapter, scale, warn=_warn)
     if not getattr(tok._tokenizer, "chat_template", None):

@@ -22,19 +22,15 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserInputError
-from .lora import DoRALinear, LoRALinear, apply_adapters
+from .lora import DoRALinear, LoRALinear
 from .models import (
     DTYPES,
     PICKLED,
-    build_model,
     is_quantized,
-    load_model,
     pickled_hint,
     quantize_model,
     save_model,
 )
-from .resume import candidates, verify
-from .tokenizer import load_tokenizer
 
 FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter")
 
@@ -50,83 +46,6 @@ class TrainedModel:
     """type, rank, alpha, dropout, targets, layers (indices) and adapted (module names)."""
     base_dir: Path | None
     tokenizer_dir: Path | None
-
-
-# ------------------------------------------------------------------------------ loading
-
-
-def find_checkpoint(path: str | Path, warn=None) -> Path:
-    """An intact checkpoint directory: PATH itself, or a run directory's final, else best, else
-    newest step (``resume.candidates``). A damaged one (``resume.verify``) is refused when named,
-    and skipped, through ``warn(message)``, when picked from a run."""
-    p = Path(path)
-    if (p / "trainer_state.json").exists():
-        why = verify(p)
-        if why:
-            raise UserInputError(f"cannot read this checkpoint: {why}", str(p))
-        return p
-    found = candidates(p)
-    if not found:
-        raise UserInputError(
-            "not a run directory or checkpoint (no trainer_state.json found)", str(p)
-        )
-    rank = {"final": 0, "best": 1}
-    for c in sorted(found, key=lambda c: rank.get(c.name, 2)):  # stable: newest step first
-        why = verify(c)
-        if why is None:
-            return c
-        if warn is not None:
-            warn(f"WARNING: skipping {c}: {why}")
-    raise UserInputError("no intact checkpoint in this run", str(p / "checkpoints"))
-
-
-def load_trained(path: str | Path, warn=None) -> TrainedModel:
-    """Rebuild the trained model a run directory or checkpoint describes (``find_checkpoint``)."""
-    return load_checkpoint(find_checkpoint(path, warn))
-
-
-def load_checkpoint(ckpt: Path) -> TrainedModel:
-    """Rebuild the trained model of a checkpoint ``find_checkpoint`` has found and checked."""
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    if "model_config" not in state:
-        raise UserInputError(
-            "this checkpoint does not describe its model (written by an older mlxtune)", str(ckpt)
-        )
-    base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
-    # the run's recipe allowed the model's own code (or did not): so does its export
-    trust = bool(((state.get("recipe") or {}).get("model") or {}).get("trust_remote_code"))
-    if base is not None:
-        model, config = load_model(base, state.get("dtype", "float32"), trust)
-        q = ((state.get("recipe") or {}).get("model") or {}).get("quantize")
-        if q:  # QLoRA: the adapters were trained over the quantized base
-            quantize_model(model, q["bits"], q["group_size"])
-    else:
-        model, config = build_model(
-            state["model_config"],
-            state["model_config"]["vocab_size"],
-            state.get("dtype", "float32"),
-        )
-    a = state["adapter"]
-    apply_adapters(
-        model,
-        a["type"],
-        a.get("rank", 8),
-        a.get("alpha", 16.0),
-        0.0,
-        a.get("targets", []),
-        a.get("layers"),
-    )
-    weights = mx.load(str(ckpt / "adapters.safetensors"))
-    load_trainable_weights(model, weights, str(ckpt / "adapters.safetensors"))
-    tok_dir = Path(state["tokenizer_dir"]) if state.get("tokenizer_dir") else base
-    template = ((state.get("recipe") or {}).get("tokenizer") or {}).get("chat_template")
-    tokenizer = (  # as the run read it: its chat template, its trust in the folder's code
-        load_tokenizer(tok_dir, chat_template=template, trust_remote_code=trust)
-        if tok_dir is not None
-        else None
-    )
-    model.eval()
-    return TrainedModel(model, tokenizer, config, a, base, tok_dir)
 
 
 def load_trainable_weights(model: nn.Module, weights: dict, where: str):
@@ -399,39 +318,3 @@ def adapter_settings(path: str | Path) -> dict:
         "adapter_config.json is neither mlx-lm's (lora_parameters) nor PEFT's (peft_type LORA)",
         str(p),
     )
-
-
-def load_for_generation(
-    model: str | Path, adapter: str | Path | None = None, scale: float | None = None, warn=None
-):
-    """(model, tokenizer) from a Hugging Face layout directory (a fused export too) or an mlxtune
-    run/checkpoint, with an optional mlx-lm or PEFT adapter; ``scale`` multiplies the adapter's.
-    ``warn(message)`` hears of damaged checkpoints passed over in a run."""
-    p = Path(model)
-    if (p / "trainer_state.json").exists() or (p / "checkpoints").is_dir():
-        t = load_trained(p, warn)
-        m, tok = t.model, t.tokenizer
-    else:
-        from .models import resolve_model_path
-
-        path = resolve_model_path(str(model), None)
-        m, _ = load_model(path)
-        tok = load_tokenizer(path)
-    if adapter is not None:
-        s = adapter_settings(adapter)
-        if s["type"] not in ("lora", "dora"):
-            raise UserInputError(
-                f"a {s['type']!r} adapter holds whole weights; load it as --model", str(adapter)
-            )
-        apply_adapters(m, s["type"], s["rank"], s["alpha"], 0.0, s["targets"], s["layers"])
-        import_adapter(m, adapter)
-    if scale is not None:
-        mods = adapter_modules(m)
-        if not mods:
-            raise UserInputError(
-                "--scale needs an adapter (--adapter, or a LoRA/DoRA run)", "--scale"
-            )
-        for _, mod in mods:
-            mod.scale = mod.scale * scale
-    m.eval()
-    return m, tok

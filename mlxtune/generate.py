@@ -4,10 +4,18 @@ length (so no padding is needed), with mlx-lm's KV cache."""
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
+
+from .checkpoint import load_trained
+from .errors import UserInputError
+from .export import adapter_modules, adapter_settings, import_adapter
+from .lora import apply_adapters
+from .models import load_model, resolve_model_path
+from .tokenizer import load_tokenizer
 
 
 def eos_ids(tokenizer) -> set[int]:
@@ -82,3 +90,54 @@ def exact_match(model, tokenizer, examples, max_new_tokens: int) -> tuple[float,
         hits += ok
         rows.append({"prompt": e.prompt, "answer": a, "reference": e.answer, "correct": ok})
     return hits / max(len(examples), 1), rows
+
+
+def sample(model: nn.Module, tokenizer, cfg, valid_set, step: int) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs for a run's samples section ``cfg``: its own prompts, or the
+    first ``cfg.count`` validation prompts as the model reads them in training; drawn with the
+    step as seed."""
+    if cfg.prompts:
+        prompts = list(cfg.prompts)
+        ids = [list(tokenizer.encode(p)) for p in prompts]
+    else:
+        chosen = [e for e in valid_set.examples if e.prompt_ids][: cfg.count]
+        prompts, ids = [e.prompt for e in chosen], [e.prompt_ids for e in chosen]
+    if not prompts:
+        return []
+    eos = eos_ids(tokenizer)
+    new = generate_ids(model, ids, cfg.max_new_tokens, eos, cfg.temperature, seed=step)
+    return list(zip(prompts, (tokenizer.decode(n) for n in new), strict=True))
+
+
+def load_for_generation(
+    model: str | Path, adapter: str | Path | None = None, scale: float | None = None, warn=None
+):
+    """(model, tokenizer) from a Hugging Face layout directory (a fused export too) or an mlxtune
+    run/checkpoint, with an optional mlx-lm or PEFT adapter; ``scale`` multiplies the adapter's.
+    ``warn(message)`` hears of damaged checkpoints passed over in a run."""
+    p = Path(model)
+    if (p / "trainer_state.json").exists() or (p / "checkpoints").is_dir():
+        t = load_trained(p, warn)
+        m, tok = t.model, t.tokenizer
+    else:
+        path = resolve_model_path(str(model), None)
+        m, _ = load_model(path)
+        tok = load_tokenizer(path)
+    if adapter is not None:
+        s = adapter_settings(adapter)
+        if s["type"] not in ("lora", "dora"):
+            raise UserInputError(
+                f"a {s['type']!r} adapter holds whole weights; load it as --model", str(adapter)
+            )
+        apply_adapters(m, s["type"], s["rank"], s["alpha"], 0.0, s["targets"], s["layers"])
+        import_adapter(m, adapter)
+    if scale is not None:
+        mods = adapter_modules(m)
+        if not mods:
+            raise UserInputError(
+                "--scale needs an adapter (--adapter, or a LoRA/DoRA run)", "--scale"
+            )
+        for _, mod in mods:
+            mod.scale = mod.scale * scale
+    m.eval()
+    return m, tok

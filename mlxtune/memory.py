@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .data import read_positions
+from .errors import UserInputError
 from .kernels.flash import uses_fused
 from .models import checkpointed_layers, is_quantized
 
@@ -200,7 +201,7 @@ def shape_of(trainer) -> Shape:
         length=length,
         accumulation=r.train.grad_accumulation,
         optimizer_slots=slots,
-        masters=trainer._masters[0] is not None,
+        masters=trainer.engine.masters is not None,
         attention_scores=trainer.tiers["attention"] in ("reference", "off"),
         chunked_attention=trainer.tiers["attention"] == "chunked",
         logits_full=trainer.tiers["loss"] == "reference",
@@ -290,3 +291,34 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
             ),
         )
     return out
+
+
+def plan(shape: Shape, recipe, log) -> dict[str, float]:
+    """Estimate a run's peak memory and weigh it against the budget (``memory.limit_gb``, else
+    the device's); over it, refuse with the recipe changes that would fit (or, with
+    ``memory.check: warn``, log them and go on). The estimate, by part."""
+    m = recipe.memory
+    est = estimate(shape)
+    if m.limit_gb is not None:
+        budget, what = m.limit_gb * GB, "memory.limit_gb"
+    else:
+        budget, what = device_budget()
+    log(f"memory: estimated peak {describe(est)}; the budget is {budget / GB:.2f} GB ({what})")
+    if est["total"] <= budget or m.check == "off":
+        return est
+    fits = alternatives(shape, budget, recipe)
+    msg = (
+        f"this run needs about {est['total'] / GB:.2f} GB at its peak, more than the "
+        f"{budget / GB:.2f} GB of {what}; "
+        + (
+            "any of these would fit: " + "; ".join(fits)
+            if fits
+            else "no single change fits: combine a smaller train.batch_size, a shorter "
+            "data.max_length, adapter.type: lora and model.dtype: bfloat16"
+        )
+        + " (memory.check: warn runs it anyway)"
+    )
+    if m.check == "warn":
+        log(f"WARNING: {msg}")
+        return est
+    raise UserInputError(msg, recipe.source or "recipe")

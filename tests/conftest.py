@@ -234,10 +234,10 @@ def measured_peak(trainer) -> float:
     exs = sorted(trainer.train_set.examples, key=lambda e: -len(e.ids))
     batch = [make_batch(exs[: trainer.recipe.train.batch_size], trainer.pad_id, 8)]
     with kernel_attention(trainer.model):
-        trainer._optimizer_step(batch)  # compile
+        trainer.engine.step(batch)  # compile
         mx.synchronize()
         mx.clear_cache()
         mx.reset_peak_memory()
-        trainer._optimizer_step(batch)
+        trainer.engine.step(batch)
         mx.synchronize()
     return mx.get_peak_memory()

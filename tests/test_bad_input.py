@@ -205,7 +205,7 @@ def export_not_a_run(w):
 
 
 def export_over_a_full_folder(w):
-    from mlxtune.resume import write_checksums
+    from mlxtune.checkpoint import write_checksums
 
     final = w.old / "checkpoints" / "final"  # an intact checkpoint: the --out check refuses
     final.mkdir()

@@ -9,9 +9,10 @@ import pytest
 
 from conftest import tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
+from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
 from mlxtune.errors import UserInputError
-from mlxtune.export import import_adapter, load_trained, read_adapter
+from mlxtune.export import import_adapter, read_adapter
 from mlxtune.lora import apply_adapters
 from mlxtune.models import load_model
 
@@ -166,8 +167,7 @@ def test_generate_with_the_shipped_model_reverses_a_word(capsys):
 
 
 def test_generate_from_a_run_an_adapter_and_a_scale(tmp_path, data_dir, llama_dir, capsys):
-    from mlxtune.export import load_for_generation
-    from mlxtune.generate import eos_ids, generate_ids
+    from mlxtune.generate import eos_ids, generate_ids, load_for_generation
 
     tr = trained_run(tmp_path, data_dir, llama_dir, "lora", ["peft", "mlx-lm"])
     prompt = tr.train_set.examples[0].prompt_ids

@@ -9,9 +9,9 @@ import sentencepiece as spm
 from mlx.utils import tree_flatten
 from test_export import trained_run
 
+from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
 from mlxtune.errors import UserInputError
-from mlxtune.export import load_trained
 from mlxtune.gguf_export import permute_qk
 
 

@@ -152,10 +152,11 @@ class FailBig:
     def __init__(self, step, rows):
         self.step, self.rows, self.seen = step, rows, []
 
-    def __call__(self, tokens, mask, *rest):
-        out = self.step(tokens, mask, *rest)
-        self.seen.append(tokens.shape[0])
-        if tokens.shape[0] > self.rows:
+    def __call__(self, batch, *rest):
+        out = self.step(batch, *rest)
+        rows = batch["tokens"].shape[0]
+        self.seen.append(rows)
+        if rows > self.rows:
             raise RuntimeError("[malloc] Unable to allocate 4294967296 bytes.")
         return out
 
@@ -169,8 +170,8 @@ def test_out_of_memory_halves_the_micro_batch_and_trains_the_same(tmp_path, data
     )
     Trainer(recipe_from_dict(r), tmp_path / "plain", console=Console(quiet=True)).run()
     tr = Trainer(recipe_from_dict(r), tmp_path / "oom", console=Console(quiet=True))
-    tr._train_step = FailBig(tr._train_step, rows=2)
-    tr._grad_step = FailBig(tr._grad_step, rows=2)
+    tr.engine._train_step = FailBig(tr.engine._train_step, rows=2)
+    tr.engine._grad_step = FailBig(tr.engine._grad_step, rows=2)
     tr.run()
 
     def losses(d):
@@ -182,7 +183,7 @@ def test_out_of_memory_halves_the_micro_batch_and_trains_the_same(tmp_path, data
     log = (tmp_path / "oom" / "log.txt").read_text()
     assert "micro-batches of 4 and grad_accumulation 2 (the same 8 examples per step)" in log
     assert "micro-batches of 2 and grad_accumulation 4" in log
-    assert max(tr._grad_step.seen[-4:]) == 2 and tr._split == 4
+    assert max(tr.engine._grad_step.seen[-4:]) == 2 and tr.engine.split == 4
     state = json.loads(
         (tmp_path / "oom" / "checkpoints" / "step-000006" / "trainer_state.json").read_text()
     )
@@ -192,8 +193,8 @@ def test_out_of_memory_halves_the_micro_batch_and_trains_the_same(tmp_path, data
 def test_out_of_memory_with_one_example_per_micro_batch_stops(tmp_path, data_dir, llama_dir):
     r = tiny_recipe(data_dir, llama_dir, train={"batch_size": 2, "max_steps": 2, "progress": False})
     tr = Trainer(recipe_from_dict(r), tmp_path / "oom", console=Console(quiet=True))
-    tr._train_step = FailBig(tr._train_step, rows=0)
-    tr._grad_step = FailBig(tr._grad_step, rows=0)
+    tr.engine._train_step = FailBig(tr.engine._train_step, rows=0)
+    tr.engine._grad_step = FailBig(tr.engine._grad_step, rows=0)
     with pytest.raises(TrainingError, match="out of memory even with micro-batches of one example"):
         tr.run()
 

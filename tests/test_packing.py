@@ -107,13 +107,9 @@ def test_the_packed_loss_is_the_sum_of_the_examples_losses(tmp_path, data_dir, l
     exs = tr.train_set.examples[:6]
     packed = make_packed_batch([exs[:3], exs[3:]], tr.pad_id, 64)
     with kernel_attention(tr.model, "chunked"):
-        loss_p, n_p = tr._loss(
-            tr.model, mx.array(packed.tokens), mx.array(packed.mask), mx.array(packed.segments)
-        )
-        loss_u, n_u = tr._loss(
-            tr.model,
-            *(mx.array(x) for x in (lambda b: (b.tokens, b.mask))(make_batch(exs, tr.pad_id, 8))),
-        )
+        loss_p, n_p, _ = tr.objective.loss(tr.model, tr.engine.arrays(packed))
+        unpacked = make_batch(exs, tr.pad_id, 8)
+        loss_u, n_u, _ = tr.objective.loss(tr.model, tr.engine.arrays(unpacked))
     assert n_p.item() == n_u.item() == sum(e.n_targets for e in exs)
     assert loss_p.item() == pytest.approx(loss_u.item(), rel=1e-5)
 

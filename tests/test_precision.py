@@ -11,10 +11,10 @@ from mlx.utils import tree_flatten
 import conftest
 from conftest import make_crash, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
+from mlxtune.checkpoint import verify
 from mlxtune.console import Console
 from mlxtune.errors import TrainingError
 from mlxtune.precision import update_scale
-from mlxtune.resume import verify
 
 TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
 
@@ -84,12 +84,12 @@ def test_bf16_full_finetune_updates_fp32_masters_that_pure_bf16_would_round_away
     plain = trainer(
         data_dir, llama_dir, tmp_path / "p", "bfloat16", precision={"master_weights": False}, **kw
     )
-    assert plain._masters[0] is None
+    assert plain.engine.masters is None
     start = trainable(with_m)
     with_m.run()
     plain.run()
     k = "model.layers.0.mlp.up_proj.weight"
-    masters = dict(tree_flatten(with_m._masters[0]))
+    masters = dict(tree_flatten(with_m.engine.masters))
     assert masters[k].dtype == mx.float32
     assert dict(tree_flatten(with_m.model.parameters()))[k].dtype == mx.bfloat16
     moved = np.abs(np.array(masters[k]) - start[k])
@@ -108,7 +108,7 @@ def test_bf16_full_finetune_updates_fp32_masters_that_pure_bf16_would_round_away
 
 def test_lora_adapters_are_fp32_already_and_need_no_master_copy(tmp_path, data_dir, llama_dir):
     tr = trainer(data_dir, llama_dir, tmp_path / "l", "bfloat16")
-    assert tr._masters[0] is None
+    assert tr.engine.masters is None
     assert all(v.dtype == mx.float32 for _, v in tree_flatten(tr.model.trainable_parameters()))
 
 
@@ -133,7 +133,7 @@ class Record(Callback):
 
     def on_step(self, trainer, event):
         self.weights[event.step] = trainable(trainer)
-        self.skipped[event.step] = trainer._nf["skipped"]
+        self.skipped[event.step] = trainer.engine.skipped
 
 
 def test_float16_dynamic_scaling_skips_overflowing_steps_and_settles(tmp_path, data_dir, llama_dir):

@@ -180,7 +180,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, data_dir, llama_dir):
 def test_the_cli_exits_130_and_says_how_to_resume(
     tmp_path, data_dir, llama_dir, capsys, monkeypatch
 ):
-    import mlxtune.trainer as trainer_module
+    import mlxtune.loop as trainer_module
 
     r = recipe(data_dir, llama_dir)
     p = tmp_path / "r.yaml"

@@ -372,7 +372,7 @@ def _trained_run(tmp_path, data_dir, llama_dir) -> Path:
 
 
 def test_resume_names_only_the_runs_own_checkpoints(tmp_path, data_dir, llama_dir, capsys):
-    from mlxtune.resume import write_checksums
+    from mlxtune.checkpoint import write_checksums
 
     run = _trained_run(tmp_path, data_dir, llama_dir)
     # an intact-looking checkpoint beside checkpoints/, and another run's
@@ -391,7 +391,7 @@ def test_resume_names_only_the_runs_own_checkpoints(tmp_path, data_dir, llama_di
         argv = ["run", p, "--run-dir", str(run), "--resume", which]
         assert_refused(capsys, argv, "not one of this run's checkpoints")
         assert snapshot(tmp_path) == before, which
-    from mlxtune.resume import pick
+    from mlxtune.checkpoint import pick
 
     with pytest.raises(UserInputError, match="not one of this run's checkpoints"):
         pick(run, "../x", print)

@@ -42,7 +42,7 @@ def test_loss_counts_exactly_the_masked_targets(tmp_path, data_dir, llama_dir):
     tr = make_trainer(tmp_path, data_dir, llama_dir)
     exs = tr.train_set.examples[:3]
     b = make_batch(exs, tr.pad_id, 8)
-    loss, n = tr._loss(tr.model, mx.array(b.tokens), mx.array(b.mask))
+    loss, n, _ = tr.objective.loss(tr.model, tr.engine.arrays(b))
     logits = np.array(tr.model(mx.array(b.tokens)).astype(mx.float32))
     logp = (
         logits
@@ -62,19 +62,23 @@ def test_loss_counts_exactly_the_masked_targets(tmp_path, data_dir, llama_dir):
 def test_padding_and_masked_tokens_never_move_the_loss(tmp_path, data_dir, llama_dir):
     tr = make_trainer(tmp_path, data_dir, llama_dir)
     b = make_batch(tr.train_set.examples[:4], tr.pad_id, 8)
-    base, _ = tr._loss(tr.model, mx.array(b.tokens), mx.array(b.mask))
+    base, _, _ = tr.objective.loss(tr.model, tr.engine.arrays(b))
     tokens = b.tokens.copy()
     tokens[b.tokens == tr.pad_id] = 7  # change every pad
     last_prompt = [int(np.nonzero(m)[0][0]) - 1 for m in b.mask]
     for i, j in enumerate(last_prompt):
         tokens[i, j + 2 :][b.mask[i, j + 2 :] == 0] = 9  # and padding after the answer
-    moved, _ = tr._loss(tr.model, mx.array(tokens), mx.array(b.mask))
+    moved, _, _ = tr.objective.loss(
+        tr.model, {"tokens": mx.array(tokens), "mask": mx.array(b.mask)}
+    )
     assert moved.item() == pytest.approx(base.item(), rel=1e-6)
     # ...while a target token does move it
     tokens = b.tokens.copy()
     i, j = 0, int(np.nonzero(b.mask[0])[0][-1])
     tokens[i, j] = (tokens[i, j] + 1) % 20
-    changed, _ = tr._loss(tr.model, mx.array(tokens), mx.array(b.mask))
+    changed, _, _ = tr.objective.loss(
+        tr.model, {"tokens": mx.array(tokens), "mask": mx.array(b.mask)}
+    )
     assert abs(changed.item() - base.item()) > 1e-4
 
 
@@ -87,8 +91,8 @@ def test_grad_accumulation_is_weighted_by_valid_tokens(tmp_path, data_dir, llama
     long = [e for e in exs if e.n_targets == max(x.n_targets for x in exs)][:2]
     assert sum(e.n_targets for e in short) != sum(e.n_targets for e in long)
     b.model.update(a.model.parameters())  # same start
-    a._optimizer_step([make_batch(short, a.pad_id, 8), make_batch(long, a.pad_id, 8)])
-    b._optimizer_step([make_batch(short + long, b.pad_id, 8)])
+    a.engine.step([make_batch(short, a.pad_id, 8), make_batch(long, a.pad_id, 8)])
+    b.engine.step([make_batch(short + long, b.pad_id, 8)])
     pa, pb = params(a), params(b)
     moved = [k for k in pa if k.endswith("lora_b")]
     assert moved and all(np.abs(pa[k]).max() > 0 for k in moved)
@@ -103,8 +107,8 @@ def test_grad_norm_is_reported_and_clipping_caps_the_update(tmp_path, data_dir, 
     clip.model.update(free.model.parameters())
     start = params(free)
     batch = make_batch(free.train_set.examples[:8], free.pad_id, 8)
-    _, _, norm_free, _ = free._optimizer_step([batch])
-    _, _, norm_clip, _ = clip._optimizer_step([batch])
+    norm_free = free.engine.step([batch]).norm
+    norm_clip = clip.engine.step([batch]).norm
     assert norm_free.item() == pytest.approx(norm_clip.item(), rel=1e-5)  # reported before clipping
     step_free = np.sqrt(sum(((params(free)[k] - start[k]) ** 2).sum() for k in start))
     step_clip = np.sqrt(sum(((params(clip)[k] - start[k]) ** 2).sum() for k in start))
@@ -378,7 +382,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path):
 def test_the_loss_is_told_whether_the_head_trains(tmp_path, data_dir, llama_dir):
     lora = make_trainer(tmp_path, data_dir, llama_dir, "lora")
     full = make_trainer(tmp_path, data_dir, llama_dir, "full", adapter={"type": "full"})
-    assert lora._head_trains is False and full._head_trains is True
+    assert lora.built.components.head_trains is False and full.built.components.head_trains is True
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ class TrainingThread(threading.Thread):
         return None if self.exception is None else str(self.exception)
 
     def run(self) -> None:
-        from mlxtune.trainer import Trainer
+        from mlxtune.loop import Trainer
 
         try:
             trainer = Trainer(

@@ -1,0 +1,277 @@
+"""From a recipe to the components of a run: kernel tiers, tokenizer, model (quantized,
+adapted, checkpointed), datasets, and the schedule and optimizer. Each function logs what it
+did through the ``log`` it is handed and refuses bad input with a ``UserInputError`` naming the
+recipe key; none of them knows about the loop."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from . import kernels
+from .config import Recipe
+from .data import Dataset, Encoder, load_split, read_jsonl, split_off
+from .errors import UserInputError
+from .export import TrainedModel, import_adapter
+from .lora import apply_adapters
+from .memory import GB
+from .models import (
+    build_model,
+    checkpoint_layers,
+    count_parameters,
+    lm_parts,
+    load_model,
+    quantize_model,
+    resolve_model_path,
+)
+from .objectives import Components
+from .optim import build_optimizer, make_schedule
+from .rundir import RunDir
+from .tokenizer import load_tokenizer, train_sentencepiece
+
+
+@dataclass
+class Built:
+    """A recipe's components, with what they came from."""
+
+    components: Components
+    model_config: dict
+    model_dir: Path | None
+    """The base model's folder (None for a model built from ``model.arch``)."""
+    tokenizer_dir: Path | None
+    adapter_info: dict
+    """What ``apply_adapters`` did: the adapted modules and layers."""
+    trainable: int
+    total_params: int
+
+    def trained(self, recipe: Recipe) -> TrainedModel:
+        """The model being trained, with what it came from, for checkpoints and exports."""
+        a, c = recipe.adapter, self.components
+        adapter = {
+            "type": a.type,
+            "rank": a.rank,
+            "alpha": a.alpha,
+            "dropout": a.dropout,
+            "targets": list(a.targets),
+            "layers": self.adapter_info.get("layers"),
+            "adapted": self.adapter_info["adapted"],
+        }
+        return TrainedModel(
+            c.model, c.tokenizer, self.model_config, adapter, self.model_dir, self.tokenizer_dir
+        )
+
+
+def kernel_tiers(recipe: Recipe, log) -> dict[str, str]:
+    """The tier each kernel choice runs as here, refusing one this machine cannot run, before
+    anything is loaded or compiled."""
+    k = recipe.kernels
+    tiers = {}
+    for name, choice in (("loss", k.loss), ("attention", k.attention)):
+        if choice == "off":
+            tiers[name] = "off"
+            continue
+        try:
+            tiers[name] = kernels.resolve(choice)
+        except ValueError as e:
+            raise UserInputError(str(e), f"kernels.{name}") from None
+    # A GPU tier runs only once it has passed its check against the reference on this
+    # machine: "auto" falls back to chunked, a recipe or MLXTUNE_KERNELS naming it is refused.
+    # Checked only where the GPU tier could run. (The kernels module is looked up at each call,
+    # so the tier functions can be replaced to test this on a machine without the GPU.)
+    gpu, env = kernels.gpu_backend(), os.environ.get("MLXTUNE_KERNELS")
+    if gpu is None or not kernels.on_gpu():
+        return tiers
+    if not (gpu in tiers.values() or ("auto" in (k.loss, k.attention) and not env)):
+        return tiers
+    why = kernels.self_check(gpu)
+    for name, tier in tiers.items():
+        if why is not None and tier == gpu:
+            raise UserInputError(
+                f"the {gpu} kernels failed their check here: {why}", f"kernels.{name}"
+            )
+    log(
+        f"kernels: the {gpu} tier agrees with the reference here"
+        if why is None
+        else f"kernels: not using the {gpu} tier ({why}); running the chunked tier"
+    )
+    return tiers
+
+
+def _texts_for_tokenizer(rows: list[tuple[int, dict]]) -> list[str]:
+    out = []
+    for _, obj in rows:
+        for key in ("text", "prompt", "completion", "instruction", "input", "output"):
+            if isinstance(obj.get(key), str):
+                out.append(obj[key])
+        for m in obj.get("messages") or []:
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                out.append(m["content"])
+    return out
+
+
+def tokenizer_for(
+    recipe: Recipe,
+    run_dir: RunDir,
+    model_dir: Path | None,
+    train_rows: list[tuple[int, dict]],
+    resuming: bool,
+    log,
+) -> tuple[Any, Path | None]:
+    """(tokenizer, its folder): loaded from ``tokenizer.path`` or the model's folder, or trained
+    on the training data's rows (a resumed run reads back the one it trained)."""
+    r = recipe
+    if r.tokenizer.train is not None and resuming:
+        folder = run_dir.inside("tokenizer")
+        tokenizer = load_tokenizer(folder)
+    elif r.tokenizer.train is not None:
+        t, train_path = r.tokenizer.train, r.resolve_path(r.data.train)
+        folder = run_dir.inside("tokenizer")
+        log(
+            f"training a {t.model_type} sentencepiece tokenizer (vocab {t.vocab_size}) on {train_path}"
+        )
+        tokenizer = train_sentencepiece(
+            _texts_for_tokenizer(train_rows),
+            folder,
+            t.vocab_size,
+            t.model_type,
+            t.character_coverage,
+            t.max_sentences,
+            r.train.seed,
+        )
+    else:
+        folder = r.resolve_path(r.tokenizer.path) if r.tokenizer.path else model_dir
+        if folder is None:
+            raise UserInputError("no tokenizer: set tokenizer.path or tokenizer.train", "tokenizer")
+        tokenizer = load_tokenizer(folder, trust_remote_code=r.model.trust_remote_code)
+    if r.tokenizer.chat_template is not None:
+        tokenizer._tokenizer.chat_template = r.tokenizer.chat_template
+    return tokenizer, folder
+
+
+def model_for(
+    recipe: Recipe, tokenizer, tokenizer_dir: Path | None, model_dir: Path | None, log
+) -> tuple[nn.Module, dict]:
+    """(model, its config): built new from ``model.arch`` or loaded, quantized for QLoRA when
+    the recipe asks; its vocabulary must hold the tokenizer's."""
+    r = recipe
+    vocab = len(tokenizer._tokenizer)
+    if r.model.arch is not None:
+        special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        model, config = build_model(r.model.arch, vocab, r.model.dtype, r.model.seed, special)
+        log(f"built a new {config['model_type']} model from model.arch")
+    else:
+        model, config = load_model(model_dir, r.model.dtype, r.model.trust_remote_code)
+        log(f"loaded {model_dir}")
+        if r.model.quantize is not None:
+            _quantize_base(model, r.model.quantize, log)
+    model_vocab = config.get("vocab_size") or vocab
+    if vocab > model_vocab:
+        raise UserInputError(
+            f"the tokenizer ({tokenizer_dir}) has {vocab} tokens but the model's vocabulary "
+            f"({model_dir or 'model.arch'}) is {model_vocab}",
+            "tokenizer",
+        )
+    return model, config
+
+
+def _quantize_base(model: nn.Module, cfg, log) -> None:
+    """QLoRA: quantize the loaded base before the adapters go in."""
+    q = quantize_model(model, cfg.bits, cfg.group_size)
+    if not q["layers"] and not q["already"]:
+        raise UserInputError(
+            f"no layer's input size is a multiple of {q['group_size']}; use a smaller group_size",
+            "model.quantize.group_size",
+        )
+    log(
+        f"quantized the base to {q['bits']} bits in groups of {q['group_size']}: "
+        f"{q['layers']} layers, weights {q['bytes_before'] / GB:.3f} -> "
+        f"{q['bytes_after'] / GB:.3f} GB"
+        + (f"; {len(q['skipped'])} stay dense (input size)" if q["skipped"] else "")
+    )
+
+
+def adapt(recipe: Recipe, model: nn.Module, log) -> dict:
+    """Put LoRA/DoRA adapters in (or unfreeze everything for full fine-tuning), load
+    ``init_from`` weights, and turn on gradient checkpointing; what ``apply_adapters`` did."""
+    r, a = recipe, recipe.adapter
+    mx.random.seed(r.train.seed)
+    info = apply_adapters(model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers)
+    if a.init_from is not None:
+        import_adapter(model, r.resolve_path(a.init_from))
+        log(f"adapter weights from {a.init_from}")
+    if r.train.grad_checkpointing:
+        n = checkpoint_layers(model, int(r.train.grad_checkpointing))
+        log(
+            f"gradient checkpointing: {n} of {len(model.layers)} layers recompute "
+            "their activations in the backward pass"
+        )
+    return info
+
+
+def datasets(recipe: Recipe, tokenizer) -> tuple[Dataset, Dataset, Dataset]:
+    """(train, valid, test): encoded and masked as the data section says; valid is split off
+    train when no file is named, and test is valid unless named."""
+    r, d = recipe, recipe.data
+    enc = Encoder(tokenizer, d.mask_prompt, d.add_eos, d.train_on_eos)
+
+    def load(path, max_length):
+        return load_split(r.resolve_path(path), enc, d.format, max_length, d.overlong, d.min_length)
+
+    # a token stream is cut into rows, not truncated per document
+    train = load(d.train, 1 << 62 if d.packing == "stream" else d.max_length)
+    if d.valid:
+        valid = load(d.valid, d.max_length)
+    else:
+        train, valid = split_off(train, d.valid_fraction, r.train.seed)
+        if d.packing == "stream":  # evaluation reads one document a row, up to max_length
+            for e in valid.examples:
+                e.ids, e.mask = e.ids[: d.max_length], e.mask[: d.max_length]
+    test = load(d.test, d.max_length) if d.test else valid
+    if r.eval.exact_match and not any(e.prompt_ids for e in test.examples):
+        raise UserInputError(
+            "eval.exact_match needs completion, instruction or chat data", "eval.exact_match"
+        )
+    return train, valid, test
+
+
+def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool, log) -> Built:
+    """Everything a recipe names, in the order each needs the one before."""
+    r = recipe
+    train_rows = read_jsonl(r.resolve_path(r.data.train))  # the data's errors come first
+    base = Path(r.source).parent if r.source else None
+    model_dir = resolve_model_path(r.model.path, base) if r.model.path else None
+    tokenizer, tokenizer_dir = tokenizer_for(r, run_dir, model_dir, train_rows, resuming, log)
+    model, config = model_for(r, tokenizer, tokenizer_dir, model_dir, log)
+    lm = lm_parts(model)
+    info = adapt(r, model, log)
+    trainable, total = count_parameters(model)
+    names = {k for k, _ in tree_flatten(model.trainable_parameters())}
+    train, valid, test = datasets(r, tokenizer)
+    pad_id = next(
+        i for i in (tokenizer._tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None
+    )
+    components = Components(
+        tokenizer=tokenizer,
+        model=model,
+        lm=lm,
+        train_set=train,
+        valid_set=valid,
+        test_set=test,
+        pad_id=pad_id,
+        tiers=tiers,
+        head_trains=bool({"lm_head.weight", "model.embed_tokens.weight"} & names),
+    )
+    return Built(components, config, model_dir, tokenizer_dir, info, trainable, total)
+
+
+def optimizer_for(recipe: Recipe, total_steps: int):
+    """The optimizer the recipe names, driven by its learning-rate schedule."""
+    s = recipe.schedule
+    schedule = make_schedule(s.name, recipe.optimizer.lr, total_steps, s.warmup_steps, s.min_lr)
+    return build_optimizer(recipe.optimizer, schedule)

@@ -1,0 +1,339 @@
+"""Checkpoints: what one holds, how it is written, checked, found, pruned and resumed from,
+and which recipe changes a resumed run can honour.
+
+A checkpoint folder holds ``adapters.safetensors`` (the trainable weights, in mlx-lm's adapter
+format, with its ``adapter_config.json``), ``optimizer.safetensors`` (the optimizer's whole
+state: moments, step count, learning rate), ``masters.safetensors`` (the fp32 master weights,
+with mixed precision), ``trainer_state.json`` (what the model is and came from, the recipe, and
+a ``resume`` section: the ``TrainState``) and ``checksums.json`` (SHA-256 of every other file),
+written last, so a checkpoint without it is incomplete. A checkpoint describes itself:
+``load_trained`` rebuilds the trained model from it alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from .config import Recipe
+from .errors import UserInputError
+from .export import TrainedModel, load_trainable_weights, write_mlx_lm
+from .lora import apply_adapters
+from .models import build_model, load_model, quantize_model
+from .rundir import RunDir
+from .state import TrainState
+from .tokenizer import load_tokenizer
+
+CHECKSUMS = "checksums.json"
+
+# Recipe keys a resumed run may change: how long to train and what to log, evaluate, sample,
+# save and export. Anything else (model, data, adapter, optimizer, batch, seed, ...) would make
+# the continued run a different run.
+MAY_CHANGE = (
+    "name",
+    "run_dir",
+    "train.max_steps",
+    "train.epochs",
+    "train.log_every",
+    "train.progress",
+    "eval.",
+    "samples.",
+    "checkpoints.",
+    "export.",
+    "kernels.",
+    "precision.nonfinite",
+    "precision.max_skipped",
+    "memory.",
+    "train.grad_checkpointing",  # the same gradients (dropout masks are drawn differently)
+)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_checksums(folder: Path) -> None:
+    """Record the SHA-256 of every file in ``folder`` (call it last)."""
+    sums = {
+        p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != CHECKSUMS
+    }
+    (folder / CHECKSUMS).write_text(json.dumps(sums, indent=2))
+
+
+def verify(folder: Path) -> str | None:
+    """None if the checkpoint is complete and intact, else what is wrong with it."""
+    sums_path = folder / CHECKSUMS
+    if not sums_path.exists():
+        return "no checksums.json (an incomplete write)"
+    try:
+        sums = json.loads(sums_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "checksums.json is damaged"
+    for name in ("trainer_state.json", "adapters.safetensors", "optimizer.safetensors"):
+        if name not in sums:
+            return f"{name} is missing (not a resumable checkpoint)"
+    for name, digest in sums.items():
+        p = folder / name
+        if not p.exists():
+            return f"{name} is missing"
+        if _sha256(p) != digest:
+            return f"{name} does not match its checksum (corrupt or truncated)"
+    return None
+
+
+def candidates(run_dir: Path) -> list[Path]:
+    """A run's checkpoints that could resume it, newest step first."""
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = []
+    for c in folder.iterdir():
+        if c.name.startswith(".") or not (c / "trainer_state.json").exists():
+            continue
+        try:
+            step = json.loads((c / "trainer_state.json").read_text()).get("step", -1)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            step = -1
+        found.append((step, c.name == "final", c))
+    return [c for _, _, c in sorted(found, key=lambda x: (x[0], x[1]), reverse=True)]
+
+
+def named(run_dir: Path, which: str) -> Path:
+    """The checkpoint folder ``which`` names: a name in RUN_DIR/checkpoints, or a path to one of
+    them; anything else (``../x``, another run's checkpoint) is refused."""
+    folder = Path(run_dir) / "checkpoints"
+    p = folder / which  # a name; an absolute path stays as it is
+    if not p.exists() and Path(which).exists():
+        p = Path(which)  # a path from the current directory
+    try:
+        ours = p.resolve().parent == folder.resolve()
+    except (OSError, ValueError):  # a NUL byte, a symlink loop
+        ours = False
+    if not ours:
+        raise UserInputError(
+            f"not one of this run's checkpoints: name one in {folder} (for example "
+            "step-000300), or give --resume alone for the newest",
+            f"--resume {which}",
+        )
+    return p
+
+
+def pick(run_dir: Path, which: str, warn) -> Path:
+    """The checkpoint to resume from: ``which`` is "latest" (the newest intact one; damaged ones
+    are skipped with a warning) or one of the run's checkpoint folders, by name or path (which
+    must be intact)."""
+    if which != "latest":
+        p = named(run_dir, which)
+        if not (p / "trainer_state.json").exists():
+            raise UserInputError("not a checkpoint (no trainer_state.json)", str(p))
+        why = verify(p)
+        if why:
+            raise UserInputError(f"cannot resume from it: {why}", str(p))
+        return p
+    found = candidates(run_dir)
+    if not found:
+        raise UserInputError("no checkpoint to resume from", str(run_dir / "checkpoints"))
+    for c in found:
+        why = verify(c)
+        if why is None:
+            return c
+        warn(f"skipping checkpoint {c.name}: {why}")
+    raise UserInputError("no intact checkpoint to resume from", str(run_dir / "checkpoints"))
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def recipe_changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
+    """(changes a resumed run honours, changes it cannot), as 'key: old -> new' lines. A key the
+    saved recipe lacks (a section added to the schema since) counts at its default."""
+    a, b = {**_flat(Recipe().to_dict()), **_flat(saved)}, _flat(now)
+    ok, refused = [], []
+    for key in sorted(set(a) | set(b)):
+        if key == "source" or a.get(key) == b.get(key):
+            continue
+        line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+        allowed = any(key == m or (m.endswith(".") and key.startswith(m)) for m in MAY_CHANGE)
+        (ok if allowed else refused).append(line)
+    return ok, refused
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+def save(
+    run_dir: RunDir,
+    name: str,
+    trained: TrainedModel,
+    recipe: Recipe,
+    engine,
+    state: TrainState,
+    loss: float,
+    extra: dict | None = None,
+) -> None:
+    """Write checkpoint ``name`` of a run: the trainable weights, the engine's arrays
+    (``engine.save``), and trainer_state.json with ``state`` as its ``resume`` section; staged,
+    then checksummed and moved into place whole."""
+    meta = {
+        "step": state.position.step,
+        "loss": loss,
+        "lr": engine.optimizer.learning_rate.item(),  # the rate of the last step taken
+        "time": time.time(),
+        **(extra or {}),
+    }
+    t = trained
+    info = {
+        **meta,
+        "base_model_dir": str(Path(t.base_dir).resolve()) if t.base_dir else None,
+        "tokenizer_dir": str(Path(t.tokenizer_dir).resolve()) if t.tokenizer_dir else None,
+        "model_config": t.model_config,
+        "dtype": recipe.model.dtype,
+        "adapter": t.adapter,
+        "recipe": recipe.to_dict(),
+        "resume": state.to_json(),
+    }
+    with run_dir.staged("checkpoints", name) as tmp:
+        write_mlx_lm(t, tmp, meta)
+        engine.save(tmp)
+        (tmp / "trainer_state.json").write_text(json.dumps(info, indent=2))
+        write_checksums(tmp)
+
+
+def prune(run_dir: RunDir, keep_last: int) -> None:
+    """Remove all but the newest ``keep_last`` step checkpoints (best and final stay)."""
+    steps = sorted(p for p in run_dir.checkpoints.iterdir() if p.name.startswith("step-"))
+    for p in steps[:-keep_last]:
+        shutil.rmtree(p)
+
+
+def last_saved(run_dir: RunDir) -> str:
+    """The newest step checkpoint, as a path in the run directory, or "none saved yet"."""
+    folder = run_dir.checkpoints
+    steps = sorted(c.name for c in folder.glob("step-*") if c.is_dir()) if folder.exists() else []
+    return f"checkpoints/{steps[-1]}" if steps else "none saved yet"
+
+
+# ------------------------------------------------------------------------------ resuming
+
+
+def restore(run_dir: RunDir, which: str, recipe: Recipe, model, engine, log) -> TrainState:
+    """Put back the weights, the engine's state and the random state of checkpoint ``which``
+    ("latest" or a name), cut metrics and samples back to its step, and return its
+    ``TrainState``. ``log(message)`` hears of skipped checkpoints and honoured recipe changes."""
+    ckpt = pick(run_dir.path, which, lambda m: log(f"WARNING: {m}"))
+    info = json.loads((ckpt / "trainer_state.json").read_text())
+    if info.get("resume") is None:
+        raise UserInputError("this checkpoint holds no resume state", str(ckpt))
+    ok, refused = recipe_changes(info.get("recipe", {}), recipe.to_dict())
+    if refused:
+        raise UserInputError(
+            "the recipe changed in ways a resumed run cannot honour: " + "; ".join(refused),
+            refused[0].split(":")[0],
+        )
+    for line in ok:
+        log(f"resuming with a changed recipe: {line}")
+    state = TrainState.from_json(info["resume"])
+    weights = str(ckpt / "adapters.safetensors")
+    load_trainable_weights(model, mx.load(weights), weights)  # each by name and shape
+    engine.restore(ckpt, state.engine)
+    step = state.position.step
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        rows = run_dir.read_jsonl(name)
+        if rows:
+            kept = [row for row in rows if row.get("step", 0) <= step]
+            run_dir.write_text(name, "".join(json.dumps(r) + "\n" for r in kept))
+    log(f"resumed from checkpoints/{ckpt.name} at step {step}")
+    return state
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def find_checkpoint(path: str | Path, warn=None) -> Path:
+    """An intact checkpoint directory: PATH itself, or a run directory's final, else best, else
+    newest step (``candidates``). A damaged one (``verify``) is refused when named,
+    and skipped, through ``warn(message)``, when picked from a run."""
+    p = Path(path)
+    if (p / "trainer_state.json").exists():
+        why = verify(p)
+        if why:
+            raise UserInputError(f"cannot read this checkpoint: {why}", str(p))
+        return p
+    found = candidates(p)
+    if not found:
+        raise UserInputError(
+            "not a run directory or checkpoint (no trainer_state.json found)", str(p)
+        )
+    rank = {"final": 0, "best": 1}
+    for c in sorted(found, key=lambda c: rank.get(c.name, 2)):  # stable: newest step first
+        why = verify(c)
+        if why is None:
+            return c
+        if warn is not None:
+            warn(f"WARNING: skipping {c}: {why}")
+    raise UserInputError("no intact checkpoint in this run", str(p / "checkpoints"))
+
+
+def load_trained(path: str | Path, warn=None) -> TrainedModel:
+    """Rebuild the trained model a run directory or checkpoint describes (``find_checkpoint``)."""
+    return load_checkpoint(find_checkpoint(path, warn))
+
+
+def load_checkpoint(ckpt: Path) -> TrainedModel:
+    """Rebuild the trained model of a checkpoint ``find_checkpoint`` has found and checked."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if "model_config" not in state:
+        raise UserInputError(
+            "this checkpoint does not describe its model (written by an older mlxtune)", str(ckpt)
+        )
+    base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
+    # the run's recipe allowed the model's own code (or did not): so does its export
+    trust = bool(((state.get("recipe") or {}).get("model") or {}).get("trust_remote_code"))
+    if base is not None:
+        model, config = load_model(base, state.get("dtype", "float32"), trust)
+        q = ((state.get("recipe") or {}).get("model") or {}).get("quantize")
+        if q:  # QLoRA: the adapters were trained over the quantized base
+            quantize_model(model, q["bits"], q["group_size"])
+    else:
+        model, config = build_model(
+            state["model_config"],
+            state["model_config"]["vocab_size"],
+            state.get("dtype", "float32"),
+        )
+    a = state["adapter"]
+    apply_adapters(
+        model,
+        a["type"],
+        a.get("rank", 8),
+        a.get("alpha", 16.0),
+        0.0,
+        a.get("targets", []),
+        a.get("layers"),
+    )
+    weights = mx.load(str(ckpt / "adapters.safetensors"))
+    load_trainable_weights(model, weights, str(ckpt / "adapters.safetensors"))
+    tok_dir = Path(state["tokenizer_dir"]) if state.get("tokenizer_dir") else base
+    template = ((state.get("recipe") or {}).get("tokenizer") or {}).get("chat_template")
+    tokenizer = (  # as the run read it: its chat template, its trust in the folder's code
+        load_tokenizer(tok_dir, chat_template=template, trust_remote_code=trust)
+        if tok_dir is not None
+        else None
+    )
+    model.eval()
+    return TrainedModel(model, tokenizer, config, a, base, tok_dir)

@@ -1,0 +1,70 @@
+"""What a built run says about itself before it trains: the figures the recipe works out to
+(``derived``), the resolved configuration written to config_resolved.json, and the header the
+console prints."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .memory import GB
+
+
+def derived(trainer) -> dict:
+    """Steps, epochs, sizes, data and device of a built ``Trainer``."""
+    t, b = trainer.recipe.train, trainer.built
+    train = trainer.train_set
+    packed = trainer.recipe.data.packing != "off"
+    rows = trainer.batches_per_epoch * t.batch_size if packed else len(train)
+    mean_targets = train.stats.target_tokens / max(rows, 1)  # per row
+    return {
+        "effective_steps": trainer.total_steps,
+        "epochs": round(trainer.total_steps * t.grad_accumulation / trainer.batches_per_epoch, 4),
+        "batches_per_epoch": trainer.batches_per_epoch,
+        "examples_per_step": t.batch_size * t.grad_accumulation,
+        "tokens_per_step": round(mean_targets * t.batch_size * t.grad_accumulation, 1),
+        "trainable_parameters": b.trainable,
+        "total_parameters": b.total_params,
+        "trainable_percent": round(100 * b.trainable / max(b.total_params, 1), 4),
+        "train_examples": len(train),
+        "valid_examples": len(trainer.valid_set),
+        "train_data": train.stats.line(),
+        "valid_data": trainer.valid_set.stats.line(),
+        "vocab_size": len(trainer.tokenizer._tokenizer),
+        "adapted_modules": len(b.adapter_info["adapted"]),
+        "estimated_peak_memory_gb": round(trainer.memory_estimate["total"] / GB, 3),
+        "blas": trainer.blas.name,
+        "device": str(mx.default_device()),
+    }
+
+
+def resolved(trainer) -> dict:
+    """config_resolved.json: the recipe, where it came from, the model and the derived figures."""
+    r, model_dir = trainer.recipe, trainer.built.model_dir
+    return {
+        "recipe": r.to_dict(),
+        "recipe_file": r.source,
+        "model_dir": str(model_dir) if model_dir else None,
+        "model_config": trainer.model_config,
+        "derived": derived(trainer),
+    }
+
+
+def header(trainer) -> list[str]:
+    """The lines the console prints before training."""
+    d, r = derived(trainer), trainer.recipe
+    a = r.adapter
+    kind = a.type if a.type == "full" else f"{a.type} r={a.rank} alpha={a.alpha}"
+    model = trainer.built.model_dir or "new " + trainer.model_config["model_type"]
+    adapted = f" in {d['adapted_modules']} linear layers" if d["adapted_modules"] else ""
+    return [
+        f"run      {trainer.run_dir.path}" + ("  (dry run)" if trainer.dry_run else ""),
+        f"model    {model}  ({d['total_parameters']:,} parameters, {r.model.dtype})",
+        f"adapter  {kind}: {d['trainable_parameters']:,} trainable "
+        f"({d['trainable_percent']:.2f}%){adapted}",
+        f"data     train {d['train_data']}",
+        f"         valid {d['valid_data']}",
+        f"train    {d['effective_steps']} steps ({d['epochs']} epochs), "
+        f"{d['examples_per_step']} examples/step, "
+        f"{r.optimizer.name} lr {r.optimizer.lr:g} {r.schedule.name}",
+        f"backend  {d['device']}, BLAS: {d['blas']}",
+    ]

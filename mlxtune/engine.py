@@ -1,0 +1,306 @@
+"""The engine: the one place gradients are made and applied.
+
+It compiles ``value_and_grad(objective.loss)`` over a batch pytree (the dict of arrays the
+objective's ``arrays`` gives) and runs an optimizer step over one or more micro-batches:
+
+    loss x scale / count  ->  backward  ->  (accumulate micro-batches)  ->  unscale in fp32
+    ->  clip  ->  optimizer on the fp32 masters (or the weights)  ->  non-finite guard
+
+The host announces the step's count (target tokens, pairs, ...) before the step runs, so each
+micro-batch's gradients arrive already divided by the step's total and accumulation is a plain
+sum. Gradients of all micro-batches meet in ``apply`` before anything reads them: that is where
+a data-parallel run would all-reduce them. Steps are queued on the device (``mx.async_eval``),
+never waited for here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from .errors import TrainingError, UserInputError
+from .export import load_trainable_weights
+from .memory import is_out_of_memory
+from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
+from .state import EngineState
+
+
+@dataclass(eq=False)
+class StepResult:
+    """One optimizer step's results, as lazy arrays until the device has run it."""
+
+    loss_sum: mx.array
+    count: mx.array
+    norm: mx.array
+    """The gradient norm before clipping."""
+    ok: mx.array
+    """Whether the update was applied (loss and gradients finite)."""
+    metrics: dict[str, mx.array]
+    """The objective's metric sums."""
+
+
+class Engine:
+    """Compiled training steps for one model, optimizer and objective, with the precision
+    policy (fp32 masters, loss scaling), clipping, the non-finite guard and the out-of-memory
+    split a recipe asks for."""
+
+    def __init__(self, model: nn.Module, optimizer, objective, recipe):
+        self.model, self.optimizer, self.objective = model, optimizer, objective
+        self.precision = recipe.precision
+        self.grad_clip = recipe.optimizer.grad_clip
+        self.oom_fallback = recipe.memory.oom_fallback
+        self.train = recipe.train
+        self.scaling = scaling_mode(recipe.precision, recipe.model.dtype)
+        """ "dynamic", "static" or "none"."""
+        params = model.trainable_parameters()
+        self.dtypes = tree_map(lambda w: w.dtype, params)
+        self.masters: dict | None = make_masters(params, recipe.precision.master_weights)
+        """fp32 copies of the 16-bit trainable weights (what the optimizer updates), or None."""
+        init = recipe.precision.init_scale if self.scaling != "none" else 1.0
+        self.scaler = {"scale": mx.array(init), "good": mx.array(0, dtype=mx.int32)}
+        self.skipped = 0
+        """Steps whose update was not applied, and the latest run of them in a row."""
+        self.in_a_row = 0
+        self.split = 1
+        """Micro-batches each batch is split into (more after running out of memory)."""
+        self._build()
+
+    # ---------------------------------------------------------------- compiled steps
+    def params(self) -> dict:
+        """What the optimizer updates: the fp32 masters, or the trainable weights themselves."""
+        return self.masters if self.masters is not None else self.model.trainable_parameters()
+
+    @property
+    def state(self) -> list:
+        """Everything a step reads and writes (weights, optimizer state, random state, loss
+        scaler, masters): what to ``mx.eval`` to wait for the queued steps."""
+        return self._state
+
+    def _apply(self, grads, loss_sum):
+        """Unscale, clip and apply summed gradients; the non-finite guard; the loss scaler."""
+        scaler, p, model, opt = self.scaler, self.precision, self.model, self.optimizer
+        # the gradients are d(loss sum)/d(weights) x scale / count: unscale them in fp32
+        inv = 1.0 / scaler["scale"]
+        grads = tree_map(lambda g: g.astype(mx.float32) * inv, grads)
+        sq = sum(mx.sum(mx.square(g)) for _, g in tree_flatten(grads))
+        ok = all_finite(loss_sum, sq)
+        norm = mx.sqrt(sq)
+        if self.grad_clip is not None:
+            shrink = mx.minimum(self.grad_clip / (norm + 1e-6), 1.0)
+            grads = tree_map(lambda g: g * shrink, grads)
+        params = self.params()
+        grads = tree_map(lambda g, w: g.astype(w.dtype), grads, params)
+        before = snapshot(opt.state)
+        new = opt.apply_gradients(grads, params)
+        # a non-finite step changes nothing: weights, masters and optimizer state stay
+        new = tree_map(lambda a, b: mx.where(ok, a, b), new, params)
+        select_into(opt.state, before, ok)
+        if self.masters is not None:
+            select_into(self.masters, new)  # in place: the masters are part of the state
+            model.update(tree_map(lambda w, dt: w.astype(dt), new, self.dtypes))
+        else:
+            model.update(new)
+        if self.scaling == "dynamic":
+            update_scale(
+                scaler, ok, p.growth_factor, p.backoff_factor, p.growth_interval, p.min_scale
+            )
+        return norm, ok
+
+    def _build(self):
+        model, opt, objective, scaler = self.model, self.optimizer, self.objective, self.scaler
+        opt.init(self.params())  # before compiling: the state's structure is then fixed
+
+        def scaled_loss(model, batch, factor):
+            loss, count, metrics = objective.loss(model, batch)
+            return loss * factor, loss, count, metrics
+
+        grad_fn = nn.value_and_grad(model, scaled_loss)
+        state = [model.state, opt.state, mx.random.state, scaler]
+        if self.masters is not None:
+            state.append(self.masters)
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def train_step(batch, inv):
+            (_, loss, count, metrics), grads = grad_fn(model, batch, scaler["scale"] * inv)
+            return (loss, count, metrics, *self._apply(grads, loss))
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def grad_step(batch, inv):
+            (_, loss, count, metrics), grads = grad_fn(model, batch, scaler["scale"] * inv)
+            return loss, count, metrics, tree_map(lambda g: g.astype(mx.float32), grads)
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def apply_step(grads, loss_sum):
+            return self._apply(grads, loss_sum)
+
+        @partial(mx.compile, inputs=[model.state])
+        def eval_step(batch):
+            return objective.loss(model, batch)
+
+        self._train_step, self._grad_step, self._apply_step = train_step, grad_step, apply_step
+        self._eval_step = eval_step
+        self._state = state
+
+    def arrays(self, batch) -> dict[str, mx.array]:
+        """The objective's batch as the device arrays a step takes."""
+        return {k: mx.array(v) for k, v in self.objective.arrays(batch).items()}
+
+    def grad_step(self, arrays: dict[str, mx.array], inv_count: mx.array):
+        """Forward and backward over one micro-batch (as ``arrays`` gives it): (loss sum,
+        count, metric sums, fp32 gradients of loss x scale x ``inv_count``); nothing is
+        updated."""
+        return self._grad_step(arrays, inv_count)
+
+    def apply_step(self, grads, loss_sum: mx.array):
+        """Apply gradients ``grad_step`` made (summed over micro-batches): (norm, ok)."""
+        return self._apply_step(grads, loss_sum)
+
+    def evaluate_batch(self, batch):
+        """(loss sum, count, metric sums) of the objective on ``batch``, no gradients."""
+        return self._eval_step(self.arrays(batch))
+
+    # ---------------------------------------------------------------- optimizer steps
+    def step(self, micro_batches: list) -> StepResult:
+        """One optimizer step over micro-batches, queued on the device without waiting for it.
+        A step that is not finite leaves every weight and optimizer state as it was."""
+        total = sum(self.objective.count(b) for b in micro_batches)
+        inv = mx.array(1.0 / max(total, 1), dtype=mx.float32)
+        if len(micro_batches) == 1:
+            loss, count, metrics, norm, ok = self._train_step(self.arrays(micro_batches[0]), inv)
+            mx.async_eval(self._state, loss, count, metrics, norm, ok)
+            return StepResult(loss, count, norm, ok, metrics)
+        acc = loss_sum = count_sum = metric_sums = None
+        for b in micro_batches:
+            loss, count, metrics, grads = self._grad_step(self.arrays(b), inv)
+            if acc is None:
+                acc, loss_sum, count_sum, metric_sums = grads, loss, count, metrics
+            else:
+                acc = tree_map(mx.add, acc, grads)
+                loss_sum, count_sum = loss_sum + loss, count_sum + count
+                metric_sums = tree_map(mx.add, metric_sums, metrics)
+            mx.async_eval(acc, loss_sum, count_sum, metric_sums)
+        norm, ok = self._apply_step(acc, loss_sum)
+        mx.async_eval(self._state, norm, ok)
+        return StepResult(loss_sum, count_sum, norm, ok, metric_sums)
+
+    def step_or_fall_back(self, batches: list, step: int, log) -> StepResult:
+        """``step`` over the step's batches, each split into ``self.split`` micro-batches; out of
+        memory, the split doubles (the same examples per step) and the step is retried."""
+        while True:
+            parts = [p for b in batches for p in self.objective.split(b, self.split)]
+            saved = snapshot(self._state) if self.oom_fallback else None
+            try:
+                return self.step(parts)
+            except Exception as e:
+                if saved is None or not is_out_of_memory(e):
+                    raise
+                select_into(self._state, saved)  # the failed step left nothing behind
+                del parts
+                mx.clear_cache()
+                rows = max(len(b.tokens) for b in batches)
+                if self.split >= rows:
+                    raise TrainingError(
+                        f"step {step}: out of memory even with micro-batches of one example "
+                        f"({e}); use a shorter data.max_length, adapter.type: lora, or "
+                        "model.dtype: bfloat16"
+                    ) from None
+                self.split *= 2
+                t = self.train
+                log(
+                    f"WARNING: step {step}: out of memory ({e}); going on with micro-batches of "
+                    f"{math.ceil(rows / self.split)} and grad_accumulation "
+                    f"{t.grad_accumulation * self.split} (the same "
+                    f"{t.batch_size * t.grad_accumulation} examples per step)"
+                )
+
+    # ---------------------------------------------------------------- non-finite steps
+    def nonfinite(
+        self, step: int, loss: float, scale_used: float, scale_after: float, log, last_saved
+    ):
+        """Account for a step whose update was not applied: an overflow the loss scaler
+        handles (logged by ``log(message, quiet=True)``), a skip the recipe allows (a warning),
+        or the end of the run (``TrainingError`` naming ``last_saved()``, the checkpoint to go
+        back to)."""
+        p = self.precision
+        self.skipped += 1
+        what = (
+            f"the loss became {loss}"
+            if not math.isfinite(loss)
+            else f"the gradients became non-finite (loss {loss:.4g})"
+        )
+        if self.scaling == "dynamic" and scale_used > p.min_scale:
+            log(
+                f"step {step}: gradients overflowed at loss scale {scale_used:g}; "
+                f"update skipped, scale now {scale_after:g}",
+                quiet=True,
+            )
+            return
+        self.in_a_row += 1
+        if p.nonfinite == "skip" and self.in_a_row <= p.max_skipped:
+            log(
+                f"WARNING: step {step}: {what}; update skipped "
+                f"({self.in_a_row} in a row, at most {p.max_skipped})"
+            )
+            return
+        in_a_row = f" ({self.in_a_row} steps in a row)" if self.in_a_row > 1 else ""
+        raise TrainingError(
+            f"step {step}: {what}{in_a_row}; the update was not applied and the run stops. "
+            f"Last checkpoint: {last_saved()}. Try a lower optimizer.lr, optimizer.grad_clip, "
+            "model.dtype: float32, or check the data; resuming with "
+            "precision.nonfinite=skip steps over such batches"
+        )
+
+    # ---------------------------------------------------------------- saving and restoring
+    def host_state(self) -> EngineState:
+        """The engine's state a checkpoint keeps besides the arrays ``save`` writes."""
+        hi, lo = (int(v) for v in mx.random.state[0].tolist())
+        return EngineState(
+            scale=self.scaler["scale"].item(),
+            good=self.scaler["good"].item(),
+            skipped=self.skipped,
+            in_a_row=self.in_a_row,
+            micro_split=self.split,
+            rng=(hi, lo),
+        )
+
+    def save(self, folder) -> None:
+        """The optimizer's whole state, and the fp32 masters when there are any."""
+        mx.save_safetensors(
+            str(folder / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state))
+        )
+        if self.masters is not None:
+            mx.save_safetensors(
+                str(folder / "masters.safetensors"), dict(tree_flatten(self.masters))
+            )
+
+    def restore(self, folder, host: EngineState) -> None:
+        """Put back what ``save`` and ``host_state`` saved (the weights are loaded already)."""
+        masters = folder / "masters.safetensors"
+        if self.masters is not None:
+            if not masters.exists():
+                raise UserInputError(
+                    "this checkpoint holds no fp32 master weights (precision.master_weights "
+                    "was off, or model.dtype was float32)",
+                    str(folder),
+                )
+            # checks names and shapes; the trainable weights are then fp32: the masters
+            load_trainable_weights(self.model, mx.load(str(masters)), str(masters))
+            select_into(self.masters, self.model.trainable_parameters())
+            self.model.update(tree_map(lambda w, dt: w.astype(dt), self.masters, self.dtypes))
+        saved = mx.load(str(folder / "optimizer.safetensors"))
+        self.optimizer.state = tree_unflatten(list(saved.items()))
+        # fills in the structure around what was saved (frozen layers hold empty states)
+        self.optimizer.init(self.params())
+        self._build()  # the compiled steps hold the state they were built with
+        if host.scale is not None:
+            self.scaler["scale"] = mx.array(float(host.scale))
+            self.scaler["good"] = mx.array(int(host.good), dtype=mx.int32)
+        self.skipped, self.in_a_row, self.split = host.skipped, host.in_a_row, host.micro_split
+        hi, lo = host.rng
+        mx.random.seed((hi << 32) | lo)
+        mx.eval(self.model.parameters(), self.optimizer.state)

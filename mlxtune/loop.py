@@ -1,0 +1,442 @@
+"""The trainer: one loop, readable top to bottom (``Trainer._train``). It calls ``build`` for the
+components, the objective for batches and evaluation, the engine for steps, and ``checkpoint``
+to save and resume; none of them knows about the loop."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import _blas, describe
+from .build import Built, build, kernel_tiers, optimizer_for
+from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
+from .checkpoint import last_saved, named, prune, restore, save
+from .config import Recipe, dump_yaml
+from .console import Console
+from .control import Signals, take_requests
+from .engine import Engine
+from .errors import Interrupted, UserInputError
+from .export import TrainedModel, export
+from .generate import exact_match, sample
+from .memory import plan, shape_of
+from .meter import StepMeter
+from .models import kernel_attention
+from .objectives import build_objective
+from .rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
+from .state import LoopPosition, TrainState
+
+
+class Trainer:
+    """Builds everything a recipe names, then trains it with ``run()``.
+
+    >>> trainer = Trainer(load_recipe("recipes/quickstart.yaml"), run_dir="runs/demo")
+    >>> summary = trainer.run()
+
+    ``resume``: continue the run in ``run_dir`` from "latest" (its newest intact checkpoint) or
+    from a named checkpoint, exactly where it stopped.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        run_dir: str | Path | None = None,
+        callbacks=(),
+        console: Console | None = None,
+        dry_run: bool = False,
+        resume: str | None = None,
+    ):
+        self.recipe, self.dry_run, self.resume_from = recipe, dry_run, resume
+        self.callbacks = [c if isinstance(c, Callback) else FunctionCallback(c) for c in callbacks]
+        self.console = console or Console(quiet=False, progress=recipe.train.progress)
+        self.position = LoopPosition()
+        self.resumed = False
+        self._stop = self._save = False
+        self._meter = StepMeter()
+        self._signals = Signals(self._on_signal, enabled=not dry_run)
+        self._held_logs: list[str] | None = []  # log lines wait until the input is accepted
+        self._tmp = tempfile.TemporaryDirectory(prefix="mlxtune-dry-") if dry_run else None
+        if dry_run:
+            self.run_dir = RunDir(self._tmp.name, create=True)
+        elif resume is not None:
+            path = Path(run_dir or recipe.run_dir or "")
+            if not run_dir and not recipe.run_dir:
+                raise UserInputError("--resume needs the run's directory (--run-dir)", "--resume")
+            if not holds_a_run(path):
+                raise UserInputError("no run to resume here", str(path))
+            if resume != "latest":
+                named(path, resume)  # before anything is loaded or logged
+            self.run_dir = RunDir(path, create=False)
+        else:
+            path = run_dir_for(recipe, run_dir)
+            with removed_if_refused(path):  # refused input leaves no run folder behind
+                self.run_dir = RunDir(path)
+                self._set_up()
+            return
+        self._set_up()
+
+    def _set_up(self):
+        r = self.recipe
+        self.blas = _blas.setup_blas()
+        self.log(f"BLAS: {self.blas.note}")
+        self.tiers = kernel_tiers(r, self.log)
+        self.built: Built = build(
+            r, self.run_dir, self.tiers, self.resume_from is not None, self.log
+        )
+        self.objective = build_objective(r, self.built.components)
+        self.batches_per_epoch = self.objective.batches_per_epoch()
+        t = r.train
+        self.total_steps = (
+            t.max_steps
+            if t.max_steps is not None
+            else max(1, math.ceil(t.epochs * self.batches_per_epoch / t.grad_accumulation))
+        )
+        self.optimizer = optimizer_for(r, self.total_steps)
+        self.engine = Engine(self.model, self.optimizer, self.objective, r)
+        if self.resume_from is not None and not self.dry_run:
+            state = restore(self.run_dir, self.resume_from, r, self.model, self.engine, self.log)
+            self.position, self.resumed = state.position, True
+        self.memory_estimate = plan(shape_of(self), r, self.log)
+        self._write_resolved()
+        held, self._held_logs = self._held_logs, None
+        for line in held:
+            self.run_dir.log(line)
+
+    # ---------------------------------------------------------------- what was built
+    model = property(lambda self: self.built.components.model)
+    tokenizer = property(lambda self: self.built.components.tokenizer)
+    train_set = property(lambda self: self.built.components.train_set)
+    valid_set = property(lambda self: self.built.components.valid_set)
+    test_set = property(lambda self: self.built.components.test_set)
+    pad_id = property(lambda self: self.built.components.pad_id)
+    model_config = property(lambda self: self.built.model_config)
+    scaling = property(
+        lambda self: self.engine.scaling, doc="The loss scaling: dynamic, static or none."
+    )
+
+    @property
+    def last_loss(self) -> float:
+        """The mean loss of the last applied step read so far."""
+        return self.position.last_loss
+
+    @property
+    def trained(self) -> TrainedModel:
+        """The model being trained, with what it came from, for checkpoints and exports."""
+        return self.built.trained(self.recipe)
+
+    def batches(self, start_epoch: int = 0, skip: int = 0):
+        """The endless (epoch, batch) stream the run trains on (the objective's)."""
+        return self.objective.batches(start_epoch, skip)
+
+    # ---------------------------------------------------------------- steering
+    def request_stop(self):
+        """Finish the current step, save, export as the recipe says, and return."""
+        self._stop = True
+
+    def request_save(self):
+        """Save a checkpoint after the current step."""
+        self._save = True
+
+    def _on_signal(self, name: str):
+        self.console.info(
+            f"{name}: finishing this step, then saving a checkpoint (again to stop at once)"
+        )
+
+    def _take_control(self) -> set[str]:
+        """Requests from RUN_DIR/control/ (the dashboard's keys); pause waits here for resume."""
+        asked = take_requests(self.run_dir.path)
+        if "pause" in asked and "resume" not in asked and "stop" not in asked:
+            self._read_steps()  # the steps before the pause are timed without it
+            self.log("paused (control/resume to go on)")
+            self.console.end_progress()
+            while not ({"resume", "stop"} & asked):
+                time.sleep(0.2)
+                asked |= take_requests(self.run_dir.path)
+            self.log("resumed" if "resume" in asked else "stop requested while paused")
+            self._meter.mark = time.perf_counter()
+        self._save |= "save" in asked
+        self._stop |= "stop" in asked
+        return asked
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> dict:
+        """Train as the recipe says; returns the summary (also printed and logged).
+
+        On SIGINT or SIGTERM (in the main thread) the current step finishes, a checkpoint is
+        saved and ``Interrupted`` is raised, saying how to resume; a second signal stops at once.
+        """
+        with self._signals:
+            if self.tiers["attention"] == "off":
+                return self._run()
+            with kernel_attention(self.model, self.tiers["attention"]):
+                return self._run()
+
+    def _run(self) -> dict:
+        r, pos = self.recipe, self.position
+        self._print_header()
+        for cb in self.callbacks:
+            cb.on_train_start(self)
+        self.model.train()
+        batches = self.batches(pos.data_epoch, pos.data_batch)
+        if self.dry_run:
+            return self._dry_run(batches)
+        before = (
+            self._exact_match("untrained", 0) if r.eval.exact_match and not self.resumed else None
+        )
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        self._meter = StepMeter(mark=start)
+        self.console.start_progress(self.total_steps)
+        self._train(batches)
+        self._read_steps()
+        self.console.end_progress()
+        return self._finish(time.perf_counter() - start, before)
+
+    def _train(self, batches):
+        """Step until the recipe's last step, a stop request, or a signal."""
+        t, pos, engine = self.recipe.train, self.position, self.engine
+        last_event = time.perf_counter()
+        while pos.step < self.total_steps:
+            micro = []
+            for _ in range(t.grad_accumulation):
+                epoch_now, batch = next(batches)
+                if epoch_now != pos.data_epoch:
+                    pos.data_epoch, pos.data_batch = epoch_now, 0
+                pos.data_batch += 1
+                micro.append(batch)
+            # The step is queued, not waited for: its results are read at log steps (and
+            # wherever the loop needs them), so the host prepares the next batch meanwhile.
+            scale, lr = engine.scaler["scale"], self.optimizer.learning_rate
+            result = engine.step_or_fall_back(micro, pos.step + 1, self.log)
+            pos.step += 1
+            n = sum(self.objective.count(b) for b in micro)  # what the step counted
+            uses = [self.objective.usage(b) for b in micro]
+            targets = sum(u.targets for u in uses)
+            record = StepRecord(pos.step, n, targets, result, scale, lr)
+            self._meter.queued.append(record)
+            for use in uses:
+                pos.examples_seen += use.examples
+                pos.window.real += use.tokens  # packing_utilization
+                pos.window.room += use.room
+            epoch = self._epoch()
+            log_now = pos.step % t.log_every == 0 or pos.step == self.total_steps
+            if log_now or self._meter.first_step is None:  # the first step is timed alone
+                self._read_steps()
+            now = time.perf_counter()
+            event = StepEvent(pos.step, epoch, now - last_event, record, self._read_steps)
+            last_event = now
+            for cb in self.callbacks:
+                cb.on_step(self, event)
+            self.console.advance(pos.step, pos.last_loss)
+            if log_now:
+                self._log_row(epoch, record)
+            if self._between_steps():
+                break
+
+    def _epoch(self) -> float:
+        pos = self.position
+        if self.recipe.data.packing == "off":
+            return pos.examples_seen / len(self.train_set)
+        # rows per epoch vary a little with each epoch's packing
+        return pos.data_epoch + pos.data_batch / self.batches_per_epoch
+
+    def _between_steps(self) -> bool:
+        """Control requests, evaluation, samples, checkpoints and signals after a step; True
+        to stop training."""
+        r, step = self.recipe, self.position.step
+        asked = self._take_control()
+        last = step == self.total_steps
+        do_eval = "eval" in asked or (r.eval.every and step % r.eval.every == 0 and not last)
+        do_samples = "sample" in asked or (
+            r.samples.every and step % r.samples.every == 0 and not last
+        )
+        do_save = (r.checkpoints.every and step % r.checkpoints.every == 0) or self._save
+        interrupted = self._signals.caught  # read once: a signal may arrive meanwhile
+        if do_eval or do_samples or do_save or self._stop or interrupted:
+            self._read_steps()  # everything below needs the steps' results
+        if do_eval:
+            self._evaluate(step)
+        if do_samples:
+            self._samples(step)
+        if do_save:
+            self._save = False
+            self._checkpoint(f"step-{step:06d}")
+        if self._stop:
+            self.log(f"stop requested: stopping after step {step}")
+            return True
+        if interrupted:
+            name = f"step-{step:06d}"
+            if not (self.run_dir.checkpoints / name).exists():
+                self._checkpoint(name)
+            self.console.end_progress()
+            how = f"mlxtune run {r.source or 'RECIPE.yaml'} --run-dir {self.run_dir.path} --resume"
+            self.log(f"{interrupted} at step {step}: saved checkpoints/{name}")
+            raise Interrupted(
+                f"interrupted ({interrupted}) after step {step}; checkpoint "
+                f"checkpoints/{name} saved. Resume with: {how}"
+            )
+        if not self._queued:  # read in this round: what came after it is not training time
+            self._meter.mark = time.perf_counter()
+        return False
+
+    def _read_steps(self):
+        """Wait for the queued steps (one wait for all of them) and account for each."""
+        self._meter.read(
+            self.position, self.engine, self._log_quietly, lambda: last_saved(self.run_dir)
+        )
+
+    @property
+    def _queued(self) -> list[StepRecord]:
+        return self._meter.queued
+
+    def _log_row(self, epoch: float, record: StepRecord):
+        packed = self.recipe.data.packing != "off"
+        row = self._meter.row(self.position, self.engine, epoch, record, packed)
+        self.run_dir.append_jsonl("metrics.jsonl", row)
+        self.console.log_step(row, self.total_steps)
+
+    def _finish(self, train_time: float, before: float | None) -> dict:
+        r, pos, meter = self.recipe, self.position, self._meter
+        final_eval = self._evaluate(pos.step)
+        if r.samples.every:
+            self._samples(pos.step)
+        if r.checkpoints.save_final:
+            self._checkpoint("final", prune_after=False)
+        after = self._exact_match("trained", pos.step) if r.eval.exact_match else None
+        self._export()
+        summary = {
+            "steps": pos.step,
+            "train_time_s": round(train_time, 2),
+            "final_loss": pos.last_loss,
+            "final_eval_loss": final_eval["eval_loss"],
+            "best_eval_loss": pos.best_eval,
+            "mean_step_time_s": meter.mean_step_time(),
+            "first_step_compile_time_s": meter.first_step,
+            "tokens_seen": pos.tokens_seen,
+            "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            "run_dir": str(self.run_dir.path),
+        }
+        if before is not None:
+            summary["exact_match_before"], summary["exact_match_after"] = before, after
+        self.run_dir.write_json("summary.json", summary)
+        self.console.summary(summary)
+        for cb in self.callbacks:
+            cb.on_train_end(self, summary)
+        return summary
+
+    def _dry_run(self, batches) -> dict:
+        t0 = time.perf_counter()
+        micro = [next(batches)[1] for _ in range(self.recipe.train.grad_accumulation)]
+        res = self.engine.step(micro)
+        out = {
+            "dry_run": True,
+            "first_step_compile_time_s": round(time.perf_counter() - t0, 3),
+            "loss": res.loss_sum.item() / max(res.count.item(), 1),
+            "grad_norm": res.norm.item(),
+            "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            **self.derived(),
+        }
+        self.console.dry_run(out)
+        self._tmp.cleanup()
+        return out
+
+    # ---------------------------------------------------------------- evaluation, samples
+    def evaluate(self) -> dict:
+        """The objective's validation metrics (for SFT: token-weighted loss and perplexity);
+        no metrics row written."""
+        self.model.eval()
+        total, count, sums = 0.0, 0, {}
+        try:
+            for b in self.objective.eval_batches():
+                loss, n, metrics = self.engine.evaluate_batch(b)
+                mx.eval(loss, n, metrics)
+                total, count = total + loss.item(), count + n.item()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v.item()
+        finally:
+            self.model.train()
+        return self.objective.eval_metrics(total, count, sums)
+
+    def _evaluate(self, step: int) -> dict:
+        m = self.evaluate()
+        row = {"step": step, **m, "time": time.time()}
+        self.run_dir.append_jsonl("metrics.jsonl", row)
+        self.console.log_eval(row)
+        if m["eval_loss"] < self.position.best_eval:
+            self.position.best_eval = m["eval_loss"]
+            if self.recipe.checkpoints.save_best:
+                self._checkpoint("best", {"eval_loss": m["eval_loss"]}, prune_after=False)
+        for cb in self.callbacks:
+            cb.on_eval(self, row)
+        return m
+
+    def _exact_match(self, when: str, step: int) -> float:
+        n = self.recipe.eval.exact_match
+        examples = [e for e in self.test_set.examples if e.prompt_ids][:n]
+        acc, rows = exact_match(
+            self.model, self.tokenizer, examples, self.recipe.eval.max_new_tokens
+        )
+        key = f"exact_match_{'before' if when == 'untrained' else 'after'}"
+        row = {"step": step, key: acc, "exact_match_examples": len(examples), "time": time.time()}
+        self.run_dir.append_jsonl("metrics.jsonl", row)
+        self.run_dir.write_json(f"exact_match_{when}.json", rows)
+        self.console.info(
+            f"exact match ({when}): {100 * acc:.1f}% of {len(examples)} held-out examples"
+        )
+        return acc
+
+    def _samples(self, step: int):
+        pairs = sample(self.model, self.tokenizer, self.recipe.samples, self.valid_set, step)
+        for p, o in pairs:
+            row = {"step": step, "prompt": p, "completion": o, "time": time.time()}
+            self.run_dir.append_jsonl("samples.jsonl", row)
+        if pairs:
+            self.console.sample(step, *pairs[0])
+
+    # ---------------------------------------------------------------- checkpoints, export
+    def _checkpoint(self, name: str, extra: dict | None = None, prune_after: bool = True):
+        self._read_steps()
+        state = TrainState(self.position, self.engine.host_state())
+        save(
+            self.run_dir, name, self.trained, self.recipe, self.engine, state, self.last_loss, extra
+        )
+        self.log(f"saved checkpoint checkpoints/{name} at step {self.position.step}")
+        if prune_after:
+            prune(self.run_dir, self.recipe.checkpoints.keep_last)
+
+    def _export(self):
+        # fused and gguf last: they merge the adapters into the model in place
+        fmts = sorted(self.recipe.export.formats, key=lambda f: f in ("fused", "gguf"))
+        for fmt in fmts:
+            with self.run_dir.staged("export", fmt) as tmp:
+                export(self.trained, fmt, tmp, self.recipe.model.dtype if fmt == "fused" else None)
+            self.log(f"exported {fmt} to {self.run_dir.path / 'export' / fmt}")
+
+    # ---------------------------------------------------------------- output
+    def log(self, message: str):
+        if self._held_logs is not None:
+            self._held_logs.append(message)
+        else:
+            self.run_dir.log(message)
+        self.console.info(message)
+
+    def _log_quietly(self, message: str, quiet: bool = False):
+        """``log``, or the run's log file alone when ``quiet``."""
+        self.run_dir.log(message) if quiet else self.log(message)
+
+    def derived(self) -> dict:
+        """What the recipe works out to: steps, epochs, sizes, data, device."""
+        return describe.derived(self)
+
+    def _write_resolved(self):
+        self.run_dir.write_text("recipe.yaml", dump_yaml(self.recipe.to_dict()))
+        self.run_dir.write_json("config_resolved.json", describe.resolved(self))
+
+    def _print_header(self):
+        self.console.header(describe.header(self))
+
+
+__all__ = ["Trainer", "Callback", "StepEvent"]

@@ -1,0 +1,53 @@
+"""Training objectives, by the name a recipe's ``objective.type`` gives them.
+
+>>> from mlxtune.objectives import Objective, register
+>>> @register
+... class Mine(Objective):
+...     name = "mine"
+...     ...
+
+``register`` also registers the objective's ``Config`` (its recipe section), so the recipe
+validates the objective's keys like any other section's.
+"""
+
+from __future__ import annotations
+
+from ..config import register_objective_config
+from ..errors import UserInputError
+from .base import Components, Objective, Usage
+from .sft import SFT
+
+OBJECTIVES: dict[str, type[Objective]] = {}
+
+
+def register(cls: type[Objective]) -> type[Objective]:
+    """Make ``cls`` the objective a recipe's ``objective.type: <cls.name>`` trains with."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a name")
+    OBJECTIVES[cls.name] = cls
+    register_objective_config(cls.name, cls.Config)
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Forget the objective ``name`` (and its recipe section)."""
+    from ..config import unregister_objective_config
+
+    OBJECTIVES.pop(name, None)
+    unregister_objective_config(name)
+
+
+def build_objective(recipe, components: Components) -> Objective:
+    """The objective the recipe names, built over the run's components."""
+    name = recipe.objective.type
+    if name not in OBJECTIVES:
+        raise UserInputError(
+            f"unknown objective {name!r}; known: {', '.join(sorted(OBJECTIVES))}",
+            "objective.type",
+        )
+    return OBJECTIVES[name](recipe, components)
+
+
+register(SFT)
+
+__all__ = ["Components", "Objective", "OBJECTIVES", "SFT", "Usage", "build_objective", "register"]

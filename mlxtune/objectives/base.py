@@ -1,0 +1,158 @@
+"""What a training objective is: the batches it trains on, its loss, and its evaluation.
+
+The engine compiles ``value_and_grad(objective.loss)`` over a batch pytree (a dict of arrays), so
+an objective never touches the optimizer, the precision policy, accumulation or checkpoints, and
+the loop never knows which loss it runs. A new objective is a subclass registered with
+``mlxtune.objectives.register`` plus its recipe section (a dataclass derived from
+``ObjectiveConfig``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..config import ObjectiveConfig, Recipe
+from ..data import Batch, Dataset, split_batch
+from ..kernels import linear_cross_entropy
+from ..models import LMParts, segments
+
+IGNORE = -100
+
+
+@dataclass
+class Components:
+    """What an objective is built from: the tokenizer, the model and the datasets a recipe
+    names, with the kernel tiers this machine runs."""
+
+    tokenizer: Any
+    model: nn.Module
+    lm: LMParts
+    """The model's hidden states, head weight and softcap, as the loss kernel takes them."""
+    train_set: Dataset
+    valid_set: Dataset
+    test_set: Dataset
+    pad_id: int
+    tiers: dict[str, str]
+    head_trains: bool
+    """Whether the LM head (or the tied embedding) is trained: the loss kernel then returns
+    its gradient."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a batch holds, for the loop's counters."""
+
+    examples: int
+    targets: int
+    """Tokens trained on (tokens_seen, tokens_per_sec)."""
+    tokens: int
+    """Real tokens, and the token slots the step computed over, padding included
+    (packing_utilization)."""
+    room: int
+
+
+class Objective:
+    """Base class of training objectives.
+
+    Subclasses set ``name`` and ``Config`` and implement ``loss``; the batching, evaluation and
+    batch handling below serve any objective whose batches are ``mlxtune.data.Batch`` rows and
+    can be overridden one by one.
+
+    ``loss(model, batch)`` returns ``(loss_sum, count, metrics)``: the loss summed over what it
+    counts (target tokens, sequences, pairs, ...), that count, and a dict of further sums (each
+    shown in log rows divided by the count). The step's loss is ``sum / count`` over all its
+    micro-batches: the engine scales each micro-batch by the step's total count, which the host
+    knows before the step runs from ``count(batch)`` (it must equal what ``loss`` returns).
+    ``tokens_seen`` and ``tokens_per_sec`` count target tokens (``usage``) whatever the count.
+    """
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+
+    def __init__(self, recipe: Recipe, components: Components):
+        self.recipe = recipe
+        self.config = recipe.objective
+        self.components = components
+
+    # --------------------------------------------------------------------- the loss
+    def loss(self, model: nn.Module, batch: dict[str, mx.array]):
+        raise NotImplementedError(f"{type(self).__name__} must define loss(model, batch)")
+
+    def hidden(self, batch: dict[str, mx.array]) -> mx.array:
+        """The model's final hidden states [B, T-1, D] for every position but the last; packed
+        rows (``batch["segments"]``) keep attention within each example."""
+        tokens = batch["tokens"]
+        seg = batch.get("segments")
+        with segments(None if seg is None else seg[:, :-1]):
+            return self.components.lm.hidden(tokens[:, :-1])
+
+    def token_losses(
+        self, batch: dict[str, mx.array], reduction: str = "sum", label_smoothing: float = 0.0
+    ):
+        """Next-token cross-entropy over the batch's target tokens (``batch["mask"]`` marks
+        them), from the hidden states through the loss kernel without materialising logits:
+        ``(sum, count)``, or with ``reduction="none"`` per-token losses [B, T-1] (0 off-target)
+        and the count."""
+        tokens, mask = batch["tokens"], batch["mask"]
+        targets = mx.where(mask[:, 1:] > 0, tokens[:, 1:], IGNORE)
+        h = self.hidden(batch)
+        c = self.components
+        out, n = linear_cross_entropy(
+            h.reshape(-1, h.shape[-1]),
+            c.lm.head_weight(),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
+            label_smoothing=label_smoothing,
+            softcap=c.lm.softcap,
+            reduction=reduction,
+            impl=c.tiers["loss"],
+            weight_grad=c.head_trains,
+        )
+        return (out.reshape(targets.shape) if reduction == "none" else out), n
+
+    # --------------------------------------------------------------------- batches
+    def batches(self, start_epoch: int = 0, skip: int = 0) -> Iterator[tuple[int, Batch]]:
+        """The endless (epoch, batch) stream the run trains on, from batch ``skip`` of epoch
+        ``start_epoch``."""
+        raise NotImplementedError(f"{type(self).__name__} must define batches()")
+
+    def batches_per_epoch(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must define batches_per_epoch()")
+
+    def arrays(self, batch: Batch) -> dict[str, np.ndarray]:
+        """The batch as the pytree the compiled step takes."""
+        out = {"tokens": batch.tokens, "mask": batch.mask}
+        if batch.segments is not None:
+            out["segments"] = batch.segments
+        return out
+
+    def count(self, batch: Batch) -> int:
+        """What ``loss`` will count for this batch, known on the host before the step runs."""
+        return batch.n_targets
+
+    def split(self, batch: Batch, parts: int) -> list[Batch]:
+        """``batch`` as up to ``parts`` micro-batches whose summed losses are the batch's (used
+        when a step runs out of memory)."""
+        return split_batch(batch, parts)
+
+    def usage(self, batch: Batch) -> Usage:
+        return Usage(batch.examples, batch.n_targets, batch.n_tokens, batch.tokens.size)
+
+    # --------------------------------------------------------------------- evaluation
+    def eval_batches(self) -> Iterable[Batch]:
+        """The fixed batches ``evaluate`` runs over."""
+        raise NotImplementedError(f"{type(self).__name__} must define eval_batches()")
+
+    def eval_metrics(self, loss_sum: float, count: int, metrics: dict[str, float]) -> dict:
+        """The eval row's values from the summed losses over ``eval_batches()``."""
+        loss = loss_sum / max(count, 1)
+        out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": count}
+        out.update({f"eval_{k}": v / max(count, 1) for k, v in metrics.items()})
+        return out

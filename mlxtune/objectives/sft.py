@@ -1,0 +1,80 @@
+"""Supervised fine-tuning: next-token cross-entropy over the target tokens (the completion, the
+assistant's turns, or every token of plain text), in length-bucketed batches or packed rows."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..data import eval_batches, iterate_batches, iterate_packed, packed_epoch
+from ..errors import UserInputError
+from ..models import kernel_attention
+from .base import Objective
+
+
+class SFT(Objective):
+    """Summed cross-entropy over target tokens, counted in tokens; evaluation gives the
+    token-weighted validation loss and its perplexity."""
+
+    name = "sft"
+
+    def __init__(self, recipe, components):
+        super().__init__(recipe, components)
+        d = recipe.data
+        self.packing = d.packing
+        self.pack_length = d.pack_length or d.max_length
+        if self.packing != "off" and not kernel_attention(components.model).active:
+            model_type = getattr(getattr(components.model, "args", None), "model_type", None)
+            raise UserInputError(
+                f"packed rows need the model's attention routed through mlxtune's kernels, "
+                f"which {model_type} does not allow; use packing: off",
+                "data.packing",
+            )
+
+    def loss(self, model: nn.Module, batch: dict[str, mx.array]):
+        loss, n = self.token_losses(batch, label_smoothing=self.recipe.train.label_smoothing)
+        return loss, n, {}
+
+    def batches(self, start_epoch: int = 0, skip: int = 0):
+        r, t, c = self.recipe, self.recipe.train, self.components
+        if self.packing != "off":
+            return iterate_packed(
+                c.train_set,
+                t.batch_size,
+                c.pad_id,
+                self.packing,
+                self.pack_length,
+                t.seed,
+                r.data.mask_boundary_loss,
+                start_epoch=start_epoch,
+                skip=skip,
+            )
+        return iterate_batches(
+            c.train_set,
+            t.batch_size,
+            c.pad_id,
+            r.data.pad_to_multiple,
+            t.seed,
+            r.data.bucket_size,
+            start_epoch=start_epoch,
+            skip=skip,
+        )
+
+    def batches_per_epoch(self) -> int:
+        t, c = self.recipe.train, self.components
+        if self.packing != "off":
+            rows = packed_epoch(c.train_set, self.packing, self.pack_length, t.seed, 0)
+            return math.ceil(len(rows) / t.batch_size)
+        return math.ceil(len(c.train_set) / t.batch_size)
+
+    def eval_batches(self):
+        r = self.recipe
+        return eval_batches(
+            self.components.valid_set,
+            r.eval.batch_size or r.train.batch_size,
+            self.components.pad_id,
+            r.data.pad_to_multiple,
+            r.eval.max_batches,
+        )
