@@ -20,7 +20,13 @@ class AdamWMatrices(optim.AdamW):
 
 
 class SGDMatrices(optim.SGD):
-    """SGD (with momentum) whose L2 weight decay touches matrices only."""
+    """SGD (with momentum) whose decoupled weight decay touches matrices only: with velocity
+    ``v <- momentum * v + g``, a matrix steps to ``w * (1 - lr * weight_decay) - lr * v``.
+
+    Decoupled as in AdamW: the decay never enters the velocity, so ``weight_decay`` shrinks a
+    weight by the same ``lr * weight_decay`` a step whatever the momentum (an L2 term in the
+    gradient would be amplified by the momentum, about 1 / (1 - momentum) times).
+    """
 
     def __init__(self, learning_rate, momentum: float = 0.0, weight_decay: float = 0.0):
         super().__init__(learning_rate, momentum=momentum, weight_decay=0.0)
@@ -28,7 +34,8 @@ class SGDMatrices(optim.SGD):
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state):
         if parameter.ndim >= 2 and self.matrix_decay:
-            gradient = gradient + self.matrix_decay * parameter
+            lr = self.learning_rate.astype(gradient.dtype)
+            parameter = parameter * (1 - lr * self.matrix_decay)
         return super().apply_single(gradient, parameter, state)
 
 

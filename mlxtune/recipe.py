@@ -169,7 +169,8 @@ class OptimizerConfig:
     momentum: float = 0.9
     """SGD momentum."""
     weight_decay: float = 0.0
-    """Decoupled weight decay, applied to weights with two or more dimensions."""
+    """Decoupled weight decay (adamw and sgd), applied to weights with two or more dimensions:
+    each step shrinks them by lr * weight_decay, apart from the gradient and its momentum."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this; null turns clipping off (grad_norm is still
     reported)."""

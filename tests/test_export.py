@@ -228,6 +228,7 @@ def test_a_lora_run_over_a_quantized_base_exports_dequantized(
     tmp_path, data_dir, llama_dir, tokenizer, tokenizer_dir
 ):
     """QLoRA: LoRA over an 8-bit base; fused and GGUF exports come out dense."""
+    import gguf
     import mlx.nn as nn
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -263,7 +264,11 @@ def test_a_lora_run_over_a_quantized_base_exports_dequantized(
     fused, _ = mlx_lm_load(str(out))
     np.testing.assert_allclose(logits(fused, ids), want, rtol=1e-3, atol=1e-3)
     assert main(["export", str(tmp_path / "qlora"), "--format", "gguf", "--dtype", "f32"]) == 0
-    assert next((tmp_path / "qlora" / "export" / "gguf").glob("*.gguf")).stat().st_size > 0
+    from test_gguf import llama_cpp_forward, read
+
+    f, t, r = read(next((tmp_path / "qlora" / "export" / "gguf").glob("*.gguf")))
+    assert all(x.tensor_type == gguf.GGMLQuantizationType.F32 for x in r.tensors)
+    np.testing.assert_allclose(llama_cpp_forward(f, t, ids), want[0], rtol=1e-3, atol=1e-3)
 
 
 def test_fused_export_can_be_quantized_again(tmp_path, data_dir, llama_dir, capsys):

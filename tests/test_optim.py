@@ -83,3 +83,40 @@ def test_sgd_decay_touches_matrices_only():
     )
     for k in ("layers.0.bias", "layers.1.weight", "layers.1.bias"):
         np.testing.assert_array_equal(after[k], before[k])
+
+
+def sgd_reference(weights, grads, lrs, momentum, decay, decoupled=True):
+    """Naive float64 SGD with momentum (v <- momentum * v + g, velocity from zero) over several
+    steps; matrices decay by lr * decay a step (decoupled), or through the gradient (L2)."""
+    w = {k: np.array(v, dtype=np.float64) for k, v in weights.items()}
+    v = {k: np.zeros_like(x) for k, x in w.items()}
+    for g, lr in zip(grads, lrs, strict=True):
+        for k in w:
+            d = decay if w[k].ndim >= 2 else 0.0
+            gk = np.array(g[k], dtype=np.float64) + (0.0 if decoupled else d * w[k])
+            v[k] = momentum * v[k] + gk
+            w[k] = w[k] * (1 - lr * d if decoupled else 1.0) - lr * v[k]
+    return w
+
+
+def test_sgd_with_momentum_decays_decoupled_over_several_steps():
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5))
+    mx.eval(model.parameters())
+    before = {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}
+    lrs = [0.05, 0.1, 0.08, 0.03, 0.06, 0.02]  # a schedule of its own: the step's lr is used
+    grads = [
+        {k: rng.normal(size=v.shape).astype(np.float32) for k, v in before.items()} for _ in lrs
+    ]
+    cfg = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.5)
+    opt = build_optimizer(cfg, lambda step: mx.array(lrs)[step])
+    for g in grads:
+        opt.update(model, nn.utils.tree_unflatten([(k, mx.array(x)) for k, x in g.items()]))
+        mx.eval(model.parameters())
+    after = {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}
+    want = sgd_reference(before, grads, lrs, 0.9, 0.5)
+    for k in before:
+        np.testing.assert_allclose(after[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # the test tells decoupled decay from L2 through the gradient: they end far apart
+    l2 = sgd_reference(before, grads, lrs, 0.9, 0.5, decoupled=False)
+    assert np.abs(l2["layers.0.weight"] - want["layers.0.weight"]).max() > 1e-2

@@ -16,7 +16,6 @@ from mlxtune.data import (
     make_batch,
     make_packed_batch,
     pack_rows,
-    packed_epoch,
     split_batch,
     stream_rows,
 )
@@ -24,6 +23,20 @@ from mlxtune.errors import UserInputError
 from mlxtune.models import kernel_attention, load_model, segments
 
 IGNORE = -100
+
+
+def best_fit_row_count(lengths: list[int], capacity: int) -> int:
+    """Rows that best-fit decreasing fills, done naively: each example, longest first, goes to
+    the fullest row it still fits in, or starts a row. (Which of equally full rows it goes to
+    does not change the count.)"""
+    rooms: list[int] = []
+    for n in sorted(lengths, reverse=True):
+        fits = [i for i, room in enumerate(rooms) if room >= n]
+        if fits:
+            rooms[min(fits, key=lambda i: rooms[i])] -= n
+        else:
+            rooms.append(capacity - n)
+    return len(rooms)
 
 
 def test_best_fit_packs_every_example_once_and_fills_the_rows():
@@ -35,6 +48,7 @@ def test_best_fit_packs_every_example_once_and_fills_the_rows():
     assert all(sum(lengths[i] for i in r) <= 256 for r in rows)
     utilization = sum(lengths) / (256 * len(rows))
     assert utilization > 0.95
+    assert len(rows) == best_fit_row_count(lengths, 256)
 
 
 def test_a_packed_batch_has_segments_and_no_target_across_a_boundary():
@@ -184,8 +198,21 @@ def test_a_packed_run_learns_reports_utilization_and_resumes_exactly(
 def test_epochs_count_packed_rows(tmp_path, data_dir, llama_dir):
     r = packed_recipe(data_dir, llama_dir, max_steps=None, epochs=1)
     tr = Trainer(recipe_from_dict(r), tmp_path / "e", console=Console(quiet=True))
-    rows = packed_epoch(tr.train_set, "pack", 64, 3, 0)
-    assert tr.total_steps == -(-len(rows) // 2) < len(tr.train_set) // 2
+    lengths = [len(e.ids) for e in tr.train_set.examples]
+    # walk the stream the run trains on through its first epoch
+    batches = rows = examples = tokens = 0
+    for epoch, batch in tr.batches():
+        if epoch > 0:
+            break
+        batches += 1
+        assert 1 <= len(batch.lengths) <= 2 and max(batch.lengths) <= 64
+        rows += len(batch.lengths)
+        examples += batch.examples
+        tokens += batch.n_tokens
+    assert examples == len(lengths) and tokens == sum(lengths)  # every example once
+    assert rows == best_fit_row_count(lengths, 64)
+    assert batches == (rows + 1) // 2  # two rows a batch, the last may hold one
+    assert tr.total_steps == batches < len(lengths) // 2
 
 
 def test_packing_settings_are_checked(

@@ -188,13 +188,19 @@ def test_memory_shape_counts_the_packed_weights(tmp_path, data_dir, llama_dir):
         recipe_from_dict(tiny_recipe(data_dir, llama_dir)), tmp_path / "r", console=Console(True)
     )
     dense = shape_of(tr)
-    assert dense.weight_bytes == sum(v.nbytes for _, v in tree_flatten(tr.model.parameters()))
+    # the tiny llama in fp32, counted from its shapes: hidden 32, 2 blocks, intermediate 64,
+    # 4 heads of 8 (q and o 32x32), 2 kv heads (k and v 16x32), LoRA rank 4 on q and v, and
+    # the tied 60 x 32 embedding
+    block = 2 * 32 * 32 + 2 * 16 * 32 + 3 * 64 * 32 + 2 * 32 + (32 * 4 + 4 * 32) + (32 * 4 + 4 * 16)
+    assert len(tr.tokenizer._tokenizer) == 60
+    assert dense.weight_bytes == 4 * (60 * 32 + 2 * block + 32)
     quantize_model(tr.model, bits=4, group_size=32)  # the LoRA bases and the embedding
     assert isinstance(tr.model.layers[0].self_attn.q_proj.linear, nn.QuantizedLinear)
     shape = shape_of(tr)
     packed = sum(v.nbytes for _, v in tree_flatten(tr.model.parameters()))
     head = tr.model.model.embed_tokens
-    dense_head = head.scales.shape[0] * 32 * 4  # the loss de-quantizes the tied head
+    assert head.scales.shape[0] == 60
+    dense_head = 60 * 32 * 4  # the loss de-quantizes the tied head: 60 x 32 in fp32
     assert shape.weight_bytes == packed + dense_head
     assert packed < 0.35 * dense.weight_bytes
     assert shape.quantizable == 0  # quantized already
