@@ -209,8 +209,9 @@ class Trainer:
                 micro.append(batch)
             # The step is queued, not waited for: its results are read at log steps (and
             # wherever the loop needs them), so the host prepares the next batch meanwhile.
-            scale, lr = engine.scaler["scale"], self.optimizer.learning_rate
+            scale = engine.scaler["scale"]  # the one this step multiplies by
             result = engine.step_or_fall_back(micro, pos.step + 1, self.log)
+            lr = self.optimizer.learning_rate  # the one this step used
             pos.step += 1
             n = sum(self.objective.count(b) for b in micro)  # what the step counted
             uses = [self.objective.usage(b) for b in micro]

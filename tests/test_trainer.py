@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from conftest import tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
 from mlxtune.cli import main
+from mlxtune.console import Console
 from mlxtune.data import make_batch
 from mlxtune.errors import UserInputError
 
@@ -429,3 +430,26 @@ def test_a_crash_between_the_renames_puts_the_old_checkpoint_back(tmp_path):
         with rd.staged("checkpoints", "step-000003") as d:
             raise RuntimeError("killed again")
     assert (ckpts / "step-000003" / "a.txt").read_text() == "good"
+
+
+def test_each_row_logs_the_learning_rate_its_step_used(tmp_path, data_dir, llama_dir):
+    """A linear decay from 1e-2 to 1e-3 over 5 steps: step s (1-based) runs at the rate of
+    schedule step s-1, and so do its row, its event and its checkpoint."""
+    seen = {}
+    r = tiny_recipe(
+        data_dir,
+        llama_dir,
+        optimizer={"lr": 1e-2},
+        schedule={"name": "linear", "warmup_steps": 0, "min_lr": 1e-3},
+        train={"batch_size": 4, "max_steps": 5, "log_every": 1, "progress": False},
+        eval={"every": None},
+        checkpoints={"every": 2},
+    )
+    cb = lambda trainer, event: seen.__setitem__(event.step, event.lr)  # noqa: E731
+    Trainer(recipe_from_dict(r), tmp_path / "r", callbacks=[cb], console=Console(quiet=True)).run()
+    want = {s: 1e-2 + (1e-3 - 1e-2) * (s - 1) / 4 for s in range(1, 6)}
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    logged = {x["step"]: x["lr"] for x in rows if "grad_norm" in x}
+    assert logged == pytest.approx(want, rel=1e-6) and seen == pytest.approx(want, rel=1e-6)
+    meta = json.loads((tmp_path / "r/checkpoints/step-000004/trainer_state.json").read_text())
+    assert meta["lr"] == pytest.approx(want[4], rel=1e-6)
