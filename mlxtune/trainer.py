@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from . import _blas
+from .config import Recipe, dump_yaml
 from .console import Console
 from .control import take_requests
 from .data import (
@@ -60,7 +61,6 @@ from .precision import (
     snapshot,
     update_scale,
 )
-from .recipe import Recipe, dump_yaml
 from .resume import named as named_checkpoint
 from .resume import pick as pick_checkpoint
 from .resume import recipe_changes, write_checksums
