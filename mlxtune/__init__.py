@@ -13,9 +13,9 @@ _setup_blas()
 # Before MLX allocates: freed buffers stay in the process (see _malloc.py).
 _setup_malloc()
 
+from .config import Recipe, load_recipe, recipe_from_dict  # noqa: E402
 from .errors import MlxtuneError, TrainingError, UserInputError  # noqa: E402
 from .loop import Callback, StepEvent, Trainer  # noqa: E402
-from .recipe import Recipe, load_recipe, recipe_from_dict  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -12,6 +12,7 @@ import time
 import click
 
 from . import __version__, _blas, _malloc
+from .config import inert_notes, load_recipe
 from .errors import Interrupted, TrainingError, UserInputError
 
 
@@ -43,7 +44,6 @@ def cli():
 def run(recipe, overrides, run_dir, dry_run, tui, resume):
     """Train RECIPE.yaml; OVERRIDES are key.sub=value pairs (e.g. train.max_steps=50)."""
     from .loop import Trainer
-    from .recipe import load_recipe
 
     r = load_recipe(recipe, list(overrides))
     if tui and not dry_run:
@@ -59,9 +59,8 @@ def run(recipe, overrides, run_dir, dry_run, tui, resume):
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
 def validate(recipe, overrides):
-    """Check RECIPE.yaml (with any key.sub=value overrides) without running it."""
-    from .recipe import load_recipe
-
+    """Check RECIPE.yaml (with any key.sub=value overrides) without running it; keys that the
+    other settings make meaningless are noted, one line each."""
     r = load_recipe(recipe, list(overrides))
     missing = []
     for key in ("train", "valid", "test"):
@@ -78,6 +77,8 @@ def validate(recipe, overrides):
         f"{recipe}: ok ({r.name}: {r.adapter.type}, {r.train.max_steps or str(r.train.epochs) + ' epochs'}"
         f"{' steps' if r.train.max_steps else ''})"
     )
+    for note in inert_notes(r):
+        click.echo(note)
 
 
 @cli.command("export")

@@ -15,7 +15,7 @@ from . import _blas, describe
 from .build import Built, build, kernel_tiers, optimizer_for
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
 from .checkpoint import last_saved, named, prune, restore, save
-from .config import Recipe, dump_yaml
+from .config import Recipe, dump_yaml, inert_notes
 from .console import Console
 from .control import Signals, take_requests
 from .engine import Engine
@@ -82,6 +82,8 @@ class Trainer:
         r = self.recipe
         self.blas = _blas.setup_blas()
         self.log(f"BLAS: {self.blas.note}")
+        for note in inert_notes(r):  # keys the recipe sets that these settings never read
+            self.log(note)
         self.tiers = kernel_tiers(r, self.log)
         self.built: Built = build(
             r, self.run_dir, self.tiers, self.resume_from is not None, self.log

@@ -185,7 +185,7 @@ train:
 
 def load_minimal(tmp_path: Path, overrides=(), text: str = MINIMAL_RECIPE):
     """MINIMAL_RECIPE (or ``text``) written to tmp_path/r.yaml and loaded with overrides."""
-    from mlxtune.recipe import load_recipe
+    from mlxtune.config import load_recipe
 
     p = tmp_path / "r.yaml"
     p.write_text(text)

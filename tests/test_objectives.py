@@ -26,6 +26,8 @@ TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step
 class SequenceMeanConfig(ObjectiveConfig):
     """Each sequence's mean token loss, averaged over sequences, its tokens weighted by a ramp."""
 
+    type: str = "sequence_mean_test"
+    """This objective."""
     ramp: float = 0.5
     """Target j of a sequence with n targets weighs 1 + ramp * j / n."""
 
@@ -96,7 +98,9 @@ def rows(run_dir):
 
 
 def test_the_objective_computes_its_loss_and_count(tmp_path, data_dir, llama_dir, sequence_mean):
-    tr = Trainer(recipe_from_dict(recipe(data_dir, llama_dir)), tmp_path / "r", console=Console(quiet=True))
+    tr = Trainer(
+        recipe_from_dict(recipe(data_dir, llama_dir)), tmp_path / "r", console=Console(quiet=True)
+    )
     assert isinstance(tr.objective, SequenceMean) and tr.objective.config.ramp == 2.0
     exs = tr.train_set.examples[:5]
     b = make_batch(exs, tr.pad_id, 8)
@@ -108,7 +112,9 @@ def test_the_objective_computes_its_loss_and_count(tmp_path, data_dir, llama_dir
     assert metrics["targets_per_sequence"].item() == sum(e.n_targets for e in exs)
 
 
-def test_it_trains_logs_its_metric_and_resumes_exactly(tmp_path, data_dir, llama_dir, sequence_mean):
+def test_it_trains_logs_its_metric_and_resumes_exactly(
+    tmp_path, data_dir, llama_dir, sequence_mean
+):
     r = recipe(data_dir, llama_dir)
     summary = Trainer(recipe_from_dict(r), tmp_path / "whole", console=Console(quiet=True)).run()
     want = rows(tmp_path / "whole")
@@ -129,7 +135,9 @@ def test_it_trains_logs_its_metric_and_resumes_exactly(tmp_path, data_dir, llama
             console=Console(quiet=True),
             callbacks=[make_crash(6)],
         ).run()
-    Trainer(recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), resume="latest").run()
+    Trainer(
+        recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), resume="latest"
+    ).run()
     assert rows(tmp_path / "cut") == want
 
 
@@ -139,7 +147,12 @@ def test_the_cli_runs_it_and_checks_its_keys(tmp_path, data_dir, llama_dir, sequ
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump(r))
     assert main(["run", str(p), "--run-dir", str(tmp_path / "run")]) == 0
-    assert [x["step"] for x in rows(tmp_path / "run") if "targets_per_sequence" in x] == [1, 2, 3, 4]
+    assert [x["step"] for x in rows(tmp_path / "run") if "targets_per_sequence" in x] == [
+        1,
+        2,
+        3,
+        4,
+    ]
     capsys.readouterr()
     r["objective"]["ramp"] = "steep"
     p.write_text(yaml.safe_dump(r))

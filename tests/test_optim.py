@@ -5,8 +5,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from mlxtune.config import OptimizerConfig
 from mlxtune.optim import AdamWMatrices, build_optimizer, make_schedule
-from mlxtune.recipe import OptimizerConfig
 
 
 def test_weight_decay_touches_matrices_only():

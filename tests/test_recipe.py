@@ -1,11 +1,13 @@
 import dataclasses
+import re
 import typing
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import MINIMAL_RECIPE, REPO
-from mlxtune import recipe as R
+from conftest import MINIMAL_RECIPE, REPO, tiny_recipe
+from mlxtune import config as R
 from mlxtune.cli import main
 from mlxtune.errors import UserInputError
 
@@ -210,3 +212,395 @@ def test_bare_off_in_yaml_means_the_word_off(tmp_path):
     )
     with pytest.raises(UserInputError, match="kernels.loss"):
         R.load_recipe(write(tmp_path, MINIMAL_RECIPE), ["kernels.loss=off"])  # no such choice there
+
+
+# ------------------------------------------------------------------ the objective section
+
+
+@dataclasses.dataclass
+class WeightedObjective(R.ObjectiveConfig):
+    """A test-only objective with one key of its own."""
+
+    type: str = "test-weighted"
+    """The objective's name."""
+    weight: float = 1.0
+    """How much the loss counts."""
+
+
+@dataclasses.dataclass
+class UndocumentedObjective(R.ObjectiveConfig):
+    type: str = "test-undocumented"
+    """The objective's name."""
+    weight: float = 1.0
+
+
+@dataclasses.dataclass
+class MisnamedObjective(R.ObjectiveConfig):
+    weight: float = 1.0
+    """How much the loss counts."""
+
+
+@pytest.fixture
+def weighted():
+    """WeightedObjective registered as "test-weighted" for one test, removed after it."""
+    assert "test-weighted" not in R.OBJECTIVE_CONFIGS
+    R.register_objective_config("test-weighted", WeightedObjective)
+    yield WeightedObjective
+    R.OBJECTIVE_CONFIGS.pop("test-weighted")
+
+
+WEIGHTED = MINIMAL_RECIPE + "objective:\n  type: test-weighted\n  weight: 0.25\n"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_as_sft_with_no_inert_keys(path):
+    r = R.load_recipe(path)
+    assert type(r.objective) is R.ObjectiveConfig and r.objective.type == "sft"
+    assert R.inert_keys(r) == []
+
+
+def test_the_objective_defaults_to_sft(tmp_path):
+    r = R.load_recipe(write(tmp_path, MINIMAL_RECIPE))
+    assert type(r.objective) is R.ObjectiveConfig and r.objective.type == "sft"
+    r = R.load_recipe(write(tmp_path, MINIMAL_RECIPE + "objective:\n  type: sft\n"))
+    assert type(r.objective) is R.ObjectiveConfig and r.objective.type == "sft"
+    with pytest.raises(UserInputError, match=r"r.yaml:10: objective.weight: unknown key"):
+        R.load_recipe(write(tmp_path, MINIMAL_RECIPE + "objective:\n  type: sft\n  weight: 2\n"))
+
+
+def test_a_registered_objective_loads_as_its_class(tmp_path, weighted):
+    r = R.load_recipe(write(tmp_path, WEIGHTED))
+    assert type(r.objective) is weighted
+    assert (r.objective.type, r.objective.weight) == ("test-weighted", 0.25)
+    text = MINIMAL_RECIPE + "objective:\n  type: test-weighted\n"
+    assert R.load_recipe(write(tmp_path, text)).objective.weight == 1.0  # its default
+    r = R.load_recipe(write(tmp_path, MINIMAL_RECIPE), ["objective.type=test-weighted"])
+    assert type(r.objective) is weighted and r.objective.weight == 1.0
+    r = R.load_recipe(write(tmp_path, WEIGHTED), ["objective.weight=3"])
+    assert r.objective.weight == 3.0
+
+
+def test_a_registered_objective_checks_types_with_the_line(tmp_path, weighted):
+    p = write(tmp_path, WEIGHTED.replace("weight: 0.25", "weight: heavy"))
+    with pytest.raises(
+        UserInputError, match=r"r.yaml:10: objective.weight: expected a number, got 'heavy'"
+    ):
+        R.load_recipe(p)
+    with pytest.raises(UserInputError, match=r"override 'objective.weight=\[1\]'"):
+        R.load_recipe(write(tmp_path, WEIGHTED), ["objective.weight=[1]"])
+    p = write(tmp_path, WEIGHTED.replace("type: test-weighted", "type: 3"))
+    with pytest.raises(UserInputError, match=r"r.yaml:9: objective.type: expected a string"):
+        R.load_recipe(p)
+
+
+def test_a_registered_objective_suggests_its_own_keys(tmp_path, weighted):
+    p = write(tmp_path, WEIGHTED.replace("weight: 0.25", "wieght: 0.25"))
+    with pytest.raises(UserInputError) as e:
+        R.load_recipe(p)
+    msg = str(e.value)
+    assert f"{p}:10: objective.wieght: unknown key" in msg
+    assert "did you mean 'weight'" in msg and "known here: type, weight" in msg
+
+
+def test_an_unknown_objective_type_lists_the_registered_ones(tmp_path, weighted):
+    p = write(tmp_path, WEIGHTED.replace("type: test-weighted", "type: test-weigted"))
+    with pytest.raises(UserInputError) as e:
+        R.load_recipe(p)
+    msg = str(e.value)
+    assert f"{p}:9: objective.type: unknown objective 'test-weigted'" in msg
+    assert "did you mean 'test-weighted'" in msg and "registered: sft, test-weighted" in msg
+    assert main(["validate", str(p)]) == 2
+
+
+def test_an_objective_unregistered_again_is_unknown(tmp_path, weighted):
+    R.OBJECTIVE_CONFIGS.pop("test-weighted")
+    try:
+        with pytest.raises(UserInputError, match=r"unknown objective .*\(registered: sft\)"):
+            R.load_recipe(write(tmp_path, WEIGHTED))
+    finally:
+        R.register_objective_config("test-weighted", WeightedObjective)
+
+
+def test_a_registered_objective_round_trips(tmp_path, weighted):
+    r = R.load_recipe(write(tmp_path, WEIGHTED))
+    d = r.to_dict()
+    assert d["objective"] == {"type": "test-weighted", "weight": 0.25}
+    assert "explicit" not in d and "source" not in d
+    again = R.recipe_from_dict(d)
+    assert type(again.objective) is weighted and again.objective == r.objective
+    assert again.to_dict() == d
+    from_yaml = R.recipe_from_dict(R.parse_yaml(R.dump_yaml(d), "dumped"))
+    assert from_yaml.to_dict() == d
+    # a dict without an objective section trains sft
+    del d["objective"]
+    assert R.recipe_from_dict(d).objective == R.ObjectiveConfig(type="sft")
+    # an instance made in code knows its objective
+    r.objective = weighted(weight=2.0)
+    assert R.recipe_from_dict(r.to_dict()).objective == weighted(weight=2.0)
+
+
+def test_validate_accepts_a_registered_objective(tmp_path, weighted, capsys):
+    (tmp_path / "train.jsonl").write_text("")
+    assert main(["validate", str(write(tmp_path, WEIGHTED))]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_register_objective_config_refuses_what_it_cannot_read():
+    before = dict(R.OBJECTIVE_CONFIGS)
+    with pytest.raises(TypeError, match="not a dataclass subclass of ObjectiveConfig"):
+        R.register_objective_config("test-x", R.OptimizerConfig)
+    with pytest.raises(ValueError, match="needs a docstring"):
+        R.register_objective_config("test-undocumented", UndocumentedObjective)
+    with pytest.raises(ValueError, match="must default to 'test-misnamed'"):
+        R.register_objective_config("test-misnamed", MisnamedObjective)
+    with pytest.raises(ValueError, match="registered already"):
+        R.register_objective_config("sft", WeightedObjective)
+    with pytest.raises(ValueError, match="non-empty string"):
+        R.register_objective_config("", WeightedObjective)
+    assert R.OBJECTIVE_CONFIGS == before
+    R.register_objective_config("sft", R.ObjectiveConfig)  # the same class again: nothing
+    assert R.OBJECTIVE_CONFIGS == before
+
+
+def test_field_docs_of_a_subclass_include_the_base_fields():
+    assert set(R.field_docs(WeightedObjective)) == {"type", "weight"}
+    assert R.field_docs(MisnamedObjective)["type"] == R.field_docs(R.ObjectiveConfig)["type"]
+
+
+def test_run_dry_run_accepts_an_objective_section(
+    tmp_path, data_dir, llama_dir, capsys, monkeypatch
+):
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(tiny_recipe(data_dir, llama_dir, objective={"type": "sft"})))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(p), "--dry-run"]) == 0
+    assert "dry run: one step compiled" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ keys without effect
+
+
+def recipe_text(**sections) -> str:
+    """MINIMAL_RECIPE as YAML with keys added to its sections (a key given None is removed)."""
+    r = {
+        "name": "t",
+        "model": {"path": "some/model"},
+        "data": {"train": "train.jsonl"},
+        "train": {"max_steps": 10},
+    }
+    for k, v in sections.items():
+        r[k] = {key: x for key, x in {**r.get(k, {}), **v}.items() if x is not None}
+    return yaml.safe_dump(r, sort_keys=False)
+
+
+def validate_notes(tmp_path, capsys, text: str, *overrides: str) -> dict[str, str]:
+    """``mlxtune validate`` on ``text``: its notes, as {key: why}; it must exit 0."""
+    for name in ("train", "valid", "test"):
+        (tmp_path / f"{name}.jsonl").write_text("")
+    p = write(tmp_path, text)
+    assert main(["validate", str(p), *overrides]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"{p}: ok" in out[0]
+    notes = {}
+    for line in out[1:]:
+        m = re.fullmatch(r"note: (\S+) has no effect: (.+)", line)
+        assert m, line
+        notes[m[1]] = m[2]
+    return notes
+
+
+SCRATCH = {
+    "model": {"path": None, "arch": {"model_type": "llama"}},
+    "adapter": {"type": "full"},
+    "tokenizer": {"train": {"vocab_size": 40}},
+}
+
+
+@pytest.mark.parametrize(
+    "sections, expected",
+    [
+        (
+            {"data": {"packing": "pack", "bucket_size": 4, "pad_to_multiple": 16}},
+            {"data.bucket_size": "data.packing is pack"},  # evaluation still pads to 16
+        ),
+        (
+            {"data": {"packing": "stream", "bucket_size": 4, "overlong": "drop"}},
+            {"data.bucket_size": "data.packing is stream", "data.overlong": "data.packing is"},
+        ),
+        (
+            {"data": {"packing": "off", "mask_boundary_loss": False}},
+            {"data.mask_boundary_loss": "data.packing is off"},
+        ),
+        (
+            {"data": {"valid": "valid.jsonl", "valid_fraction": 0.2}},
+            {"data.valid_fraction": "data.valid is given"},
+        ),
+        (
+            {"data": {"add_eos": False, "train_on_eos": False}},
+            {"data.train_on_eos": "data.add_eos is false"},
+        ),
+        (
+            {"optimizer": {"name": "adamw", "momentum": 0.5}},
+            {"optimizer.momentum": "optimizer.name is adamw"},
+        ),
+        (
+            {"optimizer": {"name": "adam", "momentum": 0.5, "weight_decay": 0.0}},
+            {"optimizer.momentum": "is adam", "optimizer.weight_decay": "is adam"},
+        ),
+        (
+            {"optimizer": {"name": "sgd", "betas": [0.8, 0.9], "eps": 1e-6}},
+            {"optimizer.betas": "optimizer.name is sgd", "optimizer.eps": "is sgd"},
+        ),
+        (
+            {"optimizer": {"name": "sgd", "bias_correction": False}},
+            {"optimizer.bias_correction": "optimizer.name is sgd"},
+        ),
+        (
+            {
+                "adapter": {
+                    "type": "full",
+                    "rank": 4,
+                    "alpha": 8,
+                    "dropout": 0.1,
+                    "targets": ["q_proj"],
+                    "layers": 2,
+                }
+            },
+            {
+                f"adapter.{k}": "adapter.type is full"
+                for k in "rank alpha dropout targets layers".split()
+            },
+        ),
+        (
+            {"precision": {"growth_factor": 4.0, "growth_interval": 10, "backoff_factor": 0.25}},
+            {
+                f"precision.{k}": "loss scaling is none (precision.loss_scale auto with model.dtype float32)"
+                for k in ("growth_factor", "growth_interval", "backoff_factor")
+            },
+        ),
+        (
+            {"precision": {"loss_scale": "static", "init_scale": 1024.0, "min_scale": 2.0}},
+            {"precision.min_scale": "precision.loss_scale is static"},
+        ),
+        (
+            {"precision": {"loss_scale": "none", "init_scale": 1024.0}},
+            {"precision.init_scale": "precision.loss_scale is none"},
+        ),
+        (
+            {"model": {"dtype": "float32"}, "precision": {"master_weights": False}},
+            {"precision.master_weights": "model.dtype is float32"},
+        ),
+        (
+            {"precision": {"nonfinite": "stop", "max_skipped": 3}},
+            {"precision.max_skipped": "precision.nonfinite is stop"},
+        ),
+        (
+            {"schedule": {"name": "constant", "min_lr": 1e-5, "warmup_steps": 3}},
+            {"schedule.min_lr": "schedule.name is constant"},  # constant still warms up
+        ),
+        ({"train": {"epochs": 2}}, {"train.epochs": "train.max_steps is set"}),
+        ({"eval": {"max_new_tokens": 8}}, {"eval.max_new_tokens": "eval.exact_match is 0"}),
+        (
+            {"samples": {"prompts": ["hi"], "count": 5}},
+            {"samples.count": "samples.prompts is given"},
+        ),
+        ({"model": {"seed": 3}}, {"model.seed": "the model is loaded from model.path"}),
+        (
+            {
+                **SCRATCH,
+                "model": {"path": None, "arch": {"model_type": "llama"}, "trust_remote_code": True},
+                "tokenizer": {"train": {"vocab_size": 40}, "path": "tok"},
+            },
+            {
+                "model.trust_remote_code": "no code is loaded",
+                "tokenizer.path": "tokenizer.train trains a new tokenizer",
+            },
+        ),
+        (
+            {"memory": {"check": "off", "limit_gb": 4}},
+            {"memory.limit_gb": "memory.check is off"},
+        ),
+    ],
+    ids=lambda x: ",".join(x) if isinstance(x, dict) and "." in next(iter(x), "") else None,
+)
+def test_validate_notes_each_key_that_has_no_effect(tmp_path, capsys, sections, expected):
+    notes = validate_notes(tmp_path, capsys, recipe_text(**sections))
+    assert set(notes) == set(expected)
+    for key, why in expected.items():
+        assert why in notes[key], (key, notes[key])
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},  # every key at its default: momentum 0.9 under adamw, rank 8 ... is never named
+        {"adapter": {"type": "full"}},  # rank, alpha, targets left at their defaults
+        {"data": {"packing": "pack"}},  # bucket_size and pad_to_multiple left at their defaults
+        # the same keys where they matter
+        {"data": {"packing": "off", "bucket_size": 4, "pad_to_multiple": 16}},
+        {"data": {"packing": "pack", "pad_to_multiple": 16, "mask_boundary_loss": False}},
+        {"data": {"packing": "stream", "overlong": "drop", "valid": "valid.jsonl"}},
+        {"data": {"packing": "stream", "overlong": "drop", "test": "test.jsonl"}},
+        {"data": {"valid_fraction": 0.2, "add_eos": True, "train_on_eos": False}},
+        {"optimizer": {"name": "sgd", "momentum": 0.5, "weight_decay": 0.1}},
+        {"optimizer": {"name": "adamw", "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.1}},
+        {"adapter": {"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.1, "layers": 2}},
+        {
+            "precision": {
+                "loss_scale": "dynamic",
+                "init_scale": 1024.0,
+                "growth_factor": 4.0,
+                "growth_interval": 10,
+                "backoff_factor": 0.25,
+                "min_scale": 2.0,
+            }
+        },
+        {"model": {"path": "some/model", "dtype": "float16"}, "precision": {"growth_factor": 4.0}},
+        {
+            "model": {"path": "some/model", "dtype": "bfloat16"},
+            "precision": {"master_weights": False},
+        },
+        {"precision": {"loss_scale": "static", "init_scale": 1024.0}},
+        {"precision": {"nonfinite": "skip", "max_skipped": 3}},
+        {"schedule": {"name": "linear", "min_lr": 1e-5, "warmup_steps": 3}},
+        {"schedule": {"name": "constant", "warmup_steps": 3}},
+        {"train": {"max_steps": None, "epochs": 2}},
+        {"eval": {"exact_match": 5, "max_new_tokens": 8}},
+        {"samples": {"count": 5}},
+        {**SCRATCH, "model": {"path": None, "arch": {"model_type": "llama"}, "seed": 3}},
+        {"model": {"path": "some/model", "trust_remote_code": True}, "tokenizer": {"path": "t"}},
+        {"memory": {"check": "warn", "limit_gb": 4}},
+    ],
+)
+def test_validate_notes_nothing_where_the_keys_matter(tmp_path, capsys, sections):
+    assert validate_notes(tmp_path, capsys, recipe_text(**sections)) == {}
+
+
+def test_keys_set_by_an_override_are_noted_too(tmp_path, capsys):
+    notes = validate_notes(tmp_path, capsys, recipe_text(), "optimizer.momentum=0.5")
+    assert notes == {"optimizer.momentum": "optimizer.name is adamw"}
+    # an override that makes a written key matter silences its note
+    text = recipe_text(optimizer={"momentum": 0.5})
+    assert validate_notes(tmp_path, capsys, text, "optimizer.name=sgd") == {}
+
+
+def test_pack_length_with_packing_off_is_refused_not_noted(tmp_path, capsys):
+    (tmp_path / "train.jsonl").write_text("")
+    p = write(tmp_path, recipe_text(data={"packing": "off", "pack_length": 64}))
+    assert main(["validate", str(p)]) == 2
+    assert "data.pack_length: is for packed rows" in capsys.readouterr().err
+
+
+def test_explicit_holds_the_keys_written_and_only_those(tmp_path):
+    r = R.load_recipe(write(tmp_path, MINIMAL_RECIPE), ["adapter.targets=[q_proj]"])
+    assert r.explicit == {
+        "name",
+        "model",
+        "model.path",
+        "data",
+        "data.train",
+        "train",
+        "train.max_steps",
+        "adapter",
+        "adapter.targets",
+    }

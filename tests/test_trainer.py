@@ -453,3 +453,13 @@ def test_each_row_logs_the_learning_rate_its_step_used(tmp_path, data_dir, llama
     assert logged == pytest.approx(want, rel=1e-6) and seen == pytest.approx(want, rel=1e-6)
     meta = json.loads((tmp_path / "r/checkpoints/step-000004/trainer_state.json").read_text())
     assert meta["lr"] == pytest.approx(want[4], rel=1e-6)
+
+
+def test_the_run_log_names_keys_that_have_no_effect(tmp_path, data_dir, llama_dir):
+    r = tiny_recipe(
+        data_dir, llama_dir, optimizer={"lr": 1e-2, "momentum": 0.5}, train={"max_steps": 1}
+    )
+    Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True)).run()
+    log = (tmp_path / "r" / "log.txt").read_text()
+    assert "note: optimizer.momentum has no effect" in log
+    assert "optimizer.lr has no effect" not in log

@@ -270,7 +270,7 @@ def test_run_tui_trains_a_real_run_behind_the_dashboard(tmp_path):
     its s key saves a checkpoint mid-run, and q closes it once training has ended."""
     from pathlib import Path
 
-    from mlxtune.recipe import load_recipe
+    from mlxtune.config import load_recipe
     from mlxtune.tui.live import run_with_dashboard
 
     repo = Path(__file__).resolve().parents[1]

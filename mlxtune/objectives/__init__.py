@@ -12,7 +12,7 @@ validates the objective's keys like any other section's.
 
 from __future__ import annotations
 
-from ..config import register_objective_config
+from ..config import register_objective_config, unregister_objective_config
 from ..errors import UserInputError
 from .base import Components, Objective, Usage
 from .sft import SFT
@@ -21,20 +21,23 @@ OBJECTIVES: dict[str, type[Objective]] = {}
 
 
 def register(cls: type[Objective]) -> type[Objective]:
-    """Make ``cls`` the objective a recipe's ``objective.type: <cls.name>`` trains with."""
+    """Make ``cls`` the objective a recipe's ``objective.type: <cls.name>`` trains with, and
+    ``cls.Config`` its recipe section (see ``mlxtune.config.register_objective_config``).
+    Another class under a taken name is refused."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} needs a name")
-    OBJECTIVES[cls.name] = cls
+    taken = OBJECTIVES.get(cls.name)
+    if taken is not None and taken is not cls:
+        raise ValueError(f"objective {cls.name!r} is registered already, to {taken.__qualname__}")
     register_objective_config(cls.name, cls.Config)
+    OBJECTIVES[cls.name] = cls
     return cls
 
 
 def unregister(name: str) -> None:
-    """Forget the objective ``name`` (and its recipe section)."""
-    from ..config import unregister_objective_config
-
-    OBJECTIVES.pop(name, None)
+    """Forget the objective ``name`` and its recipe section."""
     unregister_objective_config(name)
+    OBJECTIVES.pop(name, None)
 
 
 def build_objective(recipe, components: Components) -> Objective:
@@ -50,4 +53,13 @@ def build_objective(recipe, components: Components) -> Objective:
 
 register(SFT)
 
-__all__ = ["Components", "Objective", "OBJECTIVES", "SFT", "Usage", "build_objective", "register"]
+__all__ = [
+    "Components",
+    "Objective",
+    "OBJECTIVES",
+    "SFT",
+    "Usage",
+    "build_objective",
+    "register",
+    "unregister",
+]

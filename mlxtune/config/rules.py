@@ -1,0 +1,364 @@
+"""Rules across a recipe's fields: values and combinations that cannot run (refused, naming the
+key), and keys that the other settings make meaningless (``inert_keys``: reported, not refused).
+
+``check_values`` runs one ``check_SECTION`` function per section, in the order of the sections;
+a rule that involves two sections lives with the key it blames.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn, Protocol
+
+from ..precision import scaling_mode
+from ..rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
+from .schema import Recipe
+
+
+class Fails(Protocol):
+    """What the rules report a problem to: ``fail`` raises a ``UserInputError`` naming where
+    the key was set (file and line, or the override)."""
+
+    def fail(self, key: str, msg: str) -> NoReturn: ...
+
+
+def show_value(v: Any) -> str:
+    """A value as a message shows it: strings quoted, mappings and lists by their kind."""
+    if isinstance(v, str):
+        return repr(v)
+    if isinstance(v, (dict, list)):
+        return type(v).__name__
+    return repr(v)
+
+
+def _positive(v: Fails, key: str, x, allow_none: bool = False) -> None:
+    if x is None and allow_none:
+        return
+    if x is None or x <= 0:
+        v.fail(key, f"must be greater than 0, got {x}")
+
+
+def _in_range(v: Fails, key: str, x, lo: float, hi: float, hi_open: bool = True) -> None:
+    if x < lo or (x >= hi if hi_open else x > hi):
+        bracket = ")" if hi_open else "]"
+        v.fail(key, f"must be in [{lo}, {hi}{bracket}, got {x}")
+
+
+# --------------------------------------------------------------------------------------------
+# Refused values and combinations, one function per section
+
+
+def check_values(r: Recipe, v: Fails) -> None:
+    """Refuse impossible values and combinations, section by section."""
+    check_run(r, v)
+    check_model(r, v)
+    check_tokenizer(r, v)
+    check_data(r, v)
+    check_adapter(r, v)
+    check_optimizer(r, v)
+    check_schedule(r, v)
+    check_train(r, v)
+    check_eval(r, v)
+    check_samples(r, v)
+    check_precision(r, v)
+    check_memory(r, v)
+    check_checkpoints(r, v)
+    check_export(r, v)
+
+
+def check_run(r: Recipe, v: Fails) -> None:
+    """The top-level keys: name and run_dir stay under the current directory."""
+    if not is_plain_name(r.name):
+        v.fail("name", f"{r.name!r} {NOT_PLAIN}")
+    if r.run_dir is not None and not is_under_here(r.run_dir):
+        v.fail("run_dir", f"{r.run_dir!r} {NOT_UNDER_HERE}")
+
+
+def check_model(r: Recipe, v: Fails) -> None:
+    """model: a path or an architecture, and what quantizing or training from scratch needs."""
+    if r.model.path is None and r.model.arch is None:
+        v.fail(
+            "model",
+            "give model.path (a model directory or Hub id) or model.arch (train from scratch)",
+        )
+    if r.model.path is not None and r.model.arch is not None:
+        v.fail("model.arch", "give model.path or model.arch, not both")
+    q = r.model.quantize
+    if q is not None:
+        for name in ("bits", "group_size"):
+            if not isinstance(getattr(q, name), int):
+                v.fail(f"model.quantize.{name}", f"expected an integer, got {getattr(q, name)!r}")
+        if r.model.arch is not None:
+            v.fail(
+                "model.quantize",
+                "is for a loaded base (model.path); a model built from arch trains every weight",
+            )
+        if r.adapter.type == "full":
+            v.fail(
+                "model.quantize",
+                "quantized weights cannot train: use adapter.type lora or dora (QLoRA)",
+            )
+    if r.model.arch is not None:
+        if "model_type" not in r.model.arch:
+            v.fail("model.arch", "needs model_type (for example llama)")
+        if r.adapter.type != "full":
+            v.fail("adapter.type", "a model trained from scratch needs adapter.type: full")
+
+
+def check_tokenizer(r: Recipe, v: Fails) -> None:
+    """tokenizer: a model built from arch brings none, and the trainer's settings."""
+    if r.model.arch is not None and r.tokenizer.train is None and r.tokenizer.path is None:
+        v.fail("tokenizer", "a model built from arch needs tokenizer.path or tokenizer.train")
+    t = r.tokenizer.train
+    if t is not None:
+        _positive(v, "tokenizer.train.vocab_size", t.vocab_size)
+        _positive(v, "tokenizer.train.max_sentences", t.max_sentences)
+        _in_range(v, "tokenizer.train.character_coverage", t.character_coverage, 0.9, 1.0, False)
+
+
+def check_data(r: Recipe, v: Fails) -> None:
+    """data: lengths, shares, and what packing needs."""
+    d = r.data
+    if not d.train:
+        v.fail("data.train", "a training file is required")
+    _positive(v, "data.max_length", d.max_length)
+    if d.min_length < 0:
+        v.fail("data.min_length", f"must be 0 or more, got {d.min_length}")
+    _in_range(v, "data.valid_fraction", d.valid_fraction, 0.0, 1.0)
+    _positive(v, "data.bucket_size", d.bucket_size)
+    _positive(v, "data.pad_to_multiple", d.pad_to_multiple)
+    if d.pack_length is not None:
+        if d.pack_length < 2:
+            v.fail("data.pack_length", f"a row needs at least 2 tokens, got {d.pack_length}")
+        if d.packing == "off":
+            v.fail("data.pack_length", "is for packed rows; set data.packing: pack or stream")
+        if d.packing == "pack" and d.pack_length < d.max_length:
+            v.fail(
+                "data.pack_length",
+                f"must hold the longest example (data.max_length {d.max_length}), "
+                f"got {d.pack_length}",
+            )
+    if d.packing == "stream" and d.pack_length is None and d.max_length < 2:
+        v.fail("data.max_length", "stream rows (max_length long) need at least 2 tokens")
+    if d.packing != "off" and r.kernels.attention == "off":
+        v.fail("data.packing", "packed rows need mlxtune's attention (kernels.attention not off)")
+
+
+def check_adapter(r: Recipe, v: Fails) -> None:
+    """adapter: LoRA/DoRA settings, starting from an adapter, and which layers."""
+    a = r.adapter
+    if a.type in ("lora", "dora"):
+        _positive(v, "adapter.rank", a.rank)
+        _positive(v, "adapter.alpha", a.alpha)
+        _in_range(v, "adapter.dropout", a.dropout, 0.0, 1.0)
+        if not a.targets:
+            v.fail("adapter.targets", "name at least one layer (for example q_proj) or all-linear")
+    if a.init_from is not None and a.type == "full":
+        v.fail("adapter.init_from", "starting from an adapter needs adapter.type lora or dora")
+    _check_layers(a.layers, v)
+
+
+def _check_layers(layers, v: Fails) -> None:
+    if layers is None or layers == "all":
+        return
+    if isinstance(layers, bool):
+        v.fail("adapter.layers", f"expected null, N, 'a-b' or a list, got {layers!r}")
+    if isinstance(layers, int):
+        if layers <= 0:
+            v.fail("adapter.layers", f"must be greater than 0, got {layers}")
+        return
+    if isinstance(layers, str):
+        parts = layers.split("-")
+        if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+            if int(parts[0]) > int(parts[1]):
+                v.fail("adapter.layers", f"range {layers!r} is empty")
+            return
+        v.fail("adapter.layers", f"expected 'a-b' (for example '0-11'), got {layers!r}")
+    if isinstance(layers, list):
+        if not layers or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers
+        ):
+            v.fail("adapter.layers", "a list of layer indices (integers 0 or more)")
+        return
+    v.fail("adapter.layers", f"expected null, N, 'a-b' or a list, got {show_value(layers)}")
+
+
+def check_optimizer(r: Recipe, v: Fails) -> None:
+    """optimizer: learning rate, Adam's betas and eps, weight decay, clipping."""
+    o = r.optimizer
+    _positive(v, "optimizer.lr", o.lr)
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        v.fail("optimizer.betas", f"must be two numbers in [0, 1), got {o.betas}")
+    _positive(v, "optimizer.eps", o.eps)
+    if o.weight_decay < 0:
+        v.fail("optimizer.weight_decay", f"must be 0 or more, got {o.weight_decay}")
+    if o.name == "adam" and o.weight_decay > 0:
+        v.fail("optimizer.weight_decay", "adam has no weight decay; use name: adamw")
+    _positive(v, "optimizer.grad_clip", o.grad_clip, allow_none=True)
+
+
+def check_schedule(r: Recipe, v: Fails) -> None:
+    """schedule: warmup and the floor the decaying schedules end at."""
+    s, lr = r.schedule, r.optimizer.lr
+    if s.warmup_steps is not None and s.warmup_steps < 0:
+        v.fail("schedule.warmup_steps", f"must be 0 or more, got {s.warmup_steps}")
+    if s.min_lr < 0 or s.min_lr > lr:
+        v.fail("schedule.min_lr", f"must be between 0 and optimizer.lr ({lr}), got {s.min_lr}")
+
+
+def check_train(r: Recipe, v: Fails) -> None:
+    """train: batch sizes, how long, label smoothing, gradient checkpointing."""
+    t = r.train
+    _positive(v, "train.batch_size", t.batch_size)
+    _positive(v, "train.grad_accumulation", t.grad_accumulation)
+    _positive(v, "train.log_every", t.log_every)
+    if t.max_steps is None and t.epochs is None:
+        v.fail("train", "give train.max_steps or train.epochs")
+    _positive(v, "train.max_steps", t.max_steps, allow_none=True)
+    _positive(v, "train.epochs", t.epochs, allow_none=True)
+    _in_range(v, "train.label_smoothing", t.label_smoothing, 0.0, 1.0)
+    gc = t.grad_checkpointing
+    if not isinstance(gc, bool) and gc < 1:
+        v.fail("train.grad_checkpointing", f"true, false or every k-th layer (k >= 1), got {gc}")
+
+
+def check_eval(r: Recipe, v: Fails) -> None:
+    """eval: how often, how much, and the exact-match metric."""
+    e = r.eval
+    _positive(v, "eval.every", e.every, allow_none=True)
+    _positive(v, "eval.max_batches", e.max_batches, allow_none=True)
+    _positive(v, "eval.batch_size", e.batch_size, allow_none=True)
+    if e.exact_match < 0:
+        v.fail("eval.exact_match", f"must be 0 or more, got {e.exact_match}")
+    _positive(v, "eval.max_new_tokens", e.max_new_tokens)
+
+
+def check_samples(r: Recipe, v: Fails) -> None:
+    """samples: how often, how many, how long, how random."""
+    s = r.samples
+    _positive(v, "samples.every", s.every, allow_none=True)
+    _positive(v, "samples.max_new_tokens", s.max_new_tokens)
+    _positive(v, "samples.count", s.count)
+    if s.temperature < 0:
+        v.fail("samples.temperature", f"must be 0 or more, got {s.temperature}")
+
+
+def check_precision(r: Recipe, v: Fails) -> None:
+    """precision: the loss scale's start, growth and floor, and non-finite steps."""
+    p = r.precision
+    _positive(v, "precision.init_scale", p.init_scale)
+    if p.growth_factor <= 1:
+        v.fail("precision.growth_factor", f"must be greater than 1, got {p.growth_factor}")
+    _in_range(v, "precision.backoff_factor", p.backoff_factor, 0.0, 1.0)
+    if p.backoff_factor == 0:
+        v.fail("precision.backoff_factor", "must be greater than 0, got 0.0")
+    _positive(v, "precision.growth_interval", p.growth_interval)
+    _positive(v, "precision.min_scale", p.min_scale)
+    if p.min_scale > p.init_scale:
+        v.fail(
+            "precision.min_scale", f"must not exceed init_scale ({p.init_scale}), got {p.min_scale}"
+        )
+    _positive(v, "precision.max_skipped", p.max_skipped)
+
+
+def check_memory(r: Recipe, v: Fails) -> None:
+    """memory: the limit, when given, is positive."""
+    _positive(v, "memory.limit_gb", r.memory.limit_gb, allow_none=True)
+
+
+def check_checkpoints(r: Recipe, v: Fails) -> None:
+    """checkpoints: how often and how many."""
+    _positive(v, "checkpoints.every", r.checkpoints.every, allow_none=True)
+    _positive(v, "checkpoints.keep_last", r.checkpoints.keep_last)
+
+
+def check_export(r: Recipe, v: Fails) -> None:
+    """export: adapter formats need adapters."""
+    for fmt in ("mlx-lm", "peft"):
+        if fmt in r.export.formats and r.adapter.type == "full":
+            v.fail("export.formats", f"{fmt} adapters need adapter.type lora or dora; use fused")
+
+
+# --------------------------------------------------------------------------------------------
+# Keys without effect
+
+
+def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
+    """(dotted key, why) for each key the recipe sets explicitly (``recipe.explicit``) that its
+    other settings make meaningless: the run would be the same without it. A key left at its
+    default is never listed."""
+    r, found = recipe, []
+
+    def inert(keys: tuple[str, ...], why: str) -> None:
+        found.extend((k, why) for k in keys if k in r.explicit)
+
+    if r.model.arch is None:
+        inert(("model.seed",), "the model is loaded from model.path (it seeds model.arch only)")
+    elif r.tokenizer.train is not None:
+        inert(
+            ("model.trust_remote_code",),
+            "the model is built from model.arch and the tokenizer trained: no code is loaded",
+        )
+    if r.tokenizer.train is not None:
+        inert(("tokenizer.path",), "tokenizer.train trains a new tokenizer")
+
+    d = r.data
+    if d.valid is not None:
+        inert(("data.valid_fraction",), "data.valid is given")
+    if d.packing != "off":
+        # pad_to_multiple still shapes the evaluation batches, which are never packed
+        inert(("data.bucket_size",), f"data.packing is {d.packing}")
+    else:
+        inert(("data.mask_boundary_loss",), "data.packing is off")
+    if d.packing == "stream" and d.valid is None and d.test is None:
+        # the stream cuts training documents into rows, and the held-out split is cut at
+        # max_length whatever overlong says; only a valid or test file reads it
+        inert(("data.overlong",), "data.packing is stream and no data.valid or data.test is given")
+    if not d.add_eos:
+        inert(("data.train_on_eos",), "data.add_eos is false")
+
+    if r.adapter.type == "full":
+        keys = ("rank", "alpha", "dropout", "targets", "layers")
+        inert(tuple(f"adapter.{k}" for k in keys), "adapter.type is full")
+
+    o = r.optimizer
+    if o.name == "sgd":
+        keys = ("betas", "eps", "bias_correction")
+        inert(tuple(f"optimizer.{k}" for k in keys), "optimizer.name is sgd")
+    else:
+        inert(("optimizer.momentum",), f"optimizer.name is {o.name}")
+    if o.name == "adam":
+        inert(("optimizer.weight_decay",), "optimizer.name is adam (adamw decays weights)")
+
+    if r.schedule.name == "constant":
+        inert(("schedule.min_lr",), "schedule.name is constant")
+    if r.train.max_steps is not None:
+        inert(("train.epochs",), "train.max_steps is set")
+    if r.eval.exact_match == 0:
+        inert(("eval.max_new_tokens",), "eval.exact_match is 0")
+    if r.samples.prompts:
+        inert(("samples.count",), "samples.prompts is given")
+
+    p = r.precision
+    mode = scaling_mode(p, r.model.dtype)
+    if mode != "dynamic":
+        why = (
+            f"loss scaling is {mode} (precision.loss_scale auto with model.dtype {r.model.dtype})"
+            if p.loss_scale == "auto"
+            else f"precision.loss_scale is {p.loss_scale}"
+        )
+        keys = ("growth_factor", "backoff_factor", "growth_interval", "min_scale")
+        if mode == "none":
+            keys = ("init_scale", *keys)
+        inert(tuple(f"precision.{k}" for k in keys), why)
+    if r.model.dtype == "float32":
+        inert(("precision.master_weights",), "model.dtype is float32 (the weights are fp32)")
+    if p.nonfinite == "stop":
+        inert(("precision.max_skipped",), "precision.nonfinite is stop")
+    if r.memory.check == "off":
+        inert(("memory.limit_gb",), "memory.check is off")
+    return found
+
+
+def inert_notes(recipe: Recipe) -> list[str]:
+    """``inert_keys`` as the one-line notes ``mlxtune validate`` prints."""
+    return [f"note: {key} has no effect: {why}" for key, why in inert_keys(recipe)]

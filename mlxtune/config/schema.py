@@ -1,0 +1,479 @@
+"""The recipe's schema: typed dataclasses, one a section, each field with its docstring.
+
+The string under each field documents it; ``field_docs`` reads them back, so the schema is also
+the documentation. Objectives defined elsewhere add their own ``objective`` section class with
+``register_objective_config``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+# --------------------------------------------------------------------------------------------
+# Schema
+
+
+@dataclass
+class TokenizerTrainConfig:
+    """Train a sentencepiece tokenizer on the recipe's training data."""
+
+    vocab_size: int = 1000
+    """Vocabulary size, special tokens included."""
+    model_type: Literal["unigram", "char"] = "unigram"
+    """sentencepiece model type: "unigram" (sub-words) or "char" (one token per character)."""
+    character_coverage: float = 1.0
+    """Share of characters the vocabulary must cover (sentencepiece's character_coverage)."""
+    max_sentences: int = 200000
+    """At most this many training texts are fed to the tokenizer trainer."""
+
+
+@dataclass
+class TokenizerConfig:
+    """Where the tokenizer comes from."""
+
+    path: str | None = None
+    """A directory with tokenizer files; by default the model's own directory."""
+    train: TokenizerTrainConfig | None = None
+    """Train a new sentencepiece tokenizer on the training data instead of loading one."""
+    chat_template: str | None = None
+    """A Jinja chat template that replaces the tokenizer's own."""
+
+
+@dataclass
+class QuantizeConfig:
+    """Quantize the base model when it loads (QLoRA): its linear layers and embedding are held
+    in bits per weight, the adapters train in full precision on top."""
+
+    bits: Literal[4, 8] = 4
+    """Bits per weight: 4 or 8."""
+    group_size: Literal[32, 64, 128] = 64
+    """Weights per scale and bias; a layer whose input size is not a multiple of it stays
+    unquantized."""
+
+
+@dataclass
+class ModelConfig:
+    """The model to train: a local directory in Hugging Face layout, a Hub id, or an architecture."""
+
+    path: str | None = None
+    """A local model directory (config.json + *.safetensors) or a Hugging Face Hub id."""
+    arch: dict | None = None
+    """Build a new model from this architecture config (Hugging Face config.json keys, with
+    model_type) and train it from scratch; vocab_size defaults to the tokenizer's."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the model's floating-point weights during training."""
+    trust_remote_code: bool = False
+    """Allow a model directory to run its own Python code (config.json's model_file)."""
+    seed: int = 0
+    """Seed for the random initialisation of a model built from arch."""
+    quantize: QuantizeConfig | None = None
+    """Quantize the base as it loads, for example {bits: 4, group_size: 64} (QLoRA: LoRA or DoRA
+    adapters train on the quantized base); null keeps the weights as they are. A model that is
+    quantized already (config.json with "quantization") loads quantized without this."""
+
+
+@dataclass
+class DataConfig:
+    """Training and evaluation data: JSONL files, one example per line."""
+
+    train: str = ""
+    """Training JSONL file (paths are relative to the recipe file)."""
+    valid: str | None = None
+    """Validation JSONL file; when absent, valid_fraction of train is held out."""
+    test: str | None = None
+    """Held-out JSONL file for the task metric (exact match); defaults to the validation set."""
+    format: Literal["auto", "text", "completion", "instruction", "chat", "tokens"] = "auto"
+    """Example format; "auto" detects it from the keys of the first example."""
+    max_length: int = 2048
+    """Longest example in tokens; longer ones are truncated or dropped (see overlong)."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """What to do with examples longer than max_length."""
+    min_length: int = 2
+    """Examples shorter than this many tokens are dropped."""
+    mask_prompt: bool = True
+    """Compute the loss on completions/assistant turns only, not on prompts."""
+    add_eos: bool = True
+    """Append the end-of-sequence token, which the model learns to produce."""
+    valid_fraction: float = 0.05
+    """Share of the training file held out for validation when no valid file is given."""
+    bucket_size: int = 16
+    """Batches are formed from groups of bucket_size x batch_size examples sorted by length,
+    which keeps padding small; 1 turns bucketing off."""
+    pad_to_multiple: int = 8
+    """Batch lengths are rounded up to a multiple of this, so few shapes are compiled."""
+    packing: Literal["off", "pack", "stream"] = "off"
+    """"pack": several examples share a row of pack_length tokens (best-fit), each attending only
+    to itself; "stream": the examples, in a shuffled order, as one token stream cut into rows
+    (pretraining text; documents run on into the next row and are not truncated); "off": one
+    example a row, padded."""
+    pack_length: int | None = None
+    """Tokens per packed row; default max_length (pack needs at least max_length)."""
+    mask_boundary_loss: bool = True
+    """Packed rows: never train on a document's first token predicted from the one before it."""
+    train_on_eos: bool = True
+    """With add_eos: the EOS token is a target (the model learns to stop); false keeps it as a
+    separator only."""
+
+
+@dataclass
+class AdapterConfig:
+    """Which weights train: LoRA, DoRA or full fine-tuning."""
+
+    type: Literal["lora", "dora", "full"] = "lora"
+    """"lora", "dora" (weight-decomposed LoRA) or "full" (every weight trains)."""
+    rank: int = 8
+    """LoRA rank r."""
+    alpha: float = 16.0
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Linear layers to adapt, by name (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj, ...), or ["all-linear"]."""
+    layers: Any = None
+    """Transformer layers to adapt: null (all), N (the last N), "a-b" (a to b inclusive) or a
+    list of layer indices."""
+    init_from: str | None = None
+    """Start from an existing mlx-lm or PEFT adapter directory (its rank and layers must match)."""
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer. Weight decay applies to matrices only, never to norms or biases."""
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    """"adamw" (decoupled weight decay), "adam" or "sgd" (with momentum)."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam's beta1 and beta2."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    bias_correction: bool = True
+    """Adam's bias correction of the moment estimates (as in the Adam paper and PyTorch)."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (adamw and sgd), applied to weights with two or more dimensions:
+    each step shrinks them by lr * weight_decay, apart from the gradient and its momentum."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this; null turns clipping off (grad_norm is still
+    reported)."""
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning-rate schedule, as a function of the optimizer step."""
+
+    name: Literal["constant", "linear", "cosine", "warmup_cosine"] = "cosine"
+    """"constant", "linear" (decay to min_lr), "cosine" (to min_lr), or "warmup_cosine"
+    (cosine with a warmup of 5% of the steps unless warmup_steps is set)."""
+    warmup_steps: int | None = None
+    """Linear warmup from 0 to lr over this many optimizer steps."""
+    min_lr: float = 0.0
+    """The learning rate the decaying schedules end at."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    batch_size: int = 4
+    """Examples per micro-batch."""
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step; gradients are weighted by valid tokens."""
+    max_steps: int | None = None
+    """Optimizer steps to train for; when absent, epochs decides."""
+    epochs: float | None = None
+    """Passes over the training data (may be fractional); used when max_steps is absent."""
+    seed: int = 0
+    """Seed for data order, dropout and adapter initialisation."""
+    log_every: int = 10
+    """Write a metrics row and a console line every N optimizer steps."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy, in [0, 1)."""
+    progress: bool = True
+    """Show a progress bar with ETA when writing to a terminal."""
+    grad_checkpointing: bool | int = False
+    """Recompute transformer blocks' activations in the backward pass instead of keeping them
+    (less memory, more compute): true for every block, an integer k for every k-th (blocks 0,
+    k, 2k, ...), false for none."""
+
+
+@dataclass
+class EvalConfig:
+    """Validation loss, perplexity and a task metric."""
+
+    every: int | None = 100
+    """Evaluate every N optimizer steps (and always at the end); null: only at the end."""
+    max_batches: int | None = None
+    """Evaluate on at most this many validation batches; null: the whole validation set."""
+    batch_size: int | None = None
+    """Validation batch size; defaults to the training batch size."""
+    exact_match: int = 0
+    """Greedy-generate answers for this many held-out prompts before and after training and
+    report the exact-match accuracy (completion, instruction and chat data); 0 turns it off."""
+    max_new_tokens: int = 64
+    """Longest generated answer for the exact-match metric."""
+
+
+@dataclass
+class SamplesConfig:
+    """Generation samples written to samples.jsonl while training."""
+
+    every: int | None = None
+    """Generate samples every N optimizer steps (and at the end); null: off."""
+    prompts: list[str] = field(default_factory=list)
+    """Prompts to complete; when empty, the first validation prompts are used."""
+    count: int = 2
+    """How many validation prompts to use when prompts is empty."""
+    max_new_tokens: int = 64
+    """Longest sample."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: safetensors of the trainable weights, with metadata."""
+
+    every: int | None = None
+    """Save a checkpoint every N optimizer steps; null: only final (and best)."""
+    keep_last: int = 3
+    """Keep the last K step checkpoints; older ones are deleted."""
+    save_best: bool = True
+    """Keep a copy of the checkpoint with the lowest validation loss in checkpoints/best."""
+    save_final: bool = True
+    """Save checkpoints/final at the end of training."""
+
+
+@dataclass
+class ExportConfig:
+    """What the run writes into RUN_DIR/export when training ends."""
+
+    formats: list[Literal["mlx-lm", "peft", "fused", "gguf", "gguf-adapter"]] = field(
+        default_factory=list
+    )
+    """"mlx-lm": an adapter mlx-lm loads; "peft": an adapter PEFT loads; "fused": the model with
+    the adapters merged in, Hugging Face layout (config.json, model.safetensors, tokenizer);
+    "gguf": the fused model for llama.cpp (f16); "gguf-adapter": a LoRA adapter for llama.cpp's --lora."""
+
+
+@dataclass
+class KernelsConfig:
+    """Which implementation of the fused operations the trainer uses."""
+
+    loss: Literal["auto", "reference", "chunked", "metal", "cuda"] = "auto"
+    """linear_cross_entropy tier: "auto" (MLXTUNE_KERNELS, else the best for the device),
+    "reference" (builds the [tokens, vocab] logits), "chunked" (portable MLX, never builds them),
+    or the GPU kernels, "metal" or "cuda" (where MLX has that backend)."""
+    attention: Literal["auto", "reference", "chunked", "metal", "cuda", "off"] = "auto"
+    """attention tier in training: "auto" (MLXTUNE_KERNELS, else the best for the device),
+    "reference", "chunked" (tiles that never build the [T, T] scores; MLX's fused attention for
+    short rows), "metal" or "cuda" (GPU kernels), or
+    "off" (mlx-lm's own attention)."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Mixed precision: fp32 master weights, loss scaling, and what a non-finite step does."""
+
+    master_weights: bool = True
+    """When model.dtype is bfloat16 or float16: keep an fp32 copy of every 16-bit trainable
+    weight; the optimizer (and its state) works on the copies, the model computes in model.dtype.
+    LoRA and DoRA adapters are fp32 already and need no copy."""
+    loss_scale: Literal["auto", "dynamic", "static", "none"] = "auto"
+    """Scale the loss before the backward pass so small float16 gradients do not flush to zero;
+    the gradients are unscaled before clipping and the optimizer. "auto": dynamic for float16,
+    none otherwise; "static": always init_scale."""
+    init_scale: float = 65536.0
+    """The first loss scale (2^16)."""
+    growth_factor: float = 2.0
+    """Dynamic scaling multiplies the scale by this after growth_interval finite steps in a row."""
+    backoff_factor: float = 0.5
+    """... and by this after a step whose gradients overflowed (that update is skipped)."""
+    growth_interval: int = 2000
+    """Finite steps in a row before the scale grows."""
+    min_scale: float = 1.0
+    """A step still non-finite at this scale is not an overflow: nonfinite decides."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient that loss scaling cannot explain: "stop" ends the run with
+    exit 1 when the loop next reads its steps (at the next log step at the latest) and leaves the
+    checkpoints as they were; "skip" drops that update and goes on."""
+    max_skipped: int = 10
+    """With nonfinite: skip, stop after this many non-finite steps in a row."""
+
+
+@dataclass
+class MemoryConfig:
+    """Memory planning before the run, and what running out of memory mid-run does."""
+
+    limit_gb: float | None = None
+    """The memory the run may use, in GB; null: the device's (the GPU's recommended working set,
+    or this machine's RAM on the CPU)."""
+    check: Literal["refuse", "warn", "off"] = "refuse"
+    """When the estimated peak is over the limit: "refuse" to start (exit 2, listing changes that
+    would fit), "warn" and go on, or "off"."""
+    oom_fallback: bool = True
+    """On an out-of-memory failure mid-run: halve the micro-batch and double grad_accumulation
+    (the same examples per step), say so, and retry the step."""
+
+
+@dataclass
+class ObjectiveConfig:
+    """What the model learns from the data."""
+
+    type: str = "sft"
+    """The training objective: "sft" (next-token cross-entropy on the data's target tokens), or
+    the name of an objective registered with its own keys (each documented by its class)."""
+
+
+@dataclass
+class Recipe:
+    """A whole run."""
+
+    name: str = "run"
+    """Name of the run; the default run directory is runs/NAME-TIMESTAMP."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The tokenizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The datasets."""
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """LoRA, DoRA or full fine-tuning."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """The learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
+    """Generation samples."""
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """Exports at the end of the run."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Kernel tiers for the loss."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Mixed precision and non-finite steps."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Memory planning and out-of-memory fallback."""
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """The training objective and its settings."""
+    run_dir: str | None = None
+    """Run directory, relative to the current directory and without '..'; --run-dir overrides
+    it (and may name any folder)."""
+
+    # Not part of the schema: where the recipe came from, for resolving relative paths.
+    source: str | None = field(default=None, repr=False, metadata={"internal": True})
+    # Not part of the schema: the dotted keys the recipe file and overrides wrote (a key absent
+    # here holds its default), so settings that other settings make meaningless can be named.
+    explicit: frozenset[str] = field(
+        default=frozenset(), repr=False, compare=False, metadata={"internal": True}
+    )
+
+    def resolve_path(self, p: str | None) -> Path | None:
+        """A path from the recipe, relative to the recipe file's folder."""
+        if p is None:
+            return None
+        path = Path(p).expanduser()
+        if not path.is_absolute() and self.source:
+            path = Path(self.source).parent / path
+        return path
+
+    def to_dict(self) -> dict:
+        """The schema's keys and values as plain dicts and lists (no internal fields)."""
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("internal"):
+                d.pop(f.name, None)
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# Field docs
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass, by field name; a subclass's fields
+    add to (and may replace) the docs of the dataclasses it derives from."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+# --------------------------------------------------------------------------------------------
+# Objectives
+
+
+OBJECTIVE_CONFIGS: dict[str, type] = {"sft": ObjectiveConfig}
+"""The ``objective`` section's class for each objective.type a recipe may name."""
+
+
+def register_objective_config(name: str, cls: type) -> None:
+    """Let recipes name ``objective.type: NAME``; their ``objective`` section is then read and
+    validated as ``cls``.
+
+    ``cls`` is a dataclass deriving from ``ObjectiveConfig`` whose ``type`` defaults to ``name``
+    (so an instance made in code knows its objective) and whose other fields each have a
+    default and a docstring under them. Registering the same class again does nothing; another
+    class under a taken name is refused.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an objective name is a non-empty string, got {name!r}")
+    if not (
+        isinstance(cls, type) and dataclasses.is_dataclass(cls) and issubclass(cls, ObjectiveConfig)
+    ):
+        raise TypeError(
+            f"objective {name!r}: {cls!r} is not a dataclass subclass of ObjectiveConfig"
+        )
+    taken = OBJECTIVE_CONFIGS.get(name)
+    if taken is cls:
+        return
+    if taken is not None:
+        raise ValueError(f"objective {name!r} is registered already, to {taken.__qualname__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if fields["type"].default != name:
+        raise ValueError(
+            f"objective {name!r}: {cls.__qualname__}.type must default to {name!r}, "
+            f"not {fields['type'].default!r}"
+        )
+    docs = field_docs(cls)
+    for f in fields.values():
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(f"objective {name!r}: {cls.__qualname__}.{f.name} needs a default")
+        if not docs.get(f.name):
+            raise ValueError(
+                f"objective {name!r}: {cls.__qualname__}.{f.name} needs a docstring under it"
+            )
+    OBJECTIVE_CONFIGS[name] = cls
+
+
+def unregister_objective_config(name: str) -> None:
+    """Forget ``objective.type: NAME`` (sft stays)."""
+    if name == "sft":
+        raise ValueError("the sft objective cannot be unregistered")
+    OBJECTIVE_CONFIGS.pop(name, None)
