@@ -8,6 +8,7 @@ import yaml
 
 from conftest import make_crash, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
+from mlxtune.checkpoint import write_checksums
 from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
@@ -89,6 +90,22 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, reference)
     # the newest intact one: the best-eval checkpoint saved at step 4's evaluation
     assert "resumed from checkpoints/best at step 4" in log
     assert rows(tmp_path / "cut") == want
+
+
+def test_a_checkpoint_whose_recipe_predates_a_schema_section_resumes(tmp_path, reference):
+    """Checkpoints written before the recipe had an objective section hold no such key: it
+    counts at its default (sft), so they resume as they were."""
+    r, want = reference
+    crashed(r, tmp_path / "cut", at=7)
+    ckpt = tmp_path / "cut" / "checkpoints" / "step-000006"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["recipe"].pop("objective") == {"type": "sft"}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt / "checksums.json").unlink()
+    write_checksums(ckpt)
+    trainer(r, tmp_path / "cut", resume="step-000006").run()
+    assert rows(tmp_path / "cut") == want
+    assert "objective" not in (tmp_path / "cut" / "log.txt").read_text()
 
 
 def test_resume_from_a_named_checkpoint_and_extend_the_run(tmp_path, data_dir, llama_dir):
