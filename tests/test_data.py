@@ -1,15 +1,21 @@
 import numpy as np
 import pytest
 
-from conftest import reverse_rows, write_jsonl
+from conftest import load_minimal, reverse_rows, write_jsonl
 from mlxtune.data import (
+    DataFormat,
     Encoder,
+    PromptAnswer,
     batch_order,
     detect_format,
     eval_batches,
+    field,
+    format_names,
     load_split,
     make_batch,
+    register_format,
     split_off,
+    unregister_format,
 )
 from mlxtune.errors import UserInputError
 
@@ -281,3 +287,111 @@ def test_held_out_split_keeps_the_files_counts(tmp_path, tokenizer):
     ds = load_split(p, Encoder(tokenizer), "auto", 32, "drop", 1)
     tr, va = split_off(ds, 0.2, seed=0)
     assert tr.stats.dropped_too_long == 1 and "1 dropped too long" in tr.stats.line()
+
+
+BUILT_IN_FORMATS = ("text", "completion", "instruction", "chat", "tokens")
+
+
+@pytest.fixture
+def qa_format():
+    """A "qa" format for {"question", "answer"} rows, registered for one test only."""
+    fmt = register_format(
+        DataFormat(
+            "qa",
+            keys=("question", "answer"),
+            pieces=lambda row, where: PromptAnswer(
+                f"question: {field(row, 'question', where)} answer:",
+                " " + field(row, "answer", where),
+            ),
+        )
+    )
+    yield fmt
+    unregister_format("qa")
+    assert format_names() == BUILT_IN_FORMATS
+
+
+def test_a_registered_format_is_detected_and_encoded_from_its_pieces(
+    tmp_path, tokenizer, qa_format
+):
+    rows = [
+        {"question": "reverse abc", "answer": "cba"},
+        {"question": "what is dog", "answer": "god"},
+        {"question": "the quick fox", "answer": "the lazy dog"},
+    ]
+    p = write_jsonl(tmp_path / "qa.jsonl", rows)
+    eos = tokenizer.eos_token_id
+    for train_on_eos in (True, False):
+        ds = load_split(p, Encoder(tokenizer, train_on_eos=train_on_eos), "auto", 64, "drop", 1)
+        assert len(ds) == len(rows)
+        for row, ex in zip(rows, ds.examples, strict=True):
+            prompt = f"question: {row['question']} answer:"
+            prompt_ids = list(tokenizer.encode(prompt))
+            full = list(tokenizer.encode(prompt + " " + row["answer"]))
+            # The prompt is masked as far as its own tokens match the full text's.
+            start = 0
+            while start < len(prompt_ids) and prompt_ids[start] == full[start]:
+                start += 1
+            assert 1 < start < len(full)
+            assert ex.ids == full + [eos]
+            assert ex.mask == [0] * start + [1] * (len(full) - start) + [int(train_on_eos)]
+            answer_ids = [t for t, m in zip(ex.ids[:-1], ex.mask[:-1], strict=True) if m]
+            assert tokenizer.decode(answer_ids).strip() == row["answer"]
+            assert ex.prompt == prompt and ex.answer == " " + row["answer"]
+            assert ex.prompt_ids == full[:start]
+    # Named explicitly, and tried before the built-in formats when a row has its keys.
+    named = load_split(p, Encoder(tokenizer), "qa", 64, "drop", 1)
+    assert [e.ids for e in named.examples] == [e.ids for e in ds.examples]
+    assert detect_format({"question": "a", "answer": "b", "text": "c"}, "f") == "qa"
+    assert detect_format({"text": "c"}, "f") == "text"
+
+
+def test_a_registered_formats_bad_row_names_file_and_line(tmp_path, tokenizer, qa_format):
+    p = tmp_path / "qa.jsonl"
+    p.write_text('{"question": "a", "answer": "b"}\n\n{"question": "a"}\n')
+    with pytest.raises(UserInputError) as e:
+        load_split(p, Encoder(tokenizer), "auto", 64, "drop", 1)
+    assert f"{p}:3" in str(e.value) and "missing field 'answer'" in str(e.value)
+
+
+def test_registration_can_be_undone_and_names_are_unique(tokenizer, qa_format):
+    assert format_names() == (*BUILT_IN_FORMATS, "qa")
+    with pytest.raises(ValueError, match="already registered"):
+        register_format(qa_format)
+    with pytest.raises(ValueError, match="not a format name"):
+        register_format(DataFormat("auto", ("x",), qa_format.pieces))
+    assert unregister_format("qa") is qa_format
+    with pytest.raises(UserInputError, match="cannot tell the format"):
+        detect_format({"question": "a", "answer": "b"}, "f:1")
+    with pytest.raises(ValueError, match="unknown data format 'qa'.*text, completion"):
+        Encoder(tokenizer).encode({"question": "a", "answer": "b"}, "qa", "f:1")
+    register_format(qa_format)  # back for the fixture to remove
+
+
+def test_a_row_of_no_known_format_names_file_line_and_the_formats(tmp_path, tokenizer, qa_format):
+    p = tmp_path / "odd.jsonl"
+    p.write_text('\n{"foo": 1, "bar": 2}\n')
+    with pytest.raises(UserInputError) as e:
+        load_split(p, Encoder(tokenizer), "auto", 64, "drop", 1)
+    assert str(e.value).endswith(
+        f"{p}:2: cannot tell the format from keys ['bar', 'foo']: expected text, "
+        "prompt+completion, instruction+output, messages, input_ids, or question+answer"
+    )
+    # Without it, the built-in formats alone, as before.
+    unregister_format("qa")
+    try:
+        with pytest.raises(UserInputError) as e:
+            load_split(p, Encoder(tokenizer), "auto", 64, "drop", 1)
+    finally:
+        register_format(qa_format)
+    assert str(e.value).endswith(
+        f"{p}:2: cannot tell the format from keys ['bar', 'foo']: expected text, "
+        "prompt+completion, instruction+output, messages, or input_ids"
+    )
+
+
+def test_a_recipe_names_a_registered_format_and_is_refused_an_unknown_one(tmp_path, qa_format):
+    r = load_minimal(tmp_path, ["data.format=qa"])
+    assert r.data.format == "qa"
+    with pytest.raises(UserInputError, match="unknown format 'nope'; known: auto, text") as e:
+        load_minimal(tmp_path, ["data.format=nope"])
+    assert "qa" in str(e.value) and "data.format" in str(e.value)

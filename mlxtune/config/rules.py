@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn, Protocol
 
+from ..data import format_names
 from ..precision import scaling_mode
 from ..rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
 from .schema import Recipe
@@ -120,6 +121,9 @@ def check_data(r: Recipe, v: Fails) -> None:
     d = r.data
     if not d.train:
         v.fail("data.train", "a training file is required")
+    if d.format != "auto" and d.format not in format_names():
+        known = ", ".join(["auto", *format_names()])
+        v.fail("data.format", f"unknown format {d.format!r}; known: {known}")
     _positive(v, "data.max_length", d.max_length)
     if d.min_length < 0:
         v.fail("data.min_length", f"must be 0 or more, got {d.min_length}")

@@ -88,8 +88,9 @@ class DataConfig:
     """Validation JSONL file; when absent, valid_fraction of train is held out."""
     test: str | None = None
     """Held-out JSONL file for the task metric (exact match); defaults to the validation set."""
-    format: Literal["auto", "text", "completion", "instruction", "chat", "tokens"] = "auto"
-    """Example format; "auto" detects it from the keys of the first example."""
+    format: str = "auto"
+    """Example format: text, completion, instruction, chat, tokens, or one registered with
+    ``mlxtune.data.register_format``; "auto" detects it from the keys of the first example."""
     max_length: int = 2048
     """Longest example in tokens; longer ones are truncated or dropped (see overlong)."""
     overlong: Literal["truncate", "drop"] = "truncate"

@@ -1,0 +1,77 @@
+"""Data: JSONL -> formatted examples -> token ids with a loss mask -> batches.
+
+- ``formats``: the registry of data formats (how a row is recognised and what it trains on);
+- ``encode``: reading JSONL, tokenizing and masking (``Encoder``), splits and their stats;
+- ``batching``: padded, length-bucketed batches in a seeded, resumable order;
+- ``packing``: several examples to a row, with segment ids.
+"""
+
+from .batching import (
+    Batch,
+    batch_order,
+    eval_batches,
+    iterate_batches,
+    make_batch,
+    read_positions,
+    split_batch,
+)
+from .encode import (
+    Dataset,
+    Encoder,
+    Example,
+    SplitStats,
+    load_split,
+    read_jsonl,
+    split_off,
+)
+from .formats import (
+    ALPACA_PROMPT,
+    ALPACA_PROMPT_INPUT,
+    Chat,
+    DataFormat,
+    PromptAnswer,
+    Text,
+    Tokens,
+    detect_format,
+    field,
+    format_names,
+    get_format,
+    register_format,
+    unregister_format,
+)
+from .packing import iterate_packed, make_packed_batch, pack_rows, packed_epoch, stream_rows
+
+__all__ = [
+    "ALPACA_PROMPT",
+    "ALPACA_PROMPT_INPUT",
+    "Batch",
+    "Chat",
+    "DataFormat",
+    "Dataset",
+    "Encoder",
+    "Example",
+    "PromptAnswer",
+    "SplitStats",
+    "Text",
+    "Tokens",
+    "batch_order",
+    "detect_format",
+    "eval_batches",
+    "field",
+    "format_names",
+    "get_format",
+    "iterate_batches",
+    "iterate_packed",
+    "load_split",
+    "make_batch",
+    "make_packed_batch",
+    "pack_rows",
+    "packed_epoch",
+    "read_jsonl",
+    "read_positions",
+    "register_format",
+    "split_batch",
+    "split_off",
+    "stream_rows",
+    "unregister_format",
+]

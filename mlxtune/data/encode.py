@@ -1,0 +1,306 @@
+"""Encoding: JSONL rows -> token ids with a loss mask, and the splits made of them.
+
+A row's format (``formats``) turns it into pieces; the encoder tokenizes them and marks the
+targets. An example becomes ``ids`` (every token the model reads) and ``mask`` (1 where that token is a
+target the loss counts). The model reads ``ids[:-1]`` and predicts ``ids[1:]``, and target j
+counts iff ``mask[j]``; padding is never a target, so it never enters the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserInputError
+from .formats import Chat, PromptAnswer, Text, Tokens, detect_format, get_format
+
+
+@dataclass
+class Example:
+    """One example: the tokens the model reads and which of them the loss counts."""
+
+    ids: list[int]
+    mask: list[int]
+    prompt: str | None = None
+    """The prompt text, for generating answers (completion, instruction and chat data)."""
+    answer: str | None = None
+    """The reference answer, for the exact-match metric."""
+    prompt_ids: list[int] | None = None
+    """The prompt exactly as the model reads it in training, for generating answers."""
+
+    @property
+    def n_targets(self) -> int:
+        return int(sum(self.mask[1:]))
+
+
+@dataclass
+class SplitStats:
+    """What happened to one split's examples on the way to batches."""
+
+    examples: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    dropped_too_short: int = 0
+    dropped_no_targets: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+
+    def line(self) -> str:
+        parts = [
+            f"{self.kept} examples",
+            f"{self.tokens:,} tokens ({self.target_tokens:,} trained on)",
+        ]
+        for name in ("truncated", "dropped_too_long", "dropped_too_short", "dropped_no_targets"):
+            n = getattr(self, name)
+            if n:
+                parts.append(f"{n} {name.replace('_', ' ')}")
+        return ", ".join(parts)
+
+
+@dataclass
+class Dataset:
+    """A split's examples, what happened on the way (``stats``) and the file they came from."""
+
+    examples: list[Example]
+    stats: SplitStats = field(default_factory=SplitStats)
+    path: str = ""
+
+    def __len__(self):
+        return len(self.examples)
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; any bad line is an error naming it."""
+    if not path.exists():
+        raise UserInputError("data file not found", str(path))
+    rows = []
+    try:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserInputError(
+                        f"not UTF-8 ({e.reason} at byte {e.start})", f"{path}:{n}"
+                    ) from None
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserInputError(
+                        f"not valid JSON ({e.msg} at column {e.colno})", f"{path}:{n}"
+                    ) from None
+                if not isinstance(obj, dict):
+                    raise UserInputError(
+                        f"each line must be a JSON object, got {type(obj).__name__}", f"{path}:{n}"
+                    )
+                rows.append((n, obj))
+    except IsADirectoryError:
+        raise UserInputError("expected a JSONL file, got a directory", str(path)) from None
+    if not rows:
+        raise UserInputError("the data file has no examples", str(path))
+    return rows
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Encoder:
+    """Turns one JSON object into an Example, for one tokenizer and data config: the object's
+    format gives its pieces, and each kind of piece is tokenized and masked here."""
+
+    def __init__(
+        self, tokenizer, mask_prompt: bool = True, add_eos: bool = True, train_on_eos: bool = True
+    ):
+        self.tok = tokenizer
+        self.mask_prompt = mask_prompt
+        self.add_eos = add_eos
+        self.train_on_eos = train_on_eos
+        self.eos = tokenizer.eos_token_id
+        self._by_piece = {
+            Text: self._text,
+            PromptAnswer: self._prompt_answer,
+            Chat: self._chat,
+            Tokens: self._tokens,
+        }
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text))
+
+    def _targets(self, ids: list[int], start: int) -> list[int]:
+        """Append EOS (add_eos) and return the mask: targets from ``start`` on, the EOS one only
+        with train_on_eos."""
+        eos = self.add_eos and self.eos is not None
+        if eos:
+            ids.append(self.eos)
+        mask = [0] * start + [1] * (len(ids) - start)
+        if eos and not self.train_on_eos:
+            mask[-1] = 0
+        return mask
+
+    def encode(self, obj: dict, fmt: str, where: str) -> Example:
+        """The example for row ``obj`` of format ``fmt`` (a registered name); a bad row is a
+        ``UserInputError`` at ``where``."""
+        piece = get_format(fmt).pieces(obj, where)
+        for kind in type(piece).__mro__:  # a subclass of a piece encodes as that piece
+            if kind in self._by_piece:
+                return self._by_piece[kind](piece, where)
+        raise TypeError(
+            f"data format {fmt!r} gave a {type(piece).__name__}; expected "
+            "Text, PromptAnswer, Chat or Tokens"
+        )
+
+    def _text(self, piece: Text, where: str) -> Example:
+        ids = self._encode(piece.text)
+        return Example(ids, self._targets(ids, 1))
+
+    def _prompt_answer(self, piece: PromptAnswer, where: str) -> Example:
+        prompt, answer = piece.prompt, piece.answer
+        p_ids = self._encode(prompt)
+        ids = self._encode(prompt + answer)
+        start = _common_prefix(p_ids, ids) if self.mask_prompt else 1
+        mask = self._targets(ids, start)
+        return Example(ids, mask, prompt=prompt, answer=answer, prompt_ids=ids[:start])
+
+    def _tokens(self, piece: Tokens, where: str) -> Example:
+        ids, mask = piece.ids, piece.mask
+        vocab = len(self.tok._tokenizer) if hasattr(self.tok, "_tokenizer") else self.tok.vocab_size
+        if any(i >= vocab for i in ids):
+            raise UserInputError(f"token id {max(ids)} is outside the vocabulary ({vocab})", where)
+        if mask is None:
+            mask = [0] + [1] * (len(ids) - 1)
+        elif (
+            not isinstance(mask, list)
+            or len(mask) != len(ids)
+            or not all(m in (0, 1) for m in mask)
+        ):
+            raise UserInputError("'mask' must be 0/1 values, one per token", where)
+        return Example(list(ids), [int(m) for m in mask])
+
+    def _chat(self, piece: Chat, where: str) -> Example:
+        msgs = piece.messages
+        for m in msgs:
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise UserInputError("each message needs a string 'role' and 'content'", where)
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise UserInputError("the conversation has no assistant turn to train on", where)
+        tmpl = self.tok._tokenizer if hasattr(self.tok, "_tokenizer") else self.tok
+        if not getattr(tmpl, "chat_template", None):
+            raise UserInputError(
+                "chat data needs a tokenizer with a chat template (set tokenizer.chat_template)",
+                where,
+            )
+
+        def render(messages, gen=False, tokenize=True):
+            if not messages:
+                return [] if tokenize else ""
+            try:
+                out = tmpl.apply_chat_template(
+                    messages, tokenize=tokenize, add_generation_prompt=gen, return_dict=False
+                )
+            except Exception as e:  # jinja raises for conversations a template refuses
+                raise UserInputError(
+                    f"the chat template refused this conversation: {e}", where
+                ) from None
+            return list(out) if tokenize else out
+
+        ids = render(msgs)
+        mask = [0] * len(ids) if self.mask_prompt else [0] + [1] * (len(ids) - 1)
+        if self.mask_prompt:
+            for i, m in enumerate(msgs):
+                if m["role"] != "assistant":
+                    continue
+                start = _common_prefix(render(msgs[:i], gen=True), ids)
+                end = _common_prefix(render(msgs[: i + 1]), ids)
+                for j in range(max(start, 1), end):
+                    mask[j] = 1
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        return Example(
+            ids,
+            mask,
+            prompt=render(msgs[:last], gen=True, tokenize=False),
+            answer=msgs[last]["content"],
+            prompt_ids=render(msgs[:last], gen=True) or None,
+        )
+
+
+def load_split(
+    path: Path, encoder: Encoder, fmt: str, max_length: int, overlong: str, min_length: int
+) -> Dataset:
+    """A JSONL file's examples in format ``fmt`` ("auto": detected from the first row), too
+    long ones truncated or dropped (``overlong``), too short and untrained ones dropped, each
+    counted in the split's stats. No example left is an error naming the file."""
+    rows = read_jsonl(path)
+    if fmt == "auto":
+        fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
+    stats = SplitStats(examples=len(rows))
+    out = []
+    for n, obj in rows:
+        ex = encoder.encode(obj, fmt, f"{path}:{n}")
+        if len(ex.ids) > max_length:
+            if overlong == "drop":
+                stats.dropped_too_long += 1
+                continue
+            ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
+            stats.truncated += 1
+        if len(ex.ids) < min_length:
+            stats.dropped_too_short += 1
+            continue
+        if ex.n_targets == 0:
+            stats.dropped_no_targets += 1
+            continue
+        out.append(ex)
+        stats.tokens += len(ex.ids)
+        stats.target_tokens += ex.n_targets
+    stats.kept = len(out)
+    if not out:
+        raise UserInputError(
+            f"no example is left to train on ({stats.line()}; {stats.examples} read): check data.max_length, "
+            "data.min_length and the prompt masking",
+            str(path),
+        )
+    return Dataset(out, stats, str(path))
+
+
+def split_off(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """Hold out a fraction of a dataset (at least one example) as a validation set."""
+    n = len(ds.examples)
+    if n < 2:
+        raise UserInputError(
+            "too few examples to hold out a validation set; give data.valid", ds.path
+        )
+    k = min(max(1, int(round(n * fraction))), n - 1)
+    order = np.random.default_rng(seed).permutation(n)
+    valid = [ds.examples[i] for i in sorted(order[:k])]
+    train = [ds.examples[i] for i in sorted(order[k:])]
+    # The training split keeps what happened to the whole file (truncated, dropped).
+    file_counts = {
+        f: getattr(ds.stats, f)
+        for f in ("truncated", "dropped_too_long", "dropped_too_short", "dropped_no_targets")
+    }
+    train_stats = dataclasses.replace(_stats_of(train), **file_counts)
+    return Dataset(train, train_stats, ds.path), Dataset(
+        valid, _stats_of(valid), ds.path + " (held out)"
+    )
+
+
+def _stats_of(examples: list[Example]) -> SplitStats:
+    s = SplitStats(examples=len(examples), kept=len(examples))
+    s.tokens = sum(len(e.ids) for e in examples)
+    s.target_tokens = sum(e.n_targets for e in examples)
+    return s

@@ -1,0 +1,206 @@
+"""Data formats: a registry of the shapes a JSONL row can take, and what each one trains on.
+
+A format has a name, the keys a row of it needs (which is also how ``format: auto`` recognises
+it), and a function that turns one row into *pieces* the encoder knows how to tokenize and mask:
+
+- ``Text``: plain text, every token after the first a target;
+- ``PromptAnswer``: a prompt (masked with ``data.mask_prompt``) and the answer trained on;
+- ``Chat``: messages rendered by the tokenizer's chat template, assistant turns trained on;
+- ``Tokens``: token ids already, with an optional 0/1 mask.
+
+Adding a format is one call, e.g. for rows ``{"question": ..., "answer": ...}``::
+
+    register_format(DataFormat(
+        "qa", keys=("question", "answer"),
+        pieces=lambda row, where: PromptAnswer(
+            f"Q: {field(row, 'question', where)}\\nA:", " " + field(row, "answer", where)
+        ),
+    ))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Union
+
+from ..errors import UserInputError
+
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+# ---------------------------------------------------------------------------------------- pieces
+
+
+@dataclass(frozen=True)
+class Text:
+    """Plain text: every token after the first is a target."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class PromptAnswer:
+    """A prompt and its answer: the answer (and EOS, by the EOS rule) is trained on; the prompt
+    too unless ``mask_prompt``. Both are kept on the example for generation and exact match."""
+
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation (``role``/``content`` dicts) for the tokenizer's chat template: the
+    assistant turns are trained on."""
+
+    messages: list
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Token ids as they are, with a 0/1 mask (one per token) or None for "all but the first"."""
+
+    ids: list[int]
+    mask: Any = None
+
+
+Piece = Union[Text, PromptAnswer, Chat, Tokens]
+
+
+# --------------------------------------------------------------------------------------- formats
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """One data format.
+
+    ``keys``: the keys a row of this format needs; a row that has all of them is detected as
+    this format (so are rows with all the keys of one of ``alternatives``). ``pieces(row,
+    where)`` turns a row into a ``Piece``, raising ``UserInputError`` at ``where`` (file:line)
+    for a bad row. Formats are tried from the highest ``priority`` on (ties: the one
+    registered first); the built-in ones have 10 to 50, so a format registered with the
+    default is tried before them.
+    """
+
+    name: str
+    keys: tuple[str, ...]
+    pieces: Callable[[dict, str], Piece]
+    alternatives: tuple[tuple[str, ...], ...] = ()
+    priority: int = 100
+
+    def matches(self, row: dict) -> bool:
+        """Whether ``row`` has every key of ``keys`` or of one of ``alternatives``."""
+        return any(all(k in row for k in ks) for ks in (self.keys, *self.alternatives))
+
+    @property
+    def hint(self) -> str:
+        """The keys it needs, as error messages name the format: ``prompt+completion``."""
+        return "+".join(self.keys)
+
+
+_REGISTRY: dict[str, DataFormat] = {}
+
+
+def register_format(fmt: DataFormat, replace: bool = False) -> DataFormat:
+    """Make ``fmt`` known by its name (for ``data.format`` and for detection); returns it.
+    A name already taken is an error unless ``replace``."""
+    if fmt.name == "auto":
+        raise ValueError("'auto' is not a format name: it asks for detection")
+    if not fmt.keys:
+        raise ValueError(f"format {fmt.name!r} needs at least one key to be detected by")
+    if fmt.name in _REGISTRY and not replace:
+        raise ValueError(f"a data format named {fmt.name!r} is already registered")
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def unregister_format(name: str) -> DataFormat:
+    """Forget the format named ``name``; returns it (to register it again later)."""
+    return _REGISTRY.pop(get_format(name).name)
+
+
+def get_format(name: str) -> DataFormat:
+    """The registered format named ``name``."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown data format {name!r}; known: {', '.join(format_names())}"
+        ) from None
+
+
+def format_names() -> tuple[str, ...]:
+    """Names of the registered formats, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def detect_format(obj: dict, where: str) -> str:
+    """The name of the format ``obj``'s keys say it is: the first registered format, by
+    priority, whose keys it has. None matching is an error at ``where`` listing them all."""
+    for fmt in sorted(_REGISTRY.values(), key=lambda f: -f.priority):  # stable: ties in order
+        if fmt.matches(obj):
+            return fmt.name
+    hints = [f.hint for f in _REGISTRY.values()]
+    expected = " or ".join(hints) if len(hints) < 3 else f"{', '.join(hints[:-1])}, or {hints[-1]}"
+    raise UserInputError(
+        f"cannot tell the format from keys {sorted(obj)}: expected {expected}", where
+    )
+
+
+def field(obj: dict, key: str, where: str, kind: type = str) -> Any:
+    """``obj[key]``, which must be there and be a ``kind``: else an error naming the key."""
+    if key not in obj:
+        raise UserInputError(f"missing field {key!r}", where)
+    v = obj[key]
+    if not isinstance(v, kind):
+        raise UserInputError(
+            f"field {key!r} must be a {kind.__name__}, got {type(v).__name__}", where
+        )
+    return v
+
+
+# ------------------------------------------------------------------------------ built-in formats
+
+
+def _text(obj: dict, where: str) -> Text:
+    return Text(field(obj, "text", where))
+
+
+def _completion(obj: dict, where: str) -> PromptAnswer:
+    return PromptAnswer(field(obj, "prompt", where), field(obj, "completion", where))
+
+
+def _instruction(obj: dict, where: str) -> PromptAnswer:
+    inst = field(obj, "instruction", where)
+    extra = obj.get("input") or ""  # "input" is optional; null or "" means none
+    if not isinstance(extra, str):
+        raise UserInputError("field 'input' must be a string", where)
+    prompt = (ALPACA_PROMPT_INPUT if extra else ALPACA_PROMPT).format(instruction=inst, input=extra)
+    return PromptAnswer(prompt, field(obj, "output", where))
+
+
+def _chat(obj: dict, where: str) -> Chat:
+    return Chat(field(obj, "messages", where, list))
+
+
+def _tokens(obj: dict, where: str) -> Tokens:
+    key = "input_ids" if "input_ids" in obj else "tokens"
+    ids = field(obj, key, where, list)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise UserInputError(f"field {key!r} must be a list of non-negative integers", where)
+    # An empty "mask" counts as none, as does a missing one.
+    return Tokens(list(ids), obj.get("mask") or obj.get("loss_mask"))
+
+
+# Registration order is the order error messages list them in; priority, the order detection
+# tries them in (a row with "messages" is chat whatever else it has).
+for _fmt in (
+    DataFormat("text", ("text",), _text, priority=10),
+    DataFormat("completion", ("prompt", "completion"), _completion, priority=20),
+    DataFormat("instruction", ("instruction", "output"), _instruction, priority=30),
+    DataFormat("chat", ("messages",), _chat, priority=50),
+    DataFormat("tokens", ("input_ids",), _tokens, alternatives=(("tokens",),), priority=40),
+):
+    register_format(_fmt)
+del _fmt
