@@ -2,7 +2,9 @@
 tiny model through ``mlxtune.Trainer`` and the CLI, logs its own metric, evaluates, checkpoints
 and resumes exactly, without any change to the loop or the engine."""
 
+import importlib.util
 import json
+import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import make_crash, tiny_recipe
+from conftest import REPO, make_crash, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.config import ObjectiveConfig
@@ -78,15 +80,14 @@ def naive_loss(logits: np.ndarray, tokens: np.ndarray, mask: np.ndarray, ramp: f
     return total
 
 
-def recipe(data_dir, llama_dir, **over):
+def recipe(data_dir, llama_dir, objective=None):
     return tiny_recipe(
         data_dir,
         llama_dir,
-        objective={"type": "sequence_mean_test", "ramp": 2.0},
+        objective=objective or {"type": "sequence_mean_test", "ramp": 2.0},
         train={"batch_size": 8, "max_steps": 8, "log_every": 1, "progress": False, "seed": 5},
         eval={"every": 4},
         checkpoints={"every": 4, "keep_last": 3},
-        **over,
     )
 
 
@@ -139,6 +140,27 @@ def test_it_trains_logs_its_metric_and_resumes_exactly(
         recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), resume="latest"
     ).run()
     assert rows(tmp_path / "cut") == want
+
+
+def test_the_readme_objective_trains(tmp_path, data_dir, llama_dir):
+    readme = (REPO / "README.md").read_text()
+    code = readme.split("<!-- objective-example -->", 1)[1].split("```python\n", 1)[1]
+    module = tmp_path / "readme_objective.py"  # a module, as a user writes one
+    module.write_text(code.split("```", 1)[0])
+    spec = importlib.util.spec_from_file_location("readme_objective", module)
+    mod = sys.modules["readme_objective"] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+        r = recipe(data_dir, llama_dir, objective={"type": "sequence_mean"})
+        tr = Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True))
+        b = make_batch(tr.train_set.examples[:4], tr.pad_id, 8)
+        loss, count, _ = tr.objective.loss(tr.model, tr.engine.arrays(b))
+        want = naive_loss(np.array(tr.model(mx.array(b.tokens))), b.tokens, b.mask, 0.0)
+        assert count.item() == 4 and loss.item() == pytest.approx(want, rel=1e-5)
+        assert tr.run()["steps"] == 8
+    finally:
+        unregister("sequence_mean")
+        del sys.modules["readme_objective"]
 
 
 def test_the_cli_runs_it_and_checks_its_keys(tmp_path, data_dir, llama_dir, sequence_mean, capsys):
