@@ -23,6 +23,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from .errors import UserInputError
+from .rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
 
 # --------------------------------------------------------------------------------------------
 # Schema
@@ -584,8 +585,6 @@ def _check_values(r: Recipe, v: _Validator):
         if x < lo or (x >= hi if hi_open else x > hi):
             bracket = ")" if hi_open else "]"
             v.fail(key, f"must be in [{lo}, {hi}{bracket}, got {x}")
-
-    from .rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
 
     if not is_plain_name(r.name):
         v.fail("name", f"{r.name!r} {NOT_PLAIN}")

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from . import _blas
+from .adapters import apply_adapters
 from .console import Console
 from .control import take_requests
 from .data import (
@@ -38,7 +39,6 @@ from .errors import Interrupted, TrainingError, UserInputError
 from .export import TrainedModel, export, import_adapter, load_trainable_weights, write_mlx_lm
 from .generate import eos_ids, exact_match, generate_ids
 from .kernels import linear_cross_entropy
-from .lora import apply_adapters
 from .memory import GB, alternatives, describe, device_budget, estimate, is_out_of_memory, shape_of
 from .models import (
     build_model,

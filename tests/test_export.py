@@ -9,10 +9,10 @@ import pytest
 
 from conftest import tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
+from mlxtune.adapters import apply_adapters
 from mlxtune.cli import main
 from mlxtune.errors import UserInputError
 from mlxtune.export import import_adapter, load_trained, read_adapter
-from mlxtune.lora import apply_adapters
 from mlxtune.models import load_model
 
 ADAPTERS = {
