@@ -15,11 +15,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import kernels
+from .adapters import apply_adapters
 from .config import Recipe
 from .data import Dataset, Encoder, load_split, read_jsonl, split_off
 from .errors import UserInputError
 from .export import TrainedModel, import_adapter
-from .lora import apply_adapters
 from .memory import GB
 from .models import (
     build_model,

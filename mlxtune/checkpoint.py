@@ -20,10 +20,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .adapters import apply_adapters
 from .config import Recipe
 from .errors import UserInputError
 from .export import TrainedModel, load_trainable_weights, write_mlx_lm
-from .lora import apply_adapters
 from .models import build_model, load_model, quantize_model
 from .rundir import RunDir
 from .state import TrainState

@@ -21,11 +21,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .adapters import DoRALinear, LoRALinear
 from .errors import UserInputError
-from .lora import DoRALinear, LoRALinear
+from .gguf_export import write_gguf_adapter, write_gguf_model
 from .models import (
     DTYPES,
     PICKLED,
+    cast_floats,
     is_quantized,
     pickled_hint,
     quantize_model,
@@ -174,8 +176,6 @@ def write_fused(
     quantized again (``quantize`` bits, affine, per group of ``group_size``) when asked."""
     model, config = dequantize(fuse(t.model), t.model_config)
     if dtype is not None:
-        from .models import cast_floats
-
         cast_floats(model, dtype)
     if quantize is not None:
         try:  # the same quantization as QLoRA's (layers whose size does not fit stay dense)
@@ -214,14 +214,10 @@ def export(
             raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
         write_fused(t, out, dtype, quantize, group_size)
     elif fmt == "gguf":
-        from .gguf_export import write_gguf_model
-
         name = Path(t.base_dir).name if t.base_dir else "model"
         model, config = dequantize(fuse(t.model), t.model_config)
         write_gguf_model(model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name)
     elif fmt == "gguf-adapter":
-        from .gguf_export import write_gguf_adapter
-
         if t.adapter["type"] != "lora":
             raise UserInputError(
                 "gguf-adapter holds LoRA weights; export a full or DoRA run as gguf", "export"

@@ -10,10 +10,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from .adapters import apply_adapters
 from .checkpoint import load_trained
 from .errors import UserInputError
 from .export import adapter_modules, adapter_settings, import_adapter
-from .lora import apply_adapters
 from .models import load_model, resolve_model_path
 from .tokenizer import load_tokenizer
 

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .adapters import DoRALinear, LoRALinear
 from .errors import UserInputError
 
 # model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
@@ -327,8 +328,6 @@ def write_gguf_model(
 def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str = "adapter"):
     """The LoRA adapter of a model (its LoRALinear layers) for llama.cpp's --lora; returns its path."""
     import gguf
-
-    from .lora import DoRALinear, LoRALinear
 
     arch, permute = _arch(config)
     n_head, n_kv, _ = _heads(config)

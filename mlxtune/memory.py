@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from .data import read_positions
 from .errors import UserInputError
+from .kernels.chunked import CHUNK_ELEMENTS
 from .kernels.flash import uses_fused
 from .models import checkpointed_layers, is_quantized
 
@@ -161,8 +162,6 @@ def shape_of(trainer) -> Shape:
         length = (r.data.pack_length or r.data.max_length) - 1
     o = r.optimizer
     slots = 2 if o.name in ("adam", "adamw") else (1 if o.momentum else 0)
-    from .kernels.chunked import CHUNK_ELEMENTS
-
     layers = int(cfg.get("num_hidden_layers") or 0)
     modules = [m for _, m in model.named_modules()]
     quantized = any(is_quantized(m) for m in modules)

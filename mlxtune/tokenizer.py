@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import UserInputError
+from .safety import code_files
 
 SPECIALS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
 
@@ -33,9 +34,8 @@ def load_tokenizer(
     """Load the tokenizer in a model directory as mlx-lm's TokenizerWrapper. A tokenizer that
     asks to run its own Python code (tokenizer_config.json's auto_map) is refused unless
     ``trust_remote_code``."""
+    # mlx_lm's tokenizer utilities pull in transformers: imported when a tokenizer loads
     from mlx_lm.tokenizer_utils import load as load_wrapper
-
-    from .models import code_files
 
     path = Path(path)
     if not path.is_dir():

@@ -9,11 +9,11 @@ import pytest
 
 from conftest import tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
+from mlxtune.adapters import apply_adapters
 from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
 from mlxtune.errors import UserInputError
 from mlxtune.export import import_adapter, read_adapter
-from mlxtune.lora import apply_adapters
 from mlxtune.models import load_model
 
 ADAPTERS = {

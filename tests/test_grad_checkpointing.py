@@ -10,9 +10,9 @@ from mlx.utils import tree_flatten, tree_map
 
 from conftest import load_minimal, measured_peak, peak_memory_mb, tiny_arch, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
+from mlxtune.adapters import apply_adapters
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
-from mlxtune.lora import apply_adapters
 from mlxtune.memory import alternatives, estimate, shape_of
 from mlxtune.models import (
     build_model,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlxtune.adapters import DoRALinear, LoRALinear, apply_adapters, select_layers
 from mlxtune.errors import UserInputError
-from mlxtune.lora import DoRALinear, LoRALinear, apply_adapters, select_layers
 from mlxtune.models import load_model
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import FAMILIES
+from mlxtune.adapters import apply_adapters
 from mlxtune.errors import UserInputError
 from mlxtune.kernels import linear_cross_entropy
-from mlxtune.lora import apply_adapters
 from mlxtune.models import SUPPORTED, lm_parts, load_model, resolve_model_path
 from mlxtune.tokenizer import load_tokenizer, sentencepiece_to_tokenizers
 

@@ -12,9 +12,9 @@ from mlx.utils import tree_flatten
 
 from conftest import MINIMAL_RECIPE, load_minimal, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
+from mlxtune.adapters import DoRALinear, LoRALinear, apply_adapters
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
-from mlxtune.lora import DoRALinear, LoRALinear, apply_adapters
 from mlxtune.memory import Shape, alternatives, estimate, shape_of
 from mlxtune.models import load_model, quantize_model, save_model
 

@@ -193,8 +193,8 @@ def test_a_model_with_only_pickled_weights_is_refused(
 def test_a_pickled_adapter_is_refused(
     tmp_path, data_dir, llama_dir, tokenizer, monkeypatch, capsys, name
 ):
+    from mlxtune.adapters import apply_adapters
     from mlxtune.export import import_adapter
-    from mlxtune.lora import apply_adapters
     from mlxtune.models import load_model
 
     monkeypatch.chdir(tmp_path)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mlxtune.console import Console
 from mlxtune.control import request
+from mlxtune.loop import Trainer
 from mlxtune.rundir import run_dir_for
 
 from .app import WatchApp
@@ -37,8 +38,6 @@ class TrainingThread(threading.Thread):
         return None if self.exception is None else str(self.exception)
 
     def run(self) -> None:
-        from mlxtune.loop import Trainer
-
         try:
             trainer = Trainer(
                 self.recipe, run_dir=self.run_dir, console=Console(quiet=True), resume=self.resume

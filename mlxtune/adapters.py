@@ -1,4 +1,5 @@
-"""LoRA and DoRA layers, and putting them into a model by layer name and layer range.
+"""LoRA and DoRA layers, putting them into a model by layer name and layer range, and turning
+them off for a while (the base model as a frozen reference, at no extra memory).
 
 Parameter names and orientation follow mlx-lm (``lora_a`` [in, r], ``lora_b`` [r, out]), so an
 adapter file mlxtune writes is an mlx-lm adapter file.
@@ -7,14 +8,25 @@ adapter file mlxtune writes is an mlx-lm adapter file.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from ._slot import Slot
 from .errors import UserInputError
-from .models import dense_weight
+from .models.context import current, dropout_key
+from .models.quantize import dense_weight
+
+__all__ = [
+    "DoRALinear",
+    "LoRALinear",
+    "adapters_disabled",
+    "apply_adapters",
+    "dropout_key",
+    "select_layers",
+]
 
 
 def _base_dims(base: nn.Module) -> tuple[int, int]:
@@ -25,22 +37,12 @@ def _base_dims(base: nn.Module) -> tuple[int, int]:
     return in_dims, out_dims
 
 
-_DROPOUT_KEY = Slot()
-
-
-def dropout_key(key: mx.array | None):
-    """While active, adapter dropout draws its masks from ``key`` (a random key array) instead
-    of the global random state, so that running a block twice draws the same masks: gradient
-    checkpointing runs it again in the backward pass. ``None`` leaves the global state in use."""
-    return _DROPOUT_KEY.holding(key)
-
-
 def _dropout(layer: nn.Dropout, x: mx.array) -> mx.array:
     """``layer(x)``, with the mask from the active dropout_key when there is one."""
-    key = _DROPOUT_KEY.value
-    if key is None or not layer.training or layer._p_1 == 1:
+    keys = current().dropout_keys
+    if keys is None or not layer.training or layer._p_1 == 1:
         return layer(x)
-    _DROPOUT_KEY.value, sub = mx.random.split(key)
+    sub = keys.next()
     mask = mx.random.bernoulli(layer._p_1, x.shape, key=sub)
     return (mask * x) * (1 / layer._p_1)
 
@@ -66,7 +68,12 @@ class LoRALinear(nn.Module):
         self.lora_a = mx.random.uniform(low=-bound, high=bound, shape=(in_dims, rank))
         self.lora_b = mx.zeros((rank, out_dims))
 
+    # how many adapters_disabled blocks around this layer are open (0: the adapter is on)
+    _disabled = 0
+
     def __call__(self, x):
+        if self._disabled:
+            return self.linear(x)
         y = self.linear(x)
         z = (_dropout(self.dropout, x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
         return y + (self.scale * z).astype(y.dtype)
@@ -95,6 +102,8 @@ class DoRALinear(LoRALinear):
         return layer
 
     def __call__(self, x):
+        if self._disabled:
+            return self.linear(x)
         w = dense_weight(self.linear)
         y = x @ w.T
         z = (_dropout(self.dropout, x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
@@ -184,3 +193,25 @@ def apply_adapters(
     if not adapted:
         raise UserInputError("no linear layer matched adapter.targets", "adapter.targets")
     return {"type": kind, "adapted": adapted, "layers": chosen}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block every LoRA/DoRA layer of ``model`` computes its base layer alone (no
+    adapter branch, no dropout, no DoRA magnitude): the model is its base, a frozen reference
+    policy that costs no extra memory. Gradients of a loss computed inside the block with
+    respect to the adapters are zero. The layers are restored on exit, also when the block
+    raises, and blocks nest.
+
+    It is Python state that each layer reads when it runs, so under ``mx.compile`` it is read
+    at trace time: enter it inside the traced function. Entered around a call of a function
+    compiled already, it changes nothing that function computes.
+    """
+    layers = [m for _, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m._disabled += 1
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m._disabled -= 1

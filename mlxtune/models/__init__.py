@@ -1,0 +1,43 @@
+"""Models: load a Hugging Face layout directory through mlx-lm, build one from an architecture
+config, save one in Hugging Face layout, quantize its base, checkpoint its blocks, patch mlx-lm's
+modules for training, and split a model into its backbone and LM head so the loss never needs
+the full logits. One module per concern; every name is importable from ``mlxtune.models``."""
+
+from ..safety import PICKLED, code_files, pickled_hint
+from .building import build_model, init_weights, save_model
+from .checkpointing import checkpoint_layers, checkpointed_layers
+from .common import DTYPES, HF_ARCHITECTURES, SUPPORTED, cast_floats
+from .context import ForwardContext, current, dropout_key, segments
+from .loading import check_model_dir, load_model, resolve_model_path
+from .parts import LMParts, count_parameters, lm_parts
+from .patches import kernel_attention
+from .quantize import dense_weight, is_quantized, quantize_model
+
+__all__ = [
+    "DTYPES",
+    "HF_ARCHITECTURES",
+    "PICKLED",
+    "SUPPORTED",
+    "ForwardContext",
+    "LMParts",
+    "build_model",
+    "cast_floats",
+    "check_model_dir",
+    "checkpoint_layers",
+    "checkpointed_layers",
+    "code_files",
+    "count_parameters",
+    "current",
+    "dense_weight",
+    "dropout_key",
+    "init_weights",
+    "is_quantized",
+    "kernel_attention",
+    "lm_parts",
+    "load_model",
+    "pickled_hint",
+    "quantize_model",
+    "resolve_model_path",
+    "save_model",
+    "segments",
+]

@@ -1,0 +1,130 @@
+"""Building a model from an architecture config, and saving one in Hugging Face layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import UserInputError
+from ..tokenizer import save_tokenizer
+from .common import DTYPES, HF_ARCHITECTURES, SUPPORTED, cast_floats
+
+# Architecture sizes that must be positive integers when a recipe gives them.
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def _get_classes(config: dict):
+    # mlx_lm.utils pulls in transformers: imported when a model is built, not with mlxtune
+    from mlx_lm.utils import _get_classes as mlx_lm_classes
+
+    return mlx_lm_classes(config)
+
+
+def build_model(
+    arch: dict,
+    vocab_size: int,
+    dtype: str = "float32",
+    seed: int = 0,
+    special_ids: dict | None = None,
+):
+    """A freshly initialised model from an architecture config: (model, config)."""
+    config = dict(arch)
+    config.setdefault("vocab_size", vocab_size)
+    for key in _SIZES:
+        v = config.get(key)
+        if key in config and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise UserInputError(f"must be a positive integer, got {v!r}", f"model.arch.{key}")
+    if "head_dim" not in config and config.get("hidden_size", 0) % config.get(
+        "num_attention_heads", 1
+    ):
+        raise UserInputError(
+            f"hidden_size {config['hidden_size']} is not a multiple of num_attention_heads "
+            f"{config['num_attention_heads']} (or give head_dim)",
+            "model.arch",
+        )
+    if config["vocab_size"] < vocab_size:
+        raise UserInputError(
+            f"vocab_size {config['vocab_size']} is smaller than the tokenizer's {vocab_size}",
+            "model.arch.vocab_size",
+        )
+    if config["model_type"] not in SUPPORTED:
+        raise UserInputError(
+            f"{config['model_type']!r} is not supported; supported: {', '.join(SUPPORTED)}",
+            "model.arch.model_type",
+        )
+    config.setdefault("architectures", [HF_ARCHITECTURES[config["model_type"]]])
+    config.setdefault("tie_word_embeddings", True)
+    for k, v in (special_ids or {}).items():
+        if v is not None:
+            config.setdefault(k, v)
+    model_class, args_class = _get_classes(config)
+    try:
+        args = args_class.from_dict(config)
+        mx.random.seed(seed)
+        model = model_class(args)
+    except Exception as e:  # the architecture is user input: any failure to build it is bad input
+        raise UserInputError(
+            f"cannot build this architecture: {type(e).__name__}: {e}", "model.arch"
+        ) from None
+    init_weights(model, seed)
+    cast_floats(model, dtype)
+    mx.eval(model.parameters())
+    return model, config
+
+
+def init_weights(model: nn.Module, seed: int, std: float = 0.02):
+    """GPT-style init: normal(0, 0.02) for matrices and embeddings, norms as built.
+
+    mlx's default uniform init leaves the tied embedding with unit-scale rows, which makes the
+    first logits huge; a small normal init starts training from near-uniform predictions.
+    """
+    key = mx.random.key(seed)
+    new = []
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim >= 2:
+            key, sub = mx.random.split(key)
+            new.append((name, (mx.random.normal(p.shape, key=sub) * std).astype(p.dtype)))
+    model.load_weights(new, strict=False)
+
+
+def save_model(
+    model: nn.Module,
+    config: dict,
+    out_dir: str | Path,
+    tokenizer=None,
+    tokenizer_dir=None,
+    dtype: str | None = None,
+):
+    """Save in Hugging Face layout: config.json, model.safetensors, tokenizer files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    if dtype is not None:
+        weights = {
+            k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
+    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+    cfg.setdefault("architectures", [HF_ARCHITECTURES.get(cfg.get("model_type"), "")])
+    float_dtypes = {
+        str(v.dtype).split(".")[-1] for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)
+    }
+    if len(float_dtypes) == 1:
+        cfg["torch_dtype"] = float_dtypes.pop()
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out, tokenizer_dir)
+    return out

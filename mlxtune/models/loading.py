@@ -1,0 +1,101 @@
+"""Loading a model directory (Hugging Face layout, local or from the Hub) through mlx-lm, after
+checking its layout and what it asks to run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..errors import UserInputError
+from ..safety import code_files, pickled_hint
+from .common import SUPPORTED, cast_floats
+
+
+def resolve_model_path(path: str, base: Path | None) -> Path:
+    """A local directory, or a Hub id downloaded (safetensors only) when the network allows."""
+    p = Path(path).expanduser()
+    if not p.is_absolute() and base is not None and (base / p).exists():
+        p = base / p
+    if p.exists():
+        if not p.is_dir():
+            raise UserInputError("a model is a directory (config.json + *.safetensors)", str(p))
+        _check_layout(p)
+        return p
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", path) is None:
+        raise UserInputError("model directory not found", str(p))
+    try:
+        # huggingface_hub is imported only when a model comes from the Hub
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            path,
+            allow_patterns=[
+                "*.json",
+                "model*.safetensors",
+                "*.tiktoken",
+                "tokenizer.model",
+                "*.jinja",
+                "*.txt",
+            ],
+        )
+    except Exception as e:
+        raise UserInputError(
+            f"not a local directory, and fetching it from the Hugging Face Hub failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})",
+            path,
+        ) from None
+    _check_layout(Path(local))
+    return Path(local)
+
+
+def _check_layout(p: Path) -> dict:
+    """config.json and safetensors weights, or a UserInputError: the config."""
+    if not (p / "config.json").exists():
+        raise UserInputError("no config.json in the model directory", str(p))
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserInputError(
+            f"config.json is not valid JSON: {e}", str(p / "config.json")
+        ) from None
+    if not isinstance(config, dict):
+        raise UserInputError("config.json is not a JSON object", str(p / "config.json"))
+    if not list(p.glob("model*.safetensors")):
+        raise UserInputError(
+            f"no model*.safetensors weights in the model directory{pickled_hint(p)}", str(p)
+        )
+    return config
+
+
+def check_model_dir(p: Path, trust_remote_code: bool = False):
+    config = _check_layout(p)
+    code = code_files(p, config)
+    if code and not trust_remote_code:
+        raise UserInputError(
+            f"this model asks to run its own Python code ({', '.join(code)}), which runs only "
+            "when the recipe sets model.trust_remote_code: true",
+            str(p / "config.json"),
+        )
+    mt = config.get("model_type")
+    if mt not in SUPPORTED:
+        raise UserInputError(
+            f"model_type {mt!r} is not supported for training yet; supported: {', '.join(SUPPORTED)}",
+            str(p / "config.json"),
+        )
+    return config
+
+
+def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
+    """Load a model directory (Hugging Face layout) with mlx-lm's loader: (model, config)."""
+    # mlx_lm.utils pulls in transformers: imported when a model loads, not with mlxtune
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    path = Path(path)
+    config = check_model_dir(path, trust_remote_code)
+    try:
+        model, config = mlx_lm_load_model(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise UserInputError(str(e), str(path)) from None
+    cast_floats(model, dtype)
+    return model, config
