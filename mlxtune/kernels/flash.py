@@ -89,6 +89,77 @@ def uses_fused(b: int, hq: int, t: int) -> bool:
     return b * hq * t * t <= FUSED_SCORES
 
 
+def _tiles_forward(q, k, v, scale, causal, segment_ids, blocks):
+    """Online-softmax forward over query x key tiles: (out, logsumexp per query row)."""
+    hkv = k.shape[1]
+    qg = _group(q, hkv).astype(mx.float32)
+    kf = k[:, :, None].astype(mx.float32)
+    vf = v[:, :, None].astype(mx.float32)
+    outs, lses = [], []
+    last = []  # what the next tile waits for, so that MLX runs the tiles one after another
+    for q0, q1 in blocks:
+        qb = qg[..., q0:q1, :]
+        m = mx.full(qb.shape[:-1], MASKED)
+        l = mx.zeros(qb.shape[:-1])  # noqa: E741
+        acc = mx.zeros(qb.shape)
+        for k0, k1 in blocks:
+            if causal and k0 >= q1:
+                continue  # above the diagonal: never computed
+            after = mx.depends(qb, last) if last else qb
+            s = _scores(after, kf[..., k0:k1, :], scale, _mask(q0, q1, k0, k1, causal, segment_ids))
+            m_new = mx.maximum(m, s.max(axis=-1))
+            p = cpu.exp_of_nonpositive(s - m_new[..., None])
+            alpha = cpu.exp_of_nonpositive(m - m_new)
+            l = alpha * l + p.sum(axis=-1)  # noqa: E741
+            acc = alpha[..., None] * acc + p @ vf[..., k0:k1, :]
+            m = m_new
+            last = [acc, l, m]
+        outs.append(acc / l[..., None])
+        lses.append(m + mx.log(l))
+    out = mx.concatenate(outs, axis=-2).reshape(q.shape).astype(q.dtype)
+    return out, mx.concatenate(lses, axis=-1)
+
+
+def _tiles_backward(q, k, v, d_out, out, lse, scale, causal, segment_ids, blocks):
+    """FlashAttention-2 backward over the same tiles, recomputing each tile's probabilities from
+    the saved logsumexp: (dq, dk, dv)."""
+    hkv = k.shape[1]
+    d_out = _group(d_out, hkv).astype(mx.float32)
+    qg = _group(q, hkv).astype(mx.float32)
+    kf = k[:, :, None].astype(mx.float32)
+    vf = v[:, :, None].astype(mx.float32)
+    delta = (d_out * _group(out, hkv).astype(mx.float32)).sum(axis=-1)  # D = rowsum(dO * O)
+    dq = [None] * len(blocks)
+    dks, dvs = [], []
+    last = []
+    for k0, k1 in blocks:
+        kb, vb = kf[..., k0:k1, :], vf[..., k0:k1, :]
+        dk = dv = None
+        for i, (q0, q1) in enumerate(blocks):
+            if causal and k0 >= q1:
+                continue  # above the diagonal: nothing to do
+            qb = qg[..., q0:q1, :]
+            after = mx.depends(qb, last) if last else qb
+            s = _scores(after, kb, scale, _mask(q0, q1, k0, k1, causal, segment_ids))
+            p = cpu.exp_of_nonpositive(s - lse[..., q0:q1, None])
+            dob = d_out[..., q0:q1, :]
+            dp = dob @ vb.swapaxes(-1, -2)
+            ds = p * (dp - delta[..., q0:q1, None]) * scale
+            dq[i] = ds @ kb if dq[i] is None else dq[i] + ds @ kb
+            # sum over the query heads of each group: [B, Hkv, G, q, k] -> [B, Hkv, k, D]
+            dk_t = (ds.swapaxes(-1, -2) @ qb).sum(axis=2)
+            dv_t = (p.swapaxes(-1, -2) @ dob).sum(axis=2)
+            dk = dk_t if dk is None else dk + dk_t
+            dv = dv_t if dv is None else dv + dv_t
+            last = [dq[i], dk, dv]
+        dks.append(dk)
+        dvs.append(dv)
+    dq = mx.concatenate(dq, axis=-2).reshape(q.shape).astype(q.dtype)
+    dk = mx.concatenate(dks, axis=2).astype(k.dtype)
+    dv = mx.concatenate(dvs, axis=2).astype(v.dtype)
+    return dq, dk, dv
+
+
 def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None):
     """FlashAttention-2 forward and backward over [block x block] tiles, in MLX ops. Under causal
     masking the tiles above the diagonal are never computed: about half the work (and half the
@@ -101,80 +172,19 @@ def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None)
             # the same probabilities with a vectorised exp, the causal upper blocks left out
             return cpu.attention(q, k, v, scale, causal, segment_ids)
         return attention_native(q, k, v, scale, causal, segment_ids)
-    hkv = k.shape[1]
     blk = block or BLOCK
     blocks = [(s0, min(s0 + blk, t)) for s0 in range(0, t, blk)]
 
-    def keys_for(q0, q1):
-        return [(k0, k1) for k0, k1 in blocks if not causal or k0 < q1]
-
     @mx.custom_function
     def attn(q, k, v):
-        qg = _group(q, hkv).astype(mx.float32)
-        kf = k[:, :, None].astype(mx.float32)
-        vf = v[:, :, None].astype(mx.float32)
-        outs, lses = [], []
-        last = []  # what the next tile waits for, so that MLX runs the tiles one after another
-        for q0, q1 in blocks:
-            qb = qg[..., q0:q1, :]
-            m = mx.full(qb.shape[:-1], MASKED)
-            l = mx.zeros(qb.shape[:-1])  # noqa: E741
-            acc = mx.zeros(qb.shape)
-            for k0, k1 in keys_for(q0, q1):
-                after = mx.depends(qb, last) if last else qb
-                s = _scores(
-                    after, kf[..., k0:k1, :], scale, _mask(q0, q1, k0, k1, causal, segment_ids)
-                )
-                m_new = mx.maximum(m, s.max(axis=-1))
-                p = cpu.exp_of_nonpositive(s - m_new[..., None])
-                alpha = cpu.exp_of_nonpositive(m - m_new)
-                l = alpha * l + p.sum(axis=-1)  # noqa: E741
-                acc = alpha[..., None] * acc + p @ vf[..., k0:k1, :]
-                m = m_new
-                last = [acc, l, m]
-            outs.append(acc / l[..., None])
-            lses.append(m + mx.log(l))
-        out = mx.concatenate(outs, axis=-2).reshape(q.shape).astype(q.dtype)
-        return out, mx.concatenate(lses, axis=-1)
+        return _tiles_forward(q, k, v, scale, causal, segment_ids, blocks)
 
     @attn.vjp
     def attn_vjp(primals, cotangents, outputs):
-        q, k, v = primals
-        d_out = _group(cotangents[0], hkv).astype(mx.float32)
         out, lse = outputs
-        qg = _group(q, hkv).astype(mx.float32)
-        kf = k[:, :, None].astype(mx.float32)
-        vf = v[:, :, None].astype(mx.float32)
-        delta = (d_out * _group(out, hkv).astype(mx.float32)).sum(axis=-1)  # D = rowsum(dO * O)
-        dq = [None] * len(blocks)
-        dks, dvs = [], []
-        last = []
-        for k0, k1 in blocks:
-            kb, vb = kf[..., k0:k1, :], vf[..., k0:k1, :]
-            dk = dv = None
-            for i, (q0, q1) in enumerate(blocks):
-                if causal and k0 >= q1:
-                    continue  # above the diagonal: nothing to do
-                qb = qg[..., q0:q1, :]
-                after = mx.depends(qb, last) if last else qb
-                s = _scores(after, kb, scale, _mask(q0, q1, k0, k1, causal, segment_ids))
-                p = cpu.exp_of_nonpositive(s - lse[..., q0:q1, None])
-                dob = d_out[..., q0:q1, :]
-                dp = dob @ vb.swapaxes(-1, -2)
-                ds = p * (dp - delta[..., q0:q1, None]) * scale
-                dq[i] = ds @ kb if dq[i] is None else dq[i] + ds @ kb
-                # sum over the query heads of each group: [B, Hkv, G, q, k] -> [B, Hkv, k, D]
-                dk_t = (ds.swapaxes(-1, -2) @ qb).sum(axis=2)
-                dv_t = (p.swapaxes(-1, -2) @ dob).sum(axis=2)
-                dk = dk_t if dk is None else dk + dk_t
-                dv = dv_t if dv is None else dv + dv_t
-                last = [dq[i], dk, dv]
-            dks.append(dk)
-            dvs.append(dv)
-        dq = mx.concatenate(dq, axis=-2).reshape(q.shape).astype(q.dtype)
-        dk = mx.concatenate(dks, axis=2).astype(k.dtype)
-        dv = mx.concatenate(dvs, axis=2).astype(v.dtype)
-        return dq, dk, dv
+        return _tiles_backward(
+            *primals, cotangents[0], out, lse, scale, causal, segment_ids, blocks
+        )
 
     out, _ = attn(q, k, v)
     return out
