@@ -25,7 +25,9 @@ from .models import (
     build_model,
     checkpoint_layers,
     count_parameters,
+    is_gguf,
     lm_parts,
+    load_gguf,
     load_model,
     quantize_model,
     resolve_model_path,
@@ -165,11 +167,17 @@ def model_for(
         special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         model, config = build_model(r.model.arch, vocab, r.model.dtype, r.model.seed, special)
         log(f"built a new {config['model_type']} model from model.arch")
+    elif is_gguf(model_dir):
+        keep = r.adapter.type in ("lora", "dora")
+        model, config, done = load_gguf(model_dir, r.model.dtype, keep_quantized=keep)
+        log(
+            f"loaded {model_dir} (GGUF, {config['model_type']}): {describe_gguf_load(done, r.model.dtype)}"
+        )
     else:
         model, config = load_model(model_dir, r.model.dtype, r.model.trust_remote_code)
         log(f"loaded {model_dir}")
-        if r.model.quantize is not None:
-            _quantize_base(model, r.model.quantize, log)
+    if r.model.arch is None and r.model.quantize is not None:
+        _quantize_base(model, r.model.quantize, log)
     model_vocab = config.get("vocab_size") or vocab
     if vocab > model_vocab:
         raise UserInputError(
@@ -178,6 +186,29 @@ def model_for(
             "tokenizer",
         )
     return model, config
+
+
+def describe_gguf_load(done, dtype: str) -> str:
+    """One line on what loading a GGUF file did with its tensors."""
+    from collections import Counter
+
+    parts = []
+    if done.quantized:
+        bits = Counter(done.quantized.values())
+        parts.append(
+            f"{len(done.quantized)} weights kept quantized ("
+            + ", ".join(f"{n} at {b} bits" for b, n in sorted(bits.items()))
+            + ", groups of 32)"
+        )
+    if done.dequantized:
+        kinds = Counter(done.dequantized.values())
+        parts.append(
+            f"{len(done.dequantized)} de-quantized to {dtype} ("
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            + ")"
+        )
+    parts.append(f"weights {done.nbytes / GB:.3f} GB as held")
+    return "; ".join(parts)
 
 
 def _quantize_base(model: nn.Module, cfg, log) -> None:

@@ -305,8 +305,11 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
     base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
     # the run's recipe allowed the model's own code (or did not): so does its export
     trust = bool(((state.get("recipe") or {}).get("model") or {}).get("trust_remote_code"))
+    a = state["adapter"]
     if base is not None:
-        model, config = load_model(base, state.get("dtype", "float32"), trust)
+        # a GGUF base's native quantized tensors stay quantized under LoRA/DoRA, as in training
+        keep = a["type"] in ("lora", "dora")
+        model, config = load_model(base, state.get("dtype", "float32"), trust, keep)
         q = ((state.get("recipe") or {}).get("model") or {}).get("quantize")
         if q:  # QLoRA: the adapters were trained over the quantized base
             quantize_model(model, q["bits"], q["group_size"])
@@ -316,7 +319,6 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
             state["model_config"]["vocab_size"],
             state.get("dtype", "float32"),
         )
-    a = state["adapter"]
     apply_adapters(
         model,
         a["type"],

@@ -1,4 +1,4 @@
-"""Models: load a Hugging Face layout directory through mlx-lm, build one from an architecture
+"""Models: load a Hugging Face layout directory through mlx-lm or a GGUF file, build one from an architecture
 config, save one in Hugging Face layout, quantize its base, checkpoint its blocks, patch mlx-lm's
 modules for training, and split a model into its backbone and LM head so the loss never needs
 the full logits. One module per concern; every name is importable from ``mlxtune.models``."""
@@ -8,6 +8,7 @@ from .building import build_model, init_weights, save_model
 from .checkpointing import checkpoint_layers, checkpointed_layers
 from .common import DTYPES, HF_ARCHITECTURES, SUPPORTED, cast_floats
 from .context import ForwardContext, current, dropout_key, segments
+from .gguf import GGUFLoad, gguf_config, is_gguf, load_gguf, read_gguf
 from .loading import check_model_dir, load_model, resolve_model_path
 from .parts import LMParts, count_parameters, lm_parts
 from .patches import kernel_attention
@@ -19,6 +20,7 @@ __all__ = [
     "PICKLED",
     "SUPPORTED",
     "ForwardContext",
+    "GGUFLoad",
     "LMParts",
     "build_model",
     "cast_floats",
@@ -30,13 +32,17 @@ __all__ = [
     "current",
     "dense_weight",
     "dropout_key",
+    "gguf_config",
     "init_weights",
+    "is_gguf",
     "is_quantized",
     "kernel_attention",
     "lm_parts",
+    "load_gguf",
     "load_model",
     "pickled_hint",
     "quantize_model",
+    "read_gguf",
     "resolve_model_path",
     "save_model",
     "segments",

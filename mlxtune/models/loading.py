@@ -1,5 +1,5 @@
-"""Loading a model directory (Hugging Face layout, local or from the Hub) through mlx-lm, after
-checking its layout and what it asks to run."""
+"""Loading a model: a directory in Hugging Face layout (local or from the Hub) through mlx-lm,
+after checking its layout and what it asks to run, or a GGUF file (``gguf.load_gguf``)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,24 @@ from pathlib import Path
 from ..errors import UserInputError
 from ..safety import code_files, pickled_hint
 from .common import SUPPORTED, cast_floats
+from .gguf import is_gguf, load_gguf
 
 
 def resolve_model_path(path: str, base: Path | None) -> Path:
-    """A local directory, or a Hub id downloaded (safetensors only) when the network allows."""
+    """A local directory or GGUF file, or a Hub id downloaded (safetensors only) when the
+    network allows."""
     p = Path(path).expanduser()
     if not p.is_absolute() and base is not None and (base / p).exists():
         p = base / p
     if p.exists():
+        if is_gguf(p):
+            return p
         if not p.is_dir():
-            raise UserInputError("a model is a directory (config.json + *.safetensors)", str(p))
+            raise UserInputError(
+                "a model is a directory (config.json + *.safetensors) or a GGUF file"
+                + ("" if p.suffix != ".gguf" else " (this one does not start with GGUF's magic)"),
+                str(p),
+            )
         _check_layout(p)
         return p
     if re.fullmatch(r"[\w.-]+/[\w.-]+", path) is None:
@@ -86,12 +94,22 @@ def check_model_dir(p: Path, trust_remote_code: bool = False):
     return config
 
 
-def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
-    """Load a model directory (Hugging Face layout) with mlx-lm's loader: (model, config)."""
+def load_model(
+    path: str | Path,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    keep_quantized: bool = False,
+):
+    """Load a model directory (Hugging Face layout) with mlx-lm's loader, or a GGUF file:
+    (model, config). ``keep_quantized``: a GGUF file's Q8_0/Q4_0/Q4_1 weights stay quantized
+    (a QLoRA base) instead of being de-quantized to ``dtype``."""
     # mlx_lm.utils pulls in transformers: imported when a model loads, not with mlxtune
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = Path(path)
+    if is_gguf(path):
+        model, config, _ = load_gguf(path, dtype, keep_quantized)
+        return model, config
     config = check_model_dir(path, trust_remote_code)
     try:
         model, config = mlx_lm_load_model(path, trust_remote_code=trust_remote_code)

@@ -1,0 +1,376 @@
+"""Loading a GGUF file (llama.cpp's format, as Ollama, LM Studio and llama.cpp keep models) as a
+trainable mlx-lm model.
+
+- The config comes from the file's metadata, for every family mlxtune exports to GGUF (llama and
+  mistral, qwen2, qwen3, gemma, gemma2, phi3), in the family's Hugging Face form, so the model is
+  the same mlx-lm module a Hugging Face directory gives and everything downstream (adapters,
+  kernels, exports) treats it alike.
+- Tensor names are mapped back with the export's own table (``gguf_export.gguf_name``), llama's
+  q/k rows are permuted back from llama.cpp's interleaved rope order to rotate-half, and gemma's
+  norms lose the 1 llama.cpp's converter adds.
+- Q8_0, Q4_0 and Q4_1 are affine codes in blocks of 32 with one scale (and one offset) per block,
+  which is exactly what an MLX quantized array holds with ``group_size=32``: such tensors become
+  ``QuantizedLinear`` / ``QuantizedEmbedding`` layers without any rounding, when the caller keeps
+  them quantized (a LoRA/DoRA base). Every other type (F32, F16, BF16, the K-quants, ...) is
+  de-quantized with the ``gguf`` package's reference code and held in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import UserInputError
+from ..gguf_file import GGUFFile, open_gguf
+from .common import DTYPES, HF_ARCHITECTURES
+
+GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
+
+# GGUF architecture -> model_type (mistral's files say "llama": mlx-lm's llama runs them)
+FAMILIES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "phi3": "phi3",
+}
+# architectures whose q/k rows llama.cpp's converter permutes to its interleaved rope order
+PERMUTED = ("llama",)
+NORM_PLUS_ONE = ("gemma", "gemma2")
+# tensor types held as MLX quantized arrays (bits) when kept quantized
+NATIVE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file (by its magic bytes, not its name)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+@dataclass
+class GGUFModelFile:
+    """A GGUF file's metadata and tensors (memory-mapped), with the architecture's keys."""
+
+    file: GGUFFile
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
+    @property
+    def fields(self) -> dict:
+        return self.file.fields
+
+    @property
+    def tensors(self) -> dict:
+        return self.file.tensors
+
+    @property
+    def arch(self) -> str:
+        return self.fields.get("general.architecture", "")
+
+    def get(self, key: str, default=None):
+        """``<arch>.<key>`` from the metadata."""
+        return self.fields.get(f"{self.arch}.{key}", default)
+
+
+def read_gguf(path: str | Path) -> GGUFModelFile:
+    """Open a GGUF model file: its metadata as plain Python values, its tensors by name."""
+    return GGUFModelFile(open_gguf(path))
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def gguf_config(g: GGUFModelFile) -> dict:
+    """The Hugging Face config of a GGUF model, from its metadata (UserInputError when the
+    family or one of its settings is not one mlxtune reads)."""
+    arch, where = g.arch, str(g.path)
+    if g.fields.get("general.type", "model") != "model":
+        raise UserInputError(
+            f"this GGUF file is a {g.fields.get('general.type')!r}, not a model", where
+        )
+    if arch not in FAMILIES:
+        raise UserInputError(
+            f"GGUF architecture {arch!r} is not one mlxtune trains; it reads "
+            f"{', '.join(sorted(FAMILIES))}",
+            where,
+        )
+
+    def need(key):
+        v = g.get(key)
+        if v is None:
+            raise UserInputError(f"the metadata has no {arch}.{key}", where)
+        return v
+
+    n_head = need("attention.head_count")
+    n_kv = g.get("attention.head_count_kv", n_head)
+    for name, v in (("attention.head_count", n_head), ("attention.head_count_kv", n_kv)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise UserInputError(
+                f"{arch}.{name} differs between layers; mlxtune reads one value", where
+            )
+    hidden = need("embedding_length")
+    head_dim = g.get("attention.key_length") or hidden // n_head
+    if g.get("attention.value_length", head_dim) != head_dim:
+        raise UserInputError("key and value head sizes differ; mlxtune reads equal ones", where)
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", where)
+    tokens = g.fields.get("tokenizer.ggml.tokens")
+    vocab = g.get("vocab_size") or (len(tokens) if tokens is not None else int(embd.shape[-1]))
+    model_type = FAMILIES[arch]
+    config = {
+        "model_type": model_type,
+        "architectures": [HF_ARCHITECTURES[model_type]],
+        "hidden_size": hidden,
+        "num_hidden_layers": need("block_count"),
+        "intermediate_size": need("feed_forward_length"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+    for key, meta in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
+        v = g.fields.get(f"tokenizer.ggml.{meta}")
+        if isinstance(v, int):
+            config[key] = v
+    rope_dims = g.get("rope.dimension_count", head_dim)
+    if model_type == "phi3":
+        config["partial_rotary_factor"] = rope_dims / head_dim
+        config["original_max_position_embeddings"] = int(
+            g.get("rope.scaling.original_context_length") or config["max_position_embeddings"]
+        )
+        if "rope_factors_long.weight" in g.tensors:
+            raise UserInputError(
+                "this phi3 model uses long-context rope factors (LongRoPE), which mlxtune "
+                "does not read from GGUF yet",
+                where,
+            )
+    elif rope_dims != head_dim:
+        raise UserInputError(
+            f"{arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}: "
+            "partial rotary embeddings are read for phi3 only",
+            where,
+        )
+    scaling = g.get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise UserInputError(
+                f"rope scaling {scaling!r} is not read from GGUF yet (linear is)", where
+            )
+        config["rope_scaling"] = {"type": "linear", "factor": float(need("rope.scaling.factor"))}
+    if "rope_freqs.weight" in g.tensors:
+        raise UserInputError(
+            "this model scales its rope frequencies per dimension (rope_freqs, as Llama 3.1 "
+            "does), which mlxtune does not read from GGUF yet",
+            where,
+        )
+    if model_type == "gemma2":
+        config["attn_logit_softcapping"] = float(g.get("attn_logit_softcapping", 50.0))
+        config["final_logit_softcapping"] = float(g.get("final_logit_softcapping", 30.0))
+        config["sliding_window"] = int(g.get("attention.sliding_window", 4096))
+        # llama.cpp scales gemma2 queries by 1/sqrt(head size), except the 27B model's (46
+        # blocks) by 1/sqrt(hidden / heads), which is what its config says
+        config["query_pre_attn_scalar"] = float(
+            hidden // n_head if config["num_hidden_layers"] == 46 else head_dim
+        )
+    return config
+
+
+# ------------------------------------------------------------------------------ tensors
+
+
+def _name_table(model: nn.Module, model_type: str) -> dict[str, str]:
+    """GGUF tensor name -> parameter name, for every parameter the model has."""
+    from ..gguf_export import gguf_name
+
+    table = {}
+    for hf, _ in tree_flatten(model.parameters()):
+        g = gguf_name(hf, model_type)
+        if g is not None:
+            table[g] = hf
+    return table
+
+
+def _unpermute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows of a q/k projection from llama.cpp's interleaved order back to rotate-half (the
+    inverse of ``gguf_export.permute_qk``); works on any trailing shape, codes and scales too."""
+    rows = a.shape[0]
+    return a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def _blocks(t, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [rows, cols] uint8, scales, offsets [rows, cols // 32] float32) of a Q8_0, Q4_0 or
+    Q4_1 tensor, so that weight = scale * code + offset in each block of 32."""
+    raw = np.asarray(t.data)  # [rows, bytes per row], uint8
+    rows = raw.shape[0]
+    block = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
+    b = raw.reshape(rows, -1, block)
+    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q = b[..., 2:].copy().view(np.int8).astype(np.int16) + 128  # int8 -> unsigned
+        return q.astype(np.uint8).reshape(rows, -1), d, -128.0 * d
+    if kind == "Q4_1":
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = b[..., 4:]
+    else:
+        m, qs = -8.0 * d, b[..., 2:]
+    # a block's 16 bytes hold elements j (low nibble) and j + 16 (high nibble)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return q.reshape(rows, -1), d, m
+
+
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes [rows, cols] as MLX packs them: 32 // bits per uint32, the first in the low bits."""
+    per = 32 // bits
+    c = codes.astype(np.uint32).reshape(codes.shape[0], -1, per)
+    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
+    return np.bitwise_or.reduce(c << shifts, axis=-1)
+
+
+def dequantized(t) -> np.ndarray:
+    """A GGUF tensor as float32 in [rows, cols] (numpy) order, whatever its type."""
+    import gguf
+
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists the innermost dim first
+    if t.data.dtype != np.uint8:  # a plain float (or int) array
+        return np.asarray(t.data, dtype=np.float32).reshape(shape)
+    try:
+        out = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType(t.type))
+    except NotImplementedError:
+        raise UserInputError(
+            f"tensor {t.name} is {t.type_name}, a type mlxtune cannot de-quantize", "model.path"
+        ) from None
+    return np.asarray(out, dtype=np.float32).reshape(shape)
+
+
+@dataclass
+class GGUFLoad:
+    """What ``load_gguf`` did: tensors kept quantized (bits per name) and de-quantized (type
+    per name), and the bytes the weights take as held."""
+
+    quantized: dict[str, int]
+    dequantized: dict[str, str]
+    nbytes: int
+
+
+def load_gguf(
+    path: str | Path, dtype: str = "float32", keep_quantized: bool = False
+) -> tuple[nn.Module, dict, GGUFLoad]:
+    """A GGUF model file as (mlx-lm model, Hugging Face config, what was done).
+
+    With ``keep_quantized``, Q8_0/Q4_0/Q4_1 linear and embedding weights become MLX quantized
+    layers holding the file's codes, scales and offsets exactly (QLoRA over the file as it
+    is); otherwise, and for every other type, weights are de-quantized to ``dtype``.
+    """
+    from .building import _get_classes
+
+    g = read_gguf(path)
+    where = str(g.path)
+    config = gguf_config(g)
+    model_type = config["model_type"]
+    model_class, args_class = _get_classes(config)
+    try:
+        model = model_class(args_class.from_dict(config))
+    except Exception as e:
+        raise UserInputError(
+            f"cannot build the model its metadata describes: {type(e).__name__}: {e}", where
+        ) from None
+    table = _name_table(model, model_type)
+    unknown = sorted(set(g.tensors) - set(table) - {"rope_freqs.weight"})
+    if unknown:
+        raise UserInputError(
+            f"tensor {unknown[0]} has no place in a {model_type} model"
+            + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
+            where,
+        )
+    missing = sorted(set(table) - set(g.tensors))
+    if missing:
+        raise UserInputError(
+            f"the file has no tensor {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+            where,
+        )
+    modules = dict(model.named_modules())
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    target = DTYPES[dtype]
+
+    def heads(gname: str) -> int | None:
+        if g.arch not in PERMUTED:
+            return None
+        if gname.endswith("attn_q.weight"):
+            return n_head
+        if gname.endswith("attn_k.weight"):
+            return n_kv
+        return None
+
+    # which layers hold their weight quantized, and how: bits per module path
+    quant: dict[str, int] = {}
+    for gname, hf in table.items():
+        kind = g.tensors[gname].type_name
+        mod = hf.rsplit(".", 1)[0]
+        if (
+            keep_quantized
+            and kind in NATIVE_BITS
+            and hf.endswith(".weight")
+            and isinstance(modules.get(mod), (nn.Linear, nn.Embedding))
+        ):
+            quant[mod] = NATIVE_BITS[kind]
+    if quant:
+        nn.quantize(
+            model,
+            class_predicate=lambda p, m: (
+                {"group_size": GROUP, "bits": quant[p], "mode": "affine"} if p in quant else False
+            ),
+        )
+    weights = []
+    done = GGUFLoad({}, {}, 0)
+    for gname, hf in table.items():
+        t = g.tensors[gname]
+        kind, mod = t.type_name, hf.rsplit(".", 1)[0]
+        h = heads(gname)
+        if mod in quant and hf.endswith(".weight"):
+            codes, scales, offsets = _blocks(t, kind)
+            if h is not None:
+                codes, scales, offsets = (_unpermute_rows(a, h) for a in (codes, scales, offsets))
+            bits = quant[mod]
+            weights += [
+                (hf, mx.array(_pack(codes, bits))),
+                (f"{mod}.scales", mx.array(scales).astype(target)),
+                (f"{mod}.biases", mx.array(offsets).astype(target)),
+            ]
+            done.quantized[gname] = bits
+            continue
+        a = dequantized(t)
+        if h is not None:
+            a = _unpermute_rows(a, h)
+        if model_type in NORM_PLUS_ONE and gname.endswith("norm.weight"):
+            a = a - 1.0
+        weights.append((hf, mx.array(a).astype(target)))
+        if kind != "F32":
+            done.dequantized[gname] = kind
+    try:
+        model.load_weights(weights, strict=True)
+    except ValueError as e:
+        raise UserInputError(f"the file's tensors do not fit its config: {e}", where) from None
+    mx.eval(model.parameters())
+    done.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return model, config, done
