@@ -78,35 +78,57 @@ def normalise_answer(s: str) -> str:
     return " ".join(s.split())
 
 
+def decode_answer(tokenizer, ids: list[int]) -> str:
+    """Generated ids (eos already left out by ``generate_ids``) as text, without special tokens:
+    no chat-template markers or end-of-turn tokens in an answer."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def exact_match(model, tokenizer, examples, max_new_tokens: int) -> tuple[float, list[dict]]:
-    """Share of examples whose greedy answer equals the reference (whitespace-normalised)."""
+    """Share of examples whose greedy answer equals the reference (whitespace-normalised), and
+    a row per example: ``prompt`` (as a person reads it: the last user message for chat data),
+    ``prompt_text`` (the whole prompt the model read), ``answer``, ``reference``, ``correct``."""
     ids = [e.prompt_ids for e in examples]
     new = generate_ids(model, ids, max_new_tokens, eos_ids(tokenizer))
-    answers = [tokenizer.decode(n) for n in new]
+    answers = [decode_answer(tokenizer, n) for n in new]
     rows = []
     hits = 0
     for e, a in zip(examples, answers, strict=True):
         ok = normalise_answer(a) == normalise_answer(e.answer)
         hits += ok
-        rows.append({"prompt": e.prompt, "answer": a, "reference": e.answer, "correct": ok})
+        rows.append(
+            {
+                "prompt": e.shown_prompt,
+                "prompt_text": e.prompt,
+                "answer": a,
+                "reference": e.answer,
+                "correct": ok,
+            }
+        )
     return hits / max(len(examples), 1), rows
 
 
-def sample(model: nn.Module, tokenizer, cfg, valid_set, step: int) -> list[tuple[str, str]]:
-    """(prompt, completion) pairs for a run's samples section ``cfg``: its own prompts, or the
-    first ``cfg.count`` validation prompts as the model reads them in training; drawn with the
-    step as seed."""
+def sample(model: nn.Module, tokenizer, cfg, valid_set, step: int) -> list[dict]:
+    """Samples for a run's samples section ``cfg``, from its own prompts (encoded as written)
+    or the first ``cfg.count`` validation prompts as the model reads them in training; drawn
+    with the step as seed. Each is ``{"prompt", "prompt_text", "completion"}``: ``prompt`` as
+    a person reads it (a recipe prompt as written; for chat data the last user message),
+    ``prompt_text`` the whole text the model read (chat template included)."""
     if cfg.prompts:
-        prompts = list(cfg.prompts)
-        ids = [list(tokenizer.encode(p)) for p in prompts]
+        shown = texts = list(cfg.prompts)
+        ids = [list(tokenizer.encode(p)) for p in texts]
     else:
         chosen = [e for e in valid_set.examples if e.prompt_ids][: cfg.count]
-        prompts, ids = [e.prompt for e in chosen], [e.prompt_ids for e in chosen]
-    if not prompts:
+        shown = [e.shown_prompt for e in chosen]
+        texts, ids = [e.prompt for e in chosen], [e.prompt_ids for e in chosen]
+    if not ids:
         return []
     eos = eos_ids(tokenizer)
     new = generate_ids(model, ids, cfg.max_new_tokens, eos, cfg.temperature, seed=step)
-    return list(zip(prompts, (tokenizer.decode(n) for n in new), strict=True))
+    return [
+        {"prompt": p, "prompt_text": t, "completion": decode_answer(tokenizer, n)}
+        for p, t, n in zip(shown, texts, new, strict=True)
+    ]
 
 
 def load_for_generation(

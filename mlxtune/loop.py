@@ -392,12 +392,11 @@ class Trainer:
         return acc
 
     def _samples(self, step: int):
-        pairs = sample(self.model, self.tokenizer, self.recipe.samples, self.valid_set, step)
-        for p, o in pairs:
-            row = {"step": step, "prompt": p, "completion": o, "time": time.time()}
-            self.run_dir.append_jsonl("samples.jsonl", row)
-        if pairs:
-            self.console.sample(step, *pairs[0])
+        drawn = sample(self.model, self.tokenizer, self.recipe.samples, self.valid_set, step)
+        for s in drawn:
+            self.run_dir.append_jsonl("samples.jsonl", {"step": step, **s, "time": time.time()})
+        if drawn:
+            self.console.sample(step, drawn[0]["prompt"], drawn[0]["completion"])
 
     # ---------------------------------------------------------------- checkpoints, export
     def _checkpoint(self, name: str, extra: dict | None = None, prune_after: bool = True):

@@ -108,6 +108,33 @@ def test_ema_is_bias_corrected_and_skips_nan():
     assert out == [1.0, 1.0, 1.0]
 
 
+def test_the_samples_panel_shows_old_rows_and_new_ones_as_written(tmp_path):
+    """A run from before prompt_text (its whole prompt under "prompt") shows as it did; a row
+    appended with prompt_text shows its prompt, brackets as written, not the templated text."""
+    run = recorded_run(tmp_path / "run")
+    new_row = {
+        "step": 30,
+        "prompt": "what is [/INST] [b]?",
+        "prompt_text": "<|im_start|>system\nbe kind<|im_end|>\n<|im_start|>user\n"
+        "what is [/INST] [b]?<|im_end|>\n<|im_start|>assistant\n",
+        "completion": "a tag",
+    }
+
+    async def drive():
+        app = WatchApp(run, read_only=True, poll_s=0.05)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            old = str(app.query_one("#sample", Static).render())
+            with open(run / "samples.jsonl", "a") as f:
+                f.write(json.dumps(new_row) + "\n")
+            await pilot.pause(0.3)
+            return old, str(app.query_one("#sample", Static).render())
+
+    old, new = asyncio.run(drive())
+    assert old == "sample @ 20: 'reverse abc =' → ' cba'"
+    assert new == "sample @ 30: 'what is [/INST] [b]?' → 'a tag'"
+
+
 def test_keys_send_requests_to_the_trainer(tmp_path):
     run = recorded_run(tmp_path / "run")
 

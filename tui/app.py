@@ -120,7 +120,9 @@ class WatchApp(App):
                 yield Plot("grad norm", id="gnorm")
         with Vertical(id="info"):
             yield Static(id="stats")
-            yield Static(id="sample")
+            # Samples are model output and user data: shown as written, never read as markup
+            # (a "[/INST]" in a prompt would otherwise be a closing tag).
+            yield Static(id="sample", markup=False)
             yield Static(id="checkpoints")
         yield Log(id="log")
         yield Footer()
@@ -213,6 +215,8 @@ class WatchApp(App):
             + (f" · {d.bad_lines} malformed lines skipped" if d.bad_lines else "")
         )
         if d.samples:
+            # "prompt" is the prompt as a person reads it (the user's message for chat data);
+            # rows from before prompt_text existed hold the whole prompt there, shown as is.
             s = d.samples[-1]
             self.query_one("#sample", Static).update(
                 f"sample @ {s.get('step')}: {s.get('prompt', '')!r} → {s.get('completion', '')!r}"

@@ -231,7 +231,8 @@ class SamplesConfig:
     every: int | None = None
     """Generate samples every N optimizer steps (and at the end); null: off."""
     prompts: list[str] = field(default_factory=list)
-    """Prompts to complete; when empty, the first validation prompts are used."""
+    """Prompts to complete, read as written (no chat template); when empty, the first
+    validation prompts are used, read as in training and shown as the user's message."""
     count: int = 2
     """How many validation prompts to use when prompts is empty."""
     max_new_tokens: int = 64

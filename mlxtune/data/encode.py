@@ -26,11 +26,21 @@ class Example:
     ids: list[int]
     mask: list[int]
     prompt: str | None = None
-    """The prompt text, for generating answers (completion, instruction and chat data)."""
+    """The whole prompt text the model reads (completion, instruction and chat data): for chat
+    data the chat template's rendering, system prompt and role markers included."""
     answer: str | None = None
     """The reference answer, for the exact-match metric."""
     prompt_ids: list[int] | None = None
     """The prompt exactly as the model reads it in training, for generating answers."""
+    display: str | None = None
+    """The prompt as samples and exact-match rows show it: the last user message for chat
+    data, the prompt for completion data, the instruction (and its input) for instruction
+    data. Only for showing: generation reads ``prompt_ids``."""
+
+    @property
+    def shown_prompt(self) -> str:
+        """``display``, or the whole ``prompt`` when there is none."""
+        return self.display if self.display is not None else (self.prompt or "")
 
     @property
     def n_targets(self) -> int:
@@ -171,7 +181,10 @@ class Encoder:
         ids = self._encode(prompt + answer)
         start = _common_prefix(p_ids, ids) if self.mask_prompt else 1
         mask = self._targets(ids, start)
-        return Example(ids, mask, prompt=prompt, answer=answer, prompt_ids=ids[:start])
+        display = prompt if piece.display is None else piece.display
+        return Example(
+            ids, mask, prompt=prompt, answer=answer, prompt_ids=ids[:start], display=display
+        )
 
     def _tokens(self, piece: Tokens, where: str) -> Example:
         ids, mask = piece.ids, piece.mask
@@ -230,12 +243,18 @@ class Encoder:
                 for j in range(max(start, 1), end):
                     mask[j] = 1
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        before = msgs[:last]
+        # Shown as the prompt: what the user last said before the answer (no system prompt, no
+        # template markers); a conversation with no user turn there shows its last message.
+        users = [m for m in before if m["role"] == "user"]
+        shown = (users or before)[-1]["content"] if before else None
         return Example(
             ids,
             mask,
-            prompt=render(msgs[:last], gen=True, tokenize=False),
+            prompt=render(before, gen=True, tokenize=False),
             answer=msgs[last]["content"],
-            prompt_ids=render(msgs[:last], gen=True) or None,
+            prompt_ids=render(before, gen=True) or None,
+            display=shown,
         )
 
 

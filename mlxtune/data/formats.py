@@ -5,7 +5,8 @@ it), and a function that turns one row into *pieces* the encoder knows how to to
 
 - ``Text``: plain text, every token after the first a target;
 - ``PromptAnswer``: a prompt (masked with ``data.mask_prompt``) and the answer trained on;
-- ``Chat``: messages rendered by the tokenizer's chat template, assistant turns trained on;
+- ``Chat``: messages rendered by the tokenizer's chat template, assistant turns trained on
+  (samples and exact-match rows show the last user message as the prompt);
 - ``Tokens``: token ids already, with an optional 0/1 mask.
 
 Adding a format is one call, e.g. for rows ``{"question": ..., "answer": ...}``::
@@ -43,10 +44,13 @@ class Text:
 @dataclass(frozen=True)
 class PromptAnswer:
     """A prompt and its answer: the answer (and EOS, by the EOS rule) is trained on; the prompt
-    too unless ``mask_prompt``. Both are kept on the example for generation and exact match."""
+    too unless ``mask_prompt``. Both are kept on the example for generation and exact match.
+    ``display`` is the prompt as samples and exact-match rows show it (the instruction, not the
+    whole template around it); None shows ``prompt`` itself."""
 
     prompt: str
     answer: str
+    display: str | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,8 @@ def _instruction(obj: dict, where: str) -> PromptAnswer:
     if not isinstance(extra, str):
         raise UserInputError("field 'input' must be a string", where)
     prompt = (ALPACA_PROMPT_INPUT if extra else ALPACA_PROMPT).format(instruction=inst, input=extra)
-    return PromptAnswer(prompt, field(obj, "output", where))
+    display = f"{inst}\n{extra}" if extra else inst
+    return PromptAnswer(prompt, field(obj, "output", where), display)
 
 
 def _chat(obj: dict, where: str) -> Chat:
