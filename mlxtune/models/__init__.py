@@ -12,13 +12,22 @@ from .gguf import GGUFLoad, gguf_config, is_gguf, load_gguf, read_gguf
 from .loading import check_model_dir, load_model, resolve_model_path
 from .parts import LMParts, count_parameters, lm_parts
 from .patches import kernel_attention
-from .quantize import dense_weight, is_quantized, quantize_model
+from .quantize import (
+    DequantizingEmbedding,
+    DequantizingLinear,
+    cpu_dequantizing,
+    dense_weight,
+    is_quantized,
+    quantize_model,
+)
 
 __all__ = [
     "DTYPES",
     "HF_ARCHITECTURES",
     "PICKLED",
     "SUPPORTED",
+    "DequantizingEmbedding",
+    "DequantizingLinear",
     "ForwardContext",
     "GGUFLoad",
     "LMParts",
@@ -29,6 +38,7 @@ __all__ = [
     "checkpointed_layers",
     "code_files",
     "count_parameters",
+    "cpu_dequantizing",
     "current",
     "dense_weight",
     "dropout_key",

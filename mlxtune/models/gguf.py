@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 from ..errors import UserInputError
 from ..gguf_file import GGUFFile, open_gguf
 from .common import DTYPES, HF_ARCHITECTURES
+from .quantize import cpu_dequantizing
 
 GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 
@@ -372,5 +373,6 @@ def load_gguf(
     except ValueError as e:
         raise UserInputError(f"the file's tensors do not fit its config: {e}", where) from None
     mx.eval(model.parameters())
+    cpu_dequantizing(model)
     done.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return model, config, done

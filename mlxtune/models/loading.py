@@ -11,6 +11,7 @@ from ..errors import UserInputError
 from ..safety import code_files, pickled_hint
 from .common import SUPPORTED, cast_floats
 from .gguf import is_gguf, load_gguf
+from .quantize import cpu_dequantizing
 
 
 def resolve_model_path(path: str, base: Path | None) -> Path:
@@ -116,4 +117,5 @@ def load_model(
     except ValueError as e:
         raise UserInputError(str(e), str(path)) from None
     cast_floats(model, dtype)
+    cpu_dequantizing(model)  # a quantized checkpoint's layers, at BLAS speed on the CPU
     return model, config

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
 from .common import SUPPORTED
-from .quantize import dense_weight
+from .quantize import dense_weight, is_quantized
 
 
 @dataclass
@@ -47,7 +47,12 @@ def lm_parts(model: nn.Module) -> LMParts:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
+    """(trainable, total) parameter counts; a quantized layer counts its weight's logical
+    entries (not its packed words, scales and offsets)."""
     total = sum(v.size for _, v in tree_flatten(model.parameters()))
+    for _, m in model.named_modules():
+        if is_quantized(m):
+            packed = m.weight.size + m.scales.size + (m.biases.size if "biases" in m else 0)
+            total += m.weight.size * 32 // m.bits - packed
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     return trainable, total

@@ -1,4 +1,14 @@
-"""QLoRA's quantized base: quantizing a model, and reading a possibly quantized layer's weight."""
+"""QLoRA's quantized base: quantizing a model, reading a possibly quantized layer's weight, and
+quantized layers that run at BLAS speed on the CPU.
+
+MLX's CPU backend multiplies by a quantized matrix one element at a time (about 1 GFLOP/s on an
+x86 core, against 50-180 for a dense fp32 matmul through OpenBLAS), which makes a QLoRA step over
+a quantized base 20-40x slower than over a dense one. De-quantizing a layer's weight costs about
+as much as reading it, so on the CPU ``cpu_dequantizing`` gives each quantized linear layer a
+forward that de-quantizes its weight and multiplies densely, with a VJP that de-quantizes again
+instead of keeping the dense weight from the forward pass: one layer's dense weight is alive at a
+time, and the base stays quantized in memory. On a GPU MLX's own quantized kernels run.
+"""
 
 from __future__ import annotations
 
@@ -62,6 +72,7 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dic
             f"cannot quantize to {bits} bits in groups of {group_size}: {e}", "model.quantize"
         ) from None
     mx.eval(model.parameters())
+    cpu_dequantizing(model)
     return {
         "bits": bits,
         "group_size": group_size,
@@ -71,3 +82,71 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dic
         "bytes_before": bytes_before,
         "bytes_after": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     }
+
+
+def _dequantizing_matmul(group_size: int, bits: int, mode: str, has_biases: bool):
+    """x @ dequantize(w).T as a function of (x, w, scales[, biases]) whose VJP de-quantizes w
+    again (the frozen base gets no gradient)."""
+    key = (group_size, bits, mode, has_biases)
+    if key in _MATMULS:
+        return _MATMULS[key]
+
+    def dense(w, scales, biases):
+        return mx.dequantize(w, scales, biases, group_size, bits, mode=mode)
+
+    @mx.custom_function
+    def f(x, w, scales, *biases):
+        return x @ dense(w, scales, biases[0] if biases else None).astype(x.dtype).T
+
+    @f.vjp
+    def f_vjp(primals, cotangent, _):
+        x, w, scales, *biases = primals
+        dx = cotangent @ dense(w, scales, biases[0] if biases else None).astype(cotangent.dtype)
+        return (dx, mx.zeros_like(w), mx.zeros_like(scales), *(mx.zeros_like(b) for b in biases))
+
+    _MATMULS[key] = f
+    return f
+
+
+_MATMULS: dict = {}
+
+
+class DequantizingLinear(nn.QuantizedLinear):
+    """A ``QuantizedLinear`` that multiplies by its de-quantized weight (see the module's
+    docstring); the same parameters, so it saves, loads and fuses as its parent does."""
+
+    def __call__(self, x):
+        biases = (self["biases"],) if "biases" in self else ()
+        f = _dequantizing_matmul(
+            self.group_size, self.bits, getattr(self, "mode", "affine"), bool(biases)
+        )
+        y = f(x, self["weight"], self["scales"], *biases)
+        return y + self["bias"] if "bias" in self else y
+
+
+class DequantizingEmbedding(nn.QuantizedEmbedding):
+    """A ``QuantizedEmbedding`` whose tied-head use (``as_linear``) multiplies densely."""
+
+    def as_linear(self, x):
+        biases = (self["biases"],) if "biases" in self else ()
+        f = _dequantizing_matmul(
+            self.group_size, self.bits, getattr(self, "mode", "affine"), bool(biases)
+        )
+        return f(x, self["weight"], self["scales"], *biases)
+
+
+def cpu_dequantizing(model: nn.Module) -> int:
+    """On the CPU, turn every quantized linear/embedding layer of ``model`` into its
+    de-quantizing twin (in place, same parameters); the number of layers changed. Nothing on a
+    GPU."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        return 0
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear and getattr(m, "mode", "affine") == "affine":
+            m.__class__ = DequantizingLinear
+            n += 1
+        elif type(m) is nn.QuantizedEmbedding and getattr(m, "mode", "affine") == "affine":
+            m.__class__ = DequantizingEmbedding
+            n += 1
+    return n
