@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 
 from .adapters import DoRALinear, LoRALinear
 from .errors import UserInputError
+from .gguf_tokenizer import EXPORT_PRE_NAMES
 
 # model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
 ARCHES = {
@@ -131,11 +132,9 @@ def _tensor_array(a: np.ndarray, dtype: str):
     return gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
 
 
-# Split patterns of byte-level BPE pre-tokenizers, and the names llama.cpp knows them by.
-_PRE_PATTERNS = {
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
-}
+# Split patterns of byte-level BPE pre-tokenizers -> the names llama.cpp knows them by (the
+# table GGUF import reads them back with, so that export and import agree)
+_PRE_PATTERNS = EXPORT_PRE_NAMES
 
 
 def _bpe_pre_name(data: dict) -> str:
@@ -187,7 +186,12 @@ def _add_bpe_tokenizer(w, tokenizer):
         tid = getattr(fast, f"{key}_token_id", None)
         if tid is not None:
             getattr(w, f"add_{key}_token_id")(tid)
-    w.add_add_bos_token(bool(getattr(fast, "add_bos_token", False)))
+    # whether BOS/EOS are added shows in what the tokenizer does (its post-processor), which a
+    # tokenizer_config.json flag need not mirror
+    plain, full = fast.encode("a", add_special_tokens=False), fast.encode("a")
+    bos, eos = fast.bos_token_id, fast.eos_token_id
+    w.add_add_bos_token(bos is not None and len(full) > len(plain) and full[0] == bos)
+    w.add_add_eos_token(eos is not None and len(full) > len(plain) and full[-1] == eos)
     template = getattr(fast, "chat_template", None)
     if isinstance(template, str):
         w.add_chat_template(template)
