@@ -20,6 +20,7 @@ from .config import Recipe
 from .data import Dataset, Encoder, load_split, read_jsonl, split_off
 from .errors import UserInputError
 from .export import TrainedModel, import_adapter
+from .gguf_tokenizer import write_tokenizer_from_gguf
 from .memory import GB
 from .models import (
     build_model,
@@ -146,6 +147,17 @@ def tokenizer_for(
             t.max_sentences,
             r.train.seed,
         )
+    elif r.tokenizer.path is None and model_dir is not None and is_gguf(model_dir):
+        # a GGUF model's tokenizer is in its metadata: written out once as a folder in the run
+        folder = run_dir.inside("tokenizer")
+        if not resuming or not (folder / "tokenizer.json").exists():
+            info = write_tokenizer_from_gguf(model_dir, folder)
+            log(
+                f"tokenizer from the GGUF metadata: {info['model']} ({info['pre'] or 'no pre-tokenizer'}),"
+                f" {info['vocab_size']} tokens"
+                + (", with its chat template" if info.get("chat_template") else "")
+            )
+        tokenizer = load_tokenizer(folder)
     else:
         folder = r.resolve_path(r.tokenizer.path) if r.tokenizer.path else model_dir
         if folder is None:
@@ -168,7 +180,7 @@ def model_for(
         model, config = build_model(r.model.arch, vocab, r.model.dtype, r.model.seed, special)
         log(f"built a new {config['model_type']} model from model.arch")
     elif is_gguf(model_dir):
-        keep = r.adapter.type in ("lora", "dora")
+        keep = r.adapter.type in ("lora", "dora") and not r.model.dequantize
         model, config, done = load_gguf(model_dir, r.model.dtype, keep_quantized=keep)
         log(
             f"loaded {model_dir} (GGUF, {config['model_type']}): {describe_gguf_load(done, r.model.dtype)}"

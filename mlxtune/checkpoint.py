@@ -308,7 +308,8 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
     a = state["adapter"]
     if base is not None:
         # a GGUF base's native quantized tensors stay quantized under LoRA/DoRA, as in training
-        keep = a["type"] in ("lora", "dora")
+        saved = (state.get("recipe") or {}).get("model") or {}
+        keep = a["type"] in ("lora", "dora") and not saved.get("dequantize", False)
         model, config = load_model(base, state.get("dtype", "float32"), trust, keep)
         q = ((state.get("recipe") or {}).get("model") or {}).get("quantize")
         if q:  # QLoRA: the adapters were trained over the quantized base

@@ -28,6 +28,7 @@ from .models import (
     DTYPES,
     PICKLED,
     cast_floats,
+    is_gguf,
     is_quantized,
     pickled_hint,
     quantize_model,
@@ -214,9 +215,17 @@ def export(
             raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
         write_fused(t, out, dtype, quantize, group_size)
     elif fmt == "gguf":
-        name = Path(t.base_dir).name if t.base_dir else "model"
+        # a GGUF base names the file after itself, without its .gguf
+        name = (
+            (Path(t.base_dir).stem if Path(t.base_dir).is_file() else Path(t.base_dir).name)
+            if t.base_dir
+            else "model"
+        )
         model, config = dequantize(fuse(t.model), t.model_config)
-        write_gguf_model(model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name)
+        source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
+        write_gguf_model(
+            model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source
+        )
     elif fmt == "gguf-adapter":
         if t.adapter["type"] != "lora":
             raise UserInputError(

@@ -3,6 +3,7 @@ length (so no padding is needed), with mlx-lm's KV cache."""
 
 from __future__ import annotations
 
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from .adapters import apply_adapters
 from .checkpoint import load_trained
 from .errors import UserInputError
 from .export import adapter_modules, adapter_settings, import_adapter
-from .models import load_model, resolve_model_path
+from .gguf_tokenizer import write_tokenizer_from_gguf
+from .models import is_gguf, load_model, resolve_model_path
 from .tokenizer import load_tokenizer
 
 
@@ -131,6 +133,15 @@ def sample(model: nn.Module, tokenizer, cfg, valid_set, step: int) -> list[dict]
     ]
 
 
+def tokenizer_of(path: Path):
+    """The tokenizer of a model folder, or of a GGUF file (read from its metadata)."""
+    if not is_gguf(path):
+        return load_tokenizer(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer_from_gguf(path, tmp)
+        return load_tokenizer(tmp)
+
+
 def load_for_generation(
     model: str | Path, adapter: str | Path | None = None, scale: float | None = None, warn=None
 ):
@@ -144,7 +155,7 @@ def load_for_generation(
     else:
         path = resolve_model_path(str(model), None)
         m, _ = load_model(path)
-        tok = load_tokenizer(path)
+        tok = tokenizer_of(path)
     if adapter is not None:
         s = adapter_settings(adapter)
         if s["type"] not in ("lora", "dora"):

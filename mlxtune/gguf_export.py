@@ -255,6 +255,32 @@ def _add_tokenizer(w, tokenizer_dir: Path | None, tokenizer):
         w.add_chat_template(template)
 
 
+def _copy_tokenizer(w, source: Path, template: str | None):
+    """Every ``tokenizer.*`` field of a GGUF file, as it is there (a GGUF base's own
+    vocabulary, which llama.cpp reads back exactly), with ``template`` as the chat template
+    when one is given."""
+    import gguf
+
+    from .gguf_file import open_gguf
+
+    f = open_gguf(source)
+    for key, value in f.fields.items():
+        if not key.startswith("tokenizer.") or (
+            key == "tokenizer.chat_template" and template is not None
+        ):
+            continue
+        vtype, sub = f.types[key]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            if len(value) == 0:
+                continue
+            value = value.tolist() if isinstance(value, np.ndarray) else value
+            w.add_key_value(key, value, gguf.GGUFValueType(vtype), gguf.GGUFValueType(sub))
+        else:
+            w.add_key_value(key, value, gguf.GGUFValueType(vtype))
+    if template is not None:
+        w.add_chat_template(template)
+
+
 def _add_hparams(w, config: dict, model=None):
     n_head, n_kv, head_dim = _heads(config)
     if config["model_type"] == "gemma2":
@@ -285,8 +311,10 @@ def write_gguf_model(
     out: Path,
     dtype: str = "f16",
     name: str = "model",
+    tokenizer_gguf: Path | None = None,
 ):
-    """The (already fused) model as one GGUF file; returns its path."""
+    """The (already fused) model as one GGUF file; returns its path. ``tokenizer_gguf``: a GGUF
+    file whose tokenizer fields are copied as they are (a run over a GGUF base)."""
     import gguf
 
     if dtype not in DTYPES:
@@ -307,7 +335,11 @@ def write_gguf_model(
     w.add_name(name)
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
     _add_hparams(w, config, model)
-    _add_tokenizer(w, tokenizer_dir, tokenizer)
+    if tokenizer_gguf is not None:
+        template = getattr(getattr(tokenizer, "_tokenizer", None), "chat_template", None)
+        _copy_tokenizer(w, Path(tokenizer_gguf), template if isinstance(template, str) else None)
+    else:
+        _add_tokenizer(w, tokenizer_dir, tokenizer)
     mt = config["model_type"]
     for hf, v in tree_flatten(model.parameters()):
         g = gguf_name(hf, mt)

@@ -76,6 +76,9 @@ class GGUFFile:
     """Metadata, key -> value: int, float, bool, str, or a list (numeric arrays as numpy
     arrays, string arrays as lists of str)."""
     tensors: dict[str, GGUFTensor] = field(repr=False)
+    types: dict[str, tuple[int, int | None]] = field(default_factory=dict, repr=False)
+    """Metadata key -> (value type, element type of an array), as ``gguf.GGUFValueType`` ids:
+    what copying a value into another file needs."""
 
 
 class _Cursor:
@@ -131,9 +134,14 @@ def open_gguf(path: str | Path) -> GGUFFile:
             raise ValueError(f"GGUF version {version} (2 and 3 are read)")
         n_tensors, n_kv = c.u64(), c.u64()
         fields = {}
+        types = {}
         for _ in range(n_kv):
-            key = c.string()
-            fields[key] = c.value(c.u32())
+            key, vtype = c.string(), c.u32()
+            sub = None
+            if vtype == _ARRAY:  # peek at the element type
+                sub = struct.unpack("<I", c.buf[c.pos : c.pos + 4])[0]
+            types[key] = (vtype, sub)
+            fields[key] = c.value(vtype)
         infos = []
         for _ in range(n_tensors):
             name = c.string()
@@ -169,4 +177,4 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise UserInputError(f"not a readable GGUF file: {e}", str(p)) from None
     except OSError as e:
         raise UserInputError(f"cannot read it: {e.strerror or e}", str(p)) from None
-    return GGUFFile(p, version, fields, tensors)
+    return GGUFFile(p, version, fields, tensors, types)

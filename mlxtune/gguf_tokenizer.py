@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserInputError
+from .gguf_file import open_gguf
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -129,27 +130,19 @@ _ID_KEYS = {
 
 def _read_metadata(path: Path) -> dict:
     """The file's tokenizer.* fields (and its architecture) as Python values."""
-    import gguf
     import numpy as np
 
     if not path.is_file():
         raise UserInputError("GGUF file not found", str(path))
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError, struct and numpy errors
-        raise UserInputError(f"not a readable GGUF file: {e}", str(path)) from None
+    fields = open_gguf(path).fields
     meta = {}
-    for key, field in reader.fields.items():
+    for key, value in fields.items():
         if not (key.startswith("tokenizer.") or key == "general.architecture"):
             continue
         if key == "tokenizer.ggml.precompiled_charsmap":  # bytes, stored as an array of u8/i8
-            parts = [field.parts[i] for i in field.data]
-            meta[key] = np.concatenate(parts).view(np.uint8).tobytes() if parts else b""
+            meta[key] = np.asarray(value).view(np.uint8).tobytes()
             continue
-        try:
-            meta[key] = field.contents()
-        except UnicodeDecodeError:
-            raise UserInputError(f"{key} holds a string that is not UTF-8", str(path)) from None
+        meta[key] = value.tolist() if isinstance(value, np.ndarray) else value
     return meta
 
 

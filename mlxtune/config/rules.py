@@ -304,6 +304,10 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
         )
     if r.tokenizer.train is not None:
         inert(("tokenizer.path",), "tokenizer.train trains a new tokenizer")
+    if not str(r.model.path or "").endswith(".gguf"):
+        inert(("model.dequantize",), "it applies to a GGUF base (model.path: *.gguf)")
+    elif r.adapter.type == "full":
+        inert(("model.dequantize",), "a full fine-tune de-quantizes every weight to train it")
 
     d = r.data
     if d.valid is not None:

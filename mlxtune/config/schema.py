@@ -62,7 +62,9 @@ class ModelConfig:
     """The model to train: a local directory in Hugging Face layout, a Hub id, or an architecture."""
 
     path: str | None = None
-    """A local model directory (config.json + *.safetensors) or a Hugging Face Hub id."""
+    """A local model directory (config.json + *.safetensors), a GGUF file (``*.gguf``: weights,
+    config, tokenizer and chat template from the file), a file inside an installed Python
+    package (``package:NAME/FILE``), or a Hugging Face Hub id."""
     arch: dict | None = None
     """Build a new model from this architecture config (Hugging Face config.json keys, with
     model_type) and train it from scratch; vocab_size defaults to the tokenizer's."""
@@ -72,6 +74,9 @@ class ModelConfig:
     """Allow a model directory to run its own Python code (config.json's model_file)."""
     seed: int = 0
     """Seed for the random initialisation of a model built from arch."""
+    dequantize: bool = False
+    """A GGUF base's Q8_0/Q4_0/Q4_1 weights stay quantized under LoRA/DoRA (QLoRA over the file
+    as it is); true de-quantizes them to ``dtype`` as every other type is."""
     quantize: QuantizeConfig | None = None
     """Quantize the base as it loads, for example {bits: 4, group_size: 64} (QLoRA: LoRA or DoRA
     adapters train on the quantized base); null keeps the weights as they are. A model that is

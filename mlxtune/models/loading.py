@@ -17,6 +17,8 @@ from .quantize import cpu_dequantizing
 def resolve_model_path(path: str, base: Path | None) -> Path:
     """A local directory or GGUF file, or a Hub id downloaded (safetensors only) when the
     network allows."""
+    if path.startswith("package:"):
+        return package_file(path)
     p = Path(path).expanduser()
     if not p.is_absolute() and base is not None and (base / p).exists():
         p = base / p
@@ -56,6 +58,37 @@ def resolve_model_path(path: str, base: Path | None) -> Path:
         ) from None
     _check_layout(Path(local))
     return Path(local)
+
+
+def package_file(spec: str) -> Path:
+    """``package:NAME/FILE``: a file inside an installed Python package (a model shipped in a
+    wheel), found without importing the package."""
+    import importlib.util
+
+    rest = spec.removeprefix("package:")
+    name, _, inner = rest.partition("/")
+    if not name or not inner:
+        raise UserInputError("write package:NAME/FILE (a file inside a Python package)", spec)
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise UserInputError(
+            f"the Python package {name!r} is not installed here (pip install it first)", spec
+        )
+    for root in found.submodule_search_locations:
+        p = (Path(root) / inner).resolve()
+        if not p.is_relative_to(Path(root).resolve()):
+            raise UserInputError("the file must be inside the package", spec)
+        if p.exists():
+            if is_gguf(p):
+                return p
+            if p.is_dir():
+                _check_layout(p)
+                return p
+            raise UserInputError("not a GGUF file or a model directory", str(p))
+    raise UserInputError(f"no {inner} in the package {name!r}", spec)
 
 
 def _check_layout(p: Path) -> dict:

@@ -5,6 +5,7 @@
 Deterministic: the same files every time. Held-out words never appear in training data.
 """
 
+import calendar
 import json
 import random
 from pathlib import Path
@@ -41,6 +42,41 @@ def main():
     held = words(rng, 400)
     train = words(rng, 3000, exclude=held)
     task(HERE / "copy", train, held, "copy", lambda w: w)
+    # smollm2-lora: write an ISO date in words, as chat (a real chat model answers in its own
+    # words before fine-tuning); train, valid and test hold different dates
+    dates(HERE / "dates", random.Random(0))
+
+
+DATE_QUESTIONS = (
+    "Write the date {iso} in words.",
+    "How is {iso} written out in words?",
+    "Spell out the date {iso}.",
+)
+
+
+def dates(folder, rng):
+    """train/valid/test.jsonl of chat: "Write the date 2023-04-05 in words." -> "April 5, 2023"."""
+    folder.mkdir(exist_ok=True)
+    seen = set()
+
+    def row():
+        while True:
+            y, m = rng.randint(1900, 2099), rng.randint(1, 12)
+            d = rng.randint(1, calendar.monthrange(y, m)[1])
+            if (y, m, d) not in seen:
+                seen.add((y, m, d))
+                break
+        question = rng.choice(DATE_QUESTIONS).format(iso=f"{y:04d}-{m:02d}-{d:02d}")
+        answer = f"{calendar.month_name[m]} {d}, {y}"
+        return {
+            "messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer},
+            ]
+        }
+
+    for name, n in (("train", 800), ("valid", 40), ("test", 60)):
+        write(folder / f"{name}.jsonl", [row() for _ in range(n)])
 
 
 def task(folder, train, held, verb, answer):
