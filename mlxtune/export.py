@@ -14,6 +14,7 @@ tokenizer and the adapter), so ``load_trained`` rebuilds the trained model from 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from .models import (
     cast_floats,
     is_gguf,
     is_quantized,
+    load_gguf,
     pickled_hint,
     quantize_model,
     save_model,
@@ -109,6 +111,27 @@ def write_mlx_lm(t: TrainedModel, out: Path, metadata: dict | None = None):
         metadata={k: str(v) for k, v in (metadata or {}).items()},
     )
     (out / "adapter_config.json").write_text(json.dumps(mlx_lm_config(t), indent=2))
+    if t.base_dir is not None and is_gguf(t.base_dir):
+        write_gguf_base(t, out / "base")
+
+
+def write_gguf_base(t: TrainedModel, out: Path):
+    """A GGUF base as mlx-lm loads a base model (mlx-lm reads no GGUF): the weights the run
+    trained over, in the family's Hugging Face layout with mlx-lm's quantization config when
+    they stayed quantized (the file's codes, as held), and the tokenizer read from the file."""
+    held = {str(v.dtype).split(".")[-1] for _, v in tree_flatten(t.model.parameters())}
+    dtype = next((d for d in ("float32", "bfloat16", "float16") if d in held), "float32")
+    keep = any(is_quantized(m) for _, m in t.model.named_modules())
+    base, config, _ = load_gguf(t.base_dir, dtype, keep_quantized=keep)
+    layers = {p: (m.group_size, m.bits) for p, m in base.named_modules() if is_quantized(m)}
+    if layers:
+        (group, bits), _ = Counter(layers.values()).most_common(1)[0]
+        quant = {"group_size": group, "bits": bits, "mode": "affine"}
+        for p, (g, b) in layers.items():
+            if (g, b) != (group, bits):
+                quant[p] = {"group_size": g, "bits": b, "mode": "affine"}
+        config = {**config, "quantization": quant}
+    save_model(base, config, out, t.tokenizer, t.tokenizer_dir)
 
 
 def peft_weights(model: nn.Module) -> dict[str, mx.array]:

