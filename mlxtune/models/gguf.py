@@ -27,6 +27,8 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
 from ..gguf_file import GGUFFile, open_gguf
+from ..gguf_names import gguf_name
+from .building import _get_classes
 from .common import DTYPES, HF_ARCHITECTURES
 from .quantize import cpu_dequantizing
 
@@ -201,8 +203,6 @@ def gguf_config(g: GGUFModelFile) -> dict:
 
 def _name_table(model: nn.Module, model_type: str) -> dict[str, str]:
     """GGUF tensor name -> parameter name, for every parameter the model has."""
-    from ..gguf_export import gguf_name
-
     table = {}
     for hf, _ in tree_flatten(model.parameters()):
         g = gguf_name(hf, model_type)
@@ -282,8 +282,6 @@ def load_gguf(
     layers holding the file's codes, scales and offsets exactly (QLoRA over the file as it
     is); otherwise, and for every other type, weights are de-quantized to ``dtype``.
     """
-    from .building import _get_classes
-
     g = read_gguf(path)
     where = str(g.path)
     config = gguf_config(g)
