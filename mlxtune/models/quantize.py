@@ -91,17 +91,21 @@ def _dequantizing_matmul(group_size: int, bits: int, mode: str, has_biases: bool
     if key in _MATMULS:
         return _MATMULS[key]
 
-    def dense(w, scales, biases):
+    def dense(w, scales, biases, after):
+        # de-quantized only once ``after`` exists: MLX may otherwise run every layer's
+        # de-quantization early (they depend on parameters alone) and hold them all at once
+        w, scales = mx.depends([w, scales], [after])
         return mx.dequantize(w, scales, biases, group_size, bits, mode=mode)
 
     @mx.custom_function
     def f(x, w, scales, *biases):
-        return x @ dense(w, scales, biases[0] if biases else None).astype(x.dtype).T
+        return x @ dense(w, scales, biases[0] if biases else None, x).astype(x.dtype).T
 
     @f.vjp
     def f_vjp(primals, cotangent, _):
         x, w, scales, *biases = primals
-        dx = cotangent @ dense(w, scales, biases[0] if biases else None).astype(cotangent.dtype)
+        b = biases[0] if biases else None
+        dx = cotangent @ dense(w, scales, b, cotangent).astype(cotangent.dtype)
         return (dx, mx.zeros_like(w), mx.zeros_like(scales), *(mx.zeros_like(b) for b in biases))
 
     _MATMULS[key] = f
