@@ -157,7 +157,7 @@ def _sampling_options(f):
     f = click.option(
         "--model",
         required=True,
-        help="A model directory (or fused export), Hub id, or mlxtune run.",
+        help="A model directory (or fused export), GGUF file, Hub id, or mlxtune run.",
     )(f)
     return f
 
