@@ -144,3 +144,16 @@ def test_a_model_path_that_is_not_gguf_or_a_package_is_refused(tmp_path, data_di
         assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, err
+
+
+def test_generate_reads_a_gguf_file_like_the_directory_it_came_from(
+    tmp_path, llama_dir, tokenizer, tokenizer_dir, capsys
+):
+    model, config = load_model(llama_dir)
+    (tmp_path / "f32").mkdir()
+    path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path / "f32", "f32")
+    outs = []
+    for m in (llama_dir, path):
+        assert main(["generate", "--model", str(m), "--max-tokens", "8", "reverse abc ="]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()

@@ -59,9 +59,16 @@ def run_recipe(tmp_path: Path, name: str, *overrides: str) -> Path:
     return run
 
 
-def test_recipe_learns_the_task_and_its_exports_load_in_their_tools(tmp_path):
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """recipes/smollm2-lora.yaml as the README runs it (once for the tests below)."""
+    smollm2_gguf()
+    return run_recipe(tmp_path_factory.mktemp("smollm2"), "lora")
+
+
+def test_recipe_learns_the_task_and_its_exports_load_in_their_tools(tmp_path, lora_run):
     smollm2_gguf("torch")
-    run = run_recipe(tmp_path, "lora")
+    run = lora_run
     summary = json.loads((run / "summary.json").read_text())
     assert summary["exact_match_before"] <= 0.1 and summary["exact_match_after"] >= 0.9
     # samples and exact-match rows show the user's message and the answer, not the template
@@ -105,9 +112,8 @@ def test_recipe_learns_the_task_and_its_exports_load_in_their_tools(tmp_path):
     np.testing.assert_allclose(np.array(trained.model(mx.array([ids]))[0]), want, atol=1e-3, rtol=0)
 
 
-def test_qlora_over_the_q4_1_file_learns_with_less_memory(tmp_path):
-    smollm2_gguf()
-    dense = run_recipe(tmp_path, "lora", "train.max_steps=10", "eval.exact_match=0")
+def test_qlora_over_the_q4_1_file_learns_with_less_memory(tmp_path, lora_run):
+    dense = lora_run
     q = run_recipe(tmp_path, "qlora", "model.dequantize=false")
     summary = json.loads((q / "summary.json").read_text())
     assert summary["exact_match_before"] <= 0.1 and summary["exact_match_after"] >= 0.9
@@ -116,11 +122,11 @@ def test_qlora_over_the_q4_1_file_learns_with_less_memory(tmp_path):
     assert peaks[1] < peaks[0], peaks
 
 
-def test_gguf_adapter_applies_to_the_original_file_in_llama_cpp(tmp_path):
+def test_gguf_adapter_applies_to_the_original_file_in_llama_cpp(lora_run):
     path = smollm2_gguf("llama_cpp")
     import llama_cpp
 
-    run = run_recipe(tmp_path, "lora", "export.formats=[gguf-adapter]")
+    run = lora_run
     test_rows = [json.loads(line) for line in (REPO / "recipes/data/dates/test.jsonl").open()]
     trained = load_trained(run)
     tok = trained.tokenizer

@@ -436,6 +436,15 @@ SCRATCH = {
             {"data.valid_fraction": "data.valid is given"},
         ),
         (
+            {"model": {"dequantize": True}},
+            {"model.dequantize": "it applies to a GGUF base"},
+        ),
+        (
+            {"model": {"path": "some/model.gguf", "dequantize": True}, "adapter": {"type": "full"}},
+            {"model.dequantize": "a full fine-tune de-quantizes every weight"},
+        ),
+        ({"model": {"path": "some/model.gguf", "dequantize": True}}, {}),
+        (
             {"data": {"add_eos": False, "train_on_eos": False}},
             {"data.train_on_eos": "data.add_eos is false"},
         ),
