@@ -182,9 +182,7 @@ def model_for(
     elif is_gguf(model_dir):
         keep = r.adapter.type in ("lora", "dora") and not r.model.dequantize
         model, config, done = load_gguf(model_dir, r.model.dtype, keep_quantized=keep)
-        log(
-            f"loaded {model_dir} (GGUF, {config['model_type']}): {describe_gguf_load(done, r.model.dtype)}"
-        )
+        log(f"loaded {model_dir} (GGUF, {config['model_type']}): {done.summary(r.model.dtype)}")
     else:
         model, config = load_model(model_dir, r.model.dtype, r.model.trust_remote_code)
         log(f"loaded {model_dir}")
@@ -198,29 +196,6 @@ def model_for(
             "tokenizer",
         )
     return model, config
-
-
-def describe_gguf_load(done, dtype: str) -> str:
-    """One line on what loading a GGUF file did with its tensors."""
-    from collections import Counter
-
-    parts = []
-    if done.quantized:
-        bits = Counter(done.quantized.values())
-        parts.append(
-            f"{len(done.quantized)} weights kept quantized ("
-            + ", ".join(f"{n} at {b} bits" for b, n in sorted(bits.items()))
-            + ", groups of 32)"
-        )
-    if done.dequantized:
-        kinds = Counter(done.dequantized.values())
-        parts.append(
-            f"{len(done.dequantized)} de-quantized to {dtype} ("
-            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-            + ")"
-        )
-    parts.append(f"weights {done.nbytes / GB:.3f} GB as held")
-    return "; ".join(parts)
 
 
 def _quantize_base(model: nn.Module, cfg, log) -> None:

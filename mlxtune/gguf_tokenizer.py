@@ -270,29 +270,8 @@ def _post_processor(tokens: list[str], ids: dict, add_bos: bool, add_eos: bool):
     )
 
 
-def write_tokenizer_from_gguf(path: str | Path, out_dir: str | Path) -> dict:
-    """Write the tokenizer a GGUF file describes as a Hugging Face tokenizer folder
-    (tokenizer.json, tokenizer_config.json and the chat template) in ``out_dir``.
-
-    Returns what was read: the tokenizer model and pre-tokenizer names, the vocabulary size, the
-    special token ids, whether BOS/EOS are added, and whether the file has a chat template.
-    Raises UserInputError for a tokenizer model or pre-tokenizer that is not supported.
-    """
-    from tokenizers import AddedToken
-    from transformers import PreTrainedTokenizerFast
-
-    path, out_dir = Path(path), Path(out_dir)
-    where = str(path)
-    meta = _read_metadata(path)
-    kind = meta.get("tokenizer.ggml.model")
-    if kind is None:
-        raise UserInputError("this GGUF has no tokenizer (tokenizer.ggml.model is missing)", where)
-    if kind not in MODELS:
-        raise UserInputError(
-            f"the GGUF's tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; "
-            f"supported: {', '.join(MODELS)}",
-            where,
-        )
+def _vocabulary(meta: dict, where: str) -> tuple[list[str], list[int]]:
+    """(tokens, token types): every token named once, types and scores for each."""
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
         raise UserInputError("this GGUF has no tokenizer.ggml.tokens", where)
@@ -311,6 +290,53 @@ def write_tokenizer_from_gguf(path: str | Path, out_dir: str | Path) -> dict:
                 f"token {tok!r} appears twice in the vocabulary (ids {seen[tok]} and {i})", where
             )
         seen[tok] = i
+    return tokens, types
+
+
+def _save(tk, out_dir: Path, names: dict, template: str | None, add_bos: bool, add_eos: bool):
+    """The tokenizer as a Hugging Face folder that transformers and mlx-lm load as it is."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, **names)
+    if template is not None:
+        fast.chat_template = template
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg.update(
+        tokenizer_class="PreTrainedTokenizerFast",
+        add_bos_token=add_bos,
+        add_eos_token=add_eos,
+        clean_up_tokenization_spaces=False,
+    )
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def write_tokenizer_from_gguf(path: str | Path, out_dir: str | Path) -> dict:
+    """Write the tokenizer a GGUF file describes as a Hugging Face tokenizer folder
+    (tokenizer.json, tokenizer_config.json and the chat template) in ``out_dir``.
+
+    Returns what was read: the tokenizer model and pre-tokenizer names, the vocabulary size, the
+    special token ids, whether BOS/EOS are added, and whether the file has a chat template.
+    Raises UserInputError for a tokenizer model or pre-tokenizer that is not supported.
+    """
+    from tokenizers import AddedToken
+
+    path, out_dir = Path(path), Path(out_dir)
+    where = str(path)
+    meta = _read_metadata(path)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        raise UserInputError("this GGUF has no tokenizer (tokenizer.ggml.model is missing)", where)
+    if kind not in MODELS:
+        raise UserInputError(
+            f"the GGUF's tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; "
+            f"supported: {', '.join(MODELS)}",
+            where,
+        )
+    tokens, types = _vocabulary(meta, where)
+    n = len(tokens)
     ids = _special_ids(meta, kind, n)
 
     pre_name, add_bos, add_eos = None, False, False
@@ -338,22 +364,16 @@ def write_tokenizer_from_gguf(path: str | Path, out_dir: str | Path) -> dict:
             where,
         )
 
-    names = {f"{k}_token": tokens[i] for k, i in ids.items() if i is not None}
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, **names)
     template = meta.get("tokenizer.chat_template")
-    if isinstance(template, str):
-        fast.chat_template = template
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out_dir))
-    cfg_path = out_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    cfg.update(
-        tokenizer_class="PreTrainedTokenizerFast",
-        add_bos_token=add_bos,
-        add_eos_token=add_eos,
-        clean_up_tokenization_spaces=False,
+    template = template if isinstance(template, str) else None
+    _save(
+        tk,
+        out_dir,
+        {f"{k}_token": tokens[i] for k, i in ids.items() if i is not None},
+        template,
+        add_bos,
+        add_eos,
     )
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
     return {
         "model": kind,
         "pre": pre_name,
@@ -361,5 +381,5 @@ def write_tokenizer_from_gguf(path: str | Path, out_dir: str | Path) -> dict:
         **{f"{k}_token_id": i for k, i in ids.items()},
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
-        "chat_template": isinstance(template, str),
+        "chat_template": template is not None,
     }

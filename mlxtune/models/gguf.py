@@ -17,6 +17,7 @@ trainable mlx-lm model.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
 from ..gguf_file import GGUFFile, open_gguf
-from ..gguf_names import gguf_name
+from ..gguf_names import ARCHES, NORM_PLUS_ONE, gguf_name
 from .building import _get_classes
 from .common import DTYPES, HF_ARCHITECTURES
 from .quantize import cpu_dequantizing
@@ -44,8 +45,7 @@ FAMILIES = {
     "phi3": "phi3",
 }
 # architectures whose q/k rows llama.cpp's converter permutes to its interleaved rope order
-PERMUTED = ("llama",)
-NORM_PLUS_ONE = ("gemma", "gemma2")
+PERMUTED = tuple({arch for arch, permuted in ARCHES.values() if permuted})
 # tensor types held as MLX quantized arrays (bits) when kept quantized
 NATIVE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
 
@@ -155,10 +155,19 @@ def gguf_config(g: GGUFModelFile) -> dict:
         v = g.fields.get(f"tokenizer.ggml.{meta}")
         if isinstance(v, int):
             config[key] = v
+    config.update(_rope_settings(g, config))
+    if model_type == "gemma2":
+        config.update(_gemma2_settings(g, config))
+    return config
+
+
+def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
+    """Partial rotary (phi3) and linear rope scaling; what mlxtune cannot read is refused."""
+    where, head_dim, out = str(g.path), config["head_dim"], {}
     rope_dims = g.get("rope.dimension_count", head_dim)
-    if model_type == "phi3":
-        config["partial_rotary_factor"] = rope_dims / head_dim
-        config["original_max_position_embeddings"] = int(
+    if config["model_type"] == "phi3":
+        out["partial_rotary_factor"] = rope_dims / head_dim
+        out["original_max_position_embeddings"] = int(
             g.get("rope.scaling.original_context_length") or config["max_position_embeddings"]
         )
         if "rope_factors_long.weight" in g.tensors:
@@ -169,36 +178,40 @@ def gguf_config(g: GGUFModelFile) -> dict:
             )
     elif rope_dims != head_dim:
         raise UserInputError(
-            f"{arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}: "
+            f"{g.arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}: "
             "partial rotary embeddings are read for phi3 only",
             where,
         )
     scaling = g.get("rope.scaling.type")
     if scaling not in (None, "none"):
-        if scaling != "linear":
+        factor = g.get("rope.scaling.factor")
+        if scaling != "linear" or factor is None:
             raise UserInputError(
-                f"rope scaling {scaling!r} is not read from GGUF yet (linear is)", where
+                f"rope scaling {scaling!r} is not read from GGUF yet (linear with a factor is)",
+                where,
             )
-        config["rope_scaling"] = {"type": "linear", "factor": float(need("rope.scaling.factor"))}
+        out["rope_scaling"] = {"type": "linear", "factor": float(factor)}
     if "rope_freqs.weight" in g.tensors:
         raise UserInputError(
             "this model scales its rope frequencies per dimension (rope_freqs, as Llama 3.1 "
             "does), which mlxtune does not read from GGUF yet",
             where,
         )
-    if model_type == "gemma2":
-        config["attn_logit_softcapping"] = float(g.get("attn_logit_softcapping", 50.0))
-        config["final_logit_softcapping"] = float(g.get("final_logit_softcapping", 30.0))
-        config["sliding_window"] = int(g.get("attention.sliding_window", 4096))
-        # llama.cpp scales gemma2 queries by 1/sqrt(head size), except the 27B model's (46
-        # blocks) by 1/sqrt(hidden / heads), which is what its config says
-        config["query_pre_attn_scalar"] = float(
-            hidden // n_head if config["num_hidden_layers"] == 46 else head_dim
-        )
-    return config
+    return out
 
 
-# ------------------------------------------------------------------------------ tensors
+def _gemma2_settings(g: GGUFModelFile, config: dict) -> dict:
+    # llama.cpp scales gemma2 queries by 1/sqrt(head size), except the 27B model's (46 blocks)
+    # by 1/sqrt(hidden / heads), which is what its config says
+    big = config["num_hidden_layers"] == 46
+    return {
+        "attn_logit_softcapping": float(g.get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(g.get("final_logit_softcapping", 30.0)),
+        "sliding_window": int(g.get("attention.sliding_window", 4096)),
+        "query_pre_attn_scalar": float(
+            config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+        ),
+    }
 
 
 def _name_table(model: nn.Module, model_type: str) -> dict[str, str]:
@@ -272,6 +285,24 @@ class GGUFLoad:
     dequantized: dict[str, str]
     nbytes: int
 
+    def summary(self, dtype: str) -> str:
+        """One line on what loading did with the file's tensors."""
+        parts = []
+        if self.quantized:
+            bits = _tally(self.quantized, "at {} bits")
+            parts.append(f"{len(self.quantized)} weights kept quantized ({bits}, groups of 32)")
+        if self.dequantized:
+            kinds = _tally(self.dequantized, "{}")
+            parts.append(f"{len(self.dequantized)} de-quantized to {dtype} ({kinds})")
+        parts.append(f"weights {self.nbytes / 1e9:.3f} GB as held")
+        return "; ".join(parts)
+
+
+def _tally(values: dict, label: str) -> str:
+    """'3 at 4 bits, 1 at 8 bits': how many of each value."""
+    counts = Counter(values.values())
+    return ", ".join(f"{n} {label.format(v)}" for v, n in sorted(counts.items()))
+
 
 def load_gguf(
     path: str | Path, dtype: str = "float32", keep_quantized: bool = False
@@ -285,7 +316,6 @@ def load_gguf(
     g = read_gguf(path)
     where = str(g.path)
     config = gguf_config(g)
-    model_type = config["model_type"]
     model_class, args_class = _get_classes(config)
     try:
         model = model_class(args_class.from_dict(config))
@@ -293,46 +323,9 @@ def load_gguf(
         raise UserInputError(
             f"cannot build the model its metadata describes: {type(e).__name__}: {e}", where
         ) from None
-    table = _name_table(model, model_type)
-    unknown = sorted(set(g.tensors) - set(table) - {"rope_freqs.weight"})
-    if unknown:
-        raise UserInputError(
-            f"tensor {unknown[0]} has no place in a {model_type} model"
-            + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
-            where,
-        )
-    missing = sorted(set(table) - set(g.tensors))
-    if missing:
-        raise UserInputError(
-            f"the file has no tensor {missing[0]}"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
-            where,
-        )
-    modules = dict(model.named_modules())
-    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    target = DTYPES[dtype]
-
-    def heads(gname: str) -> int | None:
-        if g.arch not in PERMUTED:
-            return None
-        if gname.endswith("attn_q.weight"):
-            return n_head
-        if gname.endswith("attn_k.weight"):
-            return n_kv
-        return None
-
-    # which layers hold their weight quantized, and how: bits per module path
-    quant: dict[str, int] = {}
-    for gname, hf in table.items():
-        kind = g.tensors[gname].type_name
-        mod = hf.rsplit(".", 1)[0]
-        if (
-            keep_quantized
-            and kind in NATIVE_BITS
-            and hf.endswith(".weight")
-            and isinstance(modules.get(mod), (nn.Linear, nn.Embedding))
-        ):
-            quant[mod] = NATIVE_BITS[kind]
+    table = _name_table(model, config["model_type"])
+    _check_tensor_names(g, table, config["model_type"])
+    quant = _kept_quantized(g, table, model) if keep_quantized else {}
     if quant:
         nn.quantize(
             model,
@@ -340,32 +333,8 @@ def load_gguf(
                 {"group_size": GROUP, "bits": quant[p], "mode": "affine"} if p in quant else False
             ),
         )
-    weights = []
     done = GGUFLoad({}, {}, 0)
-    for gname, hf in table.items():
-        t = g.tensors[gname]
-        kind, mod = t.type_name, hf.rsplit(".", 1)[0]
-        h = heads(gname)
-        if mod in quant and hf.endswith(".weight"):
-            codes, scales, offsets = _blocks(t, kind)
-            if h is not None:
-                codes, scales, offsets = (_unpermute_rows(a, h) for a in (codes, scales, offsets))
-            bits = quant[mod]
-            weights += [
-                (hf, mx.array(_pack(codes, bits))),
-                (f"{mod}.scales", mx.array(scales).astype(target)),
-                (f"{mod}.biases", mx.array(offsets).astype(target)),
-            ]
-            done.quantized[gname] = bits
-            continue
-        a = dequantized(t)
-        if h is not None:
-            a = _unpermute_rows(a, h)
-        if model_type in NORM_PLUS_ONE and gname.endswith("norm.weight"):
-            a = a - 1.0
-        weights.append((hf, mx.array(a).astype(target)))
-        if kind != "F32":
-            done.dequantized[gname] = kind
+    weights = _weights(g, table, config, quant, DTYPES[dtype], done)
     try:
         model.load_weights(weights, strict=True)
     except ValueError as e:
@@ -374,3 +343,68 @@ def load_gguf(
     cpu_dequantizing(model)
     done.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return model, config, done
+
+
+def _check_tensor_names(g: GGUFModelFile, table: dict[str, str], model_type: str) -> None:
+    """Every tensor of the file has a place in the model, and every parameter a tensor."""
+
+    def first(names: list[str]) -> str:
+        return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+
+    unknown = sorted(set(g.tensors) - set(table) - {"rope_freqs.weight"})
+    if unknown:
+        raise UserInputError(
+            f"tensor {first(unknown)} has no place in a {model_type} model", str(g.path)
+        )
+    missing = sorted(set(table) - set(g.tensors))
+    if missing:
+        raise UserInputError(f"the file has no tensor {first(missing)}", str(g.path))
+
+
+def _kept_quantized(g: GGUFModelFile, table: dict[str, str], model: nn.Module) -> dict[str, int]:
+    """Module path -> bits, for the linear and embedding layers whose weight the file holds as
+    Q8_0, Q4_0 or Q4_1."""
+    modules = dict(model.named_modules())
+    quant = {}
+    for gname, hf in table.items():
+        kind, mod = g.tensors[gname].type_name, hf.rsplit(".", 1)[0]
+        if (
+            kind in NATIVE_BITS
+            and hf.endswith(".weight")
+            and isinstance(modules.get(mod), (nn.Linear, nn.Embedding))
+        ):
+            quant[mod] = NATIVE_BITS[kind]
+    return quant
+
+
+def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str, mx.array]]:
+    """(parameter name, array) for every tensor: the codes, scales and offsets of a kept
+    quantized weight, every other tensor de-quantized to ``target``; q/k rows back in
+    rotate-half order and gemma norms without llama.cpp's 1. Records each in ``done``."""
+    heads = {"attn_q.weight": config["num_attention_heads"]}
+    heads["attn_k.weight"] = config["num_key_value_heads"]
+    weights = []
+    for gname, hf in table.items():
+        t = g.tensors[gname]
+        kind, mod = t.type_name, hf.rsplit(".", 1)[0]
+        h = heads.get(gname.split(".", 2)[-1]) if g.arch in PERMUTED else None
+        if mod in quant and hf.endswith(".weight"):
+            codes, scales, offsets = _blocks(t, kind)
+            if h is not None:
+                codes, scales, offsets = (_unpermute_rows(a, h) for a in (codes, scales, offsets))
+            weights += [
+                (hf, mx.array(_pack(codes, quant[mod]))),
+                (f"{mod}.scales", mx.array(scales).astype(target)),
+                (f"{mod}.biases", mx.array(offsets).astype(target)),
+            ]
+            done.quantized[gname] = quant[mod]
+            continue
+        a = dequantized(t)
+        if h is not None:
+            a = _unpermute_rows(a, h)
+        if config["model_type"] in NORM_PLUS_ONE and gname.endswith("norm.weight"):
+            a = a - 1.0
+        weights.append((hf, mx.array(a).astype(target)))
+        if kind != "F32":
+            done.dequantized[gname] = kind
+    return weights
