@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .errors import TrainingError, UserInputError
 from .export import load_trainable_weights
+from .kernels import forward_only
 from .memory import is_out_of_memory
 from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
 from .state import EngineState
@@ -140,7 +141,8 @@ class Engine:
 
         @partial(mx.compile, inputs=[model.state])
         def eval_step(batch):
-            return objective.loss(model, batch)
+            with forward_only():  # no backward follows: the loss kernel skips its gradient work
+                return objective.loss(model, batch)
 
         self._train_step, self._grad_step, self._apply_step = train_step, grad_step, apply_step
         self._eval_step = eval_step

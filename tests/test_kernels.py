@@ -166,6 +166,13 @@ def test_chunked_tier_never_builds_the_logits(monkeypatch):
     # what grows with V is the weight's gradient ([V, D]), not the logits
     grad_mb = 8192 * 32 * 4 / 1e6
     assert peaks["chunked", 16384] - peaks["chunked", 8192] < 3 * grad_mb
+    # a frozen head gathers d hidden during the forward, still one chunk at a time
+    for v in (8192, 16384):
+        h, w, t = inputs(n=512, d=32, v=v, seed=7, ignored=0)
+        f = lambda h, w, t=t: linear_cross_entropy(h, w, t, weight_grad=False)[0]  # noqa: E731
+        peaks["frozen", v] = peak_memory_mb(mx.compile(mx.value_and_grad(f)), h, w)
+    assert peaks["frozen", 16384] < 0.2 * logits_mb
+    assert peaks["frozen", 16384] < 1.3 * peaks["frozen", 8192]
 
 
 def test_impl_is_chosen_by_argument_environment_and_default(monkeypatch):
@@ -197,3 +204,66 @@ def test_frozen_head_skips_the_weight_gradient_but_not_the_hidden_one():
     fh, fw = mx.grad(f(False), argnums=(0, 1))(h, w)
     np.testing.assert_allclose(np.array(fh), np.array(gh), rtol=1e-5, atol=1e-7)
     assert not np.array(fw).any() and np.array(gw).any()
+
+
+def naive_per_token(hidden, weight, targets, label_smoothing=0.0, softcap=None):
+    """[N] losses from the full logits (0 where ignored), float64 NumPy."""
+    h, w = np.array(hidden, dtype=np.float64), np.array(weight, dtype=np.float64)
+    t = np.array(targets)
+    z = h @ w.T
+    if softcap is not None:
+        z = softcap * np.tanh(z / softcap)
+    m = z.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    valid = t != IGNORE
+    zt = z[np.arange(len(t)), np.where(valid, t, 0)]
+    nll = (1 - label_smoothing) * (lse - zt) + label_smoothing * (lse - z.mean(axis=1))
+    return np.where(valid, nll, 0.0)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_frozen_head_gathers_its_hidden_gradient_in_the_forward(label_smoothing, softcap):
+    """weight_grad=False: the forward carries sum_v p_v W_v along (rescaled as the running
+    maximum grows over the chunks) and the backward uses it; per-token losses and d hidden for
+    an uneven per-token cotangent match float64 NumPy, and so does forward_only()."""
+    from mlxtune.kernels import forward_only
+    from mlxtune.kernels.chunked import linear_cross_entropy_chunked
+
+    n, d, v = 33, 12, 1000
+    h, w, t = inputs(n=n, d=d, v=v, seed=9)
+    w = w * mx.linspace(0.2, 3.0, v)[:, None]  # logits grow chunk by chunk: m moves
+    cot = mx.random.uniform(0.5, 2.0, (n,), key=mx.random.key(4))
+
+    def losses(h, w):
+        return linear_cross_entropy_chunked(
+            h, w, t, IGNORE, label_smoothing, softcap, chunk=256, weight_grad=False
+        )[0]
+
+    got, (gh, gw) = mx.vjp(losses, [h, w], [cot])
+    got = got[0]
+    want = naive_per_token(h, w, t, label_smoothing, softcap)
+    np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5)
+    assert not np.array(gw).any()  # the frozen head's gradient is skipped
+
+    # d hidden in float64: d/dh sum_i cot_i loss_i by central differences of the exact loss
+    def total(hh):
+        return (np.array(cot, dtype=np.float64) * naive_per_token(hh, w, t, label_smoothing, softcap)).sum()
+
+    h64 = np.array(h, dtype=np.float64)
+    want_gh = np.zeros_like(h64)
+    eps = 1e-6
+    for i in range(n):
+        for j in range(d):
+            up, down = h64.copy(), h64.copy()
+            up[i, j] += eps
+            down[i, j] -= eps
+            want_gh[i, j] = (total(up) - total(down)) / (2 * eps)
+    np.testing.assert_allclose(np.array(gh), want_gh, rtol=1e-4, atol=1e-5)
+
+    with forward_only():
+        plain = linear_cross_entropy(
+            h, w, t, label_smoothing=label_smoothing, softcap=softcap, reduction="none",
+            impl="chunked", weight_grad=False,
+        )[0]
+    np.testing.assert_allclose(np.array(plain), want, rtol=2e-5, atol=2e-5)

@@ -10,6 +10,8 @@ both backends (fused.py, mlxtune.metal_kernels), and exist where that GPU backen
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import mlx.core as mx
@@ -154,6 +156,21 @@ def _pick(impl: str | None, impls: dict = IMPLS, what: str = "linear_cross_entro
     return tier
 
 
+_FORWARD_ONLY = contextvars.ContextVar("mlxtune_forward_only", default=False)
+
+
+@contextlib.contextmanager
+def forward_only():
+    """Inside it, ``linear_cross_entropy`` calls are promised no backward (evaluation): the
+    chunked tier's frozen-head path, which gathers the hidden state's gradient during the
+    forward, then computes the loss alone. Set it around the code ``mx.compile`` traces."""
+    token = _FORWARD_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _FORWARD_ONLY.reset(token)
+
+
 def linear_cross_entropy(
     hidden: mx.array,
     weight: mx.array,
@@ -175,7 +192,9 @@ def linear_cross_entropy(
     ``label_smoothing`` mixes the one-hot target with the uniform distribution; ``softcap``
     applies ``c * tanh(z / c)`` to the logits first. Accumulates in fp32 whatever the dtype.
     ``weight_grad=False`` says the head is frozen: tiers that compute gradients themselves skip
-    the head's (it comes back as zeros), saving a matmul per chunk in the backward.
+    the head's (it comes back as zeros), saving a matmul per chunk in the backward; the chunked
+    tier then also gathers the hidden state's gradient during the forward (see
+    ``forward_only`` for calls that never take a gradient).
     """
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
@@ -185,9 +204,17 @@ def linear_cross_entropy(
         raise ValueError(
             f"shapes do not match: hidden {hidden.shape}, weight {weight.shape}, targets {targets.shape}"
         )
-    fn = IMPLS[_pick(impl)]
-    losses, valid = fn(
-        hidden, weight, targets, ignore_index, label_smoothing, softcap, weight_grad=weight_grad
+    tier = _pick(impl)
+    extra = {"forward_only": True} if tier == "chunked" and _FORWARD_ONLY.get() else {}
+    losses, valid = IMPLS[tier](
+        hidden,
+        weight,
+        targets,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        weight_grad=weight_grad,
+        **extra,
     )
     n_valid = valid.sum()
     if reduction == "none":
@@ -235,6 +262,7 @@ __all__ = [
     "attention",
     "available_impls",
     "best_impl",
+    "forward_only",
     "linear_cross_entropy",
     "resolve",
     "self_check",

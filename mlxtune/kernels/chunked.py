@@ -11,8 +11,10 @@ the gradient in place. Two things keep the peak at one chunk rather than all of 
   that each read a chunk but lived in separate chains would let all chunks be computed up
   front, because the first chain would pull every chunk in before the others ran.
 
-The weight's gradient comes from the same recomputed chunk as the hidden state's; a frozen head
-(LoRA) skips it with ``weight_grad=False``.
+The weight's gradient comes from the same recomputed chunk as the hidden state's. A frozen head
+(LoRA, ``weight_grad=False``) needs no recomputation: its forward carries the softmax-weighted
+head rows along chunk by chunk (rescaled as the running maximum grows), which is the hidden
+state's gradient up to the target's row, so the backward makes no pass over the vocabulary.
 """
 
 from __future__ import annotations
@@ -116,29 +118,97 @@ def backward_over_chunks(h, w, c, chunk_grad, weight_grad):
     return dh.astype(h.dtype), dw
 
 
+def _forward_frozen(h, w, t, valid, c, label_smoothing, softcap):
+    """The forward of a frozen head, gathering what the hidden state's gradient needs on the way:
+    per token the running maximum m, the sum s of e^(z - m), the target logit, the sum of logits,
+    and ``acc`` = sum over the vocabulary of e^(z - m) dz/draw W (the softmax-weighted head rows,
+    rescaled whenever m grows, as flash attention rescales its output), as one packed
+    [N, D + 4] state. The softmax's part of d loss / d hidden is then acc / s, and the backward
+    needs no pass over the vocabulary."""
+    n, v, d = h.shape[0], w.shape[0], h.shape[1]
+    stats = mx.stack(
+        [mx.full((n,), -math.inf), mx.zeros((n,)), mx.zeros((n,)), mx.zeros((n,))], axis=-1
+    )
+    state = mx.concatenate([mx.zeros((n, d)), stats], axis=1)
+    starts = chunk_starts(v, c)
+    for k, start in enumerate(range(0, v, c)):
+        after = mx.depends(h, state) if start else h  # one tile at a time
+        wc = w[start : start + c]
+        z = _logits(after, wc, softcap)
+        width = z.shape[1]
+        acc, m = state[:, :d], state[:, d]
+        local = t - starts[k]
+        inside = (local >= 0) & (local < width) & valid
+        picked = mx.take_along_axis(z, mx.clip(local, 0, width - 1)[:, None], axis=-1)[:, 0]
+        m_new = mx.maximum(m, z.max(axis=-1))
+        shrink = cpu.exp_of_nonpositive(m - m_new)  # 0 on the first chunk (m = -inf)
+        e = cpu.exp_of_nonpositive(cpu._materialized(z - m_new[:, None]))
+        weighted = e if softcap is None else e * (1.0 - mx.square(z / softcap))
+        acc = mx.addmm(acc * shrink[:, None], weighted, wc.astype(mx.float32))
+        sums = state[:, d + 1] * shrink + e.sum(axis=-1)
+        target = state[:, d + 2] + mx.where(inside, picked, 0.0)
+        total = state[:, d + 3] + (z.sum(axis=-1) if label_smoothing > 0 else 0.0)
+        state = mx.concatenate([acc, mx.stack([m_new, sums, target, total], axis=-1)], axis=1)
+    return state
+
+
 def linear_cross_entropy_chunked(
-    hidden, weight, targets, ignore_index, label_smoothing, softcap, chunk=None, weight_grad=True
+    hidden,
+    weight,
+    targets,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    chunk=None,
+    weight_grad=True,
+    forward_only=False,
 ):
     """Per-token losses [N] (0 where ignored) and the valid mask [N], chunked over the vocabulary.
 
-    With ``weight_grad=False`` (a frozen head) the backward skips the weight's gradient and
-    reports it as zeros."""
+    With ``weight_grad=False`` (a frozen head) the weight's gradient is reported as zeros, and the
+    forward gathers the hidden state's gradient as it goes (``_forward_frozen``): two matmuls and
+    one exponential per chunk instead of three and two, forward and backward together.
+    ``forward_only=True`` says no gradient will be asked for (evaluation): the forward then
+    computes the loss alone."""
     n, v = hidden.shape[0], weight.shape[0]
     c = chunk or chunk_size(n, v)
     valid = targets != ignore_index
     safe = mx.where(valid, targets, 0)
+    # a soft cap with label smoothing would need a second softmax-free sum over the vocabulary
+    gather = not weight_grad and not forward_only and (softcap is None or label_smoothing == 0)
 
     @mx.custom_function
     def losses_fn(h, w, t):
-        state = _forward(h, w, t, valid, c, label_smoothing, softcap)
-        lse = state[:, 0]
-        # lse rides along so the backward does not recompute the forward
-        return token_losses(lse, state[:, 1], state[:, 2], valid, label_smoothing, v), lse
+        if gather:
+            state = _forward_frozen(h, w, t, valid, c, label_smoothing, softcap)
+            d = h.shape[1]
+            sums = state[:, d + 1]
+            lse = state[:, d] + mx.log(sums)
+            target, total = state[:, d + 2], state[:, d + 3]
+            # the softmax-weighted head rows ride along for the backward
+            extra = state[:, :d] / sums[:, None]
+        else:
+            state = _forward(h, w, t, valid, c, label_smoothing, softcap)
+            lse, target, total = state[:, 0], state[:, 1], state[:, 2]
+            extra = lse  # lse rides along so the backward does not recompute the forward
+        return token_losses(lse, target, total, valid, label_smoothing, v), extra
 
     @losses_fn.vjp
     def losses_vjp(primals, cotangents, outputs):
         h, w, t = primals
         g = mx.where(valid, cotangents[0].astype(mx.float32), 0.0)
+        if gather:
+            # d loss / d h = sum_v p_v c_v W_v - (1 - eps) c_t W_t - eps/V sum_v c_v W_v, where
+            # c = d capped / d raw logit (1 without a soft cap; a cap with smoothing goes the
+            # other way)
+            wt = w[t].astype(mx.float32)
+            if softcap is not None:  # the target logit's d capped / d raw
+                raw = (h.astype(mx.float32) * wt).sum(axis=-1, keepdims=True)
+                wt = wt * (1.0 - mx.square(cpu.tanh(raw / softcap)))
+            dh = outputs[1] - (1.0 - label_smoothing) * wt
+            if label_smoothing > 0:
+                dh = dh - label_smoothing * w.astype(mx.float32).mean(axis=0)
+            return (dh * g[:, None]).astype(h.dtype), mx.zeros_like(w), mx.zeros_like(t)
         lse = outputs[1]
 
         def chunk_grad(after, wc, start):

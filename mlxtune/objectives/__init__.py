@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..config import register_objective_config, unregister_objective_config
 from ..errors import UserInputError
-from .base import Components, Objective, Usage
+from .base import Components, Objective, Usage, target_rows
 from .sft import SFT
 
 OBJECTIVES: dict[str, type[Objective]] = {}
@@ -61,5 +61,6 @@ __all__ = [
     "Usage",
     "build_objective",
     "register",
+    "target_rows",
     "unregister",
 ]

@@ -99,15 +99,20 @@ class Objective:
         """Next-token cross-entropy over the batch's target tokens (``batch["mask"]`` marks
         them), from the hidden states through the loss kernel without materialising logits:
         ``(sum, count)``, or with ``reduction="none"`` per-token losses [B, T-1] (0 off-target)
-        and the count."""
+        and the count. When the batch carries ``rows`` (see ``target_rows``), the head and the
+        loss run over those positions only: the same losses, without the vocabulary-wide work
+        for positions that are no target (a chat's prompt)."""
         tokens, mask = batch["tokens"], batch["mask"]
-        targets = mx.where(mask[:, 1:] > 0, tokens[:, 1:], IGNORE)
+        targets = mx.where(mask[:, 1:] > 0, tokens[:, 1:], IGNORE).reshape(-1)
         h = self.hidden(batch)
+        h = h.reshape(-1, h.shape[-1])
+        rows = batch.get("rows")
+        picked = targets if rows is None else targets[rows]
         c = self.components
         out, n = linear_cross_entropy(
-            h.reshape(-1, h.shape[-1]),
+            h if rows is None else h[rows],
             c.lm.head_weight(),
-            targets.reshape(-1),
+            picked,
             ignore_index=IGNORE,
             label_smoothing=label_smoothing,
             softcap=c.lm.softcap,
@@ -115,7 +120,11 @@ class Objective:
             impl=c.tiers["loss"],
             weight_grad=c.head_trains,
         )
-        return (out.reshape(targets.shape) if reduction == "none" else out), n
+        if reduction != "none":
+            return out, n
+        if rows is not None:  # back to every position; the filler rows add their 0 loss
+            out = mx.zeros(targets.shape, out.dtype).at[rows].add(out)
+        return out.reshape(mask.shape[0], -1), n
 
     # --------------------------------------------------------------------- batches
     def batches(self, start_epoch: int = 0, skip: int = 0) -> Iterator[tuple[int, Batch]]:
@@ -131,6 +140,9 @@ class Objective:
         out = {"tokens": batch.tokens, "mask": batch.mask}
         if batch.segments is not None:
             out["segments"] = batch.segments
+        rows = target_rows(batch.mask)
+        if rows is not None:
+            out["rows"] = rows
         return out
 
     def count(self, batch: Batch) -> int:
@@ -156,3 +168,32 @@ class Objective:
         out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": count}
         out.update({f"eval_{k}": v / max(count, 1) for k, v in metrics.items()})
         return out
+
+
+# target_rows pads its row count up to a multiple of 1/ROW_STEPS of the positions (and of
+# ROW_QUANTUM), so that a run compiles its step for few distinct shapes per batch width.
+ROW_STEPS = 8
+ROW_QUANTUM = 16
+
+
+def target_rows(mask: np.ndarray) -> np.ndarray | None:
+    """Where the loss has work to do: the flat indices (into the [B * (L-1)] positions the
+    model reads) of the positions whose next token is a target, padded with a position that is
+    no target (whose loss is 0) up to a coarse size; None where that size would save little
+    over all positions (plain text, packed completions) or no position is free to pad with.
+
+    The head's matmul and the loss then run over about the target positions only; on chat data
+    most positions are the prompt."""
+    flat = np.asarray(mask)[:, 1:].reshape(-1) > 0
+    n = flat.size
+    k = int(flat.sum())
+    if k == n:
+        return None
+    step = max(ROW_QUANTUM, -(-n // (ROW_STEPS * ROW_QUANTUM)) * ROW_QUANTUM)
+    size = max(step, -(-k // step) * step)
+    if size * ROW_STEPS > n * (ROW_STEPS - 1):  # saves less than one step's share
+        return None
+    filler = int(np.argmin(flat))  # the first position that is no target
+    out = np.full(size, filler, dtype=np.int32)
+    out[:k] = np.flatnonzero(flat)
+    return out
