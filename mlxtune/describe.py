@@ -34,6 +34,19 @@ def derived(trainer) -> dict:
         "estimated_peak_memory_gb": round(trainer.memory_estimate["total"] / GB, 3),
         "blas": trainer.blas.name,
         "device": str(mx.default_device()),
+        **parallel(trainer),
+    }
+
+
+def parallel(trainer) -> dict:
+    """The data-parallel layout: ranks and each one's share of a batch (nothing alone)."""
+    world = trainer.world
+    if world.size == 1:
+        return {}
+    return {
+        "world_size": world.size,
+        "distributed_backend": world.backend,
+        "batch_per_rank": -(-trainer.recipe.train.batch_size // world.size),
     }
 
 
@@ -67,4 +80,11 @@ def header(trainer) -> list[str]:
         f"{d['examples_per_step']} examples/step, "
         f"{r.optimizer.name} lr {r.optimizer.lr:g} {r.schedule.name}",
         f"backend  {d['device']}, BLAS: {d['blas']}",
-    ]
+    ] + (
+        [
+            f"parallel {d['world_size']} ranks ({d['distributed_backend']}), about "
+            f"{d['batch_per_rank']} of the {r.train.batch_size} examples of a batch each"
+        ]
+        if "world_size" in d
+        else []
+    )

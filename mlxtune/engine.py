@@ -8,13 +8,16 @@ objective's ``arrays`` gives) and runs an optimizer step over one or more micro-
 
 The host announces the step's count (target tokens, pairs, ...) before the step runs, so each
 micro-batch's gradients arrive already divided by the step's total and accumulation is a plain
-sum. Gradients of all micro-batches meet in ``apply`` before anything reads them: that is where
-a data-parallel run would all-reduce them. Steps are queued on the device (``mx.async_eval``),
-never waited for here.
+sum. Gradients of all micro-batches meet in ``apply`` before anything reads them: in a
+data-parallel run (``mlxtune.distributed``) each rank trains on its share of the batch's rows and
+the gradients, loss sums and counts are summed over ranks there, once a step. Steps are queued on
+the device (``mx.async_eval``), never waited for here (a data-parallel step waits once, for its
+own gradients, so that the ranks agree on an out-of-memory split before they meet).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -23,12 +26,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from .distributed import World
 from .errors import TrainingError, UserInputError
 from .export import load_trainable_weights
 from .kernels import forward_only
 from .memory import is_out_of_memory
+from .models import dropout_key
 from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
 from .state import EngineState
+
+
+class OutOfMemoryOnARank(MemoryError):
+    """Some rank of a data-parallel step ran out of memory: every rank splits further."""
 
 
 @dataclass(eq=False)
@@ -50,8 +59,10 @@ class Engine:
     policy (fp32 masters, loss scaling), clipping, the non-finite guard and the out-of-memory
     split a recipe asks for."""
 
-    def __init__(self, model: nn.Module, optimizer, objective, recipe):
+    def __init__(self, model: nn.Module, optimizer, objective, recipe, world: World | None = None):
         self.model, self.optimizer, self.objective = model, optimizer, objective
+        self.world = world or World()
+        """The ranks training together (one, unless started by mlx.launch)."""
         self.precision = recipe.precision
         self.grad_clip = recipe.optimizer.grad_clip
         self.oom_fallback = recipe.memory.oom_fallback
@@ -69,6 +80,9 @@ class Engine:
         self.in_a_row = 0
         self.split = 1
         """Micro-batches each batch is split into (more after running out of memory)."""
+        self._has_dropout = any(
+            isinstance(m, nn.Dropout) and m._p_1 < 1 for _, m in model.named_modules()
+        )
         self._build()
 
     # ---------------------------------------------------------------- compiled steps
@@ -81,6 +95,16 @@ class Engine:
         """Everything a step reads and writes (weights, optimizer state, random state, loss
         scaler, masters): what to ``mx.eval`` to wait for the queued steps."""
         return self._state
+
+    def _rank_dropout(self):
+        """Data-parallel with adapter dropout: every rank advances the shared random state
+        alike (so rank 0's checkpoint holds the state of all of them, for any number of ranks)
+        and draws its masks from its own key split from it, so that ranks' rows get
+        independent masks. Entered inside the traced step."""
+        if self.world.size == 1 or not self._has_dropout:
+            return contextlib.nullcontext()
+        shared = mx.random.randint(0, 1 << 32, (2,), dtype=mx.uint32)
+        return dropout_key(mx.random.split(shared, self.world.size)[self.world.rank])
 
     def _apply(self, grads, loss_sum):
         """Unscale, clip and apply summed gradients; the non-finite guard; the loss scaler."""
@@ -117,7 +141,8 @@ class Engine:
         opt.init(self.params())  # before compiling: the state's structure is then fixed
 
         def scaled_loss(model, batch, factor):
-            loss, count, metrics = objective.loss(model, batch)
+            with self._rank_dropout():
+                loss, count, metrics = objective.loss(model, batch)
             return loss * factor, loss, count, metrics
 
         grad_fn = nn.value_and_grad(model, scaled_loss)
@@ -139,12 +164,27 @@ class Engine:
         def apply_step(grads, loss_sum):
             return self._apply(grads, loss_sum)
 
+        world = self.world
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def reduce_apply_step(grads, loss_sum, count, metrics):
+            # every rank's gradients were scaled by size / (all ranks' count): their mean over
+            # ranks is the gradient of the whole batch's loss sum / count
+            grads = nn.average_gradients(grads, world.group)
+            names = sorted(metrics)
+            sums = world.all_sum(
+                mx.stack([loss_sum, count.astype(mx.float32)] + [metrics[k] for k in names])
+            )
+            loss_sum, metrics = sums[0], {k: sums[2 + i] for i, k in enumerate(names)}
+            return (loss_sum, sums[1].astype(count.dtype), metrics, *self._apply(grads, loss_sum))
+
         @partial(mx.compile, inputs=[model.state])
         def eval_step(batch):
             with forward_only():  # no backward follows: the loss kernel skips its gradient work
                 return objective.loss(model, batch)
 
         self._train_step, self._grad_step, self._apply_step = train_step, grad_step, apply_step
+        self._reduce_apply_step = reduce_apply_step
         self._eval_step = eval_step
         self._state = state
 
@@ -167,15 +207,27 @@ class Engine:
         return self._eval_step(self.arrays(batch))
 
     # ---------------------------------------------------------------- optimizer steps
-    def step(self, micro_batches: list) -> StepResult:
+    def step(self, micro_batches: list, total: int | None = None) -> StepResult:
         """One optimizer step over micro-batches, queued on the device without waiting for it.
+        ``total``: what the whole step counts (all ranks' micro-batches; by default these).
         A step that is not finite leaves every weight and optimizer state as it was."""
-        total = sum(self.objective.count(b) for b in micro_batches)
-        inv = mx.array(1.0 / max(total, 1), dtype=mx.float32)
-        if len(micro_batches) == 1:
+        if total is None:
+            total = sum(self.objective.count(b) for b in micro_batches)
+        # each rank's gradients are summed over ranks and divided by their number: x size here
+        inv = mx.array(self.world.size / max(total, 1), dtype=mx.float32)
+        if len(micro_batches) == 1 and self.world.size == 1:
             loss, count, metrics, norm, ok = self._train_step(self.arrays(micro_batches[0]), inv)
             mx.async_eval(self._state, loss, count, metrics, norm, ok)
             return StepResult(loss, count, norm, ok, metrics)
+        if self.world.size > 1:
+            return self._parallel_step(micro_batches, inv)
+        loss_sum, count_sum, metric_sums, acc = self._accumulate(micro_batches, inv)
+        norm, ok = self._apply_step(acc, loss_sum)
+        mx.async_eval(self._state, norm, ok)
+        return StepResult(loss_sum, count_sum, norm, ok, metric_sums)
+
+    def _accumulate(self, micro_batches: list, inv: mx.array):
+        """(loss sum, count, metric sums, gradients) summed over micro-batches, queued."""
         acc = loss_sum = count_sum = metric_sums = None
         for b in micro_batches:
             loss, count, metrics, grads = self._grad_step(self.arrays(b), inv)
@@ -186,25 +238,55 @@ class Engine:
                 loss_sum, count_sum = loss_sum + loss, count_sum + count
                 metric_sums = tree_map(mx.add, metric_sums, metrics)
             mx.async_eval(acc, loss_sum, count_sum, metric_sums)
-        norm, ok = self._apply_step(acc, loss_sum)
-        mx.async_eval(self._state, norm, ok)
+        return loss_sum, count_sum, metric_sums, acc
+
+    def _parallel_step(self, micro_batches: list, inv: mx.array) -> StepResult:
+        """This rank's gradients, then (once every rank has its own, or ran out of memory,
+        which the ranks agree on) their sum over ranks and the update."""
+        failed = None
+        try:
+            loss_sum, count_sum, metric_sums, acc = self._accumulate(micro_batches, inv)
+            mx.eval(acc, loss_sum, count_sum, metric_sums)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            failed = e
+        if self.world.agree([failed is not None])[0] > 0:
+            raise OutOfMemoryOnARank(str(failed) if failed else "on another rank")
+        loss_sum, count_sum, metric_sums, norm, ok = self._reduce_apply_step(
+            acc, loss_sum, count_sum, metric_sums
+        )
+        mx.async_eval(self._state, loss_sum, count_sum, metric_sums, norm, ok)
         return StepResult(loss_sum, count_sum, norm, ok, metric_sums)
 
+    def shard(self, batch):
+        """This rank's part of ``batch``: its rows split among the ranks (``Objective.split``);
+        a rank left without rows gets a batch that counts nothing."""
+        if self.world.size == 1:
+            return batch
+        parts = self.objective.split(batch, self.world.size)
+        if self.world.rank < len(parts):
+            return parts[self.world.rank]
+        return self.objective.nothing(parts[0])
+
     def step_or_fall_back(self, batches: list, step: int, log) -> StepResult:
-        """``step`` over the step's batches, each split into ``self.split`` micro-batches; out of
-        memory, the split doubles (the same examples per step) and the step is retried."""
+        """``step`` over the step's batches (this rank's share of each), each split into
+        ``self.split`` micro-batches; out of memory (on any rank), the split doubles (the same
+        examples per step) and the step is retried."""
+        total = sum(self.objective.count(b) for b in batches)
+        shards = [self.shard(b) for b in batches]
         while True:
-            parts = [p for b in batches for p in self.objective.split(b, self.split)]
+            parts = [p for b in shards for p in self.objective.split(b, self.split)]
             saved = snapshot(self._state) if self.oom_fallback else None
             try:
-                return self.step(parts)
+                return self.step(parts, total)
             except Exception as e:
                 if saved is None or not is_out_of_memory(e):
                     raise
                 select_into(self._state, saved)  # the failed step left nothing behind
                 del parts
                 mx.clear_cache()
-                rows = max(len(b.tokens) for b in batches)
+                rows = max(len(b.tokens) for b in shards)
                 if self.split >= rows:
                     raise TrainingError(
                         f"step {step}: out of memory even with micro-batches of one example "

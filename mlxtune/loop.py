@@ -4,14 +4,16 @@ to save and resume; none of them knows about the loop."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-from . import _blas, describe
+from . import _blas, describe, distributed
 from .build import Built, build, kernel_tiers, optimizer_for
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
 from .checkpoint import last_saved, named, prune, restore, save
@@ -50,6 +52,10 @@ class Trainer:
         resume: str | None = None,
     ):
         self.recipe, self.dry_run, self.resume_from = recipe, dry_run, resume
+        self.world = distributed.current()
+        """The ranks training together (``mlx.launch``); rank 0 alone writes the run."""
+        if not self.world.main:
+            console = Console(quiet=True, progress=False)
         self.callbacks = [c if isinstance(c, Callback) else FunctionCallback(c) for c in callbacks]
         self.console = console or Console(quiet=False, progress=recipe.train.progress)
         self.position = LoopPosition()
@@ -58,25 +64,63 @@ class Trainer:
         self._meter = StepMeter()
         self._signals = Signals(self._on_signal, enabled=not dry_run)
         self._held_logs: list[str] | None = []  # log lines wait until the input is accepted
-        self._tmp = tempfile.TemporaryDirectory(prefix="mlxtune-dry-") if dry_run else None
-        if dry_run:
-            self.run_dir = RunDir(self._tmp.name, create=True)
-        elif resume is not None:
-            path = Path(run_dir or recipe.run_dir or "")
-            if not run_dir and not recipe.run_dir:
-                raise UserInputError("--resume needs the run's directory (--run-dir)", "--resume")
-            if not holds_a_run(path):
-                raise UserInputError("no run to resume here", str(path))
-            if resume != "latest":
-                named(path, resume)  # before anything is loaded or logged
-            self.run_dir = RunDir(path, create=False)
-        else:
-            path = run_dir_for(recipe, run_dir)
-            with removed_if_refused(path):  # refused input leaves no run folder behind
-                self.run_dir = RunDir(path)
-                self._set_up()
+        self._tmp = None
+        if dry_run or not self.world.main:  # a scratch run directory, removed at the end
+            prefix = "mlxtune-dry-" if dry_run else f"mlxtune-rank{self.world.rank}-"
+            self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
+        self._source: RunDir | None = None
+        """Where a resumed run's checkpoints are read (the run directory, also on ranks that
+        write elsewhere)."""
+        with self._all_ranks_set_up():
+            if dry_run:
+                self.run_dir = RunDir(self._tmp.name, create=True)
+            elif resume is not None:
+                path = Path(run_dir or recipe.run_dir or "")
+                if not run_dir and not recipe.run_dir:
+                    raise UserInputError(
+                        "--resume needs the run's directory (--run-dir)", "--resume"
+                    )
+                if not holds_a_run(path):
+                    raise UserInputError("no run to resume here", str(path))
+                if resume != "latest":
+                    named(path, resume)  # before anything is loaded or logged
+                self._source = RunDir(path, create=False)
+                self.run_dir = self._source if self.world.main else self._scratch(path)
+            elif self.world.main:
+                path = run_dir_for(recipe, run_dir)
+                with removed_if_refused(path):  # refused input leaves no run folder behind
+                    self.run_dir = RunDir(path)
+                    self._set_up()
+                return
+            else:
+                self.run_dir = RunDir(self._tmp.name, create=True)
+            self._set_up()
+
+    @contextlib.contextmanager
+    def _all_ranks_set_up(self):
+        """Every rank builds the run; none goes on to train unless all of them could (a rank
+        that refused the input would leave the others waiting on it for ever)."""
+        if self.world.size == 1:
+            yield
             return
-        self._set_up()
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.world.agree([1.0])
+            raise
+        if self.world.agree([0.0])[0] > 0:
+            raise UserInputError(
+                "another rank refused this run (its message says why)", f"rank {self.world.rank}"
+            )
+
+    def _scratch(self, path: Path) -> RunDir:
+        """A rank other than 0 builds in its scratch folder; what building reads from the run
+        (its trained or GGUF tokenizer) is copied there first."""
+        scratch = RunDir(self._tmp.name, create=True)
+        if (path / "tokenizer").is_dir():
+            shutil.copytree(path / "tokenizer", scratch.path / "tokenizer")
+        return scratch
 
     def _set_up(self):
         r = self.recipe
@@ -97,9 +141,17 @@ class Trainer:
             else max(1, math.ceil(t.epochs * self.batches_per_epoch / t.grad_accumulation))
         )
         self.optimizer = optimizer_for(r, self.total_steps)
-        self.engine = Engine(self.model, self.optimizer, self.objective, r)
+        self.engine = Engine(self.model, self.optimizer, self.objective, r, self.world)
         if self.resume_from is not None and not self.dry_run:
-            state = restore(self.run_dir, self.resume_from, r, self.model, self.engine, self.log)
+            state = restore(
+                self._source,
+                self.resume_from,
+                r,
+                self.model,
+                self.engine,
+                self.log,
+                trim=self.world.main,
+            )
             self.position, self.resumed = state.position, True
         self.memory_estimate = plan(shape_of(self), r, self.log)
         self._write_resolved()
@@ -186,7 +238,9 @@ class Trainer:
         if self.dry_run:
             return self._dry_run(batches)
         before = (
-            self._exact_match("untrained", 0) if r.eval.exact_match and not self.resumed else None
+            self._exact_match("untrained", 0)
+            if r.eval.exact_match and not self.resumed and self.world.main
+            else None
         )
         mx.reset_peak_memory()
         start = time.perf_counter()
@@ -250,14 +304,16 @@ class Trainer:
         """Control requests, evaluation, samples, checkpoints and signals after a step; True
         to stop training."""
         r, step = self.recipe, self.position.step
-        asked = self._take_control()
+        asked = self._take_control() if self.world.main else set()
+        interrupted = self._signals.caught  # read once: a signal may arrive meanwhile
+        if self.world.size > 1:
+            asked, interrupted = self._agree(asked, interrupted)
         last = step == self.total_steps
         do_eval = "eval" in asked or (r.eval.every and step % r.eval.every == 0 and not last)
         do_samples = "sample" in asked or (
             r.samples.every and step % r.samples.every == 0 and not last
         )
         do_save = (r.checkpoints.every and step % r.checkpoints.every == 0) or self._save
-        interrupted = self._signals.caught  # read once: a signal may arrive meanwhile
         if do_eval or do_samples or do_save or self._stop or interrupted:
             self._read_steps()  # everything below needs the steps' results
         if do_eval:
@@ -274,6 +330,7 @@ class Trainer:
             name = f"step-{step:06d}"
             if not (self.run_dir.checkpoints / name).exists():
                 self._checkpoint(name)
+            self.world.barrier()  # no rank leaves before rank 0 has saved
             self.console.end_progress()
             how = f"mlxtune run {r.source or 'RECIPE.yaml'} --run-dir {self.run_dir.path} --resume"
             self.log(f"{interrupted} at step {step}: saved checkpoints/{name}")
@@ -285,11 +342,28 @@ class Trainer:
             self._meter.mark = time.perf_counter()
         return False
 
+    def _agree(self, asked: set[str], interrupted: str | None) -> tuple[set[str], str | None]:
+        """What every rank does after this step: rank 0's control requests, and the stop, save
+        and signals of any rank (one small all-reduce)."""
+        flags = (
+            "eval" in asked,
+            "sample" in asked,
+            self._save,
+            self._stop,
+            interrupted == "SIGINT",
+            interrupted not in (None, "SIGINT"),
+        )
+        got = [v > 0 for v in self.world.agree([float(f) for f in flags])]
+        asked = {k for k, on in zip(("eval", "sample"), got[:2], strict=True) if on}
+        self._save, self._stop = got[2], got[3]
+        return asked, "SIGINT" if got[4] else "SIGTERM" if got[5] else None
+
     def _read_steps(self):
         """Wait for the queued steps (one wait for all of them) and account for each."""
-        self._meter.read(
-            self.position, self.engine, self._log_quietly, lambda: last_saved(self.run_dir)
-        )
+        with distributed.collectives(self.world):
+            self._meter.read(
+                self.position, self.engine, self._log_quietly, lambda: last_saved(self.run_dir)
+            )
 
     @property
     def _queued(self) -> list[StepRecord]:
@@ -298,18 +372,22 @@ class Trainer:
     def _log_row(self, epoch: float, record: StepRecord):
         packed = self.recipe.data.packing != "off"
         row = self._meter.row(self.position, self.engine, epoch, record, packed)
+        if self.world.size > 1:
+            row["world_size"] = self.world.size
         self.run_dir.append_jsonl("metrics.jsonl", row)
         self.console.log_step(row, self.total_steps)
 
     def _finish(self, train_time: float, before: float | None) -> dict:
         r, pos, meter = self.recipe, self.position, self._meter
         final_eval = self._evaluate(pos.step)
-        if r.samples.every:
+        main = self.world.main  # the other ranks of a data-parallel run write nothing
+        if r.samples.every and main:
             self._samples(pos.step)
         if r.checkpoints.save_final:
             self._checkpoint("final", prune_after=False)
-        after = self._exact_match("trained", pos.step) if r.eval.exact_match else None
-        self._export()
+        after = self._exact_match("trained", pos.step) if r.eval.exact_match and main else None
+        if main:
+            self._export()
         summary = {
             "steps": pos.step,
             "train_time_s": round(train_time, 2),
@@ -333,7 +411,10 @@ class Trainer:
     def _dry_run(self, batches) -> dict:
         t0 = time.perf_counter()
         micro = [next(batches)[1] for _ in range(self.recipe.train.grad_accumulation)]
-        res = self.engine.step(micro)
+        total = sum(self.objective.count(b) for b in micro)
+        res = self.engine.step([self.engine.shard(b) for b in micro], total)
+        with distributed.collectives(self.world):
+            mx.eval(res.loss_sum, res.count, res.norm)
         out = {
             "dry_run": True,
             "first_step_compile_time_s": round(time.perf_counter() - t0, 3),
@@ -352,8 +433,13 @@ class Trainer:
         no metrics row written."""
         self.model.eval()
         total, count, sums = 0.0, 0, {}
+        world = self.world
+        batches = list(self.objective.eval_batches())
+        mine = batches[world.rank :: world.size]  # data-parallel: each rank its share
+        if not mine and batches:  # a rank left without batches still reports the metrics' names
+            mine = [self.objective.nothing(batches[0])]
         try:
-            for b in self.objective.eval_batches():
+            for b in mine:
                 loss, n, metrics = self.engine.evaluate_batch(b)
                 mx.eval(loss, n, metrics)
                 total, count = total + loss.item(), count + n.item()
@@ -361,6 +447,11 @@ class Trainer:
                     sums[k] = sums.get(k, 0.0) + v.item()
         finally:
             self.model.train()
+        if world.size > 1:
+            names = sorted(sums)
+            got = world.agree([total, count] + [sums[k] for k in names])
+            total, count = got[0], int(round(got[1]))
+            sums = {k: got[2 + i] for i, k in enumerate(names)}
         return self.objective.eval_metrics(total, count, sums)
 
     def _evaluate(self, step: int) -> dict:
@@ -392,6 +483,8 @@ class Trainer:
         return acc
 
     def _samples(self, step: int):
+        if not self.world.main:
+            return
         drawn = sample(self.model, self.tokenizer, self.recipe.samples, self.valid_set, step)
         for s in drawn:
             self.run_dir.append_jsonl("samples.jsonl", {"step": step, **s, "time": time.time()})
@@ -401,6 +494,8 @@ class Trainer:
     # ---------------------------------------------------------------- checkpoints, export
     def _checkpoint(self, name: str, extra: dict | None = None, prune_after: bool = True):
         self._read_steps()
+        if not self.world.main:  # rank 0 writes the run's checkpoints
+            return
         state = TrainState(self.position, self.engine.host_state())
         save(
             self.run_dir, name, self.trained, self.recipe, self.engine, state, self.last_loss, extra

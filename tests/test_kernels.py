@@ -248,7 +248,9 @@ def test_frozen_head_gathers_its_hidden_gradient_in_the_forward(label_smoothing,
 
     # d hidden in float64: d/dh sum_i cot_i loss_i by central differences of the exact loss
     def total(hh):
-        return (np.array(cot, dtype=np.float64) * naive_per_token(hh, w, t, label_smoothing, softcap)).sum()
+        return (
+            np.array(cot, dtype=np.float64) * naive_per_token(hh, w, t, label_smoothing, softcap)
+        ).sum()
 
     h64 = np.array(h, dtype=np.float64)
     want_gh = np.zeros_like(h64)
@@ -263,7 +265,13 @@ def test_frozen_head_gathers_its_hidden_gradient_in_the_forward(label_smoothing,
 
     with forward_only():
         plain = linear_cross_entropy(
-            h, w, t, label_smoothing=label_smoothing, softcap=softcap, reduction="none",
-            impl="chunked", weight_grad=False,
+            h,
+            w,
+            t,
+            label_smoothing=label_smoothing,
+            softcap=softcap,
+            reduction="none",
+            impl="chunked",
+            weight_grad=False,
         )[0]
     np.testing.assert_allclose(np.array(plain), want, rtol=2e-5, atol=2e-5)

@@ -33,8 +33,14 @@ def _checkpointed_call(self, *args, **kwargs):
         return call(self, *args, **kwargs)  # generation with a KV cache: nothing to save
     key = None
     if self.training and any(isinstance(m, nn.Dropout) and m._p_1 < 1 for m in self.modules()):
-        # adapter dropout draws its masks again in the backward pass: from the same key
-        key = mx.random.randint(0, 1 << 32, (2,), dtype=mx.uint32)
+        # adapter dropout draws its masks again in the backward pass: from the same key (from
+        # the active dropout key when there is one, else from the global random state)
+        keys = current().dropout_keys
+        key = (
+            keys.next()
+            if keys is not None
+            else mx.random.randint(0, 1 << 32, (2,), dtype=mx.uint32)
+        )
     fn = mx.checkpoint(
         lambda params, seg, *a, **kw: _run_block(self, call, key, params, seg, *a, **kw)
     )

@@ -154,6 +154,12 @@ class Objective:
         when a step runs out of memory)."""
         return split_batch(batch, parts)
 
+    def nothing(self, batch: Batch) -> Batch:
+        """A batch shaped like ``batch``'s first row whose loss and count are 0: the share of a
+        data-parallel rank that a small batch leaves without rows."""
+        seg = None if batch.segments is None else batch.segments[:1]
+        return Batch(batch.tokens[:1], np.zeros_like(batch.mask[:1]), 0, batch.lengths[:1], seg)
+
     def usage(self, batch: Batch) -> Usage:
         return Usage(batch.examples, batch.n_targets, batch.n_tokens, batch.tokens.size)
 

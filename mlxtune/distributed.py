@@ -1,0 +1,228 @@
+"""Data-parallel training on MLX's distributed engine.
+
+``mlx.launch -n 2 -- mlxtune run recipe.yaml`` (or ``--hostfile hosts.json`` for several
+machines, ``mlxtune run --nproc 2`` for short) starts one process per rank; ``mx.distributed``
+connects them (ring over TCP, JACCL over Thunderbolt RDMA, NCCL under CUDA, MPI). Nothing here
+moves bytes itself: every collective is one of MLX's.
+
+What each rank does:
+
+- It builds the same model, data and batch order from the recipe (the same seed everywhere), so
+  every rank knows every step's whole batch. The engine splits each batch by rows
+  (``Objective.split``) and trains rank r on part r; the step's count (target tokens) is the
+  whole batch's, known before the step, so the gradients summed over ranks are exactly the
+  one-process step's: d(loss sum)/dw / (all ranks' tokens), however unevenly the rows fall.
+- The gradients, loss sums and counts are summed over ranks once a step
+  (``mlx.nn.average_gradients``, one all-reduce of the packed gradients) before the optimizer:
+  every rank applies the same update to the same weights, so they never drift apart, and the
+  non-finite verdict (computed from the summed values) is the same everywhere.
+- Decisions the host makes (control requests, signals, an out-of-memory split) are agreed by
+  ``World.agree``, one small all-reduce, where the loop already waits for its steps.
+- Rank 0 writes the run directory; the others write nothing there (they build in a scratch
+  folder of their own) and read the checkpoint when a run resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from .errors import TrainingError
+
+# Environment variables MLX's launchers set for the processes they start.
+_LAUNCHED = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+class PeerLost(TrainingError):
+    """A collective failed: another rank died, or the link to it broke."""
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes training together: this one's rank, how many there are, and their group
+    (None when it runs alone)."""
+
+    rank: int = 0
+    size: int = 1
+    group: object | None = None
+    backend: str = ""
+
+    @property
+    def main(self) -> bool:
+        """Whether this process is rank 0, the one that writes the run directory."""
+        return self.rank == 0
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        """``x`` summed over every rank (lazy, as MLX's ops are)."""
+        if self.size == 1:
+            return x
+        return mx.distributed.all_sum(x, group=self.group)
+
+    def agree(self, values: list[float]) -> list[float]:
+        """``values`` summed over every rank, waited for: what the host decides from them is
+        then the same on every rank. A rank that does not answer ends the run (PeerLost)."""
+        if self.size == 1:
+            return [float(v) for v in values]
+        out = self.all_sum(mx.array([float(v) for v in values], dtype=mx.float32))
+        with collectives(self):
+            mx.eval(out)
+        return out.tolist()
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        self.agree([0.0])
+
+    def describe(self) -> str:
+        return f"rank {self.rank} of {self.size} ({self.backend or 'single process'})"
+
+
+@contextlib.contextmanager
+def collectives(world: World):
+    """Around waiting for work that holds collectives: when one fails because a rank is gone,
+    PeerLost says so (with what to do next) instead of MLX's bare error."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        marks = ("recv", "send", "socket", "connection", "peer", "ring", "nccl", "jaccl", "mpi")
+        if world.size == 1 or not any(m in text.lower() for m in marks):
+            raise
+        who = f"rank {1 - world.rank}" if world.size == 2 else "another rank"
+        raise PeerLost(
+            f"rank {world.rank} lost contact with {who} ({text.strip()}): it died or its link "
+            "broke. The last checkpoint is intact; continue with the same command and --resume"
+        ) from None
+
+
+def launched() -> bool:
+    """Whether an MLX launcher (mlx.launch, mpirun) started this process as one of several."""
+    return any(os.environ.get(k) for k in _LAUNCHED)
+
+
+@lru_cache(maxsize=1)
+def current() -> World:
+    """This process's World: the group ``mlx.launch`` set up, or a world of one."""
+    if not launched() or not mx.distributed.is_available():
+        return World()
+    try:
+        group = mx.distributed.init(strict=True)
+    except RuntimeError as e:
+        raise TrainingError(f"could not join the distributed group: {e}") from None
+    if group.size() == 1:
+        return World()
+    return World(group.rank(), group.size(), group, _backend_name())
+
+
+def _backend_name() -> str:
+    """Which backend mlx.launch (or mpirun) set this process up for, from its environment."""
+    if os.environ.get("MLX_JACCL_COORDINATOR"):
+        return "jaccl"
+    if os.environ.get("OMPI_COMM_WORLD_SIZE"):
+        return "mpi"
+    if os.environ.get("NCCL_HOST_IP"):
+        return "nccl"
+    return "ring"
+
+
+def backends() -> dict[str, bool]:
+    """MLX's distributed backends and whether each can run in this process."""
+    out = {}
+    for name in ("ring", "jaccl", "mpi", "nccl"):
+        try:
+            out[name] = bool(mx.distributed.is_available(name))
+        except (TypeError, ValueError, RuntimeError):
+            out[name] = False
+    return out
+
+
+# Set by ``launch_local`` for the ranks it starts: each writes its exit code there (mlx.launch
+# itself exits 0 whatever its processes did).
+EXIT_CODES = "MLXTUNE_EXIT_CODES"
+
+
+def record_exit(code: int) -> None:
+    """In a rank ``launch_local`` started: leave this process's exit code for it to read."""
+    folder = os.environ.get(EXIT_CODES)
+    if folder and os.path.isdir(folder):
+        rank = os.environ.get("MLX_RANK", "0")
+        with open(os.path.join(folder, f"rank-{rank}"), "w") as f:
+            f.write(str(code))
+
+
+def launch_local(n: int, args: list[str]) -> int:
+    """``mlxtune ARGS`` in ``n`` processes on this machine, started by mlx.launch (ring backend;
+    NCCL where MLX has CUDA), each with its share of the cores' BLAS threads. Returns the exit code that says most: 2 (bad input) if a rank
+    had it, else 130 (interrupted), else any other failure's, else 0."""
+    exe = Path(sys.executable).with_name("mlx.launch")
+    launcher = [str(exe)] if exe.exists() else [shutil.which("mlx.launch") or ""]
+    if not launcher[0]:
+        raise TrainingError("mlx.launch is not installed with this mlx (pip install -U mlx)")
+    with tempfile.TemporaryDirectory(prefix="mlxtune-ranks-") as codes:
+        cmd = [
+            *launcher,
+            "-n",
+            str(n),
+            "--starting-port",  # free ports: runs side by side do not meet
+            str(free_ports(n)),
+            "--env",
+            f"{EXIT_CODES}={codes}",
+            *blas_threads(n),
+            "--",
+            sys.executable,
+            "-m",
+            "mlxtune.cli",
+            *args,
+        ]
+        try:
+            subprocess.run(cmd, check=False)
+        except KeyboardInterrupt:
+            pass
+        got = []
+        for rank in range(n):
+            path = Path(codes) / f"rank-{rank}"
+            got.append(int(path.read_text()) if path.exists() else 1)  # killed: no code
+    for code in (2, 130):
+        if code in got:
+            return code
+    return next((c for c in got if c), 0)
+
+
+def blas_threads(n: int) -> list[str]:
+    """mlx.launch arguments giving each of ``n`` processes on this machine its share of the
+    cores for OpenBLAS (MLX's CPU matmuls on Linux), unless the user set it: n processes with a
+    thread per core each would fight over the cores."""
+    if os.environ.get("OPENBLAS_NUM_THREADS"):
+        return []
+    return ["--env", f"OPENBLAS_NUM_THREADS={max(1, (os.cpu_count() or 1) // n)}"]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive TCP ports free on this machine now (for the ring)."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for port in range(first, first + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise TrainingError(f"found no {n} consecutive free TCP ports for the ring backend")

@@ -1,0 +1,201 @@
+"""Data-parallel training on MLX's ring backend: two processes on this machine's CPU
+(``mlx.launch -n 2``) train exactly as one process with the same global batch, stop and resume
+together, resume on one process, and end within seconds when a rank dies."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, tiny_recipe
+from mlxtune import Trainer, recipe_from_dict
+from mlxtune.checkpoint import verify
+from mlxtune.console import Console
+from mlxtune.distributed import free_ports
+
+TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+WORKER = Path(__file__).with_name("dp_worker.py")
+
+pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
+
+
+def recipe(data_dir, llama_dir, steps=8):
+    return tiny_recipe(
+        data_dir,
+        llama_dir,
+        train={"batch_size": 8, "max_steps": steps, "log_every": 1, "progress": False, "seed": 3},
+        eval={"every": 3},
+        checkpoints={"every": 2, "keep_last": 10},
+    )
+
+
+def write(tmp_path, r) -> Path:
+    p = tmp_path / "recipe.yaml"
+    p.write_text(yaml.safe_dump(r))
+    return p
+
+
+def rows(run_dir):
+    out = []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
+    return out
+
+
+def launch(tmp_path, *args, n=2, timeout=240):
+    """The worker in ``n`` processes under mlx.launch: (exit codes by rank, output, seconds)."""
+    codes = tmp_path / f"codes-{time.monotonic_ns()}"
+    codes.mkdir()
+    cmd = [str(LAUNCH), "-n", str(n), "--starting-port", str(free_ports(n)), "--"]
+    cmd += [sys.executable, str(WORKER), *map(str, args[:2]), str(codes), *map(str, args[2:])]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    took = time.perf_counter() - t
+    got = {}
+    for rank in range(n):
+        f = codes / f"rank-{rank}"
+        got[rank] = int(f.read_text()) if f.exists() else None
+    return got, p.stdout + p.stderr, took
+
+
+def same(a, b, rel=1e-5):
+    """Metrics rows equal: counts exactly, losses and norms within fp32 round-off."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        x = {k: v for k, v in x.items() if k != "world_size"}
+        y = {k: v for k, v in y.items() if k != "world_size"}
+        assert x.keys() == y.keys(), (x, y)
+        for k in x:
+            if isinstance(x[k], float):
+                assert x[k] == pytest.approx(y[k], rel=rel, abs=1e-7), (k, x, y)
+            else:
+                assert x[k] == y[k], (k, x, y)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, llama_dir):
+    """One process, and two under ``mlxtune run --nproc 2``, on the same recipe."""
+    tmp = tmp_path_factory.mktemp("dp")
+    data = tmp / "data"
+    from conftest import reverse_rows, write_jsonl
+
+    write_jsonl(data / "train.jsonl", reverse_rows(96, seed=2))
+    write_jsonl(data / "valid.jsonl", reverse_rows(20, seed=3))  # 3 eval batches: 2 and 1 a rank
+    r = recipe(data, llama_dir)
+    one = tmp / "one"
+    Trainer(recipe_from_dict(r), one, console=Console(quiet=True)).run()
+    path = write(tmp, r)
+    two = tmp / "two"
+    cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(path), "--run-dir", str(two)]
+    p = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, timeout=240)
+    return {"one": one, "two": two, "proc": p, "recipe": r, "path": path, "tmp": tmp}
+
+
+def test_two_processes_train_as_one(runs):
+    p = runs["proc"]
+    assert p.returncode == 0, p.stdout + p.stderr
+    one, two = rows(runs["one"]), rows(runs["two"])
+    assert [x.get("world_size") for x in two if "loss" in x] == [2] * 8
+    same(one, two)
+    steps = [x for x in two if "loss" in x]
+    assert [x["step"] for x in steps] == list(range(1, 9))
+    # rank 0 alone wrote the run: one header, every checkpoint once
+    assert (p.stdout + p.stderr).count("run      ") == 1
+    names = sorted(x.name for x in (runs["two"] / "checkpoints").iterdir())
+    assert names == ["best", "final", "step-000002", "step-000004", "step-000006", "step-000008"]
+    cfg = json.loads((runs["two"] / "config_resolved.json").read_text())
+    assert cfg["derived"]["world_size"] == 2 and cfg["derived"]["batch_per_rank"] == 4
+
+
+def test_interrupted_and_resumed_together_equals_the_whole_run(runs, tmp_path):
+    run_dir = tmp_path / "cut"
+    (run_dir / "control").mkdir(parents=True)
+    (run_dir / "control" / "save").write_text("")  # rank 0 reads it: every rank agrees
+    codes, out, _ = launch(tmp_path, runs["path"], run_dir, "--sigint-at", "3", "--rank", "1")
+    assert codes == {0: 130, 1: 130}, out
+    assert "interrupted (SIGINT) after step 3" in out
+    assert (run_dir / "checkpoints" / "step-000001").is_dir()  # the save request
+    assert (run_dir / "checkpoints" / "step-000003").is_dir()
+    codes, out, _ = launch(tmp_path, runs["path"], run_dir, "--resume")
+    assert codes == {0: 0, 1: 0}, out
+    assert rows(run_dir) == rows(runs["two"])  # the same ranks, the same sums: exact
+
+
+def test_a_two_process_checkpoint_resumes_on_one(runs, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "alone"
+    shutil.copytree(runs["two"], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "final")
+    for name in ("best", "step-000006", "step-000008"):
+        shutil.rmtree(run_dir / "checkpoints" / name)
+    (run_dir / "summary.json").unlink()
+    tr = Trainer(
+        recipe_from_dict(runs["recipe"]), run_dir, console=Console(quiet=True), resume="latest"
+    )
+    assert tr.position.step == 4
+    tr.run()
+    same(rows(run_dir), rows(runs["two"]))
+
+
+def test_a_dead_rank_ends_the_others_with_a_message(runs, tmp_path):
+    run_dir = tmp_path / "dead"
+    codes, out, took = launch(tmp_path, runs["path"], run_dir, "--die-at", "5", "--rank", "1")
+    assert codes[1] is None  # it died without a word
+    assert codes[0] == 1, out
+    assert "rank 0 lost contact with rank 1" in out
+    assert took < 120
+    ckpt = run_dir / "checkpoints" / "step-000004"
+    assert verify(ckpt) is None
+    assert not (run_dir / "checkpoints" / "step-000006").exists()
+
+
+def test_a_rank_out_of_memory_splits_every_rank(runs, tmp_path):
+    run_dir = tmp_path / "oom"
+    codes, out, _ = launch(tmp_path, runs["path"], run_dir, "--oom-at", "3", "--rank", "1")
+    assert codes == {0: 0, 1: 0}, out
+    assert "step 3: out of memory (on another rank); going on with micro-batches of 2" in out
+    state = json.loads((run_dir / "checkpoints" / "final" / "trainer_state.json").read_text())
+    assert state["resume"]["micro_split"] == 2  # rank 0 split too
+    same(rows(run_dir), rows(runs["two"]))  # the same examples per step
+
+
+def test_dry_run_and_validate_show_the_ranks(runs, tmp_path):
+    cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(runs["path"]), "--dry-run"]
+    p = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "parallel 2 ranks (ring), about 4 of the 8 examples of a batch each" in out
+    assert out.count("dry run: one step compiled") == 1
+    cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
+    cmd += [sys.executable, "-m", "mlxtune.cli", "validate", str(runs["path"])]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert "data-parallel: rank 0 of 2 (ring); global batch 8, about 4 examples a rank" in p.stdout
+
+
+def test_each_rank_draws_its_own_dropout_masks_from_the_shared_state():
+    """Ranks advance the shared random state alike (a checkpoint's state serves any number of
+    ranks) but draw adapter dropout from keys of their own."""
+    import mlx.core as mx
+
+    from mlxtune.distributed import World
+    from mlxtune.engine import Engine
+    from mlxtune.models import current
+
+    def draw(rank, size=2):
+        eng = Engine.__new__(Engine)
+        eng.world, eng._has_dropout = World(rank=rank, size=size), True
+        mx.random.seed(7)
+        with eng._rank_dropout():
+            mask = mx.random.bernoulli(0.5, (64,), key=current().dropout_keys.next())
+        return mask.tolist(), mx.random.state[0].tolist()
+
+    (m0, s0), (m1, s1) = draw(0), draw(1)
+    assert s0 == s1  # the shared state moved alike
+    assert m0 != m1  # the masks did not
+    assert draw(0) == (m0, s0)  # and it is all determined by the state
