@@ -6,7 +6,7 @@
 For each setting the same recipe runs as ``mlxtune run`` (one process) and ``mlxtune run
 --nproc 2`` (two processes on this machine, each with half the cores' BLAS threads), and the
 valid tokens/s of every report window after the first (compilation) give the scaling ratio.
-Then, under ``mlx.launch -n 2``, one rank's forward+backward over its half of a batch and the
+Then, in two processes again, one rank's forward+backward over its half of a batch and the
 all-reduce of its gradients alone (``mlx.nn.average_gradients``) are timed, for the all-reduce's
 share of a step, and the bytes a step moves are printed with what they would take over 10 GbE
 and Thunderbolt 5. Prints a table, then one JSON line.
@@ -74,7 +74,7 @@ def run(path: Path, run_dir: Path, nproc: int) -> float:
     return time.perf_counter() - t
 
 
-def probe(path: Path, reps: int) -> None:
+def probe(path: Path, reps: int, result: Path) -> None:
     """Under mlx.launch: time this rank's forward+backward and the gradients' all-reduce."""
     import mlx.core as mx
     import mlx.nn as nn
@@ -107,30 +107,25 @@ def probe(path: Path, reps: int) -> None:
                 reduce_s.append(r)
     n_bytes = sum(v.nbytes for _, v in tree_flatten(out[3]))
     if world.main:
-        print(
-            "PROBE "
-            + json.dumps(
+        result.write_text(
+            json.dumps(
                 {
                     "forward_backward_s": statistics.median(grad_s),
                     "all_reduce_s": statistics.median(reduce_s),
                     "gradient_bytes": n_bytes,
                 }
-            ),
-            flush=True,
+            )
         )
 
 
 def launch_probe(path: Path, reps: int) -> dict:
-    from mlxtune.distributed import free_ports
+    from mlxtune.distributed import launch_local
 
-    launcher = str(Path(sys.executable).with_name("mlx.launch"))
-    cmd = [launcher, "-n", "2", "--starting-port", str(free_ports(2)), "--"]
-    cmd += [sys.executable, __file__, "--probe", str(path), "--reps", str(reps)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    for line in p.stdout.splitlines():
-        if line.startswith("PROBE "):
-            return json.loads(line[6:])
-    raise SystemExit(f"the probe failed:\n{p.stdout}\n{p.stderr}")
+    out = path.with_suffix(".probe.json")
+    cmd = [sys.executable, __file__, "--probe", str(path), "--reps", str(reps), "--out", str(out)]
+    if launch_local(2, cmd) or not out.exists():
+        raise SystemExit("the probe failed (its output is above)")
+    return json.loads(out.read_text())
 
 
 def main(argv=None):
@@ -138,9 +133,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=24, help="steps per run (report every 4)")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions of the probe")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.probe:
-        probe(Path(args.probe), args.reps)
+        probe(Path(args.probe), args.reps, Path(args.out))
         return
     report = 4
     results = []

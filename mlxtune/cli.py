@@ -68,7 +68,7 @@ def run(recipe, overrides, run_dir, dry_run, tui, resume, nproc):
         argv += ["--run-dir", run_dir] if run_dir else []
         argv += ["--dry-run"] if dry_run else []
         argv += [f"--resume={resume}"] if resume else []
-        code = distributed.launch_local(nproc, ["run", *argv])
+        code = distributed.launch_local(nproc, [sys.executable, "-m", "mlxtune.cli", "run", *argv])
         if code:
             raise click.exceptions.Exit(code)
         return
@@ -404,7 +404,9 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     try:
-        cli.main(args=argv, prog_name="mlxtune", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="mlxtune", standalone_mode=False)
+        if isinstance(code, int):  # an Exit a command raised (click returns its code)
+            return code
     except click.exceptions.Abort:
         click.echo("interrupted", err=True)
         return 130

@@ -25,11 +25,13 @@ What each rank does:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -144,8 +146,8 @@ def backends() -> dict[str, bool]:
     return out
 
 
-# Set by ``launch_local`` for the ranks it starts: each writes its exit code there (mlx.launch
-# itself exits 0 whatever its processes did).
+# Set by ``launch_local`` for the ranks it starts through mlx.launch: each writes its exit code
+# there (mlx.launch itself exits 0 whatever its processes did).
 EXIT_CODES = "MLXTUNE_EXIT_CODES"
 
 
@@ -158,30 +160,60 @@ def record_exit(code: int) -> None:
             f.write(str(code))
 
 
-def launch_local(n: int, args: list[str]) -> int:
-    """``mlxtune ARGS`` in ``n`` processes on this machine, started by mlx.launch (ring backend;
-    NCCL where MLX has CUDA), each with its share of the cores' BLAS threads. Returns the exit code that says most: 2 (bad input) if a rank
-    had it, else 130 (interrupted), else any other failure's, else 0."""
+def launch_local(n: int, command: list[str]) -> int:
+    """``command`` (for example ``[sys.executable, "-m", "mlxtune.cli", "run", ...]``) in ``n`` processes on this machine, each with its share of the cores'
+    BLAS threads; returns the exit code that says most: 2 (bad input) if a rank had it, else 130
+    (interrupted), else any other failure's, else 0.
+
+    On the ring backend the ranks are started here, with the environment mlx.launch gives them
+    (``MLX_RANK``, and ``MLX_HOSTFILE`` naming one local port a rank): mlx.launch's output loop
+    keeps a core busy for as long as the run lasts (measured here: 100% of a core, which halved
+    each rank's speed on 2 cores). As mlx.launch does, a rank that fails makes the others stop
+    (SIGTERM). Under MLX's CUDA backend mlx.launch starts them, for its NCCL set-up."""
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return _through_mlx_launch(n, command)
+    first = free_ports(n)
+    with tempfile.TemporaryDirectory(prefix="mlxtune-ranks-") as tmp:
+        hostfile = Path(tmp) / "hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(n)]))
+        env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
+        env.update(x.split("=", 1) for x in blas_threads(n)[1::2])
+        procs = [subprocess.Popen(command, env={**env, "MLX_RANK": str(r)}) for r in range(n)]
+        stopping = False
+        while True:
+            try:
+                time.sleep(0.1)
+            except KeyboardInterrupt:  # Ctrl-C reached the ranks too: they save and stop
+                continue
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if not stopping and any(c not in (None, 0) for c in codes):
+                stopping = True  # as mlx.launch does: a failed rank stops the others
+                for p, c in zip(procs, codes, strict=True):
+                    if c is None:
+                        p.terminate()
+    got = [c if c >= 0 else 1 for c in codes]  # killed by a signal: failed
+    return worst(got)
+
+
+def worst(codes: list[int]) -> int:
+    """The exit code that says most about several ranks' codes."""
+    for code in (2, 130):
+        if code in codes:
+            return code
+    return next((c for c in codes if c), 0)
+
+
+def _through_mlx_launch(n: int, command: list[str]) -> int:
     exe = Path(sys.executable).with_name("mlx.launch")
-    launcher = [str(exe)] if exe.exists() else [shutil.which("mlx.launch") or ""]
-    if not launcher[0]:
+    launcher = str(exe) if exe.exists() else shutil.which("mlx.launch")
+    if not launcher:
         raise TrainingError("mlx.launch is not installed with this mlx (pip install -U mlx)")
     with tempfile.TemporaryDirectory(prefix="mlxtune-ranks-") as codes:
-        cmd = [
-            *launcher,
-            "-n",
-            str(n),
-            "--starting-port",  # free ports: runs side by side do not meet
-            str(free_ports(n)),
-            "--env",
-            f"{EXIT_CODES}={codes}",
-            *blas_threads(n),
-            "--",
-            sys.executable,
-            "-m",
-            "mlxtune.cli",
-            *args,
-        ]
+        cmd = [launcher, "-n", str(n), "--env", f"{EXIT_CODES}={codes}", *blas_threads(n)]
+        cmd += ["--", *command]
         try:
             subprocess.run(cmd, check=False)
         except KeyboardInterrupt:
@@ -190,10 +222,7 @@ def launch_local(n: int, args: list[str]) -> int:
         for rank in range(n):
             path = Path(codes) / f"rank-{rank}"
             got.append(int(path.read_text()) if path.exists() else 1)  # killed: no code
-    for code in (2, 130):
-        if code in got:
-            return code
-    return next((c for c in got if c), 0)
+    return worst(got)
 
 
 def blas_threads(n: int) -> list[str]:

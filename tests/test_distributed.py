@@ -172,6 +172,10 @@ def test_dry_run_and_validate_show_the_ranks(runs, tmp_path):
     assert p.returncode == 0, out
     assert "parallel 2 ranks (ring), about 4 of the 8 examples of a batch each" in out
     assert out.count("dry run: one step compiled") == 1
+    # every rank refuses a resume with no run: --nproc exits as they do
+    bad = [*cmd[:-1], "--resume", "--run-dir", str(tmp_path / "none"), "--nproc", "2"]
+    p = subprocess.run(bad, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 2 and "no run to resume here" in p.stderr, p.stdout + p.stderr
     cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
     cmd += [sys.executable, "-m", "mlxtune.cli", "validate", str(runs["path"])]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
