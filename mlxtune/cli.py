@@ -373,7 +373,7 @@ def doctor(install_blas):
     click.echo(
         "parallel  mx.distributed backends: "
         + (", ".join(have) if have else "none")
-        + " (mlx.launch -n 2 -- mlxtune run RECIPE.yaml)"
+        + " (mlxtune run RECIPE.yaml --nproc 2)"
     )
     for pkg in (
         "mlx",

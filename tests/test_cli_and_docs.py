@@ -68,6 +68,10 @@ def test_doctor_reports_backend_blas_and_versions(capsys):
     for word in ("backend", "BLAS", "matmul", "mlx-lm", "to fix"):
         assert word in out
     assert _blas.STATUS.name in out
+    import mlx.core as mx
+
+    ring = "ring" if mx.distributed.is_available("ring") else "none"
+    assert f"parallel  mx.distributed backends: {ring}" in out
 
 
 def test_doctor_after_a_fresh_install_says_the_next_command_uses_it(capsys, monkeypatch):
