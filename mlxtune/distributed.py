@@ -113,7 +113,7 @@ def launched() -> bool:
 @lru_cache(maxsize=1)
 def current() -> World:
     """This process's World: the group ``mlx.launch`` set up, or a world of one."""
-    if not launched() or not mx.distributed.is_available():
+    if not launched() or not mx.distributed.is_available() or _alone():
         return World()
     try:
         group = mx.distributed.init(strict=True)
@@ -122,6 +122,15 @@ def current() -> World:
     if group.size() == 1:
         return World()
     return World(group.rank(), group.size(), group, _backend_name())
+
+
+def _alone() -> bool:
+    """``mlx.launch -n 1`` (one host): its hostfile is empty, and there is no group to join."""
+    path = os.environ.get("MLX_HOSTFILE")
+    try:
+        return path is not None and not Path(path).read_text().strip()
+    except OSError:
+        return False
 
 
 def _backend_name() -> str:

@@ -71,7 +71,10 @@ class Trainer:
         self._source: RunDir | None = None
         """Where a resumed run's checkpoints are read (the run directory, also on ranks that
         write elsewhere)."""
-        with self._all_ranks_set_up():
+        new_run = not dry_run and resume is None and self.world.main
+        path = run_dir_for(recipe, run_dir) if new_run else None
+        # refused input (here or on another rank) leaves no run folder behind
+        with removed_if_refused(path), self._all_ranks_set_up():
             if dry_run:
                 self.run_dir = RunDir(self._tmp.name, create=True)
             elif resume is not None:
@@ -86,12 +89,8 @@ class Trainer:
                     named(path, resume)  # before anything is loaded or logged
                 self._source = RunDir(path, create=False)
                 self.run_dir = self._source if self.world.main else self._scratch(path)
-            elif self.world.main:
-                path = run_dir_for(recipe, run_dir)
-                with removed_if_refused(path):  # refused input leaves no run folder behind
-                    self.run_dir = RunDir(path)
-                    self._set_up()
-                return
+            elif new_run:
+                self.run_dir = RunDir(path)
             else:
                 self.run_dir = RunDir(self._tmp.name, create=True)
             self._set_up()

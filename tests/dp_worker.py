@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import mlxtune
+from conftest import Poison
 from mlxtune.errors import Interrupted
 
 
@@ -51,6 +52,7 @@ def main():
     ap.add_argument("--sigint-at", type=int)
     ap.add_argument("--die-at", type=int)
     ap.add_argument("--oom-at", type=int, help="the rank's Nth forward+backward runs out of memory")
+    ap.add_argument("--nan-at", type=int, help="the rank's forward is NaN in this step only")
     a = ap.parse_args()
     code = 0
     try:
@@ -60,6 +62,8 @@ def main():
             resume="latest" if a.resume else None,
             callbacks=[Act(a.rank, a.sigint_at, a.die_at)],
         )
+        if a.nan_at and trainer.world.rank == a.rank:
+            trainer.callbacks.append(Poison(a.nan_at - 1, a.nan_at))
         if a.oom_at and trainer.world.rank == a.rank:
             run_out_of_memory(trainer.engine, a.oom_at)
         trainer.run()

@@ -222,3 +222,16 @@ def test_packed_rows_and_accumulation_stay_exact(runs, tmp_path):
     got = rows(two)
     assert any("packing_utilization" in x for x in got)
     same(rows(one), got)
+
+
+def test_a_non_finite_step_on_one_rank_is_skipped_by_all(runs, tmp_path):
+    r = dict(runs["recipe"], precision={"nonfinite": "skip", "max_skipped": 2})
+    path = tmp_path / "skip.yaml"
+    path.write_text(yaml.safe_dump(r))
+    run_dir = tmp_path / "nan"
+    codes, out, _ = launch(tmp_path, path, run_dir, "--nan-at", "4", "--rank", "1")
+    assert codes == {0: 0, 1: 0}, out
+    assert out.count("WARNING: step 4: the loss became nan; update skipped") == 1  # rank 0's
+    got = rows(run_dir)
+    steps = {x["step"]: x for x in got if "loss" in x}
+    assert steps[4]["skipped_steps"] == 1 and steps[5]["skipped_steps"] == 1
