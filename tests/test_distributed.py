@@ -235,3 +235,10 @@ def test_a_non_finite_step_on_one_rank_is_skipped_by_all(runs, tmp_path):
     got = rows(run_dir)
     steps = {x["step"]: x for x in got if "loss" in x}
     assert steps[4]["skipped_steps"] == 1 and steps[5]["skipped_steps"] == 1
+
+
+def test_the_dashboard_is_refused_in_front_of_ranks(runs, capsys):
+    from mlxtune.cli import main
+
+    assert main(["run", str(runs["path"]), "--tui", "--nproc", "2"]) == 2
+    assert "--tui: the dashboard cannot run in front of a data-parallel run" in capsys.readouterr().err
