@@ -27,10 +27,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -42,6 +45,10 @@ from .errors import TrainingError
 
 # Environment variables MLX's launchers set for the processes they start.
 _LAUNCHED = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+# What MLX's backends say when a collective fails because a peer is gone or unreachable.
+_LOST = re.compile(r"\[(ring|nccl|jaccl|mpi)\]|\b(recv|send|socket|connection|peer)\b")
 
 
 class PeerLost(TrainingError):
@@ -95,8 +102,7 @@ def collectives(world: World):
         yield
     except RuntimeError as e:
         text = str(e)
-        marks = ("recv", "send", "socket", "connection", "peer", "ring", "nccl", "jaccl", "mpi")
-        if world.size == 1 or not any(m in text.lower() for m in marks):
+        if world.size == 1 or not _LOST.search(text.lower()):
             raise
         who = f"rank {1 - world.rank}" if world.size == 2 else "another rank"
         raise PeerLost(
@@ -170,9 +176,10 @@ def record_exit(code: int) -> None:
 
 
 def launch_local(n: int, command: list[str]) -> int:
-    """``command`` (for example ``[sys.executable, "-m", "mlxtune.cli", "run", ...]``) in ``n`` processes on this machine, each with its share of the cores'
-    BLAS threads; returns the exit code that says most: 2 (bad input) if a rank had it, else 130
-    (interrupted), else any other failure's, else 0.
+    """``command`` (``[sys.executable, "-m", "mlxtune.cli", "run", ...]``) in ``n`` processes on
+    this machine, each with its share of the cores' BLAS threads; returns the exit code that says
+    most: 2 (bad input) if a rank had it, else 130 (interrupted), else any other failure's,
+    else 0.
 
     On the ring backend the ranks are started here, with the environment mlx.launch gives them
     (``MLX_RANK``, and ``MLX_HOSTFILE`` naming one local port a rank): mlx.launch's output loop
@@ -188,23 +195,71 @@ def launch_local(n: int, command: list[str]) -> int:
         hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(n)]))
         env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
         env.update(x.split("=", 1) for x in blas_threads(n)[1::2])
-        procs = [subprocess.Popen(command, env={**env, "MLX_RANK": str(r)}) for r in range(n)]
-        stopping = False
-        while True:
+        procs: list[subprocess.Popen] = []
+        with _forwarding_sigterm(procs):
             try:
-                time.sleep(0.1)
-            except KeyboardInterrupt:  # Ctrl-C reached the ranks too: they save and stop
-                continue
+                for r in range(n):
+                    procs.append(subprocess.Popen(command, env={**env, "MLX_RANK": str(r)}))
+                codes = _wait_for(procs)
+            finally:
+                _end(procs)
+    return worst([c if c >= 0 else 1 for c in codes])  # killed by a signal: failed
+
+
+def _wait_for(procs: list[subprocess.Popen]) -> list[int]:
+    """Every rank's exit code; when one fails the others are asked to stop (SIGTERM), as
+    mlx.launch does, and killed if they have not after a minute (stuck in a collective)."""
+    stopping = None
+    while True:
+        try:
+            time.sleep(0.1)
             codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if not stopping and any(c not in (None, 0) for c in codes):
-                stopping = True  # as mlx.launch does: a failed rank stops the others
-                for p, c in zip(procs, codes, strict=True):
-                    if c is None:
-                        p.terminate()
-    got = [c if c >= 0 else 1 for c in codes]  # killed by a signal: failed
-    return worst(got)
+        except KeyboardInterrupt:  # Ctrl-C reached the ranks too: they save and stop
+            continue
+        if all(c is not None for c in codes):
+            return codes
+        if stopping is None and any(c not in (None, 0) for c in codes):
+            stopping = time.monotonic()
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+        elif stopping is not None and time.monotonic() - stopping > 60:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    """No rank outlives its launcher: the live ones are stopped, then killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 30
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@contextlib.contextmanager
+def _forwarding_sigterm(procs: list[subprocess.Popen]):
+    """SIGTERM to the launcher goes on to its ranks (which save and stop, as on Ctrl-C)."""
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def worst(codes: list[int]) -> int:
@@ -222,11 +277,12 @@ def _through_mlx_launch(n: int, command: list[str]) -> int:
         raise TrainingError("mlx.launch is not installed with this mlx (pip install -U mlx)")
     with tempfile.TemporaryDirectory(prefix="mlxtune-ranks-") as codes:
         cmd = [launcher, "-n", str(n), "--env", f"{EXIT_CODES}={codes}", *blas_threads(n)]
-        cmd += ["--", *command]
-        try:
-            subprocess.run(cmd, check=False)
-        except KeyboardInterrupt:
-            pass
+        proc = subprocess.Popen([*cmd, "--", *command])
+        while proc.poll() is None:  # Ctrl-C reaches the ranks: wait while they save
+            try:
+                proc.wait()
+            except KeyboardInterrupt:
+                continue
         got = []
         for rank in range(n):
             path = Path(codes) / f"rank-{rank}"

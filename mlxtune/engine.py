@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .distributed import World
+from .distributed import World, collectives
 from .errors import TrainingError, UserInputError
 from .export import load_trainable_weights
 from .kernels import forward_only
@@ -246,7 +246,8 @@ class Engine:
         failed = None
         try:
             loss_sum, count_sum, metric_sums, acc = self._accumulate(micro_batches, inv)
-            mx.eval(acc, loss_sum, count_sum, metric_sums)
+            with collectives(self.world):  # where the last step's all-reduce shows a lost rank
+                mx.eval(acc, loss_sum, count_sum, metric_sums)
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
@@ -259,12 +260,15 @@ class Engine:
         mx.async_eval(self._state, loss_sum, count_sum, metric_sums, norm, ok)
         return StepResult(loss_sum, count_sum, norm, ok, metric_sums)
 
+    def shares(self, batch) -> list:
+        """``batch`` split among the ranks (``Objective.split``): rank r's share is item r (a
+        small batch may leave some ranks none)."""
+        return [batch] if self.world.size == 1 else self.objective.split(batch, self.world.size)
+
     def shard(self, batch):
-        """This rank's part of ``batch``: its rows split among the ranks (``Objective.split``);
-        a rank left without rows gets a batch that counts nothing."""
-        if self.world.size == 1:
-            return batch
-        parts = self.objective.split(batch, self.world.size)
+        """This rank's part of ``batch``; a rank left without rows gets a batch that counts
+        nothing."""
+        parts = self.shares(batch)
         if self.world.rank < len(parts):
             return parts[self.world.rank]
         return self.objective.nothing(parts[0])
@@ -286,7 +290,8 @@ class Engine:
                 select_into(self._state, saved)  # the failed step left nothing behind
                 del parts
                 mx.clear_cache()
-                rows = max(len(b.tokens) for b in shards)
+                # the same on every rank: the largest share of any rank
+                rows = max(len(p.tokens) for b in batches for p in self.shares(b))
                 if self.split >= rows:
                     raise TrainingError(
                         f"step {step}: out of memory even with micro-batches of one example "

@@ -21,7 +21,7 @@ from .config import Recipe, dump_yaml, inert_notes
 from .console import Console
 from .control import Signals, take_requests
 from .engine import Engine
-from .errors import Interrupted, UserInputError
+from .errors import Interrupted, TrainingError, UserInputError
 from .export import TrainedModel, export
 from .generate import exact_match, sample
 from .memory import plan, shape_of
@@ -104,14 +104,17 @@ class Trainer:
             return
         try:
             yield
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.world.agree([1.0])
+        except BaseException as e:
+            with contextlib.suppress(Exception):  # (bad input, failed)
+                self.world.agree([float(isinstance(e, UserInputError)), 1.0])
             raise
-        if self.world.agree([0.0])[0] > 0:
+        refused, failed = self.world.agree([0.0, 0.0])
+        if refused > 0:
             raise UserInputError(
                 "another rank refused this run (its message says why)", f"rank {self.world.rank}"
             )
+        if failed > 0:
+            raise TrainingError("another rank could not set up this run (its message says why)")
 
     def _scratch(self, path: Path) -> RunDir:
         """A rank other than 0 builds in its scratch folder; what building reads from the run

@@ -241,4 +241,17 @@ def test_the_dashboard_is_refused_in_front_of_ranks(runs, capsys):
     from mlxtune.cli import main
 
     assert main(["run", str(runs["path"]), "--tui", "--nproc", "2"]) == 2
-    assert "--tui: the dashboard cannot run in front of a data-parallel run" in capsys.readouterr().err
+    assert (
+        "--tui: the dashboard cannot run in front of a data-parallel run" in capsys.readouterr().err
+    )
+
+
+def test_a_failed_collective_names_the_lost_rank_and_other_errors_pass():
+    from mlxtune.distributed import PeerLost, World, collectives
+
+    with pytest.raises(PeerLost, match="rank 1 lost contact with rank 0 .*--resume"):
+        with collectives(World(rank=1, size=2)):
+            raise RuntimeError("[ring] connection to a peer was lost")
+    with pytest.raises(RuntimeError, match="string during"):  # no word of a lost peer
+        with collectives(World(rank=1, size=2)):
+            raise RuntimeError("bad string during descending")
