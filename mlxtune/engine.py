@@ -273,14 +273,27 @@ class Engine:
             return parts[self.world.rank]
         return self.objective.nothing(parts[0])
 
+    def micro_batches(self, batches: list) -> list:
+        """This rank's micro-batches of the step's batches: its share of each, split into
+        ``self.split``. Data-parallel, every rank gets as many as the rank with the most (the
+        others pad with batches that count nothing), so that every rank draws from the shared
+        random state (dropout) as often as the others."""
+        out = []
+        for b in batches:
+            mine = self.objective.split(self.shard(b), self.split)
+            if self.world.size > 1:
+                most = max(len(self.objective.split(s, self.split)) for s in self.shares(b))
+                mine += [self.objective.nothing(mine[0])] * (most - len(mine))
+            out += mine
+        return out
+
     def step_or_fall_back(self, batches: list, step: int, log) -> StepResult:
         """``step`` over the step's batches (this rank's share of each), each split into
         ``self.split`` micro-batches; out of memory (on any rank), the split doubles (the same
         examples per step) and the step is retried."""
         total = sum(self.objective.count(b) for b in batches)
-        shards = [self.shard(b) for b in batches]
         while True:
-            parts = [p for b in shards for p in self.objective.split(b, self.split)]
+            parts = self.micro_batches(batches)
             saved = snapshot(self._state) if self.oom_fallback else None
             try:
                 return self.step(parts, total)

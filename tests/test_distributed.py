@@ -255,3 +255,27 @@ def test_a_failed_collective_names_the_lost_rank_and_other_errors_pass():
     with pytest.raises(RuntimeError, match="string during"):  # no word of a lost peer
         with collectives(World(rank=1, size=2)):
             raise RuntimeError("bad string during descending")
+
+
+def test_every_rank_runs_as_many_micro_batches(tmp_path, data_dir, llama_dir):
+    """An odd batch leaves ranks uneven shares; split for memory, the smaller share is padded
+    with micro-batches that count nothing, so both ranks step (and draw dropout) alike."""
+    from mlxtune.data import make_batch
+    from mlxtune.distributed import World
+
+    tr = Trainer(
+        recipe_from_dict(tiny_recipe(data_dir, llama_dir)),
+        tmp_path / "r",
+        console=Console(quiet=True),
+    )
+    eng = tr.engine
+    b = make_batch(tr.train_set.examples[:3], tr.pad_id, 8)
+    eng.split = 2
+    got = {}
+    for rank in (0, 1):
+        eng.world = World(rank=rank, size=2)
+        got[rank] = eng.micro_batches([b])
+    assert [len(p.tokens) for p in got[0]] == [1, 1]  # 2 rows, split in 2
+    assert [len(p.tokens) for p in got[1]] == [1, 1]  # 1 row, and one that counts nothing
+    assert [p.n_targets for p in got[1]][1] == 0 and not got[1][1].mask.any()
+    assert sum(p.n_targets for ps in got.values() for p in ps) == b.n_targets
