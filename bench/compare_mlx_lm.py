@@ -316,12 +316,10 @@ def run_mlxtune(
     mx.reset_peak_memory()
     trainer.run()
     peak = mx.get_peak_memory() / 1e9
-    rows = [r for r in trainer.run_dir.read_jsonl("metrics.jsonl") if "tokens_per_sec" in r]
-    steady = rows[1:] or rows
-    tokens = sum(r["tokens_per_sec"] * r["step_time_s"] * cfg["report"] for r in steady)
-    seconds = sum(r["step_time_s"] * cfg["report"] for r in steady)
+    rows = trainer.run_dir.read_jsonl("metrics.jsonl")
+    steady = steady_rows(rows)
     out = {
-        "tokens_per_sec": tokens / seconds,
+        "tokens_per_sec": steady_tokens_per_sec(rows),
         "peak_gb": peak,
         "rows_per_step": trainer.recipe.train.batch_size,
         "examples": examples,
@@ -334,6 +332,20 @@ def run_mlxtune(
     gc.collect()
     mx.clear_cache()
     return out
+
+
+def steady_rows(rows: list[dict]) -> list[dict]:
+    """mlxtune's log rows after the first (which holds the compilation)."""
+    rows = [r for r in rows if "tokens_per_sec" in r]
+    return rows[1:] or rows
+
+
+def steady_tokens_per_sec(rows: list[dict]) -> float:
+    """mlxtune's valid tokens/s over the report windows of its metrics rows after the first
+    (the windows are equal, so each weighs its time)."""
+    steady = steady_rows(rows)
+    tokens = sum(r["tokens_per_sec"] * r["step_time_s"] for r in steady)
+    return tokens / sum(r["step_time_s"] for r in steady)
 
 
 def step_split(trainer, n: int = 3) -> dict:

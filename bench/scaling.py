@@ -56,11 +56,9 @@ def recipe(base: Path, data: Path, adapter: str, steps: int, report: int) -> dic
     }
 
 
-def tokens_per_sec(run_dir: Path, report: int) -> float:
+def tokens_per_sec(run_dir: Path) -> float:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "tokens_per_sec" in r][1:]  # the first window compiles
-    tokens = sum(r["tokens_per_sec"] * r["step_time_s"] * report for r in rows)
-    return tokens / sum(r["step_time_s"] * report for r in rows)
+    return bench.steady_tokens_per_sec(rows)
 
 
 def run(path: Path, run_dir: Path, nproc: int) -> float:
@@ -152,7 +150,7 @@ def main(argv=None):
             two = tmp / f"{adapter}-2"
             run(path, one, 1)
             run(path, two, 2)
-            t1, t2 = tokens_per_sec(one, report), tokens_per_sec(two, report)
+            t1, t2 = tokens_per_sec(one), tokens_per_sec(two)
             p = launch_probe(path, args.reps)
             share = p["all_reduce_s"] / (p["forward_backward_s"] + p["all_reduce_s"])
             sent = p["gradient_bytes"]  # a ring all-reduce sends 2 (n-1)/n of it per rank: n=2

@@ -194,7 +194,7 @@ def launch_local(n: int, command: list[str]) -> int:
         hostfile = Path(tmp) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(n)]))
         env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
-        env.update(x.split("=", 1) for x in blas_threads(n)[1::2])
+        env.update(blas_threads(n))
         procs: list[subprocess.Popen] = []
         with _forwarding_sigterm(procs):
             try:
@@ -276,7 +276,8 @@ def _through_mlx_launch(n: int, command: list[str]) -> int:
     if not launcher:
         raise TrainingError("mlx.launch is not installed with this mlx (pip install -U mlx)")
     with tempfile.TemporaryDirectory(prefix="mlxtune-ranks-") as codes:
-        cmd = [launcher, "-n", str(n), "--env", f"{EXIT_CODES}={codes}", *blas_threads(n)]
+        cmd = [launcher, "-n", str(n), "--env", f"{EXIT_CODES}={codes}"]
+        cmd += [a for k, v in blas_threads(n).items() for a in ("--env", f"{k}={v}")]
         proc = subprocess.Popen([*cmd, "--", *command])
         while proc.poll() is None:  # Ctrl-C reaches the ranks: wait while they save
             try:
@@ -290,13 +291,13 @@ def _through_mlx_launch(n: int, command: list[str]) -> int:
     return worst(got)
 
 
-def blas_threads(n: int) -> list[str]:
-    """mlx.launch arguments giving each of ``n`` processes on this machine its share of the
-    cores for OpenBLAS (MLX's CPU matmuls on Linux), unless the user set it: n processes with a
-    thread per core each would fight over the cores."""
+def blas_threads(n: int) -> dict[str, str]:
+    """The environment giving each of ``n`` processes on this machine its share of the cores for
+    OpenBLAS (MLX's CPU matmuls on Linux), unless the user set it: n processes with a thread per
+    core each would fight over the cores."""
     if os.environ.get("OPENBLAS_NUM_THREADS"):
-        return []
-    return ["--env", f"OPENBLAS_NUM_THREADS={max(1, (os.cpu_count() or 1) // n)}"]
+        return {}
+    return {"OPENBLAS_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
 
 
 def free_ports(n: int) -> int:

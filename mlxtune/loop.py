@@ -414,7 +414,7 @@ class Trainer:
         t0 = time.perf_counter()
         micro = [next(batches)[1] for _ in range(self.recipe.train.grad_accumulation)]
         total = sum(self.objective.count(b) for b in micro)
-        res = self.engine.step([self.engine.shard(b) for b in micro], total)
+        res = self.engine.step(self.engine.micro_batches(micro), total)
         with distributed.collectives(self.world):
             mx.eval(res.loss_sum, res.count, res.norm)
         out = {

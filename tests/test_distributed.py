@@ -87,13 +87,18 @@ def runs(tmp_path_factory, llama_dir):
     write_jsonl(data / "train.jsonl", reverse_rows(96, seed=2))
     write_jsonl(data / "valid.jsonl", reverse_rows(20, seed=3))  # 3 eval batches: 2 and 1 a rank
     r = recipe(data, llama_dir)
-    one = tmp / "one"
+    one, two, p = one_and_two(tmp, r)
+    return {"one": one, "two": two, "proc": p, "recipe": r, "path": tmp / "recipe.yaml"}
+
+
+def one_and_two(tmp, r):
+    """``r`` in this process, and under ``mlxtune run --nproc 2``: (run dirs, the latter's
+    completed process)."""
+    one, two = tmp / "one", tmp / "two"
     Trainer(recipe_from_dict(r), one, console=Console(quiet=True)).run()
-    path = write(tmp, r)
-    two = tmp / "two"
-    cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(path), "--run-dir", str(two)]
+    cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(write(tmp, r)), "--run-dir", str(two)]
     p = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, timeout=240)
-    return {"one": one, "two": two, "proc": p, "recipe": r, "path": path, "tmp": tmp}
+    return one, two, p
 
 
 def test_two_processes_train_as_one(runs):
@@ -212,12 +217,7 @@ def test_packed_rows_and_accumulation_stay_exact(runs, tmp_path):
     r["train"] = {**r["train"], "batch_size": 4, "grad_accumulation": 2, "max_steps": 4}
     r["eval"] = {"every": 2}
     r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
-    one = tmp_path / "one"
-    Trainer(recipe_from_dict(r), one, console=Console(quiet=True)).run()
-    path = write(tmp_path, r)
-    two = tmp_path / "two"
-    cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(path), "--run-dir", str(two)]
-    p = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, timeout=240)
+    one, two, p = one_and_two(tmp_path, r)
     assert p.returncode == 0, p.stdout + p.stderr
     got = rows(two)
     assert any("packing_utilization" in x for x in got)

@@ -10,13 +10,11 @@ both backends (fused.py, mlxtune.metal_kernels), and exist where that GPU backen
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 
 import mlx.core as mx
 
-from .chunked import linear_cross_entropy_chunked
+from .chunked import forward_only, linear_cross_entropy_chunked
 from .flash import attention_chunked, attention_reference
 from .fused import FastLauncher, make_attention, make_linear_cross_entropy
 from .reference import linear_cross_entropy_reference
@@ -156,21 +154,6 @@ def _pick(impl: str | None, impls: dict = IMPLS, what: str = "linear_cross_entro
     return tier
 
 
-_FORWARD_ONLY = contextvars.ContextVar("mlxtune_forward_only", default=False)
-
-
-@contextlib.contextmanager
-def forward_only():
-    """Inside it, ``linear_cross_entropy`` calls are promised no backward (evaluation): the
-    chunked tier's frozen-head path, which gathers the hidden state's gradient during the
-    forward, then computes the loss alone. Set it around the code ``mx.compile`` traces."""
-    token = _FORWARD_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _FORWARD_ONLY.reset(token)
-
-
 def linear_cross_entropy(
     hidden: mx.array,
     weight: mx.array,
@@ -204,17 +187,9 @@ def linear_cross_entropy(
         raise ValueError(
             f"shapes do not match: hidden {hidden.shape}, weight {weight.shape}, targets {targets.shape}"
         )
-    tier = _pick(impl)
-    extra = {"forward_only": True} if tier == "chunked" and _FORWARD_ONLY.get() else {}
-    losses, valid = IMPLS[tier](
-        hidden,
-        weight,
-        targets,
-        ignore_index,
-        label_smoothing,
-        softcap,
-        weight_grad=weight_grad,
-        **extra,
+    fn = IMPLS[_pick(impl)]
+    losses, valid = fn(
+        hidden, weight, targets, ignore_index, label_smoothing, softcap, weight_grad=weight_grad
     )
     n_valid = valid.sum()
     if reduction == "none":

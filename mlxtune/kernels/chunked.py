@@ -19,6 +19,8 @@ state's gradient up to the target's row, so the backward makes no pass over the 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import mlx.core as mx
@@ -142,7 +144,7 @@ def _forward_frozen(h, w, t, valid, c, label_smoothing, softcap):
         picked = mx.take_along_axis(z, mx.clip(local, 0, width - 1)[:, None], axis=-1)[:, 0]
         m_new = mx.maximum(m, z.max(axis=-1))
         shrink = cpu.exp_of_nonpositive(m - m_new)  # 0 on the first chunk (m = -inf)
-        e = cpu.exp_of_nonpositive(cpu._materialized(z - m_new[:, None]))
+        e = cpu.exp_of_nonpositive(cpu.materialized(z - m_new[:, None]))
         weighted = e if softcap is None else e * (1.0 - mx.square(z / softcap))
         acc = mx.addmm(acc * shrink[:, None], weighted, wc.astype(mx.float32))
         sums = state[:, d + 1] * shrink + e.sum(axis=-1)
@@ -152,30 +154,39 @@ def _forward_frozen(h, w, t, valid, c, label_smoothing, softcap):
     return state
 
 
+_FORWARD_ONLY = contextvars.ContextVar("mlxtune_forward_only", default=False)
+
+
+@contextlib.contextmanager
+def forward_only():
+    """Inside it, ``linear_cross_entropy`` calls are promised no backward (evaluation): the
+    chunked tier's frozen-head path, which gathers the hidden state's gradient during the
+    forward, then computes the loss alone. Set it around the code ``mx.compile`` traces (the
+    flag is read at trace time)."""
+    token = _FORWARD_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _FORWARD_ONLY.reset(token)
+
+
 def linear_cross_entropy_chunked(
-    hidden,
-    weight,
-    targets,
-    ignore_index,
-    label_smoothing,
-    softcap,
-    chunk=None,
-    weight_grad=True,
-    forward_only=False,
+    hidden, weight, targets, ignore_index, label_smoothing, softcap, chunk=None, weight_grad=True
 ):
     """Per-token losses [N] (0 where ignored) and the valid mask [N], chunked over the vocabulary.
 
     With ``weight_grad=False`` (a frozen head) the weight's gradient is reported as zeros, and the
     forward gathers the hidden state's gradient as it goes (``_forward_frozen``): two matmuls and
-    one exponential per chunk instead of three and two, forward and backward together.
-    ``forward_only=True`` says no gradient will be asked for (evaluation): the forward then
-    computes the loss alone."""
+    one exponential per chunk instead of three and two, forward and backward together. Inside
+    ``forward_only()`` (evaluation) the forward computes the loss alone."""
     n, v = hidden.shape[0], weight.shape[0]
     c = chunk or chunk_size(n, v)
     valid = targets != ignore_index
     safe = mx.where(valid, targets, 0)
     # a soft cap with label smoothing would need a second softmax-free sum over the vocabulary
-    gather = not weight_grad and not forward_only and (softcap is None or label_smoothing == 0)
+    gather = (
+        not weight_grad and not _FORWARD_ONLY.get() and (softcap is None or label_smoothing == 0)
+    )
 
     @mx.custom_function
     def losses_fn(h, w, t):

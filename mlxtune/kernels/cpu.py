@@ -81,7 +81,7 @@ def exp_nonpositive(x: mx.array) -> mx.array:
     c0, c1, c2, c3, c4, c5 = _C
     p = (c0 + r * c1) + r2 * ((c2 + r * c3) + r2 * (c4 + r * c5))
     two_n = mx.view((n.astype(mx.int32) + 127) << 23, mx.float32)
-    return _materialized(p * two_n)
+    return materialized(p * two_n)
 
 
 def on_cpu() -> bool:
@@ -102,7 +102,7 @@ def logsumexp(x: mx.array) -> mx.array:
         return mx.logsumexp(x, axis=-1)
     m = x.max(axis=-1, keepdims=True)
     m = mx.where(m == -mx.inf, 0.0, m)  # a row of -inf gives -inf, not NaN
-    return (m + mx.log(exp_nonpositive(_materialized(x - m)).sum(axis=-1, keepdims=True)))[..., 0]
+    return (m + mx.log(exp_nonpositive(materialized(x - m)).sum(axis=-1, keepdims=True)))[..., 0]
 
 
 def tanh(x: mx.array) -> mx.array:
@@ -116,7 +116,7 @@ def tanh(x: mx.array) -> mx.array:
     return (mx.where(xf < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)).astype(x.dtype)
 
 
-def _materialized(x: mx.array) -> mx.array:
+def materialized(x: mx.array) -> mx.array:
     """x, ending the fused kernel that computes it (a reshape is not fused, and costs nothing on
         a contiguous array). The kernels after it then read a plain contiguous input instead of a
         broadcast one, which MLX's CPU kernels index element by element (an exp over 4M elements
@@ -128,7 +128,7 @@ def _materialized(x: mx.array) -> mx.array:
 def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis (fp32 inside), with exp_nonpositive."""
     xf = x.astype(mx.float32)
-    shifted = _materialized(xf - xf.max(axis=-1, keepdims=True))
+    shifted = materialized(xf - xf.max(axis=-1, keepdims=True))
     e = exp_nonpositive(shifted)
     return (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype)
 
