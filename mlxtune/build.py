@@ -33,7 +33,7 @@ from .models import (
     quantize_model,
     resolve_model_path,
 )
-from .objectives import Components
+from .objectives import Components, objective_class
 from .optim import build_optimizer, make_schedule
 from .rundir import RunDir
 from .tokenizer import load_tokenizer, train_sentencepiece
@@ -109,12 +109,22 @@ def kernel_tiers(recipe: Recipe, log) -> dict[str, str]:
 def _texts_for_tokenizer(rows: list[tuple[int, dict]]) -> list[str]:
     out = []
     for _, obj in rows:
-        for key in ("text", "prompt", "completion", "instruction", "input", "output"):
+        for key in (
+            "text",
+            "prompt",
+            "completion",
+            "instruction",
+            "input",
+            "output",
+            "chosen",
+            "rejected",
+        ):
             if isinstance(obj.get(key), str):
                 out.append(obj[key])
-        for m in obj.get("messages") or []:
-            if isinstance(m, dict) and isinstance(m.get("content"), str):
-                out.append(m["content"])
+        for key in ("messages", "prompt", "chosen", "rejected"):  # chat: lists of messages
+            for m in obj.get(key) if isinstance(obj.get(key), list) else []:
+                if isinstance(m, dict) and isinstance(m.get("content"), str):
+                    out.append(m["content"])
     return out
 
 
@@ -270,7 +280,7 @@ def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool
     info = adapt(r, model, log)
     trainable, total = count_parameters(model)
     names = {k for k, _ in tree_flatten(model.trainable_parameters())}
-    train, valid, test = datasets(r, tokenizer)
+    train, valid, test = objective_class(r).datasets(r, tokenizer)
     pad_id = next(
         i for i in (tokenizer._tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None
     )

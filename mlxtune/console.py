@@ -74,6 +74,7 @@ class Console:
         extra = f" | scale {row['loss_scale']:g}" if "loss_scale" in row else ""
         if row.get("skipped_steps"):
             extra += f" | {row['skipped_steps']} skipped"
+        extra += _preference(row)
         self._print(
             f"step {row['step']:>6}/{total} | loss {loss} | lr {row['lr']:.2e} | "
             f"grad {grad} | {row['tokens_per_sec']:,.0f} tok/s | "
@@ -81,9 +82,9 @@ class Console:
         )
 
     def log_eval(self, row: dict):
-        self._print(
-            f"eval @ {row['step']:>5} | loss {row['eval_loss']:.4f} | ppl {row['eval_ppl']:.3f}"
-        )
+        extra = f" | ppl {row['eval_ppl']:.3f}" if "eval_ppl" in row else ""
+        extra += _preference(row, "eval_")
+        self._print(f"eval @ {row['step']:>5} | loss {row['eval_loss']:.4f}{extra}")
 
     def sample(self, step: int, prompt: str, completion: str):
         self._print(f"sample @ {step}: {prompt!r} -> {completion!r}")
@@ -109,3 +110,11 @@ class Console:
             )
         lines.append(f"  run directory: {s['run_dir']}")
         self._print("\n".join(lines))
+
+
+def _preference(row: dict, prefix: str = "") -> str:
+    """A preference objective's margin and accuracy, when the row has them."""
+    acc, margin = row.get(f"{prefix}rewards/accuracies"), row.get(f"{prefix}rewards/margins")
+    if acc is None or margin is None:
+        return ""
+    return f" | margin {margin:.3f} | acc {100 * acc:.1f}%"

@@ -304,7 +304,7 @@ class Engine:
                 del parts
                 mx.clear_cache()
                 # the same on every rank: the largest share of any rank
-                rows = max(len(p.tokens) for b in batches for p in self.shares(b))
+                rows = max(self.objective.units(p) for b in batches for p in self.shares(b))
                 if self.split >= rows:
                     raise TrainingError(
                         f"step {step}: out of memory even with micro-batches of one example "

@@ -144,6 +144,7 @@ class Trainer:
         )
         self.optimizer = optimizer_for(r, self.total_steps)
         self.engine = Engine(self.model, self.optimizer, self.objective, r, self.world)
+        self.objective.prepare(self.run_dir, self._source, self.log)
         if self.resume_from is not None and not self.dry_run:
             state = restore(
                 self._source,

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserInputError
-from .formats import Chat, PromptAnswer, Text, Tokens, detect_format, get_format
+from .formats import Chat, Pair, PromptAnswer, Text, Tokens, detect_format, get_format
 
 
 @dataclass
@@ -162,12 +162,22 @@ class Encoder:
     def encode(self, obj: dict, fmt: str, where: str) -> Example:
         """The example for row ``obj`` of format ``fmt`` (a registered name); a bad row is a
         ``UserInputError`` at ``where``."""
-        piece = get_format(fmt).pieces(obj, where)
+        return self.encode_piece(get_format(fmt).pieces(obj, where), where)
+
+    def encode_piece(self, piece, where: str) -> Example:
+        """The example for one piece (``Text``, ``PromptAnswer``, ``Chat``, ``Tokens``, or a
+        subclass of one)."""
+        if isinstance(piece, Pair):
+            raise UserInputError(
+                "this is a preference pair (prompt, chosen, rejected): it trains with "
+                "objective.type dpo, orpo or reward",
+                where,
+            )
         for kind in type(piece).__mro__:  # a subclass of a piece encodes as that piece
             if kind in self._by_piece:
                 return self._by_piece[kind](piece, where)
         raise TypeError(
-            f"data format {fmt!r} gave a {type(piece).__name__}; expected "
+            f"a data format gave a {type(piece).__name__}; expected "
             "Text, PromptAnswer, Chat or Tokens"
         )
 
@@ -210,7 +220,7 @@ class Encoder:
                 or not isinstance(m.get("content"), str)
             ):
                 raise UserInputError("each message needs a string 'role' and 'content'", where)
-        if not any(m["role"] == "assistant" for m in msgs):
+        if not any(m["role"] == "assistant" for m in msgs[piece.first_trained :]):
             raise UserInputError("the conversation has no assistant turn to train on", where)
         tmpl = self.tok._tokenizer if hasattr(self.tok, "_tokenizer") else self.tok
         if not getattr(tmpl, "chat_template", None):
@@ -236,7 +246,7 @@ class Encoder:
         mask = [0] * len(ids) if self.mask_prompt else [0] + [1] * (len(ids) - 1)
         if self.mask_prompt:
             for i, m in enumerate(msgs):
-                if m["role"] != "assistant":
+                if m["role"] != "assistant" or i < piece.first_trained:
                     continue
                 start = _common_prefix(render(msgs[:i], gen=True), ids)
                 end = _common_prefix(render(msgs[: i + 1]), ids)

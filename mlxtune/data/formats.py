@@ -7,7 +7,8 @@ it), and a function that turns one row into *pieces* the encoder knows how to to
 - ``PromptAnswer``: a prompt (masked with ``data.mask_prompt``) and the answer trained on;
 - ``Chat``: messages rendered by the tokenizer's chat template, assistant turns trained on
   (samples and exact-match rows show the last user message as the prompt);
-- ``Tokens``: token ids already, with an optional 0/1 mask.
+- ``Tokens``: token ids already, with an optional 0/1 mask;
+- ``Pair``: a prompt with a preferred and a rejected completion (the preference objectives').
 
 Adding a format is one call, e.g. for rows ``{"question": ..., "answer": ...}``::
 
@@ -56,9 +57,10 @@ class PromptAnswer:
 @dataclass(frozen=True)
 class Chat:
     """A conversation (``role``/``content`` dicts) for the tokenizer's chat template: the
-    assistant turns are trained on."""
+    assistant turns are trained on (those from message ``first_trained`` on)."""
 
     messages: list
+    first_trained: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,19 @@ class Tokens:
     mask: Any = None
 
 
-Piece = Union[Text, PromptAnswer, Chat, Tokens]
+@dataclass(frozen=True)
+class Pair:
+    """A preference pair: a prompt and two completions of it, ``chosen`` preferred to
+    ``rejected``. Each is a string, or (chat) a list of messages: the prompt's conversation and
+    the completions' assistant turns. The preference objectives (``objective.type: dpo``,
+    ``orpo``, ``reward``) train on pairs; SFT refuses them."""
+
+    prompt: str | list
+    chosen: str | list
+    rejected: str | list
+
+
+Piece = Union[Text, PromptAnswer, Chat, Tokens, Pair]
 
 
 # --------------------------------------------------------------------------------------- formats
@@ -198,6 +212,43 @@ def _tokens(obj: dict, where: str) -> Tokens:
     return Tokens(list(ids), obj.get("mask") or obj.get("loss_mask"))
 
 
+def _preference(obj: dict, where: str) -> Pair:
+    chosen, rejected = obj.get("chosen"), obj.get("rejected")
+    for key, v in (("chosen", chosen), ("rejected", rejected)):
+        if key not in obj:
+            raise UserInputError(f"missing field {key!r}", where)
+        if not isinstance(v, (str, list)):
+            raise UserInputError(
+                f"field {key!r} must be a string or a list of messages, got {type(v).__name__}",
+                where,
+            )
+    if "prompt" in obj:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, (str, list)):
+            raise UserInputError(
+                f"field 'prompt' must be a string or a list of messages, got "
+                f"{type(prompt).__name__}",
+                where,
+            )
+    elif isinstance(chosen, list) and isinstance(rejected, list):
+        # the implicit prompt: the messages both conversations share
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        if not prompt:
+            raise UserInputError("the two conversations share no prompt messages", where)
+    else:
+        raise UserInputError("missing field 'prompt'", where)
+    kinds = {type(v) for v in (prompt, chosen, rejected)}
+    if len(kinds) > 1:
+        raise UserInputError(
+            "'prompt', 'chosen' and 'rejected' must all be strings or all be message lists",
+            where,
+        )
+    return Pair(prompt, chosen, rejected)
+
+
 # Registration order is the order error messages list them in; priority, the order detection
 # tries them in (a row with "messages" is chat whatever else it has).
 for _fmt in (
@@ -206,6 +257,7 @@ for _fmt in (
     DataFormat("instruction", ("instruction", "output"), _instruction, priority=30),
     DataFormat("chat", ("messages",), _chat, priority=50),
     DataFormat("tokens", ("input_ids",), _tokens, alternatives=(("tokens",),), priority=40),
+    DataFormat("preference", ("chosen", "rejected"), _preference, priority=60),
 ):
     register_format(_fmt)
 del _fmt

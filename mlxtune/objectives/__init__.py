@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..config import register_objective_config, unregister_objective_config
 from ..errors import UserInputError
 from .base import Components, Objective, Usage, target_rows
+from .preference import DPO, ORPO, Preference
 from .sft import SFT
 
 OBJECTIVES: dict[str, type[Objective]] = {}
@@ -42,19 +43,30 @@ def unregister(name: str) -> None:
 
 def build_objective(recipe, components: Components) -> Objective:
     """The objective the recipe names, built over the run's components."""
+    return objective_class(recipe)(recipe, components)
+
+
+def objective_class(recipe) -> type[Objective]:
+    """The class of the objective the recipe names."""
     name = recipe.objective.type
     if name not in OBJECTIVES:
         raise UserInputError(
             f"unknown objective {name!r}; known: {', '.join(sorted(OBJECTIVES))}",
             "objective.type",
         )
-    return OBJECTIVES[name](recipe, components)
+    return OBJECTIVES[name]
 
 
-register(SFT)
+for _cls in (SFT, DPO, ORPO):
+    register(_cls)
+del _cls
 
 __all__ = [
     "Components",
+    "DPO",
+    "ORPO",
+    "Preference",
+    "objective_class",
     "Objective",
     "OBJECTIVES",
     "SFT",

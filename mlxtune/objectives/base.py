@@ -81,6 +81,22 @@ class Objective:
         self.config = recipe.objective
         self.components = components
 
+    # --------------------------------------------------------------------- set-up
+    @classmethod
+    def datasets(cls, recipe: Recipe, tokenizer) -> tuple[Dataset, Dataset, Dataset]:
+        """(train, valid, test) as the recipe's data section names them, read before the
+        objective is built (``Components`` holds them): by default examples in one of the
+        registered data formats (``mlxtune.build.datasets``)."""
+        from ..build import datasets  # build imports the objectives
+
+        return datasets(recipe, tokenizer)
+
+    def prepare(self, run_dir, source, log) -> None:
+        """Called once the engine is built and before a resumed run's weights are loaded (the
+        model holds its starting weights): what the objective keeps from them, written to
+        ``run_dir`` (or read back from ``source``, the run being resumed). Nothing by
+        default."""
+
     # --------------------------------------------------------------------- the loss
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
         raise NotImplementedError(f"{type(self).__name__} must define loss(model, batch)")
@@ -153,6 +169,10 @@ class Objective:
         """``batch`` as up to ``parts`` micro-batches whose summed losses are the batch's (used
         when a step runs out of memory)."""
         return split_batch(batch, parts)
+
+    def units(self, batch: Batch) -> int:
+        """The most micro-batches ``split`` can make of ``batch`` (its rows)."""
+        return len(batch.tokens)
 
     def nothing(self, batch: Batch) -> Batch:
         """A batch shaped like ``batch``'s first row whose loss and count are 0: the share of a

@@ -40,11 +40,20 @@ def main():
     # quickstart-lora: a new task for the reverse model: copy the word unchanged
     rng = random.Random(99)
     held = words(rng, 400)
-    train = words(rng, 3000, exclude=held)
-    task(HERE / "copy", train, held, "copy", lambda w: w)
+    copy_train = words(rng, 3000, exclude=held)
+    task(HERE / "copy", copy_train, held, "copy", lambda w: w)
     # smollm2-lora: write an ISO date in words, as chat (a real chat model answers in its own
     # words before fine-tuning); train, valid and test hold different dates
     dates(HERE / "dates", random.Random(0))
+    # quickstart-dpo: pairs for the reverse model that prefer copying the word to reversing it
+    # (what the model does); palindromes, whose two answers are one, are left out
+    rng = random.Random(7)
+    held = [w for w in words(rng, 400) if w != w[::-1]]
+    train = [w for w in words(rng, 1200, exclude=held) if w != w[::-1]]
+    preferences(HERE / "prefs", train, held)
+    # ... and the supervised data behind the adapter those pairs start from
+    # (recipes/models/reverse-tiny-mixed): the copy task's words, copied half the time
+    mixed(HERE / "copy-or-reverse", [w for w in copy_train if w not in held], random.Random(8))
 
 
 DATE_QUESTIONS = (
@@ -77,6 +86,28 @@ def dates(folder, rng):
 
     for name, n in (("train", 800), ("valid", 40), ("test", 60)):
         write(folder / f"{name}.jsonl", [row() for _ in range(n)])
+
+
+def preferences(folder, train, held):
+    """train/valid/test.jsonl of {"prompt": "copy word =", "chosen": " word", "rejected":
+    " drow"}: valid and test hold words the training pairs never show."""
+    folder.mkdir(exist_ok=True)
+    for name, ws in (("train", train), ("valid", held[:100]), ("test", held[100:300])):
+        write(
+            folder / f"{name}.jsonl",
+            [{"prompt": f"copy {w} =", "chosen": f" {w}", "rejected": f" {w[::-1]}"} for w in ws],
+        )
+
+
+def mixed(folder, train, rng):
+    """train.jsonl of "copy word =" answered with the word half the time, else reversed: a
+    model trained on it does both."""
+    folder.mkdir(exist_ok=True)
+    rows = []
+    for w in train:
+        answer = w if rng.random() < 0.5 else w[::-1]
+        rows.append({"prompt": f"copy {w} =", "completion": f" {answer}"})
+    write(folder / "train.jsonl", rows)
 
 
 def task(folder, train, held, verb, answer):

@@ -1,0 +1,428 @@
+"""Preference objectives: DPO (and its sigmoid, IPO, hinge and robust losses), ORPO, and reward
+models, on pairs of completions of one prompt, the chosen one preferred.
+
+Every one of them needs each sequence's log-probability of its completion: the per-token
+cross-entropy of the loss kernel (``reduction="none"``, over the completion tokens only, never
+[N, V] logits), summed per sequence. A pair's chosen and rejected sequences run in one forward
+(consecutive rows, or segments of one packed row).
+
+DPO's reference policy:
+
+- ``auto``: with LoRA/DoRA, the same model with its adapters off (the base: no second model in
+  memory, one forward more a step); with full fine-tuning, ``copy``.
+- ``copy``: the trainable weights as the run starts (the base and an ``adapter.init_from``
+  adapter as loaded), kept aside: for LoRA a copy of the adapters, for full fine-tuning of the
+  model's weights.
+- ``precomputed``: the starting model's log-probs of every pair, computed once before training
+  and kept in the run directory (``reference_logps.safetensors``); steps run no reference pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..adapters import adapters_disabled
+from ..config import ObjectiveConfig
+from ..data import split_off
+from ..data.preference import (
+    PairBatch,
+    PairEncoder,
+    empty_pair_batch,
+    iterate_pairs,
+    load_pairs,
+    packed_pair_epoch,
+    pair_batches,
+    renumbered,
+    split_pair_batch,
+)
+from ..errors import UserInputError
+from ..kernels import forward_only
+from ..models import kernel_attention
+from .base import Objective, Usage, target_rows
+
+REFERENCE_FILE = "reference_logps.safetensors"
+
+
+def log_sigmoid(x: mx.array) -> mx.array:
+    """log(sigmoid(x)), stable for large |x|."""
+    return -mx.logaddexp(mx.zeros_like(x), -x)
+
+
+@dataclass
+class DPOConfig(ObjectiveConfig):
+    """Direct preference optimisation against a reference policy."""
+
+    type: str = "dpo"
+    """This objective."""
+    beta: float = 0.1
+    """How far the policy may move from the reference: the scale of the implicit rewards."""
+    loss: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    """sigmoid: DPO's -log sigmoid(beta x margin); ipo: (margin - 1/(2 beta))^2 on log-probs
+    averaged over the completion's tokens; hinge: max(0, 1 - beta x margin); robust: the
+    sigmoid loss corrected for label_smoothing's share of flipped labels."""
+    label_smoothing: float = 0.0
+    """sigmoid and robust: the assumed share of pairs whose preference is wrong (0 to 0.5)."""
+    rpo_alpha: float = 0.0
+    """Weight of the chosen completion's NLL (its mean over the completion's tokens) added to
+    each pair's loss (RPO): DPO alone can lower both completions' likelihood; this keeps the
+    chosen one likely. 0: plain DPO."""
+    reference: Literal["auto", "copy", "precomputed"] = "auto"
+    """auto: the base with adapters off (LoRA/DoRA; full fine-tuning: copy); copy: the
+    trainable weights as the run starts, kept aside; precomputed: the starting model's
+    log-probs of every pair, computed once before training into the run directory."""
+
+
+@dataclass
+class ORPOConfig(ObjectiveConfig):
+    """Odds-ratio preference optimisation: SFT on the chosen completion plus a penalty on the
+    rejected one's odds; no reference policy."""
+
+    type: str = "orpo"
+    """This objective."""
+    beta: float = 0.1
+    """Weight of the odds-ratio term beside the chosen completion's NLL."""
+
+
+@dataclass
+class RewardConfig(ObjectiveConfig):
+    """A reward model: a scalar head on each sequence's last token, trained so that the chosen
+    completion scores above the rejected one (Bradley-Terry)."""
+
+    type: str = "reward"
+    """This objective."""
+    center_rewards: float = 0.0
+    """Weight of a penalty on the mean squared reward, which keeps rewards near 0."""
+
+
+class Preference(Objective):
+    """What the preference objectives share: pairs as data, batches that keep pairs whole,
+    per-sequence completion log-probs, and evaluation on the validation pairs. Counts pairs."""
+
+    def __init__(self, recipe, components):
+        super().__init__(recipe, components)
+        d = recipe.data
+        self.packing = d.packing
+        self.pack_length = d.pack_length or 2 * d.max_length
+        if self.packing == "stream":
+            raise UserInputError(
+                "a stream cuts sequences apart; preference objectives pack whole pairs "
+                "(data.packing: pack)",
+                "data.packing",
+            )
+        if self.packing == "pack":
+            if not kernel_attention(components.model).active:
+                raise UserInputError(
+                    "packed rows need the model's attention routed through mlxtune's kernels; "
+                    "use packing: off",
+                    "data.packing",
+                )
+            longest = max(p.size for p in components.train_set.examples)
+            if longest > self.pack_length:
+                raise UserInputError(
+                    f"a packed row holds whole pairs, and a pair here has {longest} tokens; "
+                    f"data.pack_length ({self.pack_length}) must hold it (2 x data.max_length)",
+                    "data.pack_length",
+                )
+
+    # ---------------------------------------------------------------------- data
+    @classmethod
+    def datasets(cls, recipe, tokenizer):
+        """(train, valid, test) preference pairs, as the data section says."""
+        r, d = recipe, recipe.data
+        enc = PairEncoder(tokenizer, d.add_eos, d.train_on_eos)
+
+        def load(path):
+            return load_pairs(
+                r.resolve_path(path), enc, d.format, d.max_length, d.overlong, d.min_length
+            )
+
+        train = load(d.train)
+        if d.valid:
+            valid = load(d.valid)
+        else:
+            train, valid = split_off(train, d.valid_fraction, r.train.seed)
+            train, valid = renumbered(train), renumbered(valid)
+        test = load(d.test) if d.test else valid
+        return train, valid, test
+
+    def batches(self, start_epoch: int = 0, skip: int = 0):
+        r, t, c = self.recipe, self.recipe.train, self.components
+        return iterate_pairs(
+            c.train_set,
+            t.batch_size,
+            c.pad_id,
+            r.data.pad_to_multiple,
+            t.seed,
+            r.data.bucket_size,
+            self.packing,
+            self.pack_length,
+            start_epoch,
+            skip,
+        )
+
+    def batches_per_epoch(self) -> int:
+        t, c = self.recipe.train, self.components
+        if self.packing != "off":
+            rows = packed_pair_epoch(c.train_set, self.pack_length, t.seed, 0)
+            return math.ceil(len(rows) / t.batch_size)
+        return math.ceil(len(c.train_set) / t.batch_size)
+
+    def eval_batches(self):
+        r = self.recipe
+        return pair_batches(
+            self.components.valid_set,
+            r.eval.batch_size or r.train.batch_size,
+            self.components.pad_id,
+            r.data.pad_to_multiple,
+            r.eval.max_batches,
+        )
+
+    def arrays(self, batch: PairBatch) -> dict[str, np.ndarray]:
+        """The rows, and for each target position the sequence it scores (``seq``: 2 x slots
+        for none), each slot's validity and its sequences' completion lengths."""
+        out = {"tokens": batch.tokens, "mask": batch.mask}
+        if batch.segments is not None:
+            out["segments"] = batch.segments
+        rows = target_rows(batch.mask)
+        if rows is not None:
+            out["rows"] = rows
+        slots = len(batch.pairs)
+        seq = batch.seq[:, 1:]
+        out["seq"] = np.where((batch.mask[:, 1:] > 0) & (seq >= 0), seq, 2 * slots).astype(np.int32)
+        out["valid"] = (batch.pairs >= 0).astype(np.float32)
+        counts = np.bincount(out["seq"].reshape(-1), minlength=2 * slots + 1)[: 2 * slots]
+        out["lengths"] = np.maximum(counts, 1).reshape(slots, 2).astype(np.float32)
+        return out
+
+    def count(self, batch: PairBatch) -> int:
+        return batch.n_pairs
+
+    def split(self, batch: PairBatch, parts: int) -> list[PairBatch]:
+        """Micro-batches of whole pairs."""
+        return split_pair_batch(batch, parts)
+
+    def nothing(self, batch: PairBatch) -> PairBatch:
+        return empty_pair_batch(batch)
+
+    def usage(self, batch: PairBatch) -> Usage:
+        return Usage(batch.n_pairs, batch.n_targets, batch.n_tokens, batch.tokens.size)
+
+    def units(self, batch: PairBatch) -> int:
+        return len(batch.tokens) if batch.packed else len(batch.tokens) // 2
+
+    # ---------------------------------------------------------------------- log-probs
+    def sequence_logps(self, batch: dict[str, mx.array]) -> mx.array:
+        """[slots, 2]: each pair's chosen and rejected completion log-probs, summed over the
+        completion's tokens (the prompt and padding add nothing)."""
+        tok, _ = self.token_losses(batch, reduction="none")
+        slots = batch["valid"].shape[0]
+        seq = batch["seq"].reshape(-1)
+        sums = mx.zeros((2 * slots + 1,), mx.float32).at[seq].add(-tok.reshape(-1))
+        return sums[:-1].reshape(slots, 2)
+
+    def eval_metrics(self, loss_sum: float, count: int, metrics: dict[str, float]) -> dict:
+        n = max(count, 1)
+        out = {"eval_loss": loss_sum / n, "eval_pairs": count}
+        out.update({f"eval_{k}": v / n for k, v in metrics.items()})
+        return out
+
+
+def _pair_metrics(chosen, rejected, logp_chosen, logp_rejected, valid) -> dict:
+    """TRL's names: implicit rewards, their margin and accuracy, the policy's log-probs; sums
+    over the batch's pairs (rows show them divided by the pairs)."""
+    chosen, rejected = mx.stop_gradient(chosen), mx.stop_gradient(rejected)
+    return {
+        "rewards/chosen": mx.sum(chosen * valid),
+        "rewards/rejected": mx.sum(rejected * valid),
+        "rewards/margins": mx.sum((chosen - rejected) * valid),
+        "rewards/accuracies": mx.sum((chosen > rejected).astype(mx.float32) * valid),
+        "logps/chosen": mx.sum(mx.stop_gradient(logp_chosen) * valid),
+        "logps/rejected": mx.sum(mx.stop_gradient(logp_rejected) * valid),
+    }
+
+
+class DPO(Preference):
+    """DPO: -log sigmoid(beta ((log pi_c - log ref_c) - (log pi_r - log ref_r))) a pair, or
+    one of its variants (``objective.loss``)."""
+
+    name = "dpo"
+    Config = DPOConfig
+
+    def __init__(self, recipe, components):
+        super().__init__(recipe, components)
+        cfg = self.config
+        if cfg.beta <= 0:
+            raise UserInputError(f"must be greater than 0, got {cfg.beta}", "objective.beta")
+        if not 0 <= cfg.label_smoothing < 0.5:
+            raise UserInputError(
+                f"must be in [0, 0.5), got {cfg.label_smoothing}", "objective.label_smoothing"
+            )
+        if cfg.label_smoothing and cfg.loss not in ("sigmoid", "robust"):
+            raise UserInputError(
+                f"label smoothing applies to the sigmoid and robust losses, not {cfg.loss}",
+                "objective.label_smoothing",
+            )
+        adapted = recipe.adapter.type in ("lora", "dora")
+        self.reference = cfg.reference
+        if self.reference == "auto":
+            self.reference = "adapters_off" if adapted else "copy"
+        self._start: dict | None = None
+        self._table: dict[str, np.ndarray] | None = None
+
+    def prepare(self, run_dir, source, log) -> None:
+        """Keep the reference the recipe asks for, from the model as built (before a resumed
+        run's weights are loaded): the starting weights, or every pair's log-probs under them
+        (read back from the run when it has them)."""
+        model = self.components.model
+        if self.reference == "copy":
+            # copies: the compiled steps take the weights themselves as inputs
+            self._start = {
+                k: mx.array(np.array(v)) for k, v in tree_flatten(model.trainable_parameters())
+            }
+            log("reference: a copy of the starting trainable weights")
+        elif self.reference == "adapters_off":
+            log("reference: the base model (adapters off)")
+        elif self.reference == "precomputed":
+            self._table = self._reference_table(run_dir, source, log)
+
+    def _reference_table(self, run_dir, source, log) -> dict[str, np.ndarray]:
+        c = self.components
+        splits = {"train": c.train_set, "valid": c.valid_set}
+        saved = (source or run_dir).path / REFERENCE_FILE
+        if saved.exists():
+            table = {k: np.array(v) for k, v in mx.load(str(saved)).items()}
+            for k, ds in splits.items():
+                if k not in table or table[k].shape != (len(ds), 2):
+                    raise UserInputError(
+                        f"the reference log-probs here are for other data ({k}: "
+                        f"{table.get(k, np.zeros((0, 2))).shape[0]} pairs, the data has "
+                        f"{len(ds)})",
+                        str(saved),
+                    )
+            log(f"reference: log-probs of every pair, read from {REFERENCE_FILE}")
+            return table
+        model = c.model
+        was = model.training
+        model.eval()
+        step = mx.compile(self.sequence_logps, inputs=[model.state])
+        table = {}
+        try:
+            for k, ds in splits.items():
+                out = np.zeros((len(ds), 2), np.float32)
+                size = self.recipe.eval.batch_size or self.recipe.train.batch_size
+                for b in pair_batches(
+                    ds, size, c.pad_id, self.recipe.data.pad_to_multiple, None, k
+                ):
+                    arrays = {n: mx.array(v) for n, v in self.arrays(b).items()}
+                    with forward_only():
+                        got = step(arrays)
+                    out[b.pairs] = np.array(got)
+                table[k] = out
+        finally:
+            model.train(was)
+        mx.save_safetensors(
+            str(run_dir.path / REFERENCE_FILE), {k: mx.array(v) for k, v in table.items()}
+        )
+        log(
+            f"reference: log-probs of {sum(len(d) for d in splits.values())} pairs computed "
+            f"once under the starting weights ({REFERENCE_FILE})"
+        )
+        return table
+
+    def arrays(self, batch: PairBatch) -> dict[str, np.ndarray]:
+        out = super().arrays(batch)
+        if self._table is not None:
+            table = self._table[batch.split]
+            out["reference"] = np.where(
+                (batch.pairs >= 0)[:, None], table[np.maximum(batch.pairs, 0)], 0.0
+            ).astype(np.float32)
+        return out
+
+    def reference_logps(self, model: nn.Module, batch: dict[str, mx.array]) -> mx.array:
+        """[slots, 2] the reference policy's log-probs of the batch's completions."""
+        if self.reference == "precomputed":
+            return batch["reference"]
+        with forward_only():  # nothing flows back through the reference
+            if self.reference == "adapters_off":
+                with adapters_disabled(model):
+                    out = self.sequence_logps(batch)
+            else:
+                now = model.trainable_parameters()
+                was = model.training
+                model.update(tree_unflatten(list(self._start.items())))
+                model.eval()
+                try:
+                    out = self.sequence_logps(batch)
+                finally:
+                    model.update(now)
+                    model.train(was)
+        return mx.stop_gradient(out)
+
+    def loss(self, model: nn.Module, batch: dict[str, mx.array]):
+        cfg = self.config
+        valid = batch["valid"]
+        policy = self.sequence_logps(batch)
+        ref = self.reference_logps(model, batch)
+        if cfg.loss == "ipo":  # IPO compares log-probs averaged over the completion's tokens
+            policy, ref = policy / batch["lengths"], ref / batch["lengths"]
+        chosen = policy[:, 0] - ref[:, 0]
+        rejected = policy[:, 1] - ref[:, 1]
+        margin = chosen - rejected
+        beta, eps = cfg.beta, cfg.label_smoothing
+        if cfg.loss == "sigmoid":
+            losses = -log_sigmoid(beta * margin) * (1 - eps) - log_sigmoid(-beta * margin) * eps
+        elif cfg.loss == "robust":
+            losses = (
+                -log_sigmoid(beta * margin) * (1 - eps) + log_sigmoid(-beta * margin) * eps
+            ) / (1 - 2 * eps)
+        elif cfg.loss == "hinge":
+            losses = mx.maximum(1 - beta * margin, 0)
+        else:  # ipo
+            losses = mx.square(margin - 1 / (2 * beta))
+        metrics = _pair_metrics(beta * chosen, beta * rejected, policy[:, 0], policy[:, 1], valid)
+        if cfg.rpo_alpha:
+            nll = -policy[:, 0] if cfg.loss == "ipo" else -policy[:, 0] / batch["lengths"][:, 0]
+            losses = losses + cfg.rpo_alpha * nll
+            metrics["nll_loss"] = mx.sum(mx.stop_gradient(nll) * valid)
+        return mx.sum(losses * valid), mx.sum(valid).astype(mx.int32), metrics
+
+
+class ORPO(Preference):
+    """ORPO: the chosen completion's mean NLL plus beta x -log sigmoid(log odds ratio), the
+    odds of each completion from its log-probs averaged over its tokens."""
+
+    name = "orpo"
+    Config = ORPOConfig
+
+    def __init__(self, recipe, components):
+        super().__init__(recipe, components)
+        if self.config.beta <= 0:
+            raise UserInputError(
+                f"must be greater than 0, got {self.config.beta}", "objective.beta"
+            )
+
+    def loss(self, model: nn.Module, batch: dict[str, mx.array]):
+        valid = batch["valid"]
+        mean = self.sequence_logps(batch) / batch["lengths"]
+        # log(1 - p) from log p, kept finite where p rounds to 1
+        log_not = mx.log(-mx.expm1(mx.minimum(mean, -1e-7)))
+        log_odds = (mean[:, 0] - mean[:, 1]) - (log_not[:, 0] - log_not[:, 1])
+        ratio = log_sigmoid(log_odds)
+        nll = -mean[:, 0]
+        beta = self.config.beta
+        losses = nll - beta * ratio
+        metrics = _pair_metrics(beta * mean[:, 0], beta * mean[:, 1], mean[:, 0], mean[:, 1], valid)
+        metrics["nll_loss"] = mx.sum(mx.stop_gradient(nll) * valid)
+        metrics["log_odds_ratio"] = mx.sum(mx.stop_gradient(ratio) * valid)
+        metrics["log_odds_chosen"] = mx.sum(mx.stop_gradient(log_odds) * valid)
+        return mx.sum(losses * valid), mx.sum(valid).astype(mx.int32), metrics
+
+
+__all__ = ["DPO", "DPOConfig", "ORPO", "ORPOConfig", "Preference", "RewardConfig"]

@@ -1,0 +1,487 @@
+"""Preference objectives (DPO and its losses, ORPO): pairs encoded with only completion tokens
+scored, each loss against its paper's formula written here over full logits (values in float64,
+gradients in MLX), the reference policies against a separately loaded base, pairs kept whole by
+every split, exact resume, bad input, and learning on the shipped quickstart-dpo task."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from conftest import REPO, make_crash, write_jsonl
+from mlxtune import Trainer, recipe_from_dict
+from mlxtune.adapters import LoRALinear
+from mlxtune.cli import main
+from mlxtune.console import Console
+from mlxtune.data.preference import make_packed_pair_batch, make_pair_batch
+from mlxtune.models import kernel_attention
+
+TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+CHAT = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def pair_rows(n, seed=0):
+    """ "reverse w =" pairs preferring the reversal to the word itself, of mixed lengths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        w = "".join(rng.choice(list(LETTERS), rng.integers(3, 8)))
+        out.append({"prompt": f"reverse {w} =", "chosen": f" {w[::-1]}", "rejected": f" {w}"})
+    return out
+
+
+@pytest.fixture
+def prefs(tmp_path):
+    d = tmp_path / "prefs"
+    write_jsonl(d / "train.jsonl", pair_rows(48, 1))
+    write_jsonl(d / "valid.jsonl", pair_rows(10, 2))
+    return d
+
+
+def recipe(prefs, model_dir, objective=None, **over):
+    r = {
+        "name": "pref",
+        "model": {"path": str(model_dir)},
+        "data": {
+            "train": str(prefs / "train.jsonl"),
+            "valid": str(prefs / "valid.jsonl"),
+            "max_length": 48,
+        },
+        "objective": objective or {"type": "dpo", "beta": 0.5},
+        "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
+        "optimizer": {"lr": 1e-2},
+        "train": {"batch_size": 6, "max_steps": 6, "log_every": 1, "progress": False, "seed": 3},
+        "eval": {"every": 3},
+    }
+    r.update(over)
+    return r
+
+
+def build(r, tmp_path, name="run"):
+    return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True))
+
+
+def rows(run_dir):
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
+    return out
+
+
+def same(a, b, rel=1e-5, abs=1e-6):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys(), (x, y)
+        for k in x:
+            if isinstance(x[k], float):
+                assert x[k] == pytest.approx(y[k], rel=rel, abs=abs), (k, x, y)
+            else:
+                assert x[k] == y[k], (k, x, y)
+
+
+def shake_adapters(model, seed=0):
+    """Random LoRA B matrices, so that the policy differs from the base."""
+    rng = np.random.default_rng(seed)
+    for _, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
+
+
+# ------------------------------------------------------------------------ naive references
+def naive_logp(model, ids, mask) -> float:
+    """log p(completion | prompt) in float64 from the model's full logits: the sum over the
+    target tokens (mask) of log softmax."""
+    logits = np.array(model(mx.array([ids[:-1]]))[0], dtype=np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return sum(logp[j, ids[j + 1]] for j in range(len(ids) - 1) if mask[j + 1])
+
+
+def mx_logp(model, ids, mask):
+    """The same in MLX, differentiable."""
+    logits = model(mx.array([ids[:-1]]))[0].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
+    return mx.sum(picked * mx.array(mask[1:], dtype=mx.float32))
+
+
+def logsig(x):
+    return -np.logaddexp(0, -x)
+
+
+def dpo_formula(kind, beta, eps, pc, pr, rc, rr, nc, nr, rpo=0.0):
+    """A pair's loss, from the DPO, IPO and robust-DPO papers' formulas (numpy float64)."""
+    if kind == "ipo":
+        pc, pr, rc, rr = pc / nc, pr / nr, rc / nc, rr / nr
+    h = (pc - rc) - (pr - rr)
+    if kind == "sigmoid":
+        loss = -(1 - eps) * logsig(beta * h) - eps * logsig(-beta * h)
+    elif kind == "robust":
+        loss = (-(1 - eps) * logsig(beta * h) + eps * logsig(-beta * h)) / (1 - 2 * eps)
+    elif kind == "hinge":
+        loss = max(0.0, 1 - beta * h)
+    else:
+        loss = (h - 1 / (2 * beta)) ** 2
+    nll = -pc if kind == "ipo" else -pc / nc
+    return loss + rpo * nll
+
+
+def orpo_formula(beta, pc, pr, nc, nr):
+    """ORPO (Hong et al.): mean NLL of the chosen + beta * -log sigmoid(log odds ratio)."""
+    ac, ar = pc / nc, pr / nr
+    log_odds = (ac - ar) - (np.log1p(-np.exp(ac)) - np.log1p(-np.exp(ar)))
+    return -ac - beta * logsig(log_odds)
+
+
+def batch_pairs(trainer, batch):
+    return [trainer.train_set.examples[i] for i in batch.pairs if i >= 0]
+
+
+# ------------------------------------------------------------------------ data
+def test_pairs_score_only_their_completions(tmp_path, llama_dir, prefs, tokenizer):
+    t = build(recipe(prefs, llama_dir), tmp_path)
+    for p in t.train_set.examples:
+        for ids, mask in ((p.ids, p.mask), (p.rejected_ids, p.rejected_mask)):
+            first = mask.index(1)
+            assert ids[:first] == p.prompt_ids  # the prompt, unscored
+            assert all(mask[first:])  # the completion and EOS, scored
+            assert ids[-1] == tokenizer.eos_token_id
+    # chat pairs, explicit and implicit prompts: only the final assistant turn is scored
+    user = [{"role": "user", "content": "reverse abc ="}]
+    ans = lambda s: [{"role": "assistant", "content": s}]  # noqa: E731
+    prior = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    write_jsonl(
+        tmp_path / "chat" / "train.jsonl",
+        [
+            {"prompt": prior + user, "chosen": ans("cba"), "rejected": ans("abc")},
+            {"chosen": prior + user + ans("cba"), "rejected": prior + user + ans("abc")},
+        ],
+    )
+    r = recipe(prefs, llama_dir, tokenizer={"chat_template": CHAT})
+    r["data"] = {**r["data"], "train": str(tmp_path / "chat" / "train.jsonl")}
+    t = build(r, tmp_path, "chat")
+    a, b = t.train_set.examples
+    assert (a.ids, a.mask, a.rejected_ids, a.rejected_mask) == (
+        b.ids,
+        b.mask,
+        b.rejected_ids,
+        b.rejected_mask,
+    )
+    text = t.tokenizer.decode([i for i, m in zip(a.ids, a.mask, strict=True) if m])
+    assert text.strip() == "cba"  # not the earlier "ok"
+    assert a.answer == "cba"
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "reverse ab =", "rejected": " ab"}, "missing field 'chosen'"),
+        (
+            {"prompt": "reverse ab =", "chosen": "  ", "rejected": " ab"},
+            "'chosen' completion is empty",
+        ),
+        (
+            {"prompt": "reverse " + "ab" * 40 + " =", "chosen": " a", "rejected": " b"},
+            "prompt alone",
+        ),
+        ({"prompt": "reverse ab =", "chosen": " ba", "rejected": 3}, "'rejected' must be a string"),
+    ],
+)
+def test_bad_pairs_name_the_line_and_exit_2(tmp_path, llama_dir, prefs, capsys, row, message):
+    import yaml
+
+    write_jsonl(tmp_path / "bad.jsonl", [*pair_rows(3), row])
+    r = recipe(prefs, llama_dir)
+    r["data"] = {**r["data"], "train": str(tmp_path / "bad.jsonl")}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'bad.jsonl'}:4" in err and message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sft_refuses_pairs_and_preference_objectives_refuse_other_data(
+    tmp_path, llama_dir, prefs, data_dir, capsys
+):
+    import yaml
+
+    r = recipe(prefs, llama_dir, objective={"type": "sft"})
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(r))
+    assert main(["validate", str(tmp_path / "a.yaml")]) in (0, 2)  # validate reads no data
+    assert main(["run", str(tmp_path / "a.yaml"), "--run-dir", str(tmp_path / "a")]) == 2
+    assert "objective.type dpo, orpo or reward" in capsys.readouterr().err
+    r = recipe(prefs, llama_dir)
+    r["data"] = {**r["data"], "train": str(data_dir / "train.jsonl"), "valid": None}
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "b.yaml"), "--run-dir", str(tmp_path / "b")]) == 2
+    assert "train on pairs" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ losses
+@pytest.mark.parametrize(
+    "objective",
+    [
+        {"type": "dpo", "beta": 0.5, "loss": "sigmoid"},
+        {"type": "dpo", "beta": 0.3, "loss": "sigmoid", "label_smoothing": 0.2},
+        {"type": "dpo", "beta": 0.3, "loss": "robust", "label_smoothing": 0.1},
+        {"type": "dpo", "beta": 0.4, "loss": "hinge"},
+        {"type": "dpo", "beta": 0.2, "loss": "ipo"},
+        {"type": "dpo", "beta": 0.5, "rpo_alpha": 0.7},
+        {"type": "orpo", "beta": 0.4},
+    ],
+    ids=lambda o: "-".join(str(v) for v in o.values()),
+)
+def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, prefs, objective):
+    from mlx_lm import load
+
+    t = build(recipe(prefs, llama_dir, objective), tmp_path)
+    shake_adapters(t.model)
+    base, _ = load(str(llama_dir))  # the reference: a base model loaded on its own
+    obj = t.objective
+    batch = next(obj.batches())[1]
+    arrays = t.engine.arrays(batch)
+    pairs = batch_pairs(t, batch)
+    pol = [
+        (naive_logp(t.model, p.ids, p.mask), naive_logp(t.model, p.rejected_ids, p.rejected_mask))
+        for p in pairs
+    ]
+    ref = [
+        (naive_logp(base, p.ids, p.mask), naive_logp(base, p.rejected_ids, p.rejected_mask))
+        for p in pairs
+    ]
+    lens = [(p.n_targets, p.rejected_targets) for p in pairs]
+    o = t.recipe.objective
+    if o.type == "dpo":
+        want = [
+            dpo_formula(o.loss, o.beta, o.label_smoothing, *pp, *rr, *nn_, o.rpo_alpha)
+            for pp, rr, nn_ in zip(pol, ref, lens, strict=True)
+        ]
+    else:
+        want = [orpo_formula(o.beta, *pp, *nn_) for pp, nn_ in zip(pol, lens, strict=True)]
+    loss, count, metrics = obj.loss(t.model, arrays)
+    assert count.item() == len(pairs) == obj.count(batch)
+    assert loss.item() == pytest.approx(sum(want), rel=2e-5, abs=1e-5)
+    if o.type == "dpo" and o.loss != "ipo":
+        chosen = [o.beta * (p[0] - r[0]) for p, r in zip(pol, ref, strict=True)]
+        rejected = [o.beta * (p[1] - r[1]) for p, r in zip(pol, ref, strict=True)]
+        assert metrics["rewards/chosen"].item() == pytest.approx(sum(chosen), rel=1e-4, abs=1e-5)
+        assert metrics["rewards/margins"].item() == pytest.approx(
+            sum(chosen) - sum(rejected), rel=1e-4, abs=1e-5
+        )
+        assert metrics["rewards/accuracies"].item() == sum(
+            c > r for c, r in zip(chosen, rejected, strict=True)
+        )
+        assert metrics["logps/rejected"].item() == pytest.approx(sum(p[1] for p in pol), rel=1e-5)
+
+    # gradients: the formula written in MLX over full logits, the reference as constants
+    def naive(model):
+        total = 0.0
+        for p, (rc, rr), (nc, nr) in zip(pairs, ref, lens, strict=True):
+            pc, pr = mx_logp(model, p.ids, p.mask), mx_logp(model, p.rejected_ids, p.rejected_mask)
+            if o.type == "orpo":
+                ac, ar = pc / nc, pr / nr
+                odds = (ac - ar) - (mx.log(-mx.expm1(ac)) - mx.log(-mx.expm1(ar)))
+                total = total - ac + o.beta * mx.logaddexp(0.0, -odds)
+                continue
+            if o.loss == "ipo":
+                pc, pr, rc, rr = pc / nc, pr / nr, rc / nc, rr / nr
+            h = (pc - rc) - (pr - rr)
+            b, e = o.beta, o.label_smoothing
+            if o.loss == "sigmoid":
+                loss = (1 - e) * mx.logaddexp(0.0, -b * h) + e * mx.logaddexp(0.0, b * h)
+            elif o.loss == "robust":
+                loss = ((1 - e) * mx.logaddexp(0.0, -b * h) - e * mx.logaddexp(0.0, b * h)) / (
+                    1 - 2 * e
+                )
+            elif o.loss == "hinge":
+                loss = mx.maximum(1 - b * h, 0.0)
+            else:
+                loss = mx.square(h - 1 / (2 * b))
+            total = total + loss + o.rpo_alpha * (-pc / nc)
+        return total
+
+    _, want_g = nn.value_and_grad(t.model, naive)(t.model)
+    _, got_g = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0])(t.model)
+    want_g, got_g = dict(tree_flatten(want_g)), dict(tree_flatten(got_g))
+    assert want_g.keys() == got_g.keys() and want_g
+    for k in want_g:
+        np.testing.assert_allclose(
+            np.array(got_g[k]), np.array(want_g[k]), rtol=2e-4, atol=2e-6, err_msg=k
+        )
+
+
+def test_padding_prompt_positions_and_packing_change_nothing(tmp_path, llama_dir, prefs):
+    """A pair's log-probs are the same whatever it is batched with, however wide the padding
+    and with whatever token it pads, padded or packed in rows with other pairs."""
+    t = build(recipe(prefs, llama_dir), tmp_path)
+    shake_adapters(t.model)
+    obj, examples = t.objective, t.train_set.examples[:5]
+
+    def logps(batch):  # attention as a run routes it (packed rows keep their segments apart)
+        with kernel_attention(t.model, t.tiers["attention"]):
+            return np.array(obj.sequence_logps(t.engine.arrays(batch)))[: len(batch.pairs)]
+
+    alone = np.concatenate([logps(make_pair_batch([p], 0, 8)) for p in examples])
+    together = logps(make_pair_batch(examples, 0, 8))
+    wide = logps(make_pair_batch(examples, 7, 64))  # another pad token, much more padding
+    packed = make_packed_pair_batch([examples[:2], examples[2:]], 3, 200)
+    got = logps(packed)[: len(examples)]
+    for other in (together, wide, got):
+        np.testing.assert_allclose(other, alone, rtol=1e-5, atol=1e-5)
+    naive = [
+        [naive_logp(t.model, p.ids, p.mask), naive_logp(t.model, p.rejected_ids, p.rejected_mask)]
+        for p in examples
+    ]
+    np.testing.assert_allclose(alone, naive, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_splits_keep_pairs_whole_and_sum_to_the_batch(tmp_path, llama_dir, prefs, packed):
+    t = build(recipe(prefs, llama_dir), tmp_path)
+    shake_adapters(t.model)
+    obj, ex = t.objective, t.train_set.examples[:6]
+    batch = (
+        make_packed_pair_batch([ex[:2], ex[2:3], ex[3:]], 0, 200)
+        if packed
+        else make_pair_batch(ex, 0, 8)
+    )
+    routed = kernel_attention(t.model, t.tiers["attention"])
+    routed.__enter__()
+    whole = obj.loss(t.model, t.engine.arrays(batch))
+    for parts in (2, 3, 6):
+        micro = obj.split(batch, parts)
+        assert sum(obj.count(m) for m in micro) == obj.count(batch) == 6
+        for m in micro:  # each slot's two sequences sit in the micro-batch's rows
+            seq = m.seq[m.seq >= 0]
+            assert set(np.unique(seq // 2)) == set(range(int((m.pairs >= 0).sum())))
+            assert len(np.unique(seq)) == 2 * m.n_pairs
+        got = [obj.loss(t.model, t.engine.arrays(m)) for m in micro]
+        assert sum(g[0].item() for g in got) == pytest.approx(whole[0].item(), rel=1e-5)
+        for k in whole[2]:
+            assert sum(g[2][k].item() for g in got) == pytest.approx(
+                whole[2][k].item(), rel=1e-4, abs=1e-5
+            )
+    empty = obj.nothing(batch)
+    loss, count, _ = obj.loss(t.model, t.engine.arrays(empty))
+    routed.__exit__(None, None, None)
+    assert loss.item() == 0 and count.item() == 0 == obj.count(empty)
+
+
+# ------------------------------------------------------------------------ reference policies
+def test_the_references_agree_with_a_separately_loaded_base(tmp_path, llama_dir, prefs):
+    """Adapters off, a copy of the starting weights and precomputed log-probs are all the base
+    (the adapters start at zero); once the adapters move, the reference does not."""
+    from mlx_lm import load
+
+    base, _ = load(str(llama_dir))
+    for ref in ("auto", "copy", "precomputed"):
+        t = build(recipe(prefs, llama_dir, {"type": "dpo", "reference": ref}), tmp_path, ref)
+        shake_adapters(t.model, seed=1)  # after prepare(): the reference was kept before
+        batch = next(t.objective.batches())[1]
+        got = np.array(t.objective.reference_logps(t.model, t.engine.arrays(batch)))
+        want = [
+            [naive_logp(base, p.ids, p.mask), naive_logp(base, p.rejected_ids, p.rejected_mask)]
+            for p in batch_pairs(t, batch)
+        ]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=ref)
+    assert (tmp_path / "precomputed" / "reference_logps.safetensors").exists()
+
+
+def test_precomputed_trains_as_auto_and_both_resume_exactly(tmp_path, llama_dir, prefs):
+    auto = recipe(prefs, llama_dir, {"type": "dpo", "reference": "auto"}, checkpoints={"every": 2})
+    pre = recipe(
+        prefs, llama_dir, {"type": "dpo", "reference": "precomputed"}, checkpoints={"every": 2}
+    )
+    build(auto, tmp_path, "auto").run()
+    build(pre, tmp_path, "pre").run()
+    a, p = rows(tmp_path / "auto"), rows(tmp_path / "pre")
+    same(a, p, rel=1e-4, abs=1e-5)
+    assert {"rewards/margins", "rewards/accuracies", "logps/chosen"} <= a[0].keys()
+    evals = [x for x in a if "eval_loss" in x]
+    assert evals and all({"eval_rewards/margins", "eval_pairs"} <= x.keys() for x in evals)
+    for r, whole in ((auto, a), (pre, p)):
+        name = f"crash-{r['objective']['reference']}"
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            Trainer(
+                recipe_from_dict(r),
+                run_dir=tmp_path / name,
+                console=Console(quiet=True),
+                callbacks=[make_crash(4)],
+            ).run()
+        Trainer(
+            recipe_from_dict(r),
+            run_dir=tmp_path / name,
+            console=Console(quiet=True),
+            resume="latest",
+        ).run()
+        same(rows(tmp_path / name), whole, rel=0, abs=0)
+
+
+# ------------------------------------------------------------------------ learning
+def quickstart(objective: dict):
+    """recipes/quickstart-dpo.yaml, its paths made absolute, its objective section updated."""
+    import yaml
+
+    r = yaml.safe_load((REPO / "recipes" / "quickstart-dpo.yaml").read_text())
+    here = REPO / "recipes"
+    r["model"]["path"] = str(here / r["model"]["path"])
+    r["adapter"]["init_from"] = str(here / r["adapter"]["init_from"])
+    for k in ("train", "valid", "test"):
+        r["data"][k] = str(here / r["data"][k])
+    if objective.get("type", "dpo") != "dpo":
+        r["objective"] = {}
+    r["objective"].update(objective)
+    r["samples"] = {"every": None}
+    r["train"]["progress"] = False
+    return recipe_from_dict(r)
+
+
+def preference_accuracy(adapter_dir, rows_) -> float:
+    """How often the model prefers the chosen completion (higher log-prob), in float64 from
+    mlx-lm's own load of the base and adapter."""
+    from mlx_lm import load
+
+    model, tok = load(
+        str(REPO / "recipes" / "models" / "reverse-tiny"), adapter_path=str(adapter_dir)
+    )
+    wins = 0
+    for r in rows_:
+        p = tok.encode(r["prompt"])
+        c, j = (
+            tok.encode(r["prompt"] + r["chosen"]) + [tok.eos_token_id],
+            tok.encode(r["prompt"] + r["rejected"]) + [tok.eos_token_id],
+        )
+        mc = [0] * len(p) + [1] * (len(c) - len(p))
+        mj = [0] * len(p) + [1] * (len(j) - len(p))
+        wins += naive_logp(model, c, mc) > naive_logp(model, j, mj)
+    return wins / len(rows_)
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [{}, {"type": "orpo", "beta": 0.1}, {"rpo_alpha": 0.0}],
+    ids=["dpo-rpo", "orpo", "dpo-plain"],
+)
+def test_the_quickstart_learns_the_preferred_answer(tmp_path, objective):
+    r = quickstart(objective)
+    held = [
+        json.loads(x) for x in (REPO / "recipes/data/prefs/valid.jsonl").read_text().splitlines()
+    ]
+    before = preference_accuracy(REPO / "recipes" / "models" / "reverse-tiny-mixed", held)
+    assert 0.2 <= before <= 0.8  # about chance: the SFT model does both
+    s = Trainer(r, run_dir=tmp_path / "run", console=Console(quiet=True)).run()
+    after = preference_accuracy(tmp_path / "run" / "export" / "mlx-lm", held)
+    assert after >= 0.9
+    evals = [x for x in rows(tmp_path / "run") if "eval_rewards/accuracies" in x]
+    assert evals[-1]["eval_rewards/accuracies"] >= 0.9
+    if objective.get("rpo_alpha") != 0.0:  # greedy answers copy held-out words
+        assert s["exact_match_before"] <= 0.4 and s["exact_match_after"] >= 0.8
