@@ -278,6 +278,7 @@ def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool
     model, config = model_for(r, tokenizer, tokenizer_dir, model_dir, log)
     lm = lm_parts(model)
     info = adapt(r, model, log)
+    objective_class(r).extend(r, model, log)
     trainable, total = count_parameters(model)
     names = {k for k, _ in tree_flatten(model.trainable_parameters())}
     train, valid, test = objective_class(r).datasets(r, tokenizer)

@@ -18,13 +18,11 @@ import shutil
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 from .adapters import apply_adapters
 from .config import Recipe
 from .errors import UserInputError
-from .export import TrainedModel, load_trainable_weights, write_mlx_lm
-from .models import build_model, load_model, quantize_model
+from .export import TrainedModel, load_trainable_weights, read_trainable, write_mlx_lm
+from .models import add_reward_head, build_model, has_reward_head, load_model, quantize_model
 from .rundir import RunDir
 from .state import TrainState
 from .tokenizer import load_tokenizer
@@ -253,7 +251,7 @@ def restore(
         log(f"resuming with a changed recipe: {line}")
     state = TrainState.from_json(info["resume"])
     weights = str(ckpt / "adapters.safetensors")
-    load_trainable_weights(model, mx.load(weights), weights)  # each by name and shape
+    load_trainable_weights(model, read_trainable(ckpt), weights)  # each by name and shape
     engine.restore(ckpt, state.engine)
     step = state.position.step
     for name in ("metrics.jsonl", "samples.jsonl") if trim else ():
@@ -332,7 +330,9 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
         a.get("targets", []),
         a.get("layers"),
     )
-    weights = mx.load(str(ckpt / "adapters.safetensors"))
+    weights = read_trainable(ckpt)
+    if has_reward_head(weights):  # a reward model
+        add_reward_head(model, int(config["hidden_size"]))
     load_trainable_weights(model, weights, str(ckpt / "adapters.safetensors"))
     tok_dir = Path(state["tokenizer_dir"]) if state.get("tokenizer_dir") else base
     template = ((state.get("recipe") or {}).get("tokenizer") or {}).get("chat_template")

@@ -7,6 +7,11 @@
   ``lora_B.weight`` [out, r]; DoRA magnitudes as ``lora_magnitude_vector``), as PEFT saves.
 - ``fused``: the base with the adapters merged in, Hugging Face layout.
 
+A reward model's score head goes with every format: ``fused`` writes Hugging Face's
+``*ForSequenceClassification`` layout (``score.weight``, one label), ``peft`` a ``SEQ_CLS``
+adapter with ``score`` among its ``modules_to_save``, and the others ``reward_head.safetensors``
+(``score.weight`` [1, hidden]) beside their files.
+
 A checkpoint is self-describing (trainer_state.json names the base model, its config, the
 tokenizer and the adapter), so ``load_trained`` rebuilds the trained model from it alone.
 """
@@ -27,6 +32,7 @@ from .errors import UserInputError
 from .gguf_export import write_gguf_adapter, write_gguf_model
 from .models import (
     DTYPES,
+    HF_ARCHITECTURES,
     PICKLED,
     cast_floats,
     is_gguf,
@@ -34,10 +40,13 @@ from .models import (
     load_gguf,
     pickled_hint,
     quantize_model,
+    reward_head,
     save_model,
+    without_reward_head,
 )
 
 FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter")
+REWARD_HEAD_FILE = "reward_head.safetensors"
 
 
 @dataclass
@@ -103,8 +112,26 @@ def mlx_lm_config(t: TrainedModel) -> dict:
     }
 
 
+def write_reward_head(model: nn.Module, out: Path) -> None:
+    """A reward model's score head as ``reward_head.safetensors`` in ``out`` (nothing for a
+    language model)."""
+    head = reward_head(model)
+    if head is not None:
+        mx.save_safetensors(str(out / REWARD_HEAD_FILE), {"score.weight": head.weight})
+
+
+def read_trainable(folder: Path) -> dict[str, mx.array]:
+    """The trainable weights a checkpoint (or mlx-lm adapter export) holds: its adapters, and
+    a reward model's head."""
+    weights = mx.load(str(folder / "adapters.safetensors"))
+    if (folder / REWARD_HEAD_FILE).exists():
+        weights.update(mx.load(str(folder / REWARD_HEAD_FILE)))
+    return weights
+
+
 def write_mlx_lm(t: TrainedModel, out: Path, metadata: dict | None = None):
-    weights = dict(tree_flatten(t.model.trainable_parameters()))
+    weights = without_reward_head(dict(tree_flatten(t.model.trainable_parameters())))
+    write_reward_head(t.model, out)
     mx.save_safetensors(
         str(out / "adapters.safetensors"),
         weights,
@@ -151,12 +178,14 @@ def write_peft(t: TrainedModel, out: Path, base_name: str | None = None):
         raise UserInputError(
             "PEFT adapters hold LoRA/DoRA weights; a full fine-tune exports as fused", "export"
         )
-    mx.save_safetensors(
-        str(out / "adapter_model.safetensors"), peft_weights(t.model), metadata={"format": "pt"}
-    )
+    weights = peft_weights(t.model)
+    head = reward_head(t.model)
+    if head is not None:  # PEFT keeps a sequence classifier's head whole (modules_to_save)
+        weights["base_model.model.score.weight"] = head.weight
+    mx.save_safetensors(str(out / "adapter_model.safetensors"), weights, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "CAUSAL_LM" if head is None else "SEQ_CLS",
         "base_model_name_or_path": base_name or (str(t.base_dir) if t.base_dir else None),
         "r": a["rank"],
         "lora_alpha": a["alpha"],
@@ -168,6 +197,8 @@ def write_peft(t: TrainedModel, out: Path, base_name: str | None = None):
         "fan_in_fan_out": False,
         "inference_mode": True,
     }
+    if head is not None:
+        config["modules_to_save"] = ["score"]
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -208,6 +239,21 @@ def write_fused(
             raise UserInputError(e.message, "--quantize") from None
         config = {**config, "quantization": {"group_size": group_size, "bits": quantize}}
         dtype = None
+    if reward_head(model) is not None:  # Hugging Face's sequence classifier, one label
+        arch = HF_ARCHITECTURES.get(config.get("model_type"), "ForCausalLM")
+        config = {
+            **config,
+            "architectures": [arch.replace("ForCausalLM", "ForSequenceClassification")],
+            "id2label": {"0": "LABEL_0"},
+            "label2id": {"LABEL_0": 0},
+            # the classifier reads the last token that is not padding: the score is the EOS's,
+            # so EOS must not count as padding
+            "pad_token_id": (
+                None
+                if config.get("pad_token_id") == config.get("eos_token_id")
+                else config.get("pad_token_id")
+            ),
+        }
     save_model(model, config, out, t.tokenizer, t.tokenizer_dir, dtype)
 
 
@@ -249,12 +295,14 @@ def export(
         write_gguf_model(
             model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source
         )
+        write_reward_head(t.model, out)
     elif fmt == "gguf-adapter":
         if t.adapter["type"] != "lora":
             raise UserInputError(
                 "gguf-adapter holds LoRA weights; export a full or DoRA run as gguf", "export"
             )
         write_gguf_adapter(t.model, t.model_config, t.adapter["alpha"], out)
+        write_reward_head(t.model, out)
     else:
         raise UserInputError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}", "export")
 

@@ -485,3 +485,130 @@ def test_the_quickstart_learns_the_preferred_answer(tmp_path, objective):
     assert evals[-1]["eval_rewards/accuracies"] >= 0.9
     if objective.get("rpo_alpha") != 0.0:  # greedy answers copy held-out words
         assert s["exact_match_before"] <= 0.4 and s["exact_match_after"] >= 0.8
+
+
+# ------------------------------------------------------------------------ reward models
+def naive_reward(model, ids) -> mx.array:
+    """The score head on the model's own final hidden state of the sequence's last token."""
+    return model.score(model.model(mx.array([ids]))[0, -1].astype(mx.float32))[0]
+
+
+def test_the_reward_loss_is_bradley_terry_in_values_and_gradients(tmp_path, llama_dir, prefs):
+    r = recipe(prefs, llama_dir, {"type": "reward", "center_rewards": 0.05})
+    t = build(r, tmp_path)
+    shake_adapters(t.model)
+    obj = t.objective
+    batch = next(obj.batches())[1]
+    arrays = t.engine.arrays(batch)
+    pairs = batch_pairs(t, batch)
+
+    def naive(model):
+        total = 0.0
+        for p in pairs:
+            c, j = naive_reward(model, p.ids), naive_reward(model, p.rejected_ids)
+            total = total + mx.logaddexp(0.0, -(c - j)) + 0.05 * mx.square(c + j)
+        return total
+
+    scores = np.array(
+        [
+            [naive_reward(t.model, p.ids).item(), naive_reward(t.model, p.rejected_ids).item()]
+            for p in pairs
+        ],
+        dtype=np.float64,
+    )
+    want = sum(-logsig(c - j) + 0.05 * (c + j) ** 2 for c, j in scores)
+    loss, count, metrics = obj.loss(t.model, arrays)
+    assert count.item() == len(pairs)
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    assert metrics["rewards/accuracies"].item() == (scores[:, 0] > scores[:, 1]).sum()
+    assert metrics["rewards/margins"].item() == pytest.approx(
+        (scores[:, 0] - scores[:, 1]).sum(), rel=1e-5, abs=1e-5
+    )
+    _, want_g = nn.value_and_grad(t.model, naive)(t.model)
+    _, got_g = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0])(t.model)
+    want_g, got_g = dict(tree_flatten(want_g)), dict(tree_flatten(got_g))
+    assert "score.weight" in got_g and want_g.keys() == got_g.keys()
+    for k in want_g:
+        np.testing.assert_allclose(
+            np.array(got_g[k]), np.array(want_g[k]), rtol=2e-4, atol=2e-6, err_msg=k
+        )
+    # packed rows score each sequence at its own last token
+    ex = t.train_set.examples[:3]
+    with kernel_attention(t.model, t.tiers["attention"]):
+        got = obj.rewards(t.model, t.engine.arrays(make_packed_pair_batch([ex], 0, 200)))
+    want = [
+        [naive_reward(t.model, p.ids).item(), naive_reward(t.model, p.rejected_ids).item()]
+        for p in ex
+    ]
+    np.testing.assert_allclose(np.array(got)[:3], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_reward_model_learns_resumes_and_exports_with_its_head(tmp_path):
+    """From the reverse model, a reward model that scores copying above reversing; held-out
+    accuracy read from transformers' own load of the fused export."""
+    from mlxtune.export import REWARD_HEAD_FILE
+
+    r = quickstart({"type": "reward"}).to_dict()
+    r["adapter"].pop("init_from")
+    r["eval"] = {"every": 50, "exact_match": 0}
+    r["train"]["max_steps"] = 150
+    r["checkpoints"] = {"every": 75}
+    r["export"] = {"formats": ["mlx-lm", "peft", "fused"]}
+    whole = tmp_path / "run"
+    s = Trainer(recipe_from_dict(r), run_dir=whole, console=Console(quiet=True)).run()
+    assert s["final_eval_loss"] < 0.3
+    # exact resume: the head is part of the checkpoint
+    part = tmp_path / "part"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        Trainer(
+            recipe_from_dict(r),
+            run_dir=part,
+            console=Console(quiet=True),
+            callbacks=[make_crash(75)],
+        ).run()
+    Trainer(recipe_from_dict(r), run_dir=part, console=Console(quiet=True), resume="latest").run()
+    same(rows(part), rows(whole), rel=0, abs=0)
+    assert (whole / "export" / "mlx-lm" / REWARD_HEAD_FILE).exists()
+
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForSequenceClassification
+
+    hf, info = AutoModelForSequenceClassification.from_pretrained(
+        str(whole / "export" / "fused"), dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"], info
+    hf.eval()
+    held = [
+        json.loads(x) for x in (REPO / "recipes/data/prefs/valid.jsonl").read_text().splitlines()
+    ]
+    t = Trainer(
+        recipe_from_dict(r), run_dir=tmp_path / "dry", console=Console(quiet=True), dry_run=True
+    )
+    tok = t.tokenizer
+
+    def score(text):
+        ids = tok.encode(text) + [tok.eos_token_id]
+        with torch.no_grad():
+            return hf(torch.tensor([ids])).logits[0, 0].item()
+
+    wins = sum(score(x["prompt"] + x["chosen"]) > score(x["prompt"] + x["rejected"]) for x in held)
+    assert wins / len(held) >= 0.9
+    # the PEFT export: a sequence classifier's adapter with its head, over the base
+    peft = pytest.importorskip("peft")
+    base = AutoModelForSequenceClassification.from_pretrained(
+        str(REPO / "recipes/models/reverse-tiny"), num_labels=1, dtype=torch.float32
+    )
+    pm = peft.PeftModel.from_pretrained(base, str(whole / "export" / "peft")).eval()
+    ids = tok.encode(held[0]["prompt"] + held[0]["chosen"]) + [tok.eos_token_id]
+    with torch.no_grad():
+        got = pm(torch.tensor([ids])).logits[0, 0].item()
+    assert got == pytest.approx(score(held[0]["prompt"] + held[0]["chosen"]), abs=1e-4)
+
+
+def test_a_reward_model_refuses_generation_settings(tmp_path, llama_dir, prefs, capsys):
+    import yaml
+
+    r = recipe(prefs, llama_dir, {"type": "reward"}, eval={"every": 3, "exact_match": 4})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "o")]) == 2
+    assert "eval.exact_match" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from .checkpointing import checkpoint_layers, checkpointed_layers
 from .common import DTYPES, HF_ARCHITECTURES, SUPPORTED, cast_floats
 from .context import ForwardContext, current, dropout_key, segments
 from .gguf import GGUFLoad, gguf_config, is_gguf, load_gguf, read_gguf
+from .heads import REWARD_HEAD, add_reward_head, has_reward_head, reward_head, without_reward_head
 from .loading import check_model_dir, load_model, resolve_model_path
 from .parts import LMParts, count_parameters, lm_parts
 from .patches import kernel_attention
@@ -25,12 +26,14 @@ __all__ = [
     "DTYPES",
     "HF_ARCHITECTURES",
     "PICKLED",
+    "REWARD_HEAD",
     "SUPPORTED",
     "DequantizingEmbedding",
     "DequantizingLinear",
     "ForwardContext",
     "GGUFLoad",
     "LMParts",
+    "add_reward_head",
     "build_model",
     "cast_floats",
     "check_model_dir",
@@ -43,6 +46,7 @@ __all__ = [
     "dense_weight",
     "dropout_key",
     "gguf_config",
+    "has_reward_head",
     "init_weights",
     "is_gguf",
     "is_quantized",
@@ -54,6 +58,8 @@ __all__ = [
     "quantize_model",
     "read_gguf",
     "resolve_model_path",
+    "reward_head",
     "save_model",
     "segments",
+    "without_reward_head",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..config import register_objective_config, unregister_objective_config
 from ..errors import UserInputError
 from .base import Components, Objective, Usage, target_rows
-from .preference import DPO, ORPO, Preference
+from .preference import DPO, ORPO, Preference, Reward
 from .sft import SFT
 
 OBJECTIVES: dict[str, type[Objective]] = {}
@@ -57,7 +57,7 @@ def objective_class(recipe) -> type[Objective]:
     return OBJECTIVES[name]
 
 
-for _cls in (SFT, DPO, ORPO):
+for _cls in (SFT, DPO, ORPO, Reward):
     register(_cls)
 del _cls
 
@@ -66,6 +66,7 @@ __all__ = [
     "DPO",
     "ORPO",
     "Preference",
+    "Reward",
     "objective_class",
     "Objective",
     "OBJECTIVES",

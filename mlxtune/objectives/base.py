@@ -91,6 +91,11 @@ class Objective:
 
         return datasets(recipe, tokenizer)
 
+    @classmethod
+    def extend(cls, recipe: Recipe, model: nn.Module, log) -> None:
+        """Called once the adapters are in, before the trainable weights are counted: what the
+        objective adds to the model (a reward head). Nothing by default."""
+
     def prepare(self, run_dir, source, log) -> None:
         """Called once the engine is built and before a resumed run's weights are loaded (the
         model holds its starting weights): what the objective keeps from them, written to

@@ -44,7 +44,7 @@ from ..data.preference import (
 )
 from ..errors import UserInputError
 from ..kernels import forward_only
-from ..models import kernel_attention
+from ..models import add_reward_head, kernel_attention, segments
 from .base import Objective, Usage, target_rows
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -425,4 +425,75 @@ class ORPO(Preference):
         return mx.sum(losses * valid), mx.sum(valid).astype(mx.int32), metrics
 
 
-__all__ = ["DPO", "DPOConfig", "ORPO", "ORPOConfig", "Preference", "RewardConfig"]
+class Reward(Preference):
+    """A reward model: the score head's value at each sequence's last token, trained with the
+    Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) (plus ``center_rewards`` x
+    (r_chosen + r_rejected)^2)."""
+
+    name = "reward"
+    Config = RewardConfig
+
+    def __init__(self, recipe, components):
+        super().__init__(recipe, components)
+        if recipe.eval.exact_match:
+            raise UserInputError(
+                "a reward model scores answers and generates none: set eval.exact_match: 0",
+                "eval.exact_match",
+            )
+        if recipe.samples.every or recipe.samples.prompts:
+            raise UserInputError(
+                "a reward model scores answers and generates none: leave samples unset",
+                "samples",
+            )
+
+    @classmethod
+    def extend(cls, recipe, model, log) -> None:
+        hidden = int(model.args.hidden_size)
+        add_reward_head(model, hidden)
+        log(f"reward head: a trainable {hidden} -> 1 score on each sequence's last token")
+
+    def arrays(self, batch: PairBatch) -> dict[str, np.ndarray]:
+        out = super().arrays(batch)
+        out.pop("rows", None)  # the head reads last tokens only: no LM head to skip
+        # each sequence's last token, as a flat index into the [R x L] positions
+        slots = len(batch.pairs)
+        last = np.zeros(2 * slots, np.int32)
+        flat = batch.seq.reshape(-1)
+        where = np.flatnonzero(flat >= 0)
+        last[flat[where]] = where  # the highest position of each sequence wins
+        out["last"] = last.reshape(slots, 2)
+        return out
+
+    def rewards(self, model: nn.Module, batch: dict[str, mx.array]) -> mx.array:
+        """[slots, 2] the scores of each pair's chosen and rejected sequences."""
+        tokens, seg = batch["tokens"], batch.get("segments")
+        with segments(seg):
+            h = self.components.lm.hidden(tokens)
+        h = h.reshape(-1, h.shape[-1])[batch["last"].reshape(-1)]
+        return model.score(h.astype(mx.float32)).reshape(-1, 2)
+
+    def loss(self, model: nn.Module, batch: dict[str, mx.array]):
+        valid = batch["valid"]
+        r = self.rewards(model, batch)
+        losses = -log_sigmoid(r[:, 0] - r[:, 1])
+        if self.config.center_rewards:
+            losses = losses + self.config.center_rewards * mx.square(r[:, 0] + r[:, 1])
+        c, j = mx.stop_gradient(r[:, 0]), mx.stop_gradient(r[:, 1])
+        metrics = {
+            "rewards/chosen": mx.sum(c * valid),
+            "rewards/rejected": mx.sum(j * valid),
+            "rewards/margins": mx.sum((c - j) * valid),
+            "rewards/accuracies": mx.sum((c > j).astype(mx.float32) * valid),
+        }
+        return mx.sum(losses * valid), mx.sum(valid).astype(mx.int32), metrics
+
+
+__all__ = [
+    "DPO",
+    "DPOConfig",
+    "ORPO",
+    "ORPOConfig",
+    "Preference",
+    "Reward",
+    "RewardConfig",
+]

@@ -1,0 +1,33 @@
+"""The reward model's head: one linear map from the final hidden state to a score, kept on the
+model as ``score`` (the name Hugging Face's ``*ForSequenceClassification`` models give it, so a
+fused export loads there as is)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+REWARD_HEAD = "score"
+
+
+def add_reward_head(model: nn.Module, hidden: int) -> nn.Linear:
+    """A new trainable ``[1, hidden]`` score head on ``model`` (from MLX's random state)."""
+    head = nn.Linear(hidden, 1, bias=False)
+    head.weight = head.weight.astype(mx.float32)
+    setattr(model, REWARD_HEAD, head)
+    return head
+
+
+def reward_head(model: nn.Module) -> nn.Linear | None:
+    """The model's reward head, or None for a language model."""
+    return model.get(REWARD_HEAD) if isinstance(model, dict) else None
+
+
+def has_reward_head(weights: dict) -> bool:
+    """Whether saved weights (flat names) hold a reward head."""
+    return f"{REWARD_HEAD}.weight" in weights
+
+
+def without_reward_head(weights: dict) -> dict:
+    """Flat weights without the reward head's."""
+    return {k: v for k, v in weights.items() if not k.startswith(f"{REWARD_HEAD}.")}
