@@ -20,7 +20,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .data import read_positions
 from .errors import UserInputError
 from .kernels.chunked import CHUNK_ELEMENTS
 from .kernels.flash import uses_fused
@@ -93,6 +92,8 @@ class Shape:
     checkpointed: int = 0  # layers that recompute their activations in the backward pass
     quantizable: int = 0  # dense linear/embedding weight elements 4-bit quantization would pack
     chunked_attention: bool = False  # short rows then go to MLX's fused attention (see below)
+    reference_forward: bool = False  # a forward without backward a step (DPO's reference)
+    reference_bytes: int = 0  # weights kept for the reference (a copy of the trainable ones)
 
 
 def estimate(s: Shape) -> dict[str, float]:
@@ -108,7 +109,8 @@ def estimate(s: Shape) -> dict[str, float]:
     # a checkpointed layer keeps only its input; one of them at a time recomputes the rest
     kept = s.layers - s.checkpointed
     again = 1 if s.checkpointed else 0
-    acts = tokens * per_token_layer * s.act_bytes * (kept + again + 2)  # + the layer in flight
+    in_flight = 2 + (1 if s.reference_forward else 0)  # + a layer of the reference's forward
+    acts = tokens * per_token_layer * s.act_bytes * (kept + again + in_flight)
     acts += tokens * s.hidden * s.act_bytes * s.checkpointed
     acts += tokens * 4 * s.hidden * s.act_bytes  # embeddings, final norm, their gradients
     if s.attention_scores:  # scores and probabilities kept per layer, and the backward's
@@ -123,7 +125,7 @@ def estimate(s: Shape) -> dict[str, float]:
         logits = min(s.logit_chunk, tokens * s.vocab) * 4 * 3
     state_bytes = 4 if (s.masters or s.trainable_bytes >= 4 * s.trainable) else 2
     out = {
-        "weights": float(s.weight_bytes),
+        "weights": float(s.weight_bytes + s.reference_bytes),
         "masters": float(4 * s.trainable_16bit if s.masters else 0),
         # the state, and its new values while the update runs
         "optimizer": float(2 * s.optimizer_slots * s.trainable * state_bytes),
@@ -155,11 +157,9 @@ def shape_of(trainer) -> Shape:
     heads = int(cfg.get("num_attention_heads") or 1)
     head_dim = int(cfg.get("head_dim") or hidden // max(heads, 1))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    # the longest batch sets the peak
-    longest = max((len(e.ids) for e in trainer.train_set.examples), default=2)
-    length = read_positions(longest, r.data.pad_to_multiple)
-    if r.data.packing != "off":  # packed rows are all pack_length long
-        length = (r.data.pack_length or r.data.max_length) - 1
+    # the longest batch sets the peak; the objective says how it lays batches out
+    rows, length = trainer.objective.layout()
+    reference = trainer.objective.reference_memory()
     o = r.optimizer
     slots = 2 if o.name in ("adam", "adamw") else (1 if o.momentum else 0)
     layers = int(cfg.get("num_hidden_layers") or 0)
@@ -196,7 +196,7 @@ def shape_of(trainer) -> Shape:
         kv_dim=2 * kv_heads * head_dim,
         heads=heads,
         vocab=int(cfg.get("vocab_size") or len(trainer.tokenizer._tokenizer)),
-        batch=r.train.batch_size,
+        batch=rows,
         length=length,
         accumulation=r.train.grad_accumulation,
         optimizer_slots=slots,
@@ -207,6 +207,8 @@ def shape_of(trainer) -> Shape:
         logit_chunk=CHUNK_ELEMENTS,
         checkpointed=checkpointed_layers(model),
         quantizable=quantizable,
+        reference_forward=reference["forward"],
+        reference_bytes=reference["bytes"],
     )
 
 

@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 import yaml
+from mlx.utils import tree_flatten
 
 from conftest import measured_peak, tiny_arch, tiny_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
@@ -85,8 +86,7 @@ def test_the_plan_counts_what_the_resolved_tiers_build(tmp_path, wide, monkeypat
     assert b.logits_full and b.attention_scores
     assert estimate(b)["total"] > estimate(a)["total"]
     # the chunked tier's short rows: MLX's fused attention builds one layer's scores at a time
-    from dataclasses import replace
-
+    
     from mlxtune.kernels import flash
 
     tiles = estimate(replace(a, chunked_attention=False))["activations"]
@@ -105,8 +105,7 @@ def test_a_run_over_the_limit_is_refused_with_changes_that_fit(tmp_path, wide, c
     r = wide_recipe(wide, memory={"check": "off"})
     tr = Trainer(recipe_from_dict(r), tmp_path / "probe", console=Console(quiet=True))
     shape = shape_of(tr)
-    from dataclasses import replace
-
+    
     whole = estimate(shape)["total"]
     quarter = estimate(replace(shape, batch=2, accumulation=4))["total"]
     half = estimate(replace(shape, batch=4, accumulation=2))["total"]
@@ -231,3 +230,49 @@ def test_running_out_of_memory_outside_a_step_is_one_line_exit_1(
     monkeypatch.setattr(Trainer, "run", lambda self: 1 / 0)  # anything else still surfaces
     with pytest.raises(ZeroDivisionError):
         main(["run", str(path), "--run-dir", str(tmp_path / "run2")])
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"adapter": {"type": "full"}},  # the reference: a copy of every weight
+        {"adapter": {"type": "lora", "targets": ["q_proj", "v_proj"]}},  # adapters off
+    ],
+    ids=["dpo-full-copy", "dpo-lora-auto"],
+)
+def test_the_estimate_counts_two_sequences_a_pair_and_the_reference(tmp_path, wide, over):
+    """A DPO step: two rows a pair, the reference's forward, and (full fine-tuning) the copy of
+    the starting weights, close to MLX's measured peak."""
+    import mlx.core as mx
+
+    from mlxtune.data.preference import make_pair_batch
+    from mlxtune.models import kernel_attention
+
+    rng = random.Random(1)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "there"]
+
+    def text(n):
+        return " " + " ".join(rng.choice(words) for _ in range(n))
+
+    rows = [{"prompt": text(20), "chosen": text(100), "rejected": text(90)} for _ in range(20)]
+    write_jsonl(tmp_path / "pairs.jsonl", rows)
+    r = wide_recipe(wide, **over)
+    r["data"] = {"train": str(tmp_path / "pairs.jsonl"), "max_length": 160, "valid_fraction": 0.2}
+    r["objective"] = {"type": "dpo"}
+    tr = Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True))
+    est = estimate(shape_of(tr))
+    pairs = sorted(tr.train_set.examples, key=lambda p: -p.longest)
+    batch = [make_pair_batch(pairs[: tr.recipe.train.batch_size], tr.pad_id, 8)]
+    with kernel_attention(tr.model):
+        tr.engine.step(batch)  # compile
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        tr.engine.step(batch)
+        mx.synchronize()
+    peak = mx.get_peak_memory()
+    # (counting one row a pair and no reference would read 0.55-0.67 here)
+    assert 0.8 < est["total"] / peak < 1.6, (est, peak)
+    if over["adapter"]["type"] == "full":  # the reference's copy is counted with the weights
+        params = sum(v.nbytes for _, v in tree_flatten(tr.model.parameters()))
+        assert est["weights"] >= 1.9 * params

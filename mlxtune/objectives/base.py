@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import ObjectiveConfig, Recipe
-from ..data import Batch, Dataset, split_batch
+from ..data import Batch, Dataset, read_positions, split_batch
 from ..kernels import linear_cross_entropy
 from ..models import LMParts, segments
 
@@ -174,6 +174,19 @@ class Objective:
         """``batch`` as up to ``parts`` micro-batches whose summed losses are the batch's (used
         when a step runs out of memory)."""
         return split_batch(batch, parts)
+
+    def layout(self) -> tuple[int, int]:
+        """(rows, positions) of the largest batch: what the memory plan sizes a step by."""
+        r = self.recipe
+        if r.data.packing != "off":  # packed rows are all pack_length long
+            return r.train.batch_size, (r.data.pack_length or r.data.max_length) - 1
+        longest = max((len(e.ids) for e in self.components.train_set.examples), default=2)
+        return r.train.batch_size, read_positions(longest, r.data.pad_to_multiple)
+
+    def reference_memory(self) -> dict:
+        """What a reference policy adds to a step: ``forward`` (one more forward pass, without
+        its backward) and ``bytes`` (weights kept for it)."""
+        return {"forward": False, "bytes": 0}
 
     def units(self, batch: Batch) -> int:
         """The most micro-batches ``split`` can make of ``batch`` (its rows)."""

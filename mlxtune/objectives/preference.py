@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..adapters import adapters_disabled
 from ..config import ObjectiveConfig
-from ..data import split_off
+from ..data import read_positions, split_off
 from ..data.preference import (
     PairBatch,
     PairEncoder,
@@ -214,6 +214,14 @@ class Preference(Objective):
     def usage(self, batch: PairBatch) -> Usage:
         return Usage(batch.n_pairs, batch.n_targets, batch.n_tokens, batch.tokens.size)
 
+    def layout(self) -> tuple[int, int]:
+        """Two rows a pair (or packed rows of pack_length)."""
+        r = self.recipe
+        if self.packing != "off":
+            return r.train.batch_size, self.pack_length - 1
+        longest = max((p.longest for p in self.components.train_set.examples), default=2)
+        return 2 * r.train.batch_size, read_positions(longest, r.data.pad_to_multiple)
+
     def units(self, batch: PairBatch) -> int:
         return len(batch.tokens) if batch.packed else len(batch.tokens) // 2
 
@@ -344,6 +352,13 @@ class DPO(Preference):
                 (batch.pairs >= 0)[:, None], table[np.maximum(batch.pairs, 0)], 0.0
             ).astype(np.float32)
         return out
+
+    def reference_memory(self) -> dict:
+        kept = 0
+        if self.reference == "copy":
+            params = tree_flatten(self.components.model.trainable_parameters())
+            kept = sum(v.nbytes for _, v in params)
+        return {"forward": self.reference != "precomputed", "bytes": kept}
 
     def reference_logps(self, model: nn.Module, batch: dict[str, mx.array]) -> mx.array:
         """[slots, 2] the reference policy's log-probs of the batch's completions."""
