@@ -3,6 +3,7 @@
 
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -86,7 +87,7 @@ def test_the_plan_counts_what_the_resolved_tiers_build(tmp_path, wide, monkeypat
     assert b.logits_full and b.attention_scores
     assert estimate(b)["total"] > estimate(a)["total"]
     # the chunked tier's short rows: MLX's fused attention builds one layer's scores at a time
-    
+
     from mlxtune.kernels import flash
 
     tiles = estimate(replace(a, chunked_attention=False))["activations"]
@@ -105,7 +106,7 @@ def test_a_run_over_the_limit_is_refused_with_changes_that_fit(tmp_path, wide, c
     r = wide_recipe(wide, memory={"check": "off"})
     tr = Trainer(recipe_from_dict(r), tmp_path / "probe", console=Console(quiet=True))
     shape = shape_of(tr)
-    
+
     whole = estimate(shape)["total"]
     quarter = estimate(replace(shape, batch=2, accumulation=4))["total"]
     half = estimate(replace(shape, batch=4, accumulation=2))["total"]
