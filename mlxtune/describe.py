@@ -69,6 +69,7 @@ def header(trainer) -> list[str]:
     kind = a.type if a.type == "full" else f"{a.type} r={a.rank} alpha={a.alpha}"
     model = trainer.built.model_dir or "new " + trainer.model_config["model_type"]
     adapted = f" in {d['adapted_modules']} linear layers" if d["adapted_modules"] else ""
+    objective = r.objective.type
     return [
         f"run      {trainer.run_dir.path}" + ("  (dry run)" if trainer.dry_run else ""),
         f"model    {model}  ({d['total_parameters']:,} parameters, {r.model.dtype})",
@@ -77,13 +78,15 @@ def header(trainer) -> list[str]:
         f"data     train {d['train_data']}",
         f"         valid {d['valid_data']}",
         f"train    {d['effective_steps']} steps ({d['epochs']} epochs), "
-        f"{d['examples_per_step']} examples/step, "
-        f"{r.optimizer.name} lr {r.optimizer.lr:g} {r.schedule.name}",
+        f"{d['examples_per_step']} {trainer.objective.noun}/step, "
+        f"{r.optimizer.name} lr {r.optimizer.lr:g} {r.schedule.name}"
+        + ("" if objective == "sft" else f", objective {objective}"),
         f"backend  {d['device']}, BLAS: {d['blas']}",
     ] + (
         [
             f"parallel {d['world_size']} ranks ({d['distributed_backend']}), about "
-            f"{d['batch_per_rank']} of the {r.train.batch_size} examples of a batch each"
+            f"{d['batch_per_rank']} of the {r.train.batch_size} {trainer.objective.noun} of a batch "
+            "each"
         ]
         if "world_size" in d
         else []

@@ -384,3 +384,65 @@ def test_number_keys_toggle_every_panel_and_help_shows_the_keys(tmp_path):
             assert any("[ ] less/more smoothing" in m and "ctrl+q" in m for m in shown)
 
     asyncio.run(drive())
+
+
+def preference_run(path, steps=20):
+    """A recorded DPO run: rows with TRL's reward names, eval rows with them too."""
+    recorded_run(path, steps=0, bad=False)
+    lines = []
+    for s in range(1, steps + 1):
+        row = {"step": s, "loss": 0.7 / s, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_sec": 900.0}
+        row.update({"step_time_s": 0.1, "peak_memory_gb": 0.1, "tokens_seen": 50 * s})
+        row.update({"rewards/margins": 0.1 * s, "rewards/accuracies": min(1.0, 0.5 + 0.03 * s)})
+        lines.append(json.dumps(row))
+        if s % 5 == 0:
+            lines.append(
+                json.dumps(
+                    {
+                        "step": s,
+                        "eval_loss": 0.6 / s,
+                        "eval_rewards/margins": 0.09 * s,
+                        "eval_rewards/accuracies": 0.4 + 0.03 * s,
+                    }
+                )
+            )
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_preference_runs_plot_margins_and_accuracy_beside_the_loss(tmp_path):
+    from mlxtune.tui.compare import CompareApp
+
+    run = preference_run(tmp_path / "dpo")
+    sft = recorded_run(tmp_path / "sft", steps=10, bad=False)
+
+    async def watch():
+        app = WatchApp(run, read_only=True, poll_s=0.05)
+        async with app.run_test(size=(140, 40)) as pilot:
+            await pilot.pause(0.2)
+            assert app.query_one("#prefs").display
+            margins = app.query_one("#margins", Plot)
+            train, evals = margins.series
+            assert train[2][-1] == pytest.approx(ema([0.1 * s for s in range(1, 21)], 0.6)[-1])
+            assert evals[1] == [5, 10, 15, 20] and evals[2][-1] == pytest.approx(1.8)
+            acc = app.query_one("#accuracy", Plot)
+            assert "eval 100.0%" in acc.title and acc.series[1][2][0] == pytest.approx(0.55)
+            assert "ppl" not in app.query_one("#loss", Plot).title
+        app = WatchApp(sft, read_only=True, poll_s=0.05)
+        async with app.run_test(size=(140, 40)) as pilot:
+            await pilot.pause(0.2)
+            assert not app.query_one("#prefs").display  # an SFT run has none
+
+    async def compare():
+        app = CompareApp([run, sft], poll_s=0.05)
+        async with app.run_test(size=(140, 48)) as pilot:
+            await pilot.pause(0.2)
+            assert app.query_one("#prefs").display
+            series = app.query_one("#accuracy", Plot).series
+            # both runs are named demo: told apart by their folders; the SFT run has no curve
+            assert [s[0] for s in series] == ["dpo", "dpo eval"]
+            await pilot.press("t")
+            assert app.query_one("#margins", Plot).series[0][1][-1] == 1000  # tokens seen
+
+    asyncio.run(watch())
+    asyncio.run(compare())

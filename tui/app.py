@@ -71,6 +71,7 @@ class WatchApp(App):
     #curves { height: 1fr; min-height: 8; }
     #loss { width: 2fr; }
     #side { width: 1fr; }
+    #prefs { width: 1fr; display: none; }
     #info { height: auto; padding: 0 1; border-top: solid $primary; }
     #info > Static { height: auto; }
     #log { height: 5; min-height: 3; }
@@ -108,6 +109,8 @@ class WatchApp(App):
         self.requests: list[str] = []
         self._reported_end = False
         self._side_forced = False
+        self._small = False
+        self._prefs_shown = False
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -115,6 +118,9 @@ class WatchApp(App):
         yield Static(id="progress")
         with Horizontal(id="curves"):
             yield Plot("loss", id="loss")
+            with Vertical(id="prefs"):  # preference objectives: shown once rows carry them
+                yield Plot("reward margin", id="margins")
+                yield Plot("preference accuracy", id="accuracy")
             with Vertical(id="side"):
                 yield Plot("learning rate", id="lr")
                 yield Plot("grad norm", id="gnorm")
@@ -189,7 +195,9 @@ class WatchApp(App):
         last = d.last
         title = f"loss {_metric(last, 'loss', '.4f')} · smoothed {_num(smooth[-1] if smooth else None, '.4f')} (ema {self.smoothing})"
         if d.last_eval:
-            title += f" · eval {_metric(d.last_eval, 'eval_loss', '.4f')} ppl {_metric(d.last_eval, 'eval_ppl', '.3f')}"
+            title += f" · eval {_metric(d.last_eval, 'eval_loss', '.4f')}"
+            if "eval_ppl" in d.last_eval:
+                title += f" ppl {_metric(d.last_eval, 'eval_ppl', '.3f')}"
         self.query_one("#loss", Plot).show(
             [
                 ("train", d.loss.xs, d.loss.ys, "dim"),
@@ -198,6 +206,8 @@ class WatchApp(App):
             ],
             title,
         )
+        if d.preference:
+            self._draw_preference(last)
         self.query_one("#lr", Plot).show(
             [("lr", d.lr.xs, d.lr.ys, "line")], f"learning rate {_metric(last, 'lr', '.2e')}"
         )
@@ -231,6 +241,34 @@ class WatchApp(App):
                 f"finished: {d.summary.get('steps')} steps · final loss {_num(d.summary.get('final_loss'), '.4f')} · "
                 f"best eval {_num(d.summary.get('best_eval_loss'), '.4f')}"
             )
+
+    def _draw_preference(self, last: dict) -> None:
+        """Reward margins and preference accuracy beside the loss (train smoothed, eval as
+        points), shown from the first row that has them."""
+        d, prefs = self.data, self.query_one("#prefs")
+        if not self._prefs_shown:  # the first rows that have them (a small terminal: folded)
+            prefs.display = not self._small
+            self._prefs_shown = True
+        title = f"reward margin {_metric(last, 'rewards/margins', '.3f')}"
+        if "eval_rewards/margins" in d.last_eval:
+            title += f" · eval {_metric(d.last_eval, 'eval_rewards/margins', '.3f')}"
+        self.query_one("#margins", Plot).show(
+            [
+                ("train", d.margins.xs, ema(d.margins.ys, self.smoothing), "line"),
+                ("eval", d.eval_margins.xs, d.eval_margins.ys, "points"),
+            ],
+            title,
+        )
+        title = f"accuracy {_metric(last, 'rewards/accuracies', '.1%')}"
+        if "eval_rewards/accuracies" in d.last_eval:
+            title += f" · eval {_metric(d.last_eval, 'eval_rewards/accuracies', '.1%')}"
+        self.query_one("#accuracy", Plot).show(
+            [
+                ("train", d.accuracy.xs, ema(d.accuracy.ys, self.smoothing), "line"),
+                ("eval", d.eval_accuracy.xs, d.eval_accuracy.ys, "points"),
+            ],
+            title,
+        )
 
     def _progress(self) -> None:
         d = self.data
@@ -270,9 +308,11 @@ class WatchApp(App):
 
     def on_resize(self, event) -> None:
         """A small terminal shows the loss plot alone (2 and 3 bring the others back)."""
+        self._small = event.size.width < 100 or event.size.height < 30
         if not self._side_forced:
-            small = event.size.width < 100 or event.size.height < 30
-            self.query_one("#side").display = not small
+            self.query_one("#side").display = not self._small
+        if self.data.preference:
+            self.query_one("#prefs").display = not self._small
 
     def action_smooth(self, direction: int) -> None:
         steps = SMOOTHING_STEPS

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.containers import Horizontal
 from textual.widgets import DataTable, Footer
 
 from .plot import Plot
@@ -89,6 +90,7 @@ class CompareApp(App):
 
     CSS = """
     #overlay { height: 1fr; min-height: 8; }
+    #prefs { height: 1fr; min-height: 8; display: none; }
     #table { height: auto; max-height: 12; }
     """
     TITLE = "mlxtune compare"
@@ -106,6 +108,9 @@ class CompareApp(App):
 
     def compose(self) -> ComposeResult:
         yield Plot("loss", id="overlay")
+        with Horizontal(id="prefs"):  # runs of preference objectives: margins and accuracy
+            yield Plot("reward margin", id="margins")
+            yield Plot("preference accuracy", id="accuracy")
         yield DataTable(id="table", cursor_type="row")
         yield Footer()
 
@@ -132,10 +137,35 @@ class CompareApp(App):
             f"loss (train smoothed, ema {self.smoothing}; eval as points) by {self.by}",
             "tokens seen" if self.by == "tokens" else "step",
         )
+        if any(d.preference for d in self.runs):
+            self._overlay_preference(rows)
         table = self.query_one("#table", DataTable)
         table.clear()
         for cells in table_cells(rows):
             table.add_row(*cells)
+
+    def _overlay_preference(self, rows: list[dict]) -> None:
+        """The preference runs' reward margins and accuracies overlaid like the loss."""
+        self.query_one("#prefs").display = True
+        tokens = self.by == "tokens"
+        for plot, what, train_of, eval_of in (
+            ("#margins", "reward margin", "margins", "eval_margins"),
+            ("#accuracy", "preference accuracy", "accuracy", "eval_accuracy"),
+        ):
+            series = []
+            for i, (d, row) in enumerate(zip(self.runs, rows, strict=True)):
+                if not d.preference:
+                    continue
+                suffix = "_by_tokens" if tokens else ""
+                train, evals = getattr(d, train_of + suffix), getattr(d, eval_of + suffix)
+                series.append((row["label"], train.xs, ema(train.ys, self.smoothing), "line", i))
+                if len(evals):
+                    series.append((f"{row['label']} eval", evals.xs, evals.ys, "points", i))
+            self.query_one(plot, Plot).show(
+                series,
+                f"{what} (train smoothed; eval as points)",
+                "tokens seen" if tokens else "step",
+            )
 
     def action_toggle_x(self) -> None:
         self.by = "tokens" if self.by == "step" else "step"

@@ -115,6 +115,13 @@ class RunData:
         # train loss against tokens seen, and eval loss likewise (compare aligns runs by it)
         self.loss_by_tokens = Curve(max_points)
         self.eval_by_tokens = Curve(max_points)
+        # preference objectives (dpo, orpo, reward): the implicit rewards' margin and accuracy,
+        # by step and by tokens seen
+        self.margins, self.eval_margins = Curve(max_points), Curve(max_points)
+        self.accuracy, self.eval_accuracy = Curve(max_points), Curve(max_points)
+        self.margins_by_tokens, self.eval_margins_by_tokens = Curve(max_points), Curve(max_points)
+        self.accuracy_by_tokens = Curve(max_points)
+        self.eval_accuracy_by_tokens = Curve(max_points)
         self.last: dict = {}
         self.last_eval: dict = {}
         self.first_time: float | None = None
@@ -153,10 +160,22 @@ class RunData:
                 if "loss_scale" in row:
                     self.loss_scale.add(step, row.get("loss_scale"))
                 self.loss_by_tokens.add(row.get("tokens_seen", 0), row.get("loss"))
+                if "rewards/margins" in row:
+                    tokens = row.get("tokens_seen", 0)
+                    self.margins.add(step, row["rewards/margins"])
+                    self.accuracy.add(step, row.get("rewards/accuracies"))
+                    self.margins_by_tokens.add(tokens, row["rewards/margins"])
+                    self.accuracy_by_tokens.add(tokens, row.get("rewards/accuracies"))
             if "eval_loss" in row:
                 self.last_eval = row
                 self.eval_loss.add(step, row.get("eval_loss"))
                 self.eval_by_tokens.add(self.last.get("tokens_seen", 0), row.get("eval_loss"))
+                if "eval_rewards/margins" in row:
+                    tokens = self.last.get("tokens_seen", 0)
+                    self.eval_margins.add(step, row["eval_rewards/margins"])
+                    self.eval_accuracy.add(step, row.get("eval_rewards/accuracies"))
+                    self.eval_margins_by_tokens.add(tokens, row["eval_rewards/margins"])
+                    self.eval_accuracy_by_tokens.add(tokens, row.get("eval_rewards/accuracies"))
         self.log_lines = self.log_tail.lines()[-500:]
         changed = changed or bool(self.log_lines)
         new_samples = self.sample_tail.rows()
@@ -170,6 +189,11 @@ class RunData:
             except json.JSONDecodeError:
                 pass
         return changed
+
+    @property
+    def preference(self) -> bool:
+        """Whether the run trains on preference pairs (its rows carry reward margins)."""
+        return bool(len(self.margins) or len(self.eval_margins))
 
     def eta_s(self) -> float | None:
         step, total = self.last.get("step"), self.total_steps

@@ -14,6 +14,9 @@ from ..precision import scaling_mode
 from ..rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
 from .schema import Recipe
 
+PREFERENCE = ("dpo", "orpo", "reward")
+"""The objectives that train on preference pairs."""
+
 
 class Fails(Protocol):
     """What the rules report a problem to: ``fail`` raises a ``UserInputError`` naming where
@@ -364,6 +367,13 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
         inert(("precision.max_skipped",), "precision.nonfinite is stop")
     if r.memory.check == "off":
         inert(("memory.limit_gb",), "memory.check is off")
+
+    kind = r.objective.type
+    if kind in PREFERENCE:
+        inert(("data.mask_prompt",), f"objective.type {kind} scores the completions only")
+        inert(("train.label_smoothing",), f"objective.type {kind} does not read it")
+        if d.packing != "off":
+            inert(("data.mask_boundary_loss",), "a pair's sequences never score their first token")
     return found
 
 

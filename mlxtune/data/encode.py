@@ -59,10 +59,12 @@ class SplitStats:
     dropped_no_targets: int = 0
     tokens: int = 0
     target_tokens: int = 0
+    noun: str = "examples"
+    """What the split counts: examples, or pairs (preference data)."""
 
     def line(self) -> str:
         parts = [
-            f"{self.kept} examples",
+            f"{self.kept} {self.noun}",
             f"{self.tokens:,} tokens ({self.target_tokens:,} trained on)",
         ]
         for name in ("truncated", "dropped_too_long", "dropped_too_short", "dropped_no_targets"):

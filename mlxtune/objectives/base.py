@@ -75,6 +75,8 @@ class Objective:
 
     name: ClassVar[str] = ""
     Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+    noun: ClassVar[str] = "examples"
+    """What a batch holds, as the header and summary name it (examples, pairs)."""
 
     def __init__(self, recipe: Recipe, components: Components):
         self.recipe = recipe

@@ -105,6 +105,8 @@ class Preference(Objective):
     """What the preference objectives share: pairs as data, batches that keep pairs whole,
     per-sequence completion log-probs, and evaluation on the validation pairs. Counts pairs."""
 
+    noun = "pairs"
+
     def __init__(self, recipe, components):
         super().__init__(recipe, components)
         d = recipe.data
@@ -150,6 +152,8 @@ class Preference(Objective):
             train, valid = split_off(train, d.valid_fraction, r.train.seed)
             train, valid = renumbered(train), renumbered(valid)
         test = load(d.test) if d.test else valid
+        for ds in (train, valid, test):
+            ds.stats.noun = "pairs"
         return train, valid, test
 
     def batches(self, start_epoch: int = 0, skip: int = 0):
