@@ -63,7 +63,7 @@ def launch(tmp_path, *args, n=2, timeout=240):
     return got, p.stdout + p.stderr, took
 
 
-def same(a, b, rel=1e-5):
+def same(a, b, rel=1e-5, abs=1e-7):
     """Metrics rows equal: counts exactly, losses and norms within fp32 round-off."""
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
@@ -72,7 +72,7 @@ def same(a, b, rel=1e-5):
         assert x.keys() == y.keys(), (x, y)
         for k in x:
             if isinstance(x[k], float):
-                assert x[k] == pytest.approx(y[k], rel=rel, abs=1e-7), (k, x, y)
+                assert x[k] == pytest.approx(y[k], rel=rel, abs=abs), (k, x, y)
             else:
                 assert x[k] == y[k], (k, x, y)
 
@@ -279,3 +279,28 @@ def test_every_rank_runs_as_many_micro_batches(tmp_path, data_dir, llama_dir):
     assert [len(p.tokens) for p in got[1]] == [1, 1]  # 1 row, and one that counts nothing
     assert [p.n_targets for p in got[1]][1] == 0 and not got[1][1].mask.any()
     assert sum(p.n_targets for ps in got.values() for p in ps) == b.n_targets
+
+
+def test_preference_pairs_train_as_one(runs, tmp_path):
+    """DPO with its adapters-off reference: pairs split whole among the ranks, and
+    precomputed reference log-probs computed on every rank alike."""
+    from test_preference import pair_rows
+
+    from conftest import write_jsonl
+
+    data = tmp_path / "prefs"
+    write_jsonl(data / "train.jsonl", pair_rows(40, 1))
+    write_jsonl(data / "valid.jsonl", pair_rows(9, 2))
+    for reference in ("auto", "precomputed"):
+        r = dict(runs["recipe"])
+        r["data"] = {"train": str(data / "train.jsonl"), "valid": str(data / "valid.jsonl")}
+        r["objective"] = {"type": "dpo", "beta": 0.5, "reference": reference}
+        r["train"] = {**r["train"], "batch_size": 5, "max_steps": 4}
+        r["eval"] = {"every": 2}
+        r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
+        one, two, p = one_and_two(tmp_path / reference, r)
+        assert p.returncode == 0, p.stdout + p.stderr
+        got = rows(two)
+        assert any("rewards/margins" in x for x in got) and got[0]["world_size"] == 2
+        # rewards are differences of log-probs of about -40: fp32 round-off of those
+        same(rows(one), got, abs=2e-5)

@@ -6,6 +6,7 @@ every split, exact resume, bad input, and learning on the shipped quickstart-dpo
 from __future__ import annotations
 
 import json
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -612,3 +613,37 @@ def test_a_reward_model_refuses_generation_settings(tmp_path, llama_dir, prefs, 
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
     assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "o")]) == 2
     assert "eval.exact_match" in capsys.readouterr().err
+
+
+def test_checkpointing_packing_and_qlora_train_pairs(tmp_path, llama_dir, prefs):
+    """Gradient checkpointing changes no number; packed pairs train as padded ones do (the
+    same pairs, other batches: the first step's loss matches a padded step on its pairs); a
+    4-bit base trains its adapters."""
+    plain = recipe(prefs, llama_dir)
+    build(plain, tmp_path, "plain").run()
+    ckpt = recipe(prefs, llama_dir, train={**plain["train"], "grad_checkpointing": True})
+    build(ckpt, tmp_path, "ckpt").run()
+    same(rows(tmp_path / "plain"), rows(tmp_path / "ckpt"), rel=1e-5, abs=1e-6)
+
+    packed = recipe(prefs, llama_dir)
+    packed["data"] = {**packed["data"], "packing": "pack", "pack_length": 96}
+    packed["train"] = {**packed["train"], "batch_size": 2}
+    t = build(packed, tmp_path, "packed")
+    batch = next(t.objective.batches())[1]
+    assert batch.segments is not None and batch.n_pairs > 2  # several pairs to a row
+    from mlxtune.data.preference import make_pair_batch
+
+    pairs = batch_pairs(t, batch)
+    with kernel_attention(t.model, t.tiers["attention"]):
+        got = t.objective.loss(t.model, t.engine.arrays(batch))[0].item()
+        want = t.objective.loss(t.model, t.engine.arrays(make_pair_batch(pairs, 0, 8)))[0].item()
+    assert got == pytest.approx(want, rel=1e-5)
+    t.run()
+    assert all("packing_utilization" in x for x in rows(tmp_path / "packed") if "loss" in x)
+
+    q = recipe(
+        prefs, llama_dir, model={"path": str(llama_dir), "quantize": {"bits": 4, "group_size": 32}}
+    )
+    s = build(q, tmp_path, "qlora").run()
+    got = [x for x in rows(tmp_path / "qlora") if "loss" in x]
+    assert math.isfinite(s["final_loss"]) and got[-1]["rewards/margins"] > got[0]["rewards/margins"]
