@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from . import kernels
 from .adapters import apply_adapters
 from .config import Recipe
-from .data import Dataset, Encoder, load_split, read_jsonl, split_off
+from .data import read_jsonl
 from .errors import UserInputError
 from .export import TrainedModel, import_adapter
 from .gguf_tokenizer import write_tokenizer_from_gguf
@@ -240,32 +240,6 @@ def adapt(recipe: Recipe, model: nn.Module, log) -> dict:
             "their activations in the backward pass"
         )
     return info
-
-
-def datasets(recipe: Recipe, tokenizer) -> tuple[Dataset, Dataset, Dataset]:
-    """(train, valid, test): encoded and masked as the data section says; valid is split off
-    train when no file is named, and test is valid unless named."""
-    r, d = recipe, recipe.data
-    enc = Encoder(tokenizer, d.mask_prompt, d.add_eos, d.train_on_eos)
-
-    def load(path, max_length):
-        return load_split(r.resolve_path(path), enc, d.format, max_length, d.overlong, d.min_length)
-
-    # a token stream is cut into rows, not truncated per document
-    train = load(d.train, 1 << 62 if d.packing == "stream" else d.max_length)
-    if d.valid:
-        valid = load(d.valid, d.max_length)
-    else:
-        train, valid = split_off(train, d.valid_fraction, r.train.seed)
-        if d.packing == "stream":  # evaluation reads one document a row, up to max_length
-            for e in valid.examples:
-                e.ids, e.mask = e.ids[: d.max_length], e.mask[: d.max_length]
-    test = load(d.test, d.max_length) if d.test else valid
-    if r.eval.exact_match and not any(e.prompt_ids for e in test.examples):
-        raise UserInputError(
-            "eval.exact_match needs completion, instruction or chat data", "eval.exact_match"
-        )
-    return train, valid, test
 
 
 def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool, log) -> Built:

@@ -240,16 +240,18 @@ class Poison(mlxtune.Callback):
             norm.weight = self.saved
 
 
-def measured_peak(trainer) -> float:
-    """MLX's peak memory of one optimizer step of a built Trainer on its longest examples, after
-    a compiling step, with attention routed as Trainer.run routes it."""
+def measured_peak(trainer, batch=None) -> float:
+    """MLX's peak memory of one optimizer step of a built Trainer on ``batch`` (default: its
+    longest examples), after a compiling step, with attention routed as Trainer.run routes it."""
     import mlx.core as mx
 
     from mlxtune.data import make_batch
     from mlxtune.models import kernel_attention
 
-    exs = sorted(trainer.train_set.examples, key=lambda e: -len(e.ids))
-    batch = [make_batch(exs[: trainer.recipe.train.batch_size], trainer.pad_id, 8)]
+    if batch is None:
+        exs = sorted(trainer.train_set.examples, key=lambda e: -len(e.ids))
+        batch = make_batch(exs[: trainer.recipe.train.batch_size], trainer.pad_id, 8)
+    batch = [batch]
     with kernel_attention(trainer.model):
         trainer.engine.step(batch)  # compile
         mx.synchronize()
@@ -258,3 +260,20 @@ def measured_peak(trainer) -> float:
         trainer.engine.step(batch)
         mx.synchronize()
     return mx.get_peak_memory()
+
+
+def same_rows(a, b, rel=1e-5, abs=1e-7):
+    """Metrics rows equal: counts exactly, floats within ``rel``/``abs`` (fp32 round-off); a
+    data-parallel run's ``world_size`` is left out."""
+    import pytest
+
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        x = {k: v for k, v in x.items() if k != "world_size"}
+        y = {k: v for k, v in y.items() if k != "world_size"}
+        assert x.keys() == y.keys(), (x, y)
+        for k in x:
+            if isinstance(x[k], float):
+                assert x[k] == pytest.approx(y[k], rel=rel, abs=abs), (k, x, y)
+            else:
+                assert x[k] == y[k], (k, x, y)

@@ -289,7 +289,7 @@ def test_held_out_split_keeps_the_files_counts(tmp_path, tokenizer):
     assert tr.stats.dropped_too_long == 1 and "1 dropped too long" in tr.stats.line()
 
 
-BUILT_IN_FORMATS = ("text", "completion", "instruction", "chat", "tokens")
+BUILT_IN_FORMATS = ("text", "completion", "instruction", "chat", "tokens", "preference")
 
 
 @pytest.fixture
@@ -374,7 +374,8 @@ def test_a_row_of_no_known_format_names_file_line_and_the_formats(tmp_path, toke
         load_split(p, Encoder(tokenizer), "auto", 64, "drop", 1)
     assert str(e.value).endswith(
         f"{p}:2: cannot tell the format from keys ['bar', 'foo']: expected text, "
-        "prompt+completion, instruction+output, messages, input_ids, or question+answer"
+        "prompt+completion, instruction+output, messages, input_ids, chosen+rejected, or "
+        "question+answer"
     )
     # Without it, the built-in formats alone, as before.
     unregister_format("qa")
@@ -385,7 +386,7 @@ def test_a_row_of_no_known_format_names_file_line_and_the_formats(tmp_path, toke
         register_format(qa_format)
     assert str(e.value).endswith(
         f"{p}:2: cannot tell the format from keys ['bar', 'foo']: expected text, "
-        "prompt+completion, instruction+output, messages, or input_ids"
+        "prompt+completion, instruction+output, messages, input_ids, or chosen+rejected"
     )
 
 

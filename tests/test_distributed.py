@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, tiny_recipe
+from conftest import REPO, same_rows, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.checkpoint import verify
 from mlxtune.console import Console
@@ -65,16 +65,7 @@ def launch(tmp_path, *args, n=2, timeout=240):
 
 def same(a, b, rel=1e-5, abs=1e-7):
     """Metrics rows equal: counts exactly, losses and norms within fp32 round-off."""
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        x = {k: v for k, v in x.items() if k != "world_size"}
-        y = {k: v for k, v in y.items() if k != "world_size"}
-        assert x.keys() == y.keys(), (x, y)
-        for k in x:
-            if isinstance(x[k], float):
-                assert x[k] == pytest.approx(y[k], rel=rel, abs=abs), (k, x, y)
-            else:
-                assert x[k] == y[k], (k, x, y)
+    same_rows(a, b, rel, abs)
 
 
 @pytest.fixture(scope="module")

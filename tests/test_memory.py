@@ -244,10 +244,8 @@ def test_running_out_of_memory_outside_a_step_is_one_line_exit_1(
 def test_the_estimate_counts_two_sequences_a_pair_and_the_reference(tmp_path, wide, over):
     """A DPO step: two rows a pair, the reference's forward, and (full fine-tuning) the copy of
     the starting weights, close to MLX's measured peak."""
-    import mlx.core as mx
 
     from mlxtune.data.preference import make_pair_batch
-    from mlxtune.models import kernel_attention
 
     rng = random.Random(1)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "there"]
@@ -263,15 +261,7 @@ def test_the_estimate_counts_two_sequences_a_pair_and_the_reference(tmp_path, wi
     tr = Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True))
     est = estimate(shape_of(tr))
     pairs = sorted(tr.train_set.examples, key=lambda p: -p.longest)
-    batch = [make_pair_batch(pairs[: tr.recipe.train.batch_size], tr.pad_id, 8)]
-    with kernel_attention(tr.model):
-        tr.engine.step(batch)  # compile
-        mx.synchronize()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        tr.engine.step(batch)
-        mx.synchronize()
-    peak = mx.get_peak_memory()
+    peak = measured_peak(tr, make_pair_batch(pairs[: tr.recipe.train.batch_size], tr.pad_id, 8))
     # (counting one row a pair and no reference would read 0.55-0.67 here)
     assert 0.8 < est["total"] / peak < 1.6, (est, peak)
     if over["adapter"]["type"] == "full":  # the reference's copy is counted with the weights

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import REPO, make_crash, write_jsonl
+from conftest import REPO, make_crash, same_rows, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
@@ -79,14 +79,7 @@ def rows(run_dir):
 
 
 def same(a, b, rel=1e-5, abs=1e-6):
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert x.keys() == y.keys(), (x, y)
-        for k in x:
-            if isinstance(x[k], float):
-                assert x[k] == pytest.approx(y[k], rel=rel, abs=abs), (k, x, y)
-            else:
-                assert x[k] == y[k], (k, x, y)
+    same_rows(a, b, rel, abs)
 
 
 def shake_adapters(model, seed=0):

@@ -253,9 +253,10 @@ WEIGHTED = MINIMAL_RECIPE + "objective:\n  type: test-weighted\n  weight: 0.25\n
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_every_shipped_recipe_loads_as_sft_with_no_inert_keys(path):
+def test_every_shipped_recipe_loads_with_its_objective_and_no_inert_keys(path):
     r = R.load_recipe(path)
-    assert type(r.objective) is R.ObjectiveConfig and r.objective.type == "sft"
+    assert type(r.objective) is R.OBJECTIVE_CONFIGS[r.objective.type]
+    assert r.objective.type == ("dpo" if path.name == "quickstart-dpo.yaml" else "sft")
     assert R.inert_keys(r) == []
 
 
@@ -308,14 +309,19 @@ def test_an_unknown_objective_type_lists_the_registered_ones(tmp_path, weighted)
         R.load_recipe(p)
     msg = str(e.value)
     assert f"{p}:9: objective.type: unknown objective 'test-weigted'" in msg
-    assert "did you mean 'test-weighted'" in msg and "registered: sft, test-weighted" in msg
+    assert (
+        "did you mean 'test-weighted'" in msg
+        and "registered: sft, dpo, orpo, reward, test-weighted" in msg
+    )
     assert main(["validate", str(p)]) == 2
 
 
 def test_an_objective_unregistered_again_is_unknown(tmp_path, weighted):
     R.OBJECTIVE_CONFIGS.pop("test-weighted")
     try:
-        with pytest.raises(UserInputError, match=r"unknown objective .*\(registered: sft\)"):
+        with pytest.raises(
+            UserInputError, match=r"unknown objective .*\(registered: sft, dpo, orpo, reward\)"
+        ):
             R.load_recipe(write(tmp_path, WEIGHTED))
     finally:
         R.register_objective_config("test-weighted", WeightedObjective)

@@ -94,7 +94,8 @@ class DataConfig:
     test: str | None = None
     """Held-out JSONL file for the task metric (exact match); defaults to the validation set."""
     format: str = "auto"
-    """Example format: text, completion, instruction, chat, tokens, or one registered with
+    """Example format: text, completion, instruction, chat, tokens, preference (pairs, for
+    objective.type dpo, orpo or reward), or one registered with
     ``mlxtune.data.register_format``; "auto" detects it from the keys of the first example."""
     max_length: int = 2048
     """Longest example in tokens; longer ones are truncated or dropped (see overlong)."""

@@ -114,22 +114,25 @@ def iterate_batches(
         epoch += 1
 
 
+def eval_order(lengths: list[int], batch_size: int, max_batches: int | None = None) -> list[list]:
+    """The fixed, length-sorted batches (example indices) evaluation runs over: the whole split,
+    or a fixed random subset of ``max_batches`` batches (not the shortest examples)."""
+    order = range(len(lengths))
+    if max_batches and max_batches * batch_size < len(lengths):
+        order = np.random.default_rng(0).choice(
+            len(lengths), max_batches * batch_size, replace=False
+        )
+    order = sorted(order, key=lambda i: lengths[i])
+    out = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+    return out[:max_batches] if max_batches else out
+
+
 def eval_batches(
     ds: Dataset, batch_size: int, pad_id: int, multiple: int, max_batches: int | None = None
 ):
     """Fixed, length-sorted batches over a whole split (deterministic)."""
-    order = range(len(ds.examples))
-    if max_batches and max_batches * batch_size < len(ds.examples):
-        # A fixed random subset (not the shortest examples), sorted to keep padding small.
-        order = np.random.default_rng(0).choice(
-            len(ds.examples), max_batches * batch_size, replace=False
-        )
-    order = sorted(order, key=lambda i: len(ds.examples[i].ids))
-    out = []
-    for s in range(0, len(order), batch_size):
-        out.append(
-            make_batch([ds.examples[i] for i in order[s : s + batch_size]], pad_id, multiple)
-        )
-        if max_batches and len(out) >= max_batches:
-            break
-    return out
+    lengths = [len(e.ids) for e in ds.examples]
+    return [
+        make_batch([ds.examples[i] for i in idx], pad_id, multiple)
+        for idx in eval_order(lengths, batch_size, max_batches)
+    ]

@@ -81,15 +81,16 @@ def stream_rows(examples: list[Example], capacity: int, order: np.ndarray) -> li
 
 
 def packed_epoch(
-    ds: Dataset, mode: str, capacity: int, seed: int, epoch: int
+    ds: Dataset, mode: str, capacity: int, seed: int, epoch: int, sizes: list[int] | None = None
 ) -> list[list[Example]]:
-    """One epoch's packed rows (shuffled from the seed and epoch)."""
+    """One epoch's packed rows (shuffled from the seed and epoch); ``sizes``: the room each
+    example takes in a row (default its tokens)."""
     rng = np.random.default_rng([seed, epoch, 1])
     order = rng.permutation(len(ds.examples))
     if mode == "stream":
         rows = stream_rows(ds.examples, capacity, order)
     else:
-        lengths = [len(e.ids) for e in ds.examples]
+        lengths = sizes if sizes is not None else [len(e.ids) for e in ds.examples]
         rows = [[ds.examples[i] for i in r] for r in pack_rows(lengths, capacity, order)]
     return [rows[i] for i in rng.permutation(len(rows))]
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserInputError
-from .batching import Batch, batch_order, read_positions
+from .batching import Batch, batch_order, eval_order, read_positions
 from .encode import Dataset, Encoder, Example, SplitStats, read_jsonl
 from .formats import Chat, Pair, PromptAnswer, detect_format, get_format
-from .packing import pack_rows
+from .packing import packed_epoch
 
 NO_SEQUENCE = -1
 
@@ -306,11 +306,7 @@ def pair_batch_order(ds: Dataset, batch_size: int, epoch: int, seed: int, bucket
 
 def packed_pair_epoch(ds: Dataset, capacity: int, seed: int, epoch: int):
     """One epoch's rows of whole pairs (best-fit, shuffled from the seed and epoch)."""
-    rng = np.random.default_rng([seed, epoch, 1])
-    order = rng.permutation(len(ds.examples))
-    sizes = [p.size for p in ds.examples]
-    rows = [[ds.examples[i] for i in r] for r in pack_rows(sizes, capacity, order)]
-    return [rows[i] for i in rng.permutation(len(rows))]
+    return packed_epoch(ds, "pack", capacity, seed, epoch, [p.size for p in ds.examples])
 
 
 def iterate_pairs(
@@ -352,16 +348,8 @@ def pair_batches(
     split: str = "valid",
 ) -> list[PairBatch]:
     """Fixed, length-sorted batches over a whole split of pairs (deterministic)."""
-    order = range(len(ds.examples))
-    if max_batches and max_batches * batch_size < len(ds.examples):
-        order = np.random.default_rng(0).choice(
-            len(ds.examples), max_batches * batch_size, replace=False
-        )
-    order = sorted(order, key=lambda i: ds.examples[i].longest)
-    out = []
-    for s in range(0, len(order), batch_size):
-        pairs = [ds.examples[i] for i in order[s : s + batch_size]]
-        out.append(make_pair_batch(pairs, pad_id, multiple, split))
-        if max_batches and len(out) >= max_batches:
-            break
-    return out
+    lengths = [p.longest for p in ds.examples]
+    return [
+        make_pair_batch([ds.examples[i] for i in idx], pad_id, multiple, split)
+        for idx in eval_order(lengths, batch_size, max_batches)
+    ]

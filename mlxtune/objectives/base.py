@@ -19,7 +19,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import ObjectiveConfig, Recipe
-from ..data import Batch, Dataset, read_positions, split_batch
+from ..data import Batch, Dataset, Encoder, load_split, read_positions, split_batch, split_off
+from ..errors import UserInputError
 from ..kernels import linear_cross_entropy
 from ..models import LMParts, segments
 
@@ -87,11 +88,32 @@ class Objective:
     @classmethod
     def datasets(cls, recipe: Recipe, tokenizer) -> tuple[Dataset, Dataset, Dataset]:
         """(train, valid, test) as the recipe's data section names them, read before the
-        objective is built (``Components`` holds them): by default examples in one of the
-        registered data formats (``mlxtune.build.datasets``)."""
-        from ..build import datasets  # build imports the objectives
+        objective is built (``Components`` holds them). By default examples in one of the
+        registered data formats, encoded and masked as the data section says; valid is split
+        off train when no file is named, and test is valid unless named."""
+        r, d = recipe, recipe.data
+        enc = Encoder(tokenizer, d.mask_prompt, d.add_eos, d.train_on_eos)
 
-        return datasets(recipe, tokenizer)
+        def load(path, max_length):
+            return load_split(
+                r.resolve_path(path), enc, d.format, max_length, d.overlong, d.min_length
+            )
+
+        # a token stream is cut into rows, not truncated per document
+        train = load(d.train, 1 << 62 if d.packing == "stream" else d.max_length)
+        if d.valid:
+            valid = load(d.valid, d.max_length)
+        else:
+            train, valid = split_off(train, d.valid_fraction, r.train.seed)
+            if d.packing == "stream":  # evaluation reads one document a row, up to max_length
+                for e in valid.examples:
+                    e.ids, e.mask = e.ids[: d.max_length], e.mask[: d.max_length]
+        test = load(d.test, d.max_length) if d.test else valid
+        if r.eval.exact_match and not any(e.prompt_ids for e in test.examples):
+            raise UserInputError(
+                "eval.exact_match needs completion, instruction or chat data", "eval.exact_match"
+            )
+        return train, valid, test
 
     @classmethod
     def extend(cls, recipe: Recipe, model: nn.Module, log) -> None:

@@ -45,7 +45,7 @@ from ..data.preference import (
 from ..errors import UserInputError
 from ..kernels import forward_only
 from ..models import add_reward_head, kernel_attention, segments
-from .base import Objective, Usage, target_rows
+from .base import Objective, Usage
 
 REFERENCE_FILE = "reference_logps.safetensors"
 
@@ -191,12 +191,7 @@ class Preference(Objective):
     def arrays(self, batch: PairBatch) -> dict[str, np.ndarray]:
         """The rows, and for each target position the sequence it scores (``seq``: 2 x slots
         for none), each slot's validity and its sequences' completion lengths."""
-        out = {"tokens": batch.tokens, "mask": batch.mask}
-        if batch.segments is not None:
-            out["segments"] = batch.segments
-        rows = target_rows(batch.mask)
-        if rows is not None:
-            out["rows"] = rows
+        out = super().arrays(batch)  # tokens, mask, segments, rows
         slots = len(batch.pairs)
         seq = batch.seq[:, 1:]
         out["seq"] = np.where((batch.mask[:, 1:] > 0) & (seq >= 0), seq, 2 * slots).astype(np.int32)
