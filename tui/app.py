@@ -249,26 +249,21 @@ class WatchApp(App):
         if not self._prefs_shown:  # the first rows that have them (a small terminal: folded)
             prefs.display = not self._small
             self._prefs_shown = True
-        title = f"reward margin {_metric(last, 'rewards/margins', '.3f')}"
-        if "eval_rewards/margins" in d.last_eval:
-            title += f" · eval {_metric(d.last_eval, 'eval_rewards/margins', '.3f')}"
-        self.query_one("#margins", Plot).show(
-            [
-                ("train", d.margins.xs, ema(d.margins.ys, self.smoothing), "line"),
-                ("eval", d.eval_margins.xs, d.eval_margins.ys, "points"),
-            ],
-            title,
-        )
-        title = f"accuracy {_metric(last, 'rewards/accuracies', '.1%')}"
-        if "eval_rewards/accuracies" in d.last_eval:
-            title += f" · eval {_metric(d.last_eval, 'eval_rewards/accuracies', '.1%')}"
-        self.query_one("#accuracy", Plot).show(
-            [
-                ("train", d.accuracy.xs, ema(d.accuracy.ys, self.smoothing), "line"),
-                ("eval", d.eval_accuracy.xs, d.eval_accuracy.ys, "points"),
-            ],
-            title,
-        )
+        for plot, key, fmt, train, evals in (
+            ("#margins", "rewards/margins", ".3f", d.margins, d.eval_margins),
+            ("#accuracy", "rewards/accuracies", ".1%", d.accuracy, d.eval_accuracy),
+        ):
+            what = "reward margin" if plot == "#margins" else "accuracy"
+            title = f"{what} {_metric(last, key, fmt)}"
+            if f"eval_{key}" in d.last_eval:
+                title += f" · eval {_metric(d.last_eval, f'eval_{key}', fmt)}"
+            self.query_one(plot, Plot).show(
+                [
+                    ("train", train.xs, ema(train.ys, self.smoothing), "line"),
+                    ("eval", evals.xs, evals.ys, "points"),
+                ],
+                title,
+            )
 
     def _progress(self) -> None:
         d = self.data

@@ -1,0 +1,941 @@
+"""DPO throughput and memory: mlxtune against mlx-lm-lora's DPO trainer (PyPI ``mlx-lm-lora``).
+
+    python bench/compare_preference.py                 # tiny llama, 32k vocab, 40 steps, ~5 min
+    python bench/compare_preference.py --quick         # 12 steps, ~2 min
+    python bench/compare_preference.py --vocab 32 --batch 8 --steps 30
+    python bench/compare_preference.py --model-dir PATH  # any HF-layout llama dir
+    python bench/compare_preference.py --no-precomputed  # without the extra mlxtune row
+    python bench/compare_preference.py --peer-only       # mlx-lm-lora alone (--mlxtune-only too)
+
+One invocation trains, on the same model and the same preference pairs, with the same LoRA
+(q_proj/v_proj of every block, rank ``--rank``, scale ``--scale``, dropout 0), ``--batch`` pairs a
+step, Adam at a constant ``--lr`` without clipping, DPO's sigmoid loss at ``--beta``, for
+``--steps`` steps:
+
+1. mlxtune with ``objective: {type: dpo, loss: sigmoid, reference: auto}`` (the reference is the
+   base with the LoRA adapters off: no second model) and its defaults otherwise (kernels auto,
+   length-bucketed batches rounded to 8 positions, the head and loss over target rows only);
+2. mlx-lm-lora's ``train_dpo`` with a second loaded copy of the model as the reference, as its
+   CLI does (``--reference`` for its other two);
+3. (unless ``--no-precomputed``) mlxtune again with ``reference: precomputed``: the reference
+   log-probs of every pair computed once before training (in ``setup_s``), so a step runs no
+   reference pass. Its difference from row 1 is what the reference pass costs mlxtune.
+
+Each runs in its own Python process (this script re-invoked with ``--mlxtune-worker`` or
+``--peer-worker SPEC.json``, printing one ``MLXTUNE_RESULT {json}`` / ``MLX_LM_LORA_RESULT {json}``
+line), so each peak memory is its own and nothing one sets (wired limit, compile cache, malloc)
+reaches the other. Prints a table (stderr) with pairs/s, peak GB, the ratios mlxtune / peer and
+MFU, whether the project's targets are met (at the 32k vocabulary: >= 1.5x the peer's pairs/s,
+<= 0.6x its peak memory), then one JSON line (stdout) with every figure.
+
+The same tokens: mlxtune gets each pair as chat messages (``as_chat``: a user turn, and one
+assistant turn per completion), which it renders with the tokenizer's chat template, as
+mlx-lm-lora's ``DPODataset`` renders the strings. Both workers return their encoding of the first
+``--check`` pairs and the bench compares them: the token ids of each sequence and the tokens
+scored (mlx-lm-lora: every token from the generation prompt's length on); any difference prints
+a ``WARNING: tokenization:`` line and is listed in the JSON's ``tokenization_mismatches``.
+
+Timing, both sides alike: each step's wall time (building the batch, the step, waiting for it),
+``pairs_per_sec`` = batch x steps / seconds over the steady steps: those after the first whose
+input shapes had been compiled before (both trainers ``mx.compile`` their step per shape;
+``pairs_per_sec_with_compiles`` counts every step after the first, ``pairs_per_sec_median`` is
+batch / the median steady step). mlxtune runs with ``train.log_every: 1`` so that each metrics row
+is one step (``step_time_s``): it then waits for every step, and the host no longer prepares the
+next batch while the previous step runs (a small cost, against mlxtune); the engine's
+``arrays`` is wrapped to record each step's input shapes (mlxtune's compile key: the padded
+length and the number of target rows). Its peak memory is the metrics rows' ``peak_memory_gb``
+(the loop resets it right before the first step; the last row is written before the run's final
+evaluation, which reads one batch of ``valid`` pairs, so no training pair is held out).
+
+MFU: model FLOPs of the real (unpadded) tokens per second over the fp32 matmul peak (the better
+of a reading at the start and one at the end, as bench/compare_mlx_lm.py): the policy's forward
+and backward (4 a weight a token, the LoRA count of compare_mlx_lm) plus the reference's forward
+(2 a weight a token) where the step runs one (not with ``precomputed``), for the dataset's mean
+pair (both trainers see the same pairs: mlxtune an epoch at a time, mlx-lm-lora a random batch
+each step).
+
+The peer side: ``run_mlx_lm_lora_dpo`` trains its offline DPO with LoRA on the given model and
+preference rows and returns pairs per second and peak memory.
+
+Install the peer without touching mlx / mlx-lm / transformers / numpy / torch:
+
+    .venv/bin/pip install --no-deps mlx-lm-lora==5.10.2
+
+(A plain ``pip install mlx-lm-lora`` would not change those either here, but pulls in
+``datasets`` with pandas and pyarrow, which only its Hugging Face dataset loader imports. Its DPO
+path needs only mlx, mlx-lm, numpy, transformers, tqdm, pyyaml and jinja2, all already present.)
+
+What the worker does, and what it mirrors of ``mlx_lm_lora.train --train-mode dpo``:
+
+- Model: ``mlx_lm.utils.load(model_dir)``, frozen, then ``mlx_lm.tuner.utils.linear_to_lora_layers``
+  (the function mlx-lm-lora's ``utils.from_pretrained`` calls) with rank/scale/dropout 0 and
+  ``keys`` = every ``q_proj``/``v_proj`` in a block, on the last ``layers`` blocks (``-1``: all).
+  The CLI cannot restrict the keys (its ``build_lora_config`` drops them: it LoRAs every linear
+  layer of a block), so the LoRA is built directly, like bench/compare_mlx_lm.py does for mlx-lm.
+- Reference model (``reference=``): ``"copy"`` (default) is what the CLI does
+  (``train.load_reference_model``: a second full ``load`` of the same weights, frozen);
+  ``"shared"`` is a second module over the policy's base weight buffers (no extra weight
+  memory; the same numbers since the base is frozen); ``"none"`` passes ``ref_model=None``, which
+  mlx-lm-lora silently turns into a *reference-free* loss (reference scores of zero).
+- Data: ``trainer.datasets.DPODataset`` (prompt/chosen/rejected rows rendered with the
+  tokenizer's chat template; the generation prompt's length masks the prompt out of the scores)
+  wrapped in ``CacheDataset``, as the CLI does.
+- Training: ``trainer.dpo_trainer.train_dpo`` (its own compiled step and loop), sigmoid loss
+  (``loss_type="sigmoid"`` passed to ``train_dpo`` itself: ``DPOTrainingArgs.loss_type`` is not
+  read by it), ``beta``, Adam at a constant ``lr``, no clipping, no gradient checkpointing, no
+  validation, batches of ``batch_size`` pairs (2 x batch_size sequences through the policy and
+  2 x batch_size through the reference), padded to the batch's longest sequence. Its batches
+  are fixed (the pairs sorted by the chosen sequence's length, cut into runs of batch_size, a
+  last partial one dropped); ``train_dpo`` starts ``iterate_dpo_batches`` afresh every step, so
+  each step trains on one of them drawn at random (with replacement), not epoch by epoch.
+- Timing: ``steps_per_report=1`` so that its ``TrainingCallback.on_train_loss_report`` fires
+  every step with ``iterations_per_second`` = 1 / (that step's wall time: batch building, the
+  compiled step and its ``mx.eval``). ``dpo_trainer.iterate_dpo_batches`` is wrapped to record
+  each step's padded batch shape. Its step is ``mx.compile``d with fixed shapes, so every new
+  padded length traces and compiles again (once: the compile cache keeps every shape, and a
+  dataset has at most len/batch_size distinct batches). ``pairs_per_sec`` is the steady state:
+  steps after the first whose shape was already compiled. ``pairs_per_sec_with_compiles`` counts
+  every step after the first.
+- Memory: ``mx.reset_peak_memory()`` right before ``train_dpo``, ``mx.get_peak_memory()`` right
+  after: it covers what is live during training (both models' weights, LoRA and Adam state,
+  activations), not the loading.
+- Process set-up: mlxtune's ``_blas.py`` and ``_malloc.py`` (stdlib only) are run before
+  ``mlx.core`` loads, as ``import mlxtune`` does, so on Linux the peer gets the same OpenBLAS and
+  malloc settings as mlxtune (bench/compare_mlx_lm.py gives mlx-lm the same). On an MLX build
+  whose ``mx.device_info()`` has no ``max_recommended_working_set_size`` (the CPU backend),
+  ``train_dpo`` would raise a KeyError setting its wired limit: the worker adds the key as 0
+  (``mx.set_wired_limit(0)``, a no-op there).
+
+The default run builds bench/compare_mlx_lm.py's tiny llama (hidden 256, 4 layers, fp32, the
+char-level tokenizer of recipes/models/reverse-tiny with its chat template) at ``--vocab``
+(32,768) and makes ``--pairs`` (64) synthetic preference pairs (prompt, chosen and rejected each
+40-120 characters, i.e. tokens with that tokenizer; rendered, about 180 tokens a sequence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULT_TAG = "MLX_LM_LORA_RESULT "
+MLXTUNE_TAG = "MLXTUNE_RESULT "
+FULL_STEPS, QUICK_STEPS = 40, 12
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+# --------------------------------------------------------------------------- the caller's side
+
+
+def run_mlx_lm_lora_dpo(
+    model_dir: Path,
+    train_rows: list[dict],
+    *,
+    rank: int,
+    scale: float,
+    layers: int,
+    batch_size: int,
+    steps: int,
+    lr: float,
+    beta: float,
+    max_length: int,
+    reference: str = "copy",
+    seed: int = 0,
+    samples: int = 0,
+    timeout: float | None = None,
+    verbose: bool = False,
+) -> dict:
+    """Train mlx-lm-lora's DPO (LoRA on q_proj/v_proj) in a child process; return its figures.
+
+    ``train_rows``: dicts with "prompt", "chosen", "rejected" (and optionally "system") strings.
+    ``layers``: LoRA on the last ``layers`` blocks, -1 for all. ``batch_size``: pairs a step.
+    ``max_length``: longest sequence (prompt + response, rendered), longer ones are cut.
+    ``reference``: "copy" (a second loaded model, as mlx-lm-lora's CLI), "shared" (the policy's
+    base weights), "none" (reference-free). Returns a dict with at least ``pairs_per_sec``
+    (steady state), ``peak_memory_gb`` and ``steps``; see ``_worker`` for the rest. ``samples``:
+    also return the token ids of the first that many pairs as it encodes them (``samples``: the
+    chosen and rejected ids and the generation prompt's length).
+    """
+    if reference not in ("copy", "shared", "none"):
+        raise ValueError(f"reference must be copy, shared or none, not {reference!r}")
+    spec = dict(
+        model_dir=str(Path(model_dir).resolve()),
+        rows=list(train_rows),
+        rank=int(rank),
+        scale=float(scale),
+        layers=int(layers),
+        batch_size=int(batch_size),
+        steps=int(steps),
+        lr=float(lr),
+        beta=float(beta),
+        max_length=int(max_length),
+        reference=reference,
+        seed=int(seed),
+        samples=int(samples),
+    )
+    if len(spec["rows"]) < spec["batch_size"]:
+        raise ValueError(f"{len(spec['rows'])} rows is fewer than one batch of {batch_size}")
+    return _in_child("--peer-worker", spec, RESULT_TAG, "mlx-lm-lora DPO", timeout, verbose)
+
+
+def _in_child(flag: str, spec: dict, tag: str, what: str, timeout, verbose) -> dict:
+    """Run this script with ``flag SPEC.json`` in a new Python process (a temporary folder as
+    its ``work_dir``) and return the JSON of its ``tag`` line."""
+    with tempfile.TemporaryDirectory(prefix="compare-preference-worker-") as tmp:
+        spec = dict(spec, work_dir=tmp)
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), flag, str(spec_path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    if verbose:
+        sys.stderr.write(proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith(tag):
+            return json.loads(line[len(tag) :])
+    tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
+    raise RuntimeError(f"{what} worker failed (exit {proc.returncode}):\n{tail}")
+
+
+def as_chat(row: dict) -> dict:
+    """A prompt/chosen/rejected row of strings as chat messages (a user turn, and an assistant
+    turn for each completion; a "system" string becomes a system turn before the user's): the
+    rows mlx-lm-lora's DPODataset builds from the strings, so both render through the same chat
+    template."""
+    prompt = [{"role": "system", "content": row["system"]}] if "system" in row else []
+    prompt.append({"role": "user", "content": row["prompt"]})
+    return {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": row["chosen"]}],
+        "rejected": [{"role": "assistant", "content": row["rejected"]}],
+    }
+
+
+def run_mlxtune_dpo(
+    model_dir: Path,
+    train_rows: list[dict],
+    valid_rows: list[dict],
+    *,
+    rank: int,
+    scale: float,
+    batch_size: int,
+    steps: int,
+    lr: float,
+    beta: float,
+    max_length: int,
+    reference: str = "auto",
+    dtype: str = "float32",
+    seed: int = 0,
+    samples: int = 0,
+    timeout: float | None = None,
+    verbose: bool = False,
+) -> dict:
+    """Train mlxtune's DPO (LoRA on q_proj/v_proj of every block) in a child process; return
+    its figures, named as ``run_mlx_lm_lora_dpo``'s.
+
+    ``train_rows``/``valid_rows``: prompt/chosen/rejected strings, handed to mlxtune as chat
+    messages (``as_chat``); the validation pairs are only read by the run's final evaluation
+    (one batch, after the timing), so that no training pair is held out. ``reference``:
+    mlxtune's ``objective.reference`` (auto: the base with the adapters off). ``samples``: also
+    return the first that many pairs as mlxtune encodes them."""
+    if reference not in ("auto", "copy", "precomputed"):
+        raise ValueError(f"reference must be auto, copy or precomputed, not {reference!r}")
+    spec = dict(
+        model_dir=str(Path(model_dir).resolve()),
+        rows=[as_chat(r) for r in train_rows],
+        valid_rows=[as_chat(r) for r in valid_rows],
+        rank=int(rank),
+        scale=float(scale),
+        batch_size=int(batch_size),
+        steps=int(steps),
+        lr=float(lr),
+        beta=float(beta),
+        max_length=int(max_length),
+        reference=reference,
+        dtype=dtype,
+        seed=int(seed),
+        samples=int(samples),
+    )
+    if len(spec["rows"]) < spec["batch_size"]:
+        raise ValueError(f"{len(spec['rows'])} rows is fewer than one batch of {batch_size}")
+    return _in_child("--mlxtune-worker", spec, MLXTUNE_TAG, "mlxtune DPO", timeout, verbose)
+
+
+# --------------------------------------------------------------------------- the child process
+
+
+def _process_setup() -> str:
+    """mlxtune's import-time set-up (OpenBLAS for MLX's CPU backend, malloc thresholds), run from
+    its two stdlib-only files so the peer does not depend on the rest of mlxtune."""
+    import importlib.util
+
+    notes = []
+    for name, fn in (("_blas", "setup_blas"), ("_malloc", "setup_malloc")):
+        path = REPO / "mlxtune" / f"{name}.py"
+        if not path.exists():
+            notes.append(f"{name}: not found")
+            continue
+        spec = importlib.util.spec_from_file_location(f"_peer_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses looks the module up
+        spec.loader.exec_module(mod)
+        status = getattr(mod, fn)()
+        notes.append(getattr(status, "name", None) or str(status))
+    return "; ".join(notes)
+
+
+def _worker(spec_path: str) -> None:
+    setup = _process_setup()  # before mlx.core is imported
+
+    import gc
+
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    import mlx_lm_lora
+    import numpy as np
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.tuner.callbacks import TrainingCallback
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load
+    from mlx_lm_lora.chat_template import ensure_chat_template
+    from mlx_lm_lora.trainer import dpo_trainer
+    from mlx_lm_lora.trainer.datasets import CacheDataset, DPODataset
+
+    spec = json.loads(Path(spec_path).read_text())
+
+    # train_dpo does mx.set_wired_limit(mx.device_info()["max_recommended_working_set_size"]);
+    # MLX's CPU backend has no such key. 0 there: set_wired_limit(0) is a no-op on CPU.
+    _device_info = mx.device_info
+
+    def device_info():
+        info = dict(_device_info())
+        info.setdefault("max_recommended_working_set_size", 0)
+        return info
+
+    mx.device_info = device_info
+
+    np.random.seed(spec["seed"])  # iterate_dpo_batches draws batches with np.random
+    mx.random.seed(spec["seed"])
+
+    model, tokenizer = load(spec["model_dir"])
+    ensure_chat_template(tokenizer)  # as utils.from_pretrained (a no-op with a template)
+    if spec["reference"] == "copy":  # train.load_reference_model
+        ref_model, _ = load(spec["model_dir"])
+        ref_model.freeze()
+    elif spec["reference"] == "shared":
+        ref_model, _ = load(spec["model_dir"], lazy=True)
+        # The policy's base weights (frozen: never updated), as new array objects over the same
+        # buffers (stop_gradient's output shares its input's buffer: no copy). Handing it the very
+        # same array objects fails: they are inputs of train_dpo's compiled step (model.state), and
+        # mx.compile refuses them used from outside ("uncaptured inputs").
+        shared = tree_map(mx.stop_gradient, model.parameters())
+        mx.eval(shared)
+        ref_model.update(shared)
+        ref_model.freeze()
+    else:
+        ref_model = None
+
+    model.freeze()
+    keys = sorted(
+        k
+        for k, _ in model.layers[0].named_modules()
+        if k.rsplit(".", 1)[-1] in ("q_proj", "v_proj")
+    )
+    if not keys:
+        raise SystemExit("no q_proj/v_proj modules in the model's blocks")
+    linear_to_lora_layers(
+        model,
+        spec["layers"],
+        {"rank": spec["rank"], "scale": spec["scale"], "dropout": 0.0, "keys": keys},
+    )
+    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    ref_weights = (
+        sum(v.nbytes for _, v in tree_flatten(ref_model.parameters()))
+        if spec["reference"] == "copy"
+        else 0
+    )
+
+    dataset = CacheDataset(DPODataset(spec["rows"], tokenizer))
+    lengths = [
+        (len(dataset[i]["chosen"]), len(dataset[i]["rejected"]), dataset[i]["chosen_prompt_length"])
+        for i in range(len(dataset))
+    ]
+
+    # Every step's padded batch: train_dpo calls next(iterate_dpo_batches(...)) once per step,
+    # looking the name up in its module, so a wrapper there sees each batch it trains on.
+    shapes: list[tuple] = []
+    original_iterate = dpo_trainer.iterate_dpo_batches
+
+    def recording_iterate(*args, **kwargs):
+        for batch in original_iterate(*args, **kwargs):
+            chosen, rejected, chosen_masks, rejected_masks = batch
+            shapes.append((tuple(chosen.shape), tuple(rejected.shape)))
+            yield batch
+
+    dpo_trainer.iterate_dpo_batches = recording_iterate
+
+    class Record(TrainingCallback):
+        def __init__(self):
+            self.rows: list[dict] = []
+
+        def on_train_loss_report(self, info):
+            self.rows.append(dict(info))
+
+    rec = Record()
+    args = dpo_trainer.DPOTrainingArgs(
+        batch_size=spec["batch_size"],
+        iters=spec["steps"],
+        val_batches=0,
+        steps_per_report=1,  # one report a step: its it/s is that step's wall time
+        steps_per_eval=10**9,
+        steps_per_save=10**9,
+        max_seq_length=spec["max_length"],
+        adapter_file=str(Path(spec["work_dir"]) / "adapters.safetensors"),
+        grad_checkpoint=False,
+        beta=spec["beta"],
+        loss_type="sigmoid",
+    )
+    optimizer = optim.Adam(learning_rate=spec["lr"])  # the CLI's default: adam, constant lr
+
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    # train_dpo prints a line a step (tqdm.write, to stdout): keep stdout for the result line.
+    real_stdout = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        dpo_trainer.train_dpo(
+            model=model,
+            ref_model=ref_model,
+            optimizer=optimizer,
+            train_dataset=dataset,
+            val_dataset=None,
+            args=args,
+            training_callback=rec,
+            loss_type="sigmoid",
+        )
+    finally:
+        sys.stdout = real_stdout
+    wall = time.perf_counter() - t0
+    peak = mx.get_peak_memory() / 1e9
+
+    if len(rec.rows) != spec["steps"] or len(shapes) != spec["steps"]:
+        raise SystemExit(f"expected {spec['steps']} reports, got {len(rec.rows)} / {len(shapes)}")
+    step_s = [1.0 / r["iterations_per_second"] for r in rec.rows]
+    seen: set = set()
+    steady, after_first = [], []
+    steady_tokens, steady_tokens_s = 0.0, 0.0
+    for i, (shape, dt, row) in enumerate(zip(shapes, step_s, rec.rows, strict=True)):
+        new = shape not in seen
+        seen.add(shape)
+        if i == 0:
+            continue
+        after_first.append(dt)
+        if not new:
+            steady.append(dt)
+            steady_tokens += row["tokens_per_second"] * dt
+            steady_tokens_s += dt
+    b = spec["batch_size"]
+    if steady:
+        pairs_per_sec = b * len(steady) / sum(steady)
+    else:  # every step had a new shape: no steady state; fall back to all but the first
+        pairs_per_sec = b * len(after_first) / sum(after_first) if after_first else float("nan")
+    result = {
+        "trainer": f"mlx-lm-lora {mlx_lm_lora.__version__}",
+        "pairs_per_sec": pairs_per_sec,
+        "peak_memory_gb": peak,
+        "steps": spec["steps"],
+        "steady_steps": len(steady),
+        "compiled_shapes": len(seen),
+        # b / the median steady step: less swayed by other work on the machine than the mean
+        "pairs_per_sec_median": b / statistics.median(steady) if steady else None,
+        "pairs_per_sec_with_compiles": (
+            b * len(after_first) / sum(after_first) if after_first else float("nan")
+        ),
+        # response (scored) tokens of chosen + rejected, as its own tokens/s counts them
+        "response_tokens_per_sec": steady_tokens / steady_tokens_s if steady_tokens_s else None,
+        "step_seconds": [round(s, 4) for s in step_s],
+        "batch_lengths": [s[0][1] for s in shapes],
+        "loss_first": rec.rows[0]["train_loss"],
+        "loss_last": rec.rows[-1]["train_loss"],
+        "train_wall_s": wall,
+        "batch_size_pairs": b,
+        "reference": spec["reference"],
+        "lora_keys": keys,
+        "trainable_params": int(trainable),
+        "pairs": len(dataset),
+        "mean_chosen_tokens": sum(c for c, _, _ in lengths) / len(lengths),
+        "mean_rejected_tokens": sum(r for _, r, _ in lengths) / len(lengths),
+        "mean_prompt_tokens": sum(p for _, _, p in lengths) / len(lengths),
+        "weights_gb": weights / 1e9,
+        "reference_weights_gb": ref_weights / 1e9,
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "process_setup": setup,
+        "samples": [
+            {
+                "chosen": [int(t) for t in dataset[i]["chosen"]],
+                "rejected": [int(t) for t in dataset[i]["rejected"]],
+                "prompt_length": int(dataset[i]["chosen_prompt_length"]),
+            }
+            for i in range(min(spec.get("samples", 0), len(dataset)))
+        ],
+    }
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def _steady(shapes: list, step_s: list[float], batch: int) -> dict:
+    """Pairs per second from per-step seconds: ``steady`` over the steps after the first whose
+    shape had been seen (compiled) before, ``with_compiles`` over every step after the first."""
+    seen: set = set()
+    steady, after_first = [], []
+    for i, (shape, dt) in enumerate(zip(shapes, step_s, strict=True)):
+        new = shape not in seen
+        seen.add(shape)
+        if i == 0:
+            continue
+        after_first.append(dt)
+        if not new:
+            steady.append(dt)
+    with_compiles = batch * len(after_first) / sum(after_first) if after_first else float("nan")
+    return {
+        "pairs_per_sec": batch * len(steady) / sum(steady) if steady else with_compiles,
+        "steady_steps": len(steady),
+        "compiled_shapes": len(seen),
+        "pairs_per_sec_median": batch / statistics.median(steady) if steady else None,
+        "pairs_per_sec_with_compiles": with_compiles,
+    }
+
+
+def _mlxtune_worker(spec_path: str) -> None:
+    import mlxtune  # first: its OpenBLAS and malloc set-up, before mlx.core loads
+
+    # isort: split
+    import gc
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxtune import Trainer, recipe_from_dict
+    from mlxtune.console import Console
+
+    spec = json.loads(Path(spec_path).read_text())
+    work = Path(spec["work_dir"])
+    files = {}
+    for name, rows in (("train", spec["rows"]), ("valid", spec["valid_rows"])):
+        files[name] = work / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    b = spec["batch_size"]
+    recipe = {
+        "name": "bench-dpo",
+        "model": {"path": spec["model_dir"], "dtype": spec["dtype"]},
+        "data": {
+            "train": str(files["train"]),
+            "valid": str(files["valid"]),
+            "max_length": spec["max_length"],
+        },
+        "objective": {
+            "type": "dpo",
+            "beta": spec["beta"],
+            "loss": "sigmoid",
+            "reference": spec["reference"],
+        },
+        "adapter": {
+            "type": "lora",
+            "rank": spec["rank"],
+            "alpha": spec["scale"] * spec["rank"],  # LoRA's scale is alpha / rank
+            "dropout": 0.0,
+            "targets": ["q_proj", "v_proj"],
+        },
+        # mlx's Adam (what mlx-lm-lora trains with) has no bias correction
+        "optimizer": {
+            "name": "adam",
+            "lr": spec["lr"],
+            "grad_clip": None,
+            "bias_correction": False,
+        },
+        "schedule": {"name": "constant"},
+        "train": {
+            "batch_size": b,
+            "max_steps": spec["steps"],
+            "log_every": 1,  # a metrics row a step: its step_time_s is that step's wall time
+            "progress": False,
+            "seed": spec["seed"],
+        },
+        "eval": {"every": None, "max_batches": 1},
+        "checkpoints": {"save_final": False, "save_best": False},
+        "memory": {"check": "off"},
+    }
+    t0 = time.perf_counter()
+    trainer = Trainer(recipe_from_dict(recipe), run_dir=work / "run", console=Console(quiet=True))
+    setup_s = time.perf_counter() - t0  # loading, and for precomputed the reference pass
+
+    # Every step's batch, as the arrays its compiled step takes: the engine turns each batch into
+    # them once a step (one micro-batch: no accumulation, no out-of-memory split here).
+    steps: list[dict] = []
+    engine = trainer.engine
+    arrays_of = engine.arrays
+
+    def recording_arrays(batch):
+        out = arrays_of(batch)
+        steps.append(
+            {
+                "shape": tuple(sorted((k, tuple(v.shape)) for k, v in out.items())),
+                "pairs": batch.n_pairs,
+                "length": int(batch.tokens.shape[1]),  # tokens a row, padding included
+            }
+        )
+        return out
+
+    engine.arrays = recording_arrays
+
+    ds = trainer.train_set.examples
+    weights = sum(v.nbytes for _, v in tree_flatten(trainer.model.parameters()))
+    trainable = sum(v.size for _, v in tree_flatten(trainer.model.trainable_parameters()))
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()  # the loop resets it again right before its first step
+    t0 = time.perf_counter()
+    summary = trainer.run()
+    wall = time.perf_counter() - t0
+    engine.arrays = arrays_of
+    steps = steps[: spec["steps"]]  # then the final evaluation's batch
+
+    rows = [r for r in trainer.run_dir.read_jsonl("metrics.jsonl") if "step_time_s" in r]
+    if len(rows) != spec["steps"] or len(steps) != spec["steps"]:
+        raise SystemExit(f"expected {spec['steps']} rows, got {len(rows)} / {len(steps)}")
+    if any(s["pairs"] != b for s in steps):
+        raise SystemExit(f"a step without {b} pairs: {[s['pairs'] for s in steps]}")
+    step_s = [r["step_time_s"] for r in rows]
+    result = {"trainer": f"mlxtune {getattr(mlxtune, '__version__', '')}".strip()}
+    result.update(_steady([s["shape"] for s in steps], step_s, b))
+    # the training peak: the loop resets it before its first step; the last row is read after
+    # the last step (before the final evaluation)
+    peak = max(r["peak_memory_gb"] for r in rows)
+    estimate = {k: round(v / 1e9, 4) for k, v in getattr(trainer, "memory_estimate", {}).items()}
+    sys.stderr.write((trainer.run_dir.path / "log.txt").read_text())  # shown with --verbose
+    result.update(
+        {
+            "peak_memory_gb": peak,
+            "steps": spec["steps"],
+            "step_seconds": [round(s, 4) for s in step_s],
+            "batch_lengths": [s["length"] for s in steps],
+            "loss_first": rows[0]["loss"],
+            "loss_last": rows[-1]["loss"],
+            "train_wall_s": wall,
+            "setup_s": setup_s,
+            "first_step_s": rows[0].get("first_step_compile_time_s"),
+            "batch_size_pairs": b,
+            "reference": spec["reference"],
+            "reference_resolved": trainer.objective.reference,
+            "kernels": dict(trainer.tiers),
+            "trainable_params": int(trainable),
+            "pairs": len(ds),
+            "mean_chosen_tokens": sum(len(e.ids) for e in ds) / len(ds),
+            "mean_rejected_tokens": sum(len(e.rejected_ids) for e in ds) / len(ds),
+            "weights_gb": weights / 1e9,
+            "memory_estimate_gb": estimate,
+            "summary_peak_memory_gb": summary.get("peak_memory_gb"),
+            "mlx": mx.__version__,
+            "device": str(mx.default_device()),
+            "blas": getattr(trainer.blas, "note", None),
+            "samples": [
+                {
+                    "chosen": list(map(int, e.ids)),
+                    "rejected": list(map(int, e.rejected_ids)),
+                    "chosen_mask": list(map(int, e.mask)),
+                    "rejected_mask": list(map(int, e.rejected_mask)),
+                }
+                for e in ds[: spec.get("samples", 0)]
+            ],
+        }
+    )
+    print(MLXTUNE_TAG + json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+def words(rng: random.Random, n_chars: int) -> str:
+    """Lowercase words (the tiny tokenizer's alphabet) about ``n_chars`` characters long."""
+    out: list[str] = []
+    while sum(len(w) + 1 for w in out) < n_chars:
+        out.append("".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 8))))
+    return " ".join(out)
+
+
+def make_pairs(n: int, seed: int = 0, lo: int = 40, hi: int = 120) -> list[dict]:
+    """``n`` synthetic preference rows, prompt/chosen/rejected each ``lo``-``hi`` characters."""
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": words(rng, rng.randint(lo, hi)),
+            "chosen": words(rng, rng.randint(lo, hi)),
+            "rejected": words(rng, rng.randint(lo, hi)),
+        }
+        for _ in range(n)
+    ]
+
+
+def check_tokens(ours: list[dict], peer: list[dict]) -> list[str]:
+    """Where mlxtune's and mlx-lm-lora's encodings of the same pairs differ: the token ids of
+    each sequence, then the tokens each scores (mlx-lm-lora: every token from the generation
+    prompt's length on). No lines: they agree."""
+    out = []
+    for i, (a, b) in enumerate(zip(ours, peer, strict=False)):
+        for key in ("chosen", "rejected"):
+            if a[key] != b[key]:
+                n = next(
+                    (j for j, (x, y) in enumerate(zip(a[key], b[key], strict=False)) if x != y),
+                    None,
+                )
+                n = min(len(a[key]), len(b[key])) if n is None else n
+                out.append(
+                    f"pair {i} {key}: token ids differ ({len(a[key])} tokens in mlxtune, "
+                    f"{len(b[key])} in mlx-lm-lora, first difference at {n})"
+                )
+                continue
+            theirs = [0] * b["prompt_length"] + [1] * (len(b[key]) - b["prompt_length"])
+            mine = a[f"{key}_mask"]
+            if mine[1:] != theirs[1:]:
+                out.append(
+                    f"pair {i} {key}: the same tokens, scored differently ({sum(mine[1:])} "
+                    f"targets in mlxtune, {sum(theirs[1:])} in mlx-lm-lora)"
+                )
+    if len(ours) != len(peer):
+        out.append(f"{len(ours)} pairs compared from mlxtune, {len(peer)} from mlx-lm-lora")
+    return out
+
+
+def dpo_flops_per_pair(vocab: int, tokens_per_pair: float, reference_pass: bool) -> float:
+    """Model FLOPs of one pair's DPO step (both sequences): the policy's forward and backward
+    (bench/compare_mlx_lm.py's LoRA count: 4 a weight a token) and, when the step runs one, the
+    reference's forward (2 a weight a token), over the real tokens; attention at the sequences'
+    mean length."""
+    import compare_mlx_lm
+
+    fpt = compare_mlx_lm.flops_per_token(vocab, tokens_per_pair / 2)
+    return tokens_per_pair * fpt * (1.5 if reference_pass else 1.0)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, not {FULL_STEPS}")
+    ap.add_argument("--peer-only", action="store_true", help="run mlx-lm-lora's side alone")
+    ap.add_argument("--mlxtune-only", action="store_true", help="run mlxtune's side alone")
+    ap.add_argument("--peer-worker", metavar="SPEC", help=argparse.SUPPRESS)
+    ap.add_argument("--mlxtune-worker", metavar="SPEC", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", type=Path, help="an HF-layout model (default: the tiny llama)")
+    ap.add_argument("--vocab", type=int, default=32768, help="the tiny llama's vocabulary")
+    ap.add_argument("--pairs", type=int, default=64, help="training pairs")
+    ap.add_argument("--batch", type=int, default=4, help="pairs a step")
+    ap.add_argument("--steps", type=int, help=f"default {FULL_STEPS} ({QUICK_STEPS} with --quick)")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--scale", type=float, default=2.0)
+    ap.add_argument(
+        "--layers", type=int, default=-1, help="mlx-lm-lora: LoRA on the last N blocks (-1: all)"
+    )
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--beta", type=float, default=0.1)
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument(
+        "--reference",
+        choices=["copy", "shared", "none"],
+        default="copy",
+        help="mlx-lm-lora's reference model (copy: as its CLI)",
+    )
+    ap.add_argument(
+        "--mlxtune-reference",
+        choices=["auto", "copy", "precomputed"],
+        default="auto",
+        help="mlxtune's objective.reference (auto: the base with the adapters off)",
+    )
+    ap.add_argument(
+        "--no-precomputed",
+        action="store_true",
+        help="leave out the extra mlxtune row with reference: precomputed",
+    )
+    ap.add_argument("--check", type=int, default=4, help="pairs whose tokens are compared")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verbose", action="store_true", help="show the workers' own logs")
+    args = ap.parse_args(argv)
+
+    if args.peer_worker:
+        _worker(args.peer_worker)
+        return
+    if args.mlxtune_worker:
+        _mlxtune_worker(args.mlxtune_worker)
+        return
+    if args.peer_only and args.mlxtune_only:
+        ap.error("--peer-only and --mlxtune-only: pick one")
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else FULL_STEPS
+
+    sys.path.insert(0, str(HERE))
+    import compare_mlx_lm  # noqa: E402  (the tiny llama, the matmul peak, FLOPs a token)
+
+    rows = make_pairs(args.pairs, seed=args.seed)
+    valid = make_pairs(max(args.batch, 4), seed=args.seed + 1)  # the final evaluation only
+    common = dict(
+        rank=args.rank,
+        scale=args.scale,
+        batch_size=args.batch,
+        steps=args.steps,
+        lr=args.lr,
+        beta=args.beta,
+        max_length=args.max_length,
+        seed=args.seed,
+        samples=args.check,
+        verbose=args.verbose,
+    )
+    ours: dict[str, dict] = {}
+    peer = None
+    t0 = time.perf_counter()
+    peak = compare_mlx_lm.matmul_peak()
+    with tempfile.TemporaryDirectory(prefix="compare-preference-") as tmp:
+        model_dir = args.model_dir
+        if model_dir is None:
+            model_dir = compare_mlx_lm.build_base(Path(tmp) / f"tiny-{args.vocab}", args.vocab)
+        shape = compare_mlx_lm.model_shape(Path(model_dir))
+        vocab = shape.pop("vocab_size")
+        compare_mlx_lm.MODEL.clear()
+        compare_mlx_lm.MODEL.update(shape)
+        log = sys.stderr
+        refs = [] if args.peer_only else [args.mlxtune_reference]
+        if not (args.peer_only or args.no_precomputed) and args.mlxtune_reference != "precomputed":
+            refs.append("precomputed")
+        for i, ref in enumerate(refs):
+            ours[ref] = run_mlxtune_dpo(model_dir, rows, valid, reference=ref, **common)
+            r = ours[ref]
+            print(f"  mlxtune ({ref} reference): {r['pairs_per_sec']:.2f} pairs/s, peak "
+                  f"{r['peak_memory_gb']:.3f} GB, loss {r['loss_first']:.4f} -> "
+                  f"{r['loss_last']:.4f}", file=log, flush=True)  # fmt: skip
+            if i == 0 and not args.mlxtune_only:
+                peer = run_mlx_lm_lora_dpo(
+                    model_dir, rows, layers=args.layers, reference=args.reference, **common
+                )
+                print(f"  {peer['trainer']} ({args.reference} reference): "
+                      f"{peer['pairs_per_sec']:.2f} pairs/s, peak {peer['peak_memory_gb']:.3f} "
+                      f"GB, loss {peer['loss_first']:.4f} -> {peer['loss_last']:.4f}",
+                      file=log, flush=True)  # fmt: skip
+        if args.peer_only:
+            peer = run_mlx_lm_lora_dpo(
+                model_dir, rows, layers=args.layers, reference=args.reference, **common
+            )
+    peak = max(peak, compare_mlx_lm.matmul_peak())
+    elapsed = time.perf_counter() - t0
+
+    mismatch = []
+    main_ref = args.mlxtune_reference
+    if peer is not None and main_ref in ours:
+        mismatch = check_tokens(ours[main_ref]["samples"], peer["samples"])
+        for line in mismatch:
+            print(f"WARNING: tokenization: {line}", file=sys.stderr)
+
+    # model FLOPs of the real tokens: the same pairs on both sides
+    some = peer or next(iter(ours.values()))
+    tokens_per_pair = some["mean_chosen_tokens"] + some["mean_rejected_tokens"]
+    table = []
+    for who, r in [(f"mlxtune ({k})", v) for k, v in ours.items()] + (
+        [(f"mlx-lm-lora ({args.reference})", peer)] if peer else []
+    ):
+        r.pop("samples", None)
+        ref_pass = r["reference"] not in ("precomputed", "none")
+        flops = r["pairs_per_sec"] * dpo_flops_per_pair(vocab, tokens_per_pair, ref_pass)
+        r["model_gflops"] = flops / 1e9
+        r["mfu"] = flops / peak
+        r["padded_tokens_per_pair"] = 2 * statistics.mean(r["batch_lengths"])
+        table.append((who, r))
+    if peer is not None:
+        for r in ours.values():
+            r["pairs_per_sec_ratio"] = r["pairs_per_sec"] / peer["pairs_per_sec"]
+            r["peak_memory_ratio"] = r["peak_memory_gb"] / peer["peak_memory_gb"]
+
+    err = sys.stderr
+    mod = compare_mlx_lm.MODEL
+    name = str(args.model_dir) if args.model_dir else "tiny llama"
+    print(
+        f"{name} {mod['hidden_size']}x{mod['num_hidden_layers']} (ffn "
+        f"{mod['intermediate_size']}, vocab {vocab:,}), LoRA r={args.rank} scale {args.scale} on "
+        f"q_proj/v_proj; DPO sigmoid beta {args.beta}, Adam {args.lr} constant, no clipping; "
+        f"{args.pairs} pairs ({tokens_per_pair:.0f} tokens a pair), {args.batch} a step, "
+        f"{args.steps} steps; {some['device']}, fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; "
+        f"{elapsed:.0f} s",
+        file=err,
+    )
+    print(
+        f"{'trainer (reference)':28} {'pairs/s':>8} {'median':>7} {'w/ compiles':>11} "
+        f"{'steady':>6} {'peak GB':>8} {'vs peer':>16} {'MFU':>6} {'loss first -> last':>19}",
+        file=err,
+    )
+    for who, r in table:
+        vs = (
+            f"{r['pairs_per_sec_ratio']:5.2f}x {r['peak_memory_ratio']:5.2f}x mem"
+            if "pairs_per_sec_ratio" in r
+            else ""
+        )
+        med = r["pairs_per_sec_median"]
+        print(
+            f"{who:28} {r['pairs_per_sec']:8.2f} {med or float('nan'):7.2f} "
+            f"{r['pairs_per_sec_with_compiles']:11.2f} {r['steady_steps']:>3}/{r['steps']:<2} "
+            f"{r['peak_memory_gb']:8.3f} {vs:>16} {100 * r['mfu']:5.1f}% "
+            f"{r['loss_first']:8.4f} -> {r['loss_last']:.4f}",
+            file=err,
+        )
+    if peer is not None and main_ref in ours:
+        r = ours[main_ref]
+        speed, mem = r["pairs_per_sec_ratio"], r["peak_memory_ratio"]
+        print(
+            f"targets (mlxtune {main_ref} / mlx-lm-lora {args.reference}): pairs/s {speed:.2f}x "
+            f"(>= 1.5x: {'met' if speed >= 1.5 else 'MISSED'}), peak memory {mem:.2f}x "
+            f"(<= 0.6x: {'met' if mem <= 0.6 else 'MISSED'})",
+            file=err,
+        )
+    if peer is None or not ours:
+        said = "not compared (one side only)"
+    elif mismatch:
+        said = f"{len(mismatch)} differences (the WARNING lines above)"
+    else:
+        said = f"the same token ids and scored tokens in the first {args.check} pairs"
+    print(f"tokenization: {said}", file=err)
+
+    out = {
+        "size": "quick" if args.quick else "full",
+        "model": str(args.model_dir) if args.model_dir else f"tiny-{vocab}",
+        "vocab": vocab,
+        "device": some["device"],
+        "matmul_peak_gflops": round(peak / 1e9, 1),
+        "elapsed_s": round(elapsed, 1),
+        "tokens_per_pair": round(tokens_per_pair, 1),
+        "tokenization_mismatches": mismatch,
+    }
+    out.update(
+        {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("peer_worker", "mlxtune_worker", "model_dir", "verbose")
+        }
+    )
+    if peer is not None and main_ref in ours:
+        out["pairs_per_sec_ratio"] = round(ours[main_ref]["pairs_per_sec_ratio"], 3)
+        out["peak_memory_ratio"] = round(ours[main_ref]["peak_memory_ratio"], 3)
+    out["mlxtune"] = ours
+    out["mlx_lm_lora"] = peer
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
