@@ -99,9 +99,8 @@ What the worker does, and what it mirrors of ``mlx_lm_lora.train --train-mode dp
 - Memory: ``mx.reset_peak_memory()`` right before ``train_dpo``, ``mx.get_peak_memory()`` right
   after: it covers what is live during training (both models' weights, LoRA and Adam state,
   activations), not the loading.
-- Process set-up: mlxtune's ``_blas.py`` and ``_malloc.py`` (stdlib only) are run before
-  ``mlx.core`` loads, as ``import mlxtune`` does, so on Linux the peer gets the same OpenBLAS and
-  malloc settings as mlxtune (bench/compare_mlx_lm.py gives mlx-lm the same). On an MLX build
+- Process set-up: ``import mlxtune`` before ``mlx.core`` loads (its import-time set-up), so on
+  Linux the peer gets the same OpenBLAS and malloc settings as mlxtune (bench/compare_mlx_lm.py gives mlx-lm the same). On an MLX build
   whose ``mx.device_info()`` has no ``max_recommended_working_set_size`` (the CPU backend),
   ``train_dpo`` would raise a KeyError setting its wired limit: the worker adds the key as 0
   (``mx.set_wired_limit(0)``, a no-op there).
@@ -276,23 +275,11 @@ def run_mlxtune_dpo(
 
 
 def _process_setup() -> str:
-    """mlxtune's import-time set-up (OpenBLAS for MLX's CPU backend, malloc thresholds), run from
-    its two stdlib-only files so the peer does not depend on the rest of mlxtune."""
-    import importlib.util
+    """mlxtune's import-time set-up (OpenBLAS for MLX's CPU backend, malloc thresholds), the
+    same for the peer as for mlxtune: importing mlxtune runs it, before mlx.core loads."""
+    import mlxtune  # noqa: F401
 
-    notes = []
-    for name, fn in (("_blas", "setup_blas"), ("_malloc", "setup_malloc")):
-        path = REPO / "mlxtune" / f"{name}.py"
-        if not path.exists():
-            notes.append(f"{name}: not found")
-            continue
-        spec = importlib.util.spec_from_file_location(f"_peer_{name}", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses looks the module up
-        spec.loader.exec_module(mod)
-        status = getattr(mod, fn)()
-        notes.append(getattr(status, "name", None) or str(status))
-    return "; ".join(notes)
+    return "mlxtune's import-time set-up (OpenBLAS, malloc thresholds)"
 
 
 def _worker(spec_path: str) -> None:

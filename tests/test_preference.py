@@ -461,12 +461,19 @@ def preference_accuracy(adapter_dir, rows_) -> float:
 
 
 @pytest.mark.parametrize(
-    "objective",
-    [{}, {"type": "orpo", "beta": 0.1}, {"rpo_alpha": 0.0}],
+    "objective, lr, exact",
+    [
+        ({}, None, 0.8),  # the recipe: DPO with RPO's NLL term
+        ({"type": "orpo", "beta": 0.1}, None, 0.8),
+        # plain DPO learns the preference too, but its greedy answers drift (74-77% measured)
+        pytest.param({"rpo_alpha": 0.0, "beta": 1.0}, 5e-4, 0.6, marks=pytest.mark.slow),
+    ],
     ids=["dpo-rpo", "orpo", "dpo-plain"],
 )
-def test_the_quickstart_learns_the_preferred_answer(tmp_path, objective):
+def test_the_quickstart_learns_the_preferred_answer(tmp_path, objective, lr, exact):
     r = quickstart(objective)
+    if lr is not None:
+        r.optimizer.lr = lr
     held = [
         json.loads(x) for x in (REPO / "recipes/data/prefs/valid.jsonl").read_text().splitlines()
     ]
@@ -477,8 +484,8 @@ def test_the_quickstart_learns_the_preferred_answer(tmp_path, objective):
     assert after >= 0.9
     evals = [x for x in rows(tmp_path / "run") if "eval_rewards/accuracies" in x]
     assert evals[-1]["eval_rewards/accuracies"] >= 0.9
-    if objective.get("rpo_alpha") != 0.0:  # greedy answers copy held-out words
-        assert s["exact_match_before"] <= 0.4 and s["exact_match_after"] >= 0.8
+    # greedy answers copy held-out words
+    assert s["exact_match_before"] <= 0.4 and s["exact_match_after"] >= exact
 
 
 # ------------------------------------------------------------------------ reward models
@@ -545,8 +552,8 @@ def test_a_reward_model_learns_resumes_and_exports_with_its_head(tmp_path):
     r = quickstart({"type": "reward"}).to_dict()
     r["adapter"].pop("init_from")
     r["eval"] = {"every": 50, "exact_match": 0}
-    r["train"]["max_steps"] = 150
-    r["checkpoints"] = {"every": 75}
+    r["train"]["max_steps"] = 100
+    r["checkpoints"] = {"every": 50}
     r["export"] = {"formats": ["mlx-lm", "peft", "fused"]}
     whole = tmp_path / "run"
     s = Trainer(recipe_from_dict(r), run_dir=whole, console=Console(quiet=True)).run()
@@ -558,7 +565,7 @@ def test_a_reward_model_learns_resumes_and_exports_with_its_head(tmp_path):
             recipe_from_dict(r),
             run_dir=part,
             console=Console(quiet=True),
-            callbacks=[make_crash(75)],
+            callbacks=[make_crash(50)],
         ).run()
     Trainer(recipe_from_dict(r), run_dir=part, console=Console(quiet=True), resume="latest").run()
     same(rows(part), rows(whole), rel=0, abs=0)
@@ -640,3 +647,21 @@ def test_checkpointing_packing_and_qlora_train_pairs(tmp_path, llama_dir, prefs)
     s = build(q, tmp_path, "qlora").run()
     got = [x for x in rows(tmp_path / "qlora") if "loss" in x]
     assert math.isfinite(s["final_loss"]) and got[-1]["rewards/margins"] > got[0]["rewards/margins"]
+
+
+def test_out_of_memory_splits_keep_pairs_whole_and_train_the_same(tmp_path, llama_dir, prefs):
+    """A step that runs out of memory is split down to one pair a micro-batch (its two rows),
+    never further, and trains as the whole batch did."""
+    from test_memory import FailBig
+
+    r = recipe(prefs, llama_dir, {"type": "dpo", "beta": 0.5})
+    build(r, tmp_path, "plain").run()
+    t = build(r, tmp_path, "oom")
+    t.engine._train_step = FailBig(t.engine._train_step, rows=2)
+    t.engine._grad_step = FailBig(t.engine._grad_step, rows=2)
+    t.run()
+    same(rows(tmp_path / "oom"), rows(tmp_path / "plain"), rel=1e-4, abs=1e-5)
+    assert set(t.engine._grad_step.seen[-6:]) == {2}  # both sequences of one pair
+    assert (
+        "micro-batches of 1 and grad_accumulation 8" in (tmp_path / "oom" / "log.txt").read_text()
+    )
