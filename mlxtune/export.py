@@ -41,6 +41,7 @@ from .models import (
     pickled_hint,
     quantize_model,
     reward_head,
+    reward_head_aside,
     save_model,
     without_reward_head,
 )
@@ -234,7 +235,8 @@ def write_fused(
         cast_floats(model, dtype)
     if quantize is not None:
         try:  # the same quantization as QLoRA's (layers whose size does not fit stay dense)
-            quantize_model(model, quantize, group_size)
+            with reward_head_aside(model):  # a reward model's score head stays dense
+                quantize_model(model, quantize, group_size)
         except UserInputError as e:
             raise UserInputError(e.message, "--quantize") from None
         config = {**config, "quantization": {"group_size": group_size, "bits": quantize}}
@@ -292,9 +294,10 @@ def export(
         )
         model, config = dequantize(fuse(t.model), t.model_config)
         source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
-        write_gguf_model(
-            model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source
-        )
+        with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
+            write_gguf_model(
+                model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source
+            )
         write_reward_head(t.model, out)
     elif fmt == "gguf-adapter":
         if t.adapter["type"] != "lora":

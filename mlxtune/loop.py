@@ -144,6 +144,8 @@ class Trainer:
         )
         self.optimizer = optimizer_for(r, self.total_steps)
         self.engine = Engine(self.model, self.optimizer, self.objective, r, self.world)
+        # the plan first: a run it refuses pays for no reference pass
+        self.memory_estimate = plan(shape_of(self), r, self.log)
         self.objective.prepare(self.run_dir, self._source, self.log)
         if self.resume_from is not None and not self.dry_run:
             state = restore(
@@ -156,7 +158,6 @@ class Trainer:
                 trim=self.world.main,
             )
             self.position, self.resumed = state.position, True
-        self.memory_estimate = plan(shape_of(self), r, self.log)
         self._write_resolved()
         held, self._held_logs = self._held_logs, None
         for line in held:

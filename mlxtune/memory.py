@@ -92,6 +92,8 @@ class Shape:
     checkpointed: int = 0  # layers that recompute their activations in the backward pass
     quantizable: int = 0  # dense linear/embedding weight elements 4-bit quantization would pack
     chunked_attention: bool = False  # short rows then go to MLX's fused attention (see below)
+    rows_per_example: int = 1  # rows a batch holds per train.batch_size unit (2: pairs)
+    sequences_per_example: int = 1  # sequences an example packs as (2: pairs)
     reference_forward: bool = False  # a forward without backward a step (DPO's reference)
     reference_bytes: int = 0  # weights kept for the reference (a copy of the trainable ones)
 
@@ -207,6 +209,8 @@ def shape_of(trainer) -> Shape:
         logit_chunk=CHUNK_ELEMENTS,
         checkpointed=checkpointed_layers(model),
         quantizable=quantizable,
+        rows_per_example=max(1, rows // r.train.batch_size),
+        sequences_per_example=trainer.objective.sequences_per_example,
         reference_forward=reference["forward"],
         reference_bytes=reference["bytes"],
     )
@@ -223,15 +227,16 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
             return True
         return False
 
-    b, acc = s.batch, s.accumulation
+    per = s.rows_per_example  # train.batch_size counts examples (pairs: two rows each)
+    b, acc = s.batch // per, s.accumulation
     while b > 1:
         b //= 2
         acc *= 2
-        per_step = s.batch * s.accumulation
+        per_step = s.batch // per * s.accumulation
         if fits(
             f"train.batch_size: {b} with train.grad_accumulation: {acc} "
             f"(the same {per_step} examples per step)",
-            replace(s, batch=b, accumulation=acc),
+            replace(s, batch=b * per, accumulation=acc),
         ):
             break
     length = s.length
@@ -242,9 +247,10 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
             change = f"data.max_length: {length + 1} (longer examples are cut)"
         elif packing == "stream":
             change = f"data.pack_length: {length + 1} (shorter rows of the stream)"
-        else:
+        else:  # an example packs whole: each of its sequences at most its share of a row
+            most = (length + 1) // s.sequences_per_example
             change = (
-                f"data.pack_length: {length + 1} with data.max_length at most {length + 1} "
+                f"data.pack_length: {length + 1} with data.max_length at most {most} "
                 "(longer examples are cut)"
             )
         if fits(change, replace(s, length=length)):

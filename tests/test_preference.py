@@ -554,7 +554,7 @@ def test_a_reward_model_learns_resumes_and_exports_with_its_head(tmp_path):
     r["eval"] = {"every": 50, "exact_match": 0}
     r["train"]["max_steps"] = 100
     r["checkpoints"] = {"every": 50}
-    r["export"] = {"formats": ["mlx-lm", "peft", "fused"]}
+    r["export"] = {"formats": ["mlx-lm", "peft", "fused", "gguf"]}
     whole = tmp_path / "run"
     s = Trainer(recipe_from_dict(r), run_dir=whole, console=Console(quiet=True)).run()
     assert s["final_eval_loss"] < 0.3
@@ -569,7 +569,19 @@ def test_a_reward_model_learns_resumes_and_exports_with_its_head(tmp_path):
         ).run()
     Trainer(recipe_from_dict(r), run_dir=part, console=Console(quiet=True), resume="latest").run()
     same(rows(part), rows(whole), rel=0, abs=0)
-    assert (whole / "export" / "mlx-lm" / REWARD_HEAD_FILE).exists()
+    for fmt in ("mlx-lm", "gguf"):  # the head beside the language model's files
+        assert (whole / "export" / fmt / REWARD_HEAD_FILE).exists()
+    assert list((whole / "export" / "gguf").glob("*.gguf"))
+    # a quantized fused export keeps the head dense, where transformers reads it
+    from mlxtune.checkpoint import load_trained
+    from mlxtune.export import export
+
+    (tmp_path / "q4").mkdir()
+    export(load_trained(whole), "fused", tmp_path / "q4", quantize=4, group_size=32)
+    import safetensors.numpy
+
+    saved = safetensors.numpy.load_file(str(tmp_path / "q4" / "model.safetensors"))
+    assert saved["score.weight"].shape == (1, 128) and "score.scales" not in saved
 
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForSequenceClassification
@@ -665,3 +677,66 @@ def test_out_of_memory_splits_keep_pairs_whole_and_train_the_same(tmp_path, llam
     assert (
         "micro-batches of 1 and grad_accumulation 8" in (tmp_path / "oom" / "log.txt").read_text()
     )
+
+
+def test_copy_keeps_an_init_from_adapter_and_auto_drops_it(tmp_path):
+    """With an SFT adapter to start from, ``copy`` is the SFT model (base + adapter, as mlx-lm
+    loads them) and ``auto`` the base alone, after the policy has moved."""
+    from mlx_lm import load
+
+    here = REPO / "recipes" / "models"
+    with_sft, tok = load(str(here / "reverse-tiny"), adapter_path=str(here / "reverse-tiny-mixed"))
+    base, _ = load(str(here / "reverse-tiny"))
+    for ref, want_model in (("copy", with_sft), ("auto", base)):
+        r = quickstart({"reference": ref})
+        t = Trainer(r, run_dir=tmp_path / ref, console=Console(quiet=True))
+        shake_adapters(t.model, seed=2)
+        batch = next(t.objective.batches())[1]
+        got = np.array(t.objective.reference_logps(t.model, t.engine.arrays(batch)))
+        want = [
+            [
+                naive_logp(want_model, p.ids, p.mask),
+                naive_logp(want_model, p.rejected_ids, p.rejected_mask),
+            ]
+            for p in batch_pairs(t, batch)
+        ]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=ref)
+
+
+def test_full_fine_tuning_in_bfloat16_keeps_a_copy_as_its_reference(tmp_path, llama_dir, prefs):
+    r = recipe(prefs, llama_dir, {"type": "dpo", "beta": 0.5}, adapter={"type": "full"})
+    r["model"] = {"path": str(llama_dir), "dtype": "bfloat16"}
+    r["optimizer"] = {"lr": 1e-3}
+    t = build(r, tmp_path)
+    assert t.objective.reference == "copy"
+    s = t.run()
+    got = [x for x in rows(tmp_path / "run") if "loss" in x]
+    assert math.isfinite(s["final_loss"]) and got[0]["loss"] == pytest.approx(math.log(2), abs=0.01)
+    assert got[-1]["rewards/margins"] > 0
+
+
+def test_the_memory_advice_counts_pairs_not_rows(tmp_path, llama_dir, prefs, capsys):
+    """Refused for memory, a DPO run is told a smaller train.batch_size in pairs (two rows
+    each), and a packed one a max_length that fits two sequences in a row."""
+    from dataclasses import replace
+
+    import yaml
+
+    from mlxtune.memory import estimate, shape_of
+
+    def refused(r, name):
+        # a budget that half the batch (or half the row) fits and the whole does not
+        probe = dict(r, memory={"check": "off"})
+        shape = shape_of(build(probe, tmp_path, f"probe-{name}"))
+        half = replace(shape, batch=shape.batch // 2, length=shape.length // 2)
+        limit = (estimate(shape)["total"] + estimate(half)["total"]) / 2 / 1e9
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(dict(r, memory={"limit_gb": limit})))
+        assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / name)]) == 2
+        return capsys.readouterr().err
+
+    r = recipe(prefs, llama_dir)  # 6 pairs a batch: 12 rows
+    assert "train.batch_size: 3 with train.grad_accumulation: 2 (the same 6 examples" in refused(
+        r, "o"
+    )
+    r["data"] = {**r["data"], "packing": "pack", "pack_length": 97}
+    assert "data.pack_length: 49 with data.max_length at most 24" in refused(r, "p")

@@ -428,6 +428,10 @@ def test_preference_runs_plot_margins_and_accuracy_beside_the_loss(tmp_path):
             acc = app.query_one("#accuracy", Plot)
             assert "eval 100.0%" in acc.title and acc.series[1][2][0] == pytest.approx(0.55)
             assert "ppl" not in app.query_one("#loss", Plot).title
+            await pilot.press("7")  # the panel's key hides and shows it
+            assert not app.query_one("#prefs").display
+            await pilot.press("7")
+            assert app.query_one("#prefs").display
         app = WatchApp(sft, read_only=True, poll_s=0.05)
         async with app.run_test(size=(140, 40)) as pilot:
             await pilot.pause(0.2)

@@ -25,7 +25,8 @@ from .rundata import RunData, ema
 HELP = (
     "p pause/resume · s save a checkpoint · e evaluate · g generate a sample · q stop the run "
     "(finish the step, save, export; closes the dashboard once the run has ended) · "
-    "[ ] less/more smoothing · 1-6 show/hide panels · ctrl+q close the dashboard only "
+    "[ ] less/more smoothing · 1-7 show/hide panels (7: preference plots) · ctrl+q close the "
+    "dashboard only "
     "(training goes on)"
 )
 
@@ -86,7 +87,7 @@ class WatchApp(App):
         Binding("left_square_bracket", "smooth(-1)", "less smooth", show=False),
         Binding("right_square_bracket", "smooth(1)", "more smooth", show=False),
         Binding("question_mark", "help", "help"),
-        *[Binding(str(i), f"toggle({i})", show=False) for i in range(1, 7)],
+        *[Binding(str(i), f"toggle({i})", show=False) for i in range(1, 8)],
     ]
 
     def __init__(
@@ -323,6 +324,7 @@ class WatchApp(App):
             4: "#stats",
             5: "#sample, #checkpoints",
             6: "#log",
+            7: "#prefs",  # a preference run's margin and accuracy
         }
         for w in self.query(ids[n]):
             w.display = not w.display

@@ -374,6 +374,9 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
         inert(("train.label_smoothing",), f"objective.type {kind} does not read it")
         if d.packing != "off":
             inert(("data.mask_boundary_loss",), "a pair's sequences never score their first token")
+    if kind == "reward":
+        why = "a reward model scores each sequence's last token, with no LM head or loss kernel"
+        inert(("data.train_on_eos", "kernels.loss"), why)
     return found
 
 

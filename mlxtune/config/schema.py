@@ -120,7 +120,8 @@ class DataConfig:
     (pretraining text; documents run on into the next row and are not truncated); "off": one
     example a row, padded."""
     pack_length: int | None = None
-    """Tokens per packed row; default max_length (pack needs at least max_length)."""
+    """Tokens per packed row; default max_length (pack needs at least max_length), and for
+    preference pairs, which pack whole, 2 x max_length."""
     mask_boundary_loss: bool = True
     """Packed rows: never train on a document's first token predicted from the one before it."""
     train_on_eos: bool = True

@@ -123,7 +123,7 @@ def load_pairs(
             )
         ex = encoder.encode(piece, where)
         if ex.longest > max_length:
-            prompt = _prompt_length(ex.mask)
+            prompt = max(_prompt_length(ex.mask), _prompt_length(ex.rejected_mask))
             if prompt >= max_length:
                 raise UserInputError(
                     f"the prompt alone is {prompt} tokens, and data.max_length ({max_length}) "

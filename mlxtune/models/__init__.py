@@ -9,7 +9,14 @@ from .checkpointing import checkpoint_layers, checkpointed_layers
 from .common import DTYPES, HF_ARCHITECTURES, SUPPORTED, cast_floats
 from .context import ForwardContext, current, dropout_key, segments
 from .gguf import GGUFLoad, gguf_config, is_gguf, load_gguf, read_gguf
-from .heads import REWARD_HEAD, add_reward_head, has_reward_head, reward_head, without_reward_head
+from .heads import (
+    REWARD_HEAD,
+    add_reward_head,
+    has_reward_head,
+    reward_head,
+    reward_head_aside,
+    without_reward_head,
+)
 from .loading import check_model_dir, load_model, resolve_model_path
 from .parts import LMParts, count_parameters, lm_parts
 from .patches import kernel_attention
@@ -59,6 +66,7 @@ __all__ = [
     "read_gguf",
     "resolve_model_path",
     "reward_head",
+    "reward_head_aside",
     "save_model",
     "segments",
     "without_reward_head",

@@ -4,6 +4,9 @@ fused export loads there as is)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -31,3 +34,18 @@ def has_reward_head(weights: dict) -> bool:
 def without_reward_head(weights: dict) -> dict:
     """Flat weights without the reward head's."""
     return {k: v for k, v in weights.items() if not k.startswith(f"{REWARD_HEAD}.")}
+
+
+@contextlib.contextmanager
+def reward_head_aside(model: nn.Module) -> Iterator[nn.Linear | None]:
+    """The model without its reward head for the block (what language-model formats and
+    quantization walk), the head yielded and put back after."""
+    head = reward_head(model)
+    if head is None:
+        yield None
+        return
+    model.pop(REWARD_HEAD)
+    try:
+        yield head
+    finally:
+        setattr(model, REWARD_HEAD, head)

@@ -76,6 +76,8 @@ class Objective:
 
     name: ClassVar[str] = ""
     Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+    sequences_per_example: ClassVar[int] = 1
+    """Sequences an example is (a preference pair: two), for the memory plan."""
     noun: ClassVar[str] = "examples"
     """What a batch holds, as the header and summary name it (examples, pairs)."""
 

@@ -19,6 +19,7 @@ DPO's reference policy:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -106,6 +107,7 @@ class Preference(Objective):
     per-sequence completion log-probs, and evaluation on the validation pairs. Counts pairs."""
 
     noun = "pairs"
+    sequences_per_example = 2
 
     def __init__(self, recipe, components):
         super().__init__(recipe, components)
@@ -271,6 +273,8 @@ class DPO(Preference):
             raise UserInputError(
                 f"must be in [0, 0.5), got {cfg.label_smoothing}", "objective.label_smoothing"
             )
+        if cfg.rpo_alpha < 0:
+            raise UserInputError(f"must be at least 0, got {cfg.rpo_alpha}", "objective.rpo_alpha")
         if cfg.label_smoothing and cfg.loss not in ("sigmoid", "robust"):
             raise UserInputError(
                 f"label smoothing applies to the sigmoid and robust losses, not {cfg.loss}",
@@ -290,9 +294,11 @@ class DPO(Preference):
         model = self.components.model
         if self.reference == "copy":
             # copies: the compiled steps take the weights themselves as inputs
-            self._start = {
-                k: mx.array(np.array(v)) for k, v in tree_flatten(model.trainable_parameters())
+            self._start = {  # copies of their own
+                k: mx.array(np.array(v.astype(mx.float32))).astype(v.dtype)
+                for k, v in tree_flatten(model.trainable_parameters())
             }
+            mx.eval(self._start)
             log("reference: a copy of the starting trainable weights")
         elif self.reference == "adapters_off":
             log("reference: the base model (adapters off)")
@@ -302,8 +308,8 @@ class DPO(Preference):
     def _reference_table(self, run_dir, source, log) -> dict[str, np.ndarray]:
         c = self.components
         splits = {"train": c.train_set, "valid": c.valid_set}
-        saved = (source or run_dir).path / REFERENCE_FILE
-        if saved.exists():
+        saved = source.path / REFERENCE_FILE if source is not None else None
+        if saved is not None and saved.exists():  # a resumed run's
             table = {k: np.array(v) for k, v in mx.load(str(saved)).items()}
             for k, ds in splits.items():
                 if k not in table or table[k].shape != (len(ds), 2):
@@ -320,6 +326,8 @@ class DPO(Preference):
         model.eval()
         step = mx.compile(self.sequence_logps, inputs=[model.state])
         table = {}
+        tier = c.tiers["attention"]  # the attention the steps will run
+        routed = kernel_attention(model, tier) if tier != "off" else contextlib.nullcontext()
         try:
             for k, ds in splits.items():
                 out = np.zeros((len(ds), 2), np.float32)
@@ -328,7 +336,7 @@ class DPO(Preference):
                     ds, size, c.pad_id, self.recipe.data.pad_to_multiple, None, k
                 ):
                     arrays = {n: mx.array(v) for n, v in self.arrays(b).items()}
-                    with forward_only():
+                    with forward_only(), routed:
                         got = step(arrays)
                     out[b.pairs] = np.array(got)
                 table[k] = out
@@ -449,6 +457,10 @@ class Reward(Preference):
 
     def __init__(self, recipe, components):
         super().__init__(recipe, components)
+        if self.config.center_rewards < 0:
+            raise UserInputError(
+                f"must be at least 0, got {self.config.center_rewards}", "objective.center_rewards"
+            )
         if recipe.eval.exact_match:
             raise UserInputError(
                 "a reward model scores answers and generates none: set eval.exact_match: 0",
@@ -464,6 +476,8 @@ class Reward(Preference):
     def extend(cls, recipe, model, log) -> None:
         hidden = int(model.args.hidden_size)
         add_reward_head(model, hidden)
+        if "lm_head" in model:  # an untied LM head scores nothing here: no optimizer state
+            model.lm_head.freeze()
         log(f"reward head: a trainable {hidden} -> 1 score on each sequence's last token")
 
     def arrays(self, batch: PairBatch) -> dict[str, np.ndarray]:
@@ -471,11 +485,11 @@ class Reward(Preference):
         out.pop("rows", None)  # the head reads last tokens only: no LM head to skip
         # each sequence's last token, as a flat index into the [R x L] positions
         slots = len(batch.pairs)
-        last = np.zeros(2 * slots, np.int32)
+        last = np.zeros(2 * slots, np.int64)
         flat = batch.seq.reshape(-1)
         where = np.flatnonzero(flat >= 0)
-        last[flat[where]] = where  # the highest position of each sequence wins
-        out["last"] = last.reshape(slots, 2)
+        np.maximum.at(last, flat[where], where)  # each sequence's highest position
+        out["last"] = last.reshape(slots, 2).astype(np.int32)
         return out
 
     def rewards(self, model: nn.Module, batch: dict[str, mx.array]) -> mx.array:
