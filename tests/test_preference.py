@@ -740,3 +740,17 @@ def test_the_memory_advice_counts_pairs_not_rows(tmp_path, llama_dir, prefs, cap
     )
     r["data"] = {**r["data"], "packing": "pack", "pack_length": 97}
     assert "data.pack_length: 49 with data.max_length at most 24" in refused(r, "p")
+
+
+def test_validate_and_dry_run_describe_a_preference_run(tmp_path, llama_dir, prefs, capsys):
+    import yaml
+
+    r = recipe(prefs, llama_dir, {"type": "dpo", "reference": "precomputed"})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    assert main(["validate", str(tmp_path / "r.yaml")]) == 0
+    assert main(["run", str(tmp_path / "r.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "6 pairs/step" in text and "objective dpo" in text and "48 pairs" in text
+    assert "dry run: one step compiled and ran" in text
+    assert "reference: log-probs of 58 pairs computed once" in text
