@@ -1,15 +1,16 @@
-"""Generation for samples and the exact-match metric: greedy or sampled, batched by prompt
-length (so no padding is needed), with mlx-lm's KV cache."""
+"""Generation for samples, the exact-match metric and ``generate``: prompts of any lengths in one
+left-padded batch (mlx-lm's batched KV cache), each prompt read once for all its completions,
+greedy or sampled (temperature, top-k, top-p, min-p) with a key of each row's own."""
 
 from __future__ import annotations
 
 import tempfile
-from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .adapters import apply_adapters
 from .checkpoint import load_trained
@@ -27,6 +28,57 @@ def eos_ids(tokenizer) -> set[int]:
     return ids
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn: greedy at temperature 0, else from the softmax of the
+    logits / temperature, kept to the ``top_k`` likeliest, the smallest set whose probability
+    reaches ``top_p``, and those at least ``min_p`` x the likeliest's probability (applied in
+    that order, after the temperature, as Hugging Face's generate does)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+def filtered_logits(logits: mx.array, s: Sampling) -> mx.array:
+    """[B, V] fp32 logits / temperature, -inf outside the tokens ``s`` keeps."""
+    z = logits.astype(mx.float32) / s.temperature
+    neg = mx.array(-mx.inf, dtype=mx.float32)
+    if 0 < s.top_k < z.shape[-1]:
+        kth = mx.sort(z, axis=-1)[:, -s.top_k][:, None]
+        z = mx.where(z >= kth, z, neg)
+    if s.top_p < 1.0:
+        order = mx.argsort(-z, axis=-1)
+        desc = mx.take_along_axis(z, order, axis=-1)
+        probs = mx.softmax(desc, axis=-1)
+        before = mx.cumsum(probs, axis=-1) - probs  # probability of the likelier tokens
+        # the likeliest token always stays; a token stays while the ones before it fall short
+        keep = (before < s.top_p) | (mx.arange(z.shape[-1]) == 0)
+        cutoff = mx.min(mx.where(keep, desc, mx.inf), axis=-1, keepdims=True)
+        z = mx.where(z >= cutoff, z, neg)
+    if s.min_p > 0.0:
+        probs = mx.softmax(z, axis=-1)
+        z = mx.where(probs >= s.min_p * mx.max(probs, axis=-1, keepdims=True), z, neg)
+    return z
+
+
+def _draw(logits: mx.array, keys: mx.array, s: Sampling) -> tuple[mx.array, mx.array]:
+    """(tokens [B], the rows' next keys): argmax of the filtered logits plus Gumbel noise, each
+    row from its own key, so a row draws what it would draw in any other batch."""
+    if s.temperature <= 0:
+        return mx.argmax(logits, axis=-1), keys
+    pairs = mx.vmap(lambda k: mx.random.split(k))(keys)  # [B, 2, 2]
+    noise = mx.vmap(lambda k: mx.random.gumbel(shape=logits.shape[-1:], key=k))(pairs[:, 1])
+    return mx.argmax(filtered_logits(logits, s) + noise, axis=-1), pairs[:, 0]
+
+
+def row_keys(seed: int, prompts: int, group: int = 1) -> mx.array:
+    """The sampling keys of ``prompts`` x ``group`` rows (prompt-major): sample j of prompt i
+    draws from key j of prompt i's split, whatever else is generated with it."""
+    return mx.concatenate([mx.random.split(mx.random.key(seed + i), group) for i in range(prompts)])
+
+
 def generate_ids(
     model: nn.Module,
     prompts: list[list[int]],
@@ -35,45 +87,81 @@ def generate_ids(
     temperature: float = 0.0,
     seed: int = 0,
     max_batch: int = 64,
+    *,
+    sampling: Sampling | None = None,
+    group: int = 1,
+    keys: mx.array | None = None,
 ) -> list[list[int]]:
-    """New token ids for each prompt (without the prompt, eos not included)."""
+    """New token ids (without the prompt, EOS left out) of ``group`` completions of each prompt,
+    prompt-major. Prompts of any lengths decode together, left-padded in one batched KV cache;
+    each prompt is read once and its cache copied to its ``group`` rows. Rows stop at EOS and
+    leave the batch. ``sampling`` (default: ``temperature`` alone) draws each row from its own
+    key (``keys`` [rows, 2], default ``row_keys(seed, ...)``)."""
+    s = sampling or Sampling(temperature=temperature)
+    keys = keys if keys is not None else row_keys(seed, len(prompts), group)
     was_training = model.training
     model.eval()
-    key = mx.random.key(seed)
-    out: list[list[int] | None] = [None] * len(prompts)
-    by_len = defaultdict(list)
-    for i, p in enumerate(prompts):
-        by_len[len(p)].append(i)
+    out: list[list[int]] = []
     try:
-        for _, idx in sorted(by_len.items()):
-            for s in range(0, len(idx), max_batch):
-                group = idx[s : s + max_batch]
-                cache = make_prompt_cache(model)
-                x = mx.array([prompts[i] for i in group])
-                done = [False] * len(group)
-                new = [[] for _ in group]
-                for _ in range(max_new_tokens):
-                    logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
-                    if temperature > 0:
-                        key, sub = mx.random.split(key)
-                        nxt = mx.random.categorical(logits / temperature, key=sub)
-                    else:
-                        nxt = mx.argmax(logits, axis=-1)
-                    for j, t in enumerate(nxt.tolist()):
-                        if done[j]:
-                            continue
-                        if t in eos:
-                            done[j] = True
-                        else:
-                            new[j].append(t)
-                    if all(done):
-                        break
-                    x = nxt[:, None]
-                for j, i in enumerate(group):
-                    out[i] = new[j]
+        step = max(1, max_batch // group)
+        for at in range(0, len(prompts), step):
+            chunk = prompts[at : at + step]
+            ks = keys[at * group : (at + len(chunk)) * group]
+            out += _decode(model, chunk, max_new_tokens, eos, s, group, ks)
     finally:
         model.train(was_training)
     return out
+
+
+def _batch_cache(model, pad: list[int]) -> list:
+    """The model's per-layer caches as mlx-lm's batched, left-padded KV caches."""
+    plain = (
+        model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    )
+    out = []
+    for c in plain:
+        if type(c) is not KVCache:
+            raise UserInputError(
+                f"batched generation needs plain KV caches; this model uses {type(c).__name__}",
+                "model",
+            )
+        out.append(BatchKVCache(pad))
+    return out
+
+
+def _decode(model, prompts, max_new_tokens, eos, s, group, keys) -> list[list[int]]:
+    """One batch of prompts: read left-padded into one cache, the cache and the last logits
+    tiled ``group`` times, then one token a step for every row still going."""
+    width = max(len(p) for p in prompts)
+    pad = [width - len(p) for p in prompts]
+    cache = _batch_cache(model, pad)
+    x = mx.array([[0] * k + p for k, p in zip(pad, prompts, strict=True)])
+    logits = model(x, cache=cache)[:, -1, :]
+    if group > 1:  # each prompt's rows share what it read
+        rows = mx.repeat(mx.arange(len(prompts)), group)
+        for c in cache:
+            c.filter(rows)
+        logits = logits[rows]
+    alive = list(range(len(prompts) * group))  # the batch's rows, by output row
+    new: list[list[int]] = [[] for _ in alive]
+    for n in range(max_new_tokens):
+        tokens, keys = _draw(logits.astype(mx.float32), keys, s)
+        keep = []
+        for j, t in enumerate(tokens.tolist()):
+            if t in eos:
+                continue
+            new[alive[j]].append(t)
+            keep.append(j)
+        if not keep or n == max_new_tokens - 1:
+            break
+        if len(keep) < len(alive):  # finished rows leave the batch
+            idx = mx.array(keep)
+            for c in cache:
+                c.filter(idx)
+            tokens, keys = tokens[idx], keys[idx]
+            alive = [alive[j] for j in keep]
+        logits = model(tokens[:, None], cache=cache)[:, -1, :]
+    return new
 
 
 def normalise_answer(s: str) -> str:
