@@ -227,34 +227,8 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
             return True
         return False
 
-    per = s.rows_per_example  # train.batch_size counts examples (pairs: two rows each)
-    b, acc = s.batch // per, s.accumulation
-    while b > 1:
-        b //= 2
-        acc *= 2
-        per_step = s.batch // per * s.accumulation
-        if fits(
-            f"train.batch_size: {b} with train.grad_accumulation: {acc} "
-            f"(the same {per_step} examples per step)",
-            replace(s, batch=b * per, accumulation=acc),
-        ):
-            break
-    length = s.length
-    packing = recipe.data.packing
-    while length > 64:
-        length //= 2
-        if packing == "off":
-            change = f"data.max_length: {length + 1} (longer examples are cut)"
-        elif packing == "stream":
-            change = f"data.pack_length: {length + 1} (shorter rows of the stream)"
-        else:  # an example packs whole: each of its sequences at most its share of a row
-            most = (length + 1) // s.sequences_per_example
-            change = (
-                f"data.pack_length: {length + 1} with data.max_length at most {most} "
-                "(longer examples are cut)"
-            )
-        if fits(change, replace(s, length=length)):
-            break
+    _smaller_batches(s, fits)
+    _shorter_rows(s, recipe.data.packing, fits)
     if s.attention_scores:
         fits(
             "kernels.attention: chunked (keeps no scores)",
@@ -298,6 +272,41 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
             ),
         )
     return out
+
+
+def _smaller_batches(s: Shape, fits) -> None:
+    """The largest halved train.batch_size (accumulating the rest) that ``fits``."""
+    per = s.rows_per_example  # train.batch_size counts examples (pairs: two rows each)
+    b, acc = s.batch // per, s.accumulation
+    while b > 1:
+        b //= 2
+        acc *= 2
+        per_step = s.batch // per * s.accumulation
+        if fits(
+            f"train.batch_size: {b} with train.grad_accumulation: {acc} "
+            f"(the same {per_step} examples per step)",
+            replace(s, batch=b * per, accumulation=acc),
+        ):
+            return
+
+
+def _shorter_rows(s: Shape, packing: str, fits) -> None:
+    """The longest halved row length that ``fits``, as the data keys that set it."""
+    length = s.length
+    while length > 64:
+        length //= 2
+        if packing == "off":
+            change = f"data.max_length: {length + 1} (longer examples are cut)"
+        elif packing == "stream":
+            change = f"data.pack_length: {length + 1} (shorter rows of the stream)"
+        else:  # an example packs whole: each of its sequences at most its share of a row
+            most = (length + 1) // s.sequences_per_example
+            change = (
+                f"data.pack_length: {length + 1} with data.max_length at most {most} "
+                "(longer examples are cut)"
+            )
+        if fits(change, replace(s, length=length)):
+            return
 
 
 def plan(shape: Shape, recipe, log) -> dict[str, float]:

@@ -349,6 +349,13 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
     if r.samples.prompts:
         inert(("samples.count",), "samples.prompts is given")
 
+    _precision_inert(r, inert)
+    _objective_inert(r, inert)
+    return found
+
+
+def _precision_inert(r: Recipe, inert) -> None:
+    """Loss-scaling, master-weight, skip and memory keys the precision settings leave unread."""
     p = r.precision
     mode = scaling_mode(p, r.model.dtype)
     if mode != "dynamic":
@@ -368,16 +375,18 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
     if r.memory.check == "off":
         inert(("memory.limit_gb",), "memory.check is off")
 
+
+def _objective_inert(r: Recipe, inert) -> None:
+    """Data and training keys the objective does not read (preference pairs, reward models)."""
     kind = r.objective.type
     if kind in PREFERENCE:
         inert(("data.mask_prompt",), f"objective.type {kind} scores the completions only")
         inert(("train.label_smoothing",), f"objective.type {kind} does not read it")
-        if d.packing != "off":
+        if r.data.packing != "off":
             inert(("data.mask_boundary_loss",), "a pair's sequences never score their first token")
     if kind == "reward":
         why = "a reward model scores each sequence's last token, with no LM head or loss kernel"
         inert(("data.train_on_eos", "kernels.loss"), why)
-    return found
 
 
 def inert_notes(recipe: Recipe) -> list[str]:

@@ -51,11 +51,6 @@ from .base import Objective, Usage
 REFERENCE_FILE = "reference_logps.safetensors"
 
 
-def log_sigmoid(x: mx.array) -> mx.array:
-    """log(sigmoid(x)), stable for large |x|."""
-    return -mx.logaddexp(mx.zeros_like(x), -x)
-
-
 @dataclass
 class DPOConfig(ObjectiveConfig):
     """Direct preference optimisation against a reference policy."""
@@ -399,10 +394,12 @@ class DPO(Preference):
         margin = chosen - rejected
         beta, eps = cfg.beta, cfg.label_smoothing
         if cfg.loss == "sigmoid":
-            losses = -log_sigmoid(beta * margin) * (1 - eps) - log_sigmoid(-beta * margin) * eps
+            losses = (
+                -nn.log_sigmoid(beta * margin) * (1 - eps) - nn.log_sigmoid(-beta * margin) * eps
+            )
         elif cfg.loss == "robust":
             losses = (
-                -log_sigmoid(beta * margin) * (1 - eps) + log_sigmoid(-beta * margin) * eps
+                -nn.log_sigmoid(beta * margin) * (1 - eps) + nn.log_sigmoid(-beta * margin) * eps
             ) / (1 - 2 * eps)
         elif cfg.loss == "hinge":
             losses = mx.maximum(1 - beta * margin, 0)
@@ -436,7 +433,7 @@ class ORPO(Preference):
         # log(1 - p) from log p, kept finite where p rounds to 1
         log_not = mx.log(-mx.expm1(mx.minimum(mean, -1e-7)))
         log_odds = (mean[:, 0] - mean[:, 1]) - (log_not[:, 0] - log_not[:, 1])
-        ratio = log_sigmoid(log_odds)
+        ratio = nn.log_sigmoid(log_odds)
         nll = -mean[:, 0]
         beta = self.config.beta
         losses = nll - beta * ratio
@@ -503,7 +500,7 @@ class Reward(Preference):
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
         valid = batch["valid"]
         r = self.rewards(model, batch)
-        losses = -log_sigmoid(r[:, 0] - r[:, 1])
+        losses = -nn.log_sigmoid(r[:, 0] - r[:, 1])
         if self.config.center_rewards:
             losses = losses + self.config.center_rewards * mx.square(r[:, 0] + r[:, 1])
         c, j = mx.stop_gradient(r[:, 0]), mx.stop_gradient(r[:, 1])
