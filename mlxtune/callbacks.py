@@ -35,6 +35,8 @@ class StepRecord:
     applied: bool = True
     tokens_seen: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    host: dict[str, list[float]] = field(default_factory=dict)
+    """The objective's host-made metrics for this step: name -> [sum, weight]."""
 
 
 class StepEvent:

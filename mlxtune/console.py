@@ -74,7 +74,7 @@ class Console:
         extra = f" | scale {row['loss_scale']:g}" if "loss_scale" in row else ""
         if row.get("skipped_steps"):
             extra += f" | {row['skipped_steps']} skipped"
-        extra += _preference(row)
+        extra += _preference(row) + _rl(row)
         self._print(
             f"step {row['step']:>6}/{total} | loss {loss} | lr {row['lr']:.2e} | "
             f"grad {grad} | {row['tokens_per_sec']:,.0f} tok/s | "
@@ -84,6 +84,13 @@ class Console:
     def log_eval(self, row: dict):
         extra = f" | ppl {row['eval_ppl']:.3f}" if "eval_ppl" in row else ""
         extra += _preference(row, "eval_")
+        if "eval_reward" in row:  # its loss is the negative reward
+            self._print(
+                f"eval @ {row['step']:>5} | reward {row['eval_reward']:.4f} over "
+                f"{row['eval_prompts']} held-out prompts | completion length "
+                f"{row['eval_completion_length']:.1f}"
+            )
+            return
         self._print(f"eval @ {row['step']:>5} | loss {row['eval_loss']:.4f}{extra}")
 
     def sample(self, step: int, prompt: str, completion: str):
@@ -108,6 +115,10 @@ class Console:
                 f"  exact match on held-out prompts: {100 * s['exact_match_before']:.1f}% untrained -> "
                 f"{100 * s['exact_match_after']:.1f}% trained"
             )
+        if "final_eval_reward" in s:
+            start = s.get("eval_reward_at_start")
+            was = f"{start:.3f} at the start -> " if start is not None else ""
+            lines.append(f"  reward on held-out prompts: {was}{s['final_eval_reward']:.3f}")
         lines.append(f"  run directory: {s['run_dir']}")
         self._print("\n".join(lines))
 
@@ -118,3 +129,14 @@ def _preference(row: dict, prefix: str = "") -> str:
     if acc is None or margin is None:
         return ""
     return f" | margin {margin:.3f} | acc {100 * acc:.1f}%"
+
+
+def _rl(row: dict) -> str:
+    """A reinforcement-learning objective's mean reward and completion length, when the row
+    has them."""
+    if row.get("reward") is None:
+        return ""
+    out = f" | reward {row['reward']:.3f}"
+    if row.get("completion_length") is not None:
+        out += f" | len {row['completion_length']:.1f}"
+    return out

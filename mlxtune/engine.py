@@ -371,7 +371,8 @@ class Engine:
         )
 
     def save(self, folder) -> None:
-        """The optimizer's whole state, and the fp32 masters when there are any."""
+        """The optimizer's whole state, the fp32 masters when there are any, and what the
+        objective carries between steps."""
         mx.save_safetensors(
             str(folder / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state))
         )
@@ -379,6 +380,7 @@ class Engine:
             mx.save_safetensors(
                 str(folder / "masters.safetensors"), dict(tree_flatten(self.masters))
             )
+        self.objective.save(folder)
 
     def restore(self, folder, host: EngineState) -> None:
         """Put back what ``save`` and ``host_state`` saved (the weights are loaded already)."""
@@ -405,4 +407,5 @@ class Engine:
         self.skipped, self.in_a_row, self.split = host.skipped, host.in_a_row, host.micro_split
         hi, lo = host.rng
         mx.random.seed((hi << 32) | lo)
+        self.objective.restore(folder)
         mx.eval(self.model.parameters(), self.optimizer.state)

@@ -25,7 +25,7 @@ from .errors import Interrupted, TrainingError, UserInputError
 from .export import TrainedModel, export
 from .generate import exact_match, sample
 from .memory import plan, shape_of
-from .meter import StepMeter
+from .meter import StepMeter, merge_host
 from .models import kernel_attention
 from .objectives import build_objective
 from .rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
@@ -60,6 +60,7 @@ class Trainer:
         self.console = console or Console(quiet=False, progress=recipe.train.progress)
         self.position = LoopPosition()
         self.resumed = False
+        self._start_eval: dict | None = None
         self._stop = self._save = False
         self._meter = StepMeter()
         self._signals = Signals(self._on_signal, enabled=not dry_run)
@@ -246,6 +247,7 @@ class Trainer:
             if r.eval.exact_match and not self.resumed and self.world.main
             else None
         )
+        self._start_eval = self._evaluate(0) if r.eval.at_start and not self.resumed else None
         mx.reset_peak_memory()
         start = time.perf_counter()
         self._meter = StepMeter(mark=start)
@@ -277,6 +279,8 @@ class Trainer:
             uses = [self.objective.usage(b) for b in micro]
             targets = sum(u.targets for u in uses)
             record = StepRecord(pos.step, n, targets, result, scale, lr)
+            for b in micro:
+                merge_host(record.host, self.objective.host_metrics(b))
             self._meter.queued.append(record)
             for use in uses:
                 pos.examples_seen += use.examples
@@ -406,6 +410,10 @@ class Trainer:
         }
         if before is not None:
             summary["exact_match_before"], summary["exact_match_after"] = before, after
+        if "eval_reward" in final_eval:  # a reinforcement-learning objective's held-out reward
+            if self._start_eval is not None:
+                summary["eval_reward_at_start"] = self._start_eval["eval_reward"]
+            summary["final_eval_reward"] = final_eval["eval_reward"]
         self.run_dir.write_json("summary.json", summary)
         self.console.summary(summary)
         for cb in self.callbacks:
@@ -436,27 +444,10 @@ class Trainer:
         """The objective's validation metrics (for SFT: token-weighted loss and perplexity);
         no metrics row written."""
         self.model.eval()
-        total, count, sums = 0.0, 0, {}
-        world = self.world
-        batches = list(self.objective.eval_batches())
-        mine = batches[world.rank :: world.size]  # data-parallel: each rank its share
-        if not mine and batches:  # a rank left without batches still reports the metrics' names
-            mine = [self.objective.nothing(batches[0])]
         try:
-            for b in mine:
-                loss, n, metrics = self.engine.evaluate_batch(b)
-                mx.eval(loss, n, metrics)
-                total, count = total + loss.item(), count + n.item()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v.item()
+            return self.objective.evaluate(self.engine, self.world)
         finally:
             self.model.train()
-        if world.size > 1:
-            names = sorted(sums)
-            got = world.agree([total, count] + [sums[k] for k in names])
-            total, count = got[0], int(round(got[1]))
-            sums = {k: got[2 + i] for i, k in enumerate(names)}
-        return self.objective.eval_metrics(total, count, sums)
 
     def _evaluate(self, step: int) -> dict:
         m = self.evaluate()
@@ -467,6 +458,13 @@ class Trainer:
             self.position.best_eval = m["eval_loss"]
             if self.recipe.checkpoints.save_best:
                 self._checkpoint("best", {"eval_loss": m["eval_loss"]}, prune_after=False)
+        for s in self.objective.eval_samples if self.world.main else ():
+            self.run_dir.append_jsonl(
+                "samples.jsonl", {"step": step, "eval": True, **s, "time": time.time()}
+            )
+        if self.objective.eval_samples and self.world.main:
+            s = self.objective.eval_samples[0]
+            self.console.sample(step, s["prompt"], s["completion"])
         for cb in self.callbacks:
             cb.on_eval(self, row)
         return m

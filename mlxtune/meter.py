@@ -77,6 +77,7 @@ class StepMeter:
                 for k, v in sums.items():
                     w.metrics[k] = w.metrics.get(k, 0.0) + v
                 pos.last_loss = q.loss
+            merge_host(w.host, q.host)
             q.tokens_seen = pos.tokens_seen
             q.read = True
             if not q.applied and stop is None:
@@ -108,6 +109,8 @@ class StepMeter:
             "time": time.time(),
         }
         row.update({k: v / w.n if w.n else None for k, v in w.metrics.items()})
+        for k, (v, weight) in sorted(w.host.items()):
+            row[k] = v if k.endswith("_max") else v / weight if weight else None
         if packed:
             row["packing_utilization"] = round(w.real / max(w.room, 1), 4)
         if engine.scaling != "none":
@@ -119,3 +122,15 @@ class StepMeter:
             pos.first_row = False
         pos.window = Window()
         return row
+
+
+def merge_host(into: dict, more: dict) -> None:
+    """Add host metrics ``more`` (name -> (sum, weight)) to ``into``: sums and weights add up,
+    a name ending in ``_max`` keeps the larger value."""
+    for k, (v, weight) in more.items():
+        if k not in into:
+            into[k] = [float(v), float(weight)]
+        elif k.endswith("_max"):
+            into[k] = [max(into[k][0], float(v)), 1.0]
+        else:
+            into[k] = [into[k][0] + float(v), into[k][1] + float(weight)]

@@ -28,11 +28,14 @@ class Window:
     room: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     """Sums of the objective's own metrics."""
+    host: dict[str, list[float]] = field(default_factory=dict)
+    """The objective's host-made metrics: name -> [sum, weight] (``Objective.host_metrics``)."""
 
     def to_json(self) -> dict:
         out = asdict(self)
-        if not self.metrics:  # a checkpoint of an objective without metrics reads as before
-            del out["metrics"]
+        for k in ("metrics", "host"):  # a checkpoint of an objective without them reads as before
+            if not out[k]:
+                del out[k]
         return out
 
     @classmethod

@@ -229,6 +229,9 @@ class EvalConfig:
     report the exact-match accuracy (completion, instruction and chat data); 0 turns it off."""
     max_new_tokens: int = 64
     """Longest generated answer for the exact-match metric."""
+    at_start: bool = False
+    """Also evaluate before the first step (a new run; a resumed one has its row already),
+    as step 0: where training starts from."""
 
 
 @dataclass

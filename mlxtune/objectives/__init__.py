@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..config import register_objective_config, unregister_objective_config
 from ..errors import UserInputError
 from .base import Components, Objective, Usage, target_rows
+from .grpo import GRPO, RolloutBatch
 from .preference import DPO, ORPO, Preference, Reward
 from .sft import SFT
 
@@ -57,16 +58,18 @@ def objective_class(recipe) -> type[Objective]:
     return OBJECTIVES[name]
 
 
-for _cls in (SFT, DPO, ORPO, Reward):
+for _cls in (SFT, DPO, ORPO, Reward, GRPO):
     register(_cls)
 del _cls
 
 __all__ = [
     "Components",
     "DPO",
+    "GRPO",
     "ORPO",
     "Preference",
     "Reward",
+    "RolloutBatch",
     "objective_class",
     "Objective",
     "OBJECTIVES",

@@ -81,6 +81,10 @@ class Objective:
     noun: ClassVar[str] = "examples"
     """What a batch holds, as the header and summary name it (examples, pairs)."""
 
+    def per_step(self, n: int) -> str:
+        """What ``n`` examples a step are, as the run's header says it."""
+        return f"{n} {self.noun}"
+
     def __init__(self, recipe: Recipe, components: Components):
         self.recipe = recipe
         self.config = recipe.objective
@@ -227,7 +231,47 @@ class Objective:
     def usage(self, batch: Batch) -> Usage:
         return Usage(batch.examples, batch.n_targets, batch.n_tokens, batch.tokens.size)
 
+    def host_metrics(self, batch: Batch) -> dict[str, tuple[float, float]]:
+        """Metrics the host made for ``batch`` (not the loss's): name -> (sum, weight), shown
+        in log rows as the window's sum over its weight; a name ending in ``_max`` carries
+        (max, 1) and shows the window's largest. None by default."""
+        return {}
+
+    # --------------------------------------------------------------------- checkpoints
+    def save(self, folder) -> None:
+        """Write what the objective carries between steps into checkpoint ``folder`` (beside
+        the optimizer's state). Nothing by default."""
+
+    def restore(self, folder) -> None:
+        """Read back what ``save`` wrote, before the resumed run's first batch."""
+
     # --------------------------------------------------------------------- evaluation
+    eval_samples: list[dict] = []
+    """Completions the last ``evaluate`` made, to be shown and kept (``prompt``, ``completion``
+    and what the objective adds); none by default."""
+
+    def evaluate(self, engine, world) -> dict:
+        """The eval row's metrics (``eval_loss`` among them: lower is better), the model in
+        eval mode: by default the loss over ``eval_batches()``, each data-parallel rank
+        running its share."""
+        total, count, sums = 0.0, 0, {}
+        batches = list(self.eval_batches())
+        mine = batches[world.rank :: world.size]
+        if not mine and batches:  # a rank left without batches still reports the metrics' names
+            mine = [self.nothing(batches[0])]
+        for b in mine:
+            loss, n, metrics = engine.evaluate_batch(b)
+            mx.eval(loss, n, metrics)
+            total, count = total + loss.item(), count + n.item()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v.item()
+        if world.size > 1:
+            names = sorted(sums)
+            got = world.agree([total, count] + [sums[k] for k in names])
+            total, count = got[0], int(round(got[1]))
+            sums = {k: got[2 + i] for i, k in enumerate(names)}
+        return self.eval_metrics(total, count, sums)
+
     def eval_batches(self) -> Iterable[Batch]:
         """The fixed batches ``evaluate`` runs over."""
         raise NotImplementedError(f"{type(self).__name__} must define eval_batches()")

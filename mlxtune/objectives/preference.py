@@ -27,9 +27,7 @@ from typing import Literal
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
 
-from ..adapters import adapters_disabled
 from ..config import ObjectiveConfig
 from ..data import read_positions, split_off
 from ..data.preference import (
@@ -47,6 +45,7 @@ from ..errors import UserInputError
 from ..kernels import forward_only
 from ..models import add_reward_head, kernel_attention, segments
 from .base import Objective, Usage
+from .reference import ReferencePolicy, reference_kind
 
 REFERENCE_FILE = "reference_logps.safetensors"
 
@@ -275,29 +274,21 @@ class DPO(Preference):
                 f"label smoothing applies to the sigmoid and robust losses, not {cfg.loss}",
                 "objective.label_smoothing",
             )
-        adapted = recipe.adapter.type in ("lora", "dora")
-        self.reference = cfg.reference
-        if self.reference == "auto":
-            self.reference = "adapters_off" if adapted else "copy"
-        self._start: dict | None = None
+        self.reference = reference_kind(cfg.reference, recipe.adapter.type)
+        self._policy = (
+            ReferencePolicy(self.reference, components.model)
+            if self.reference != "precomputed"
+            else None
+        )
         self._table: dict[str, np.ndarray] | None = None
 
     def prepare(self, run_dir, source, log) -> None:
         """Keep the reference the recipe asks for, from the model as built (before a resumed
         run's weights are loaded): the starting weights, or every pair's log-probs under them
         (read back from the run when it has them)."""
-        model = self.components.model
-        if self.reference == "copy":
-            # copies: the compiled steps take the weights themselves as inputs
-            self._start = {  # copies of their own
-                k: mx.array(np.array(v.astype(mx.float32))).astype(v.dtype)
-                for k, v in tree_flatten(model.trainable_parameters())
-            }
-            mx.eval(self._start)
-            log("reference: a copy of the starting trainable weights")
-        elif self.reference == "adapters_off":
-            log("reference: the base model (adapters off)")
-        elif self.reference == "precomputed":
+        if self._policy is not None:
+            self._policy.keep(log)
+        else:
             self._table = self._reference_table(run_dir, source, log)
 
     def _reference_table(self, run_dir, source, log) -> dict[str, np.ndarray]:
@@ -356,30 +347,15 @@ class DPO(Preference):
         return out
 
     def reference_memory(self) -> dict:
-        kept = 0
-        if self.reference == "copy":
-            params = tree_flatten(self.components.model.trainable_parameters())
-            kept = sum(v.nbytes for _, v in params)
-        return {"forward": self.reference != "precomputed", "bytes": kept}
+        kept = self._policy.bytes if self._policy is not None else 0
+        return {"forward": self._policy is not None, "bytes": kept}
 
     def reference_logps(self, model: nn.Module, batch: dict[str, mx.array]) -> mx.array:
         """[slots, 2] the reference policy's log-probs of the batch's completions."""
-        if self.reference == "precomputed":
+        if self._policy is None:
             return batch["reference"]
-        with forward_only():  # nothing flows back through the reference
-            if self.reference == "adapters_off":
-                with adapters_disabled(model):
-                    out = self.sequence_logps(batch)
-            else:
-                now = model.trainable_parameters()
-                was = model.training
-                model.update(tree_unflatten(list(self._start.items())))
-                model.eval()
-                try:
-                    out = self.sequence_logps(batch)
-                finally:
-                    model.update(now)
-                    model.train(was)
+        with self._policy.active():  # nothing flows back through the reference
+            out = self.sequence_logps(batch)
         return mx.stop_gradient(out)
 
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):

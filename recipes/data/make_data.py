@@ -51,6 +51,8 @@ def main():
     held = [w for w in words(rng, 400) if w != w[::-1]]
     train = [w for w in words(rng, 1200, exclude=held) if w != w[::-1]]
     preferences(HERE / "prefs", train, held)
+    # quickstart-grpo: the same words as prompts to complete, rewarded for copying the word
+    copy_prompts(HERE / "copy-prompts", train, held)
     # ... and the supervised data behind the adapter those pairs start from
     # (recipes/models/reverse-tiny-mixed): the copy task's words, copied half the time
     mixed(HERE / "copy-or-reverse", [w for w in copy_train if w not in held], random.Random(8))
@@ -97,6 +99,14 @@ def preferences(folder, train, held):
             folder / f"{name}.jsonl",
             [{"prompt": f"copy {w} =", "chosen": f" {w}", "rejected": f" {w[::-1]}"} for w in ws],
         )
+
+
+def copy_prompts(folder, train, held):
+    """train/valid/test.jsonl of {"prompt": "copy word =", "answer": "word"} (the prompts of
+    the preference pairs, for reinforcement learning with an exact-match reward)."""
+    folder.mkdir(exist_ok=True)
+    for name, ws in (("train", train), ("valid", held[:100]), ("test", held[100:300])):
+        write(folder / f"{name}.jsonl", [{"prompt": f"copy {w} =", "answer": w} for w in ws])
 
 
 def mixed(folder, train, rng):

@@ -1,0 +1,196 @@
+"""Prompts for reinforcement learning: each row a prompt to complete, with the fields its reward
+functions read (``answer`` and any other keys), or (offline) the completions already drawn and
+their rewards.
+
+- ``{"prompt": str | [messages], "answer": ..., <other keys>}``: online rows. A string prompt is
+  read as written; a list of ``role``/``content`` messages through the tokenizer's chat template,
+  with the assistant's turn opened (the generation prompt).
+- ``{"prompt": ..., "responses": [str, ...], "rewards": [float, ...]}``: offline rows, a group of
+  completions and their rewards, trained on as they are (no generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserInputError
+from .encode import Dataset, Example, SplitStats, _common_prefix, read_jsonl
+
+OFFLINE_KEYS = ("responses", "rewards")
+
+
+@dataclass
+class PromptExample(Example):
+    """A prompt (``prompt_ids``, also ``ids``: nothing in it is a target), the row's other
+    fields for the reward functions, and for offline rows the group's completions (token ids,
+    EOS included where a completion ended) and rewards."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    where: str = ""
+    """file:line of the row."""
+    responses: list[list[int]] | None = None
+    response_texts: list[str] | None = None
+    rewards: list[float] | None = None
+    ended: list[bool] | None = None
+    """Offline: whether each response ended (EOS) rather than being cut at the length limit."""
+
+    @property
+    def n_targets(self) -> int:
+        return 0
+
+
+class PromptEncoder:
+    """Encodes prompt rows for one tokenizer: strings as written, messages through the chat
+    template with the generation prompt."""
+
+    def __init__(self, tokenizer, add_eos: bool = True):
+        self.tok = tokenizer
+        self.add_eos = add_eos
+        self.eos = tokenizer.eos_token_id
+
+    def _template(self, where: str):
+        tmpl = self.tok._tokenizer if hasattr(self.tok, "_tokenizer") else self.tok
+        if not getattr(tmpl, "chat_template", None):
+            raise UserInputError(
+                "a prompt given as messages needs a tokenizer with a chat template "
+                "(set tokenizer.chat_template)",
+                where,
+            )
+        return tmpl
+
+    def _render(self, messages: list, where: str, gen: bool, tokenize: bool = True):
+        try:
+            out = self._template(where).apply_chat_template(
+                messages, tokenize=tokenize, add_generation_prompt=gen, return_dict=False
+            )
+        except UserInputError:
+            raise
+        except Exception as e:  # jinja raises for conversations a template refuses
+            raise UserInputError(
+                f"the chat template refused this conversation: {e}", where
+            ) from None
+        return list(out) if tokenize else out
+
+    def prompt(self, value, where: str) -> tuple[list[int], str, str]:
+        """(ids, the text the model reads, the prompt as rows show it)."""
+        if isinstance(value, str):
+            if not value:
+                raise UserInputError("'prompt' is empty", where)
+            return list(self.tok.encode(value)), value, value
+        if isinstance(value, list) and value:
+            for m in value:
+                if (
+                    not isinstance(m, dict)
+                    or not isinstance(m.get("role"), str)
+                    or not isinstance(m.get("content"), str)
+                ):
+                    raise UserInputError("each message needs a string 'role' and 'content'", where)
+            users = [m for m in value if m["role"] == "user"]
+            shown = (users or value)[-1]["content"]
+            return (
+                self._render(value, where, gen=True),
+                self._render(value, where, gen=True, tokenize=False),
+                shown,
+            )
+        raise UserInputError("'prompt' must be a string or a list of role/content messages", where)
+
+    def response(self, prompt_value, prompt_ids: list[int], text: str, where: str) -> list[int]:
+        """A given completion's token ids after its prompt, ending with EOS (a string prompt:
+        ``data.add_eos``; messages: the template's end of the assistant turn)."""
+        if isinstance(prompt_value, str):
+            ids = list(self.tok.encode(prompt_value + text))
+            out = ids[_common_prefix(prompt_ids, ids) :]
+            if self.add_eos and self.eos is not None:
+                out.append(self.eos)
+        else:
+            turn = [*prompt_value, {"role": "assistant", "content": text}]
+            ids = self._render(turn, where, gen=False)
+            out = ids[_common_prefix(prompt_ids, ids) :]
+        if not out:
+            raise UserInputError("a response encodes to no tokens", where)
+        return out
+
+
+def load_prompts(
+    path: Path, enc: PromptEncoder, max_prompt: int, max_completion: int, overlong: str
+) -> Dataset:
+    """A JSONL file of prompt rows (all online or all offline, as the first row is). A prompt
+    longer than ``max_prompt`` tokens keeps its last ``max_prompt`` tokens (``overlong:
+    truncate``, as chat prompts keep their latest turns) or is dropped; offline responses are cut
+    at ``max_completion`` tokens (a cut one did not end)."""
+    rows = read_jsonl(path)
+    offline = any(k in rows[0][1] for k in OFFLINE_KEYS)
+    stats = SplitStats(examples=len(rows), noun="prompts")
+    out: list[PromptExample] = []
+    for n, obj in rows:
+        where = f"{path}:{n}"
+        if "prompt" not in obj:
+            raise UserInputError(
+                f"a prompt row needs a 'prompt' (keys here: {', '.join(map(str, obj)) or 'none'})",
+                where,
+            )
+        has = [k for k in OFFLINE_KEYS if k in obj]
+        if offline and len(has) < 2 or not offline and has:
+            raise UserInputError(
+                "offline rows (the file's first row is one) need both 'responses' and 'rewards'"
+                if offline
+                else "this row gives responses, but the file's first row is a prompt to "
+                "generate from: every row of a file is one kind",
+                where,
+            )
+        ids, text, shown = enc.prompt(obj["prompt"], where)
+        if len(ids) > max_prompt:
+            if overlong == "drop":
+                stats.dropped_too_long += 1
+                continue
+            ids = ids[-max_prompt:]
+            stats.truncated += 1
+        answer = obj.get("answer")
+        fields = {k: v for k, v in obj.items() if k not in ("prompt", *OFFLINE_KEYS)}
+        ex = PromptExample(
+            list(ids),
+            [0] * len(ids),
+            prompt=text,
+            answer=answer if isinstance(answer, str) else None if answer is None else str(answer),
+            prompt_ids=list(ids),
+            display=shown,
+            fields=fields,
+            where=where,
+        )
+        if offline:
+            _offline(ex, obj, enc, max_completion, where)
+        out.append(ex)
+        stats.tokens += len(ids)
+    stats.kept = len(out)
+    if not out:
+        raise UserInputError(
+            f"no prompt is left ({stats.line()}; {stats.examples} read): check data.max_length",
+            str(path),
+        )
+    return Dataset(out, stats, str(path))
+
+
+def _offline(ex: PromptExample, obj: dict, enc: PromptEncoder, limit: int, where: str) -> None:
+    texts, rewards = obj["responses"], obj["rewards"]
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise UserInputError("'responses' must be a non-empty list of strings", where)
+    if (
+        not isinstance(rewards, list)
+        or len(rewards) != len(texts)
+        or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards)
+    ):
+        raise UserInputError(
+            f"'rewards' must be {len(texts)} numbers, one for each response", where
+        )
+    ex.responses, ex.ended = [], []
+    for t in texts:
+        ids = enc.response(obj["prompt"], ex.prompt_ids, t, where)
+        ex.ended.append(len(ids) <= limit)
+        ex.responses.append(ids[:limit])
+    ex.response_texts = list(texts)
+    ex.rewards = [float(r) for r in rewards]
+
+
+__all__ = ["OFFLINE_KEYS", "PromptEncoder", "PromptExample", "load_prompts"]

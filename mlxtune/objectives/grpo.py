@@ -1,0 +1,672 @@
+"""GRPO: group relative policy optimisation, with the variants TRL names (the losses grpo, dr_grpo
+and dapo, DAPO's asymmetric clip, GSPO's sequence-level importance ratio), online or offline.
+
+Online, each step's prompts are completed ``num_generations`` times by the policy as it is (the
+generation engine: one prefill a prompt, its cache shared by the group), the completions are
+scored by the recipe's reward functions, and each completion's advantage is its reward against
+its group's mean (scaled by the group's or the batch's standard deviation). Offline, the groups
+and their rewards come with the data. The loss, per completion token, is
+
+    -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta (exp(q - p) - (q - p) - 1)
+
+with ``r = exp(p - p_old)`` (``p`` the token's log-probability under the policy, its prompt in
+context; ``importance_sampling: sequence`` uses the completion's mean log-ratio for every token)
+and the k3 estimate of the KL to the reference policy ``q`` when ``beta > 0``. ``p_old`` is the
+policy that generated the completions: the same weights on the first of ``num_iterations``
+updates (r = 1, gradients of r A = the policy gradient), kept from generation for the rest.
+
+A rollout is the prompts of one optimizer step (``train.batch_size`` x
+``train.grad_accumulation``); it trains ``num_iterations`` steps, and a checkpoint taken between
+them keeps it (``rollout.safetensors``), so a resumed run trains on the same completions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..config import ObjectiveConfig
+from ..data import Batch, read_positions, split_off
+from ..data.prompts import PromptEncoder, PromptExample, load_prompts
+from ..errors import UserInputError
+from ..generate import Sampling, decode_answer, eos_ids, generate_ids
+from ..kernels import forward_only
+from ..rewards import RewardSpec, build_rewards, score
+from .base import Objective, Usage
+from .reference import ReferencePolicy, reference_kind
+
+ROLLOUT_FILE = "rollout.safetensors"
+ADV_EPS = 1e-4  # added to the standard deviation the advantages are divided by
+
+
+@dataclass
+class GRPOConfig(ObjectiveConfig):
+    """Group relative policy optimisation on prompts, with rewards from functions (online) or
+    from the data (offline rows with responses and rewards)."""
+
+    type: str = "grpo"
+    """This objective."""
+    num_generations: int = 8
+    """Completions drawn for each prompt (the group its advantages compare within)."""
+    max_completion_length: int = 256
+    """Tokens a completion may have; one cut there did not end (frac_truncated)."""
+    temperature: float = 1.0
+    """Sampling temperature of the completions (> 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Only the top_k likeliest tokens (0: all)."""
+    min_p: float = 0.0
+    """Only tokens at least min_p x the likeliest one's probability."""
+    epsilon: float = 0.2
+    """Clip range below 1 of the importance ratio (and above, unless epsilon_high)."""
+    epsilon_high: float | None = None
+    """Clip range above 1 (DAPO's clip-higher: e.g. 0.28); default epsilon."""
+    beta: float = 0.0
+    """Weight of the KL to the reference policy (k3 estimator); 0: no reference pass."""
+    reference: Literal["auto", "copy"] = "auto"
+    """With beta > 0, the reference: auto (LoRA/DoRA: the base with adapters off; full: copy),
+    copy (the trainable weights as the run starts)."""
+    loss: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
+    """Normalisation: dapo (sum over every completion token of the step / their number), grpo
+    (each completion's token mean, averaged over completions), dr_grpo (token sum /
+    (completions x max_completion_length))."""
+    importance_sampling: Literal["token", "sequence"] = "token"
+    """token: a ratio per token; sequence (GSPO): the completion's mean log-ratio."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the group's reward standard deviation, the whole batch's, or not."""
+    num_iterations: int = 1
+    """Optimizer steps each rollout trains (> 1 keeps the generating policy's log-probs)."""
+    mask_truncated_completions: bool = False
+    """Completions cut at max_completion_length train on nothing."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """The reward functions and their weights (online: at least one)."""
+    eval_temperature: float = 0.0
+    """Held-out evaluation: one completion a prompt at this temperature (0: greedy)."""
+
+
+@dataclass
+class RolloutBatch(Batch):
+    """Completions of some prompts as rows (prompt, then completion, right-padded; the mask marks
+    completion tokens), grouped by prompt, with what the loss reads besides."""
+
+    advantages: np.ndarray | None = None
+    """[R] each completion's advantage."""
+    valid: np.ndarray | None = None
+    """[R] 1 for a completion, 0 for a row that counts nothing."""
+    groups: tuple[int, ...] = ()
+    """Rows of each prompt's group, in order."""
+    old: np.ndarray | None = None
+    """[R, L-1] the generating policy's log-probs of the targets (num_iterations > 1)."""
+    ref: np.ndarray | None = None
+    """[R, L-1] the reference policy's (beta > 0)."""
+    prompts: int = 0
+    """Prompts counted as seen: the rollout's first iteration counts them, the others 0."""
+    host: dict = field(default_factory=dict)
+    """Metrics made on the host (rewards, lengths, generation time): name -> (sum, weight);
+    names ending in _max carry (max, 1)."""
+
+
+def advantages(rewards: np.ndarray, groups: list[int], scale: str) -> np.ndarray:
+    """Each reward minus its group's mean, divided by the group's (``group``) or the whole
+    batch's (``batch``) sample standard deviation + 1e-4, or not (``none``)."""
+    out = np.zeros_like(rewards, dtype=np.float64)
+    at = 0
+    whole = rewards.std(ddof=1) if scale == "batch" and len(rewards) > 1 else 0.0
+    for g in groups:
+        r = rewards[at : at + g].astype(np.float64)
+        a = r - r.mean()
+        if scale == "group":
+            a = a / ((r.std(ddof=1) if g > 1 else 0.0) + ADV_EPS)
+        elif scale == "batch":
+            a = a / (whole + ADV_EPS)
+        out[at : at + g] = a
+        at += g
+    return out.astype(np.float32)
+
+
+def _key(seed: int, k: int) -> int:
+    """A sampling seed for rollout ``k`` of a run seeded ``seed``."""
+    return int(np.random.SeedSequence([seed, k]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class GRPO(Objective):
+    """GRPO on prompt rows; counts completion tokens (dapo) or completions (grpo, dr_grpo)."""
+
+    name = "grpo"
+    Config = GRPOConfig
+    noun = "prompts"
+
+    def __init__(self, recipe, components):
+        super().__init__(recipe, components)
+        cfg, d = self.config, recipe.data
+        if d.packing != "off":
+            raise UserInputError(
+                "GRPO trains on generated completions, one a row: use packing: off",
+                "data.packing",
+            )
+        checks = (
+            (cfg.num_generations >= 1, "num_generations", "at least 1"),
+            (cfg.max_completion_length >= 1, "max_completion_length", "at least 1"),
+            (cfg.temperature > 0, "temperature", "greater than 0"),
+            (0 < cfg.top_p <= 1, "top_p", "in (0, 1]"),
+            (cfg.top_k >= 0, "top_k", "at least 0"),
+            (0 <= cfg.min_p < 1, "min_p", "in [0, 1)"),
+            (0 <= cfg.epsilon < 1, "epsilon", "in [0, 1)"),
+            (cfg.epsilon_high is None or cfg.epsilon_high >= 0, "epsilon_high", "at least 0"),
+            (cfg.beta >= 0, "beta", "at least 0"),
+            (cfg.num_iterations >= 1, "num_iterations", "at least 1"),
+            (cfg.eval_temperature >= 0, "eval_temperature", "at least 0"),
+        )
+        for ok, key, what in checks:
+            if not ok:
+                raise UserInputError(f"must be {what}, got {getattr(cfg, key)}", f"objective.{key}")
+        self.offline = components.train_set.examples[0].responses is not None
+        self.rewards = build_rewards(cfg.rewards, recipe)
+        if not self.offline:
+            if not self.rewards:
+                raise UserInputError(
+                    "online GRPO scores its completions with reward functions: name at least "
+                    "one (e.g. [{name: exact_match}])",
+                    "objective.rewards",
+                )
+            if cfg.scale_rewards == "group" and cfg.num_generations < 2:
+                raise UserInputError(
+                    "a group of one has no spread to compare within: num_generations >= 2, "
+                    "or scale_rewards: batch / none",
+                    "objective.num_generations",
+                )
+        wants_answer = any(s.name == "exact_match" for s in cfg.rewards)
+        if wants_answer:
+            for ds in (components.train_set, components.valid_set):
+                missing = next((e for e in ds.examples if e.answer is None), None)
+                if missing is not None:
+                    raise UserInputError(
+                        "the exact_match reward compares with each row's 'answer'; this row has "
+                        "none",
+                        missing.where,
+                    )
+        self.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+        self.eps_low = cfg.epsilon
+        self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        self._reference = (
+            ReferencePolicy(reference_kind(cfg.reference, recipe.adapter.type), components.model)
+            if cfg.beta > 0
+            else None
+        )
+        self.eos = eos_ids(components.tokenizer)
+        self._eos_id = components.tokenizer.eos_token_id
+        if self._eos_id is None and not self.offline:
+            raise UserInputError("the tokenizer has no EOS token to end completions", "tokenizer")
+        self._rollout: tuple[int, list[RolloutBatch]] | None = None
+        self._used = 0
+        """Batches of the current rollout handed out (to save it when a checkpoint falls
+        inside it)."""
+        self._restored: tuple[int, int, list[RolloutBatch]] | None = None
+        self.eval_samples: list[dict] = []
+
+    def per_step(self, n: int) -> str:
+        if self.offline:
+            return f"{n} prompts (given groups)"
+        return f"{n} prompts x {self.config.num_generations} completions"
+
+    # ------------------------------------------------------------------ data
+    @classmethod
+    def datasets(cls, recipe, tokenizer):
+        """(train, valid, test) prompt rows; valid is split off train when not named."""
+        r, d, cfg = recipe, recipe.data, recipe.objective
+        enc = PromptEncoder(tokenizer, d.add_eos)
+
+        def load(path):
+            return load_prompts(
+                r.resolve_path(path), enc, d.max_length, cfg.max_completion_length, d.overlong
+            )
+
+        train = load(d.train)
+        valid = load(d.valid) if d.valid else None
+        if valid is None:
+            train, valid = split_off(train, d.valid_fraction, r.train.seed)
+        test = load(d.test) if d.test else valid
+        for ds in (train, valid, test):
+            ds.stats.noun = "prompts"
+        return train, valid, test
+
+    def _prompts_per_epoch(self) -> int:
+        return math.ceil(len(self.components.train_set) / self.recipe.train.batch_size)
+
+    def batches_per_epoch(self) -> int:
+        return self._prompts_per_epoch() * self.config.num_iterations
+
+    def _prompt_batch(self, g: int) -> list[PromptExample]:
+        """Batch ``g`` of the endless prompt stream (epochs of seeded shuffles)."""
+        per, b = self._prompts_per_epoch(), self.recipe.train.batch_size
+        epoch, i = divmod(g, per)
+        ds = self.components.train_set
+        order = np.random.default_rng([self.recipe.train.seed, epoch]).permutation(len(ds))
+        return [ds.examples[j] for j in order[i * b : (i + 1) * b]]
+
+    def batches(self, start_epoch: int = 0, skip: int = 0):
+        """Rollout k holds prompt batches k x A .. k x A + A - 1 (A: grad_accumulation) and is
+        handed out ``num_iterations`` times; its epoch is its first batch's."""
+        a, it = self.recipe.train.grad_accumulation, self.config.num_iterations
+        per, each = self._prompts_per_epoch(), a * it
+        k = -(-start_epoch * per // a) + skip // each
+        within = skip % each
+        while True:
+            if within:
+                restored = self._restored
+                if restored is None or restored[0] != k or restored[1] != within:
+                    raise UserInputError(
+                        "this checkpoint was saved inside a rollout but holds no "
+                        f"{ROLLOUT_FILE} for it",
+                        "--resume",
+                    )
+                rollout = restored[2]
+            else:
+                rollout = self.rollout(k)
+            self._restored = None
+            self._rollout, self._used = (k, rollout), within
+            epoch = k * a // per
+            for j in range(within, each):
+                self._used = j + 1
+                b = rollout[j % a]
+                if j >= a:  # a later iteration: the same rows, counted once already
+                    b = _again(b)
+                yield epoch, b
+            within = 0
+            k += 1
+
+    # ------------------------------------------------------------------ rollouts
+    def rollout(self, k: int) -> list[RolloutBatch]:
+        """The grad_accumulation batches of rollout ``k``, generated (online) or read (offline)
+        and scored under the model as it is now."""
+        a = self.recipe.train.grad_accumulation
+        out = []
+        for j in range(a):
+            prompts = self._prompt_batch(k * a + j)
+            out.append(self.make_batch(prompts, _key(self.recipe.train.seed, k * a + j)))
+        return out
+
+    def make_batch(self, prompts: list[PromptExample], seed: int) -> RolloutBatch:
+        """The completions of ``prompts`` (generated with ``seed``, or the data's), their rewards
+        and advantages, as one batch."""
+        cfg, c = self.config, self.components
+        model = c.model
+        host: dict = {}
+        if self.offline:
+            ids = [r for p in prompts for r in p.responses]
+            ended = [e for p in prompts for e in p.ended]
+            groups = [len(p.responses) for p in prompts]
+            rewards = np.array([r for p in prompts for r in p.rewards], np.float64)
+        else:
+            mx.eval(model.parameters())  # the queued step, before the clock starts
+            t0 = time.perf_counter()
+            g = cfg.num_generations
+            new = generate_ids(
+                model,
+                [p.prompt_ids for p in prompts],
+                cfg.max_completion_length,
+                self.eos,
+                sampling=self.sampling,
+                group=g,
+                keys=mx.random.split(mx.random.key(seed), len(prompts) * g),
+            )
+            took = time.perf_counter() - t0
+            ended = [len(n) < cfg.max_completion_length for n in new]
+            ids = [n + [self._eos_id] if e else n for n, e in zip(new, ended, strict=True)]
+            groups = [g] * len(prompts)
+            made = sum(len(n) for n in new)
+            host["generation_s"] = (took, cfg.num_iterations / self.recipe.train.grad_accumulation)
+            host["generation_tokens_per_sec"] = (made, took)
+            rewards, each = self._score(prompts, groups, new)
+            _means(host, each)
+        adv = advantages(rewards, groups, cfg.scale_rewards)
+        n = len(ids)
+        host["reward"] = (float(rewards.sum()), n)
+        stds, at = [], 0
+        for g in groups:
+            stds.append(rewards[at : at + g].std(ddof=1) if g > 1 else 0.0)
+            at += g
+        host["reward_std"] = (float(np.sum(stds)), len(groups))
+        host["frac_reward_zero_std"] = (float(sum(s < 1e-12 for s in stds)), len(groups))
+        lengths = [len(x) for x in ids]
+        host["completion_length"] = (float(sum(lengths)), n)
+        host["completion_length_max"] = (float(max(lengths)), 1)
+        host["frac_truncated"] = (float(sum(not e for e in ended)), n)
+        batch = self._rows(prompts, groups, ids, ended, adv)
+        batch.host = host
+        self._logps(batch)
+        return batch
+
+    def _score(self, prompts, groups, new) -> tuple[np.ndarray, dict]:
+        tok = self.components.tokenizer
+        rows = [p for p, g in zip(prompts, groups, strict=True) for _ in range(g)]
+        texts = [decode_answer(tok, x) for x in new]
+        total, each = score(
+            self.rewards,
+            [p.prompt for p in rows],
+            texts,
+            [list(x) for x in new],
+            [{"answer": p.answer, **p.fields} for p in rows],
+        )
+        return np.array(total, np.float64), each
+
+    def _rows(self, prompts, groups, ids, ended, adv) -> RolloutBatch:
+        cfg = self.config
+        seqs, masks = [], []
+        r = 0
+        for p, g in zip(prompts, groups, strict=True):
+            for _ in range(g):
+                comp = ids[r]
+                seqs.append(p.prompt_ids + comp)
+                train = ended[r] or not cfg.mask_truncated_completions
+                masks.append([0] * len(p.prompt_ids) + [int(train)] * len(comp))
+                r += 1
+        width = read_positions(max(len(s) for s in seqs), self._multiple()) + 1
+        tokens = np.full((len(seqs), width), self.components.pad_id, np.int32)
+        mask = np.zeros((len(seqs), width), np.int32)
+        for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+            tokens[i, : len(s)], mask[i, : len(m)] = s, m
+        return RolloutBatch(
+            tokens,
+            mask,
+            int(mask[:, 1:].sum()),
+            tuple(len(s) for s in seqs),
+            advantages=adv,
+            valid=np.ones(len(seqs), np.float32),
+            groups=tuple(groups),
+            prompts=len(prompts),
+        )
+
+    def _multiple(self) -> int:
+        return max(self.recipe.data.pad_to_multiple, 8)
+
+    def _logps(self, batch: RolloutBatch) -> None:
+        """The generating policy's log-probs (``num_iterations`` > 1) and the reference's
+        (``beta`` > 0) of the batch's targets, one forward each, no gradients."""
+        want_old = self.config.num_iterations > 1
+        if not want_old and self._reference is None:
+            return
+        model = self.components.model
+        arrays = {k: mx.array(v) for k, v in Objective.arrays(self, batch).items()}
+        was = model.training
+        model.eval()
+        try:
+            if want_old:
+                with forward_only():
+                    tok, _ = self.token_losses(arrays, reduction="none")
+                batch.old = np.array(-tok.astype(mx.float32))
+            if self._reference is not None:
+                with self._reference.active():
+                    tok, _ = self.token_losses(arrays, reduction="none")
+                batch.ref = np.array(-tok.astype(mx.float32))
+        finally:
+            model.train(was)
+
+    # ------------------------------------------------------------------ the loss
+    def prepare(self, run_dir, source, log) -> None:
+        if self._reference is not None:
+            self._reference.keep(log)
+
+    def arrays(self, batch: RolloutBatch) -> dict[str, np.ndarray]:
+        out = super().arrays(batch)
+        out["advantages"] = batch.advantages.astype(np.float32)
+        out["valid"] = batch.valid.astype(np.float32)
+        if batch.old is not None:
+            out["old"] = batch.old
+        if batch.ref is not None:
+            out["ref"] = batch.ref
+        return out
+
+    def loss(self, model: nn.Module, batch: dict[str, mx.array]):
+        cfg = self.config
+        tok, _ = self.token_losses(batch, reduction="none")
+        logp = -tok  # [R, L-1], 0 off target
+        m = (batch["mask"][:, 1:] > 0).astype(mx.float32)
+        valid = batch["valid"]
+        old = batch["old"] if "old" in batch else mx.stop_gradient(logp)
+        log_ratio = (logp - old) * m
+        n = mx.maximum(mx.sum(m, axis=-1), 1.0)
+        if cfg.importance_sampling == "sequence":
+            log_ratio = (mx.sum(log_ratio, axis=-1) / n)[:, None]
+        ratio = mx.exp(log_ratio)
+        adv = batch["advantages"][:, None]
+        clipped = mx.clip(ratio, 1 - self.eps_low, 1 + self.eps_high)
+        per_token = -mx.minimum(ratio * adv, clipped * adv)
+        metrics = {}
+        if cfg.beta > 0:
+            d = batch["ref"] - logp
+            kl = mx.exp(d) - d - 1
+            per_token = per_token + cfg.beta * kl
+            metrics["kl"] = kl
+        low = ((ratio < 1 - self.eps_low) & (adv < 0)).astype(mx.float32)
+        high = ((ratio > 1 + self.eps_high) & (adv > 0)).astype(mx.float32)
+        metrics["clip_ratio/low"] = low
+        metrics["clip_ratio/high"] = high
+        metrics["clip_ratio"] = low + high
+
+        def total(x):  # summed as the loss counts: tokens (dapo) or completions
+            x = mx.broadcast_to(x, m.shape) * m
+            if cfg.loss == "dapo":
+                return mx.sum(x)
+            return mx.sum(mx.sum(x, axis=-1) / n * valid)
+
+        if cfg.loss == "dapo":
+            loss, count = mx.sum(per_token * m), mx.sum(m)
+        elif cfg.loss == "grpo":
+            loss, count = total(per_token), mx.sum(valid)
+        else:  # dr_grpo
+            loss = mx.sum(per_token * m * valid[:, None]) / cfg.max_completion_length
+            count = mx.sum(valid)
+        sums = {k: mx.stop_gradient(total(v)) for k, v in metrics.items()}
+        return loss, count.astype(mx.int32), sums
+
+    def count(self, batch: RolloutBatch) -> int:
+        if self.config.loss == "dapo":
+            return batch.n_targets
+        return int(batch.valid.sum())
+
+    def usage(self, batch: RolloutBatch) -> Usage:
+        return Usage(batch.prompts, batch.n_targets, batch.n_tokens, batch.tokens.size)
+
+    def host_metrics(self, batch: RolloutBatch) -> dict:
+        return batch.host
+
+    def split(self, batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
+        """Micro-batches of whole groups."""
+        groups = batch.groups
+        if parts <= 1 or len(groups) <= 1:
+            return [batch]
+        size = math.ceil(len(groups) / parts)
+        out, at = [], 0
+        for s in range(0, len(groups), size):
+            gs = groups[s : s + size]
+            rows = slice(at, at + sum(gs))
+            at += sum(gs)
+            out.append(_rows_of(batch, rows, gs, len(gs) if batch.prompts else 0, s == 0))
+        return out
+
+    def units(self, batch: RolloutBatch) -> int:
+        return len(batch.groups)
+
+    def nothing(self, batch: RolloutBatch) -> RolloutBatch:
+        b = _rows_of(batch, slice(0, 1), (1,), 0, False)
+        b.mask = np.zeros_like(b.mask)
+        b.n_targets = 0
+        b.valid = np.zeros(1, np.float32)
+        b.advantages = np.zeros(1, np.float32)
+        return b
+
+    def layout(self) -> tuple[int, int]:
+        """batch_size x num_generations rows of the longest prompt and a whole completion."""
+        r, cfg = self.recipe, self.config
+        longest = max(len(e.prompt_ids) for e in self.components.train_set.examples)
+        rows = r.train.batch_size * (1 if self.offline else cfg.num_generations)
+        if self.offline:
+            rows = r.train.batch_size * max(
+                len(e.responses) for e in self.components.train_set.examples
+            )
+        return rows, read_positions(longest + cfg.max_completion_length, self._multiple())
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, folder) -> None:
+        """The rollout being trained on, when the checkpoint falls inside it."""
+        if self._rollout is None:
+            return
+        k, batches = self._rollout
+        each = self.recipe.train.grad_accumulation * self.config.num_iterations
+        if self._used in (0, each):
+            return
+        arrays, meta = {}, {"rollout": str(k), "used": str(self._used)}
+        for j, b in enumerate(batches):
+            arrays[f"{j}.tokens"] = mx.array(b.tokens)
+            arrays[f"{j}.mask"] = mx.array(b.mask)
+            arrays[f"{j}.advantages"] = mx.array(b.advantages)
+            arrays[f"{j}.valid"] = mx.array(b.valid)
+            arrays[f"{j}.lengths"] = mx.array(np.array(b.lengths, np.int32))
+            arrays[f"{j}.groups"] = mx.array(np.array(b.groups, np.int32))
+            for name in ("old", "ref"):
+                if getattr(b, name) is not None:
+                    arrays[f"{j}.{name}"] = mx.array(getattr(b, name))
+        mx.save_safetensors(str(folder / ROLLOUT_FILE), arrays, metadata=meta)
+
+    def restore(self, folder) -> None:
+        path = folder / ROLLOUT_FILE
+        if not path.exists():
+            return
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        batches = []
+        for j in range(self.recipe.train.grad_accumulation):
+            a = {
+                k.split(".", 1)[1]: np.array(v) for k, v in arrays.items() if k.startswith(f"{j}.")
+            }
+            if not a:
+                raise UserInputError("holds a rollout of other sizes than this recipe's", str(path))
+            mask = a["mask"].astype(np.int32)
+            batches.append(
+                RolloutBatch(
+                    a["tokens"].astype(np.int32),
+                    mask,
+                    int(mask[:, 1:].sum()),
+                    tuple(int(x) for x in a["lengths"]),
+                    advantages=a["advantages"],
+                    valid=a["valid"],
+                    groups=tuple(int(x) for x in a["groups"]),
+                    old=a.get("old"),
+                    ref=a.get("ref"),
+                )
+            )
+        self._restored = (int(meta["rollout"]), int(meta["used"]), batches)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, engine, world) -> dict:
+        """Held-out reward: one completion of each validation prompt (at ``eval_temperature``),
+        scored by the reward functions; ``eval_loss`` is its negative (lower is better, as for
+        every objective). Offline without reward functions: the loss on the validation groups."""
+        if not self.rewards:
+            return super().evaluate(engine, world)
+        cfg, c, r = self.config, self.components, self.recipe
+        examples = c.valid_set.examples
+        if r.eval.max_batches:
+            examples = examples[: r.eval.max_batches * (r.eval.batch_size or r.train.batch_size)]
+        mine = examples[world.rank :: world.size]
+        sums = {"reward": 0.0, "n": 0.0, "completion_length": 0.0}
+        labels = [x.label for x in self.rewards]
+        for lb in labels:
+            sums[f"rewards/{lb}"] = sums[f"rewards/{lb}#"] = 0.0
+        shown = []
+        if mine:
+            new = generate_ids(
+                c.model,
+                [p.prompt_ids for p in mine],
+                cfg.max_completion_length,
+                self.eos,
+                sampling=Sampling(cfg.eval_temperature, cfg.top_k, cfg.top_p, cfg.min_p),
+                keys=mx.random.split(mx.random.key(_key(r.train.seed, 1 << 40)), len(mine)),
+            )
+            total, each = self._score(mine, [1] * len(mine), new)
+            sums["reward"], sums["n"] = float(total.sum()), float(len(mine))
+            sums["completion_length"] = float(sum(len(x) for x in new))
+            for lb in labels:
+                vals = [v for v in each[lb] if v is not None]
+                sums[f"rewards/{lb}"], sums[f"rewards/{lb}#"] = float(sum(vals)), float(len(vals))
+            tok = c.tokenizer
+            for p, x, t in list(zip(mine, new, total, strict=True))[:2]:
+                shown.append(
+                    {
+                        "prompt": p.shown_prompt,
+                        "prompt_text": p.prompt,
+                        "completion": decode_answer(tok, x),
+                        "reward": float(t),
+                    }
+                )
+        names = sorted(sums)
+        if world.size > 1:
+            got = world.agree([sums[k] for k in names])
+            sums = dict(zip(names, got, strict=True))
+        self.eval_samples = shown if world.main else []
+        n = max(sums["n"], 1.0)
+        out = {
+            "eval_loss": -sums["reward"] / n,
+            "eval_reward": sums["reward"] / n,
+            "eval_prompts": int(sums["n"]),
+            "eval_completion_length": sums["completion_length"] / n,
+        }
+        for lb in labels:
+            k = sums[f"rewards/{lb}#"]
+            out[f"eval_rewards/{lb}"] = sums[f"rewards/{lb}"] / k if k else None
+        return out
+
+    def eval_batches(self):
+        """Offline validation groups (with their data's rewards), for the loss."""
+        r = self.recipe
+        size = r.eval.batch_size or r.train.batch_size
+        examples = self.components.valid_set.examples
+        batches = [examples[i : i + size] for i in range(0, len(examples), size)]
+        if r.eval.max_batches:
+            batches = batches[: r.eval.max_batches]
+        return [self.make_batch(b, 0) for b in batches]
+
+    def eval_metrics(self, loss_sum: float, count: int, metrics: dict) -> dict:
+        n = max(count, 1)
+        out = {"eval_loss": loss_sum / n, "eval_completions": count}
+        out.update({f"eval_{k}": v / n for k, v in metrics.items()})
+        return out
+
+
+def _means(host: dict, each: dict) -> None:
+    for label, vals in each.items():
+        got = [v for v in vals if v is not None]
+        host[f"rewards/{label}"] = (float(sum(got)), len(got))
+
+
+def _again(b: RolloutBatch) -> RolloutBatch:
+    """``b`` handed out once more: nothing in it counts as seen again."""
+    out = _rows_of(b, slice(0, len(b.tokens)), b.groups, 0, False)
+    return out
+
+
+def _rows_of(b: RolloutBatch, rows: slice, groups, prompts: int, host: bool) -> RolloutBatch:
+    mask = b.mask[rows]
+    return RolloutBatch(
+        b.tokens[rows],
+        mask,
+        int(mask[:, 1:].sum()),
+        b.lengths[rows],
+        advantages=b.advantages[rows],
+        valid=b.valid[rows],
+        groups=tuple(groups),
+        old=None if b.old is None else b.old[rows],
+        ref=None if b.ref is None else b.ref[rows],
+        prompts=prompts,
+        host=b.host if host else {},
+    )
+
+
+__all__ = ["GRPO", "GRPOConfig", "RolloutBatch", "advantages"]
