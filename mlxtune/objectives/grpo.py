@@ -14,6 +14,10 @@ context; ``importance_sampling: sequence`` uses the completion's mean log-ratio 
 and the k3 estimate of the KL to the reference policy ``q`` when ``beta > 0``. ``p_old`` is the
 policy that generated the completions: the same weights on the first of ``num_iterations``
 updates (r = 1, gradients of r A = the policy gradient), kept from generation for the rest.
+Offline, where another policy wrote the completions, the model as the run starts stands for it
+(its log-probs from a copy of the starting trainable weights): the clip then keeps every given
+token's probability within epsilon of where it began, where fixed completions with negative
+advantages would otherwise be pushed down without end.
 
 A rollout is the prompts of one optimizer step (``train.batch_size`` x
 ``train.grad_accumulation``); it trains ``num_iterations`` steps, and a checkpoint taken between
@@ -183,8 +187,9 @@ class GRPO(Objective):
                     "objective.num_generations",
                 )
         wants_answer = any(s.name == "exact_match" for s in cfg.rewards)
-        if wants_answer:
-            for ds in (components.train_set, components.valid_set):
+        if wants_answer:  # the sets the functions score: offline groups come with rewards
+            scored = [components.valid_set] if self.offline else [components.train_set]
+            for ds in scored + ([] if self.offline else [components.valid_set]):
                 missing = next((e for e in ds.examples if e.answer is None), None)
                 if missing is not None:
                     raise UserInputError(
@@ -200,6 +205,10 @@ class GRPO(Objective):
             if cfg.beta > 0
             else None
         )
+        # offline groups come from some other policy: the model as the run starts stands for
+        # it, so that the clip keeps each token's probability within epsilon of where it began
+        # (fixed samples with negative advantages would otherwise be pushed down without end)
+        self._behaviour = ReferencePolicy("copy", components.model) if self.offline else None
         self.eos = eos_ids(components.tokenizer)
         self._eos_id = components.tokenizer.eos_token_id
         if self._eos_id is None and not self.offline:
@@ -390,8 +399,8 @@ class GRPO(Objective):
     def _logps(self, batch: RolloutBatch) -> None:
         """The generating policy's log-probs (``num_iterations`` > 1) and the reference's
         (``beta`` > 0) of the batch's targets, one forward each, no gradients."""
-        want_old = self.config.num_iterations > 1
-        if not want_old and self._reference is None:
+        want_old = self.config.num_iterations > 1 and self._behaviour is None
+        if not want_old and self._reference is None and self._behaviour is None:
             return
         model = self.components.model
         arrays = {k: mx.array(v) for k, v in Objective.arrays(self, batch).items()}
@@ -400,6 +409,10 @@ class GRPO(Objective):
         try:
             if want_old:
                 with forward_only():
+                    tok, _ = self.token_losses(arrays, reduction="none")
+                batch.old = np.array(-tok.astype(mx.float32))
+            if self._behaviour is not None:
+                with self._behaviour.active():
                     tok, _ = self.token_losses(arrays, reduction="none")
                 batch.old = np.array(-tok.astype(mx.float32))
             if self._reference is not None:
@@ -413,6 +426,23 @@ class GRPO(Objective):
     def prepare(self, run_dir, source, log) -> None:
         if self._reference is not None:
             self._reference.keep(log)
+        if self._behaviour is not None:
+            self._behaviour.keep(lambda _: None)
+            log(
+                "offline groups: the ratio's old policy is the model as the run starts (a copy "
+                "of its trainable weights)"
+            )
+        if self.offline:  # keys the given groups leave unread
+            unread = [
+                f"objective.{k}"
+                for k in ("num_generations", "temperature")
+                if f"objective.{k}" in self.recipe.explicit
+            ]
+            if unread:
+                log(
+                    f"note: {' and '.join(unread)} have no effect here: the training groups "
+                    "are given (offline rows with responses and rewards)"
+                )
 
     def arrays(self, batch: RolloutBatch) -> dict[str, np.ndarray]:
         out = super().arrays(batch)
@@ -635,7 +665,8 @@ class GRPO(Objective):
 
     def eval_metrics(self, loss_sum: float, count: int, metrics: dict) -> dict:
         n = max(count, 1)
-        out = {"eval_loss": loss_sum / n, "eval_completions": count}
+        counted = "eval_tokens" if self.config.loss == "dapo" else "eval_completions"
+        out = {"eval_loss": loss_sum / n, counted: count}
         out.update({f"eval_{k}": v / n for k, v in metrics.items()})
         return out
 

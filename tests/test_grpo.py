@@ -1,0 +1,517 @@
+"""GRPO: every loss variant against its formula written here over full logits (values and
+gradients), clipping at both bounds, the k3 KL, group advantages against NumPy float64 from
+rewards recomputed here, reward functions (built-ins, the user's, and their errors), prompt
+data and its errors, exact resume inside a rollout, offline groups, and learning on the shipped
+quickstart-grpo task measured with mlx-lm's own generation."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import yaml
+from mlx.utils import tree_flatten
+
+from conftest import REPO, make_crash, same_rows, write_jsonl
+from mlxtune import Trainer, recipe_from_dict
+from mlxtune.cli import main
+from mlxtune.console import Console
+from mlxtune.rewards import RewardSpec, build_rewards, score
+
+TIMING = {
+    "tokens_per_sec",
+    "step_time_s",
+    "peak_memory_gb",
+    "time",
+    "first_step_compile_time_s",
+    "generation_s",
+    "generation_tokens_per_sec",
+}
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def prompt_rows(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        w = "".join(rng.choice(list(LETTERS), rng.integers(2, 6)))
+        out.append({"prompt": f"reverse {w} =", "answer": w[::-1], "word": w})
+    return out
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    d = tmp_path / "prompts"
+    write_jsonl(d / "train.jsonl", prompt_rows(24, 1))
+    write_jsonl(d / "valid.jsonl", prompt_rows(6, 2))
+    return d
+
+
+def recipe(prompts, model_dir, objective=None, **over):
+    obj = {
+        "type": "grpo",
+        "num_generations": 4,
+        "max_completion_length": 6,
+        "rewards": [{"name": "length", "target": 3}],
+    }
+    obj.update(objective or {})
+    r = {
+        "name": "grpo",
+        "model": {"path": str(model_dir)},
+        "data": {
+            "train": str(prompts / "train.jsonl"),
+            "valid": str(prompts / "valid.jsonl"),
+            "max_length": 24,
+        },
+        "objective": obj,
+        "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
+        "optimizer": {"lr": 1e-2},
+        "train": {"batch_size": 3, "max_steps": 6, "log_every": 1, "progress": False, "seed": 3},
+        "eval": {"every": 3},
+    }
+    r.update(over)
+    return r
+
+
+def build(r, tmp_path, name="run", **kw):
+    return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True), **kw)
+
+
+def rows(run_dir):
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
+    return out
+
+
+def completions(batch):
+    """Each row's completion tokens (the targets), as the batch holds them."""
+    out = []
+    for t, m in zip(batch.tokens, batch.mask, strict=True):
+        out.append([int(x) for x, keep in zip(t, m, strict=True) if keep])
+    return out
+
+
+# ------------------------------------------------------------------------ naive references
+def token_logps(model, ids):
+    """[T-1] log p(ids[j+1] | ids[:j+1]) over the model's full logits (MLX, differentiable)."""
+    logits = model(mx.array([ids[:-1]]))[0].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
+
+
+def naive_grpo(model, batch, old, ref, cfg):
+    """TRL's GRPO loss, written out completion by completion: (loss, clip counts low, high)."""
+    el = cfg["epsilon"]
+    eh = cfg.get("epsilon_high") or el
+    beta, kind = cfg.get("beta", 0.0), cfg.get("loss", "dapo")
+    seq_sums, seq_ns, lows, highs = [], [], 0.0, 0.0
+    for i, (t, m) in enumerate(zip(batch.tokens, batch.mask, strict=True)):
+        n = int(batch.lengths[i])
+        where = [j for j in range(n - 1) if m[j + 1]]
+        lp = token_logps(model, [int(x) for x in t[:n]])[mx.array(where)]
+        o = mx.array(old[i][where])
+        lr = lp - o
+        if cfg.get("importance_sampling") == "sequence":
+            lr = mx.mean(lr) * mx.ones(len(where))
+        c1 = mx.exp(lr)
+        c2 = mx.clip(c1, 1 - el, 1 + eh)
+        a = float(batch.advantages[i])
+        per = -mx.minimum(c1 * a, c2 * a)
+        if beta:
+            d = mx.array(ref[i][where]) - lp
+            per = per + beta * (mx.exp(d) - d - 1)
+        lows += float(mx.sum((c1 < 1 - el) & (a < 0)))
+        highs += float(mx.sum((c1 > 1 + eh) & (a > 0)))
+        seq_sums.append(mx.sum(per))
+        seq_ns.append(len(where))
+    if kind == "dapo":
+        return sum(seq_sums) / sum(seq_ns), lows, highs
+    if kind == "grpo":
+        return sum(s / k for s, k in zip(seq_sums, seq_ns, strict=True)) / len(seq_ns), lows, highs
+    return sum(seq_sums) / (len(seq_ns) * cfg["max_completion_length"]), lows, highs
+
+
+VARIANTS = [
+    {"loss": "dapo"},
+    {"loss": "grpo"},
+    {"loss": "dr_grpo"},
+    {"loss": "dapo", "epsilon_high": 0.28, "beta": 0.1},
+    {"loss": "grpo", "importance_sampling": "sequence", "beta": 0.05},
+    {"loss": "dr_grpo", "importance_sampling": "sequence", "epsilon": 0.1},
+]
+
+
+@pytest.mark.parametrize(
+    "variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items())
+)
+def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, prompts, variant):
+    cfg = {"epsilon": 0.2, "max_completion_length": 6, **variant}
+    t = build(recipe(prompts, llama_dir, variant), tmp_path)
+    obj = t.objective
+    batch = next(obj.batches())[1]
+    assert obj.count(batch) == (batch.n_targets if cfg["loss"] == "dapo" else len(batch.tokens))
+    rng = np.random.default_rng(0)
+    # ratios on both sides of both clip bounds, advantages of both signs
+    shift = rng.choice([-0.5, -0.05, 0.05, 0.5], size=batch.mask[:, 1:].shape)
+    cur = np.zeros(batch.mask[:, 1:].shape, np.float32)
+    for i in range(len(batch.tokens)):
+        n = int(batch.lengths[i])
+        cur[i, : n - 1] = np.array(token_logps(t.model, [int(x) for x in batch.tokens[i, :n]]))
+    batch.old = (cur + shift).astype(np.float32)
+    batch.ref = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
+    if not cfg.get("beta"):
+        batch.ref = None
+    batch.advantages = rng.normal(0, 1, len(batch.tokens)).astype(np.float32)
+    arrays = t.engine.arrays(batch)
+    want, lows, highs = naive_grpo(t.model, batch, batch.old, batch.ref, cfg)
+    loss, count, metrics = obj.loss(t.model, arrays)
+    assert count.item() == obj.count(batch)
+    assert loss.item() / count.item() == pytest.approx(want.item(), rel=2e-5, abs=1e-6)
+    if cfg.get("importance_sampling") != "sequence" and cfg["loss"] == "dapo":
+        assert lows > 0 and highs > 0  # both bounds were reached
+        assert metrics["clip_ratio/low"].item() == pytest.approx(lows)
+        assert metrics["clip_ratio/high"].item() == pytest.approx(highs)
+    assert ("kl" in metrics) == bool(cfg.get("beta"))
+
+    def naive(model):
+        return naive_grpo(model, batch, batch.old, batch.ref, cfg)[0]
+
+    n = count.item()
+    _, want_g = nn.value_and_grad(t.model, naive)(t.model)
+    _, got_g = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0] / n)(t.model)
+    want_g, got_g = dict(tree_flatten(want_g)), dict(tree_flatten(got_g))
+    assert want_g.keys() == got_g.keys() and want_g
+    for k in want_g:
+        np.testing.assert_allclose(
+            np.array(got_g[k]), np.array(want_g[k]), rtol=3e-4, atol=2e-6, err_msg=k
+        )
+
+
+def test_on_the_first_iteration_the_loss_is_the_policy_gradient(tmp_path, llama_dir, prompts):
+    """With no kept log-probs (num_iterations 1) the ratio is 1 and the gradient is
+    -sum(A x grad log p) / tokens: REINFORCE with the group baseline, written here."""
+    t = build(recipe(prompts, llama_dir), tmp_path)
+    obj = t.objective
+    batch = next(obj.batches())[1]
+    assert batch.old is None
+    arrays = t.engine.arrays(batch)
+    n = obj.count(batch)
+
+    def reinforce(model):
+        total = 0.0
+        for i, (tok, m) in enumerate(zip(batch.tokens, batch.mask, strict=True)):
+            k = int(batch.lengths[i])
+            where = [j for j in range(k - 1) if m[j + 1]]
+            lp = token_logps(model, [int(x) for x in tok[:k]])[mx.array(where)]
+            total = total - float(batch.advantages[i]) * mx.sum(lp)
+        return total / n
+
+    _, want_g = nn.value_and_grad(t.model, reinforce)(t.model)
+    loss, got_g = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0] / n)(t.model)
+    for k, w in tree_flatten(want_g):
+        np.testing.assert_allclose(
+            np.array(dict(tree_flatten(got_g))[k]), np.array(w), rtol=3e-4, atol=2e-6, err_msg=k
+        )
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_rewards_against_the_group_mean(tmp_path, llama_dir, prompts, scale):
+    t = build(recipe(prompts, llama_dir, {"scale_rewards": scale}), tmp_path)
+    batch = next(t.objective.batches())[1]
+    eos = t.tokenizer.eos_token_id
+    # the length reward recomputed here from the completions the batch trains on
+    lens = np.array([len([x for x in c if x != eos]) for c in completions(batch)], np.float64)
+    r = np.maximum(0.0, 1 - np.abs(lens - 3) / 3).reshape(-1, 4)
+    a = r - r.mean(axis=1, keepdims=True)
+    if scale == "group":
+        a = a / (r.std(axis=1, ddof=1, keepdims=True) + 1e-4)
+    elif scale == "batch":
+        a = a / (r.std(ddof=1) + 1e-4)
+    np.testing.assert_allclose(batch.advantages, a.reshape(-1), rtol=1e-5, atol=1e-6)
+    assert batch.groups == (4, 4, 4)
+    host = t.objective.host_metrics(batch)
+    assert host["reward"][0] / host["reward"][1] == pytest.approx(r.mean())
+    assert host["completion_length"][0] / host["completion_length"][1] == pytest.approx(
+        np.mean([len(c) for c in completions(batch)])
+    )
+
+
+def test_a_group_shares_its_prompt_and_rows_end_at_eos(tmp_path, llama_dir, prompts):
+    t = build(recipe(prompts, llama_dir, {"max_completion_length": 6}), tmp_path)
+    batch = next(t.objective.batches())[1]
+    eos = t.tokenizer.eos_token_id
+    train = [json.loads(x) for x in (prompts / "train.jsonl").read_text().splitlines()]
+    heads = {tuple(t.tokenizer.encode(r["prompt"])) for r in train}
+    for i, c in enumerate(completions(batch)):
+        n = int(batch.lengths[i])
+        prompt = tuple(int(x) for x in batch.tokens[i, : n - len(c)])
+        assert prompt in heads
+        assert prompt == tuple(int(x) for x in batch.tokens[i // 4 * 4, : len(prompt)])
+        # a completion ends with EOS, or runs to the limit without one
+        assert (c[-1] == eos and eos not in c[:-1]) or (len(c) == 6 and eos not in c)
+
+
+def test_splits_keep_groups_whole_and_sum_to_the_batch(tmp_path, llama_dir, prompts):
+    t = build(recipe(prompts, llama_dir), tmp_path)
+    obj = t.objective
+    batch = next(obj.batches())[1]
+    whole = obj.loss(t.model, t.engine.arrays(batch))
+    for parts in (2, 3):
+        pieces = obj.split(batch, parts)
+        assert all(len(p.tokens) % 4 == 0 for p in pieces)
+        assert sum(obj.count(p) for p in pieces) == obj.count(batch)
+        got = [obj.loss(t.model, t.engine.arrays(p)) for p in pieces]
+        assert sum(g[0].item() for g in got) == pytest.approx(whole[0].item(), rel=1e-5, abs=1e-6)
+    empty = obj.nothing(batch)
+    loss, count, _ = obj.loss(t.model, t.engine.arrays(empty))
+    assert loss.item() == 0 and count.item() == 0 == obj.count(empty)
+
+
+# ------------------------------------------------------------------------ rewards
+def test_builtin_rewards_score_as_documented():
+    rs = build_rewards(
+        [
+            RewardSpec(name="exact_match"),
+            RewardSpec(name="exact_match", extract=r"<a>(.*?)</a>", weight=2.0),
+            RewardSpec(name="regex", pattern=r"^<a>.*</a>$", weight=0.5),
+            RewardSpec(name="length", target=4),
+        ],
+        None,
+    )
+    comps = [" cba ", "<a>cba</a>", "<a>x</a> tail", "nothing"]
+    ids = [[1] * 4, [1] * 2, [1] * 8, [1] * 9]
+    total, each = score(rs, ["p"] * 4, comps, ids, [{"answer": "cba"}] * 4)
+    assert each["exact_match"] == [1.0, 0.0, 0.0, 0.0]
+    assert each["exact_match_2"] == [0.0, 1.0, 0.0, 0.0]
+    assert each["regex"] == [0.0, 1.0, 0.0, 0.0]
+    assert each["length"] == [1.0, 0.5, 0.0, 0.0]
+    assert total == [2.0, 3.0, 0.0, 0.0]
+
+
+def test_a_user_reward_function_gets_every_field(tmp_path):
+    (tmp_path / "mine.py").write_text(
+        "def fn(prompts, completions, completion_ids, answer, word, **kw):\n"
+        "    return [None if w == 'skip' else float(len(c)) for c, w in zip(completions, word)]\n"
+    )
+    beside = SimpleNamespace(resolve_path=lambda p: tmp_path / p)  # a recipe in tmp_path
+    rs = build_rewards([RewardSpec(function="mine.py:fn", weight=0.5)], beside)
+    total, each = score(
+        rs, ["p", "q"], ["abc", "de"], [[1], [2]], [{"answer": 1, "word": "w"}, {"word": "skip"}]
+    )
+    assert each["fn"] == [3.0, None] and total == [1.5, 0.0]
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("    raise ValueError('boom')", "reward function failed: ValueError: boom"),
+        ("    return [1.0]", "returned 1 values for"),
+        ("    return ['x'] * len(completions)", "expected a finite number or None"),
+    ],
+)
+def test_a_failing_reward_function_is_named_and_exits_2(
+    tmp_path, llama_dir, prompts, capsys, body, message
+):
+    (tmp_path / "bad.py").write_text(
+        f"def fn(prompts, completions, completion_ids, **kw):\n{body}\n"
+    )
+    r = recipe(prompts, llama_dir, {"rewards": [{"function": "bad.py:fn"}]})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "objective.rewards[0] (bad.py:fn)" in err and message in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "objective, where, message",
+    [
+        ({"rewards": []}, "objective.rewards", "name at least one"),
+        ({"rewards": [{"name": "regex"}]}, "objective.rewards[0]", "needs a 'pattern'"),
+        (
+            {"rewards": [{"name": "length", "target": 3, "pattern": "x"}]},
+            "objective.rewards[0].pattern",
+            "does not read 'pattern'",
+        ),
+        ({"rewards": [{"function": "nope.py:f"}]}, "objective.rewards[0].function", "no such"),
+        ({"num_generations": 1}, "objective.num_generations", "no spread"),
+        ({"temperature": 0}, "objective.temperature", "greater than 0"),
+    ],
+)
+def test_bad_grpo_settings_exit_2(tmp_path, llama_dir, prompts, capsys, objective, where, message):
+    r = recipe(prompts, llama_dir, objective)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert where in err and message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"answer": "x"}, "needs a 'prompt'"),
+        ({"prompt": 3}, "must be a string or a list"),
+        ({"prompt": "reverse ab =", "responses": [" ba"], "rewards": [1]}, "every row of a file"),
+        ({"prompt": "reverse ab ="}, "has none"),  # exact_match needs each row's answer
+    ],
+)
+def test_bad_prompt_rows_name_the_line_and_exit_2(
+    tmp_path, llama_dir, prompts, capsys, row, message
+):
+    write_jsonl(tmp_path / "bad.jsonl", [*prompt_rows(3), row])
+    r = recipe(prompts, llama_dir, {"rewards": [{"name": "exact_match"}]})
+    r["data"] = {**r["data"], "train": str(tmp_path / "bad.jsonl")}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'bad.jsonl'}:4" in err and message in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------ the run
+def test_rows_carry_the_rollout_metrics_and_eval_the_held_out_reward(tmp_path, llama_dir, prompts):
+    s = build(recipe(prompts, llama_dir, eval={"every": 3, "at_start": True}), tmp_path).run()
+    got = rows(tmp_path / "run")
+    train = [x for x in got if "loss" in x]
+    assert len(train) == 6
+    for k in (
+        "reward",
+        "reward_std",
+        "rewards/length",
+        "completion_length",
+        "completion_length_max",
+        "frac_truncated",
+        "clip_ratio",
+    ):
+        assert all(k in x for x in train), k
+    assert all(0 <= x["reward"] <= 1 and x["completion_length_max"] <= 6 for x in train)
+    evals = [x for x in got if "eval_reward" in x]
+    assert [x["step"] for x in evals] == [0, 3, 6]
+    assert all(x["eval_loss"] == -x["eval_reward"] and x["eval_prompts"] == 6 for x in evals)
+    assert s["eval_reward_at_start"] == evals[0]["eval_reward"]
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert {x["step"] for x in samples} == {0, 3, 6} and all("reward" in x for x in samples)
+
+
+def test_resume_inside_a_rollout_is_exact(tmp_path, llama_dir, prompts):
+    """num_iterations 2 with grad accumulation 2: a rollout trains steps 3 and 4; the run dies
+    after step 3's checkpoint and resumes on the same completions and kept log-probs."""
+    r = recipe(
+        prompts,
+        llama_dir,
+        {"num_iterations": 2, "beta": 0.05},
+        checkpoints={"every": 3},
+    )
+    r["train"] = {**r["train"], "grad_accumulation": 2}
+    build(r, tmp_path, "whole").run()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build(r, tmp_path, "crash", callbacks=[make_crash(3)]).run()
+    assert (tmp_path / "crash" / "checkpoints" / "step-000003" / "rollout.safetensors").exists()
+    build(r, tmp_path, "crash", resume="latest").run()
+    whole = rows(tmp_path / "whole")
+    assert all(x["kl"] >= 0 for x in whole if "loss" in x)
+    assert any(x["kl"] > 0 for x in whole if "loss" in x)  # the policy moved off the reference
+    same_rows(rows(tmp_path / "crash"), whole, 0, 0)
+
+
+def test_offline_groups_train_without_generating(tmp_path, llama_dir):
+    d = tmp_path / "off"
+    rows_ = [
+        {
+            "prompt": r["prompt"],
+            "responses": [" " + r["answer"], " " + r["word"], " x"],
+            "rewards": [1.0, 0.0, 0.2],
+        }
+        for r in prompt_rows(12, 5)
+    ]
+    write_jsonl(d / "train.jsonl", rows_)
+    write_jsonl(d / "valid.jsonl", rows_[:4])
+    r = recipe(d, llama_dir, {"rewards": [], "num_generations": 8})
+    t = build(r, tmp_path)
+    batch = next(t.objective.batches())[1]
+    assert batch.groups == (3, 3, 3)
+    a = np.array([1.0, 0.0, 0.2])
+    want = (a - a.mean()) / (a.std(ddof=1) + 1e-4)
+    np.testing.assert_allclose(batch.advantages, np.tile(want, 3), rtol=1e-5)
+    eos = t.tokenizer.eos_token_id
+    first = completions(batch)[0]
+    prompt = [int(x) for x in batch.tokens[0, : int(batch.lengths[0]) - len(first)]]
+    row = next(x for x in rows_ if list(t.tokenizer.encode(x["prompt"])) == prompt)
+    whole = list(t.tokenizer.encode(row["prompt"] + row["responses"][0]))
+    assert whole[: len(prompt)] == prompt and first == whole[len(prompt) :] + [eos]
+    t.run()
+    got = rows(tmp_path / "run")
+    assert all("generation_s" not in x for x in got)
+    evals = [x for x in got if "eval_loss" in x]
+    assert len(evals) == 2 and all("eval_reward" not in x for x in evals)  # a loss: no rewards
+    targets = sum(b.n_targets for b in t.objective.eval_batches())
+    assert [x["eval_tokens"] for x in evals] == [targets, targets]
+
+
+# ------------------------------------------------------------------------ learning
+def quickstart(**over):
+    r = yaml.safe_load((REPO / "recipes" / "quickstart-grpo.yaml").read_text())
+    here = REPO / "recipes"
+    r["model"]["path"] = str(here / r["model"]["path"])
+    r["adapter"]["init_from"] = str(here / r["adapter"]["init_from"])
+    for k in ("train", "valid", "test"):
+        r["data"][k] = str(here / r["data"][k])
+    r["train"]["progress"] = False
+    for k, v in over.items():
+        sec, _, key = k.partition(".")
+        r[sec][key] = v
+    return recipe_from_dict(r)
+
+
+def copies(adapter_dir, words) -> float:
+    """How often mlx-lm's own greedy generation, with the adapter loaded by mlx-lm, copies a
+    held-out word."""
+    from mlx_lm import generate, load
+
+    model, tok = load(
+        str(REPO / "recipes" / "models" / "reverse-tiny"), adapter_path=str(adapter_dir)
+    )
+    hits = 0
+    for w in words:
+        out = generate(model, tok, f"copy {w} =", max_tokens=12, verbose=False)
+        hits += out.strip() == w
+    return hits / len(words)
+
+
+def offline_copy_groups(path):
+    """The preference pairs of quickstart-dpo as offline groups: the copy rewarded 1, the
+    reversal 0."""
+    src = (REPO / "recipes/data/prefs/train.jsonl").read_text().splitlines()
+    out = []
+    for x in map(json.loads, src):
+        out.append(
+            {"prompt": x["prompt"], "responses": [x["chosen"], x["rejected"]], "rewards": [1, 0]}
+        )
+    write_jsonl(path, out)
+    return str(path)
+
+
+@pytest.mark.parametrize("offline", [False, True], ids=["online", "offline"])
+def test_the_quickstart_learns_to_copy(tmp_path, offline):
+    over = {"train.max_steps": 70, "eval.every": 35}
+    if offline:  # the given groups; evaluation still generates and scores held-out prompts
+        over["data.train"] = offline_copy_groups(tmp_path / "groups.jsonl")
+        over["train.batch_size"] = 16
+    r = quickstart(**over)
+    held = [
+        json.loads(x)["answer"]
+        for x in (REPO / "recipes/data/copy-prompts/valid.jsonl").read_text().splitlines()
+    ][:50]
+    before = copies(REPO / "recipes" / "models" / "reverse-tiny-mixed", held)
+    assert before < 0.35
+    s = Trainer(r, run_dir=tmp_path / "run", console=Console(quiet=True)).run()
+    assert s["eval_reward_at_start"] < 0.35 and s["final_eval_reward"] >= 0.8
+    assert copies(tmp_path / "run" / "export" / "mlx-lm", held) >= 0.8
+    if not offline:  # the completions it draws while training get better too
+        train = [x["reward"] for x in rows(tmp_path / "run") if "reward" in x]
+        assert np.mean(train[-3:]) > np.mean(train[:2]) + 0.2
