@@ -4,6 +4,7 @@
     python bench/compare_grpo.py --quick          # 8 steps, ~2 min
     python bench/compare_grpo.py --batch 2 --group 4 --max-completion 64
     python bench/compare_grpo.py --beta 0.04      # with the KL to the reference (both sides)
+    python bench/compare_grpo.py --split 4        # and a row of mlxtune in 4 micro-batches
     python bench/compare_grpo.py --model-dir PATH # any HF-layout llama dir
     python bench/compare_grpo.py --peer-only      # mlx-lm-lora alone (--mlxtune-only too)
 
@@ -22,7 +23,11 @@ the KL to the reference (0 by default: no reference pass on either side), Adam a
    one compiled step over the B x G rows);
 2. mlx-lm-lora's ``train_grpo``, given what its CLI gives it (``--reference``): a second loaded
    copy of the model as ``ref_model`` (``train.load_reference_model`` loads one for GRPO whatever
-   the beta; at beta 0 it is held but never run).
+   the beta; at beta 0 it is held but never run);
+3. (with ``--split N``) mlxtune again with its engine's micro-batch split at N: the step's rows in
+   N micro-batches of whole groups, gradients accumulated (the same examples a step). Not a recipe
+   key: the engine attribute its out-of-memory fallback doubles; it shows what running the rows
+   in parts, as mlx-lm-lora does, would cost and save.
 
 Each runs in its own Python process (this script re-invoked with ``--mlxtune-worker`` or
 ``--peer-worker SPEC.json``, printing one ``MLXTUNE_RESULT {json}`` / ``MLX_LM_LORA_RESULT {json}``
@@ -220,6 +225,7 @@ def run_mlxtune_grpo(
     lr: float,
     beta: float,
     max_length: int,
+    split: int = 1,
     dtype: str = "float32",
     seed: int = 0,
     samples: int = 0,
@@ -229,12 +235,14 @@ def run_mlxtune_grpo(
     """Train mlxtune's online GRPO (LoRA on q_proj/v_proj of every block) in a child process;
     return its figures, named as ``run_mlx_lm_lora_grpo``'s. ``rows``/``valid_rows``: as
     ``run_mlx_lm_lora_grpo``'s, handed to mlxtune as chat messages (``as_messages``); the valid
-    prompts are only read by the run's final evaluation (after the timing)."""
+    prompts are only read by the run's final evaluation (after the timing). ``split`` > 1: the
+    engine's micro-batch split (whole groups a micro-batch; not a recipe key: the attribute its
+    out-of-memory fallback doubles), the same examples a step."""
     spec = _spec(
         model_dir, [as_messages(r) for r in rows], valid_rows=[as_messages(r) for r in valid_rows],
         rank=rank, scale=scale, batch_size=batch_size, group=group,
         max_completion=max_completion, steps=steps, lr=lr, beta=beta, max_length=max_length,
-        dtype=dtype, seed=seed, samples=samples,
+        split=split, dtype=dtype, seed=seed, samples=samples,
     )  # fmt: skip
     return _in_child("--mlxtune-worker", spec, MLXTUNE_TAG, "mlxtune GRPO", timeout, verbose)
 
@@ -533,17 +541,25 @@ def _mlxtune_worker(spec_path: str) -> None:
     trainer = Trainer(recipe_from_dict(recipe), run_dir=work / "run", console=Console(quiet=True))
     setup_s = time.perf_counter() - t0
 
-    # Every step's batch as the arrays its compiled step takes (the B x G rows, padded).
-    shapes: list[tuple] = []
+    # Every step's micro-batches as the arrays its compiled step takes (the B x G rows, padded;
+    # split into ``split`` micro-batches of whole groups when asked).
+    if spec["split"] > 1:
+        trainer.engine.split = spec["split"]  # what its out-of-memory fallback doubles
+    steps: list[list] = []
     engine = trainer.engine
-    arrays_of = engine.arrays
+    arrays_of, step_of = engine.arrays, engine.step_or_fall_back
+
+    def recording_step(*args, **kwargs):
+        steps.append([])
+        return step_of(*args, **kwargs)
 
     def recording_arrays(batch):
         out = arrays_of(batch)
-        shapes.append(tuple(sorted((k, tuple(v.shape)) for k, v in out.items())))
+        if steps:
+            steps[-1].append(tuple(sorted((k, tuple(v.shape)) for k, v in out.items())))
         return out
 
-    engine.arrays = recording_arrays
+    engine.arrays, engine.step_or_fall_back = recording_arrays, recording_step
 
     ds = trainer.train_set.examples
     weights = sum(v.nbytes for _, v in tree_flatten(trainer.model.parameters()))
@@ -554,9 +570,9 @@ def _mlxtune_worker(spec_path: str) -> None:
     t0 = time.perf_counter()
     summary = trainer.run()
     wall = time.perf_counter() - t0
-    engine.arrays = arrays_of
+    engine.arrays, engine.step_or_fall_back = arrays_of, step_of
     n = spec["steps"]
-    shapes = shapes[:n]
+    shapes = [tuple(s) for s in steps]
 
     rows = [r for r in trainer.run_dir.read_jsonl("metrics.jsonl") if "step_time_s" in r]
     if len(rows) != n or len(shapes) != n:
@@ -578,7 +594,9 @@ def _mlxtune_worker(spec_path: str) -> None:
             "completion_tokens": tokens,
             "mean_completion_length": sum(tokens) / (n * b * g),
             "frac_truncated": statistics.mean(r["frac_truncated"] for r in rows),
-            "input_shapes": [dict(s)["tokens"] for s in shapes],
+            "input_shapes": [dict(s[0])["tokens"] for s in shapes],
+            "micro_batches": len(shapes[-1]),
+            "split": spec["split"],
             "reward_first": rows[0]["reward"],
             "reward_last": rows[-1]["reward"],
             "reward_group_std_mean": statistics.mean(r["reward_std"] for r in rows),
@@ -705,6 +723,12 @@ def main(argv=None) -> None:
         default="copy",
         help="mlx-lm-lora's ref_model (copy: a second loaded model, as its CLI)",
     )
+    ap.add_argument(
+        "--split",
+        type=int,
+        default=0,
+        help="also run mlxtune with its engine's micro-batch split N (whole groups a micro-batch)",
+    )
     ap.add_argument("--check", type=int, default=4, help="prompts whose tokens are compared")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="show the workers' own logs")
@@ -741,7 +765,7 @@ def main(argv=None) -> None:
         samples=args.check,
         verbose=args.verbose,
     )
-    ours = peer = None
+    ours = ours_split = peer = None
     added = 0
     log = sys.stderr
     t0 = time.perf_counter()
@@ -753,11 +777,17 @@ def main(argv=None) -> None:
         shape = compare_mlx_lm.model_shape(Path(model_dir))
         vocab = shape.pop("vocab_size")
         if not args.peer_only:
-            ours = run_mlxtune_grpo(model_dir, rows, valid, **common)
-            print(f"  mlxtune: {ours['steps_per_sec']:.3f} steps/s, peak "
-                  f"{ours['peak_memory_gb']:.3f} GB, completions {ours['mean_completion_length']:.1f}"
-                  f" tokens, reward {ours['reward_first']:.3f} -> {ours['reward_last']:.3f}",
-                  file=log, flush=True)  # fmt: skip
+            for split in [1] + ([args.split] if args.split > 1 else []):
+                r = run_mlxtune_grpo(model_dir, rows, valid, split=split, **common)
+                if split == 1:
+                    ours = r
+                else:
+                    ours_split = r
+                label = "" if split == 1 else f" (split {split})"
+                print(f"  mlxtune{label}: {r['steps_per_sec']:.3f} steps/s, peak "
+                      f"{r['peak_memory_gb']:.3f} GB, completions "
+                      f"{r['mean_completion_length']:.1f} tokens, reward {r['reward_first']:.3f} "
+                      f"-> {r['reward_last']:.3f}", file=log, flush=True)  # fmt: skip
         if not args.mlxtune_only:
             peer = run_mlx_lm_lora_grpo(
                 model_dir, rows, layers=args.layers, reference=args.reference, **common
@@ -789,6 +819,9 @@ def main(argv=None) -> None:
         # the step's two parts, mlxtune's seconds over the peer's (lower is better)
         ratios["generation_s"] = ours["generation_s_mean"] / peer["generation_s_mean"]
         ratios["train_s"] = ours["train_s_mean"] / peer["train_s_mean"]
+        if ours_split is not None:
+            ours_split["steps_per_sec_ratio"] = ours_split["steps_per_sec"] / peer["steps_per_sec"]
+            ours_split["peak_memory_ratio"] = ours_split["peak_memory_gb"] / peer["peak_memory_gb"]
 
     err = sys.stderr
     some = ours or peer
@@ -808,9 +841,10 @@ def main(argv=None) -> None:
         f"{'peak GB':>8} {'reward first->last':>18}",
         file=err,
     )
-    table = ([("mlxtune", ours)] if ours else []) + (
-        [(f"mlx-lm-lora ({args.reference})", peer)] if peer else []
-    )
+    table = (
+        ([("mlxtune", ours)] if ours else [])
+        + ([(f"mlxtune (split {args.split})", ours_split)] if ours_split else [])
+    ) + ([(f"mlx-lm-lora ({args.reference})", peer)] if peer else [])
     for who, r in table:
         print(
             f"{who:22} {r['steps_per_sec']:8.3f} {r['steps_per_sec_median'] or float('nan'):7.3f} "
@@ -836,6 +870,13 @@ def main(argv=None) -> None:
             f"memory {mem:.2f}x (<= 0.6x: {'met' if mem <= 0.6 else 'MISSED'})",
             file=err,
         )
+        if ours_split is not None:
+            print(
+                f"mlxtune (split {args.split}) / mlx-lm-lora: steps/s "
+                f"{ours_split['steps_per_sec_ratio']:.2f}x, peak memory "
+                f"{ours_split['peak_memory_ratio']:.2f}x",
+                file=err,
+            )
         lr_ = ratios["mean_completion_length"]
         if abs(lr_ - 1) > 0.05:
             print(
@@ -858,7 +899,7 @@ def main(argv=None) -> None:
         said = f"the same token ids in the first {args.check} prompts"
     print(f"tokenization: {said}", file=err)
 
-    for r in (ours, peer):
+    for r in (ours, ours_split, peer):
         if r is not None:
             r.pop("samples", None)
     out = {
@@ -886,6 +927,7 @@ def main(argv=None) -> None:
             "peak_memory_0.6x": ratios["peak_memory_gb"] <= 0.6,
         }
     out["mlxtune"] = ours
+    out["mlxtune_split"] = ours_split
     out["mlx_lm_lora"] = peer
     print(json.dumps(out))
 

@@ -450,3 +450,57 @@ def test_preference_runs_plot_margins_and_accuracy_beside_the_loss(tmp_path):
 
     asyncio.run(watch())
     asyncio.run(compare())
+
+
+def grpo_run(path, steps=12):
+    """A recorded GRPO run: rows with the rollout's reward and completion length, eval rows with
+    the held-out reward (its loss the negative reward) and a sample completion."""
+    recorded_run(path, steps=0, bad=False)
+    lines = []
+    for s in range(1, steps + 1):
+        row = {"step": s, "loss": 0.01, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_sec": 900.0}
+        row.update({"step_time_s": 0.1, "peak_memory_gb": 0.1, "tokens_seen": 40 * s})
+        row.update({"reward": 0.05 * s, "completion_length": 10.0 - 0.5 * s})
+        lines.append(json.dumps(row))
+        if s % 4 == 0:
+            r = 0.06 * s
+            lines.append(
+                json.dumps(
+                    {"step": s, "eval_loss": -r, "eval_reward": r, "eval_completion_length": 6.0}
+                )
+            )
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    sample = {"step": 12, "eval": True, "prompt": "copy ab =", "completion": "ab", "reward": 1.0}
+    (path / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+    return path
+
+
+def test_grpo_runs_plot_reward_and_length_beside_the_loss(tmp_path):
+    from mlxtune.tui.compare import CompareApp
+
+    run = grpo_run(tmp_path / "grpo")
+    dpo = preference_run(tmp_path / "dpo")
+
+    async def watch():
+        app = WatchApp(run, read_only=True, poll_s=0.05)
+        async with app.run_test(size=(140, 40)) as pilot:
+            await pilot.pause(0.2)
+            assert app.query_one("#prefs").display
+            reward = app.query_one("#margins", Plot)
+            train, evals = reward.series
+            assert train[2][-1] == pytest.approx(ema([0.05 * s for s in range(1, 13)], 0.6)[-1])
+            assert evals[1] == [4, 8, 12] and evals[2][-1] == pytest.approx(0.72)
+            assert reward.title.startswith("reward 0.600") and "eval 0.720" in reward.title
+            length = app.query_one("#accuracy", Plot)
+            assert length.title.startswith("completion length 4.0")
+            assert "'copy ab =' → 'ab'" in str(app.query_one("#sample").render())
+
+    async def compare():
+        app = CompareApp([run, dpo], poll_s=0.05)
+        async with app.run_test(size=(140, 48)) as pilot:
+            await pilot.pause(0.2)
+            series = app.query_one("#margins", Plot).series
+            assert [s[0] for s in series] == ["grpo", "grpo eval"]  # the DPO run plots other kinds
+
+    asyncio.run(watch())
+    asyncio.run(compare())

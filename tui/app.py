@@ -25,7 +25,7 @@ from .rundata import RunData, ema
 HELP = (
     "p pause/resume · s save a checkpoint · e evaluate · g generate a sample · q stop the run "
     "(finish the step, save, export; closes the dashboard once the run has ended) · "
-    "[ ] less/more smoothing · 1-7 show/hide panels (7: preference plots) · ctrl+q close the "
+    "[ ] less/more smoothing · 1-7 show/hide panels (7: the objective's plots) · ctrl+q close the "
     "dashboard only "
     "(training goes on)"
 )
@@ -119,7 +119,7 @@ class WatchApp(App):
         yield Static(id="progress")
         with Horizontal(id="curves"):
             yield Plot("loss", id="loss")
-            with Vertical(id="prefs"):  # preference objectives: shown once rows carry them
+            with Vertical(id="prefs"):  # preference and RL objectives: once rows carry them
                 yield Plot("reward margin", id="margins")
                 yield Plot("preference accuracy", id="accuracy")
             with Vertical(id="side"):
@@ -207,8 +207,8 @@ class WatchApp(App):
             ],
             title,
         )
-        if d.preference:
-            self._draw_preference(last)
+        if d.objective_plots():
+            self._draw_objective(last)
         self.query_one("#lr", Plot).show(
             [("lr", d.lr.xs, d.lr.ys, "line")], f"learning rate {_metric(last, 'lr', '.2e')}"
         )
@@ -243,18 +243,18 @@ class WatchApp(App):
                 f"best eval {_num(d.summary.get('best_eval_loss'), '.4f')}"
             )
 
-    def _draw_preference(self, last: dict) -> None:
-        """Reward margins and preference accuracy beside the loss (train smoothed, eval as
-        points), shown from the first row that has them."""
+    def _draw_objective(self, last: dict) -> None:
+        """The objective's own plots beside the loss (a preference run's reward margins and
+        accuracy, a reinforcement-learning run's reward and completion length; train smoothed,
+        eval as points), shown from the first row that has them."""
         d, prefs = self.data, self.query_one("#prefs")
         if not self._prefs_shown:  # the first rows that have them (a small terminal: folded)
             prefs.display = not self._small
             self._prefs_shown = True
-        for plot, key, fmt, train, evals in (
-            ("#margins", "rewards/margins", ".3f", d.margins, d.eval_margins),
-            ("#accuracy", "rewards/accuracies", ".1%", d.accuracy, d.eval_accuracy),
+        for plot, (what, key, fmt, train_of, eval_of) in zip(
+            ("#margins", "#accuracy"), d.objective_plots(), strict=True
         ):
-            what = "reward margin" if plot == "#margins" else "accuracy"
+            train, evals = getattr(d, train_of), getattr(d, eval_of)
             title = f"{what} {_metric(last, key, fmt)}"
             if f"eval_{key}" in d.last_eval:
                 title += f" · eval {_metric(d.last_eval, f'eval_{key}', fmt)}"
@@ -307,7 +307,7 @@ class WatchApp(App):
         self._small = event.size.width < 100 or event.size.height < 30
         if not self._side_forced:
             self.query_one("#side").display = not self._small
-        if self.data.preference:
+        if self.data.objective_plots():
             self.query_one("#prefs").display = not self._small
 
     def action_smooth(self, direction: int) -> None:
@@ -324,7 +324,7 @@ class WatchApp(App):
             4: "#stats",
             5: "#sample, #checkpoints",
             6: "#log",
-            7: "#prefs",  # a preference run's margin and accuracy
+            7: "#prefs",  # the objective's plots (margins and accuracy; reward and length)
         }
         for w in self.query(ids[n]):
             w.display = not w.display

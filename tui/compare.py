@@ -108,7 +108,7 @@ class CompareApp(App):
 
     def compose(self) -> ComposeResult:
         yield Plot("loss", id="overlay")
-        with Horizontal(id="prefs"):  # runs of preference objectives: margins and accuracy
+        with Horizontal(id="prefs"):  # preference runs' margins and accuracy; RL: reward, length
             yield Plot("reward margin", id="margins")
             yield Plot("preference accuracy", id="accuracy")
         yield DataTable(id="table", cursor_type="row")
@@ -137,24 +137,26 @@ class CompareApp(App):
             f"loss (train smoothed, ema {self.smoothing}; eval as points) by {self.by}",
             "tokens seen" if self.by == "tokens" else "step",
         )
-        if any(d.preference for d in self.runs):
-            self._overlay_preference(rows)
+        if any(d.objective_plots() for d in self.runs):
+            self._overlay_objective(rows)
         table = self.query_one("#table", DataTable)
         table.clear()
         for cells in table_cells(rows):
             table.add_row(*cells)
 
-    def _overlay_preference(self, rows: list[dict]) -> None:
-        """The preference runs' reward margins and accuracies overlaid like the loss."""
+    def _overlay_objective(self, rows: list[dict]) -> None:
+        """The objectives' own plots overlaid like the loss: preference runs' reward margins and
+        accuracies, or reinforcement-learning runs' rewards and completion lengths (the kind the
+        first such run is)."""
         self.query_one("#prefs").display = True
         tokens = self.by == "tokens"
-        for plot, what, train_of, eval_of in (
-            ("#margins", "reward margin", "margins", "eval_margins"),
-            ("#accuracy", "preference accuracy", "accuracy", "eval_accuracy"),
+        kinds = next(d.objective_plots() for d in self.runs if d.objective_plots())
+        for plot, (what, _, _, train_of, eval_of) in zip(
+            ("#margins", "#accuracy"), kinds, strict=True
         ):
             series = []
             for i, (d, row) in enumerate(zip(self.runs, rows, strict=True)):
-                if not d.preference:
+                if d.objective_plots() != kinds:
                     continue
                 suffix = "_by_tokens" if tokens else ""
                 train, evals = getattr(d, train_of + suffix), getattr(d, eval_of + suffix)

@@ -122,6 +122,14 @@ class RunData:
         self.margins_by_tokens, self.eval_margins_by_tokens = Curve(max_points), Curve(max_points)
         self.accuracy_by_tokens = Curve(max_points)
         self.eval_accuracy_by_tokens = Curve(max_points)
+        # reinforcement learning (grpo): mean reward and completion length of the completions
+        # drawn in training, and the held-out reward and length of each evaluation
+        self.reward, self.eval_reward = Curve(max_points), Curve(max_points)
+        self.completion_length = Curve(max_points)
+        self.eval_completion_length = Curve(max_points)
+        self.reward_by_tokens, self.eval_reward_by_tokens = Curve(max_points), Curve(max_points)
+        self.completion_length_by_tokens = Curve(max_points)
+        self.eval_completion_length_by_tokens = Curve(max_points)
         self.last: dict = {}
         self.last_eval: dict = {}
         self.first_time: float | None = None
@@ -166,6 +174,12 @@ class RunData:
                     self.accuracy.add(step, row.get("rewards/accuracies"))
                     self.margins_by_tokens.add(tokens, row["rewards/margins"])
                     self.accuracy_by_tokens.add(tokens, row.get("rewards/accuracies"))
+                if "reward" in row:
+                    tokens = row.get("tokens_seen", 0)
+                    self.reward.add(step, row["reward"])
+                    self.completion_length.add(step, row.get("completion_length"))
+                    self.reward_by_tokens.add(tokens, row["reward"])
+                    self.completion_length_by_tokens.add(tokens, row.get("completion_length"))
             if "eval_loss" in row:
                 self.last_eval = row
                 self.eval_loss.add(step, row.get("eval_loss"))
@@ -176,6 +190,13 @@ class RunData:
                     self.eval_accuracy.add(step, row.get("eval_rewards/accuracies"))
                     self.eval_margins_by_tokens.add(tokens, row["eval_rewards/margins"])
                     self.eval_accuracy_by_tokens.add(tokens, row.get("eval_rewards/accuracies"))
+                if "eval_reward" in row:
+                    tokens = self.last.get("tokens_seen", 0)
+                    length = row.get("eval_completion_length")
+                    self.eval_reward.add(step, row["eval_reward"])
+                    self.eval_completion_length.add(step, length)
+                    self.eval_reward_by_tokens.add(tokens, row["eval_reward"])
+                    self.eval_completion_length_by_tokens.add(tokens, length)
         self.log_lines = self.log_tail.lines()[-500:]
         changed = changed or bool(self.log_lines)
         new_samples = self.sample_tail.rows()
@@ -194,6 +215,33 @@ class RunData:
     def preference(self) -> bool:
         """Whether the run trains on preference pairs (its rows carry reward margins)."""
         return bool(len(self.margins) or len(self.eval_margins))
+
+    @property
+    def rl(self) -> bool:
+        """Whether the run is reinforcement learning (its rows carry rewards)."""
+        return bool(len(self.reward) or len(self.eval_reward))
+
+    def objective_plots(self) -> list[tuple[str, str, str, str, str]]:
+        """The objective's own two plots beside the loss: (title, row key, number format,
+        train curve, eval curve) each, the curves named as attributes of this object; none for
+        a run that has no such rows (yet)."""
+        if self.preference:
+            return [
+                ("reward margin", "rewards/margins", ".3f", "margins", "eval_margins"),
+                ("preference accuracy", "rewards/accuracies", ".1%", "accuracy", "eval_accuracy"),
+            ]
+        if self.rl:
+            return [
+                ("reward", "reward", ".3f", "reward", "eval_reward"),
+                (
+                    "completion length",
+                    "completion_length",
+                    ".1f",
+                    "completion_length",
+                    "eval_completion_length",
+                ),
+            ]
+        return []
 
     def eta_s(self) -> float | None:
         step, total = self.last.get("step"), self.total_steps

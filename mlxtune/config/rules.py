@@ -377,7 +377,8 @@ def _precision_inert(r: Recipe, inert) -> None:
 
 
 def _objective_inert(r: Recipe, inert) -> None:
-    """Data and training keys the objective does not read (preference pairs, reward models)."""
+    """Data, training and objective keys the objective does not read (preference pairs, reward
+    models, GRPO)."""
     kind = r.objective.type
     if kind in PREFERENCE:
         inert(("data.mask_prompt",), f"objective.type {kind} scores the completions only")
@@ -387,6 +388,16 @@ def _objective_inert(r: Recipe, inert) -> None:
     if kind == "reward":
         why = "a reward model scores each sequence's last token, with no LM head or loss kernel"
         inert(("data.train_on_eos", "kernels.loss"), why)
+    if kind == "grpo":
+        why = "objective.type grpo trains on completions"
+        inert(("data.mask_prompt", "data.train_on_eos"), f"{why} (EOS included), never prompts")
+        inert(("train.label_smoothing",), f"{why} weighted by their advantages")
+        inert(
+            ("data.bucket_size", "data.min_length"), "objective.type grpo batches prompts as drawn"
+        )
+        o = r.objective
+        if o.beta == 0:
+            inert(("objective.reference",), "objective.beta is 0 (no KL term)")
 
 
 def inert_notes(recipe: Recipe) -> list[str]:
