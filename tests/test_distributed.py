@@ -295,3 +295,38 @@ def test_preference_pairs_train_as_one(runs, tmp_path):
         assert any("rewards/margins" in x for x in got) and got[0]["world_size"] == 2
         # rewards are differences of log-probs of about -40: fp32 round-off of those
         same(rows(one), got, abs=2e-5)
+
+
+def test_grpo_groups_train_as_one(runs, tmp_path):
+    """GRPO: every rank draws the step's completions alike (keys from the seed and the step),
+    and the groups split whole among the ranks; the held-out reward is summed over ranks."""
+    from test_grpo import prompt_rows
+
+    from conftest import write_jsonl
+
+    data = tmp_path / "prompts"
+    write_jsonl(data / "train.jsonl", prompt_rows(24, 1))
+    write_jsonl(data / "valid.jsonl", prompt_rows(5, 2))
+    r = dict(runs["recipe"])
+    r["data"] = {"train": str(data / "train.jsonl"), "valid": str(data / "valid.jsonl")}
+    r["objective"] = {
+        "type": "grpo",
+        "num_generations": 4,
+        "max_completion_length": 5,
+        "beta": 0.05,
+        "rewards": [{"name": "regex", "pattern": "^.?[aeo]"}],  # rewards with spread
+    }
+    r["train"] = {**r["train"], "batch_size": 3, "max_steps": 4}
+    r["eval"] = {"every": 2}
+    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
+    one, two, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = rows(two)
+    assert got[0]["world_size"] == 2 and all(x["grad_norm"] > 1e-3 for x in got if "loss" in x)
+    assert [x["eval_prompts"] for x in got if "eval_reward" in x] == [5, 5]
+    drop = {"generation_s", "generation_tokens_per_sec"}
+    same(
+        [{k: v for k, v in x.items() if k not in drop} for x in rows(one)],
+        [{k: v for k, v in x.items() if k not in drop} for x in got],
+        abs=2e-5,
+    )
