@@ -9,6 +9,7 @@ from pathlib import Path
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer
 
 from .plot import Plot
@@ -120,6 +121,12 @@ class CompareApp(App):
         self.set_interval(self.poll_s, self.refresh_data)
 
     def refresh_data(self) -> None:
+        try:
+            self._refresh()
+        except NoMatches:  # the timer fired while the app was closing and its widgets are gone
+            pass
+
+    def _refresh(self) -> None:
         rows = compare_rows(self.runs)  # polls each run
         series = []
         names = [r["name"] for r in rows]
