@@ -73,6 +73,25 @@ def _draw(logits: mx.array, keys: mx.array, s: Sampling) -> tuple[mx.array, mx.a
     return mx.argmax(filtered_logits(logits, s) + noise, axis=-1), pairs[:, 0]
 
 
+class StopStrings:
+    """Strings that end a completion: ``ends(ids)`` is True once the decoded completion holds
+    one of them (decoding only its last tokens: a token is at least one character)."""
+
+    def __init__(self, tokenizer, strings):
+        self.tokenizer = tokenizer
+        self.strings = [x for x in strings if x]
+        self._tail = 2 * max((len(x) for x in self.strings), default=0) + 2
+
+    def ends(self, ids: list[int]) -> bool:
+        if not self.strings:
+            return False
+        text = self.tokenizer.decode(ids[-self._tail :])
+        return any(x in text for x in self.strings)
+
+    def found(self, text: str) -> bool:
+        return any(x in text for x in self.strings)
+
+
 def row_keys(seed: int, prompts: int, group: int = 1) -> mx.array:
     """The sampling keys of ``prompts`` x ``group`` rows (prompt-major): sample j of prompt i
     draws from key j of prompt i's split, whatever else is generated with it."""
@@ -91,12 +110,14 @@ def generate_ids(
     sampling: Sampling | None = None,
     group: int = 1,
     keys: mx.array | None = None,
+    stop: StopStrings | None = None,
 ) -> list[list[int]]:
     """New token ids (without the prompt, EOS left out) of ``group`` completions of each prompt,
     prompt-major. Prompts of any lengths decode together, left-padded in one batched KV cache;
     each prompt is read once and its cache copied to its ``group`` rows. Rows stop at EOS and
     leave the batch. ``sampling`` (default: ``temperature`` alone) draws each row from its own
-    key (``keys`` [rows, 2], default ``row_keys(seed, ...)``)."""
+    key (``keys`` [rows, 2], default ``row_keys(seed, ...)``). ``stop`` also ends a row at the
+    token that completes one of its strings (that token kept)."""
     s = sampling or Sampling(temperature=temperature)
     keys = keys if keys is not None else row_keys(seed, len(prompts), group)
     was_training = model.training
@@ -107,7 +128,7 @@ def generate_ids(
         for at in range(0, len(prompts), step):
             chunk = prompts[at : at + step]
             ks = keys[at * group : (at + len(chunk)) * group]
-            out += _decode(model, chunk, max_new_tokens, eos, s, group, ks)
+            out += _decode(model, chunk, max_new_tokens, eos, s, group, ks, stop)
     finally:
         model.train(was_training)
     return out
@@ -129,7 +150,7 @@ def _batch_cache(model, pad: list[int]) -> list:
     return out
 
 
-def _decode(model, prompts, max_new_tokens, eos, s, group, keys) -> list[list[int]]:
+def _decode(model, prompts, max_new_tokens, eos, s, group, keys, stop=None) -> list[list[int]]:
     """One batch of prompts: read left-padded into one cache, the cache and the last logits
     tiled ``group`` times, then one token a step for every row still going."""
     width = max(len(p) for p in prompts)
@@ -151,6 +172,8 @@ def _decode(model, prompts, max_new_tokens, eos, s, group, keys) -> list[list[in
             if t in eos:
                 continue
             new[alive[j]].append(t)
+            if stop is not None and stop.ends(new[alive[j]]):
+                continue
             keep.append(j)
         if not keep or n == max_new_tokens - 1:
             break

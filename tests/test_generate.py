@@ -145,3 +145,26 @@ def test_sampling_keeps_what_its_rules_name_with_softmax_probabilities(s):
         p /= p.sum()
         np.testing.assert_allclose(freq, p, atol=0.015)
         assert (freq[~np.isfinite(want[b])] == 0).all()
+
+
+def test_stop_strings_end_a_row_at_the_token_that_completes_them(reverse):
+    from mlxtune.generate import StopStrings
+
+    model, tok = reverse
+    ps = prompts(tok)
+    eos = {tok.eos_token_id}
+    s = Sampling(temperature=1.0)
+    keys = row_keys(5, len(ps), 3)
+    free = generate_ids(model, ps, 12, eos, sampling=s, group=3, keys=keys)
+    stop = ["s", "q"]
+    cut = generate_ids(
+        model, ps, 12, eos, sampling=s, group=3, keys=keys, stop=StopStrings(tok, stop)
+    )
+    hits = 0
+    for f, c in zip(free, cut, strict=True):
+        # the free completion up to the first token whose text so far holds a stop string
+        ends = [j for j in range(1, len(f) + 1) if any(x in tok.decode(f[:j]) for x in stop)]
+        want = f[: ends[0]] if ends else f
+        hits += bool(ends)
+        assert c == want
+    assert hits >= 3  # some rows did stop (mississippi reversed has s; zq has q)

@@ -515,3 +515,21 @@ def test_the_quickstart_learns_to_copy(tmp_path, offline):
     if not offline:  # the completions it draws while training get better too
         train = [x["reward"] for x in rows(tmp_path / "run") if "reward" in x]
         assert np.mean(train[-3:]) > np.mean(train[:2]) + 0.2
+
+
+def test_stop_strings_end_completions_without_eos(tmp_path, llama_dir, prompts):
+    t = build(recipe(prompts, llama_dir, {"stop": ["e"], "max_completion_length": 8}), tmp_path)
+    batch = next(t.objective.batches())[1]
+    eos, tok = t.tokenizer.eos_token_id, t.tokenizer
+    stopped = cut = 0
+    for c in completions(batch):
+        text = tok.decode([x for x in c if x != eos])
+        if "e" in text:  # ends at the token that completes the first "e", no EOS after it
+            stopped += 1
+            assert c[-1] != eos and "e" in tok.decode(c[-1:]) and "e" not in tok.decode(c[:-1])
+        elif c[-1] != eos:
+            cut += 1
+            assert len(c) == 8
+    assert stopped > 0
+    host = t.objective.host_metrics(batch)
+    assert host["frac_truncated"][0] == cut

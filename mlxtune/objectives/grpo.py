@@ -39,7 +39,7 @@ from ..config import ObjectiveConfig
 from ..data import Batch, read_positions, split_off
 from ..data.prompts import PromptEncoder, PromptExample, load_prompts
 from ..errors import UserInputError
-from ..generate import Sampling, decode_answer, eos_ids, generate_ids
+from ..generate import Sampling, StopStrings, decode_answer, eos_ids, generate_ids
 from ..kernels import forward_only
 from ..rewards import RewardSpec, build_rewards, score
 from .base import Objective, Usage
@@ -68,6 +68,9 @@ class GRPOConfig(ObjectiveConfig):
     """Only the top_k likeliest tokens (0: all)."""
     min_p: float = 0.0
     """Only tokens at least min_p x the likeliest one's probability."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion (kept in it; e.g. "</answer>"): such a completion ended,
+    with no EOS after it."""
     epsilon: float = 0.2
     """Clip range below 1 of the importance ratio (and above, unless epsilon_high)."""
     epsilon_high: float | None = None
@@ -198,6 +201,7 @@ class GRPO(Objective):
                         missing.where,
                     )
         self.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+        self.stop = StopStrings(components.tokenizer, cfg.stop) if cfg.stop else None
         self.eps_low = cfg.epsilon
         self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
         self._reference = (
@@ -325,10 +329,17 @@ class GRPO(Objective):
                 sampling=self.sampling,
                 group=g,
                 keys=mx.random.split(mx.random.key(seed), len(prompts) * g),
+                stop=self.stop,
             )
             took = time.perf_counter() - t0
-            ended = [len(n) < cfg.max_completion_length for n in new]
-            ids = [n + [self._eos_id] if e else n for n, e in zip(new, ended, strict=True)]
+            # a completion ended at EOS (added back to train on), at a stop string, or was cut
+            stopped = [self.stop is not None and self.stop.ends(n) for n in new]
+            eos_end = [
+                len(n) < cfg.max_completion_length and not st
+                for n, st in zip(new, stopped, strict=True)
+            ]
+            ended = [a or b for a, b in zip(eos_end, stopped, strict=True)]
+            ids = [n + [self._eos_id] if e else n for n, e in zip(new, eos_end, strict=True)]
             groups = [g] * len(prompts)
             made = sum(len(n) for n in new)
             host["generation_s"] = (took, cfg.num_iterations / self.recipe.train.grad_accumulation)
@@ -619,6 +630,7 @@ class GRPO(Objective):
                 self.eos,
                 sampling=Sampling(cfg.eval_temperature, cfg.top_k, cfg.top_p, cfg.min_p),
                 keys=mx.random.split(mx.random.key(_key(r.train.seed, 1 << 40)), len(mine)),
+                stop=self.stop,
             )
             total, each = self._score(mine, [1] * len(mine), new)
             sums["reward"], sums["n"] = float(total.sum()), float(len(mine))
