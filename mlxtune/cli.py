@@ -194,17 +194,36 @@ def _sampling_options(f):
     return f
 
 
-def _stream(model, tokenizer, prompt, max_tokens, temp, top_k, top_p) -> str:
-    from mlx_lm.generate import stream_generate
-    from mlx_lm.sample_utils import make_sampler
+def _stream(model, tokenizer, prompt, max_tokens, temp, top_k, top_p, seed) -> str:
+    """Complete ``prompt`` (text, or token ids) with the generation engine, printing the text
+    as it comes; returns it."""
+    from .generate import Sampling, eos_ids, generate_ids, row_keys
 
-    sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k)
-    text = []
-    for piece in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler):
-        click.echo(piece.text, nl=False)
-        text.append(piece.text)
-    click.echo()
-    return "".join(text)
+    ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+    drawn: list[int] = []
+    shown = [""]
+
+    def hear(_row, token):
+        drawn.append(token)
+        text = tokenizer.decode(drawn, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a character still incomplete: wait for its next bytes
+            return
+        click.echo(text[len(shown[0]) :], nl=False)
+        shown[0] = text
+
+    sampling = Sampling(temperature=temp, top_k=top_k or 0, top_p=top_p)
+    generate_ids(
+        model,
+        [ids],
+        max_tokens,
+        eos_ids(tokenizer),
+        sampling=sampling,
+        keys=row_keys(seed, 1),
+        on_token=hear,
+    )
+    text = tokenizer.decode(drawn, skip_special_tokens=True)
+    click.echo(text[len(shown[0]) :])
+    return text
 
 
 @cli.command()
@@ -212,13 +231,11 @@ def _stream(model, tokenizer, prompt, max_tokens, temp, top_k, top_p) -> str:
 @click.argument("prompt")
 def generate(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, prompt):
     """Complete PROMPT, streaming tokens as they come."""
-    import mlx.core as mx
 
     from .generate import load_for_generation
 
     m, tok = load_for_generation(model, adapter, scale, warn=_warn)
-    mx.random.seed(seed)
-    _stream(m, tok, prompt, max_tokens, temp, top_k, top_p)
+    _stream(m, tok, prompt, max_tokens, temp, top_k, top_p, seed)
 
 
 @cli.command()
@@ -226,7 +243,6 @@ def generate(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, prompt
 @click.option("--system", help="A system message to start the conversation with.")
 def chat(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, system):
     """Talk to a model through its chat template; an empty line or end of input ends it."""
-    import mlx.core as mx
 
     from .generate import load_for_generation
 
@@ -235,7 +251,6 @@ def chat(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, system):
         raise UserInputError(
             "this tokenizer has no chat template; use mlxtune generate", str(model)
         )
-    mx.random.seed(seed)
     messages = [{"role": "system", "content": system}] if system else []
     stdin = click.get_text_stream("stdin")
     while True:
@@ -247,7 +262,7 @@ def chat(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, system):
         ids = tok._tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        reply = _stream(m, tok, list(ids), max_tokens, temp, top_k, top_p)
+        reply = _stream(m, tok, list(ids), max_tokens, temp, top_k, top_p, seed + len(messages))
         messages.append({"role": "assistant", "content": reply})
 
 

@@ -111,13 +111,15 @@ def generate_ids(
     group: int = 1,
     keys: mx.array | None = None,
     stop: StopStrings | None = None,
+    on_token=None,
 ) -> list[list[int]]:
     """New token ids (without the prompt, EOS left out) of ``group`` completions of each prompt,
     prompt-major. Prompts of any lengths decode together, left-padded in one batched KV cache;
     each prompt is read once and its cache copied to its ``group`` rows. Rows stop at EOS and
     leave the batch. ``sampling`` (default: ``temperature`` alone) draws each row from its own
     key (``keys`` [rows, 2], default ``row_keys(seed, ...)``). ``stop`` also ends a row at the
-    token that completes one of its strings (that token kept)."""
+    token that completes one of its strings (that token kept). ``on_token(row, token)`` hears
+    each new token as it is drawn (streaming)."""
     s = sampling or Sampling(temperature=temperature)
     keys = keys if keys is not None else row_keys(seed, len(prompts), group)
     was_training = model.training
@@ -128,7 +130,10 @@ def generate_ids(
         for at in range(0, len(prompts), step):
             chunk = prompts[at : at + step]
             ks = keys[at * group : (at + len(chunk)) * group]
-            out += _decode(model, chunk, max_new_tokens, eos, s, group, ks, stop)
+            hear = None
+            if on_token is not None:
+                hear = lambda r, t, at=at: on_token(at * group + r, t)  # noqa: E731
+            out += _decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear)
     finally:
         model.train(was_training)
     return out
@@ -150,7 +155,9 @@ def _batch_cache(model, pad: list[int]) -> list:
     return out
 
 
-def _decode(model, prompts, max_new_tokens, eos, s, group, keys, stop=None) -> list[list[int]]:
+def _decode(
+    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None
+) -> list[list[int]]:
     """One batch of prompts: read left-padded into one cache, the cache and the last logits
     tiled ``group`` times, then one token a step for every row still going."""
     width = max(len(p) for p in prompts)
@@ -172,6 +179,8 @@ def _decode(model, prompts, max_new_tokens, eos, s, group, keys, stop=None) -> l
             if t in eos:
                 continue
             new[alive[j]].append(t)
+            if on_token is not None:
+                on_token(alive[j], t)
             if stop is not None and stop.ends(new[alive[j]]):
                 continue
             keep.append(j)
