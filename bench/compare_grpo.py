@@ -51,7 +51,10 @@ the generation's alone; both are reported with each side's mean completion lengt
 counted: both train on a sampled EOS). Memory: mlxtune's is the metrics rows' ``peak_memory_gb``
 (reset right before the first step, generation included; the last row is written before the
 run's final evaluation, which completes one batch of ``valid`` prompts); mlx-lm-lora's is
-``mx.get_peak_memory()`` after ``train_grpo``, reset right before it.
+``mx.get_peak_memory()`` after ``train_grpo``, reset right before it. Each worker also reports
+``other_cores``: the CPU the rest of the machine used while it trained, in cores (/proc/stat's
+busy time less its own): on 2 cores a run beside other work (a test suite) is slower by far more
+than noise, and its ratios are not to be trusted.
 
 The prompts: ``--prompts`` rows of random lowercase words, ``--prompt-chars`` characters each,
 given to both as a system turn (``SYSTEM``) and a user turn rendered with the tokenizer's chat
@@ -108,6 +111,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -288,6 +292,26 @@ def _timing(shapes: list, step_s: list[float], gen_s: list[float], tokens: list[
     return out
 
 
+def cpu_mark() -> tuple[float, float, float] | None:
+    """(the machine's busy CPU seconds, this process's CPU seconds, the wall clock), for
+    ``other_cores``; None where /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    t = os.times()
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.perf_counter()
+
+
+def other_cores(a, b) -> float | None:
+    """Cores' worth of CPU the rest of the machine used, on average, between two ``cpu_mark``s
+    (0 on a quiet machine; the timing is only comparable between runs with little of it)."""
+    if a is None or b is None or b[2] <= a[2]:
+        return None
+    return round(max(0.0, (b[0] - a[0]) - (b[1] - a[1])) / (b[2] - a[2]), 2)
+
+
 def _peer_worker(spec_path: str) -> None:
     setup = _process_setup()  # before mlx.core is imported
 
@@ -394,6 +418,7 @@ def _peer_worker(spec_path: str) -> None:
 
     gc.collect()
     mx.clear_cache()
+    cpu0 = cpu_mark()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     # train_grpo prints a report a step (tqdm.write, to stdout): keep stdout for the result line.
@@ -416,6 +441,7 @@ def _peer_worker(spec_path: str) -> None:
         sys.stdout = real_stdout
     wall = time.perf_counter() - t0
     peak = mx.get_peak_memory() / 1e9
+    other = other_cores(cpu0, cpu_mark())
 
     n = spec["steps"]
     if len(rec.rows) != n or len(steps) != n:
@@ -449,6 +475,7 @@ def _peer_worker(spec_path: str) -> None:
             "loss_first": rec.rows[0]["train_loss"],
             "loss_last": rec.rows[-1]["train_loss"],
             "train_wall_s": wall,
+            "other_cores": other,
             "batch_size_prompts": spec["batch_size"],
             "group": spec["group"],
             "reference": spec["reference"],
@@ -566,10 +593,12 @@ def _mlxtune_worker(spec_path: str) -> None:
     trainable = sum(v.size for _, v in tree_flatten(trainer.model.trainable_parameters()))
     gc.collect()
     mx.clear_cache()
+    cpu0 = cpu_mark()
     mx.reset_peak_memory()  # the loop resets it again right before its first step
     t0 = time.perf_counter()
     summary = trainer.run()
     wall = time.perf_counter() - t0
+    other = other_cores(cpu0, cpu_mark())
     engine.arrays, engine.step_or_fall_back = arrays_of, step_of
     n = spec["steps"]
     shapes = [tuple(s) for s in steps]
@@ -604,6 +633,7 @@ def _mlxtune_worker(spec_path: str) -> None:
             "loss_first": rows[0]["loss"],
             "loss_last": rows[-1]["loss"],
             "train_wall_s": wall,
+            "other_cores": other,
             "setup_s": setup_s,
             "first_step_s": rows[0].get("first_step_compile_time_s"),
             "batch_size_prompts": b,
@@ -787,7 +817,8 @@ def main(argv=None) -> None:
                 print(f"  mlxtune{label}: {r['steps_per_sec']:.3f} steps/s, peak "
                       f"{r['peak_memory_gb']:.3f} GB, completions "
                       f"{r['mean_completion_length']:.1f} tokens, reward {r['reward_first']:.3f} "
-                      f"-> {r['reward_last']:.3f}", file=log, flush=True)  # fmt: skip
+                      f"-> {r['reward_last']:.3f}; other work {r['other_cores']} cores",
+                      file=log, flush=True)  # fmt: skip
         if not args.mlxtune_only:
             peer = run_mlx_lm_lora_grpo(
                 model_dir, rows, layers=args.layers, reference=args.reference, **common
@@ -795,7 +826,8 @@ def main(argv=None) -> None:
             print(f"  {peer['trainer']} ({args.reference} reference): "
                   f"{peer['steps_per_sec']:.3f} steps/s, peak {peer['peak_memory_gb']:.3f} GB, "
                   f"completions {peer['mean_completion_length']:.1f} tokens, reward "
-                  f"{peer['reward_first']:.3f} -> {peer['reward_last']:.3f}",
+                  f"{peer['reward_first']:.3f} -> {peer['reward_last']:.3f}; other work "
+                  f"{peer['other_cores']} cores",
                   file=log, flush=True)  # fmt: skip
     elapsed = time.perf_counter() - t0
 

@@ -22,7 +22,14 @@ from .adapters import apply_adapters
 from .config import Recipe
 from .errors import UserInputError
 from .export import TrainedModel, load_trainable_weights, read_trainable, write_mlx_lm
-from .models import add_reward_head, build_model, has_reward_head, load_model, quantize_model
+from .models import (
+    add_reward_head,
+    build_model,
+    has_reward_head,
+    load_model,
+    quantize_model,
+    without_value_head,
+)
 from .rundir import RunDir
 from .state import TrainState
 from .tokenizer import load_tokenizer
@@ -330,7 +337,7 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
         a.get("targets", []),
         a.get("layers"),
     )
-    weights = read_trainable(ckpt)
+    weights = without_value_head(read_trainable(ckpt))  # a policy needs no critic
     if has_reward_head(weights):  # a reward model
         add_reward_head(model, int(config["hidden_size"]))
     load_trainable_weights(model, weights, str(ckpt / "adapters.safetensors"))

@@ -43,11 +43,15 @@ from .models import (
     reward_head,
     reward_head_aside,
     save_model,
+    value_head,
     without_reward_head,
+    without_value_head,
 )
+from .models.heads import VALUE_HEAD
 
 FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter")
 REWARD_HEAD_FILE = "reward_head.safetensors"
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 @dataclass
@@ -122,17 +126,24 @@ def write_reward_head(model: nn.Module, out: Path) -> None:
 
 
 def read_trainable(folder: Path) -> dict[str, mx.array]:
-    """The trainable weights a checkpoint (or mlx-lm adapter export) holds: its adapters, and
-    a reward model's head."""
+    """The trainable weights a checkpoint (or mlx-lm adapter export) holds: its adapters, a
+    reward model's head, and (a PPO checkpoint) the value head."""
     weights = mx.load(str(folder / "adapters.safetensors"))
-    if (folder / REWARD_HEAD_FILE).exists():
-        weights.update(mx.load(str(folder / REWARD_HEAD_FILE)))
+    for extra in (REWARD_HEAD_FILE, VALUE_HEAD_FILE):
+        if (folder / extra).exists():
+            weights.update(mx.load(str(folder / extra)))
     return weights
 
 
 def write_mlx_lm(t: TrainedModel, out: Path, metadata: dict | None = None):
     weights = without_reward_head(dict(tree_flatten(t.model.trainable_parameters())))
+    weights = without_value_head(weights)
     write_reward_head(t.model, out)
+    head = value_head(t.model)  # a checkpoint of a PPO run (exports set it aside first)
+    if head is not None:
+        mx.save_safetensors(
+            str(out / VALUE_HEAD_FILE), dict(tree_flatten({VALUE_HEAD: head.parameters()}))
+        )
     mx.save_safetensors(
         str(out / "adapters.safetensors"),
         weights,

@@ -26,7 +26,7 @@ from .export import TrainedModel, export
 from .generate import exact_match, sample
 from .memory import plan, shape_of
 from .meter import StepMeter, merge_host
-from .models import kernel_attention
+from .models import kernel_attention, value_head_aside
 from .objectives import build_objective
 from .rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
 from .state import LoopPosition, TrainState
@@ -509,6 +509,10 @@ class Trainer:
     def _export(self):
         # fused and gguf last: they merge the adapters into the model in place
         fmts = sorted(self.recipe.export.formats, key=lambda f: f in ("fused", "gguf"))
+        with value_head_aside(self.model):  # a PPO run's critic is no part of the policy
+            self._export_formats(fmts)
+
+    def _export_formats(self, fmts):
         for fmt in fmts:
             with self.run_dir.staged("export", fmt) as tmp:
                 export(self.trained, fmt, tmp, self.recipe.model.dtype if fmt == "fused" else None)

@@ -11,11 +11,16 @@ from .context import ForwardContext, current, dropout_key, segments
 from .gguf import GGUFLoad, gguf_config, is_gguf, load_gguf, read_gguf
 from .heads import (
     REWARD_HEAD,
+    VALUE_HEAD,
     add_reward_head,
+    add_value_head,
     has_reward_head,
     reward_head,
     reward_head_aside,
+    value_head,
+    value_head_aside,
     without_reward_head,
+    without_value_head,
 )
 from .loading import check_model_dir, load_model, resolve_model_path
 from .parts import LMParts, count_parameters, lm_parts
@@ -67,6 +72,11 @@ __all__ = [
     "resolve_model_path",
     "reward_head",
     "reward_head_aside",
+    "VALUE_HEAD",
+    "add_value_head",
+    "value_head",
+    "value_head_aside",
+    "without_value_head",
     "save_model",
     "segments",
     "without_reward_head",

@@ -1,6 +1,10 @@
-"""The reward model's head: one linear map from the final hidden state to a score, kept on the
-model as ``score`` (the name Hugging Face's ``*ForSequenceClassification`` models give it, so a
-fused export loads there as is)."""
+"""Heads on the final hidden state besides the LM head.
+
+- The reward model's: one linear map to a score, kept on the model as ``score`` (the name
+  Hugging Face's ``*ForSequenceClassification`` models give it, so a fused export loads there as
+  is); exported with the model.
+- PPO's value head (``value_head``): a linear map with a bias to each position's value, trained
+  with the policy and kept in checkpoints, never exported (the policy is the product)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 REWARD_HEAD = "score"
+VALUE_HEAD = "value_head"
 
 
 def add_reward_head(model: nn.Module, hidden: int) -> nn.Linear:
@@ -49,3 +54,36 @@ def reward_head_aside(model: nn.Module) -> Iterator[nn.Linear | None]:
         yield head
     finally:
         setattr(model, REWARD_HEAD, head)
+
+
+def add_value_head(model: nn.Module, hidden: int) -> nn.Linear:
+    """A new trainable ``hidden -> 1`` value head on ``model``, starting at 0 everywhere."""
+    head = nn.Linear(hidden, 1, bias=True)
+    head.weight = mx.zeros((1, hidden), mx.float32)
+    head.bias = mx.zeros((1,), mx.float32)
+    setattr(model, VALUE_HEAD, head)
+    return head
+
+
+def value_head(model: nn.Module) -> nn.Linear | None:
+    """The model's value head, or None."""
+    return model.get(VALUE_HEAD) if isinstance(model, dict) else None
+
+
+def without_value_head(weights: dict) -> dict:
+    """Flat weights without the value head's."""
+    return {k: v for k, v in weights.items() if not k.startswith(f"{VALUE_HEAD}.")}
+
+
+@contextlib.contextmanager
+def value_head_aside(model: nn.Module) -> Iterator[nn.Linear | None]:
+    """The model without its value head for the block (what exports see)."""
+    head = value_head(model)
+    if head is None:
+        yield None
+        return
+    model.pop(VALUE_HEAD)
+    try:
+        yield head
+    finally:
+        setattr(model, VALUE_HEAD, head)

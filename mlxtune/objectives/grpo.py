@@ -46,18 +46,19 @@ from .base import Objective, Usage
 from .reference import ReferencePolicy, reference_kind
 
 ROLLOUT_FILE = "rollout.safetensors"
+ROLLOUT_ARRAYS = ("advantages", "valid", "old", "ref", "values", "returns", "token_advantages")
 ADV_EPS = 1e-4  # added to the standard deviation the advantages are divided by
 
 
 @dataclass
-class GRPOConfig(ObjectiveConfig):
-    """Group relative policy optimisation on prompts, with rewards from functions (online) or
-    from the data (offline rows with responses and rewards)."""
+class RLConfig(ObjectiveConfig):
+    """What the reinforcement-learning objectives share: prompts completed by the policy,
+    scored by reward functions."""
 
     type: str = "grpo"
     """This objective."""
     num_generations: int = 8
-    """Completions drawn for each prompt (the group its advantages compare within)."""
+    """Completions drawn for each prompt (a group: GRPO's advantages compare within it)."""
     max_completion_length: int = 256
     """Tokens a completion may have; one cut there did not end (frac_truncated)."""
     temperature: float = 1.0
@@ -71,15 +72,30 @@ class GRPOConfig(ObjectiveConfig):
     stop: list[str] = field(default_factory=list)
     """Strings that end a completion (kept in it; e.g. "</answer>"): such a completion ended,
     with no EOS after it."""
+    mask_truncated_completions: bool = False
+    """Completions cut at max_completion_length train on nothing."""
+    reference: Literal["auto", "copy"] = "auto"
+    """The reference policy of the KL term: auto (LoRA/DoRA: the base with adapters off; full:
+    copy), copy (the trainable weights as the run starts)."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """The reward functions and their weights."""
+    eval_temperature: float = 0.0
+    """Held-out evaluation: one completion a prompt at this temperature (0: greedy)."""
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    """Group relative policy optimisation on prompts, with rewards from functions (online) or
+    from the data (offline rows with responses and rewards)."""
+
+    type: str = "grpo"
+    """This objective."""
     epsilon: float = 0.2
     """Clip range below 1 of the importance ratio (and above, unless epsilon_high)."""
     epsilon_high: float | None = None
     """Clip range above 1 (DAPO's clip-higher: e.g. 0.28); default epsilon."""
     beta: float = 0.0
     """Weight of the KL to the reference policy (k3 estimator); 0: no reference pass."""
-    reference: Literal["auto", "copy"] = "auto"
-    """With beta > 0, the reference: auto (LoRA/DoRA: the base with adapters off; full: copy),
-    copy (the trainable weights as the run starts)."""
     loss: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
     """Normalisation: dapo (sum over every completion token of the step / their number), grpo
     (each completion's token mean, averaged over completions), dr_grpo (token sum /
@@ -90,12 +106,6 @@ class GRPOConfig(ObjectiveConfig):
     """Divide advantages by the group's reward standard deviation, the whole batch's, or not."""
     num_iterations: int = 1
     """Optimizer steps each rollout trains (> 1 keeps the generating policy's log-probs)."""
-    mask_truncated_completions: bool = False
-    """Completions cut at max_completion_length train on nothing."""
-    rewards: list[RewardSpec] = field(default_factory=list)
-    """The reward functions and their weights (online: at least one)."""
-    eval_temperature: float = 0.0
-    """Held-out evaluation: one completion a prompt at this temperature (0: greedy)."""
 
 
 @dataclass
@@ -113,6 +123,12 @@ class RolloutBatch(Batch):
     """[R, L-1] the generating policy's log-probs of the targets (num_iterations > 1)."""
     ref: np.ndarray | None = None
     """[R, L-1] the reference policy's (beta > 0)."""
+    values: np.ndarray | None = None
+    """[R, L-1] PPO: the value head's estimates at generation."""
+    returns: np.ndarray | None = None
+    """[R, L-1] PPO: the returns the values are trained towards."""
+    token_advantages: np.ndarray | None = None
+    """[R, L-1] PPO: each target token's (whitened) advantage."""
     prompts: int = 0
     """Prompts counted as seen: the rollout's first iteration counts them, the others 0."""
     host: dict = field(default_factory=dict)
@@ -165,11 +181,8 @@ class GRPO(Objective):
             (0 < cfg.top_p <= 1, "top_p", "in (0, 1]"),
             (cfg.top_k >= 0, "top_k", "at least 0"),
             (0 <= cfg.min_p < 1, "min_p", "in [0, 1)"),
-            (0 <= cfg.epsilon < 1, "epsilon", "in [0, 1)"),
-            (cfg.epsilon_high is None or cfg.epsilon_high >= 0, "epsilon_high", "at least 0"),
-            (cfg.beta >= 0, "beta", "at least 0"),
-            (cfg.num_iterations >= 1, "num_iterations", "at least 1"),
             (cfg.eval_temperature >= 0, "eval_temperature", "at least 0"),
+            *self._checks(),
         )
         for ok, key, what in checks:
             if not ok:
@@ -177,13 +190,13 @@ class GRPO(Objective):
         self.offline = components.train_set.examples[0].responses is not None
         self.rewards = build_rewards(cfg.rewards, recipe)
         if not self.offline:
-            if not self.rewards:
+            if not self.rewards and not self._other_rewards():
                 raise UserInputError(
-                    "online GRPO scores its completions with reward functions: name at least "
-                    "one (e.g. [{name: exact_match}])",
+                    f"online {self.name.upper()} scores its completions with reward functions: "
+                    "name at least one (e.g. [{name: exact_match}])",
                     "objective.rewards",
                 )
-            if cfg.scale_rewards == "group" and cfg.num_generations < 2:
+            if self._groups_compared() and cfg.scale_rewards == "group" and cfg.num_generations < 2:
                 raise UserInputError(
                     "a group of one has no spread to compare within: num_generations >= 2, "
                     "or scale_rewards: batch / none",
@@ -202,11 +215,9 @@ class GRPO(Objective):
                     )
         self.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
         self.stop = StopStrings(components.tokenizer, cfg.stop) if cfg.stop else None
-        self.eps_low = cfg.epsilon
-        self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
         self._reference = (
             ReferencePolicy(reference_kind(cfg.reference, recipe.adapter.type), components.model)
-            if cfg.beta > 0
+            if self._kl_weight() > 0
             else None
         )
         # offline groups come from some other policy: the model as the run starts stands for
@@ -223,6 +234,30 @@ class GRPO(Objective):
         inside it)."""
         self._restored: tuple[int, int, list[RolloutBatch]] | None = None
         self.eval_samples: list[dict] = []
+
+    # what GRPO's own keys say (PPO answers from its own)
+    def _checks(self) -> tuple:
+        cfg = self.config
+        self.eps_low = cfg.epsilon
+        self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        return (
+            (0 <= cfg.epsilon < 1, "epsilon", "in [0, 1)"),
+            (cfg.epsilon_high is None or cfg.epsilon_high >= 0, "epsilon_high", "at least 0"),
+            (cfg.beta >= 0, "beta", "at least 0"),
+            (cfg.num_iterations >= 1, "num_iterations", "at least 1"),
+        )
+
+    def _kl_weight(self) -> float:
+        """The KL term's weight (0: no reference policy)."""
+        return self.config.beta
+
+    def _groups_compared(self) -> bool:
+        """Whether advantages compare completions within their prompt's group."""
+        return True
+
+    def _other_rewards(self) -> bool:
+        """Whether something besides the reward functions scores completions."""
+        return False
 
     def per_step(self, n: int) -> str:
         if self.offline:
@@ -254,7 +289,21 @@ class GRPO(Objective):
         return math.ceil(len(self.components.train_set) / self.recipe.train.batch_size)
 
     def batches_per_epoch(self) -> int:
-        return self._prompts_per_epoch() * self.config.num_iterations
+        return self._prompts_per_epoch() * self._yields() // self._batches_per_rollout()
+
+    def _batches_per_rollout(self) -> int:
+        """Prompt batches a rollout takes: one optimizer step's (grad_accumulation)."""
+        return self.recipe.train.grad_accumulation
+
+    def _yields(self) -> int:
+        """Batches a rollout hands out: its micro-batches, num_iterations times."""
+        return self.recipe.train.grad_accumulation * self.config.num_iterations
+
+    def _hand_out(self, rollout: list[RolloutBatch], j: int) -> RolloutBatch:
+        """The ``j``-th batch a rollout hands out."""
+        a = len(rollout)
+        # a later iteration: the same rows, counted once already
+        return rollout[j % a] if j < a else _again(rollout[j % a])
 
     def _prompt_batch(self, g: int) -> list[PromptExample]:
         """Batch ``g`` of the endless prompt stream (epochs of seeded shuffles)."""
@@ -265,10 +314,10 @@ class GRPO(Objective):
         return [ds.examples[j] for j in order[i * b : (i + 1) * b]]
 
     def batches(self, start_epoch: int = 0, skip: int = 0):
-        """Rollout k holds prompt batches k x A .. k x A + A - 1 (A: grad_accumulation) and is
-        handed out ``num_iterations`` times; its epoch is its first batch's."""
-        a, it = self.recipe.train.grad_accumulation, self.config.num_iterations
-        per, each = self._prompts_per_epoch(), a * it
+        """Rollout k holds prompt batches k x A .. k x A + A - 1 (A: ``_batches_per_rollout``)
+        and hands out ``_yields`` batches; its epoch is its first prompt batch's."""
+        a, each = self._batches_per_rollout(), self._yields()
+        per = self._prompts_per_epoch()
         k = -(-start_epoch * per // a) + skip // each
         within = skip % each
         while True:
@@ -288,10 +337,7 @@ class GRPO(Objective):
             epoch = k * a // per
             for j in range(within, each):
                 self._used = j + 1
-                b = rollout[j % a]
-                if j >= a:  # a later iteration: the same rows, counted once already
-                    b = _again(b)
-                yield epoch, b
+                yield epoch, self._hand_out(rollout, j)
             within = 0
             k += 1
 
@@ -299,7 +345,7 @@ class GRPO(Objective):
     def rollout(self, k: int) -> list[RolloutBatch]:
         """The grad_accumulation batches of rollout ``k``, generated (online) or read (offline)
         and scored under the model as it is now."""
-        a = self.recipe.train.grad_accumulation
+        a = self._batches_per_rollout()
         out = []
         for j in range(a):
             prompts = self._prompt_batch(k * a + j)
@@ -309,6 +355,16 @@ class GRPO(Objective):
     def make_batch(self, prompts: list[PromptExample], seed: int) -> RolloutBatch:
         """The completions of ``prompts`` (generated with ``seed``, or the data's), their rewards
         and advantages, as one batch."""
+        ids, ended, groups, rewards, host = self.complete(prompts, seed)
+        adv = advantages(rewards, groups, self.config.scale_rewards)
+        batch = self._rows(prompts, groups, ids, ended, adv)
+        batch.host = host
+        self._logps(batch)
+        return batch
+
+    def complete(self, prompts: list[PromptExample], seed: int):
+        """(completions' token ids, whether each ended, group sizes, rewards, host metrics):
+        generated with ``seed`` and scored by the reward functions, or (offline) as given."""
         cfg, c = self.config, self.components
         model = c.model
         host: dict = {}
@@ -342,11 +398,10 @@ class GRPO(Objective):
             ids = [n + [self._eos_id] if e else n for n, e in zip(new, eos_end, strict=True)]
             groups = [g] * len(prompts)
             made = sum(len(n) for n in new)
-            host["generation_s"] = (took, cfg.num_iterations / self.recipe.train.grad_accumulation)
+            host["generation_s"] = (took, self._steps_per_rollout() / self._batches_per_rollout())
             host["generation_tokens_per_sec"] = (made, took)
             rewards, each = self._score(prompts, groups, new)
             _means(host, each)
-        adv = advantages(rewards, groups, cfg.scale_rewards)
         n = len(ids)
         host["reward"] = (float(rewards.sum()), n)
         stds, at = [], 0
@@ -359,10 +414,11 @@ class GRPO(Objective):
         host["completion_length"] = (float(sum(lengths)), n)
         host["completion_length_max"] = (float(max(lengths)), 1)
         host["frac_truncated"] = (float(sum(not e for e in ended)), n)
-        batch = self._rows(prompts, groups, ids, ended, adv)
-        batch.host = host
-        self._logps(batch)
-        return batch
+        return ids, ended, groups, rewards, host
+
+    def _steps_per_rollout(self) -> float:
+        """Optimizer steps a rollout trains (how generation time is shared out over steps)."""
+        return self.config.num_iterations
 
     def _score(self, prompts, groups, new) -> tuple[np.ndarray, dict]:
         tok = self.components.tokenizer
@@ -561,18 +617,15 @@ class GRPO(Objective):
         if self._rollout is None:
             return
         k, batches = self._rollout
-        each = self.recipe.train.grad_accumulation * self.config.num_iterations
-        if self._used in (0, each):
+        if self._used in (0, self._yields()):
             return
         arrays, meta = {}, {"rollout": str(k), "used": str(self._used)}
         for j, b in enumerate(batches):
             arrays[f"{j}.tokens"] = mx.array(b.tokens)
             arrays[f"{j}.mask"] = mx.array(b.mask)
-            arrays[f"{j}.advantages"] = mx.array(b.advantages)
-            arrays[f"{j}.valid"] = mx.array(b.valid)
             arrays[f"{j}.lengths"] = mx.array(np.array(b.lengths, np.int32))
             arrays[f"{j}.groups"] = mx.array(np.array(b.groups, np.int32))
-            for name in ("old", "ref"):
+            for name in ROLLOUT_ARRAYS:
                 if getattr(b, name) is not None:
                     arrays[f"{j}.{name}"] = mx.array(getattr(b, name))
         mx.save_safetensors(str(folder / ROLLOUT_FILE), arrays, metadata=meta)
@@ -583,7 +636,7 @@ class GRPO(Objective):
             return
         arrays, meta = mx.load(str(path), return_metadata=True)
         batches = []
-        for j in range(self.recipe.train.grad_accumulation):
+        for j in range(self._batches_per_rollout()):
             a = {
                 k.split(".", 1)[1]: np.array(v) for k, v in arrays.items() if k.startswith(f"{j}.")
             }
@@ -596,11 +649,8 @@ class GRPO(Objective):
                     mask,
                     int(mask[:, 1:].sum()),
                     tuple(int(x) for x in a["lengths"]),
-                    advantages=a["advantages"],
-                    valid=a["valid"],
                     groups=tuple(int(x) for x in a["groups"]),
-                    old=a.get("old"),
-                    ref=a.get("ref"),
+                    **{name: a.get(name) for name in ROLLOUT_ARRAYS},
                 )
             )
         self._restored = (int(meta["rollout"]), int(meta["used"]), batches)
@@ -702,11 +752,8 @@ def _rows_of(b: RolloutBatch, rows: slice, groups, prompts: int, host: bool) -> 
         mask,
         int(mask[:, 1:].sum()),
         b.lengths[rows],
-        advantages=b.advantages[rows],
-        valid=b.valid[rows],
         groups=tuple(groups),
-        old=None if b.old is None else b.old[rows],
-        ref=None if b.ref is None else b.ref[rows],
+        **{k: None if getattr(b, k) is None else getattr(b, k)[rows] for k in ROLLOUT_ARRAYS},
         prompts=prompts,
         host=b.host if host else {},
     )
