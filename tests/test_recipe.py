@@ -256,7 +256,7 @@ WEIGHTED = MINIMAL_RECIPE + "objective:\n  type: test-weighted\n  weight: 0.25\n
 def test_every_shipped_recipe_loads_with_its_objective_and_no_inert_keys(path):
     r = R.load_recipe(path)
     assert type(r.objective) is R.OBJECTIVE_CONFIGS[r.objective.type]
-    kinds = {"quickstart-dpo.yaml": "dpo", "quickstart-grpo.yaml": "grpo"}
+    kinds = {"quickstart-dpo.yaml": "dpo", "quickstart-grpo.yaml": "grpo", "quickstart-ppo.yaml": "ppo"}
     assert r.objective.type == kinds.get(path.name, "sft")
     assert R.inert_keys(r) == []
 
@@ -312,7 +312,7 @@ def test_an_unknown_objective_type_lists_the_registered_ones(tmp_path, weighted)
     assert f"{p}:9: objective.type: unknown objective 'test-weigted'" in msg
     assert (
         "did you mean 'test-weighted'" in msg
-        and "registered: sft, dpo, orpo, reward, grpo, test-weighted" in msg
+        and "registered: sft, dpo, orpo, reward, grpo, ppo, test-weighted" in msg
     )
     assert main(["validate", str(p)]) == 2
 
@@ -322,7 +322,7 @@ def test_an_objective_unregistered_again_is_unknown(tmp_path, weighted):
     try:
         with pytest.raises(
             UserInputError,
-            match=r"unknown objective .*\(registered: sft, dpo, orpo, reward, grpo\)",
+            match=r"unknown objective .*\(registered: sft, dpo, orpo, reward, grpo, ppo\)",
         ):
             R.load_recipe(write(tmp_path, WEIGHTED))
     finally:

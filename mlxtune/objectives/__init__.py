@@ -16,6 +16,7 @@ from ..config import register_objective_config, unregister_objective_config
 from ..errors import UserInputError
 from .base import Components, Objective, Usage, target_rows
 from .grpo import GRPO, RolloutBatch
+from .ppo import PPO
 from .preference import DPO, ORPO, Preference, Reward
 from .sft import SFT
 
@@ -58,7 +59,7 @@ def objective_class(recipe) -> type[Objective]:
     return OBJECTIVES[name]
 
 
-for _cls in (SFT, DPO, ORPO, Reward, GRPO):
+for _cls in (SFT, DPO, ORPO, Reward, GRPO, PPO):
     register(_cls)
 del _cls
 
@@ -67,6 +68,7 @@ __all__ = [
     "DPO",
     "GRPO",
     "ORPO",
+    "PPO",
     "Preference",
     "Reward",
     "RolloutBatch",

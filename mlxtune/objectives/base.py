@@ -145,17 +145,22 @@ class Objective:
             return self.components.lm.hidden(tokens[:, :-1])
 
     def token_losses(
-        self, batch: dict[str, mx.array], reduction: str = "sum", label_smoothing: float = 0.0
+        self,
+        batch: dict[str, mx.array],
+        reduction: str = "sum",
+        label_smoothing: float = 0.0,
+        hidden: mx.array | None = None,
     ):
         """Next-token cross-entropy over the batch's target tokens (``batch["mask"]`` marks
         them), from the hidden states through the loss kernel without materialising logits:
         ``(sum, count)``, or with ``reduction="none"`` per-token losses [B, T-1] (0 off-target)
         and the count. When the batch carries ``rows`` (see ``target_rows``), the head and the
         loss run over those positions only: the same losses, without the vocabulary-wide work
-        for positions that are no target (a chat's prompt)."""
+        for positions that are no target (a chat's prompt). ``hidden``: the batch's
+        ``hidden(batch)`` when the caller has it already."""
         tokens, mask = batch["tokens"], batch["mask"]
         targets = mx.where(mask[:, 1:] > 0, tokens[:, 1:], IGNORE).reshape(-1)
-        h = self.hidden(batch)
+        h = self.hidden(batch) if hidden is None else hidden
         h = h.reshape(-1, h.shape[-1])
         rows = batch.get("rows")
         picked = targets if rows is None else targets[rows]

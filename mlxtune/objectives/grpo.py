@@ -259,6 +259,10 @@ class GRPO(Objective):
         """Whether something besides the reward functions scores completions."""
         return False
 
+    def _labels(self) -> list[str]:
+        """The names of what scores completions (``rewards/<name>`` in rows)."""
+        return [x.label for x in self.rewards]
+
     def per_step(self, n: int) -> str:
         if self.offline:
             return f"{n} prompts (given groups)"
@@ -660,7 +664,7 @@ class GRPO(Objective):
         """Held-out reward: one completion of each validation prompt (at ``eval_temperature``),
         scored by the reward functions; ``eval_loss`` is its negative (lower is better, as for
         every objective). Offline without reward functions: the loss on the validation groups."""
-        if not self.rewards:
+        if not self.rewards and not self._other_rewards():
             return super().evaluate(engine, world)
         cfg, c, r = self.config, self.components, self.recipe
         examples = c.valid_set.examples
@@ -668,7 +672,7 @@ class GRPO(Objective):
             examples = examples[: r.eval.max_batches * (r.eval.batch_size or r.train.batch_size)]
         mine = examples[world.rank :: world.size]
         sums = {"reward": 0.0, "n": 0.0, "completion_length": 0.0}
-        labels = [x.label for x in self.rewards]
+        labels = self._labels()
         for lb in labels:
             sums[f"rewards/{lb}"] = sums[f"rewards/{lb}#"] = 0.0
         shown = []
@@ -745,13 +749,15 @@ def _again(b: RolloutBatch) -> RolloutBatch:
     return out
 
 
-def _rows_of(b: RolloutBatch, rows: slice, groups, prompts: int, host: bool) -> RolloutBatch:
+def _rows_of(b: RolloutBatch, rows, groups, prompts: int, host: bool) -> RolloutBatch:
+    """Rows ``rows`` (a slice or indices) of ``b`` as a batch of ``groups``."""
+    rows = np.arange(len(b.tokens))[rows]
     mask = b.mask[rows]
     return RolloutBatch(
         b.tokens[rows],
         mask,
         int(mask[:, 1:].sum()),
-        b.lengths[rows],
+        tuple(b.lengths[i] for i in rows),
         groups=tuple(groups),
         **{k: None if getattr(b, k) is None else getattr(b, k)[rows] for k in ROLLOUT_ARRAYS},
         prompts=prompts,
