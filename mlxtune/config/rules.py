@@ -388,16 +388,18 @@ def _objective_inert(r: Recipe, inert) -> None:
     if kind == "reward":
         why = "a reward model scores each sequence's last token, with no LM head or loss kernel"
         inert(("data.train_on_eos", "kernels.loss"), why)
-    if kind == "grpo":
-        why = "objective.type grpo trains on completions"
+    if kind in ("grpo", "ppo"):
+        why = f"objective.type {kind} trains on completions"
         inert(("data.mask_prompt", "data.train_on_eos"), f"{why} (EOS included), never prompts")
         inert(("train.label_smoothing",), f"{why} weighted by their advantages")
-        inert(
-            ("data.bucket_size", "data.min_length"), "objective.type grpo batches prompts as drawn"
-        )
+        drawn = f"objective.type {kind} batches prompts as drawn"
+        inert(("data.bucket_size", "data.min_length"), drawn)
         o = r.objective
-        if o.beta == 0:
-            inert(("objective.reference",), "objective.beta is 0 (no KL term)")
+        weight = "beta" if kind == "grpo" else "kl_coef"
+        if getattr(o, weight) == 0:
+            inert(("objective.reference",), f"objective.{weight} is 0 (no KL term)")
+        if kind == "ppo" and o.kl_target is None:
+            inert(("objective.kl_horizon",), "objective.kl_target is not set (a fixed kl_coef)")
 
 
 def inert_notes(recipe: Recipe) -> list[str]:
