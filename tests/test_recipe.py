@@ -256,7 +256,11 @@ WEIGHTED = MINIMAL_RECIPE + "objective:\n  type: test-weighted\n  weight: 0.25\n
 def test_every_shipped_recipe_loads_with_its_objective_and_no_inert_keys(path):
     r = R.load_recipe(path)
     assert type(r.objective) is R.OBJECTIVE_CONFIGS[r.objective.type]
-    kinds = {"quickstart-dpo.yaml": "dpo", "quickstart-grpo.yaml": "grpo", "quickstart-ppo.yaml": "ppo"}
+    kinds = {
+        "quickstart-dpo.yaml": "dpo",
+        "quickstart-grpo.yaml": "grpo",
+        "quickstart-ppo.yaml": "ppo",
+    }
     assert r.objective.type == kinds.get(path.name, "sft")
     assert R.inert_keys(r) == []
 
