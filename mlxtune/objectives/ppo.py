@@ -35,9 +35,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..checkpoint import load_trained
 from ..errors import UserInputError
 from ..kernels import forward_only
-from ..models import add_value_head, value_head
+from ..models import add_value_head, reward_head, value_head
 from .base import Objective
 from .grpo import GRPO, RLConfig, RolloutBatch, _rows_of
 
@@ -166,9 +167,6 @@ class PPO(GRPO):
             self._rm = self._load_reward_model(ref, log)
 
     def _load_reward_model(self, ref: str, log):
-        from ..checkpoint import load_trained
-        from ..models import reward_head
-
         path = self.recipe.resolve_path(ref)
         if path is None or not path.exists():
             raise UserInputError(f"no such run or checkpoint: {path}", "objective.reward_model")
