@@ -78,7 +78,7 @@ def header(trainer) -> list[str]:
         f"data     train {d['train_data']}",
         f"         valid {d['valid_data']}",
         f"train    {d['effective_steps']} steps ({d['epochs']} epochs), "
-        f"{trainer.objective.per_step(d['examples_per_step'])}/step, "
+        f"{trainer.objective.per_step(d['examples_per_step'])}, "
         f"{r.optimizer.name} lr {r.optimizer.lr:g} {r.schedule.name}"
         + ("" if objective == "sft" else f", objective {objective}"),
         f"backend  {d['device']}, BLAS: {d['blas']}",

@@ -161,13 +161,18 @@ def test_a_rank_out_of_memory_splits_every_rank(runs, tmp_path):
     same(rows(run_dir), rows(runs["two"]))  # the same examples per step
 
 
-def test_dry_run_and_validate_show_the_ranks(runs, tmp_path):
+def test_a_dry_run_shows_the_ranks(runs):
     cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(runs["path"]), "--dry-run"]
     p = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, timeout=240)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     assert "parallel 2 ranks (ring), about 4 of the 8 examples of a batch each" in out
     assert out.count("dry run: one step compiled") == 1
+
+
+@pytest.mark.slow
+def test_every_rank_refuses_a_bad_resume_and_validate_names_its_rank(runs, tmp_path):
+    cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(runs["path"]), "--dry-run"]
     # every rank refuses a resume with no run: --nproc exits as they do
     bad = [*cmd[:-1], "--resume", "--run-dir", str(tmp_path / "none"), "--nproc", "2"]
     p = subprocess.run(bad, capture_output=True, text=True, timeout=240)

@@ -496,7 +496,9 @@ def offline_copy_groups(path):
     return str(path)
 
 
-@pytest.mark.parametrize("offline", [False, True], ids=["online", "offline"])
+@pytest.mark.parametrize(
+    "offline", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["online", "offline"]
+)
 def test_the_quickstart_learns_to_copy(tmp_path, offline):
     over = {"train.max_steps": 70, "eval.every": 35}
     if offline:  # the given groups; evaluation still generates and scores held-out prompts

@@ -288,3 +288,18 @@ def test_the_quickstart_learns_to_copy(tmp_path):
         for x in (REPO / "recipes/data/copy-prompts/valid.jsonl").read_text().splitlines()
     ][:50]
     assert copies(tmp_path / "run" / "export" / "mlx-lm", held) >= 0.7
+
+
+def test_validate_and_dry_run_describe_rl_runs(tmp_path, llama_dir, prompts, capsys):
+    r = recipe(prompts, llama_dir)
+    (tmp_path / "ppo.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "ppo.yaml"), "--dry-run"]) == 0
+    got = capsys.readouterr()
+    out = got.out + got.err
+    assert "rollouts of 4 prompts x 2 completions, each trained 2 epochs x 2 minibatches" in out
+    assert "objective ppo" in out and "dry run: one step compiled" in out
+    r["objective"] = {"type": "grpo", "num_generations": 3, "rewards": r["objective"]["rewards"]}
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "grpo.yaml"), "--dry-run"]) == 0
+    got = capsys.readouterr()
+    assert "4 prompts x 3 completions/step" in got.out + got.err

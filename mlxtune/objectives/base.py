@@ -82,8 +82,8 @@ class Objective:
     """What a batch holds, as the header and summary name it (examples, pairs)."""
 
     def per_step(self, n: int) -> str:
-        """What ``n`` examples a step are, as the run's header says it."""
-        return f"{n} {self.noun}"
+        """What a step of ``n`` examples trains on, as the run's header says it."""
+        return f"{n} {self.noun}/step"
 
     def __init__(self, recipe: Recipe, components: Components):
         self.recipe = recipe

@@ -265,8 +265,8 @@ class GRPO(Objective):
 
     def per_step(self, n: int) -> str:
         if self.offline:
-            return f"{n} prompts (given groups)"
-        return f"{n} prompts x {self.config.num_generations} completions"
+            return f"{n} prompts (given groups)/step"
+        return f"{n} prompts x {self.config.num_generations} completions/step"
 
     # ------------------------------------------------------------------ data
     @classmethod

@@ -145,10 +145,11 @@ class PPO(GRPO):
         return super()._labels() + (["reward_model"] if self.config.reward_model else [])
 
     def per_step(self, n: int) -> str:
-        cfg = self.config
+        cfg, t = self.config, self.recipe.train
         return (
-            f"{n} prompts x {cfg.num_generations} completions a rollout, {cfg.ppo_epochs} epochs "
-            f"x {cfg.num_mini_batches} minibatches"
+            f"rollouts of {t.batch_size} prompts x {cfg.num_generations} completions, each "
+            f"trained {cfg.ppo_epochs} epochs x {cfg.num_mini_batches} minibatches, "
+            f"{t.grad_accumulation} minibatch(es)/step"
         )
 
     # ------------------------------------------------------------------ set-up
