@@ -172,8 +172,14 @@ def _decode(
         logits = logits[rows]
     alive = list(range(len(prompts) * group))  # the batch's rows, by output row
     new: list[list[int]] = [[] for _ in alive]
+    tokens, keys = _draw(logits.astype(mx.float32), keys, s)
     for n in range(max_new_tokens):
-        tokens, keys = _draw(logits.astype(mx.float32), keys, s)
+        # the next step's forward is queued before this step's tokens are read: the device
+        # computes it (for every row, finished ones too) while the host checks the rows
+        ahead = None
+        if n < max_new_tokens - 1:
+            ahead = model(tokens[:, None], cache=cache)[:, -1, :]
+            mx.async_eval(ahead, tokens, keys)
         keep = []
         for j, t in enumerate(tokens.tolist()):
             if t in eos:
@@ -184,15 +190,15 @@ def _decode(
             if stop is not None and stop.ends(new[alive[j]]):
                 continue
             keep.append(j)
-        if not keep or n == max_new_tokens - 1:
+        if not keep or ahead is None:
             break
         if len(keep) < len(alive):  # finished rows leave the batch
             idx = mx.array(keep)
             for c in cache:
                 c.filter(idx)
-            tokens, keys = tokens[idx], keys[idx]
+            ahead, keys = ahead[idx], keys[idx]
             alive = [alive[j] for j in keep]
-        logits = model(tokens[:, None], cache=cache)[:, -1, :]
+        tokens, keys = _draw(ahead.astype(mx.float32), keys, s)
     return new
 
 
