@@ -4,7 +4,7 @@
     python bench/compare_grpo.py --quick          # 8 steps, ~2 min
     python bench/compare_grpo.py --batch 2 --group 4 --max-completion 64
     python bench/compare_grpo.py --beta 0.04      # with the KL to the reference (both sides)
-    python bench/compare_grpo.py --split 4        # and a row of mlxtune in 4 micro-batches
+    python bench/compare_grpo.py --micro 32       # and a row of mlxtune in passes of 32 rows
     python bench/compare_grpo.py --model-dir PATH # any HF-layout llama dir
     python bench/compare_grpo.py --peer-only      # mlx-lm-lora alone (--mlxtune-only too)
 
@@ -24,10 +24,10 @@ the KL to the reference (0 by default: no reference pass on either side), Adam a
 2. mlx-lm-lora's ``train_grpo``, given what its CLI gives it (``--reference``): a second loaded
    copy of the model as ``ref_model`` (``train.load_reference_model`` loads one for GRPO whatever
    the beta; at beta 0 it is held but never run);
-3. (with ``--split N``) mlxtune again with its engine's micro-batch split at N: the step's rows in
-   N micro-batches of whole groups, gradients accumulated (the same examples a step). Not a recipe
-   key: the engine attribute its out-of-memory fallback doubles; it shows what running the rows
-   in parts, as mlx-lm-lora does, would cost and save.
+3. (with ``--micro N``) mlxtune again with ``objective.micro_batch_size: N``: the step's rows in
+   training passes of N completions (row 1 takes mlxtune's default, as many as fill about 1,024
+   positions), gradients accumulated (the same update); ``--micro 32`` (B x G) shows what one
+   pass over the whole batch costs and saves.
 
 Each runs in its own Python process (this script re-invoked with ``--mlxtune-worker`` or
 ``--peer-worker SPEC.json``, printing one ``MLXTUNE_RESULT {json}`` / ``MLX_LM_LORA_RESULT {json}``
@@ -229,7 +229,7 @@ def run_mlxtune_grpo(
     lr: float,
     beta: float,
     max_length: int,
-    split: int = 1,
+    micro: int | None = None,
     dtype: str = "float32",
     seed: int = 0,
     samples: int = 0,
@@ -239,14 +239,13 @@ def run_mlxtune_grpo(
     """Train mlxtune's online GRPO (LoRA on q_proj/v_proj of every block) in a child process;
     return its figures, named as ``run_mlx_lm_lora_grpo``'s. ``rows``/``valid_rows``: as
     ``run_mlx_lm_lora_grpo``'s, handed to mlxtune as chat messages (``as_messages``); the valid
-    prompts are only read by the run's final evaluation (after the timing). ``split`` > 1: the
-    engine's micro-batch split (whole groups a micro-batch; not a recipe key: the attribute its
-    out-of-memory fallback doubles), the same examples a step."""
+    prompts are only read by the run's final evaluation (after the timing). ``micro``: the
+    recipe's ``objective.micro_batch_size`` (None: its default)."""
     spec = _spec(
         model_dir, [as_messages(r) for r in rows], valid_rows=[as_messages(r) for r in valid_rows],
         rank=rank, scale=scale, batch_size=batch_size, group=group,
         max_completion=max_completion, steps=steps, lr=lr, beta=beta, max_length=max_length,
-        split=split, dtype=dtype, seed=seed, samples=samples,
+        micro=micro, dtype=dtype, seed=seed, samples=samples,
     )  # fmt: skip
     return _in_child("--mlxtune-worker", spec, MLXTUNE_TAG, "mlxtune GRPO", timeout, verbose)
 
@@ -537,6 +536,7 @@ def _mlxtune_worker(spec_path: str) -> None:
             "beta": spec["beta"],
             "loss": "grpo",  # mlx-lm-lora's default normalisation
             "rewards": [{"function": f"{SCRIPT}:reward"}],
+            "micro_batch_size": spec["micro"],
         },
         "adapter": {
             "type": "lora",
@@ -568,10 +568,8 @@ def _mlxtune_worker(spec_path: str) -> None:
     trainer = Trainer(recipe_from_dict(recipe), run_dir=work / "run", console=Console(quiet=True))
     setup_s = time.perf_counter() - t0
 
-    # Every step's micro-batches as the arrays its compiled step takes (the B x G rows, padded;
-    # split into ``split`` micro-batches of whole groups when asked).
-    if spec["split"] > 1:
-        trainer.engine.split = spec["split"]  # what its out-of-memory fallback doubles
+    # Every step's micro-batches as the arrays its compiled step takes (the B x G rows, padded,
+    # in the objective's training passes).
     steps: list[list] = []
     engine = trainer.engine
     arrays_of, step_of = engine.arrays, engine.step_or_fall_back
@@ -625,7 +623,8 @@ def _mlxtune_worker(spec_path: str) -> None:
             "frac_truncated": statistics.mean(r["frac_truncated"] for r in rows),
             "input_shapes": [dict(s[0])["tokens"] for s in shapes],
             "micro_batches": len(shapes[-1]),
-            "split": spec["split"],
+            "micro_batch_size": spec["micro"],
+            "pass_rows": [dict(p)["tokens"][0] for p in shapes[-1]],
             "reward_first": rows[0]["reward"],
             "reward_last": rows[-1]["reward"],
             "reward_group_std_mean": statistics.mean(r["reward_std"] for r in rows),
@@ -754,10 +753,10 @@ def main(argv=None) -> None:
         help="mlx-lm-lora's ref_model (copy: a second loaded model, as its CLI)",
     )
     ap.add_argument(
-        "--split",
+        "--micro",
         type=int,
         default=0,
-        help="also run mlxtune with its engine's micro-batch split N (whole groups a micro-batch)",
+        help="also run mlxtune with objective.micro_batch_size N (completions a training pass)",
     )
     ap.add_argument("--check", type=int, default=4, help="prompts whose tokens are compared")
     ap.add_argument("--seed", type=int, default=0)
@@ -795,7 +794,7 @@ def main(argv=None) -> None:
         samples=args.check,
         verbose=args.verbose,
     )
-    ours = ours_split = peer = None
+    ours = ours_micro = peer = None
     added = 0
     log = sys.stderr
     t0 = time.perf_counter()
@@ -807,13 +806,13 @@ def main(argv=None) -> None:
         shape = compare_mlx_lm.model_shape(Path(model_dir))
         vocab = shape.pop("vocab_size")
         if not args.peer_only:
-            for split in [1] + ([args.split] if args.split > 1 else []):
-                r = run_mlxtune_grpo(model_dir, rows, valid, split=split, **common)
-                if split == 1:
+            for micro in [None] + ([args.micro] if args.micro > 0 else []):
+                r = run_mlxtune_grpo(model_dir, rows, valid, micro=micro, **common)
+                if micro is None:
                     ours = r
                 else:
-                    ours_split = r
-                label = "" if split == 1 else f" (split {split})"
+                    ours_micro = r
+                label = "" if micro is None else f" (micro {micro})"
                 print(f"  mlxtune{label}: {r['steps_per_sec']:.3f} steps/s, peak "
                       f"{r['peak_memory_gb']:.3f} GB, completions "
                       f"{r['mean_completion_length']:.1f} tokens, reward {r['reward_first']:.3f} "
@@ -851,9 +850,9 @@ def main(argv=None) -> None:
         # the step's two parts, mlxtune's seconds over the peer's (lower is better)
         ratios["generation_s"] = ours["generation_s_mean"] / peer["generation_s_mean"]
         ratios["train_s"] = ours["train_s_mean"] / peer["train_s_mean"]
-        if ours_split is not None:
-            ours_split["steps_per_sec_ratio"] = ours_split["steps_per_sec"] / peer["steps_per_sec"]
-            ours_split["peak_memory_ratio"] = ours_split["peak_memory_gb"] / peer["peak_memory_gb"]
+        if ours_micro is not None:
+            ours_micro["steps_per_sec_ratio"] = ours_micro["steps_per_sec"] / peer["steps_per_sec"]
+            ours_micro["peak_memory_ratio"] = ours_micro["peak_memory_gb"] / peer["peak_memory_gb"]
 
     err = sys.stderr
     some = ours or peer
@@ -875,7 +874,7 @@ def main(argv=None) -> None:
     )
     table = (
         ([("mlxtune", ours)] if ours else [])
-        + ([(f"mlxtune (split {args.split})", ours_split)] if ours_split else [])
+        + ([(f"mlxtune (micro {args.micro})", ours_micro)] if ours_micro else [])
     ) + ([(f"mlx-lm-lora ({args.reference})", peer)] if peer else [])
     for who, r in table:
         print(
@@ -902,11 +901,11 @@ def main(argv=None) -> None:
             f"memory {mem:.2f}x (<= 0.6x: {'met' if mem <= 0.6 else 'MISSED'})",
             file=err,
         )
-        if ours_split is not None:
+        if ours_micro is not None:
             print(
-                f"mlxtune (split {args.split}) / mlx-lm-lora: steps/s "
-                f"{ours_split['steps_per_sec_ratio']:.2f}x, peak memory "
-                f"{ours_split['peak_memory_ratio']:.2f}x",
+                f"mlxtune (micro {args.micro}) / mlx-lm-lora: steps/s "
+                f"{ours_micro['steps_per_sec_ratio']:.2f}x, peak memory "
+                f"{ours_micro['peak_memory_ratio']:.2f}x",
                 file=err,
             )
         lr_ = ratios["mean_completion_length"]
@@ -931,7 +930,7 @@ def main(argv=None) -> None:
         said = f"the same token ids in the first {args.check} prompts"
     print(f"tokenization: {said}", file=err)
 
-    for r in (ours, ours_split, peer):
+    for r in (ours, ours_micro, peer):
         if r is not None:
             r.pop("samples", None)
     out = {
@@ -959,7 +958,7 @@ def main(argv=None) -> None:
             "peak_memory_0.6x": ratios["peak_memory_gb"] <= 0.6,
         }
     out["mlxtune"] = ours
-    out["mlxtune_split"] = ours_split
+    out["mlxtune_micro"] = ours_micro
     out["mlx_lm_lora"] = peer
     print(json.dumps(out))
 

@@ -273,16 +273,22 @@ class Engine:
             return parts[self.world.rank]
         return self.objective.nothing(parts[0])
 
+    def _parts(self, share) -> list:
+        """A rank's share as micro-batches: the objective's passes (``Objective.micro``), each
+        split into ``self.split``."""
+        o = self.objective
+        return [p for m in o.micro(share) for p in o.split(m, self.split)]
+
     def micro_batches(self, batches: list) -> list:
-        """This rank's micro-batches of the step's batches: its share of each, split into
-        ``self.split``. Data-parallel, every rank gets as many as the rank with the most (the
-        others pad with batches that count nothing), so that every rank draws from the shared
-        random state (dropout) as often as the others."""
+        """This rank's micro-batches of the step's batches: its share of each, as the
+        objective's passes split into ``self.split``. Data-parallel, every rank gets as many as
+        the rank with the most (the others pad with batches that count nothing), so that every
+        rank draws from the shared random state (dropout) as often as the others."""
         out = []
         for b in batches:
-            mine = self.objective.split(self.shard(b), self.split)
+            mine = self._parts(self.shard(b))
             if self.world.size > 1:
-                most = max(len(self.objective.split(s, self.split)) for s in self.shares(b))
+                most = max(len(self._parts(s)) for s in self.shares(b))
                 mine += [self.objective.nothing(mine[0])] * (most - len(mine))
             out += mine
         return out
@@ -304,7 +310,8 @@ class Engine:
                 del parts
                 mx.clear_cache()
                 # the same on every rank: the largest share of any rank
-                rows = max(self.objective.units(p) for b in batches for p in self.shares(b))
+                o = self.objective
+                rows = max(o.units(m) for b in batches for s in self.shares(b) for m in o.micro(s))
                 if self.split >= rows:
                     raise TrainingError(
                         f"step {step}: out of memory even with micro-batches of one example "
@@ -312,10 +319,16 @@ class Engine:
                         "model.dtype: bfloat16"
                     ) from None
                 self.split *= 2
-                t = self.train
+                t, per = self.train, math.ceil(rows / self.split)
+                if o.micro_key is not None:
+                    log(
+                        f"WARNING: step {step}: out of memory ({e}); going on with passes of at "
+                        f"most {per} (the same update; {o.micro_key}: {per} starts there)"
+                    )
+                    continue
                 log(
                     f"WARNING: step {step}: out of memory ({e}); going on with micro-batches of "
-                    f"{math.ceil(rows / self.split)} and grad_accumulation "
+                    f"{per} and grad_accumulation "
                     f"{t.grad_accumulation * self.split} (the same "
                     f"{t.batch_size * t.grad_accumulation} examples per step)"
                 )

@@ -164,6 +164,11 @@ def _decode(
     pad = [width - len(p) for p in prompts]
     cache = _batch_cache(model, pad)
     x = mx.array([[0] * k + p for k, p in zip(pad, prompts, strict=True)])
+    if width > 1 and hasattr(model, "model"):
+        # all but the last position through the backbone alone (their cache, none of their
+        # [B, T, vocab] logits), then the last position for its logits
+        model.model(x[:, :-1], cache=cache)
+        x = x[:, -1:]
     logits = model(x, cache=cache)[:, -1, :]
     if group > 1:  # each prompt's rows share what it read
         rows = mx.repeat(mx.arange(len(prompts)), group)

@@ -96,6 +96,9 @@ class Shape:
     sequences_per_example: int = 1  # sequences an example packs as (2: pairs)
     reference_forward: bool = False  # a forward without backward a step (DPO's reference)
     reference_bytes: int = 0  # weights kept for the reference (a copy of the trainable ones)
+    generation_rows: int = 0  # rows generated at once while training (RL), their KV caches
+    generation_length: int = 0  # ... over this many positions
+    micro_key: str | None = None  # the key that sets rows a pass (RL), else train.batch_size
 
 
 def estimate(s: Shape) -> dict[str, float]:
@@ -126,6 +129,12 @@ def estimate(s: Shape) -> dict[str, float]:
     else:
         logits = min(s.logit_chunk, tokens * s.vocab) * 4 * 3
     state_bytes = 4 if (s.masters or s.trainable_bytes >= 4 * s.trainable) else 2
+    # generating (before the step, its activations gone): the batched KV cache (grown 256
+    # positions at a time) and each row's last logits, cast to fp32 and filtered to sample
+    cached = -(-s.generation_length // 256) * 256
+    generation = s.generation_rows * (
+        cached * s.layers * s.kv_dim * s.act_bytes + s.vocab * (s.act_bytes + 4 * 3)
+    )
     out = {
         "weights": float(s.weight_bytes + s.reference_bytes),
         "masters": float(4 * s.trainable_16bit if s.masters else 0),
@@ -139,7 +148,11 @@ def estimate(s: Shape) -> dict[str, float]:
         "activations": float(acts),
         "logits": float(logits),
     }
-    out["total"] = sum(out.values()) * OVERHEAD
+    step = out["gradients"] + out["activations"] + out["logits"]
+    held = out["weights"] + out["masters"] + out["optimizer"]
+    if generation:
+        out["generation"] = float(generation)
+    out["total"] = (held + max(step, generation)) * OVERHEAD
     return out
 
 
@@ -162,6 +175,7 @@ def shape_of(trainer) -> Shape:
     # the longest batch sets the peak; the objective says how it lays batches out
     rows, length = trainer.objective.layout()
     reference = trainer.objective.reference_memory()
+    generating = trainer.objective.generation_layout() or (0, 0)
     o = r.optimizer
     slots = 2 if o.name in ("adam", "adamw") else (1 if o.momentum else 0)
     layers = int(cfg.get("num_hidden_layers") or 0)
@@ -213,6 +227,9 @@ def shape_of(trainer) -> Shape:
         sequences_per_example=trainer.objective.sequences_per_example,
         reference_forward=reference["forward"],
         reference_bytes=reference["bytes"],
+        generation_rows=generating[0],
+        generation_length=generating[1],
+        micro_key=trainer.objective.micro_key,
     )
 
 
@@ -275,7 +292,15 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
 
 
 def _smaller_batches(s: Shape, fits) -> None:
-    """The largest halved train.batch_size (accumulating the rest) that ``fits``."""
+    """The largest halved train.batch_size (accumulating the rest) that ``fits``; where the
+    objective sets a pass's rows by its own key, the largest halved value of that."""
+    if s.micro_key is not None:
+        rows = s.batch
+        while rows > 1:
+            rows //= 2
+            if fits(f"{s.micro_key}: {rows} (the same update)", replace(s, batch=rows)):
+                return
+        return
     per = s.rows_per_example  # train.batch_size counts examples (pairs: two rows each)
     b, acc = s.batch // per, s.accumulation
     while b > 1:

@@ -272,6 +272,41 @@ def test_splits_keep_groups_whole_and_sum_to_the_batch(tmp_path, llama_dir, prom
     assert loss.item() == 0 and count.item() == 0 == obj.count(empty)
 
 
+def test_passes_cut_groups_and_add_up_to_the_batch(tmp_path, llama_dir, prompts):
+    """micro_batch_size 3 over 3 groups of 4: four passes of 3 rows, groups cut between them;
+    more parts than groups split rows too."""
+    t = build(recipe(prompts, llama_dir, {"micro_batch_size": 3}), tmp_path)
+    obj = t.objective
+    batch = next(obj.batches())[1]
+    whole = obj.loss(t.model, t.engine.arrays(batch))[0].item()
+    for pieces in (obj.micro(batch), obj.split(batch, 5)):
+        sizes = [len(p.tokens) for p in pieces]
+        assert sum(sizes) == 12 and max(sizes) - min(sizes) <= 1
+        assert np.array_equal(np.concatenate([p.tokens for p in pieces]), batch.tokens)
+        assert np.array_equal(np.concatenate([p.advantages for p in pieces]), batch.advantages)
+        for p in pieces:
+            assert sum(p.groups) == len(p.tokens)
+        # the group pieces, laid end to end, are the batch's groups
+        ends = np.cumsum([g for p in pieces for g in p.groups])
+        assert set(np.cumsum(batch.groups)) <= set(ends)
+        assert [p.prompts for p in pieces] == [3] + [0] * (len(pieces) - 1)
+        assert sum(obj.count(p) for p in pieces) == obj.count(batch)
+        got = sum(obj.loss(t.model, t.engine.arrays(p))[0].item() for p in pieces)
+        assert got == pytest.approx(whole, rel=1e-5, abs=1e-6)
+    assert [p.groups for p in obj.micro(batch)] == [(3,), (1, 2), (2, 1), (3,)]
+
+
+def test_passes_train_the_same_update_as_the_whole_batch(tmp_path, llama_dir, prompts):
+    """A run in passes of 3 completions (the old and reference log-probs too) gives the rows of
+    one that takes each batch in one pass."""
+    obj = {"num_iterations": 2, "beta": 0.05}
+    build(recipe(prompts, llama_dir, {**obj, "micro_batch_size": 64}), tmp_path, "whole").run()
+    build(recipe(prompts, llama_dir, {**obj, "micro_batch_size": 3}), tmp_path, "cut").run()
+    whole, cut = rows(tmp_path / "whole"), rows(tmp_path / "cut")
+    assert any(x.get("kl", 0) > 0 for x in whole)
+    same_rows(cut, whole, rel=2e-4, abs=1e-5)
+
+
 # ------------------------------------------------------------------------ rewards
 def test_builtin_rewards_score_as_documented():
     rs = build_rewards(
@@ -341,6 +376,7 @@ def test_a_failing_reward_function_is_named_and_exits_2(
         ({"rewards": [{"function": "nope.py:f"}]}, "objective.rewards[0].function", "no such"),
         ({"num_generations": 1}, "objective.num_generations", "no spread"),
         ({"temperature": 0}, "objective.temperature", "greater than 0"),
+        ({"micro_batch_size": 0}, "objective.micro_batch_size", "at least 1"),
     ],
 )
 def test_bad_grpo_settings_exit_2(tmp_path, llama_dir, prompts, capsys, objective, where, message):

@@ -267,3 +267,82 @@ def test_the_estimate_counts_two_sequences_a_pair_and_the_reference(tmp_path, wi
     if over["adapter"]["type"] == "full":  # the reference's copy is counted with the weights
         params = sum(v.nbytes for _, v in tree_flatten(tr.model.parameters()))
         assert est["weights"] >= 1.9 * params
+
+
+def grpo_recipe(root, tmp_path, **objective):
+    rng = random.Random(2)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "there"]
+    rows = [{"prompt": " ".join(rng.choice(words) for _ in range(20))} for _ in range(12)]
+    write_jsonl(tmp_path / "prompts.jsonl", rows)
+    write_jsonl(tmp_path / "valid.jsonl", rows[:2])
+    r = wide_recipe(root, adapter={"type": "lora", "targets": ["q_proj", "v_proj"]})
+    r["data"] = {
+        "train": str(tmp_path / "prompts.jsonl"),
+        "valid": str(tmp_path / "valid.jsonl"),
+        "max_length": 64,
+    }
+    r["train"]["batch_size"] = 2
+    r["objective"] = {
+        "type": "grpo",
+        "num_generations": 8,
+        "max_completion_length": 96,
+        "rewards": [{"name": "length", "target": 50}],
+        **objective,
+    }
+    return r
+
+
+def rl_peak(tr) -> float:
+    """MLX's peak memory over a step of a built GRPO Trainer: its generation and its training
+    (after one such step to compile)."""
+    import mlx.core as mx
+
+    from mlxtune.models import kernel_attention
+
+    batches = tr.objective.batches()
+    with kernel_attention(tr.model):
+        for i in range(2):
+            if i:
+                mx.synchronize()
+                mx.clear_cache()
+                mx.reset_peak_memory()
+            b = next(batches)[1]
+            tr.engine.step(tr.engine.micro_batches([b]))
+            mx.synchronize()
+    return mx.get_peak_memory()
+
+
+@pytest.mark.parametrize("micro", [None, 4, 16], ids=["default", "passes-of-4", "one-pass"])
+def test_the_estimate_follows_grpo_passes_and_generation(tmp_path, wide, micro):
+    """A GRPO step (2 prompts x 8 completions of 96 tokens): generation, then training in passes
+    of objective.micro_batch_size completions; the estimate is close to the measured peak, and
+    smaller passes make both smaller."""
+    r = grpo_recipe(wide, tmp_path, micro_batch_size=micro)
+    tr = Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True))
+    shape = shape_of(tr)
+    assert shape.generation_rows == 16
+    est = estimate(shape)
+    peak = rl_peak(tr)
+    assert 0.6 < est["total"] / peak < 1.6, (est, peak)
+    assert est["generation"] > 0
+    if micro == 4:
+        whole = estimate(replace(shape, batch=16))["total"]
+        assert est["total"] < 0.5 * whole
+
+
+def test_an_rl_run_over_the_limit_is_told_the_pass_size_that_fits(tmp_path, wide, capsys):
+    r = grpo_recipe(wide, tmp_path, micro_batch_size=16)
+    r["memory"] = {"check": "off"}
+    tr = Trainer(recipe_from_dict(r), tmp_path / "probe", console=Console(quiet=True))
+    shape = shape_of(tr)
+    four = estimate(replace(shape, batch=4))["total"]
+    eight = estimate(replace(shape, batch=8))["total"]
+    r["memory"] = {"limit_gb": (four + eight) / 2 / 1e9}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(r))
+    assert main(["run", str(path), "--run-dir", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "objective.micro_batch_size: 4 (the same update" in err and "Traceback" not in err
+    assert "train.batch_size" not in err.split("any of these would fit")[1].split(";")[0]
+    r["objective"]["micro_batch_size"] = 4  # the suggestion passes the check
+    Trainer(recipe_from_dict(r), tmp_path / "fits", console=Console(quiet=True))

@@ -78,6 +78,9 @@ class Objective:
     Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
     sequences_per_example: ClassVar[int] = 1
     """Sequences an example is (a preference pair: two), for the memory plan."""
+    micro_key: ClassVar[str | None] = None
+    """The recipe key that sets how many rows a training pass holds, where the objective has
+    one (its passes are ``micro``); None: train.batch_size does."""
     noun: ClassVar[str] = "examples"
     """What a batch holds, as the header and summary name it (examples, pairs)."""
 
@@ -210,6 +213,11 @@ class Objective:
         when a step runs out of memory)."""
         return split_batch(batch, parts)
 
+    def micro(self, batch: Batch) -> list[Batch]:
+        """The passes (a forward and a backward each) the objective trains ``batch`` in, before
+        any out-of-memory split; most take a batch whole."""
+        return [batch]
+
     def layout(self) -> tuple[int, int]:
         """(rows, positions) of the largest batch: what the memory plan sizes a step by."""
         r = self.recipe
@@ -217,6 +225,11 @@ class Objective:
             return r.train.batch_size, (r.data.pack_length or r.data.max_length) - 1
         longest = max((len(e.ids) for e in self.components.train_set.examples), default=2)
         return r.train.batch_size, read_positions(longest, r.data.pad_to_multiple)
+
+    def generation_layout(self) -> tuple[int, int] | None:
+        """(rows, positions) the objective generates at once while training (their KV cache
+        and sampling logits, for the memory plan); None: it does not generate."""
+        return None
 
     def reference_memory(self) -> dict:
         """What a reference policy adds to a step: ``forward`` (one more forward pass, without

@@ -48,6 +48,10 @@ from .reference import ReferencePolicy, reference_kind
 ROLLOUT_FILE = "rollout.safetensors"
 ROLLOUT_ARRAYS = ("advantages", "valid", "old", "ref", "values", "returns", "token_advantages")
 ADV_EPS = 1e-4  # added to the standard deviation the advantages are divided by
+MICRO_POSITIONS = 1024
+"""Positions a training pass holds by default (``micro_batch_size: null``): enough rows to keep a
+GPU's matmuls full for the models people tune on a Mac, few enough that a pass's activations
+stay a small share of the step's memory."""
 
 
 @dataclass
@@ -81,6 +85,11 @@ class RLConfig(ObjectiveConfig):
     """The reward functions and their weights."""
     eval_temperature: float = 0.0
     """Held-out evaluation: one completion a prompt at this temperature (0: greedy)."""
+    micro_batch_size: int | None = None
+    """Completions a training pass holds (a forward and a backward each; the step's gradients
+    add up over its passes, so the update is the same whatever the size): the main lever on a
+    step's peak memory. Null: as many as fill about 1,024 positions (prompt and completion
+    padded; at least one)."""
 
 
 @dataclass
@@ -165,6 +174,7 @@ class GRPO(Objective):
     name = "grpo"
     Config = GRPOConfig
     noun = "prompts"
+    micro_key = "objective.micro_batch_size"
 
     def __init__(self, recipe, components):
         super().__init__(recipe, components)
@@ -182,6 +192,11 @@ class GRPO(Objective):
             (cfg.top_k >= 0, "top_k", "at least 0"),
             (0 <= cfg.min_p < 1, "min_p", "in [0, 1)"),
             (cfg.eval_temperature >= 0, "eval_temperature", "at least 0"),
+            (
+                cfg.micro_batch_size is None or cfg.micro_batch_size >= 1,
+                "micro_batch_size",
+                "at least 1",
+            ),
             *self._checks(),
         )
         for ok, key, what in checks:
@@ -467,31 +482,42 @@ class GRPO(Objective):
     def _multiple(self) -> int:
         return max(self.recipe.data.pad_to_multiple, 8)
 
+    def _passes(self, batch: RolloutBatch, fn) -> list[np.ndarray]:
+        """``fn(arrays)``, a tuple of [rows, ...] arrays made without gradients, over the rows
+        of the batch's training passes (so a rollout's extra forwards peak no higher than its
+        training), joined."""
+        model = self.components.model
+        was = model.training
+        model.eval()
+        try:
+            outs = []
+            for part in self.micro(batch):
+                arrays = {k: mx.array(v) for k, v in Objective.arrays(self, part).items()}
+                got = fn(arrays)
+                mx.eval(got)
+                outs.append([np.array(x.astype(mx.float32)) for x in got])
+        finally:
+            model.train(was)
+        return [np.concatenate(xs) for xs in zip(*outs, strict=True)]
+
     def _logps(self, batch: RolloutBatch) -> None:
         """The generating policy's log-probs (``num_iterations`` > 1) and the reference's
         (``beta`` > 0) of the batch's targets, one forward each, no gradients."""
         want_old = self.config.num_iterations > 1 and self._behaviour is None
-        if not want_old and self._reference is None and self._behaviour is None:
-            return
-        model = self.components.model
-        arrays = {k: mx.array(v) for k, v in Objective.arrays(self, batch).items()}
-        was = model.training
-        model.eval()
-        try:
+
+        def logps(arrays):
+            tok, _ = self.token_losses(arrays, reduction="none")
+            return (-tok,)
+
+        with forward_only():
             if want_old:
-                with forward_only():
-                    tok, _ = self.token_losses(arrays, reduction="none")
-                batch.old = np.array(-tok.astype(mx.float32))
+                batch.old = self._passes(batch, logps)[0]
             if self._behaviour is not None:
                 with self._behaviour.active():
-                    tok, _ = self.token_losses(arrays, reduction="none")
-                batch.old = np.array(-tok.astype(mx.float32))
+                    batch.old = self._passes(batch, logps)[0]
             if self._reference is not None:
                 with self._reference.active():
-                    tok, _ = self.token_losses(arrays, reduction="none")
-                batch.ref = np.array(-tok.astype(mx.float32))
-        finally:
-            model.train(was)
+                    batch.ref = self._passes(batch, logps)[0]
 
     # ------------------------------------------------------------------ the loss
     def prepare(self, run_dir, source, log) -> None:
@@ -579,22 +605,32 @@ class GRPO(Objective):
     def host_metrics(self, batch: RolloutBatch) -> dict:
         return batch.host
 
+    def micro_rows(self, positions: int) -> int:
+        """Completions a training pass holds at ``positions`` a row."""
+        m = self.config.micro_batch_size
+        return m if m is not None else max(1, MICRO_POSITIONS // max(positions, 1))
+
+    def micro(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """Passes of ``micro_rows`` completions at most, as even as they come (rows of one
+        group may fall in different passes: every completion's loss is its own)."""
+        rows = len(batch.tokens)
+        per = self.micro_rows(batch.tokens.shape[1] - 1)
+        return [batch] if rows <= per else _cut(batch, _even(rows, -(-rows // per)))
+
     def split(self, batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
-        """Micro-batches of whole groups."""
-        groups = batch.groups
-        if parts <= 1 or len(groups) <= 1:
+        """Parts of whole groups; of rows where there are fewer groups than parts."""
+        groups, rows = batch.groups, len(batch.tokens)
+        if parts <= 1 or rows <= 1:
             return [batch]
-        size = math.ceil(len(groups) / parts)
-        out, at = [], 0
-        for s in range(0, len(groups), size):
-            gs = groups[s : s + size]
-            rows = slice(at, at + sum(gs))
-            at += sum(gs)
-            out.append(_rows_of(batch, rows, gs, len(gs) if batch.prompts else 0, s == 0))
-        return out
+        if parts <= len(groups):
+            size = math.ceil(len(groups) / parts)
+            sizes = [sum(groups[s : s + size]) for s in range(0, len(groups), size)]
+        else:
+            sizes = _even(rows, min(parts, rows))
+        return _cut(batch, sizes)
 
     def units(self, batch: RolloutBatch) -> int:
-        return len(batch.groups)
+        return len(batch.tokens)
 
     def nothing(self, batch: RolloutBatch) -> RolloutBatch:
         b = _rows_of(batch, slice(0, 1), (1,), 0, False)
@@ -604,16 +640,33 @@ class GRPO(Objective):
         b.advantages = np.zeros(1, np.float32)
         return b
 
-    def layout(self) -> tuple[int, int]:
-        """batch_size x num_generations rows of the longest prompt and a whole completion."""
-        r, cfg = self.recipe, self.config
-        longest = max(len(e.prompt_ids) for e in self.components.train_set.examples)
-        rows = r.train.batch_size * (1 if self.offline else cfg.num_generations)
+    def _batch_rows(self) -> int:
+        """Completions in a batch handed to a step: batch_size x num_generations (offline:
+        x the most responses a row has)."""
+        r = self.recipe
         if self.offline:
-            rows = r.train.batch_size * max(
+            return r.train.batch_size * max(
                 len(e.responses) for e in self.components.train_set.examples
             )
-        return rows, read_positions(longest + cfg.max_completion_length, self._multiple())
+        return r.train.batch_size * self.config.num_generations
+
+    def _positions(self) -> int:
+        longest = max(len(e.prompt_ids) for e in self.components.train_set.examples)
+        return read_positions(longest + self.config.max_completion_length, self._multiple())
+
+    def layout(self) -> tuple[int, int]:
+        """A training pass: the batch's completions up to ``micro_rows``, each the longest
+        prompt and a whole completion."""
+        positions, rows = self._positions(), self._batch_rows()
+        per = min(rows, self.micro_rows(positions))
+        return -(-rows // -(-rows // per)), positions  # the largest of micro's even passes
+
+    def generation_layout(self) -> tuple[int, int] | None:
+        """(rows, positions) generated at once: a batch's completions, the longest prompt and
+        a whole completion each; None offline."""
+        if self.offline:
+            return None
+        return self._batch_rows(), self._positions()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder) -> None:
@@ -746,6 +799,28 @@ def _means(host: dict, each: dict) -> None:
 def _again(b: RolloutBatch) -> RolloutBatch:
     """``b`` handed out once more: nothing in it counts as seen again."""
     out = _rows_of(b, slice(0, len(b.tokens)), b.groups, 0, False)
+    return out
+
+
+def _even(n: int, parts: int) -> list[int]:
+    """``n`` as ``parts`` sizes that differ by at most one, the larger first."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def _cut(b: RolloutBatch, sizes: list[int]) -> list[RolloutBatch]:
+    """``b``'s rows in consecutive parts of ``sizes``, each with the pieces of the groups it
+    holds; the first part carries the batch's prompt count and host metrics."""
+    starts = np.cumsum((0, *b.groups))
+    out, lo = [], 0
+    for i, n in enumerate(sizes):
+        hi = lo + n
+        gs = [
+            int(min(e, hi) - max(s, lo))
+            for s, e in zip(starts[:-1], starts[1:], strict=True)
+            if s < hi and e > lo
+        ]
+        out.append(_rows_of(b, slice(lo, hi), gs, b.prompts if i == 0 else 0, i == 0))
+        lo = hi
     return out
 
 

@@ -286,29 +286,23 @@ class PPO(GRPO):
     def _policy_pass(self, batch: RolloutBatch) -> tuple[np.ndarray, np.ndarray]:
         """The policy's per-token log-probs and values [R, L-1] (no gradients, eval mode)."""
         model = self.components.model
-        arrays = {k: mx.array(v) for k, v in Objective.arrays(self, batch).items()}
-        was = model.training
-        model.eval()
-        try:
-            with forward_only():
-                h = self.hidden(arrays)
-                tok, _ = self.token_losses(arrays, reduction="none", hidden=h)
-                v = model.value_head(h.astype(mx.float32))[..., 0]
-            return np.array(-tok.astype(mx.float32)), np.array(v)
-        finally:
-            model.train(was)
+
+        def both(arrays):
+            h = self.hidden(arrays)
+            tok, _ = self.token_losses(arrays, reduction="none", hidden=h)
+            return -tok, model.value_head(h.astype(mx.float32))[..., 0]
+
+        with forward_only():
+            logp, values = self._passes(batch, both)
+        return logp, values
 
     def _reference_logps(self, batch: RolloutBatch) -> np.ndarray:
-        model = self.components.model
-        arrays = {k: mx.array(v) for k, v in Objective.arrays(self, batch).items()}
-        was = model.training
-        model.eval()
-        try:
-            with self._reference.active():
-                tok, _ = self.token_losses(arrays, reduction="none")
-            return np.array(-tok.astype(mx.float32))
-        finally:
-            model.train(was)
+        def logps(arrays):
+            tok, _ = self.token_losses(arrays, reduction="none")
+            return (-tok,)
+
+        with forward_only(), self._reference.active():
+            return self._passes(batch, logps)[0]
 
     def _logps(self, batch) -> None:  # PPO computes its rollout's arrays in make_batch
         return
@@ -366,10 +360,12 @@ class PPO(GRPO):
     def count(self, batch: RolloutBatch) -> int:
         return batch.n_targets
 
-    def layout(self) -> tuple[int, int]:
+    def _batch_rows(self) -> int:
         """A minibatch: the rollout's completions over num_mini_batches."""
-        rows, positions = super().layout()
-        return -(-rows // self.config.num_mini_batches), positions
+        return -(-super()._batch_rows() // self.config.num_mini_batches)
+
+    def generation_layout(self) -> tuple[int, int] | None:
+        return GRPO._batch_rows(self), self._positions()
 
     def eval_metrics(self, loss_sum: float, count: int, metrics: dict) -> dict:
         n = max(count, 1)
