@@ -1,11 +1,13 @@
-"""Generation for samples, the exact-match metric and ``generate``: prompts of any lengths in one
-left-padded batch (mlx-lm's batched KV cache), each prompt read once for all its completions,
+"""Generation for samples, the exact-match metric, reinforcement learning and ``generate``: prompts
+of any lengths in one left-padded batch, each prompt read once (mlx-lm's batched KV cache) for
+all its completions, then compiled decode steps of fixed shapes over fixed-capacity caches,
 greedy or sampled (temperature, top-k, top-p, min-p) with a key of each row's own."""
 
 from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +19,7 @@ from .checkpoint import load_trained
 from .errors import UserInputError
 from .export import adapter_modules, adapter_settings, import_adapter
 from .gguf_tokenizer import write_tokenizer_from_gguf
+from .kernels.cpu import exp_of_nonpositive, materialized
 from .models import is_gguf, load_model, resolve_model_path
 from .tokenizer import load_tokenizer
 
@@ -64,13 +67,30 @@ def filtered_logits(logits: mx.array, s: Sampling) -> mx.array:
 
 
 def _draw(logits: mx.array, keys: mx.array, s: Sampling) -> tuple[mx.array, mx.array]:
-    """(tokens [B], the rows' next keys): argmax of the filtered logits plus Gumbel noise, each
-    row from its own key, so a row draws what it would draw in any other batch."""
+    """(tokens [B], the rows' next keys): greedy, or the inverse of each row's CDF over the
+    filtered softmax at one uniform from the row's own key (so a row draws what it would draw
+    in any other batch)."""
     if s.temperature <= 0:
         return mx.argmax(logits, axis=-1), keys
-    pairs = mx.vmap(lambda k: mx.random.split(k))(keys)  # [B, 2, 2]
-    noise = mx.vmap(lambda k: mx.random.gumbel(shape=logits.shape[-1:], key=k))(pairs[:, 1])
-    return mx.argmax(filtered_logits(logits, s) + noise, axis=-1), pairs[:, 0]
+    return _sampler(s)(logits, keys)
+
+
+@lru_cache(maxsize=32)
+def _sampler(s: Sampling):
+    """The compiled draw of ``s``: one random number a row (not one a vocabulary entry, as
+    Gumbel-max takes), the exponentials in fused arithmetic on the CPU (``kernels.cpu``), a
+    running sum, and the first token whose sum passes the row's uniform x the total (so the
+    probabilities need no normalising; a token kept out adds 0, so never passes)."""
+
+    def draw(logits, keys):
+        pairs = mx.vmap(lambda k: mx.random.split(k))(keys)  # [B, 2, 2]
+        u = mx.vmap(lambda k: mx.random.uniform(key=k))(pairs[:, 1])  # [B] in [0, 1)
+        z = filtered_logits(logits, s)
+        e = exp_of_nonpositive(materialized(z - z.max(axis=-1, keepdims=True)))
+        cdf = mx.cumsum(e, axis=-1)
+        return mx.argmax(cdf > (u * cdf[:, -1])[:, None], axis=-1), pairs[:, 0]
+
+    return mx.compile(draw)
 
 
 class StopStrings:
@@ -112,6 +132,7 @@ def generate_ids(
     keys: mx.array | None = None,
     stop: StopStrings | None = None,
     on_token=None,
+    on_logits=None,
 ) -> list[list[int]]:
     """New token ids (without the prompt, EOS left out) of ``group`` completions of each prompt,
     prompt-major. Prompts of any lengths decode together, left-padded in one batched KV cache;
@@ -119,7 +140,9 @@ def generate_ids(
     leave the batch. ``sampling`` (default: ``temperature`` alone) draws each row from its own
     key (``keys`` [rows, 2], default ``row_keys(seed, ...)``). ``stop`` also ends a row at the
     token that completes one of its strings (that token kept). ``on_token(row, token)`` hears
-    each new token as it is drawn (streaming)."""
+    each new token as it is drawn (streaming). ``on_logits(rows, logits)`` sees the fp32 logits
+    each token is drawn from ([batch rows, vocab]; ``rows[j]`` is batch row j's output row, -1
+    once it has finished; the batch is the call's prompts x ``group`` until rows finish)."""
     s = sampling or Sampling(temperature=temperature)
     keys = keys if keys is not None else row_keys(seed, len(prompts), group)
     was_training = model.training
@@ -130,10 +153,15 @@ def generate_ids(
         for at in range(0, len(prompts), step):
             chunk = prompts[at : at + step]
             ks = keys[at * group : (at + len(chunk)) * group]
-            hear = None
+            hear = see = None
+            base = at * group
             if on_token is not None:
-                hear = lambda r, t, at=at: on_token(at * group + r, t)  # noqa: E731
-            out += _decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear)
+                hear = lambda r, t, base=base: on_token(base + r, t)  # noqa: E731
+            if on_logits is not None:
+                see = lambda rs, z, base=base: on_logits(  # noqa: E731
+                    [r + base if r >= 0 else r for r in rs], z
+                )
+            out += _decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see)
     finally:
         model.train(was_training)
     return out
@@ -155,11 +183,83 @@ def _batch_cache(model, pad: list[int]) -> list:
     return out
 
 
+BLOCK = 256
+"""Positions a decode step's KV cache grows by: its capacity is a multiple of this, so the compiled
+steps have shapes from a short list."""
+
+
+class FixedKVCache:
+    """One layer's batched, left-padded KV cache of a fixed capacity, for compiled decode steps: a
+    step writes its keys and values at ``idx`` and attends over the whole buffer, positions of the
+    left padding and those not written yet masked out, so every step reads and writes arrays of
+    the same shapes. The interface mlx-lm's attention layers call (``offset``,
+    ``update_and_fetch``, ``make_mask``)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, idx: mx.array, left: mx.array):
+        self.keys, self.values = keys, values
+        self.idx = idx
+        """[1] int32: the next position to write."""
+        self.left = left
+        """[B] int32: each row's left padding."""
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position (what RoPE reads): positions written less its padding."""
+        return self.idx - self.left
+
+    def update_and_fetch(self, keys, values):
+        self.keys = mx.slice_update(self.keys, keys, self.idx, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.idx, axes=(2,))
+        self.idx = self.idx + keys.shape[2]
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, **kwargs) -> mx.array:
+        cols = mx.arange(self.keys.shape[2])
+        causal = cols[None, :] <= (self.idx + mx.arange(n))[:, None]  # [n, S]
+        return causal[None, None] & (self.left[:, None, None, None] <= cols)  # [B, 1, n, S]
+
+
+class _Steps:
+    """A model's compiled decode step (an attribute of the model, not one of its arrays)."""
+
+    def __init__(self, step):
+        self.step = step
+
+
+def _decode_step(model):
+    """The model's compiled forward step: (tokens [B], the caches' keys and values, idx, left)
+    -> fp32 last-position logits, the new keys and values, idx + 1. The model's weights are read
+    at each call (training changes them between calls). The draw stays outside: compiled, its
+    elementwise work ran slower on the CPU."""
+    steps = model.__dict__.get("_mlxtune_steps")
+    if steps is None:
+
+        def step(tokens, ks, vs, idx, left):
+            caches = [FixedKVCache(k, v, idx, left) for k, v in zip(ks, vs, strict=True)]
+            logits = model(tokens[:, None], cache=caches)[:, -1, :].astype(mx.float32)
+            return logits, [c.keys for c in caches], [c.values for c in caches], idx + 1
+
+        steps = _Steps(mx.compile(step, inputs=[model.state]))
+        object.__setattr__(model, "_mlxtune_steps", steps)
+    return steps.step
+
+
+def _grow(ks: list, vs: list, to: int) -> tuple[list, list]:
+    """The caches' buffers zero-padded to ``to`` positions."""
+
+    def pad(a):
+        return mx.pad(a, [(0, 0), (0, 0), (0, to - a.shape[2]), (0, 0)])
+
+    return [pad(k) for k in ks], [pad(v) for v in vs]
+
+
 def _decode(
-    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None
+    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None, on_logits=None
 ) -> list[list[int]]:
     """One batch of prompts: read left-padded into one cache, the cache and the last logits
-    tiled ``group`` times, then one token a step for every row still going."""
+    tiled ``group`` times, then one compiled step a token for every row (fixed-capacity caches
+    grown ``BLOCK`` positions at a time). Rows that finish stay in the batch until half of it
+    has, then the batch is cut to the next power of two that holds the rows still going."""
     width = max(len(p) for p in prompts)
     pad = [width - len(p) for p in prompts]
     cache = _batch_cache(model, pad)
@@ -169,41 +269,68 @@ def _decode(
         # [B, T, vocab] logits), then the last position for its logits
         model.model(x[:, :-1], cache=cache)
         x = x[:, -1:]
-    logits = model(x, cache=cache)[:, -1, :]
+    logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
+    rows = mx.repeat(mx.arange(len(prompts)), group)
     if group > 1:  # each prompt's rows share what it read
-        rows = mx.repeat(mx.arange(len(prompts)), group)
         for c in cache:
             c.filter(rows)
         logits = logits[rows]
-    alive = list(range(len(prompts) * group))  # the batch's rows, by output row
-    new: list[list[int]] = [[] for _ in alive]
-    tokens, keys = _draw(logits.astype(mx.float32), keys, s)
+    slots = list(range(len(prompts) * group))  # each batch row's output row; -1: finished
+    new: list[list[int]] = [[] for _ in slots]
+    if on_logits is not None:
+        on_logits(slots, logits)
+    tokens, keys = _draw(logits, keys, s)
+    pos, cap = width, -(-(width + 1) // BLOCK) * BLOCK
+    ks, vs = _grow(
+        [c.keys[..., :width, :] for c in cache], [c.values[..., :width, :] for c in cache], cap
+    )
+    idx = mx.array([width], dtype=mx.int32)
+    left = mx.array(pad, dtype=mx.int32)[rows]
+    del cache
+    step = _decode_step(model)
     for n in range(max_new_tokens):
-        # the next step's forward is queued before this step's tokens are read: the device
-        # computes it (for every row, finished ones too) while the host checks the rows
+        # the next step is queued before this step's tokens are read: the device computes it
+        # (for every row, finished ones too) while the host checks the rows
         ahead = None
         if n < max_new_tokens - 1:
-            ahead = model(tokens[:, None], cache=cache)[:, -1, :]
-            mx.async_eval(ahead, tokens, keys)
-        keep = []
+            if pos == cap:
+                cap += BLOCK
+                ks, vs = _grow(ks, vs, cap)
+            # the caches go in with no other reference left, so the step writes into them in
+            # place (a buffer still referenced would be copied whole, every layer, every step)
+            caches, ks, vs = (ks, vs), None, None
+            z, ks_next, vs_next, idx = step(tokens, *caches, idx, left)
+            del caches
+            ahead = (*_draw(z, keys, s), ks_next, vs_next, idx, z if on_logits else None)
+            del ks_next, vs_next
+            mx.async_eval(ahead[:5])
+            pos += 1
         for j, t in enumerate(tokens.tolist()):
+            r = slots[j]
+            if r < 0:
+                continue
             if t in eos:
+                slots[j] = -1
                 continue
-            new[alive[j]].append(t)
+            new[r].append(t)
             if on_token is not None:
-                on_token(alive[j], t)
-            if stop is not None and stop.ends(new[alive[j]]):
-                continue
-            keep.append(j)
-        if not keep or ahead is None:
+                on_token(r, t)
+            if stop is not None and stop.ends(new[r]):
+                slots[j] = -1
+        going = [j for j, r in enumerate(slots) if r >= 0]
+        if not going or ahead is None:
             break
-        if len(keep) < len(alive):  # finished rows leave the batch
-            idx = mx.array(keep)
-            for c in cache:
-                c.filter(idx)
-            ahead, keys = ahead[idx], keys[idx]
-            alive = [alive[j] for j in keep]
-        tokens, keys = _draw(ahead.astype(mx.float32), keys, s)
+        tokens, keys, ks, vs, idx = ahead[:5]
+        if on_logits is not None:
+            on_logits(slots, ahead[5])
+        if len(going) <= len(slots) // 2:  # cut the batch to a power of two
+            size = 1 << (len(going) - 1).bit_length()
+            fill = [j for j, r in enumerate(slots) if r < 0][: size - len(going)]
+            take = sorted(going + fill)
+            sel = mx.array(take)
+            tokens, keys, left = tokens[sel], keys[sel], left[sel]
+            ks, vs = [k[sel] for k in ks], [v[sel] for v in vs]
+            slots = [slots[j] for j in take]
     return new
 
 

@@ -161,6 +161,7 @@ def test_a_rank_out_of_memory_splits_every_rank(runs, tmp_path):
     same(rows(run_dir), rows(runs["two"]))  # the same examples per step
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_a_dry_run_shows_the_ranks(runs):
     cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(runs["path"]), "--dry-run"]
     p = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, timeout=240)
@@ -277,6 +278,7 @@ def test_every_rank_runs_as_many_micro_batches(tmp_path, data_dir, llama_dir):
     assert sum(p.n_targets for ps in got.values() for p in ps) == b.n_targets
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_preference_pairs_train_as_one(runs, tmp_path):
     """DPO with its adapters-off reference: pairs split whole among the ranks, and
     precomputed reference log-probs computed on every rank alike."""
@@ -303,8 +305,9 @@ def test_preference_pairs_train_as_one(runs, tmp_path):
 
 
 def test_grpo_groups_train_as_one(runs, tmp_path):
-    """GRPO: every rank draws the step's completions alike (keys from the seed and the step),
-    and the groups split whole among the ranks; the held-out reward is summed over ranks."""
+    """GRPO: each rank completes its share of a step's prompts with the rows' keys (from the
+    seed and the step) and every rank gathers them all, so the completions are one process's;
+    the groups split whole among the ranks; the held-out reward is summed over ranks."""
     from test_grpo import prompt_rows
 
     from conftest import write_jsonl
@@ -329,6 +332,7 @@ def test_grpo_groups_train_as_one(runs, tmp_path):
     got = rows(two)
     assert got[0]["world_size"] == 2 and all(x["grad_norm"] > 1e-3 for x in got if "loss" in x)
     assert [x["eval_prompts"] for x in got if "eval_reward" in x] == [5, 5]
+    assert "each of the 2 ranks completes its share" in (two / "log.txt").read_text()
     drop = {"generation_s", "generation_tokens_per_sec"}
     same(
         [{k: v for k, v in x.items() if k not in drop} for x in rows(one)],

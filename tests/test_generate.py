@@ -29,7 +29,8 @@ def prompts(tok):
 
 
 class Recording(nn.Module):
-    """The model, recording the last-position logits of every call."""
+    """The model, recording the rows of every call it runs in Python (a compiled step runs it
+    once, while it is traced)."""
 
     def __init__(self, model):
         super().__init__()
@@ -40,9 +41,20 @@ class Recording(nn.Module):
         return self.inner.layers
 
     def __call__(self, x, cache=None):
-        out = self.inner(x, cache=cache)
-        self.seen.append(np.array(out[:, -1, :].astype(mx.float32)))
-        return out
+        self.seen.append(x.shape[0])
+        return self.inner(x, cache=cache)
+
+
+def full_greedy(model, prompt, n, eos):
+    """Greedy decoding with no cache: the model over the whole sequence for every token."""
+    ids, new = list(prompt), []
+    for _ in range(n):
+        t = int(mx.argmax(model(mx.array([ids]))[0, -1]).item())
+        if t in eos:
+            break
+        new.append(t)
+        ids.append(t)
+    return new
 
 
 def test_a_mixed_batch_decodes_as_each_prompt_alone(reverse):
@@ -57,17 +69,39 @@ def test_a_mixed_batch_decodes_as_each_prompt_alone(reverse):
     assert generate_ids(model, ps, 10, eos, max_batch=2) == alone
 
 
-def test_cached_logits_are_the_full_sequences_logits(reverse):
-    """Each decode step's logits (left-padded, cached) against the model run over the whole
-    prompt + tokens so far, without a cache."""
+def test_cached_logits_are_the_full_sequences_logits(reverse, monkeypatch):
+    """Each decode step's logits (left-padded, cached; the caches grown twice, BLOCK cut to 8)
+    against the model run over the whole prompt + tokens so far, without a cache; and greedy
+    decoding against greedy decoding without a cache, rows leaving the batch as they end."""
+    import mlxtune.generate as g
+
+    monkeypatch.setattr(g, "BLOCK", 8)
     model, tok = reverse
-    ps = prompts(tok)[:3]
-    rec = Recording(model)
-    new = generate_ids(rec, ps, 4, set())  # no stop: every row runs 4 steps
-    for step, logits in enumerate(rec.seen):
+    ps = prompts(tok)
+    seen = []
+    new = generate_ids(model, ps, 12, set(), on_logits=lambda r, z: seen.append((r, np.array(z))))
+    assert len(seen) == 12 and max(len(p) for p in ps) + 12 > 16
+    for step, (rows, logits) in enumerate(seen):
+        assert rows == list(range(len(ps)))  # no stop: every row runs every step
         for i, p in enumerate(ps):
             full = model(mx.array([p + new[i][:step]]))[0, -1].astype(mx.float32)
             np.testing.assert_allclose(logits[i], np.array(full), rtol=1e-4, atol=1e-4)
+    eos = {tok.eos_token_id}
+    got = generate_ids(model, ps, 12, eos)
+    assert len({len(x) for x in got}) > 2  # rows end at different steps
+    assert got == [full_greedy(model, p, 12, eos) for p in ps]
+
+
+def test_decode_steps_are_compiled_once_a_shape(reverse):
+    """The model's Python runs for the prompt's read and once more, when the step is traced;
+    a second call of the same shapes traces nothing."""
+    model, tok = reverse
+    rec = Recording(model)
+    ps = prompts(tok)[:4]
+    first = generate_ids(rec, ps, 16, set())
+    assert rec.seen == [4, 4]  # the read, the trace
+    again = generate_ids(rec, ps, 16, set())
+    assert rec.seen == [4, 4, 4] and again == first
 
 
 def test_a_group_shares_its_prompt_and_draws_what_independent_runs_draw(reverse):
@@ -77,7 +111,7 @@ def test_a_group_shares_its_prompt_and_draws_what_independent_runs_draw(reverse)
     keys = row_keys(7, len(ps), 4)
     rec = Recording(model)
     grouped = generate_ids(rec, ps, 8, {tok.eos_token_id}, sampling=s, group=4, keys=keys)
-    assert rec.seen[0].shape[0] == len(ps)  # each prompt read once
+    assert rec.seen[0] == len(ps)  # each prompt read once
     one_by_one = [
         generate_ids(model, [ps[r // 4]], 8, {tok.eos_token_id}, sampling=s, keys=keys[r : r + 1])[
             0

@@ -166,6 +166,7 @@ def test_gguf_adapter_applies_as_llama_cpp_applies_it(tmp_path, data_dir, llama_
         np.testing.assert_allclose(merged, ft[name], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_gemma_phi3_and_gemma2_follow_llama_cpp_conventions(
     tmp_path, model_dir_factory, tokenizer, tokenizer_dir
 ):

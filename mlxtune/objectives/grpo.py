@@ -38,6 +38,7 @@ import numpy as np
 from ..config import ObjectiveConfig
 from ..data import Batch, read_positions, split_off
 from ..data.prompts import PromptEncoder, PromptExample, load_prompts
+from ..distributed import collectives, current
 from ..errors import UserInputError
 from ..generate import Sampling, StopStrings, decode_answer, eos_ids, generate_ids
 from ..kernels import forward_only
@@ -396,16 +397,24 @@ class GRPO(Objective):
             mx.eval(model.parameters())  # the queued step, before the clock starts
             t0 = time.perf_counter()
             g = cfg.num_generations
+            keys = mx.random.split(mx.random.key(seed), len(prompts) * g)
+            world = current()
+            # data-parallel: each rank completes its share of the prompts (a row draws from its
+            # own key, whatever it is batched with), then every rank gathers them all
+            share = np.array_split(np.arange(len(prompts)), world.size)[world.rank]
+            rows = (share[:, None] * g + np.arange(g)).reshape(-1)
             new = generate_ids(
                 model,
-                [p.prompt_ids for p in prompts],
+                [prompts[i].prompt_ids for i in share],
                 cfg.max_completion_length,
                 self.eos,
                 sampling=self.sampling,
                 group=g,
-                keys=mx.random.split(mx.random.key(seed), len(prompts) * g),
+                keys=keys[mx.array(rows)] if world.size > 1 else keys,
                 stop=self.stop,
             )
+            if world.size > 1:
+                new = _gather(world, new, len(prompts) * g, rows, cfg.max_completion_length)
             took = time.perf_counter() - t0
             # a completion ended at EOS (added back to train on), at a stop string, or was cut
             stopped = [self.stop is not None and self.stop.ends(n) for n in new]
@@ -521,6 +530,12 @@ class GRPO(Objective):
 
     # ------------------------------------------------------------------ the loss
     def prepare(self, run_dir, source, log) -> None:
+        ranks = current().size
+        if ranks > 1 and not self.offline:
+            log(
+                f"generation: each of the {ranks} ranks completes its share of a step's prompts, "
+                "then every rank gathers all the completions"
+            )
         if self._reference is not None:
             self._reference.keep(log)
         if self._behaviour is not None:
@@ -788,6 +803,19 @@ class GRPO(Objective):
         out = {"eval_loss": loss_sum / n, counted: count}
         out.update({f"eval_{k}": v / n for k, v in metrics.items()})
         return out
+
+
+def _gather(world, mine: list[list[int]], rows: int, where, width: int) -> list[list[int]]:
+    """Every rank's completions, all of them in row order: rank r's ``mine`` are rows ``where``;
+    each rank fills its rows of a [rows, width] table (token + 1, 0 past the end) and the
+    tables are summed over the ranks."""
+    table = np.zeros((rows, width), np.int32)
+    for r, ids in zip(where, mine, strict=True):
+        table[r, : len(ids)] = np.asarray(ids, np.int32) + 1
+    got = world.all_sum(mx.array(table))
+    with collectives(world):
+        mx.eval(got)
+    return [[int(t) - 1 for t in row if t > 0] for row in np.array(got)]
 
 
 def _means(host: dict, each: dict) -> None:
