@@ -6,6 +6,7 @@ greedy or sampled (temperature, top-k, top-p, min-p) with a key of each row's ow
 from __future__ import annotations
 
 import tempfile
+from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -183,6 +184,11 @@ def _batch_cache(model, pad: list[int]) -> list:
     return out
 
 
+AHEAD = 4
+"""Decode steps queued on the device before the host reads the oldest one's tokens: the host's
+checks (EOS, stop strings, streaming) never leave the device waiting; a batch whose rows have
+all ended computes at most this many steps more."""
+
 BLOCK = 256
 """Positions a decode step's KV cache grows by: its capacity is a multiple of this, so the compiled
 steps have shapes from a short list."""
@@ -258,8 +264,9 @@ def _decode(
 ) -> list[list[int]]:
     """One batch of prompts: read left-padded into one cache, the cache and the last logits
     tiled ``group`` times, then one compiled step a token for every row (fixed-capacity caches
-    grown ``BLOCK`` positions at a time). Rows that finish stay in the batch until half of it
-    has, then the batch is cut to the next power of two that holds the rows still going."""
+    grown ``BLOCK`` positions at a time), the device up to ``AHEAD`` steps ahead of the host that
+    reads the tokens. Rows that finish stay in the batch until half of it has, then the batch is
+    cut to the next power of two that holds the rows still going."""
     width = max(len(p) for p in prompts)
     pad = [width - len(p) for p in prompts]
     cache = _batch_cache(model, pad)
@@ -275,10 +282,9 @@ def _decode(
         for c in cache:
             c.filter(rows)
         logits = logits[rows]
-    slots = list(range(len(prompts) * group))  # each batch row's output row; -1: finished
+    slots = list(range(len(prompts) * group))  # each batch row's output row; -1: a filler
     new: list[list[int]] = [[] for _ in slots]
-    if on_logits is not None:
-        on_logits(slots, logits)
+    done = [False] * len(slots)
     tokens, keys = _draw(logits, keys, s)
     pos, cap = width, -(-(width + 1) // BLOCK) * BLOCK
     ks, vs = _grow(
@@ -288,49 +294,52 @@ def _decode(
     left = mx.array(pad, dtype=mx.int32)[rows]
     del cache
     step = _decode_step(model)
-    for n in range(max_new_tokens):
-        # the next step is queued before this step's tokens are read: the device computes it
-        # (for every row, finished ones too) while the host checks the rows
-        ahead = None
-        if n < max_new_tokens - 1:
+    # steps the device runs ahead of the host: each entry, a step's tokens, the batch layout
+    # they were drawn in and the logits they were drawn from
+    queue = deque([(tokens, slots, logits if on_logits else None)])
+    queued = 1
+    while queue:
+        while queued < max_new_tokens and len(queue) < AHEAD:
             if pos == cap:
                 cap += BLOCK
                 ks, vs = _grow(ks, vs, cap)
             # the caches go in with no other reference left, so the step writes into them in
             # place (a buffer still referenced would be copied whole, every layer, every step)
             caches, ks, vs = (ks, vs), None, None
-            z, ks_next, vs_next, idx = step(tokens, *caches, idx, left)
+            z, ks, vs, idx = step(tokens, *caches, idx, left)
             del caches
-            ahead = (*_draw(z, keys, s), ks_next, vs_next, idx, z if on_logits else None)
-            del ks_next, vs_next
-            mx.async_eval(ahead[:5])
+            tokens, keys = _draw(z, keys, s)
+            mx.async_eval(tokens, keys, ks, vs, idx)
+            queue.append((tokens, slots, z if on_logits else None))
+            queued += 1
             pos += 1
-        for j, t in enumerate(tokens.tolist()):
-            r = slots[j]
-            if r < 0:
+        drawn, layout, z = queue.popleft()
+        if on_logits is not None:
+            on_logits([r if r >= 0 and not done[r] else -1 for r in layout], z)
+        for j, t in enumerate(drawn.tolist()):
+            r = layout[j]
+            if r < 0 or done[r]:
                 continue
             if t in eos:
-                slots[j] = -1
+                done[r] = True
                 continue
             new[r].append(t)
             if on_token is not None:
                 on_token(r, t)
             if stop is not None and stop.ends(new[r]):
-                slots[j] = -1
-        going = [j for j, r in enumerate(slots) if r >= 0]
-        if not going or ahead is None:
+                done[r] = True
+        going = [j for j, r in enumerate(slots) if r >= 0 and not done[r]]
+        if not going:
             break
-        tokens, keys, ks, vs, idx = ahead[:5]
-        if on_logits is not None:
-            on_logits(slots, ahead[5])
         if len(going) <= len(slots) // 2:  # cut the batch to a power of two
             size = 1 << (len(going) - 1).bit_length()
-            fill = [j for j, r in enumerate(slots) if r < 0][: size - len(going)]
+            fill = [j for j, r in enumerate(slots) if r < 0 or done[r]][: size - len(going)]
             take = sorted(going + fill)
             sel = mx.array(take)
             tokens, keys, left = tokens[sel], keys[sel], left[sel]
             ks, vs = [k[sel] for k in ks], [v[sel] for v in vs]
-            slots = [slots[j] for j in take]
+            kept = set(going)
+            slots = [slots[j] if j in kept else -1 for j in take]
     return new
 
 

@@ -73,7 +73,10 @@ def main():
     except mlxtune.TrainingError as e:
         print(f"mlxtune: training failed: {e}", file=sys.stderr)
         code = 1
-    Path(a.codes, f"rank-{os.environ.get('MLX_RANK', '0')}").write_text(str(code))
+    # written whole or not at all: a rank killed while writing leaves no empty file
+    done = Path(a.codes, f"rank-{os.environ.get('MLX_RANK', '0')}")
+    done.with_suffix(".part").write_text(str(code))
+    os.replace(done.with_suffix(".part"), done)
     sys.exit(code)
 
 

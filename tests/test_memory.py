@@ -292,9 +292,9 @@ def grpo_recipe(root, tmp_path, **objective):
     return r
 
 
-def rl_peak(tr) -> float:
+def rl_peak(tr, base: float) -> float:
     """MLX's peak memory over a step of a built GRPO Trainer: its generation and its training
-    (after one such step to compile)."""
+    (after one such step to compile), less ``base`` (what was held before the Trainer)."""
     import mlx.core as mx
 
     from mlxtune.models import kernel_attention
@@ -309,7 +309,7 @@ def rl_peak(tr) -> float:
             b = next(batches)[1]
             tr.engine.step(tr.engine.micro_batches([b]))
             mx.synchronize()
-    return mx.get_peak_memory()
+    return mx.get_peak_memory() - base
 
 
 @pytest.mark.parametrize("micro", [None, 4, 16], ids=["default", "passes-of-4", "one-pass"])
@@ -317,12 +317,19 @@ def test_the_estimate_follows_grpo_passes_and_generation(tmp_path, wide, micro):
     """A GRPO step (2 prompts x 8 completions of 96 tokens): generation, then training in passes
     of objective.micro_batch_size completions; the estimate is close to the measured peak, and
     smaller passes make both smaller."""
+    import gc
+
+    import mlx.core as mx
+
     r = grpo_recipe(wide, tmp_path, micro_batch_size=micro)
+    gc.collect()  # what earlier tests left is not this run's
+    mx.clear_cache()
+    base = mx.get_active_memory()
     tr = Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True))
     shape = shape_of(tr)
     assert shape.generation_rows == 16
     est = estimate(shape)
-    peak = rl_peak(tr)
+    peak = rl_peak(tr, base)
     assert 0.6 < est["total"] / peak < 1.6, (est, peak)
     assert est["generation"] > 0
     if micro == 4:

@@ -97,7 +97,8 @@ def test_advantages_and_returns_are_gae_of_the_kl_shaped_rewards(tmp_path, llama
         ref = np.array(token_logps(base, ids), np.float64)[where]
         hidden = np.array(t.model.model(mx.array([ids[:-1]]))[0], np.float64)[where]
         values = hidden @ w + b
-        text = tok.decode([x for x in comp if x != eos])
+        # what a reward function reads: the completion's text without EOS or special tokens
+        text = tok.decode([x for x in comp if x != eos], skip_special_tokens=True)
         score = float(re.search(PATTERN, text, re.DOTALL) is not None)
         r = -0.2 * (logp - ref)
         r[-1] += score
