@@ -276,5 +276,7 @@ def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool
 def optimizer_for(recipe: Recipe, total_steps: int):
     """The optimizer the recipe names, driven by its learning-rate schedule."""
     s = recipe.schedule
-    schedule = make_schedule(s.name, recipe.optimizer.lr, total_steps, s.warmup_steps, s.min_lr)
-    return build_optimizer(recipe.optimizer, schedule)
+    schedule = make_schedule(
+        s.name, recipe.optimizer.lr, total_steps, s.warmup_steps, s.min_lr, s.decay_fraction
+    )
+    return build_optimizer(recipe.optimizer, schedule, recipe.explicit)

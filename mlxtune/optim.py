@@ -39,10 +39,70 @@ class SGDMatrices(optim.SGD):
         return super().apply_single(gradient, parameter, state)
 
 
-def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int | None, min_lr: float):
-    """A function of the optimizer step (0-based) giving the learning rate."""
+class LionMatrices(optim.Lion):
+    """Lion (MLX's) whose decoupled weight decay touches matrices only: a matrix steps to
+    ``w * (1 - lr * weight_decay) - lr * sign(beta1 m + (1 - beta1) g)``."""
+
+    def __init__(self, learning_rate, betas, weight_decay: float = 0.0):
+        super().__init__(learning_rate, betas=list(betas), weight_decay=0.0)
+        self.matrix_decay = weight_decay
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state):
+        if parameter.ndim >= 2 and self.matrix_decay:
+            lr = self.learning_rate.astype(gradient.dtype)
+            parameter = parameter * (1 - lr * self.matrix_decay)
+        return super().apply_single(gradient, parameter, state)
+
+
+class AdafactorMatrices(optim.Adafactor):
+    """Adafactor (MLX's) at the schedule's learning rate (not its own relative step), with a
+    decoupled weight decay on matrices only, ``w * (1 - lr * weight_decay)`` at the schedule's lr
+    (MLX's own decay would scale it by the weight's RMS and touch norms and biases too)."""
+
+    def __init__(self, learning_rate, cfg, weight_decay: float = 0.0):
+        super().__init__(
+            learning_rate=learning_rate,
+            eps=tuple(cfg.eps),
+            clip_threshold=cfg.clip_threshold,
+            decay_rate=cfg.decay_rate,
+            beta_1=cfg.beta1,
+            weight_decay=0.0,
+            scale_parameter=cfg.scale_parameter,
+            relative_step=False,
+        )
+        self.matrix_decay = weight_decay
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state):
+        # the step reads the weight's RMS before the decay: w - lr wd w - u(w)
+        out = super().apply_single(gradient, parameter, state)
+        if parameter.ndim >= 2 and self.matrix_decay:
+            lr = self.learning_rate.astype(gradient.dtype)
+            out = out - lr * self.matrix_decay * parameter
+        return out
+
+
+LION_BETAS = (0.9, 0.99)
+"""Lion's betas where the recipe sets none (its paper's; Adam's default would be wrong for it)."""
+
+WARMED = ("warmup_cosine", "warmup_stable_decay")
+"""Schedules whose warmup defaults to 5% of the steps (the others: none unless asked)."""
+
+
+def make_schedule(
+    name: str,
+    lr: float,
+    total_steps: int,
+    warmup_steps: int | None,
+    min_lr: float,
+    decay_fraction: float = 0.1,
+):
+    """A function of the optimizer step (0-based) giving the learning rate. The warmup rises
+    linearly to lr over its steps (its last step at lr); the decay starts after it, never
+    during it, and the last step runs at min_lr."""
+    if name == "warmup_stable_decay":
+        return _wsd(lr, total_steps, warmup_steps, min_lr, decay_fraction)
     if warmup_steps is None:
-        warmup_steps = max(1, int(0.05 * total_steps)) if name == "warmup_cosine" else 0
+        warmup_steps = max(1, int(0.05 * total_steps)) if name in WARMED else 0
     warmup_steps = min(warmup_steps, max(total_steps - 1, 0))
     decay_steps = max(total_steps - 1 - warmup_steps, 1)  # the last step runs at min_lr
 
@@ -65,7 +125,31 @@ def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int | No
     return schedule
 
 
-def build_optimizer(cfg, schedule):
+def _wsd(lr: float, total: int, warmup: int | None, min_lr: float, fraction: float):
+    """Warmup, stable, decay: the last ``fraction`` of the steps (at least one) decay linearly
+    to min_lr (the first of them already below lr, the last at min_lr); the warmup (5% of the
+    steps by default) ends before the decay starts, cut short if it would reach into it."""
+    decay = max(1, round(fraction * total))
+    start = max(total - decay, 0)  # the first decaying step
+    if warmup is None:
+        warmup = max(1, int(0.05 * total))
+    warmup = min(warmup, start)
+
+    def schedule(step):
+        step = (
+            mx.array(step, dtype=mx.float32)
+            if not isinstance(step, mx.array)
+            else step.astype(mx.float32)
+        )
+        warm = lr * (step + 1) / max(warmup, 1)
+        t = mx.clip((step - start + 1) / decay, 0.0, 1.0)
+        after = mx.where(step < start, lr, lr + (min_lr - lr) * t)
+        return mx.where(step < warmup, warm, after) if warmup else after
+
+    return schedule
+
+
+def build_optimizer(cfg, schedule, explicit=frozenset()):
     if cfg.name == "adamw":
         return AdamWMatrices(
             learning_rate=schedule,
@@ -81,4 +165,9 @@ def build_optimizer(cfg, schedule):
             eps=cfg.eps,
             bias_correction=cfg.bias_correction,
         )
+    if cfg.name == "lion":
+        betas = cfg.betas if "optimizer.betas" in explicit else LION_BETAS
+        return LionMatrices(schedule, betas=betas, weight_decay=cfg.weight_decay)
+    if cfg.name == "adafactor":
+        return AdafactorMatrices(schedule, cfg.adafactor, weight_decay=cfg.weight_decay)
     return SGDMatrices(learning_rate=schedule, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

@@ -91,6 +91,12 @@ def test_wrong_type_names_key_and_line(tmp_path):
         ("schedule.min_lr=1.0", "schedule.min_lr"),
         ("adapter.layers=5-2", "adapter.layers"),
         ("optimizer.betas=[0.9]", "optimizer.betas"),
+        ("optimizer.adafactor.decay_rate=0.5", "optimizer.adafactor.decay_rate"),
+        ("optimizer.adafactor.eps=[0.001]", "optimizer.adafactor.eps"),
+        ("optimizer.adafactor.beta1=1.0", "optimizer.adafactor.beta1"),
+        ("optimizer.adafactor.clip_threshold=0", "optimizer.adafactor.clip_threshold"),
+        ("schedule.decay_fraction=0", "schedule.decay_fraction"),
+        ("optimizer.name=sophie", "optimizer.name"),
     ],
 )
 def test_impossible_values_are_refused_naming_the_key(tmp_path, override, key):
@@ -475,6 +481,22 @@ SCRATCH = {
         (
             {"optimizer": {"name": "sgd", "bias_correction": False}},
             {"optimizer.bias_correction": "optimizer.name is sgd"},
+        ),
+        (
+            {"optimizer": {"name": "lion", "eps": 1e-6, "betas": [0.9, 0.99], "momentum": 0.5}},
+            {"optimizer.eps": "optimizer.name is lion", "optimizer.momentum": "is lion"},
+        ),
+        (
+            {"optimizer": {"name": "adafactor", "betas": [0.9, 0.99], "adafactor": {"beta1": 0.9}}},
+            {"optimizer.betas": "optimizer.name is adafactor"},
+        ),
+        (
+            {"optimizer": {"name": "adamw", "adafactor": {"clip_threshold": 2.0}}},
+            {"optimizer.adafactor.clip_threshold": "optimizer.name is adamw"},
+        ),
+        (
+            {"schedule": {"name": "cosine", "decay_fraction": 0.2}},
+            {"schedule.decay_fraction": "schedule.name is cosine"},
         ),
         (
             {

@@ -212,3 +212,31 @@ def test_the_cli_exits_130_and_says_how_to_resume(
     assert main(["run", str(p), "--run-dir", str(tmp_path / "run")]) == 130
     err = capsys.readouterr().err
     assert f"mlxtune run {p} --run-dir {tmp_path / 'run'} --resume" in err
+
+
+@pytest.mark.parametrize(
+    "optimizer, schedule",
+    [
+        (
+            {"name": "lion", "lr": 3e-4, "weight_decay": 0.1},
+            {"name": "warmup_stable_decay", "decay_fraction": 0.25},
+        ),
+        (
+            {"name": "adafactor", "lr": 1e-2, "adafactor": {"beta1": 0.9}},
+            {"name": "warmup_stable_decay", "warmup_steps": 2, "decay_fraction": 0.4},
+        ),
+    ],
+    ids=["lion-wsd", "adafactor-momentum-wsd"],
+)
+def test_each_optimizer_resumes_exactly(tmp_path, data_dir, llama_dir, optimizer, schedule):
+    """Its whole state (Lion's momentum; Adafactor's row and column moments, its first moment
+    and its step count) in the checkpoint: a run cut at step 7 and resumed writes the rows of
+    one that was not, and the decay (WSD over the last quarter or 40%) goes on where it was."""
+    r = recipe(data_dir, llama_dir, optimizer=optimizer, schedule=schedule)
+    trainer(r, tmp_path / "whole").run()
+    want = rows(tmp_path / "whole")
+    crashed(r, tmp_path / "cut", at=7)
+    trainer(r, tmp_path / "cut", resume="latest").run()
+    assert rows(tmp_path / "cut") == want
+    lrs = [x["lr"] for x in want if "lr" in x]
+    assert len(set(lrs)) > 2 and lrs[-1] == pytest.approx(0.0, abs=1e-12)

@@ -7,6 +7,7 @@ a rule that involves two sections lives with the key it blames.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NoReturn, Protocol
 
 from ..data import format_names
@@ -201,6 +202,17 @@ def check_optimizer(r: Recipe, v: Fails) -> None:
     if o.name == "adam" and o.weight_decay > 0:
         v.fail("optimizer.weight_decay", "adam has no weight decay; use name: adamw")
     _positive(v, "optimizer.grad_clip", o.grad_clip, allow_none=True)
+    a = o.adafactor
+    if len(a.eps) != 2 or not all(e > 0 for e in a.eps):
+        v.fail("optimizer.adafactor.eps", f"must be two numbers above 0, got {a.eps}")
+    _positive(v, "optimizer.adafactor.clip_threshold", a.clip_threshold)
+    if not a.decay_rate < 0:
+        v.fail(
+            "optimizer.adafactor.decay_rate",
+            f"must be below 0 (the second moment's decay 1 - t^decay_rate), got {a.decay_rate}",
+        )
+    if a.beta1 is not None and not 0 <= a.beta1 < 1:
+        v.fail("optimizer.adafactor.beta1", f"must be in [0, 1) or null, got {a.beta1}")
 
 
 def check_schedule(r: Recipe, v: Fails) -> None:
@@ -210,6 +222,8 @@ def check_schedule(r: Recipe, v: Fails) -> None:
         v.fail("schedule.warmup_steps", f"must be 0 or more, got {s.warmup_steps}")
     if s.min_lr < 0 or s.min_lr > lr:
         v.fail("schedule.min_lr", f"must be between 0 and optimizer.lr ({lr}), got {s.min_lr}")
+    if not 0 < s.decay_fraction <= 1:
+        v.fail("schedule.decay_fraction", f"must be in (0, 1], got {s.decay_fraction}")
 
 
 def check_train(r: Recipe, v: Fails) -> None:
@@ -332,16 +346,21 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
         inert(tuple(f"adapter.{k}" for k in keys), "adapter.type is full")
 
     o = r.optimizer
-    if o.name == "sgd":
-        keys = ("betas", "eps", "bias_correction")
-        inert(tuple(f"optimizer.{k}" for k in keys), "optimizer.name is sgd")
-    else:
+    if o.name in ("sgd", "lion", "adafactor"):
+        keys = ("eps", "bias_correction") + (("betas",) if o.name != "lion" else ())
+        inert(tuple(f"optimizer.{k}" for k in keys), f"optimizer.name is {o.name}")
+    if o.name != "sgd":
         inert(("optimizer.momentum",), f"optimizer.name is {o.name}")
     if o.name == "adam":
         inert(("optimizer.weight_decay",), "optimizer.name is adam (adamw decays weights)")
+    if o.name != "adafactor":
+        keys = tuple(f.name for f in dataclasses.fields(o.adafactor))
+        inert(tuple(f"optimizer.adafactor.{k}" for k in keys), f"optimizer.name is {o.name}")
 
     if r.schedule.name == "constant":
         inert(("schedule.min_lr",), "schedule.name is constant")
+    if r.schedule.name != "warmup_stable_decay":
+        inert(("schedule.decay_fraction",), f"schedule.name is {r.schedule.name}")
     if r.train.max_steps is not None:
         inert(("train.epochs",), "train.max_steps is set")
     if r.eval.exact_match == 0:

@@ -152,11 +152,29 @@ class AdapterConfig:
 
 
 @dataclass
+class AdafactorConfig:
+    """Adafactor's own settings (MLX's Adafactor, driven by the recipe's lr and schedule)."""
+
+    eps: list[float] = field(default_factory=lambda: [1e-30, 1e-3])
+    """Added to the squared gradients, and the floor of a weight's RMS when scale_parameter."""
+    clip_threshold: float = 1.0
+    """The update's RMS is clipped to this before the learning rate applies."""
+    decay_rate: float = -0.8
+    """The second moment's decay at step t is 1 - t^decay_rate."""
+    beta1: float | None = None
+    """A first moment (momentum over the updates) with this decay; null: none (less memory)."""
+    scale_parameter: bool = True
+    """Scale each weight's step by its RMS (at least eps[1])."""
+
+
+@dataclass
 class OptimizerConfig:
     """The optimizer. Weight decay applies to matrices only, never to norms or biases."""
 
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
-    """"adamw" (decoupled weight decay), "adam" or "sgd" (with momentum)."""
+    name: Literal["adamw", "adam", "sgd", "lion", "adafactor"] = "adamw"
+    """"adamw" (decoupled weight decay), "adam", "sgd" (with momentum), "lion" (the sign of
+    an interpolated momentum; betas default [0.9, 0.99] for it) or "adafactor" (factored second
+    moments: a row and a column a matrix)."""
     lr: float = 1e-4
     """Peak learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -173,15 +191,21 @@ class OptimizerConfig:
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this; null turns clipping off (grad_norm is still
     reported)."""
+    adafactor: AdafactorConfig = field(default_factory=AdafactorConfig)
+    """Adafactor's settings (name: adafactor)."""
 
 
 @dataclass
 class ScheduleConfig:
     """The learning-rate schedule, as a function of the optimizer step."""
 
-    name: Literal["constant", "linear", "cosine", "warmup_cosine"] = "cosine"
-    """"constant", "linear" (decay to min_lr), "cosine" (to min_lr), or "warmup_cosine"
-    (cosine with a warmup of 5% of the steps unless warmup_steps is set)."""
+    name: Literal["constant", "linear", "cosine", "warmup_cosine", "warmup_stable_decay"] = "cosine"
+    """"constant", "linear" (decay to min_lr), "cosine" (to min_lr), "warmup_cosine" (cosine
+    with a warmup of 5% of the steps unless warmup_steps is set), or "warmup_stable_decay"
+    (WSD: warmup, lr held, then a linear decay to min_lr over the last decay_fraction of the
+    steps; the warmup never reaches into the decay)."""
+    decay_fraction: float = 0.1
+    """warmup_stable_decay: the share of the steps the final decay takes."""
     warmup_steps: int | None = None
     """Linear warmup from 0 to lr over this many optimizer steps."""
     min_lr: float = 0.0
