@@ -83,7 +83,15 @@ def copy_with_types(src, dst, kind_for):
     return dst
 
 
-@pytest.mark.parametrize("family, kind", [("llama", "Q4_1"), ("llama", "Q8_0"), ("qwen3", "Q4_0")])
+@pytest.mark.parametrize(
+    "family, kind",
+    [
+        ("llama", "Q4_1"),
+        # suite time: Q8_0 layers are also read exactly in tests/test_gguf_run.py
+        pytest.param("llama", "Q8_0", marks=pytest.mark.slow),
+        ("qwen3", "Q4_0"),
+    ],
+)
 def test_native_quantized_types_load_as_mlx_quantized_layers_exactly(
     tmp_path, model_dir_factory, tokenizer, tokenizer_dir, kind, family
 ):
