@@ -214,8 +214,8 @@ def adafactor_reference(weights, grads, lrs, eps1, eps2, clip, decay_rate, beta1
 
 @pytest.mark.parametrize(
     "over",
-    [{}, {"beta1": 0.9, "clip_threshold": 0.5, "scale_parameter": False}],
-    ids=["defaults", "momentum-clip-unscaled"],
+    [{}, {"beta1": 0.9, "clip_threshold": 0.5, "scale_parameter": True}],
+    ids=["defaults", "momentum-clip-scaled"],
 )
 def test_adafactor_matches_its_formula_over_several_steps(over):
     from mlxtune.config.schema import AdafactorConfig
