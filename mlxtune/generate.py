@@ -259,21 +259,16 @@ def _grow(ks: list, vs: list, to: int) -> tuple[list, list]:
     return [pad(k) for k in ks], [pad(v) for v in vs]
 
 
-def _decode(
-    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None, on_logits=None
-) -> list[list[int]]:
-    """One batch of prompts: read left-padded into one cache, the cache and the last logits
-    tiled ``group`` times, then one compiled step a token for every row (fixed-capacity caches
-    grown ``BLOCK`` positions at a time), the device up to ``AHEAD`` steps ahead of the host that
-    reads the tokens. Rows that finish stay in the batch until half of it has, then the batch is
-    cut to the next power of two that holds the rows still going."""
+def _prefill(model, prompts, group: int):
+    """The prompts read left-padded into mlx-lm's batched cache, each once (all but the last
+    position through the backbone alone: their cache, none of their [B, T, vocab] logits), then
+    tiled ``group`` times: (the last position's fp32 logits, the caches' keys and values in
+    fixed-capacity buffers, each row's left padding, the buffers' capacity)."""
     width = max(len(p) for p in prompts)
     pad = [width - len(p) for p in prompts]
     cache = _batch_cache(model, pad)
     x = mx.array([[0] * k + p for k, p in zip(pad, prompts, strict=True)])
     if width > 1 and hasattr(model, "model"):
-        # all but the last position through the backbone alone (their cache, none of their
-        # [B, T, vocab] logits), then the last position for its logits
         model.model(x[:, :-1], cache=cache)
         x = x[:, -1:]
     logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
@@ -282,17 +277,28 @@ def _decode(
         for c in cache:
             c.filter(rows)
         logits = logits[rows]
+    cap = -(-(width + 1) // BLOCK) * BLOCK  # room for the first decode step
+    ks, vs = _grow(
+        [c.keys[..., :width, :] for c in cache], [c.values[..., :width, :] for c in cache], cap
+    )
+    return logits, ks, vs, mx.array(pad, dtype=mx.int32)[rows], cap
+
+
+def _decode(
+    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None, on_logits=None
+) -> list[list[int]]:
+    """One batch of prompts: read left-padded into one cache, the cache and the last logits
+    tiled ``group`` times, then one compiled step a token for every row (fixed-capacity caches
+    grown ``BLOCK`` positions at a time), the device up to ``AHEAD`` steps ahead of the host that
+    reads the tokens. Rows that finish stay in the batch until half of it has, then the batch is
+    cut to the next power of two that holds the rows still going."""
+    logits, ks, vs, left, cap = _prefill(model, prompts, group)
+    pos = max(len(p) for p in prompts)  # positions written
+    idx = mx.array([pos], dtype=mx.int32)
     slots = list(range(len(prompts) * group))  # each batch row's output row; -1: a filler
     new: list[list[int]] = [[] for _ in slots]
     done = [False] * len(slots)
     tokens, keys = _draw(logits, keys, s)
-    pos, cap = width, -(-(width + 1) // BLOCK) * BLOCK
-    ks, vs = _grow(
-        [c.keys[..., :width, :] for c in cache], [c.values[..., :width, :] for c in cache], cap
-    )
-    idx = mx.array([width], dtype=mx.int32)
-    left = mx.array(pad, dtype=mx.int32)[rows]
-    del cache
     step = _decode_step(model)
     # steps the device runs ahead of the host: each entry, a step's tokens, the batch layout
     # they were drawn in and the logits they were drawn from

@@ -97,7 +97,7 @@ class Shape:
     reference_forward: bool = False  # a forward without backward a step (DPO's reference)
     reference_bytes: int = 0  # weights kept for the reference (a copy of the trainable ones)
     generation_rows: int = 0  # rows generated at once while training (RL), their KV caches
-    generation_length: int = 0  # ... over this many positions
+    generation_length: int = 0  # ... of this capacity (positions)
     micro_key: str | None = None  # the key that sets rows a pass (RL), else train.batch_size
 
 
@@ -129,11 +129,10 @@ def estimate(s: Shape) -> dict[str, float]:
     else:
         logits = min(s.logit_chunk, tokens * s.vocab) * 4 * 3
     state_bytes = 4 if (s.masters or s.trainable_bytes >= 4 * s.trainable) else 2
-    # generating (before the step, its activations gone): the batched KV cache (grown 256
-    # positions at a time) and each row's last logits, cast to fp32 and filtered to sample
-    cached = -(-s.generation_length // 256) * 256
+    # generating (before the step, its activations gone): the batched KV cache and each row's
+    # last logits, cast to fp32 and filtered to sample
     generation = s.generation_rows * (
-        cached * s.layers * s.kv_dim * s.act_bytes + s.vocab * (s.act_bytes + 4 * 3)
+        s.generation_length * s.layers * s.kv_dim * s.act_bytes + s.vocab * (s.act_bytes + 4 * 3)
     )
     out = {
         "weights": float(s.weight_bytes + s.reference_bytes),

@@ -8,18 +8,31 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 
-class AdamWMatrices(optim.AdamW):
-    """AdamW whose decoupled weight decay touches matrices only (ndim >= 2), never norms,
-    biases or DoRA magnitudes."""
+class _MatrixDecay:
+    """Decoupled weight decay on matrices only (ndim >= 2; never norms, biases or DoRA
+    magnitudes): a matrix steps to ``w - lr * matrix_decay * w - u(w)``, ``u`` the step the
+    optimizer it is mixed into takes. The optimizer's own decay is left at 0."""
+
+    matrix_decay: float = 0.0
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state):
-        if parameter.ndim >= 2 and self.weight_decay:
+        out = super().apply_single(gradient, parameter, state)
+        if parameter.ndim >= 2 and self.matrix_decay:
             lr = self.learning_rate.astype(gradient.dtype)
-            parameter = parameter * (1 - lr * self.weight_decay)
-        return optim.Adam.apply_single(self, gradient, parameter, state)
+            out = out - lr * self.matrix_decay * parameter
+        return out
 
 
-class SGDMatrices(optim.SGD):
+class AdamWMatrices(_MatrixDecay, optim.Adam):
+    """AdamW whose decoupled weight decay touches matrices only (Adam's step, the decay here:
+    AdamW's own would add a multiply by 1 for every other weight)."""
+
+    def __init__(self, learning_rate, weight_decay: float = 0.0, **adam):
+        super().__init__(learning_rate, **adam)
+        self.matrix_decay = weight_decay
+
+
+class SGDMatrices(_MatrixDecay, optim.SGD):
     """SGD (with momentum) whose decoupled weight decay touches matrices only: with velocity
     ``v <- momentum * v + g``, a matrix steps to ``w * (1 - lr * weight_decay) - lr * v``.
 
@@ -32,14 +45,8 @@ class SGDMatrices(optim.SGD):
         super().__init__(learning_rate, momentum=momentum, weight_decay=0.0)
         self.matrix_decay = weight_decay
 
-    def apply_single(self, gradient: mx.array, parameter: mx.array, state):
-        if parameter.ndim >= 2 and self.matrix_decay:
-            lr = self.learning_rate.astype(gradient.dtype)
-            parameter = parameter * (1 - lr * self.matrix_decay)
-        return super().apply_single(gradient, parameter, state)
 
-
-class LionMatrices(optim.Lion):
+class LionMatrices(_MatrixDecay, optim.Lion):
     """Lion (MLX's) whose decoupled weight decay touches matrices only: a matrix steps to
     ``w * (1 - lr * weight_decay) - lr * sign(beta1 m + (1 - beta1) g)``."""
 
@@ -47,17 +54,12 @@ class LionMatrices(optim.Lion):
         super().__init__(learning_rate, betas=list(betas), weight_decay=0.0)
         self.matrix_decay = weight_decay
 
-    def apply_single(self, gradient: mx.array, parameter: mx.array, state):
-        if parameter.ndim >= 2 and self.matrix_decay:
-            lr = self.learning_rate.astype(gradient.dtype)
-            parameter = parameter * (1 - lr * self.matrix_decay)
-        return super().apply_single(gradient, parameter, state)
 
-
-class AdafactorMatrices(optim.Adafactor):
+class AdafactorMatrices(_MatrixDecay, optim.Adafactor):
     """Adafactor (MLX's) at the schedule's learning rate (not its own relative step), with a
-    decoupled weight decay on matrices only, ``w * (1 - lr * weight_decay)`` at the schedule's lr
-    (MLX's own decay would scale it by the weight's RMS and touch norms and biases too)."""
+    decoupled weight decay on matrices only, ``lr * weight_decay * w`` at the schedule's lr and
+    the weight before the step (MLX's own decay would scale it by the weight's RMS and touch
+    norms and biases too)."""
 
     def __init__(self, learning_rate, cfg, weight_decay: float = 0.0):
         super().__init__(
@@ -71,14 +73,6 @@ class AdafactorMatrices(optim.Adafactor):
             relative_step=False,
         )
         self.matrix_decay = weight_decay
-
-    def apply_single(self, gradient: mx.array, parameter: mx.array, state):
-        # the step reads the weight's RMS before the decay: w - lr wd w - u(w)
-        out = super().apply_single(gradient, parameter, state)
-        if parameter.ndim >= 2 and self.matrix_decay:
-            lr = self.learning_rate.astype(gradient.dtype)
-            out = out - lr * self.matrix_decay * parameter
-        return out
 
 
 LION_BETAS = (0.9, 0.99)

@@ -36,19 +36,28 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import ObjectiveConfig
-from ..data import Batch, read_positions, split_off
+from ..data import read_positions, split_off
 from ..data.prompts import PromptEncoder, PromptExample, load_prompts
-from ..distributed import collectives, current
+from ..distributed import current
 from ..errors import UserInputError
-from ..generate import Sampling, StopStrings, decode_answer, eos_ids, generate_ids
+from ..generate import BLOCK, Sampling, StopStrings, decode_answer, eos_ids, generate_ids
 from ..kernels import forward_only
 from ..rewards import RewardSpec, build_rewards, score
 from .base import Objective, Usage
 from .reference import ReferencePolicy, reference_kind
+from .rollout import (
+    ROLLOUT_ARRAYS,
+    RolloutBatch,
+    advantages,
+    cut_rows,
+    even_sizes,
+    gather_completions,
+    handed_again,
+    reward_means,
+    rows_of,
+)
 
 ROLLOUT_FILE = "rollout.safetensors"
-ROLLOUT_ARRAYS = ("advantages", "valid", "old", "ref", "values", "returns", "token_advantages")
-ADV_EPS = 1e-4  # added to the standard deviation the advantages are divided by
 MICRO_POSITIONS = 1024
 """Positions a training pass holds by default (``micro_batch_size: null``): enough rows to keep a
 GPU's matmuls full for the models people tune on a Mac, few enough that a pass's activations
@@ -116,52 +125,6 @@ class GRPOConfig(RLConfig):
     """Divide advantages by the group's reward standard deviation, the whole batch's, or not."""
     num_iterations: int = 1
     """Optimizer steps each rollout trains (> 1 keeps the generating policy's log-probs)."""
-
-
-@dataclass
-class RolloutBatch(Batch):
-    """Completions of some prompts as rows (prompt, then completion, right-padded; the mask marks
-    completion tokens), grouped by prompt, with what the loss reads besides."""
-
-    advantages: np.ndarray | None = None
-    """[R] each completion's advantage."""
-    valid: np.ndarray | None = None
-    """[R] 1 for a completion, 0 for a row that counts nothing."""
-    groups: tuple[int, ...] = ()
-    """Rows of each prompt's group, in order."""
-    old: np.ndarray | None = None
-    """[R, L-1] the generating policy's log-probs of the targets (num_iterations > 1)."""
-    ref: np.ndarray | None = None
-    """[R, L-1] the reference policy's (beta > 0)."""
-    values: np.ndarray | None = None
-    """[R, L-1] PPO: the value head's estimates at generation."""
-    returns: np.ndarray | None = None
-    """[R, L-1] PPO: the returns the values are trained towards."""
-    token_advantages: np.ndarray | None = None
-    """[R, L-1] PPO: each target token's (whitened) advantage."""
-    prompts: int = 0
-    """Prompts counted as seen: the rollout's first iteration counts them, the others 0."""
-    host: dict = field(default_factory=dict)
-    """Metrics made on the host (rewards, lengths, generation time): name -> (sum, weight);
-    names ending in _max carry (max, 1)."""
-
-
-def advantages(rewards: np.ndarray, groups: list[int], scale: str) -> np.ndarray:
-    """Each reward minus its group's mean, divided by the group's (``group``) or the whole
-    batch's (``batch``) sample standard deviation + 1e-4, or not (``none``)."""
-    out = np.zeros_like(rewards, dtype=np.float64)
-    at = 0
-    whole = rewards.std(ddof=1) if scale == "batch" and len(rewards) > 1 else 0.0
-    for g in groups:
-        r = rewards[at : at + g].astype(np.float64)
-        a = r - r.mean()
-        if scale == "group":
-            a = a / ((r.std(ddof=1) if g > 1 else 0.0) + ADV_EPS)
-        elif scale == "batch":
-            a = a / (whole + ADV_EPS)
-        out[at : at + g] = a
-        at += g
-    return out.astype(np.float32)
 
 
 def _key(seed: int, k: int) -> int:
@@ -323,7 +286,7 @@ class GRPO(Objective):
         """The ``j``-th batch a rollout hands out."""
         a = len(rollout)
         # a later iteration: the same rows, counted once already
-        return rollout[j % a] if j < a else _again(rollout[j % a])
+        return rollout[j % a] if j < a else handed_again(rollout[j % a])
 
     def _prompt_batch(self, g: int) -> list[PromptExample]:
         """Batch ``g`` of the endless prompt stream (epochs of seeded shuffles)."""
@@ -414,7 +377,9 @@ class GRPO(Objective):
                 stop=self.stop,
             )
             if world.size > 1:
-                new = _gather(world, new, len(prompts) * g, rows, cfg.max_completion_length)
+                new = gather_completions(
+                    world, new, len(prompts) * g, rows, cfg.max_completion_length
+                )
             took = time.perf_counter() - t0
             # a completion ended at EOS (added back to train on), at a stop string, or was cut
             stopped = [self.stop is not None and self.stop.ends(n) for n in new]
@@ -429,7 +394,7 @@ class GRPO(Objective):
             host["generation_s"] = (took, self._steps_per_rollout() / self._batches_per_rollout())
             host["generation_tokens_per_sec"] = (made, took)
             rewards, each = self._score(prompts, groups, new)
-            _means(host, each)
+            reward_means(host, each)
         n = len(ids)
         host["reward"] = (float(rewards.sum()), n)
         stds, at = [], 0
@@ -509,15 +474,16 @@ class GRPO(Objective):
             model.train(was)
         return [np.concatenate(xs) for xs in zip(*outs, strict=True)]
 
+    def _target_logps(self, arrays) -> tuple[mx.array]:
+        """(each target token's log-probability under the model as it is,) for ``_passes``."""
+        tok, _ = self.token_losses(arrays, reduction="none")
+        return (-tok,)
+
     def _logps(self, batch: RolloutBatch) -> None:
         """The generating policy's log-probs (``num_iterations`` > 1) and the reference's
         (``beta`` > 0) of the batch's targets, one forward each, no gradients."""
         want_old = self.config.num_iterations > 1 and self._behaviour is None
-
-        def logps(arrays):
-            tok, _ = self.token_losses(arrays, reduction="none")
-            return (-tok,)
-
+        logps = self._target_logps
         with forward_only():
             if want_old:
                 batch.old = self._passes(batch, logps)[0]
@@ -630,7 +596,7 @@ class GRPO(Objective):
         group may fall in different passes: every completion's loss is its own)."""
         rows = len(batch.tokens)
         per = self.micro_rows(batch.tokens.shape[1] - 1)
-        return [batch] if rows <= per else _cut(batch, _even(rows, -(-rows // per)))
+        return [batch] if rows <= per else cut_rows(batch, even_sizes(rows, -(-rows // per)))
 
     def split(self, batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
         """Parts of whole groups; of rows where there are fewer groups than parts."""
@@ -641,14 +607,14 @@ class GRPO(Objective):
             size = math.ceil(len(groups) / parts)
             sizes = [sum(groups[s : s + size]) for s in range(0, len(groups), size)]
         else:
-            sizes = _even(rows, min(parts, rows))
-        return _cut(batch, sizes)
+            sizes = even_sizes(rows, min(parts, rows))
+        return cut_rows(batch, sizes)
 
     def units(self, batch: RolloutBatch) -> int:
         return len(batch.tokens)
 
     def nothing(self, batch: RolloutBatch) -> RolloutBatch:
-        b = _rows_of(batch, slice(0, 1), (1,), 0, False)
+        b = rows_of(batch, slice(0, 1), (1,), 0, False)
         b.mask = np.zeros_like(b.mask)
         b.n_targets = 0
         b.valid = np.zeros(1, np.float32)
@@ -677,11 +643,12 @@ class GRPO(Objective):
         return -(-rows // -(-rows // per)), positions  # the largest of micro's even passes
 
     def generation_layout(self) -> tuple[int, int] | None:
-        """(rows, positions) generated at once: a batch's completions, the longest prompt and
-        a whole completion each; None offline."""
+        """(rows, cache capacity) generated at once: a batch's completions, room for the
+        longest prompt and a whole completion each (the cache grows ``BLOCK`` positions at a
+        time); None offline."""
         if self.offline:
             return None
-        return self._batch_rows(), self._positions()
+        return self._batch_rows(), -(-self._positions() // BLOCK) * BLOCK
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder) -> None:
@@ -803,69 +770,6 @@ class GRPO(Objective):
         out = {"eval_loss": loss_sum / n, counted: count}
         out.update({f"eval_{k}": v / n for k, v in metrics.items()})
         return out
-
-
-def _gather(world, mine: list[list[int]], rows: int, where, width: int) -> list[list[int]]:
-    """Every rank's completions, all of them in row order: rank r's ``mine`` are rows ``where``;
-    each rank fills its rows of a [rows, width] table (token + 1, 0 past the end) and the
-    tables are summed over the ranks."""
-    table = np.zeros((rows, width), np.int32)
-    for r, ids in zip(where, mine, strict=True):
-        table[r, : len(ids)] = np.asarray(ids, np.int32) + 1
-    got = world.all_sum(mx.array(table))
-    with collectives(world):
-        mx.eval(got)
-    return [[int(t) - 1 for t in row if t > 0] for row in np.array(got)]
-
-
-def _means(host: dict, each: dict) -> None:
-    for label, vals in each.items():
-        got = [v for v in vals if v is not None]
-        host[f"rewards/{label}"] = (float(sum(got)), len(got))
-
-
-def _again(b: RolloutBatch) -> RolloutBatch:
-    """``b`` handed out once more: nothing in it counts as seen again."""
-    out = _rows_of(b, slice(0, len(b.tokens)), b.groups, 0, False)
-    return out
-
-
-def _even(n: int, parts: int) -> list[int]:
-    """``n`` as ``parts`` sizes that differ by at most one, the larger first."""
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-
-
-def _cut(b: RolloutBatch, sizes: list[int]) -> list[RolloutBatch]:
-    """``b``'s rows in consecutive parts of ``sizes``, each with the pieces of the groups it
-    holds; the first part carries the batch's prompt count and host metrics."""
-    starts = np.cumsum((0, *b.groups))
-    out, lo = [], 0
-    for i, n in enumerate(sizes):
-        hi = lo + n
-        gs = [
-            int(min(e, hi) - max(s, lo))
-            for s, e in zip(starts[:-1], starts[1:], strict=True)
-            if s < hi and e > lo
-        ]
-        out.append(_rows_of(b, slice(lo, hi), gs, b.prompts if i == 0 else 0, i == 0))
-        lo = hi
-    return out
-
-
-def _rows_of(b: RolloutBatch, rows, groups, prompts: int, host: bool) -> RolloutBatch:
-    """Rows ``rows`` (a slice or indices) of ``b`` as a batch of ``groups``."""
-    rows = np.arange(len(b.tokens))[rows]
-    mask = b.mask[rows]
-    return RolloutBatch(
-        b.tokens[rows],
-        mask,
-        int(mask[:, 1:].sum()),
-        tuple(b.lengths[i] for i in rows),
-        groups=tuple(groups),
-        **{k: None if getattr(b, k) is None else getattr(b, k)[rows] for k in ROLLOUT_ARRAYS},
-        prompts=prompts,
-        host=b.host if host else {},
-    )
 
 
 __all__ = ["GRPO", "GRPOConfig", "RolloutBatch", "advantages"]

@@ -40,7 +40,8 @@ from ..errors import UserInputError
 from ..kernels import forward_only
 from ..models import add_value_head, reward_head, value_head
 from .base import Objective
-from .grpo import GRPO, RLConfig, RolloutBatch, _rows_of
+from .grpo import GRPO, RLConfig
+from .rollout import RolloutBatch, rows_of
 
 STATE_FILE = "ppo_state.json"
 
@@ -206,7 +207,7 @@ class PPO(GRPO):
         order = np.random.default_rng([self.recipe.train.seed, k, epoch]).permutation(len(b.tokens))
         size = -(-len(order) // m)
         rows = np.sort(order[i * size : (i + 1) * size])
-        out = _rows_of(b, rows, (1,) * len(rows), b.prompts if j == 0 else 0, j == 0)
+        out = rows_of(b, rows, (1,) * len(rows), b.prompts if j == 0 else 0, j == 0)
         return out
 
     def _score(self, prompts, groups, new) -> tuple[np.ndarray, dict]:
@@ -297,12 +298,8 @@ class PPO(GRPO):
         return logp, values
 
     def _reference_logps(self, batch: RolloutBatch) -> np.ndarray:
-        def logps(arrays):
-            tok, _ = self.token_losses(arrays, reduction="none")
-            return (-tok,)
-
         with forward_only(), self._reference.active():
-            return self._passes(batch, logps)[0]
+            return self._passes(batch, self._target_logps)[0]
 
     def _logps(self, batch) -> None:  # PPO computes its rollout's arrays in make_batch
         return
@@ -365,7 +362,8 @@ class PPO(GRPO):
         return -(-super()._batch_rows() // self.config.num_mini_batches)
 
     def generation_layout(self) -> tuple[int, int] | None:
-        return GRPO._batch_rows(self), self._positions()
+        _, capacity = super().generation_layout()
+        return GRPO._batch_rows(self), capacity  # the whole rollout, not a minibatch
 
     def eval_metrics(self, loss_sum: float, count: int, metrics: dict) -> dict:
         n = max(count, 1)

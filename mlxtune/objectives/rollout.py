@@ -1,0 +1,143 @@
+"""A rollout as a training batch: completions of prompts as rows, grouped by prompt, with what
+the reinforcement-learning losses read besides (advantages, old and reference log-probs, PPO's
+values and returns), and the ways a rollout is cut into passes, shares and minibatches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..data import Batch
+from ..distributed import collectives
+
+ROLLOUT_ARRAYS = ("advantages", "valid", "old", "ref", "values", "returns", "token_advantages")
+"""The per-row arrays a RolloutBatch carries beside tokens and mask (what a checkpoint inside a
+rollout keeps)."""
+ADV_EPS = 1e-4  # added to the standard deviation the advantages are divided by
+
+
+@dataclass
+class RolloutBatch(Batch):
+    """Completions of some prompts as rows (prompt, then completion, right-padded; the mask marks
+    completion tokens), grouped by prompt, with what the loss reads besides."""
+
+    advantages: np.ndarray | None = None
+    """[R] each completion's advantage."""
+    valid: np.ndarray | None = None
+    """[R] 1 for a completion, 0 for a row that counts nothing."""
+    groups: tuple[int, ...] = ()
+    """Rows of each prompt's group, in order."""
+    old: np.ndarray | None = None
+    """[R, L-1] the generating policy's log-probs of the targets (num_iterations > 1)."""
+    ref: np.ndarray | None = None
+    """[R, L-1] the reference policy's (beta > 0)."""
+    values: np.ndarray | None = None
+    """[R, L-1] PPO: the value head's estimates at generation."""
+    returns: np.ndarray | None = None
+    """[R, L-1] PPO: the returns the values are trained towards."""
+    token_advantages: np.ndarray | None = None
+    """[R, L-1] PPO: each target token's (whitened) advantage."""
+    prompts: int = 0
+    """Prompts counted as seen: the rollout's first iteration counts them, the others 0."""
+    host: dict = field(default_factory=dict)
+    """Metrics made on the host (rewards, lengths, generation time): name -> (sum, weight);
+    names ending in _max carry (max, 1)."""
+
+
+def advantages(rewards: np.ndarray, groups: list[int], scale: str) -> np.ndarray:
+    """Each reward minus its group's mean, divided by the group's (``group``) or the whole
+    batch's (``batch``) sample standard deviation + 1e-4, or not (``none``)."""
+    out = np.zeros_like(rewards, dtype=np.float64)
+    at = 0
+    whole = rewards.std(ddof=1) if scale == "batch" and len(rewards) > 1 else 0.0
+    for g in groups:
+        r = rewards[at : at + g].astype(np.float64)
+        a = r - r.mean()
+        if scale == "group":
+            a = a / ((r.std(ddof=1) if g > 1 else 0.0) + ADV_EPS)
+        elif scale == "batch":
+            a = a / (whole + ADV_EPS)
+        out[at : at + g] = a
+        at += g
+    return out.astype(np.float32)
+
+
+def gather_completions(
+    world, mine: list[list[int]], rows: int, where, width: int
+) -> list[list[int]]:
+    """Every rank's completions, all of them in row order: rank r's ``mine`` are rows ``where``;
+    each rank fills its rows of a [rows, width] table (token + 1, 0 past the end) and the
+    tables are summed over the ranks."""
+    table = np.zeros((rows, width), np.int32)
+    for r, ids in zip(where, mine, strict=True):
+        table[r, : len(ids)] = np.asarray(ids, np.int32) + 1
+    got = world.all_sum(mx.array(table))
+    with collectives(world):
+        mx.eval(got)
+    return [[int(t) - 1 for t in row if t > 0] for row in np.array(got)]
+
+
+def reward_means(host: dict, each: dict) -> None:
+    for label, vals in each.items():
+        got = [v for v in vals if v is not None]
+        host[f"rewards/{label}"] = (float(sum(got)), len(got))
+
+
+def handed_again(b: RolloutBatch) -> RolloutBatch:
+    """``b`` handed out once more: nothing in it counts as seen again."""
+    out = rows_of(b, slice(0, len(b.tokens)), b.groups, 0, False)
+    return out
+
+
+def even_sizes(n: int, parts: int) -> list[int]:
+    """``n`` as ``parts`` sizes that differ by at most one, the larger first."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def cut_rows(b: RolloutBatch, sizes: list[int]) -> list[RolloutBatch]:
+    """``b``'s rows in consecutive parts of ``sizes``, each with the pieces of the groups it
+    holds; the first part carries the batch's prompt count and host metrics."""
+    starts = np.cumsum((0, *b.groups))
+    out, lo = [], 0
+    for i, n in enumerate(sizes):
+        hi = lo + n
+        gs = [
+            int(min(e, hi) - max(s, lo))
+            for s, e in zip(starts[:-1], starts[1:], strict=True)
+            if s < hi and e > lo
+        ]
+        out.append(rows_of(b, slice(lo, hi), gs, b.prompts if i == 0 else 0, i == 0))
+        lo = hi
+    return out
+
+
+def rows_of(b: RolloutBatch, rows, groups, prompts: int, host: bool) -> RolloutBatch:
+    """Rows ``rows`` (a slice or indices) of ``b`` as a batch of ``groups``."""
+    rows = np.arange(len(b.tokens))[rows]
+    mask = b.mask[rows]
+    return RolloutBatch(
+        b.tokens[rows],
+        mask,
+        int(mask[:, 1:].sum()),
+        tuple(b.lengths[i] for i in rows),
+        groups=tuple(groups),
+        **{k: None if getattr(b, k) is None else getattr(b, k)[rows] for k in ROLLOUT_ARRAYS},
+        prompts=prompts,
+        host=b.host if host else {},
+    )
+
+
+__all__ = [
+    "ADV_EPS",
+    "ROLLOUT_ARRAYS",
+    "RolloutBatch",
+    "advantages",
+    "cut_rows",
+    "even_sizes",
+    "gather_completions",
+    "handed_again",
+    "reward_means",
+    "rows_of",
+]
