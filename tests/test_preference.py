@@ -545,6 +545,7 @@ def test_the_reward_loss_is_bradley_terry_in_values_and_gradients(tmp_path, llam
     np.testing.assert_allclose(np.array(got)[:3], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_a_reward_model_learns_resumes_and_exports_with_its_head(tmp_path):
     """From the reverse model, a reward model that scores copying above reversing; held-out
     accuracy read from transformers' own load of the fused export."""

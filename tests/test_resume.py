@@ -217,9 +217,10 @@ def test_the_cli_exits_130_and_says_how_to_resume(
 @pytest.mark.parametrize(
     "optimizer, schedule",
     [
-        (
+        pytest.param(  # suite time: adafactor's case covers WSD and a resumed state
             {"name": "lion", "lr": 3e-4, "weight_decay": 0.1},
             {"name": "warmup_stable_decay", "decay_fraction": 0.25},
+            marks=pytest.mark.slow,
         ),
         (
             {"name": "adafactor", "lr": 1e-2, "adafactor": {"beta1": 0.9}},
