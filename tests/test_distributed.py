@@ -207,6 +207,7 @@ def test_each_rank_draws_its_own_dropout_masks_from_the_shared_state():
     assert draw(0) == (m0, s0)  # and it is all determined by the state
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_packed_rows_and_accumulation_stay_exact(runs, tmp_path):
     """Packed rows (segments split with their rows) and two micro-batches a step."""
     r = dict(runs["recipe"])
@@ -221,6 +222,7 @@ def test_packed_rows_and_accumulation_stay_exact(runs, tmp_path):
     same(rows(one), got)
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_a_non_finite_step_on_one_rank_is_skipped_by_all(runs, tmp_path):
     r = dict(runs["recipe"], precision={"nonfinite": "skip", "max_skipped": 2})
     path = tmp_path / "skip.yaml"

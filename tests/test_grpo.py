@@ -533,7 +533,10 @@ def offline_copy_groups(path):
 
 
 @pytest.mark.parametrize(
-    "offline", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["online", "offline"]
+    "offline",
+    # both under -m slow, for the default run's time (it keeps the losses, resume and rollouts)
+    [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)],
+    ids=["online", "offline"],
 )
 def test_the_quickstart_learns_to_copy(tmp_path, offline):
     over = {"train.max_steps": 70, "eval.every": 35}
