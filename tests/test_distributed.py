@@ -151,6 +151,7 @@ def test_a_dead_rank_ends_the_others_with_a_message(runs, tmp_path):
     assert not (run_dir / "checkpoints" / "step-000006").exists()
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_a_rank_out_of_memory_splits_every_rank(runs, tmp_path):
     run_dir = tmp_path / "oom"
     codes, out, _ = launch(tmp_path, runs["path"], run_dir, "--oom-at", "3", "--rank", "1")

@@ -224,6 +224,7 @@ def test_adapter_settings_refuses_regex_targets(tmp_path):
         adapter_settings(tmp_path)
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_a_lora_run_over_a_quantized_base_exports_dequantized(
     tmp_path, data_dir, llama_dir, tokenizer, tokenizer_dir
 ):
