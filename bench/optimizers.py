@@ -35,24 +35,40 @@ SETTINGS = {
         "adamw": {"name": "adamw", "lr": 2e-3, "weight_decay": 0.01},
         "lion": {"name": "lion", "lr": 2e-4, "weight_decay": 0.1},
         "adafactor": {"name": "adafactor", "lr": 2e-3, "weight_decay": 0.0},
+        "muon": {"name": "muon", "lr": 2e-3, "weight_decay": 0.01},
+        "sophia": {"name": "sophia", "lr": 1e-3, "weight_decay": 0.01},
     },
     "quickstart-lora": {  # the shipped lr, 2e-3, times LR_FACTOR
         "adamw": {"name": "adamw", "lr": None, "weight_decay": None},
         "lion": {"name": "lion", "lr": None, "weight_decay": 0.0},
         "adafactor": {"name": "adafactor", "lr": None, "weight_decay": 0.0},
+        "muon": {"name": "muon", "lr": None, "weight_decay": None},  # adapters under Muon
+        "muon-adamw-adapters": {
+            "name": "muon",
+            "lr": None,
+            "weight_decay": None,
+            "set": ["optimizer.muon.adapters=false"],
+        },
+        "sophia": {"name": "sophia", "lr": None, "weight_decay": None},
+        "adamw-lora-plus": {
+            "name": "adamw",
+            "lr": None,
+            "weight_decay": None,
+            "set": ["adapter.lora_plus_ratio=16"],
+        },
     },
 }
-LR_FACTOR = {"adamw": 1.0, "lion": 0.3, "adafactor": 1.0}
+LR_FACTOR = {"lion": 0.3}
 
 
-def run(recipe: str, opt: str, every: int, target: float, tmp: Path) -> dict:
+def run(recipe: str, opt: str, every: int, target: float, tmp: Path, extra=()) -> dict:
     from mlxtune import Callback, Trainer, load_recipe
     from mlxtune.console import Console
     from mlxtune.generate import exact_match
 
     base = load_recipe(REPO / "recipes" / f"{recipe}.yaml")
     s = dict(SETTINGS[recipe][opt])
-    lr = s["lr"] if s["lr"] is not None else base.optimizer.lr * LR_FACTOR[opt]
+    lr = s["lr"] if s["lr"] is not None else base.optimizer.lr * LR_FACTOR.get(opt, 1.0)
     wd = s["weight_decay"] if s["weight_decay"] is not None else base.optimizer.weight_decay
     overrides = [
         f"optimizer.name={s['name']}",
@@ -62,6 +78,8 @@ def run(recipe: str, opt: str, every: int, target: float, tmp: Path) -> dict:
         "samples.every=null",
         "export.formats=[]",
         "checkpoints.save_best=false",
+        *s.get("set", []),
+        *extra,
     ]
     r = load_recipe(REPO / "recipes" / f"{recipe}.yaml", overrides)
     seen: list[tuple[int, float, float]] = []  # (step, exact match, training seconds so far)
@@ -95,6 +113,7 @@ def run(recipe: str, opt: str, every: int, target: float, tmp: Path) -> dict:
         "optimizer": opt,
         "lr": lr,
         "weight_decay": wd,
+        "set": [*s.get("set", []), *extra],
         "steps": summary["steps"],
         "target": target,
         "step_reaching_target": reached[0],
@@ -109,15 +128,16 @@ def run(recipe: str, opt: str, every: int, target: float, tmp: Path) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", action="append", choices=sorted(SETTINGS))
-    ap.add_argument("--optimizers", default="adamw,lion,adafactor")
+    ap.add_argument("--optimizers", help="comma-separated; default: every one in SETTINGS")
     ap.add_argument("--every", type=int, default=50, help="steps between evaluations")
     ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--set", action="append", default=[], help="another recipe override")
     args = ap.parse_args(argv)
     out = []
     with tempfile.TemporaryDirectory(prefix="mlxtune-optimizers-") as tmp:
         for recipe in args.recipe or sorted(SETTINGS):
-            for opt in args.optimizers.split(","):
-                res = run(recipe, opt, args.every, args.target, Path(tmp))
+            for opt in (args.optimizers or ",".join(SETTINGS[recipe])).split(","):
+                res = run(recipe, opt, args.every, args.target, Path(tmp), args.set)
                 out.append(res)
                 print(
                     f"{recipe:16} {opt:10} lr {res['lr']:<8g} steps to {args.target:.0%}: "

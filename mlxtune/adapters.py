@@ -25,6 +25,7 @@ __all__ = [
     "adapters_disabled",
     "apply_adapters",
     "dropout_key",
+    "lora_scale",
     "select_layers",
 ]
 
@@ -47,23 +48,42 @@ def _dropout(layer: nn.Dropout, x: mx.array) -> mx.array:
     return (mask * x) * (1 / layer._p_1)
 
 
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """What LoRA's update is multiplied by: alpha / rank, or alpha / sqrt(rank) (rsLoRA: the
+    update's size then stays put as the rank grows)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
 class LoRALinear(nn.Module):
     """y = base(x) + scale * dropout(x) @ A @ B, with A random and B zero (so y starts = base(x))."""
 
     @classmethod
-    def from_base(cls, base: nn.Module, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0):
+    def from_base(
+        cls,
+        base: nn.Module,
+        rank: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        rslora: bool = False,
+    ):
         in_dims, out_dims = _base_dims(base)
-        layer = cls(in_dims, out_dims, rank, alpha, dropout)
+        layer = cls(in_dims, out_dims, rank, alpha, dropout, rslora)
         layer.linear = base
         return layer
 
     def __init__(
-        self, in_dims: int, out_dims: int, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0
+        self,
+        in_dims: int,
+        out_dims: int,
+        rank: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        rslora: bool = False,
     ):
         super().__init__()
         self.linear = nn.Linear(in_dims, out_dims, bias=False)
         self.dropout = nn.Dropout(p=dropout)
-        self.scale = alpha / rank
+        self.scale = lora_scale(alpha, rank, rslora)
         bound = 1.0 / math.sqrt(in_dims)
         self.lora_a = mx.random.uniform(low=-bound, high=bound, shape=(in_dims, rank))
         self.lora_b = mx.zeros((rank, out_dims))
@@ -96,8 +116,15 @@ class DoRALinear(LoRALinear):
     """Weight-decomposed LoRA: y = m * (W + dW) x / ||W + dW||_row, m starting at ||W||_row."""
 
     @classmethod
-    def from_base(cls, base: nn.Module, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0):
-        layer = super().from_base(base, rank, alpha, dropout)
+    def from_base(
+        cls,
+        base: nn.Module,
+        rank: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        rslora: bool = False,
+    ):
+        layer = super().from_base(base, rank, alpha, dropout, rslora)
         layer.m = mx.linalg.norm(dense_weight(base).astype(mx.float32), axis=1)
         return layer
 
@@ -150,7 +177,14 @@ def select_layers(n_layers: int, spec) -> list[int]:
 
 
 def apply_adapters(
-    model: nn.Module, kind: str, rank: int, alpha: float, dropout: float, targets, layers=None
+    model: nn.Module,
+    kind: str,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets,
+    layers=None,
+    rslora: bool = False,
 ) -> dict:
     """Freeze the base and put adapters in; for "full", everything trains. Returns a summary."""
     if kind == "full":
@@ -172,7 +206,8 @@ def apply_adapters(
             if not isinstance(mod, (nn.Linear, nn.QuantizedLinear)):
                 continue
             if all_linear or leaf in targets:
-                replace.append((name, cls.from_base(mod, rank=rank, alpha=alpha, dropout=dropout)))
+                layer = cls.from_base(mod, rank, alpha, dropout, rslora)
+                replace.append((name, layer))
         if replace:
             block.update_modules(tree_unflatten(replace))
             adapted += [f"layers.{i}.{n}" for n, _ in replace]

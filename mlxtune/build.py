@@ -5,6 +5,7 @@ recipe key; none of them knows about the loop."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +16,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import kernels
-from .adapters import apply_adapters
+from .adapters import apply_adapters, lora_scale
 from .config import Recipe
 from .data import read_jsonl
 from .errors import UserInputError
-from .export import TrainedModel, import_adapter
+from .export import TrainedModel, adapter_settings, import_adapter
 from .gguf_tokenizer import write_tokenizer_from_gguf
 from .memory import GB
 from .models import (
@@ -60,6 +61,7 @@ class Built:
             "type": a.type,
             "rank": a.rank,
             "alpha": a.alpha,
+            "rslora": a.rslora,
             "dropout": a.dropout,
             "targets": list(a.targets),
             "layers": self.adapter_info.get("layers"),
@@ -229,10 +231,18 @@ def adapt(recipe: Recipe, model: nn.Module, log) -> dict:
     ``init_from`` weights, and turn on gradient checkpointing; what ``apply_adapters`` did."""
     r, a = recipe, recipe.adapter
     mx.random.seed(r.train.seed)
-    info = apply_adapters(model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers)
+    info = apply_adapters(model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers, a.rslora)
     if a.init_from is not None:
         import_adapter(model, r.resolve_path(a.init_from))
         log(f"adapter weights from {a.init_from}")
+        s = adapter_settings(r.resolve_path(a.init_from))
+        was = lora_scale(s["alpha"], s["rank"], s["rslora"])
+        now = lora_scale(a.alpha, a.rank, a.rslora)
+        if not math.isclose(was, now, rel_tol=1e-6):
+            log(
+                f"adapter.init_from was trained at scale {was:g}; this run scales it by {now:g} "
+                "(adapter.alpha / rank, or / sqrt(rank) with adapter.rslora)"
+            )
     if r.train.grad_checkpointing:
         n = checkpoint_layers(model, int(r.train.grad_checkpointing))
         log(
@@ -279,4 +289,6 @@ def optimizer_for(recipe: Recipe, total_steps: int):
     schedule = make_schedule(
         s.name, recipe.optimizer.lr, total_steps, s.warmup_steps, s.min_lr, s.decay_fraction
     )
-    return build_optimizer(recipe.optimizer, schedule, recipe.explicit)
+    a = recipe.adapter
+    ratio = a.lora_plus_ratio if a.type != "full" else None
+    return build_optimizer(recipe.optimizer, schedule, recipe.explicit, ratio)

@@ -238,7 +238,7 @@ def last_saved(run_dir: RunDir) -> str:
 
 
 def restore(
-    run_dir: RunDir, which: str, recipe: Recipe, model, engine, log, trim: bool = True
+    run_dir: RunDir, which: str, recipe: Recipe, engine, log, trim: bool = True
 ) -> TrainState:
     """Put back the weights, the engine's state and the random state of checkpoint ``which``
     ("latest" or a name), cut metrics and samples back to its step (``trim``: not on the ranks of
@@ -257,8 +257,6 @@ def restore(
     for line in ok:
         log(f"resuming with a changed recipe: {line}")
     state = TrainState.from_json(info["resume"])
-    weights = str(ckpt / "adapters.safetensors")
-    load_trainable_weights(model, read_trainable(ckpt), weights)  # each by name and shape
     engine.restore(ckpt, state.engine)
     step = state.position.step
     for name in ("metrics.jsonl", "samples.jsonl") if trim else ():
@@ -336,6 +334,7 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
         0.0,
         a.get("targets", []),
         a.get("layers"),
+        a.get("rslora", False),
     )
     weights = without_value_head(read_trainable(ckpt))  # a policy needs no critic
     if has_reward_head(weights):  # a reward model

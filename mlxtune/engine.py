@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .distributed import World, collectives
 from .errors import TrainingError, UserInputError
-from .export import load_trainable_weights
+from .export import load_trainable_weights, read_trainable
 from .kernels import forward_only
 from .memory import is_out_of_memory
 from .models import dropout_key
@@ -178,6 +178,10 @@ class Engine:
             loss_sum, metrics = sums[0], {k: sums[2 + i] for i, k in enumerate(names)}
             return (loss_sum, sums[1].astype(count.dtype), metrics, *self._apply(grads, loss_sum))
 
+        self._curvature_step = None
+        if getattr(opt, "curvature_every", None):
+            self._curvature_step = self._build_curvature(state)
+
         @partial(mx.compile, inputs=[model.state])
         def eval_step(batch):
             with forward_only():  # no backward follows: the loss kernel skips its gradient work
@@ -187,6 +191,40 @@ class Engine:
         self._reduce_apply_step = reduce_apply_step
         self._eval_step = eval_step
         self._state = state
+
+    def _build_curvature(self, state: list):
+        """Sophia's curvature pass: the gradient of the mean loss against labels the model
+        draws itself (``Objective.sampled_loss``), averaged over ranks, handed to the optimizer
+        with the number of targets it averaged (left out when not finite)."""
+        model, opt, objective, world = self.model, self.optimizer, self.objective, self.world
+        if not objective.draws_labels:
+            raise UserInputError(
+                f"sophia estimates curvature from labels the model draws itself, which the "
+                f"{objective.name} objective does not have; use another optimizer.name",
+                "optimizer.name",
+            )
+
+        def drawn_loss(model, batch, scale):
+            loss, count = objective.sampled_loss(model, batch)
+            return loss * scale / mx.maximum(count, 1), count
+
+        grad_fn = nn.value_and_grad(model, drawn_loss)
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def curvature_step(batch):
+            scale = self.scaler["scale"]
+            (loss, count), grads = grad_fn(model, batch, scale)
+            grads = tree_map(lambda g: g.astype(mx.float32) / scale, grads)
+            if world.size > 1:  # the mean over every rank's targets, each weighted by its count
+                count_all = world.all_sum(count.astype(mx.float32))
+                grads = tree_map(lambda g: g * (count * world.size / count_all), grads)
+                grads = nn.average_gradients(grads, world.group)
+                count = count_all
+            sq = sum(mx.sum(mx.square(g)) for _, g in tree_flatten(grads))
+            opt.update_curvature(grads, count.astype(mx.float32), all_finite(loss, sq))
+            return count
+
+        return curvature_step
 
     def arrays(self, batch) -> dict[str, mx.array]:
         """The objective's batch as the device arrays a step takes."""
@@ -302,6 +340,9 @@ class Engine:
             parts = self.micro_batches(batches)
             saved = snapshot(self._state) if self.oom_fallback else None
             try:
+                every = getattr(self.optimizer, "curvature_every", None)
+                if every and (step - 1) % every == 0:  # before the update, from the first step
+                    self._curvature_step(self.arrays(parts[0]))
                 return self.step(parts, total)
             except Exception as e:
                 if saved is None or not is_out_of_memory(e):
@@ -395,8 +436,12 @@ class Engine:
             )
         self.objective.save(folder)
 
-    def restore(self, folder, host: EngineState) -> None:
-        """Put back what ``save`` and ``host_state`` saved (the weights are loaded already)."""
+    def load_weights(self, folder) -> None:
+        """Put a checkpoint's trainable weights in place, each checked by name and shape, and
+        its fp32 masters when this run keeps them."""
+        load_trainable_weights(
+            self.model, read_trainable(folder), str(folder / "adapters.safetensors")
+        )
         masters = folder / "masters.safetensors"
         if self.masters is not None:
             if not masters.exists():
@@ -409,6 +454,11 @@ class Engine:
             load_trainable_weights(self.model, mx.load(str(masters)), str(masters))
             select_into(self.masters, self.model.trainable_parameters())
             self.model.update(tree_map(lambda w, dt: w.astype(dt), self.masters, self.dtypes))
+
+    def restore(self, folder, host: EngineState) -> None:
+        """Put back a checkpoint's weights (``load_weights``) and what ``save`` and
+        ``host_state`` saved."""
+        self.load_weights(folder)
         saved = mx.load(str(folder / "optimizer.safetensors"))
         self.optimizer.state = tree_unflatten(list(saved.items()))
         # fills in the structure around what was saved (frozen layers hold empty states)

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .adapters import DoRALinear, LoRALinear
+from .adapters import DoRALinear, LoRALinear, lora_scale
 from .errors import UserInputError
 from .gguf_export import write_gguf_adapter, write_gguf_model
 from .models import (
@@ -62,7 +62,7 @@ class TrainedModel:
     tokenizer: object
     model_config: dict
     adapter: dict
-    """type, rank, alpha, dropout, targets, layers (indices) and adapted (module names)."""
+    """type, rank, alpha, rslora, dropout, targets, layers (indices) and adapted (module names)."""
     base_dir: Path | None
     tokenizer_dir: Path | None
 
@@ -109,7 +109,7 @@ def mlx_lm_config(t: TrainedModel) -> dict:
         "num_layers": n_layers - min(a["layers"]),
         "lora_parameters": {
             "rank": a["rank"],
-            "scale": a["alpha"] / a["rank"],
+            "scale": lora_scale(a["alpha"], a["rank"], a.get("rslora", False)),
             "dropout": a.get("dropout", 0.0),
             "keys": keys,
         },
@@ -201,6 +201,7 @@ def write_peft(t: TrainedModel, out: Path, base_name: str | None = None):
         "base_model_name_or_path": base_name or (str(t.base_dir) if t.base_dir else None),
         "r": a["rank"],
         "lora_alpha": a["alpha"],
+        "use_rslora": a.get("rslora", False),
         "lora_dropout": a.get("dropout", 0.0),
         "target_modules": sorted({n.rsplit(".", 1)[-1] for n in a["adapted"]}),
         "layers_to_transform": sorted(a["layers"]),
@@ -315,7 +316,10 @@ def export(
             raise UserInputError(
                 "gguf-adapter holds LoRA weights; export a full or DoRA run as gguf", "export"
             )
-        write_gguf_adapter(t.model, t.model_config, t.adapter["alpha"], out)
+        # the file's alpha is read as alpha / rank: rsLoRA's scale goes in as scale x rank
+        a = t.adapter
+        alpha = lora_scale(a["alpha"], a["rank"], a.get("rslora", False)) * a["rank"]
+        write_gguf_adapter(t.model, t.model_config, alpha, out)
         write_reward_head(t.model, out)
     else:
         raise UserInputError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}", "export")
@@ -386,7 +390,8 @@ def adapter_settings(path: str | Path) -> dict:
         return {
             "type": cfg.get("fine_tune_type", "lora"),
             "rank": lp["rank"],
-            "alpha": lp["scale"] * lp["rank"],
+            "alpha": lp["scale"] * lp["rank"],  # the scale is absolute: alpha / rank
+            "rslora": False,
             "targets": sorted({k.rsplit(".", 1)[-1] for k in keys}) if keys else ["all-linear"],
             "layers": cfg.get("num_layers"),
         }
@@ -401,6 +406,7 @@ def adapter_settings(path: str | Path) -> dict:
             "type": "dora" if cfg.get("use_dora") else "lora",
             "rank": cfg["r"],
             "alpha": cfg["lora_alpha"],
+            "rslora": bool(cfg.get("use_rslora", False)),
             "targets": targets,
             "layers": cfg.get("layers_to_transform"),
         }

@@ -435,7 +435,9 @@ def load_for_generation(
             raise UserInputError(
                 f"a {s['type']!r} adapter holds whole weights; load it as --model", str(adapter)
             )
-        apply_adapters(m, s["type"], s["rank"], s["alpha"], 0.0, s["targets"], s["layers"])
+        apply_adapters(
+            m, s["type"], s["rank"], s["alpha"], 0.0, s["targets"], s["layers"], s["rslora"]
+        )
         import_adapter(m, adapter)
     if scale is not None:
         mods = adapter_modules(m)

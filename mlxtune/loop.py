@@ -5,6 +5,7 @@ to save and resume; none of them knows about the loop."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import shutil
 import tempfile
@@ -30,6 +31,16 @@ from .models import kernel_attention, value_head_aside
 from .objectives import build_objective
 from .rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
 from .state import LoopPosition, TrainState
+
+HIGHER_IS_BETTER = ("reward", "accuracy", "exact_match")
+"""Words in a metric's name that make higher better for early stopping and the best checkpoint."""
+
+
+def watch_mode(e) -> str:
+    """ "min" or "max": train.early_stopping.mode, or what the metric's name implies."""
+    if e.mode is not None:
+        return e.mode
+    return "max" if any(w in e.metric for w in HIGHER_IS_BETTER) else "min"
 
 
 class Trainer:
@@ -62,6 +73,9 @@ class Trainer:
         self.resumed = False
         self._start_eval: dict | None = None
         self._stop = self._save = False
+        self._stopped_early = False
+        self._last_eval: tuple[int, dict] | None = None
+        """The latest evaluation: (step, metrics)."""
         self._meter = StepMeter()
         self._signals = Signals(self._on_signal, enabled=not dry_run)
         self._held_logs: list[str] | None = []  # log lines wait until the input is accepted
@@ -153,7 +167,6 @@ class Trainer:
                 self._source,
                 self.resume_from,
                 r,
-                self.model,
                 self.engine,
                 self.log,
                 trim=self.world.main,
@@ -387,7 +400,11 @@ class Trainer:
 
     def _finish(self, train_time: float, before: float | None) -> dict:
         r, pos, meter = self.recipe, self.position, self._meter
-        final_eval = self._evaluate(pos.step)
+        seen = self._last_eval  # early stopping evaluated this step already
+        final_eval = seen[1] if seen and seen[0] == pos.step else self._evaluate(pos.step)
+        best = self._restore_best() if r.checkpoints.load_best_at_end else None
+        if best is not None:
+            final_eval = best
         main = self.world.main  # the other ranks of a data-parallel run write nothing
         if r.samples.every and main:
             self._samples(pos.step)
@@ -402,6 +419,7 @@ class Trainer:
             "final_loss": pos.last_loss,
             "final_eval_loss": final_eval["eval_loss"],
             "best_eval_loss": pos.best_eval,
+            "stopped_early": self._stopped_early,
             "mean_step_time_s": meter.mean_step_time(),
             "first_step_compile_time_s": meter.first_step,
             "tokens_seen": pos.tokens_seen,
@@ -451,13 +469,14 @@ class Trainer:
 
     def _evaluate(self, step: int) -> dict:
         m = self.evaluate()
+        self._last_eval = (step, m)
         row = {"step": step, **m, "time": time.time()}
         self.run_dir.append_jsonl("metrics.jsonl", row)
         self.console.log_eval(row)
-        if m["eval_loss"] < self.position.best_eval:
-            self.position.best_eval = m["eval_loss"]
-            if self.recipe.checkpoints.save_best:
-                self._checkpoint("best", {"eval_loss": m["eval_loss"]}, prune_after=False)
+        better = self._watch(m)
+        self.position.best_eval = min(self.position.best_eval, m["eval_loss"])
+        if better and self.recipe.checkpoints.save_best:
+            self._checkpoint("best", m, prune_after=False)
         for s in self.objective.eval_samples if self.world.main else ():
             self.run_dir.append_jsonl(
                 "samples.jsonl", {"step": step, "eval": True, **s, "time": time.time()}
@@ -492,6 +511,51 @@ class Trainer:
             self.run_dir.append_jsonl("samples.jsonl", {"step": step, **s, "time": time.time()})
         if drawn:
             self.console.sample(step, drawn[0]["prompt"], drawn[0]["completion"])
+
+    def _watch(self, m: dict) -> bool:
+        """Whether the watched metric (train.early_stopping.metric) beat its best so far (the
+        best checkpoint's rule); counts the evaluations without an improvement of more than
+        min_delta and asks the run to stop after ``patience`` of them."""
+        e, pos = self.recipe.train.early_stopping, self.position
+        if e.metric not in m or not isinstance(m[e.metric], (int, float)):
+            names = ", ".join(k for k, x in m.items() if isinstance(x, (int, float)))
+            raise UserInputError(
+                f"{e.metric!r} is not one of this run's evaluation metrics: {names}",
+                "train.early_stopping.metric",
+            )
+        sign = 1.0 if watch_mode(e) == "min" else -1.0
+        best = pos.best_watched
+        if best is None and e.metric == "eval_loss" and math.isfinite(pos.best_eval):
+            best = pos.best_eval  # a checkpoint from before the metric was kept on its own
+        value = sign * m[e.metric]
+        gain = math.inf if best is None else sign * best - value
+        if gain > e.min_delta:
+            pos.stalled = 0
+        else:
+            pos.stalled += 1
+        if e.patience is not None and pos.stalled >= e.patience and not self._stop:
+            self.log(
+                f"early stopping: {e.metric} has not improved by more than {e.min_delta:g} in "
+                f"{pos.stalled} evaluations (best {best:.6g})"
+            )
+            self._stop = self._stopped_early = True
+        if gain > 0:
+            pos.best_watched = m[e.metric]
+            return True
+        return False
+
+    def _restore_best(self) -> dict | None:
+        """Put the best checkpoint's weights back (checkpoints.load_best_at_end); its
+        evaluation, or None when the model in memory is the best already or there is none."""
+        best = self.run_dir.checkpoints / "best"
+        if not (best / "trainer_state.json").exists():
+            return None
+        info = json.loads((best / "trainer_state.json").read_text())
+        if info["step"] == self.position.step:
+            return None
+        self.engine.load_weights(best)
+        self.log(f"restored the best checkpoint's weights (step {info['step']})")
+        return {k: info[k] for k in self._last_eval[1] if k in info}
 
     # ---------------------------------------------------------------- checkpoints, export
     def _checkpoint(self, name: str, extra: dict | None = None, prune_after: bool = True):

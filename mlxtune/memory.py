@@ -84,7 +84,7 @@ class Shape:
     batch: int
     length: int  # positions the model reads per row (the longest padded batch)
     accumulation: int
-    optimizer_slots: int  # arrays of state per weight: adam 2, sgd with momentum 1, else 0
+    optimizer_bytes: int  # the optimizer's state (its arrays, as initialised)
     masters: bool
     attention_scores: bool  # the attention tier builds [T, T] scores
     logits_full: bool  # the loss builds [tokens, vocab] logits
@@ -128,7 +128,6 @@ def estimate(s: Shape) -> dict[str, float]:
         logits = tokens * s.vocab * (4 * 3 + s.act_bytes)
     else:
         logits = min(s.logit_chunk, tokens * s.vocab) * 4 * 3
-    state_bytes = 4 if (s.masters or s.trainable_bytes >= 4 * s.trainable) else 2
     # generating (before the step, its activations gone): the batched KV cache and each row's
     # last logits, cast to fp32 and filtered to sample
     generation = s.generation_rows * (
@@ -138,7 +137,7 @@ def estimate(s: Shape) -> dict[str, float]:
         "weights": float(s.weight_bytes + s.reference_bytes),
         "masters": float(4 * s.trainable_16bit if s.masters else 0),
         # the state, and its new values while the update runs
-        "optimizer": float(2 * s.optimizer_slots * s.trainable * state_bytes),
+        "optimizer": float(2 * s.optimizer_bytes),
         # the gradients as computed, their fp32 unscaled copy, the accumulator, and the
         # updated weights before they replace the old
         "gradients": float(
@@ -175,8 +174,6 @@ def shape_of(trainer) -> Shape:
     rows, length = trainer.objective.layout()
     reference = trainer.objective.reference_memory()
     generating = trainer.objective.generation_layout() or (0, 0)
-    o = r.optimizer
-    slots = 2 if o.name in ("adam", "adamw") else (1 if o.momentum else 0)
     layers = int(cfg.get("num_hidden_layers") or 0)
     modules = [m for _, m in model.named_modules()]
     quantized = any(is_quantized(m) for m in modules)
@@ -214,7 +211,7 @@ def shape_of(trainer) -> Shape:
         batch=rows,
         length=length,
         accumulation=r.train.grad_accumulation,
-        optimizer_slots=slots,
+        optimizer_bytes=sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state)),
         masters=trainer.engine.masters is not None,
         attention_scores=trainer.tiers["attention"] in ("reference", "off"),
         chunked_attention=trainer.tiers["attention"] == "chunked",

@@ -57,6 +57,10 @@ class LoopPosition:
     examples_seen: int = 0
     window: Window = field(default_factory=Window)
     best_eval: float = math.inf
+    best_watched: float | None = None
+    """The best value of the watched metric (train.early_stopping.metric) so far."""
+    stalled: int = 0
+    """Evaluations in a row since it last improved by more than early stopping's min_delta."""
     last_loss: float = math.nan
     first_row: bool = True
     """The next metrics row is the run's first (it carries the compile time)."""

@@ -23,6 +23,7 @@ ADAPTERS = {
         "alpha": 8,
         "targets": ["q_proj", "v_proj", "down_proj"],
         "layers": "1-1",
+        "rslora": True,  # scaled by alpha / sqrt(rank): every export must carry it
     },
     "dora": {"type": "dora", "rank": 4, "alpha": 8, "targets": ["all-linear"]},
 }
@@ -65,13 +66,14 @@ def test_every_format_round_trips_with_the_same_logits(tmp_path, data_dir, llama
     peft_cfg = json.loads((run / "export" / "peft" / "adapter_config.json").read_text())
     assert peft_cfg["peft_type"] == "LORA" and peft_cfg["r"] == 4 and peft_cfg["lora_alpha"] == 8
     assert peft_cfg["use_dora"] == (kind == "dora")
+    assert peft_cfg["use_rslora"] == (kind == "lora")
     peft_w = mx.load(str(run / "export" / "peft" / "adapter_model.safetensors"))
     a_key = next(k for k in peft_w if k.endswith("self_attn.q_proj.lora_A.weight"))
     assert a_key.startswith("base_model.model.model.layers.1.") and peft_w[a_key].shape == (4, 32)
     assert peft_w[a_key.replace("lora_A", "lora_B")].shape[1] == 4
     fresh, _ = load_model(llama_dir)
     a = ADAPTERS[kind]
-    apply_adapters(fresh, a["type"], 4, 8.0, 0.0, a["targets"], a.get("layers"))
+    apply_adapters(fresh, a["type"], 4, 8.0, 0.0, a["targets"], a.get("layers"), kind == "lora")
     import_adapter(fresh, run / "export" / "peft")
     fresh.eval()
     np.testing.assert_allclose(logits(fresh, ids), want, rtol=1e-4, atol=1e-4)

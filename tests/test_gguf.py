@@ -1,6 +1,8 @@
 """GGUF: written natively, read back with the gguf package (llama.cpp's reader), and checked by
 a numpy forward pass that follows llama.cpp's conventions (interleaved rope on the stored q/k)."""
 
+import math
+
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -144,7 +146,8 @@ def test_gguf_adapter_applies_as_llama_cpp_applies_it(tmp_path, data_dir, llama_
     assert (
         f["general.type"] == "adapter"
         and f["adapter.type"] == "lora"
-        and f["adapter.lora.alpha"] == 8.0
+        # rsLoRA's scale alpha / sqrt(r) = 8 / 2, which llama.cpp reads as alpha / r
+        and f["adapter.lora.alpha"] == pytest.approx(8.0 / math.sqrt(4) * 4)
     )
     assert f["general.architecture"] == "llama"
     assert ad["blk.1.attn_q.weight.lora_a"].shape == (4, 32) and ad[
@@ -162,7 +165,9 @@ def test_gguf_adapter_applies_as_llama_cpp_applies_it(tmp_path, data_dir, llama_
     )
     _, ft, _ = read(export_gguf(tmp_path / "lora", tmp_path / "fz"))
     for name in ("blk.1.attn_q.weight", "blk.1.attn_v.weight", "blk.1.ffn_down.weight"):
-        merged = bt[name] + (8.0 / 4) * ad[name + ".lora_b"] @ ad[name + ".lora_a"]
+        merged = (
+            bt[name] + (f["adapter.lora.alpha"] / 4) * ad[name + ".lora_b"] @ ad[name + ".lora_a"]
+        )
         np.testing.assert_allclose(merged, ft[name], rtol=1e-4, atol=1e-5)
 
 

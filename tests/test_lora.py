@@ -148,3 +148,17 @@ def test_unknown_target_names_the_real_layers(model_dir_factory):
     model, _ = load_model(model_dir_factory("llama"))
     with pytest.raises(UserInputError, match="no layer named 'qproj'.*q_proj"):
         apply_adapters(model, "lora", 4, 8.0, 0.0, ["qproj"])
+
+
+@pytest.mark.parametrize("cls", [LoRALinear, DoRALinear])
+@pytest.mark.parametrize("rank", [4, 16])
+def test_rslora_scales_the_update_by_alpha_over_sqrt_rank(cls, rank):
+    mx.random.seed(1)
+    base = nn.Linear(12, 10)
+    x = mx.random.normal((2, 3, 12))
+    for rslora, scale in ((False, 8.0 / rank), (True, 8.0 / rank**0.5)):
+        layer = cls.from_base(base, rank=rank, alpha=8.0, rslora=rslora)
+        layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.1
+        args = (x, base.weight, base.bias, layer.lora_a, layer.lora_b, scale)
+        want = _naive_dora(*args, layer.m) if cls is DoRALinear else _naive_lora(*args)
+        np.testing.assert_allclose(np.array(layer(x)), np.array(want), rtol=1e-5, atol=1e-5)

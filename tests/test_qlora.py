@@ -226,7 +226,7 @@ def _shape(**over) -> Shape:
         batch=1,
         length=512,
         accumulation=1,
-        optimizer_slots=2,
+        optimizer_bytes=2 * 4 * 10**7,
         masters=False,
         attention_scores=False,
         logits_full=False,

@@ -97,6 +97,15 @@ def test_wrong_type_names_key_and_line(tmp_path):
         ("optimizer.adafactor.clip_threshold=0", "optimizer.adafactor.clip_threshold"),
         ("schedule.decay_fraction=0", "schedule.decay_fraction"),
         ("optimizer.name=sophie", "optimizer.name"),
+        ("optimizer.muon.lr_scale=0", "optimizer.muon.lr_scale"),
+        ("optimizer.muon.momentum=1", "optimizer.muon.momentum"),
+        ("optimizer.muon.ns_steps=0", "optimizer.muon.ns_steps"),
+        ("optimizer.muon.weight_decay_scale=-1", "optimizer.muon.weight_decay_scale"),
+        ("adapter.lora_plus_ratio=0", "adapter.lora_plus_ratio"),
+        ("train.early_stopping.patience=0", "train.early_stopping.patience"),
+        ("train.early_stopping.min_delta=-0.1", "train.early_stopping.min_delta"),
+        ("train.early_stopping.metric=loss", "train.early_stopping.metric"),
+        ("train.early_stopping.mode=up", "train.early_stopping.mode"),
     ],
 )
 def test_impossible_values_are_refused_naming_the_key(tmp_path, override, key):
@@ -104,6 +113,19 @@ def test_impossible_values_are_refused_naming_the_key(tmp_path, override, key):
         R.load_recipe(write(tmp_path, MINIMAL_RECIPE), [override])
     assert key in str(e.value)
     assert "override" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["checkpoints.save_best=false", "checkpoints.load_best_at_end=true"], "load_best_at_end"),
+        (["eval.every=null", "train.early_stopping.patience=3"], "train.early_stopping.patience"),
+    ],
+)
+def test_settings_that_need_another_are_refused_naming_the_key(tmp_path, overrides, key):
+    with pytest.raises(UserInputError) as e:
+        R.load_recipe(write(tmp_path, MINIMAL_RECIPE), overrides)
+    assert key in str(e.value)
 
 
 def test_literal_typo_gets_a_suggestion(tmp_path):
@@ -493,6 +515,25 @@ SCRATCH = {
         (
             {"optimizer": {"name": "adamw", "adafactor": {"clip_threshold": 2.0}}},
             {"optimizer.adafactor.clip_threshold": "optimizer.name is adamw"},
+        ),
+        (
+            {"optimizer": {"name": "lion", "muon": {"lr_scale": 2.0, "adapters": True}}},
+            {"optimizer.muon.lr_scale": "is lion", "optimizer.muon.adapters": "is lion"},
+        ),
+        (
+            {
+                "adapter": {"type": "full"},
+                "optimizer": {"name": "muon", "momentum": 0.5, "muon": {"adapters": True}},
+            },
+            {"optimizer.muon.adapters": "adapter.type is full", "optimizer.momentum": "is muon"},
+        ),
+        (
+            {"train": {"max_steps": 5, "early_stopping": {"min_delta": 0.1}}},
+            {"train.early_stopping.min_delta": "patience is null"},
+        ),
+        (
+            {"adapter": {"type": "full", "rslora": True, "lora_plus_ratio": 16}},
+            {"adapter.rslora": "is full", "adapter.lora_plus_ratio": "is full"},
         ),
         (
             {"schedule": {"name": "cosine", "decay_fraction": 0.2}},

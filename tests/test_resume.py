@@ -16,17 +16,14 @@ from mlxtune.errors import UserInputError
 TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
 
 
-def recipe(data_dir, model_dir, **over):
+LORA = {"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj"]}
+
+
+def recipe(data_dir, model_dir, adapter=LORA, **over):
     r = tiny_recipe(
         data_dir,
         model_dir,
-        adapter={
-            "type": "lora",
-            "rank": 4,
-            "alpha": 8,
-            "dropout": 0.1,
-            "targets": ["q_proj", "v_proj"],
-        },
+        adapter=adapter,
         train={"batch_size": 8, "max_steps": 12, "log_every": 1, "progress": False, "seed": 3},
         eval={"every": 4},
         checkpoints={"every": 3, "keep_last": 5},
@@ -215,25 +212,41 @@ def test_the_cli_exits_130_and_says_how_to_resume(
 
 
 @pytest.mark.parametrize(
-    "optimizer, schedule",
+    "optimizer, schedule, adapter",
     [
         pytest.param(  # suite time: adafactor's case covers WSD and a resumed state
             {"name": "lion", "lr": 3e-4, "weight_decay": 0.1},
             {"name": "warmup_stable_decay", "decay_fraction": 0.25},
+            LORA,
             marks=pytest.mark.slow,
         ),
         (
             {"name": "adafactor", "lr": 1e-2, "adafactor": {"beta1": 0.9}},
             {"name": "warmup_stable_decay", "warmup_steps": 2, "decay_fraction": 0.4},
+            LORA,
+        ),
+        (  # full: the blocks' matrices under Muon, the embedding and norms under AdamW
+            {"name": "muon", "lr": 1e-3, "weight_decay": 0.1, "muon": {"nesterov": False}},
+            {"name": "cosine", "warmup_steps": 2},
+            {"type": "full"},
+        ),
+        (  # curvature drawn before steps 1, 4, 7, 10: the resumed run draws step 7's alike
+            {"name": "sophia", "lr": 2e-3, "weight_decay": 0.1, "sophia": {"k": 3}},
+            {"name": "linear"},
+            LORA,
         ),
     ],
-    ids=["lion-wsd", "adafactor-momentum-wsd"],
+    ids=["lion-wsd", "adafactor-momentum-wsd", "muon-full", "sophia-lora"],
 )
-def test_each_optimizer_resumes_exactly(tmp_path, data_dir, llama_dir, optimizer, schedule):
+def test_each_optimizer_resumes_exactly(
+    tmp_path, data_dir, llama_dir, optimizer, schedule, adapter
+):
     """Its whole state (Lion's momentum; Adafactor's row and column moments, its first moment
-    and its step count) in the checkpoint: a run cut at step 7 and resumed writes the rows of
-    one that was not, and the decay (WSD over the last quarter or 40%) goes on where it was."""
-    r = recipe(data_dir, llama_dir, optimizer=optimizer, schedule=schedule)
+    and its step count; Muon's momentum and AdamW's moments, two step counts; Sophia's
+    momentum and curvature, and the random state its labels are drawn with) in the
+    checkpoint: a run cut at step 7 and resumed writes the rows of one that was not, and the
+    decay goes on where it was."""
+    r = recipe(data_dir, llama_dir, adapter, optimizer=optimizer, schedule=schedule)
     trainer(r, tmp_path / "whole").run()
     want = rows(tmp_path / "whole")
     crashed(r, tmp_path / "cut", at=7)

@@ -160,6 +160,7 @@ def check_adapter(r: Recipe, v: Fails) -> None:
         _in_range(v, "adapter.dropout", a.dropout, 0.0, 1.0)
         if not a.targets:
             v.fail("adapter.targets", "name at least one layer (for example q_proj) or all-linear")
+        _positive(v, "adapter.lora_plus_ratio", a.lora_plus_ratio, allow_none=True)
     if a.init_from is not None and a.type == "full":
         v.fail("adapter.init_from", "starting from an adapter needs adapter.type lora or dora")
     _check_layers(a.layers, v)
@@ -213,6 +214,21 @@ def check_optimizer(r: Recipe, v: Fails) -> None:
         )
     if a.beta1 is not None and not 0 <= a.beta1 < 1:
         v.fail("optimizer.adafactor.beta1", f"must be in [0, 1) or null, got {a.beta1}")
+    m = o.muon
+    _positive(v, "optimizer.muon.lr_scale", m.lr_scale)
+    if m.weight_decay_scale < 0:
+        v.fail(
+            "optimizer.muon.weight_decay_scale", f"must be 0 or more, got {m.weight_decay_scale}"
+        )
+    _in_range(v, "optimizer.muon.momentum", m.momentum, 0, 1)
+    if m.ns_steps < 1:
+        v.fail("optimizer.muon.ns_steps", f"must be 1 or more, got {m.ns_steps}")
+    sg = o.sophia
+    if len(sg.betas) != 2 or not all(0 <= b < 1 for b in sg.betas):
+        v.fail("optimizer.sophia.betas", f"must be two numbers in [0, 1), got {sg.betas}")
+    _positive(v, "optimizer.sophia.rho", sg.rho)
+    _positive(v, "optimizer.sophia.k", sg.k)
+    _positive(v, "optimizer.sophia.eps", sg.eps)
 
 
 def check_schedule(r: Recipe, v: Fails) -> None:
@@ -240,6 +256,17 @@ def check_train(r: Recipe, v: Fails) -> None:
     gc = t.grad_checkpointing
     if not isinstance(gc, bool) and gc < 1:
         v.fail("train.grad_checkpointing", f"true, false or every k-th layer (k >= 1), got {gc}")
+    es = t.early_stopping
+    _positive(v, "train.early_stopping.patience", es.patience, allow_none=True)
+    if es.min_delta < 0:
+        v.fail("train.early_stopping.min_delta", f"must be 0 or more, got {es.min_delta}")
+    if not es.metric.startswith("eval_"):
+        v.fail("train.early_stopping.metric", f"an evaluation metric (eval_...), got {es.metric!r}")
+    if es.patience is not None and r.eval.every is None:
+        v.fail(
+            "train.early_stopping.patience",
+            "early stopping checks at each evaluation: set eval.every",
+        )
 
 
 def check_eval(r: Recipe, v: Fails) -> None:
@@ -290,6 +317,8 @@ def check_checkpoints(r: Recipe, v: Fails) -> None:
     """checkpoints: how often and how many."""
     _positive(v, "checkpoints.every", r.checkpoints.every, allow_none=True)
     _positive(v, "checkpoints.keep_last", r.checkpoints.keep_last)
+    if r.checkpoints.load_best_at_end and not r.checkpoints.save_best:
+        v.fail("checkpoints.load_best_at_end", "needs checkpoints.save_best: true")
 
 
 def check_export(r: Recipe, v: Fails) -> None:
@@ -342,20 +371,30 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
         inert(("data.train_on_eos",), "data.add_eos is false")
 
     if r.adapter.type == "full":
-        keys = ("rank", "alpha", "dropout", "targets", "layers")
+        keys = ("rank", "alpha", "dropout", "targets", "layers", "rslora", "lora_plus_ratio")
         inert(tuple(f"adapter.{k}" for k in keys), "adapter.type is full")
 
     o = r.optimizer
-    if o.name in ("sgd", "lion", "adafactor"):
+    if o.name in ("sgd", "lion", "adafactor", "sophia"):
         keys = ("eps", "bias_correction") + (("betas",) if o.name != "lion" else ())
         inert(tuple(f"optimizer.{k}" for k in keys), f"optimizer.name is {o.name}")
     if o.name != "sgd":
         inert(("optimizer.momentum",), f"optimizer.name is {o.name}")
     if o.name == "adam":
         inert(("optimizer.weight_decay",), "optimizer.name is adam (adamw decays weights)")
-    if o.name != "adafactor":
-        keys = tuple(f.name for f in dataclasses.fields(o.adafactor))
-        inert(tuple(f"optimizer.adafactor.{k}" for k in keys), f"optimizer.name is {o.name}")
+    for name, block in (("adafactor", o.adafactor), ("muon", o.muon), ("sophia", o.sophia)):
+        if o.name != name:
+            keys = tuple(f"optimizer.{name}.{f.name}" for f in dataclasses.fields(block))
+            inert(keys, f"optimizer.name is {o.name}")
+    if o.name == "muon" and r.adapter.type == "full":
+        inert(("optimizer.muon.adapters",), "adapter.type is full (no adapters train)")
+
+    es = r.train.early_stopping
+    if es.patience is None:
+        inert(("train.early_stopping.min_delta",), "train.early_stopping.patience is null")
+        if not r.checkpoints.save_best:
+            keys = ("train.early_stopping.metric", "train.early_stopping.mode")
+            inert(keys, "neither early stopping nor checkpoints.save_best uses them")
 
     if r.schedule.name == "constant":
         inert(("schedule.min_lr",), "schedule.name is constant")

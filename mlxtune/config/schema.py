@@ -138,7 +138,14 @@ class AdapterConfig:
     rank: int = 8
     """LoRA rank r."""
     alpha: float = 16.0
-    """LoRA alpha; the update is scaled by alpha / rank."""
+    """LoRA alpha; the update is scaled by alpha / rank (alpha / sqrt(rank) with rslora)."""
+    rslora: bool = False
+    """Rank-stabilised LoRA: scale the update by alpha / sqrt(rank), so that its size does not
+    shrink as the rank grows. Every export carries the scale (mlx-lm's scale, PEFT's
+    use_rslora, the GGUF adapter's alpha)."""
+    lora_plus_ratio: float | None = None
+    """LoRA+: B's learning rate is this multiple of A's (and of the recipe's lr); null: the
+    same. 16 is LoRA+'s suggestion; measured on quickstart-lora in the README."""
     dropout: float = 0.0
     """Dropout on the LoRA input."""
     targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
@@ -170,13 +177,58 @@ class AdafactorConfig:
 
 
 @dataclass
+class MuonConfig:
+    """Muon's own settings (name: muon): Muon (MLX's) trains the 2-D weight matrices inside the
+    transformer blocks, AdamW (the recipe's lr, betas, eps, weight_decay) everything else."""
+
+    lr_scale: float = 5.0
+    """Muon's learning rate as a multiple of optimizer.lr (the schedule shapes both). An
+    orthogonalised update is small per entry (RMS 1 / sqrt(the larger dimension)), so Muon
+    needs a larger lr than AdamW: 5 measured best on the quickstart at lr 2e-3."""
+    weight_decay_scale: float = 1.0
+    """Muon's matrices decay by optimizer.weight_decay x this (decoupled, at Muon's lr)."""
+    momentum: float = 0.95
+    """Muon's momentum."""
+    nesterov: bool = True
+    """Nesterov momentum."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations that orthogonalise each update."""
+    adapters: bool = True
+    """LoRA's A and B under Muon too (each orthogonalised as the [out, in] matrix it acts as);
+    false trains them with AdamW, which makes a LoRA run's Muon an AdamW run. Measured on
+    quickstart-lora: both reach the target in the same steps (README's optimizer table)."""
+
+
+@dataclass
+class SophiaConfig:
+    """Sophia-G's own settings (name: sophia; SFT only: its curvature estimate draws labels
+    from the model's own next-token predictions)."""
+
+    betas: list[float] = field(default_factory=lambda: [0.965, 0.99])
+    """The momentum's decay and the curvature average's."""
+    rho: float = 0.04
+    """Each entry steps by lr x min(|m| / (rho x h), 1): larger rho, smaller steps where the
+    curvature is large."""
+    k: int = 10
+    """Steps between curvature estimates (one extra forward and backward each, over the
+    step's first micro-batch, with the [tokens, vocabulary] logits built to draw labels)."""
+    eps: float = 1.0e-12
+    """The floor of rho x h."""
+
+
+@dataclass
 class OptimizerConfig:
     """The optimizer. Weight decay applies to matrices only, never to norms or biases."""
 
-    name: Literal["adamw", "adam", "sgd", "lion", "adafactor"] = "adamw"
-    """"adamw" (decoupled weight decay), "adam", "sgd" (with momentum), "lion" (the sign of
+    name: Literal["adamw", "adamw8bit", "adam", "sgd", "lion", "adafactor", "muon", "sophia"] = (
+        "adamw"
+    )
+    """"adamw" (decoupled weight decay), "adamw8bit" (AdamW with its moments stored as 8-bit
+    codes in blocks of 256, a quarter of the state), "adam", "sgd" (with momentum), "lion" (the sign of
     an interpolated momentum; betas default [0.9, 0.99] for it) or "adafactor" (factored second
-    moments: a row and a column a matrix)."""
+    moments: a row and a column a matrix), "muon" (orthogonalised momentum on the blocks'
+    weight matrices, AdamW on the rest) or "sophia" (Sophia-G: momentum over a diagonal
+    Gauss-Newton curvature estimate, clipped)."""
     lr: float = 1e-4
     """Peak learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -188,13 +240,18 @@ class OptimizerConfig:
     momentum: float = 0.9
     """SGD momentum."""
     weight_decay: float = 0.0
-    """Decoupled weight decay (adamw and sgd), applied to weights with two or more dimensions:
-    each step shrinks them by lr * weight_decay, apart from the gradient and its momentum."""
+    """Decoupled weight decay (every optimizer but adam), applied to weights with two or more
+    dimensions: each step shrinks them by lr * weight_decay, apart from the gradient and its
+    momentum."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this; null turns clipping off (grad_norm is still
     reported)."""
     adafactor: AdafactorConfig = field(default_factory=AdafactorConfig)
     """Adafactor's settings (name: adafactor)."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Muon's settings (name: muon)."""
+    sophia: SophiaConfig = field(default_factory=SophiaConfig)
+    """Sophia's settings (name: sophia)."""
 
 
 @dataclass
@@ -212,6 +269,23 @@ class ScheduleConfig:
     """Linear warmup from 0 to lr over this many optimizer steps."""
     min_lr: float = 0.0
     """The learning rate the decaying schedules end at."""
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """Stop when an evaluation metric stops improving (checked at every evaluation)."""
+
+    patience: int | None = None
+    """Stop after this many evaluations in a row without an improvement of more than min_delta
+    on the best so far; null: never stop early."""
+    min_delta: float = 0.0
+    """The least change that counts as an improvement."""
+    metric: str = "eval_loss"
+    """The evaluation metric watched: eval_loss, or another the objective reports (eval_ppl,
+    eval_reward, eval_reward_accuracy, ...). The best checkpoint is the best by it too."""
+    mode: Literal["min", "max"] | None = None
+    """Whether lower or higher is better; null: higher for a metric whose name holds reward,
+    accuracy or exact_match, lower for any other."""
 
 
 @dataclass
@@ -238,6 +312,8 @@ class TrainConfig:
     """Recompute transformer blocks' activations in the backward pass instead of keeping them
     (less memory, more compute): true for every block, an integer k for every k-th (blocks 0,
     k, 2k, ...), false for none."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """Stopping early on an evaluation metric."""
 
 
 @dataclass
@@ -286,7 +362,12 @@ class CheckpointConfig:
     keep_last: int = 3
     """Keep the last K step checkpoints; older ones are deleted."""
     save_best: bool = True
-    """Keep a copy of the checkpoint with the lowest validation loss in checkpoints/best."""
+    """Keep a copy of the checkpoint with the best evaluation (lowest eval_loss, or by
+    train.early_stopping.metric) in checkpoints/best."""
+    load_best_at_end: bool = False
+    """When training ends, put the best checkpoint's weights back: the final checkpoint, the
+    exports and the summary's final evaluation are then the best model's (needs save_best and
+    a validation set)."""
     save_final: bool = True
     """Save checkpoints/final at the end of training."""
 

@@ -139,6 +139,15 @@ class Objective:
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
         raise NotImplementedError(f"{type(self).__name__} must define loss(model, batch)")
 
+    def sampled_loss(self, model: nn.Module, batch: dict[str, mx.array]):
+        """The loss against labels drawn from the model's own predictions, for Sophia's
+        Gauss-Newton-Bartlett curvature estimate: (sum, count). Only objectives that predict
+        tokens (``draws_labels``) have one."""
+        raise NotImplementedError(f"{type(self).__name__} draws no labels")
+
+    draws_labels: bool = False
+    """Whether ``sampled_loss`` is defined (Sophia needs it)."""
+
     def hidden(self, batch: dict[str, mx.array]) -> mx.array:
         """The model's final hidden states [B, T-1, D] for every position but the last; packed
         rows (``batch["segments"]``) keep attention within each example."""
@@ -162,7 +171,8 @@ class Objective:
         for positions that are no target (a chat's prompt). ``hidden``: the batch's
         ``hidden(batch)`` when the caller has it already."""
         tokens, mask = batch["tokens"], batch["mask"]
-        targets = mx.where(mask[:, 1:] > 0, tokens[:, 1:], IGNORE).reshape(-1)
+        labels = batch.get("labels", tokens[:, 1:])  # the next tokens, unless drawn (Sophia)
+        targets = mx.where(mask[:, 1:] > 0, labels, IGNORE).reshape(-1)
         h = self.hidden(batch) if hidden is None else hidden
         h = h.reshape(-1, h.shape[-1])
         rows = batch.get("rows")

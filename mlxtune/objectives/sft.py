@@ -37,6 +37,20 @@ class SFT(Objective):
         loss, n = self.token_losses(batch, label_smoothing=self.recipe.train.label_smoothing)
         return loss, n, {}
 
+    draws_labels = True
+
+    def sampled_loss(self, model: nn.Module, batch: dict[str, mx.array]):
+        """Cross-entropy at the target positions against next tokens drawn from the model's
+        own (softcapped) distribution there, with the global random state; no gradient flows
+        through the draw."""
+        h = self.hidden(batch)
+        lm = self.components.lm
+        logits = mx.stop_gradient(h @ lm.head_weight().T.astype(h.dtype)).astype(mx.float32)
+        if lm.softcap:
+            logits = lm.softcap * mx.tanh(logits / lm.softcap)
+        drawn = mx.random.categorical(logits).astype(batch["tokens"].dtype)
+        return self.token_losses({**batch, "labels": drawn}, hidden=h)
+
     def batches(self, start_epoch: int = 0, skip: int = 0):
         r, t, c = self.recipe, self.recipe.train, self.components
         if self.packing != "off":
