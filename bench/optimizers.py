@@ -36,7 +36,8 @@ SETTINGS = {
         "lion": {"name": "lion", "lr": 2e-4, "weight_decay": 0.1},
         "adafactor": {"name": "adafactor", "lr": 2e-3, "weight_decay": 0.0},
         "muon": {"name": "muon", "lr": 2e-3, "weight_decay": 0.01},
-        "sophia": {"name": "sophia", "lr": 1e-3, "weight_decay": 0.01},
+        "sophia": {"name": "sophia", "lr": 3e-4, "weight_decay": 0.01},
+        "adamw8bit": {"name": "adamw8bit", "lr": 2e-3, "weight_decay": 0.01},
     },
     "quickstart-lora": {  # the shipped lr, 2e-3, times LR_FACTOR
         "adamw": {"name": "adamw", "lr": None, "weight_decay": None},
@@ -58,7 +59,7 @@ SETTINGS = {
         },
     },
 }
-LR_FACTOR = {"lion": 0.3}
+LR_FACTOR = {"lion": 0.3, "sophia": 0.3}
 
 
 def run(recipe: str, opt: str, every: int, target: float, tmp: Path, extra=()) -> dict:
@@ -82,6 +83,7 @@ def run(recipe: str, opt: str, every: int, target: float, tmp: Path, extra=()) -
         *extra,
     ]
     r = load_recipe(REPO / "recipes" / f"{recipe}.yaml", overrides)
+    lr, wd = r.optimizer.lr, r.optimizer.weight_decay  # as run (an extra override may set them)
     seen: list[tuple[int, float, float]] = []  # (step, exact match, training seconds so far)
     clock = {"t0": 0.0, "evals": 0.0}
 

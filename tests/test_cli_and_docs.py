@@ -228,10 +228,27 @@ def test_quickstart_lora_full_run_reaches_its_targets(tmp_path):
             "quickstart.yaml",
             ["optimizer.name=adafactor", "optimizer.lr=2e-3", "optimizer.weight_decay=0"],
         ),
+        ("quickstart.yaml", ["optimizer.name=muon", "optimizer.lr=2e-3"]),
+        ("quickstart.yaml", ["optimizer.name=sophia", "optimizer.lr=3e-4"]),
+        ("quickstart.yaml", ["optimizer.name=adamw8bit", "optimizer.lr=2e-3"]),
         ("quickstart-lora.yaml", ["optimizer.name=lion", "optimizer.lr=6e-4"]),
         ("quickstart-lora.yaml", ["optimizer.name=adafactor", "optimizer.lr=2e-3"]),
+        ("quickstart-lora.yaml", ["optimizer.name=muon", "optimizer.lr=2e-3"]),
+        ("quickstart-lora.yaml", ["optimizer.name=sophia", "optimizer.lr=6e-4"]),
+        ("quickstart-lora.yaml", ["adapter.lora_plus_ratio=4"]),
     ],
-    ids=["quickstart-lion", "quickstart-adafactor", "lora-lion", "lora-adafactor"],
+    ids=[
+        "quickstart-lion",
+        "quickstart-adafactor",
+        "quickstart-muon",
+        "quickstart-sophia",
+        "quickstart-adamw8bit",
+        "lora-lion",
+        "lora-adafactor",
+        "lora-muon",
+        "lora-sophia",
+        "lora-plus",
+    ],
 )
 def test_each_optimizer_reaches_the_quickstart_target(tmp_path, recipe, optimizer):
     """The README's optimizer table: each optimizer at its stated learning rate reaches the

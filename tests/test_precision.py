@@ -257,3 +257,73 @@ def test_a_float16_run_with_masters_and_scaling_resumes_exactly(tmp_path, data_d
     want = rows(tmp_path / "whole")
     assert any(r.get("skipped_steps") for r in want)  # the scaler was exercised
     assert rows(tmp_path / "cut") == want
+
+
+class PoisonAndState(Poison):
+    """Poison, also recording the optimizer's state (as fp32) after every step."""
+
+    def __init__(self, at, until=None):
+        super().__init__(at, until)
+        self.state = {}
+
+    def on_step(self, trainer, event):
+        mx.eval(trainer.optimizer.state)
+        self.state[event.step] = {
+            k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(trainer.optimizer.state)
+        }
+        super().on_step(trainer, event)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        pytest.param({"name": "lion", "lr": 1e-3}, marks=pytest.mark.slow),  # suite time
+        pytest.param(
+            {"name": "adafactor", "lr": 1e-2, "adafactor": {"beta1": 0.9}}, marks=pytest.mark.slow
+        ),
+        {"name": "muon", "lr": 1e-3},
+        {"name": "sophia", "lr": 1e-3, "sophia": {"k": 2}},
+        {"name": "adamw8bit", "lr": 1e-2},
+    ],
+    ids=lambda o: o["name"],
+)
+def test_every_optimizer_trains_16_bit_weights_through_a_skipped_step(
+    tmp_path, data_dir, llama_dir, optimizer, monkeypatch
+):
+    """float16 weights with fp32 masters and a dynamic loss scale, two micro-batches a step,
+    clipping: a step made NaN changes no weight, master or optimizer state, and the run goes
+    on to train."""
+    import mlxtune.optim
+
+    monkeypatch.setattr(mlxtune.optim, "MIN_8BIT", 512)  # adamw8bit: the tiny matrices in 8 bits
+    poison = PoisonAndState(at=3, until=4)
+    tr = trainer(
+        data_dir,
+        llama_dir,
+        tmp_path / "run",
+        "float16",
+        [poison],
+        adapter=FULL,
+        optimizer={**optimizer, "grad_clip": 0.5, "weight_decay": 0.1},
+        train={
+            "batch_size": 4,
+            "grad_accumulation": 2,
+            "max_steps": 6,
+            "log_every": 1,
+            "progress": False,
+        },
+        precision={"nonfinite": "skip"},
+        eval={"every": None, "max_batches": 1},
+    )
+    assert tr.engine.masters is not None and tr.engine.scaling == "dynamic"
+    summary = tr.run()
+    assert summary["steps"] == 6
+    for k, v in poison.weights[3].items():  # step 4 changed nothing
+        np.testing.assert_array_equal(poison.weights[4][k], v)
+    for k, v in poison.state[3].items():
+        np.testing.assert_array_equal(poison.state[4][k], v, err_msg=k)
+    assert any(np.any(poison.weights[6][k] != v) for k, v in poison.weights[4].items())
+    rows = {r["step"]: r for r in strict_rows(tmp_path / "run") if "grad_norm" in r}
+    assert rows[4]["loss"] is None and rows[6]["skipped_steps"] == 1 and rows[6]["loss"] > 0
+    if optimizer["name"] == "adamw8bit":
+        assert any(k.endswith(".m_q") for k in poison.state[6])

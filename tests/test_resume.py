@@ -3,6 +3,7 @@ gives; damaged checkpoints are skipped; recipe changes are listed or refused."""
 
 import json
 
+import mlx.core as mx
 import pytest
 import yaml
 
@@ -235,17 +236,25 @@ def test_the_cli_exits_130_and_says_how_to_resume(
             {"name": "linear"},
             LORA,
         ),
+        (  # full: the embedding and the blocks' large matrices keep 8-bit moments
+            {"name": "adamw8bit", "lr": 1e-3, "weight_decay": 0.1},
+            {"name": "cosine"},
+            {"type": "full"},
+        ),
     ],
-    ids=["lion-wsd", "adafactor-momentum-wsd", "muon-full", "sophia-lora"],
+    ids=["lion-wsd", "adafactor-momentum-wsd", "muon-full", "sophia-lora", "adamw8bit-full"],
 )
 def test_each_optimizer_resumes_exactly(
-    tmp_path, data_dir, llama_dir, optimizer, schedule, adapter
+    tmp_path, data_dir, llama_dir, optimizer, schedule, adapter, monkeypatch
 ):
     """Its whole state (Lion's momentum; Adafactor's row and column moments, its first moment
     and its step count; Muon's momentum and AdamW's moments, two step counts; Sophia's
     momentum and curvature, and the random state its labels are drawn with) in the
     checkpoint: a run cut at step 7 and resumed writes the rows of one that was not, and the
     decay goes on where it was."""
+    import mlxtune.optim
+
+    monkeypatch.setattr(mlxtune.optim, "MIN_8BIT", 512)  # the tiny model's matrices are small
     r = recipe(data_dir, llama_dir, adapter, optimizer=optimizer, schedule=schedule)
     trainer(r, tmp_path / "whole").run()
     want = rows(tmp_path / "whole")
@@ -254,3 +263,6 @@ def test_each_optimizer_resumes_exactly(
     assert rows(tmp_path / "cut") == want
     lrs = [x["lr"] for x in want if "lr" in x]
     assert len(set(lrs)) > 2 and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    if optimizer["name"] == "adamw8bit":  # the resumed state held 8-bit codes
+        saved = mx.load(str(tmp_path / "cut" / "checkpoints" / "final" / "optimizer.safetensors"))
+        assert any(k.endswith(".m_q") and v.dtype == mx.int8 for k, v in saved.items())
