@@ -345,7 +345,8 @@ class Trainer:
             self._save = False
             self._checkpoint(f"step-{step:06d}")
         if self._stop:
-            self.log(f"stop requested: stopping after step {step}")
+            if not self._stopped_early:  # that one said why already
+                self.log(f"stop requested: stopping after step {step}")
             return True
         if interrupted:
             name = f"step-{step:06d}"

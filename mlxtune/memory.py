@@ -96,6 +96,7 @@ class Shape:
     sequences_per_example: int = 1  # sequences an example packs as (2: pairs)
     reference_forward: bool = False  # a forward without backward a step (DPO's reference)
     reference_bytes: int = 0  # weights kept for the reference (a copy of the trainable ones)
+    drawn_logits: bool = False  # a curvature pass draws labels from whole logits (sophia)
     generation_rows: int = 0  # rows generated at once while training (RL), their KV caches
     generation_length: int = 0  # ... of this capacity (positions)
     micro_key: str | None = None  # the key that sets rows a pass (RL), else train.batch_size
@@ -128,6 +129,8 @@ def estimate(s: Shape) -> dict[str, float]:
         logits = tokens * s.vocab * (4 * 3 + s.act_bytes)
     else:
         logits = min(s.logit_chunk, tokens * s.vocab) * 4 * 3
+    if s.drawn_logits:  # Sophia's curvature pass: the whole [tokens, vocab] logits, the draw's
+        logits = max(logits, tokens * s.vocab * (4 * 3 + s.act_bytes))
     # generating (before the step, its activations gone): the batched KV cache and each row's
     # last logits, cast to fp32 and filtered to sample
     generation = s.generation_rows * (
@@ -212,6 +215,7 @@ def shape_of(trainer) -> Shape:
         length=length,
         accumulation=r.train.grad_accumulation,
         optimizer_bytes=sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state)),
+        drawn_logits=bool(getattr(trainer.optimizer, "curvature_every", None)),
         masters=trainer.engine.masters is not None,
         attention_scores=trainer.tiers["attention"] in ("reference", "off"),
         chunked_attention=trainer.tiers["attention"] == "chunked",
