@@ -29,6 +29,7 @@ from .memory import plan, shape_of
 from .meter import StepMeter, merge_host
 from .models import kernel_attention, value_head_aside
 from .objectives import build_objective
+from .report import open_reporters
 from .rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
 from .state import LoopPosition, TrainState
 
@@ -76,6 +77,8 @@ class Trainer:
         self._stopped_early = False
         self._last_eval: tuple[int, dict] | None = None
         """The latest evaluation: (step, metrics)."""
+        self._reporters: list = []
+        """Where the records also go (``report``; rank 0)."""
         self._meter = StepMeter()
         self._signals = Signals(self._on_signal, enabled=not dry_run)
         self._held_logs: list[str] | None = []  # log lines wait until the input is accepted
@@ -240,11 +243,30 @@ class Trainer:
         On SIGINT or SIGTERM (in the main thread) the current step finishes, a checkpoint is
         saved and ``Interrupted`` is raised, saying how to resume; a second signal stops at once.
         """
-        with self._signals:
-            if self.tiers["attention"] == "off":
-                return self._run()
-            with kernel_attention(self.model, self.tiers["attention"]):
-                return self._run()
+        r, failed = self.recipe, True
+        try:
+            if r.report and self.world.main and not self.dry_run:
+                resolved = r.to_dict()
+                self._reporters = open_reporters(
+                    r.report,
+                    self.run_dir.path,
+                    self.run_dir.path.name,
+                    resolved,
+                    dump_yaml(resolved),
+                    self.position.step if self.resumed else None,
+                )
+            with self._signals:
+                if self.tiers["attention"] == "off":
+                    out = self._run()
+                else:
+                    with kernel_attention(self.model, self.tiers["attention"]):
+                        out = self._run()
+            failed = False
+            return out
+        finally:
+            for rep in self._reporters:
+                rep.close(failed)
+            self._reporters = []
 
     def _run(self) -> dict:
         r, pos = self.recipe, self.position
@@ -396,7 +418,7 @@ class Trainer:
         row = self._meter.row(self.position, self.engine, epoch, record, packed)
         if self.world.size > 1:
             row["world_size"] = self.world.size
-        self.run_dir.append_jsonl("metrics.jsonl", row)
+        self._record(row)
         self.console.log_step(row, self.total_steps)
 
     def _finish(self, train_time: float, before: float | None) -> dict:
@@ -472,16 +494,18 @@ class Trainer:
         m = self.evaluate()
         self._last_eval = (step, m)
         row = {"step": step, **m, "time": time.time()}
-        self.run_dir.append_jsonl("metrics.jsonl", row)
+        self._record(row)
         self.console.log_eval(row)
         better = self._watch(m)
         self.position.best_eval = min(self.position.best_eval, m["eval_loss"])
         if better and self.recipe.checkpoints.save_best:
             self._checkpoint("best", m, prune_after=False)
-        for s in self.objective.eval_samples if self.world.main else ():
+        drawn = self.objective.eval_samples if self.world.main else []
+        for s in drawn:
             self.run_dir.append_jsonl(
                 "samples.jsonl", {"step": step, "eval": True, **s, "time": time.time()}
             )
+        self._report_samples(step, drawn)
         if self.objective.eval_samples and self.world.main:
             s = self.objective.eval_samples[0]
             self.console.sample(step, s["prompt"], s["completion"])
@@ -497,7 +521,7 @@ class Trainer:
         )
         key = f"exact_match_{'before' if when == 'untrained' else 'after'}"
         row = {"step": step, key: acc, "exact_match_examples": len(examples), "time": time.time()}
-        self.run_dir.append_jsonl("metrics.jsonl", row)
+        self._record(row)
         self.run_dir.write_json(f"exact_match_{when}.json", rows)
         self.console.info(
             f"exact match ({when}): {100 * acc:.1f}% of {len(examples)} held-out examples"
@@ -510,8 +534,19 @@ class Trainer:
         drawn = sample(self.model, self.tokenizer, self.recipe.samples, self.valid_set, step)
         for s in drawn:
             self.run_dir.append_jsonl("samples.jsonl", {"step": step, **s, "time": time.time()})
+        self._report_samples(step, drawn)
         if drawn:
             self.console.sample(step, drawn[0]["prompt"], drawn[0]["completion"])
+
+    def _record(self, row: dict) -> None:
+        """A metrics row: into metrics.jsonl, and to the recipe's reporters."""
+        self.run_dir.append_jsonl("metrics.jsonl", row)
+        for rep in self._reporters:
+            rep.row(row)
+
+    def _report_samples(self, step: int, drawn: list[dict]) -> None:
+        for rep in self._reporters if drawn else ():
+            rep.samples(step, drawn)
 
     def _watch(self, m: dict) -> bool:
         """Whether the watched metric (train.early_stopping.metric) beat its best so far (the

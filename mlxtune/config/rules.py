@@ -68,6 +68,7 @@ def check_values(r: Recipe, v: Fails) -> None:
     check_memory(r, v)
     check_checkpoints(r, v)
     check_export(r, v)
+    check_report(r, v)
 
 
 def check_run(r: Recipe, v: Fails) -> None:
@@ -326,6 +327,17 @@ def check_export(r: Recipe, v: Fails) -> None:
     for fmt in ("mlx-lm", "peft"):
         if fmt in r.export.formats and r.adapter.type == "full":
             v.fail("export.formats", f"{fmt} adapters need adapter.type lora or dora; use fused")
+
+
+def check_report(r: Recipe, v: Fails) -> None:
+    """report: each reporter once, and installed."""
+    from ..report import install_command, not_installed
+
+    if len(set(r.report)) != len(r.report):
+        v.fail("report", f"names a reporter twice: {r.report}")
+    for name in dict.fromkeys(r.report):
+        if not_installed(name):
+            v.fail("report", f"{name} is not installed: {install_command(name)}")
 
 
 # --------------------------------------------------------------------------------------------

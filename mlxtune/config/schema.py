@@ -489,6 +489,11 @@ class Recipe:
     """Memory planning and out-of-memory fallback."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The training objective and its settings."""
+    report: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
+    """Also send the metrics rows, the resolved recipe and the samples to TensorBoard (event
+    files in RUN_DIR/tensorboard) and/or Weights & Biases (in the mode the environment sets;
+    WANDB_MODE=offline needs no network). Each is an optional extra: pip install
+    'mlxtune[tensorboard]', 'mlxtune[wandb]'."""
     run_dir: str | None = None
     """Run directory, relative to the current directory and without '..'; --run-dir overrides
     it (and may name any folder)."""
