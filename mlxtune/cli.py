@@ -228,14 +228,32 @@ def _stream(model, tokenizer, prompt, max_tokens, temp, top_k, top_p, seed) -> s
 
 @cli.command()
 @_sampling_options
+@click.option(
+    "--raw",
+    is_flag=True,
+    help="Complete PROMPT as written, without the tokenizer's chat template.",
+)
 @click.argument("prompt")
-def generate(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, prompt):
-    """Complete PROMPT, streaming tokens as they come."""
+def generate(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, raw, prompt):
+    """Answer PROMPT as a user's message through the tokenizer's chat template (when it has
+    one; --raw completes PROMPT as written), streaming tokens as they come."""
 
     from .generate import load_for_generation
 
     m, tok = load_for_generation(model, adapter, scale, warn=_warn)
-    _stream(m, tok, prompt, max_tokens, temp, top_k, top_p, seed)
+    text: str | list[int] = prompt
+    if not raw and getattr(tok._tokenizer, "chat_template", None):
+        text = list(
+            tok._tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+    if not _stream(m, tok, text, max_tokens, temp, top_k, top_p, seed).strip():
+        how = "" if raw else " (through its chat template; --raw completes the prompt as written)"
+        click.echo(f"(the model ended at once: an empty completion{how})", err=True)
 
 
 @cli.command()

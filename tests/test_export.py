@@ -160,6 +160,7 @@ def test_generate_with_the_shipped_model_reverses_a_word(capsys):
                 "generate",
                 "--model",
                 str(REPO / "recipes" / "models" / "reverse-tiny"),
+                "--raw",  # trained on completions, not through its chat template
                 "reverse mlxtune =",
             ]
         )
@@ -340,3 +341,29 @@ def test_export_skips_a_damaged_checkpoint_and_refuses_a_named_one(
     err = capsys.readouterr().err
     assert "cannot read this checkpoint" in err and "Traceback" not in err
     assert not (tmp_path / "o2").exists()
+
+
+def test_generate_answers_through_the_chat_template_unless_raw(capsys, monkeypatch):
+    """The shipped model's tokenizer has a chat template: by default the prompt goes through it
+    as a user's message (the ids transformers' tokenizer renders), --raw sends it as written,
+    and an empty answer is said on stderr."""
+    from transformers import AutoTokenizer
+
+    import mlxtune.cli as cli
+    from conftest import REPO
+
+    model = REPO / "recipes" / "models" / "reverse-tiny"
+    hf = AutoTokenizer.from_pretrained(str(model))
+    seen = []
+    monkeypatch.setattr(cli, "_stream", lambda m, tok, prompt, *a: seen.append(prompt) or "")
+    assert main(["generate", "--model", str(model), "hello there"]) == 0
+    want = hf.apply_chat_template(
+        [{"role": "user", "content": "hello there"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert list(seen[0]) == list(want) and len(want) > len(hf.encode("hello there"))
+    assert "empty completion" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model), "--raw", "hello there"]) == 0
+    assert seen[1] == "hello there"

@@ -688,3 +688,31 @@ def test_explicit_holds_the_keys_written_and_only_those(tmp_path):
         "adapter",
         "adapter.targets",
     }
+
+
+def test_an_override_path_is_taken_from_where_it_was_typed(tmp_path, monkeypatch):
+    """Typed at the repository root, data.train=recipes/data/... is that file, not one under
+    the recipe's folder; a path written in the recipe stays relative to the recipe; a model
+    override that is no folder here stays as given (a Hub id)."""
+    (tmp_path / "recipes" / "data").mkdir(parents=True)
+    (tmp_path / "recipes" / "data" / "train.jsonl").write_text("{}\n")
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    p = write(tmp_path / "recipes", MINIMAL_RECIPE.replace("train.jsonl", "data/train.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    r = R.load_recipe(p)
+    assert r.resolve_path(r.data.train) == tmp_path / "recipes" / "data" / "train.jsonl"
+    r = R.load_recipe(
+        p,
+        [
+            "data.train=recipes/data/train.jsonl",
+            "data.valid=recipes/data/missing.jsonl",  # named where the user meant it
+            "model.path=models/base",
+            "tokenizer.path=org/some-tokenizer",
+        ],
+    )
+    assert r.resolve_path(r.data.train) == tmp_path / "recipes" / "data" / "train.jsonl"
+    assert r.resolve_path(r.data.valid) == tmp_path / "recipes" / "data" / "missing.jsonl"
+    assert r.resolve_path(r.model.path) == tmp_path / "models" / "base"
+    assert r.tokenizer.path == "org/some-tokenizer"
+    r = R.load_recipe(p, ["model.path=org/model", "data.test=/abs/test.jsonl"])
+    assert r.model.path == "org/model" and r.data.test == "/abs/test.jsonl"

@@ -241,8 +241,25 @@ def test_the_cli_exits_130_and_says_how_to_resume(
             {"name": "cosine"},
             {"type": "full"},
         ),
+        pytest.param(  # suite time: sgd and adam keep one or two moments, as the others do
+            {"name": "sgd", "lr": 5e-2, "momentum": 0.9, "weight_decay": 0.1},
+            {"name": "linear"},
+            LORA,
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"name": "adam", "lr": 1e-2}, {"name": "cosine"}, LORA, marks=pytest.mark.slow
+        ),
     ],
-    ids=["lion-wsd", "adafactor-momentum-wsd", "muon-full", "sophia-lora", "adamw8bit-full"],
+    ids=[
+        "lion-wsd",
+        "adafactor-momentum-wsd",
+        "muon-full",
+        "sophia-lora",
+        "adamw8bit-full",
+        "sgd-momentum",
+        "adam",
+    ],
 )
 def test_each_optimizer_resumes_exactly(
     tmp_path, data_dir, llama_dir, optimizer, schedule, adapter, monkeypatch

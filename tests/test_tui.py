@@ -206,6 +206,8 @@ def test_compare_prints_each_runs_figures_and_marks_the_best(tmp_path, capsys):
     assert main(["compare", str(a), str(b)]) == 0
     out = capsys.readouterr().out.splitlines()
     row_a, row_b = out[2], out[3]
+    # two runs of one recipe: each named by its folder, the recipe's name beside it
+    assert row_a.startswith("a (demo)") and row_b.startswith("b (demo)")
     assert "31" in row_a and "0.0667 *" in row_a and "yes" in row_a  # eval 2/30 beats 2/10
     assert row_b.rstrip().endswith("running") and "0.2000" in row_b  # b's best eval: 2/10
     assert main(["compare", str(tmp_path)]) == 2

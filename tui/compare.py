@@ -33,10 +33,14 @@ def compare_rows(run_dirs: list) -> list[dict]:
         s = d.summary or {}
         evals = [v for v in d.eval_loss.ys if math.isfinite(v)]
         speeds = [v for v in d.tokens_per_sec.ys if math.isfinite(v)]
+        name = d.config.get("recipe", {}).get("name", Path(rd).name)
+        folder = Path(rd).name
         rows.append(
             {
                 "run": str(rd),
-                "name": d.config.get("recipe", {}).get("name", Path(rd).name),
+                "name": name,
+                # runs of one recipe share a name: the folder tells them apart
+                "label": folder if name in folder else f"{folder} ({name})",
                 "steps": d.last.get("step"),
                 "tokens_seen": d.last.get("tokens_seen"),
                 "final_loss": d.last.get("loss"),
@@ -53,12 +57,12 @@ COLUMNS = ("run", "steps", "tokens", "final loss", "best eval", "tok/s", "peak G
 
 
 def table_cells(rows: list[dict]) -> list[tuple[str, ...]]:
-    """Each run's row of COLUMNS as text; the best eval loss is marked with " *". A row's
-    "label" (set by CompareApp) names it where there is one, else its recipe name."""
+    """Each run's row of COLUMNS as text, named by its label (the run's folder, with the recipe's
+    name beside it unless the folder holds it); the best eval loss is marked with " *"."""
     best = min((r["best_eval_loss"] for r in rows if r["best_eval_loss"] is not None), default=None)
     return [
         (
-            r.get("label", r["name"]),
+            r["label"],
             _f(r["steps"], "d"),
             _f(r["tokens_seen"], ",d"),
             _f(r["final_loss"], ".4f"),
@@ -129,11 +133,8 @@ class CompareApp(App):
     def _refresh(self) -> None:
         rows = compare_rows(self.runs)  # polls each run
         series = []
-        names = [r["name"] for r in rows]
         for i, (d, row) in enumerate(zip(self.runs, rows, strict=True)):
-            # runs of one recipe share a name: tell them apart by their directories
-            label = row["name"] if names.count(row["name"]) == 1 else d.run_dir.name
-            row["label"] = label
+            label = row["label"]
             train = d.loss_by_tokens if self.by == "tokens" else d.loss
             evals = d.eval_by_tokens if self.by == "tokens" else d.eval_loss
             series.append((label, train.xs, ema(train.ys, self.smoothing), "line", i))

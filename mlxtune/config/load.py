@@ -209,12 +209,36 @@ def parse_override(raw: str) -> tuple[str, Any]:
     return key, value
 
 
+FILE_KEYS = ("data.train", "data.valid", "data.test", "adapter.init_from", "objective.reward_model")
+"""Keys that name a file or folder: given as an override, a relative one is taken from the
+directory the command was typed in (in the recipe file, from the recipe's folder)."""
+FILE_OR_ID_KEYS = ("model.path", "tokenizer.path")
+"""Keys that name a folder or a Hub id: an override is taken from the current directory when
+that folder exists there (else it stays as given)."""
+
+
+def _from_here(key: str, value: Any) -> Any:
+    """An override's value with a relative path made absolute from the current directory, for
+    the keys that hold paths (``FILE_KEYS``, ``FILE_OR_ID_KEYS``)."""
+    if not isinstance(value, str) or not value or value.startswith("package:"):
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute() or key not in FILE_KEYS + FILE_OR_ID_KEYS:
+        return value
+    here = Path.cwd() / path
+    if key in FILE_OR_ID_KEYS and not here.exists():
+        return value
+    return str(here)
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict[str, str]:
-    """Set each ``key.sub=value`` into ``data`` in place (making sections as needed); returns
-    the raw override text by dotted key, to name it in messages."""
+    """Set each ``key.sub=value`` into ``data`` in place (making sections as needed), a relative
+    path taken from the current directory (``_from_here``); returns the raw override text by
+    dotted key, to name it in messages."""
     applied = {}
     for raw in overrides:
         key, value = parse_override(raw)
+        value = _from_here(key, value)
         node = data
         parts = key.split(".")
         for part in parts[:-1]:

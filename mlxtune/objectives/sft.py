@@ -76,6 +76,15 @@ class SFT(Objective):
             skip=skip,
         )
 
+    def per_step(self, n: int) -> str:
+        """Packed, a step holds ``n`` rows of several examples each: say both."""
+        if self.packing == "off":
+            return super().per_step(n)
+        c = self.components
+        rows = packed_epoch(c.train_set, self.packing, self.pack_length, self.recipe.train.seed, 0)
+        per_row = len(c.train_set) / max(len(rows), 1)
+        return f"{n} packed rows/step (about {n * per_row:.0f} examples)"
+
     def batches_per_epoch(self) -> int:
         t, c = self.recipe.train, self.components
         if self.packing != "off":
