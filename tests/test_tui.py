@@ -159,6 +159,10 @@ def test_keys_send_requests_to_the_trainer(tmp_path):
             await pilot.press("left_square_bracket", "left_square_bracket", "left_square_bracket")
             assert app.smoothing == 0.0
             assert loss.series[1][2][:3] == loss.series[0][2][:3]  # no smoothing: the raw curve
+            await pilot.press("l")  # the loss axis in log scale, and back
+            assert loss.log_y and "log scale" in loss.title
+            await pilot.press("l")
+            assert not loss.log_y and "log scale" not in loss.title
             for key in ("s", "e", "g", "p"):
                 await pilot.press(key)
             assert {p.name for p in (run / "control").iterdir()} == {
@@ -384,6 +388,7 @@ def test_number_keys_toggle_every_panel_and_help_shows_the_keys(tmp_path):
             await pilot.pause()
             shown = [n.message for n in app._notifications]
             assert any("[ ] less/more smoothing" in m and "ctrl+q" in m for m in shown)
+            assert any("l log/linear loss axis" in m for m in shown)
 
     asyncio.run(drive())
 
@@ -446,7 +451,7 @@ def test_preference_runs_plot_margins_and_accuracy_beside_the_loss(tmp_path):
             assert app.query_one("#prefs").display
             series = app.query_one("#accuracy", Plot).series
             # both runs are named demo: told apart by their folders; the SFT run has no curve
-            assert [s[0] for s in series] == ["dpo", "dpo eval"]
+            assert [s[0] for s in series] == ["dpo (demo)", "dpo (demo) eval"]
             await pilot.press("t")
             assert app.query_one("#margins", Plot).series[0][1][-1] == 1000  # tokens seen
 
@@ -502,7 +507,10 @@ def test_grpo_runs_plot_reward_and_length_beside_the_loss(tmp_path):
         async with app.run_test(size=(140, 48)) as pilot:
             await pilot.pause(0.2)
             series = app.query_one("#margins", Plot).series
-            assert [s[0] for s in series] == ["grpo", "grpo eval"]  # the DPO run plots other kinds
+            assert [s[0] for s in series] == [
+                "grpo (demo)",
+                "grpo (demo) eval",
+            ]  # the DPO run plots other kinds
 
     asyncio.run(watch())
     asyncio.run(compare())

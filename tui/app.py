@@ -25,7 +25,7 @@ from .rundata import RunData, ema
 HELP = (
     "p pause/resume · s save a checkpoint · e evaluate · g generate a sample · q stop the run "
     "(finish the step, save, export; closes the dashboard once the run has ended) · "
-    "[ ] less/more smoothing · 1-7 show/hide panels (7: the objective's plots) · ctrl+q close the "
+    "[ ] less/more smoothing · l log/linear loss axis · 1-7 show/hide panels (7: the objective's plots) · ctrl+q close the "
     "dashboard only "
     "(training goes on)"
 )
@@ -86,6 +86,7 @@ class WatchApp(App):
         Binding("q", "control('stop')", "stop run"),
         Binding("left_square_bracket", "smooth(-1)", "less smooth", show=False),
         Binding("right_square_bracket", "smooth(1)", "more smooth", show=False),
+        Binding("l", "log_scale", "log loss", show=False),
         Binding("question_mark", "help", "help"),
         *[Binding(str(i), f"toggle({i})", show=False) for i in range(1, 8)],
     ]
@@ -195,6 +196,8 @@ class WatchApp(App):
         smooth = ema(d.loss.ys, self.smoothing)
         last = d.last
         title = f"loss {_metric(last, 'loss', '.4f')} · smoothed {_num(smooth[-1] if smooth else None, '.4f')} (ema {self.smoothing})"
+        if self.query_one("#loss", Plot).log_y:
+            title += " · log scale"
         if d.last_eval:
             title += f" · eval {_metric(d.last_eval, 'eval_loss', '.4f')}"
             if "eval_ppl" in d.last_eval:
@@ -314,6 +317,13 @@ class WatchApp(App):
         steps = SMOOTHING_STEPS
         i = min(range(len(steps)), key=lambda j: abs(steps[j] - self.smoothing))
         self.smoothing = steps[max(0, min(len(steps) - 1, i + direction))]
+        self._draw()
+
+    def action_log_scale(self) -> None:
+        """The loss plot's y axis between linear and logarithmic (a fine-tune's loss falls
+        through several decades)."""
+        loss = self.query_one("#loss", Plot)
+        loss.log_y = not loss.log_y
         self._draw()
 
     def action_toggle(self, n: int) -> None:

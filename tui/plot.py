@@ -29,6 +29,8 @@ class Plot(PlotextPlot):
         self.title = title
         self.series: list[tuple] = []
         self.x_label = "step"
+        self.log_y = False
+        """A logarithmic y axis (points at or below 0 are left out)."""
 
     def show(self, series, title: str | None = None, x_label: str | None = None) -> None:
         self.series = series
@@ -48,8 +50,12 @@ class Plot(PlotextPlot):
         plt.title(self.title)
         plt.xlabel(self.x_label)
         drawn = False
+        if self.log_y:
+            plt.yscale("log")
         for i, (label, xs, ys, style, *rest) in enumerate(self.series):
             xs, ys = finite(xs, ys)
+            if self.log_y:
+                xs, ys = [x for x, y in zip(xs, ys, strict=True) if y > 0], [y for y in ys if y > 0]
             if not xs:
                 continue
             drawn = True
