@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from . import kernels
 from .adapters import apply_adapters, lora_scale
 from .config import Recipe
-from .data import read_jsonl
+from .data import BadRows, read_rows
 from .errors import UserInputError
 from .export import TrainedModel, adapter_settings, import_adapter
 from .gguf_tokenizer import write_tokenizer_from_gguf
@@ -252,10 +252,17 @@ def adapt(recipe: Recipe, model: nn.Module, log) -> dict:
     return info
 
 
+def bad_rows(recipe: Recipe) -> BadRows:
+    """What a data file's bad rows do (data.bad_rows, data.max_bad_fraction): one per file."""
+    d = recipe.data
+    return BadRows(d.bad_rows == "skip", d.max_bad_fraction)
+
+
 def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool, log) -> Built:
     """Everything a recipe names, in the order each needs the one before."""
     r = recipe
-    train_rows = read_jsonl(r.resolve_path(r.data.train))  # the data's errors come first
+    d = r.data  # the data's errors come first
+    train_rows = read_rows(r.resolve_path(d.train), d.columns, bad_rows(r))
     base = Path(r.source).parent if r.source else None
     model_dir = resolve_model_path(r.model.path, base) if r.model.path else None
     tokenizer, tokenizer_dir = tokenizer_for(r, run_dir, model_dir, train_rows, resuming, log)
@@ -266,6 +273,9 @@ def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool
     trainable, total = count_parameters(model)
     names = {k for k, _ in tree_flatten(model.trainable_parameters())}
     train, valid, test = objective_class(r).datasets(r, tokenizer)
+    for ds in {id(ds): ds for ds in (train, valid, test)}.values():
+        for line in ds.stats.skipped_rows:  # data.bad_rows: skip
+            log(f"{ds.path}: {line}" if not line.startswith(" ") else line)
     pad_id = next(
         i for i in (tokenizer._tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None
     )

@@ -339,3 +339,27 @@ def test_a_crashed_run_without_metrics_still_holds_a_run(tmp_path, data_dir, lla
     assert main(["run", str(w.recipe), "--run-dir", str(w.old)]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert snapshot(w.old) == before
+
+
+def test_skipped_bad_rows_are_logged_by_line_and_too_many_exit_2(
+    tmp_path, data_dir, llama_dir, capsys
+):
+    """data.bad_rows: skip trains on the good rows and names the bad ones in log.txt; more than
+    data.max_bad_fraction of them is exit 2, nothing written."""
+    rows = (data_dir / "train.jsonl").read_text().splitlines()
+    rows[1] = '{"prompt": "no completion here"}'
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    r = tiny_recipe(data_dir, llama_dir)
+    r["data"] = {**r["data"], "train": str(tmp_path / "train.jsonl"), "bad_rows": "skip"}
+    r["train"] = {**r["train"], "max_steps": 2}
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(r))
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "ok")]) == 0
+    log = (tmp_path / "ok" / "log.txt").read_text()
+    assert f"{tmp_path / 'train.jsonl'}:2: missing field 'completion'" in log
+    r["data"]["max_bad_fraction"] = 0.001
+    p.write_text(yaml.safe_dump(r))
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err
+    assert "max_bad_fraction" in err and "Traceback" not in err
+    assert not (tmp_path / "no").exists()

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -289,7 +291,15 @@ def test_held_out_split_keeps_the_files_counts(tmp_path, tokenizer):
     assert tr.stats.dropped_too_long == 1 and "1 dropped too long" in tr.stats.line()
 
 
-BUILT_IN_FORMATS = ("text", "completion", "instruction", "chat", "tokens", "preference")
+BUILT_IN_FORMATS = (
+    "text",
+    "completion",
+    "instruction",
+    "chat",
+    "sharegpt",
+    "tokens",
+    "preference",
+)
 
 
 @pytest.fixture
@@ -374,8 +384,8 @@ def test_a_row_of_no_known_format_names_file_line_and_the_formats(tmp_path, toke
         load_split(p, Encoder(tokenizer), "auto", 64, "drop", 1)
     assert str(e.value).endswith(
         f"{p}:2: cannot tell the format from keys ['bar', 'foo']: expected text, "
-        "prompt+completion, instruction+output, messages, input_ids, chosen+rejected, or "
-        "question+answer"
+        "prompt+completion, instruction+output, messages, conversations, input_ids, "
+        "chosen+rejected, or question+answer"
     )
     # Without it, the built-in formats alone, as before.
     unregister_format("qa")
@@ -386,7 +396,8 @@ def test_a_row_of_no_known_format_names_file_line_and_the_formats(tmp_path, toke
         register_format(qa_format)
     assert str(e.value).endswith(
         f"{p}:2: cannot tell the format from keys ['bar', 'foo']: expected text, "
-        "prompt+completion, instruction+output, messages, input_ids, or chosen+rejected"
+        "prompt+completion, instruction+output, messages, conversations, input_ids, or "
+        "chosen+rejected"
     )
 
 
@@ -396,3 +407,86 @@ def test_a_recipe_names_a_registered_format_and_is_refused_an_unknown_one(tmp_pa
     with pytest.raises(UserInputError, match="unknown format 'nope'; known: auto, text") as e:
         load_minimal(tmp_path, ["data.format=nope"])
     assert "qa" in str(e.value) and "data.format" in str(e.value)
+
+
+# ------------------------------------------------------------------ data people already have
+def test_sharegpt_is_chat_with_its_speakers_as_roles(tmp_path, tokenizer):
+    conv = [
+        {"from": "system", "value": "be brief"},
+        {"from": "human", "value": "hello"},
+        {"from": "gpt", "value": "hi there"},
+    ]
+    p = write_jsonl(tmp_path / "s.jsonl", [{"conversations": conv}])
+    assert detect_format({"conversations": conv}, "f") == "sharegpt"
+    ds = load_split(p, Encoder(tokenizer), "auto", 256, "truncate", 1)
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi there"},
+    ]
+    want = Encoder(tokenizer).encode({"messages": msgs}, "chat", "f:1")
+    assert ds.examples[0].ids == want.ids and ds.examples[0].mask == want.mask
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"conversations": [{"from": "bot", "value": "x"}]}])
+    with pytest.raises(UserInputError, match=r"unknown speaker 'bot'") as e:
+        load_split(bad, Encoder(tokenizer), "auto", 256, "truncate", 1)
+    assert f"{bad}:1 (conversations[0])" in str(e.value)
+
+
+def test_csv_tsv_and_text_files_with_columns_mapped(tmp_path, tokenizer):
+    enc = Encoder(tokenizer)
+    want = [enc.encode({"prompt": q, "completion": a}, "completion", "f") for q, a in
+            [("reverse ab =", " ba"), ('say "hi", twice =', " hi hi")]]  # fmt: skip
+    (tmp_path / "t.csv").write_text(
+        'question,answer,source\nreverse ab =, ba,x\n"say ""hi"", twice =", hi hi,y\n'
+    )
+    (tmp_path / "t.tsv").write_text(
+        'question\tanswer\nreverse ab =\t ba\nsay "hi", twice =\t hi hi\n'
+    )
+    for name in ("t.csv", "t.tsv"):
+        ds = load_split(
+            tmp_path / name, enc, "auto", 64, "truncate", 1,
+            columns={"prompt": "question", "completion": "answer"},
+        )  # fmt: skip
+        assert [e.ids for e in ds.examples] == [e.ids for e in want], name
+        assert [e.mask for e in ds.examples] == [e.mask for e in want], name
+    with pytest.raises(UserInputError, match="no column 'query'") as e:
+        load_split(tmp_path / "t.csv", enc, "auto", 64, "truncate", 1, columns={"prompt": "query"})
+    assert f"{tmp_path / 't.csv'}:2" in str(e.value)
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n3,4,5\n")
+    with pytest.raises(UserInputError, match="3 cells, the header names 2") as e:
+        load_split(tmp_path / "bad.csv", enc, "text", 64, "truncate", 1)
+    assert f"{tmp_path / 'bad.csv'}:3" in str(e.value)
+    # plain text: each paragraph an example, every token trained on
+    (tmp_path / "t.txt").write_text("first line\nof one\n\n\nsecond one\n")
+    ds = load_split(tmp_path / "t.txt", enc, "auto", 64, "truncate", 1)
+    texts = ["first line\nof one", "second one"]
+    assert [e.ids for e in ds.examples] == [enc.encode({"text": t}, "text", "f").ids for t in texts]
+
+
+def test_bad_rows_are_skipped_counted_and_named_up_to_a_share(tmp_path, tokenizer):
+    from mlxtune.data import BadRows
+
+    good = [{"prompt": f"p{i} =", "completion": " x"} for i in range(40)]
+    lines = [json.dumps(r) for r in good]
+    lines[3] = '{"prompt": "a" '  # not JSON
+    lines[10] = '{"prompt": "a"}'  # no completion
+    lines[20] = '{"prompt": "a", "completion": 5}'  # not a string
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    enc = Encoder(tokenizer)
+    with pytest.raises(UserInputError, match="not valid JSON") as e:  # error: the default
+        load_split(p, enc, "auto", 64, "truncate", 1)
+    assert f"{p}:4" in str(e.value)
+    ds = load_split(p, enc, "auto", 64, "truncate", 1, bad=BadRows(True, 0.1))
+    assert ds.stats.kept == 37 and ds.stats.skipped == 3 and "3 skipped (bad)" in ds.stats.line()
+    report = "\n".join(ds.stats.skipped_rows)
+    assert "skipped 3 bad rows" in report
+    for n, why in (
+        (4, "not valid JSON"),
+        (11, "missing field 'completion'"),
+        (21, "field 'completion' must be a str"),
+    ):
+        assert f"{p}:{n}: {why}" in report
+    # 3 of 40 is more than 5%: an error naming the first
+    with pytest.raises(UserInputError, match=r"3 of 40 rows are bad.*d.jsonl:4") as e:
+        load_split(p, enc, "auto", 64, "truncate", 1, bad=BadRows(True, 0.05))

@@ -133,6 +133,10 @@ def check_data(r: Recipe, v: Fails) -> None:
     if d.min_length < 0:
         v.fail("data.min_length", f"must be 0 or more, got {d.min_length}")
     _in_range(v, "data.valid_fraction", d.valid_fraction, 0.0, 1.0)
+    _in_range(v, "data.max_bad_fraction", d.max_bad_fraction, 0.0, 1.0)
+    for want, have in (d.columns or {}).items():
+        if not isinstance(want, str) or not isinstance(have, str):
+            v.fail("data.columns", f"maps a field name to a column name, got {want!r}: {have!r}")
     _positive(v, "data.bucket_size", d.bucket_size)
     _positive(v, "data.pad_to_multiple", d.pad_to_multiple)
     if d.pack_length is not None:
@@ -381,6 +385,8 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
         inert(("data.overlong",), "data.packing is stream and no data.valid or data.test is given")
     if not d.add_eos:
         inert(("data.train_on_eos",), "data.add_eos is false")
+    if d.bad_rows == "error":
+        inert(("data.max_bad_fraction",), "data.bad_rows is error")
 
     if r.adapter.type == "full":
         keys = ("rank", "alpha", "dropout", "targets", "layers", "rslora", "lora_plus_ratio")

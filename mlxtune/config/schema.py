@@ -85,18 +85,27 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Training and evaluation data: JSONL files, one example per line."""
+    """Training and evaluation data: JSONL files, one example per line (or .csv/.tsv with a
+    header, or .txt: a paragraph an example)."""
 
     train: str = ""
-    """Training JSONL file (paths are relative to the recipe file)."""
+    """Training data file (paths are relative to the recipe file)."""
     valid: str | None = None
     """Validation JSONL file; when absent, valid_fraction of train is held out."""
     test: str | None = None
     """Held-out JSONL file for the task metric (exact match); defaults to the validation set."""
     format: str = "auto"
-    """Example format: text, completion, instruction, chat, tokens, preference (pairs, for
+    """Example format: text, completion, instruction, chat, sharegpt, tokens, preference (pairs, for
     objective.type dpo, orpo or reward), or one registered with
     ``mlxtune.data.register_format``; "auto" detects it from the keys of the first example."""
+    columns: dict | None = None
+    """Fields under other names: {prompt: question, completion: answer} reads a row's question
+    as the prompt and its answer as the completion (CSV/TSV columns, or JSONL keys)."""
+    bad_rows: Literal["error", "skip"] = "error"
+    """A bad row (not JSON, a missing or wrong field, ...): an error naming its line, or skipped,
+    counted by reason and named in the log (the first few)."""
+    max_bad_fraction: float = 0.05
+    """With bad_rows skip: a file with more than this share of bad rows is an error still."""
     max_length: int = 2048
     """Longest example in tokens; longer ones are truncated or dropped (see overlong)."""
     overlong: Literal["truncate", "drop"] = "truncate"

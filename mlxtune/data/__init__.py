@@ -1,7 +1,8 @@
 """Data: JSONL -> formatted examples -> token ids with a loss mask -> batches.
 
 - ``formats``: the registry of data formats (how a row is recognised and what it trains on);
-- ``encode``: reading JSONL, tokenizing and masking (``Encoder``), splits and their stats;
+- ``rows``: reading a data file (JSONL, CSV/TSV, text) into rows, and skipping bad ones;
+- ``encode``: tokenizing and masking (``Encoder``), splits and their stats;
 - ``batching``: padded, length-bucketed batches in a seeded, resumable order;
 - ``packing``: several examples to a row, with segment ids.
 """
@@ -21,7 +22,6 @@ from .encode import (
     Example,
     SplitStats,
     load_split,
-    read_jsonl,
     split_off,
 )
 from .formats import (
@@ -40,6 +40,7 @@ from .formats import (
     unregister_format,
 )
 from .packing import iterate_packed, make_packed_batch, pack_rows, packed_epoch, stream_rows
+from .rows import BadRows, read_rows
 
 __all__ = [
     "ALPACA_PROMPT",
@@ -67,7 +68,8 @@ __all__ = [
     "make_packed_batch",
     "pack_rows",
     "packed_epoch",
-    "read_jsonl",
+    "read_rows",
+    "BadRows",
     "read_positions",
     "register_format",
     "split_batch",

@@ -9,7 +9,6 @@ counts iff ``mask[j]``; padding is never a target, so it never enters the loss.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from ..errors import UserInputError
 from .formats import Chat, Pair, PromptAnswer, Text, Tokens, detect_format, get_format
+from .rows import BadRows, read_rows
 
 
 @dataclass
@@ -61,16 +61,23 @@ class SplitStats:
     target_tokens: int = 0
     noun: str = "examples"
     """What the split counts: examples, or pairs (preference data)."""
+    skipped: int = 0
+    """Bad rows skipped (data.bad_rows: skip)."""
+    skipped_rows: list[str] = field(default_factory=list)
+    """Log lines naming them (``BadRows.report``)."""
 
     def line(self) -> str:
         parts = [
             f"{self.kept} {self.noun}",
             f"{self.tokens:,} tokens ({self.target_tokens:,} trained on)",
         ]
-        for name in ("truncated", "dropped_too_long", "dropped_too_short", "dropped_no_targets"):
+        names = ("truncated", "dropped_too_long", "dropped_too_short", "dropped_no_targets")
+        for name in (*names, "skipped"):
             n = getattr(self, name)
             if n:
-                parts.append(f"{n} {name.replace('_', ' ')}")
+                parts.append(
+                    f"{n} {name.replace('_', ' ')}" + (" (bad)" if name == "skipped" else "")
+                )
         return ", ".join(parts)
 
 
@@ -84,40 +91,6 @@ class Dataset:
 
     def __len__(self):
         return len(self.examples)
-
-
-def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; any bad line is an error naming it."""
-    if not path.exists():
-        raise UserInputError("data file not found", str(path))
-    rows = []
-    try:
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise UserInputError(
-                        f"not UTF-8 ({e.reason} at byte {e.start})", f"{path}:{n}"
-                    ) from None
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserInputError(
-                        f"not valid JSON ({e.msg} at column {e.colno})", f"{path}:{n}"
-                    ) from None
-                if not isinstance(obj, dict):
-                    raise UserInputError(
-                        f"each line must be a JSON object, got {type(obj).__name__}", f"{path}:{n}"
-                    )
-                rows.append((n, obj))
-    except IsADirectoryError:
-        raise UserInputError("expected a JSONL file, got a directory", str(path)) from None
-    if not rows:
-        raise UserInputError("the data file has no examples", str(path))
-    return rows
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -271,33 +244,45 @@ class Encoder:
 
 
 def load_split(
-    path: Path, encoder: Encoder, fmt: str, max_length: int, overlong: str, min_length: int
+    path: Path,
+    encoder: Encoder,
+    fmt: str,
+    max_length: int,
+    overlong: str,
+    min_length: int,
+    columns: dict[str, str] | None = None,
+    bad: BadRows | None = None,
 ) -> Dataset:
     """A JSONL file's examples in format ``fmt`` ("auto": detected from the first row), too
     long ones truncated or dropped (``overlong``), too short and untrained ones dropped, each
     counted in the split's stats. No example left is an error naming the file."""
-    rows = read_jsonl(path)
+    bad = bad or BadRows()
+    rows = read_rows(path, columns, bad)
+    read_skipped = len(bad.seen)
     if fmt == "auto":
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
     out = []
     for n, obj in rows:
-        ex = encoder.encode(obj, fmt, f"{path}:{n}")
-        if len(ex.ids) > max_length:
-            if overlong == "drop":
-                stats.dropped_too_long += 1
+        with bad.row():
+            ex = encoder.encode(obj, fmt, f"{path}:{n}")
+            if len(ex.ids) > max_length:
+                if overlong == "drop":
+                    stats.dropped_too_long += 1
+                    continue
+                ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
+                stats.truncated += 1
+            if len(ex.ids) < min_length:
+                stats.dropped_too_short += 1
                 continue
-            ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
-            stats.truncated += 1
-        if len(ex.ids) < min_length:
-            stats.dropped_too_short += 1
-            continue
-        if ex.n_targets == 0:
-            stats.dropped_no_targets += 1
-            continue
-        out.append(ex)
-        stats.tokens += len(ex.ids)
-        stats.target_tokens += ex.n_targets
+            if ex.n_targets == 0:
+                stats.dropped_no_targets += 1
+                continue
+            out.append(ex)
+            stats.tokens += len(ex.ids)
+            stats.target_tokens += ex.n_targets
+    bad.check(len(rows) + read_skipped, path)
+    stats.skipped, stats.skipped_rows = len(bad.seen), bad.report()
     stats.kept = len(out)
     if not out:
         raise UserInputError(

@@ -6,7 +6,8 @@ it), and a function that turns one row into *pieces* the encoder knows how to to
 - ``Text``: plain text, every token after the first a target;
 - ``PromptAnswer``: a prompt (masked with ``data.mask_prompt``) and the answer trained on;
 - ``Chat``: messages rendered by the tokenizer's chat template, assistant turns trained on
-  (samples and exact-match rows show the last user message as the prompt);
+  (samples and exact-match rows show the last user message as the prompt; ShareGPT's
+  ``conversations`` become messages too);
 - ``Tokens``: token ids already, with an optional 0/1 mask;
 - ``Pair``: a prompt with a preferred and a rejected completion (the preference objectives').
 
@@ -203,6 +204,32 @@ def _chat(obj: dict, where: str) -> Chat:
     return Chat(field(obj, "messages", where, list))
 
 
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+"""ShareGPT's speakers ("from") as chat roles."""
+
+
+def _sharegpt(obj: dict, where: str) -> Chat:
+    """``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}`` as chat messages."""
+    messages = []
+    for i, turn in enumerate(field(obj, "conversations", where, list)):
+        at = f"{where} (conversations[{i}])"
+        if not isinstance(turn, dict):
+            raise UserInputError(f"a turn is an object, got {type(turn).__name__}", at)
+        speaker = field(turn, "from", at)
+        if speaker not in SHAREGPT_ROLES:
+            raise UserInputError(
+                f"unknown speaker {speaker!r}; expected {', '.join(SHAREGPT_ROLES)}", at
+            )
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": field(turn, "value", at)})
+    return Chat(messages)
+
+
 def _tokens(obj: dict, where: str) -> Tokens:
     key = "input_ids" if "input_ids" in obj else "tokens"
     ids = field(obj, key, where, list)
@@ -256,6 +283,7 @@ for _fmt in (
     DataFormat("completion", ("prompt", "completion"), _completion, priority=20),
     DataFormat("instruction", ("instruction", "output"), _instruction, priority=30),
     DataFormat("chat", ("messages",), _chat, priority=50),
+    DataFormat("sharegpt", ("conversations",), _sharegpt, priority=45),
     DataFormat("tokens", ("input_ids",), _tokens, alternatives=(("tokens",),), priority=40),
     DataFormat("preference", ("chosen", "rejected"), _preference, priority=60),
 ):

@@ -21,9 +21,10 @@ import numpy as np
 
 from ..errors import UserInputError
 from .batching import Batch, batch_order, eval_order, read_positions
-from .encode import Dataset, Encoder, Example, SplitStats, read_jsonl
+from .encode import Dataset, Encoder, Example, SplitStats
 from .formats import Chat, Pair, PromptAnswer, detect_format, get_format
 from .packing import packed_epoch
+from .rows import BadRows, read_rows
 
 NO_SEQUENCE = -1
 
@@ -102,48 +103,60 @@ def _prompt_length(mask: list[int]) -> int:
 
 
 def load_pairs(
-    path, encoder: PairEncoder, fmt: str, max_length: int, overlong: str, min_length: int
+    path,
+    encoder: PairEncoder,
+    fmt: str,
+    max_length: int,
+    overlong: str,
+    min_length: int,
+    columns: dict[str, str] | None = None,
+    bad: BadRows | None = None,
 ) -> Dataset:
     """A JSONL file's preference pairs. A sequence longer than ``max_length`` has its
     completion cut at the end (``overlong: truncate``) or its pair dropped (``drop``); a prompt
     that leaves no room for a completion token is an error naming the line."""
-    rows = read_jsonl(path)
+    bad = bad or BadRows()
+    rows = read_rows(path, columns, bad)
+    read_skipped = len(bad.seen)
     if fmt == "auto":
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
     out: list[PairExample] = []
     for n, obj in rows:
-        where = f"{path}:{n}"
-        piece = get_format(fmt).pieces(obj, where)
-        if not isinstance(piece, Pair):
-            raise UserInputError(
-                f'preference objectives train on pairs ({{"prompt", "chosen", "rejected"}}); '
-                f"this row is {fmt!r} data",
-                where,
-            )
-        ex = encoder.encode(piece, where)
-        if ex.longest > max_length:
-            prompt = max(_prompt_length(ex.mask), _prompt_length(ex.rejected_mask))
-            if prompt >= max_length:
+        with bad.row():
+            where = f"{path}:{n}"
+            piece = get_format(fmt).pieces(obj, where)
+            if not isinstance(piece, Pair):
                 raise UserInputError(
-                    f"the prompt alone is {prompt} tokens, and data.max_length ({max_length}) "
-                    "leaves no room for a completion",
+                    f'preference objectives train on pairs ({{"prompt", "chosen", "rejected"}}); '
+                    f"this row is {fmt!r} data",
                     where,
                 )
-            if overlong == "drop":
-                stats.dropped_too_long += 1
+            ex = encoder.encode(piece, where)
+            if ex.longest > max_length:
+                prompt = max(_prompt_length(ex.mask), _prompt_length(ex.rejected_mask))
+                if prompt >= max_length:
+                    raise UserInputError(
+                        f"the prompt alone is {prompt} tokens, and data.max_length ({max_length}) "
+                        "leaves no room for a completion",
+                        where,
+                    )
+                if overlong == "drop":
+                    stats.dropped_too_long += 1
+                    continue
+                ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
+                ex.rejected_ids = ex.rejected_ids[:max_length]
+                ex.rejected_mask = ex.rejected_mask[:max_length]
+                stats.truncated += 1
+            if min(len(ex.ids), len(ex.rejected_ids)) < min_length:
+                stats.dropped_too_short += 1
                 continue
-            ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
-            ex.rejected_ids = ex.rejected_ids[:max_length]
-            ex.rejected_mask = ex.rejected_mask[:max_length]
-            stats.truncated += 1
-        if min(len(ex.ids), len(ex.rejected_ids)) < min_length:
-            stats.dropped_too_short += 1
-            continue
-        ex.index = len(out)
-        out.append(ex)
-        stats.tokens += ex.size
-        stats.target_tokens += ex.n_targets + ex.rejected_targets
+            ex.index = len(out)
+            out.append(ex)
+            stats.tokens += ex.size
+            stats.target_tokens += ex.n_targets + ex.rejected_targets
+    bad.check(len(rows) + read_skipped, path)
+    stats.skipped, stats.skipped_rows = len(bad.seen), bad.report()
     stats.kept = len(out)
     if not out:
         raise UserInputError(

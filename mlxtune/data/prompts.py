@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserInputError
-from .encode import Dataset, Example, SplitStats, _common_prefix, read_jsonl
+from .encode import Dataset, Example, SplitStats, _common_prefix
+from .rows import BadRows, read_rows
 
 OFFLINE_KEYS = ("responses", "rewards")
 
@@ -114,55 +115,70 @@ class PromptEncoder:
 
 
 def load_prompts(
-    path: Path, enc: PromptEncoder, max_prompt: int, max_completion: int, overlong: str
+    path: Path,
+    enc: PromptEncoder,
+    max_prompt: int,
+    max_completion: int,
+    overlong: str,
+    columns: dict[str, str] | None = None,
+    bad: BadRows | None = None,
 ) -> Dataset:
     """A JSONL file of prompt rows (all online or all offline, as the first row is). A prompt
     longer than ``max_prompt`` tokens keeps its last ``max_prompt`` tokens (``overlong:
     truncate``, as chat prompts keep their latest turns) or is dropped; offline responses are cut
     at ``max_completion`` tokens (a cut one did not end)."""
-    rows = read_jsonl(path)
+    bad = bad or BadRows()
+    rows = read_rows(path, columns, bad)
+    read_skipped = len(bad.seen)
     offline = any(k in rows[0][1] for k in OFFLINE_KEYS)
     stats = SplitStats(examples=len(rows), noun="prompts")
     out: list[PromptExample] = []
     for n, obj in rows:
-        where = f"{path}:{n}"
-        if "prompt" not in obj:
-            raise UserInputError(
-                f"a prompt row needs a 'prompt' (keys here: {', '.join(map(str, obj)) or 'none'})",
-                where,
+        with bad.row():
+            where = f"{path}:{n}"
+            if "prompt" not in obj:
+                raise UserInputError(
+                    f"a prompt row needs a 'prompt' (keys here: {', '.join(map(str, obj)) or 'none'})",
+                    where,
+                )
+            has = [k for k in OFFLINE_KEYS if k in obj]
+            if offline and len(has) < 2 or not offline and has:
+                raise UserInputError(
+                    "offline rows (the file's first row is one) need both 'responses' and 'rewards'"
+                    if offline
+                    else "this row gives responses, but the file's first row is a prompt to "
+                    "generate from: every row of a file is one kind",
+                    where,
+                )
+            ids, text, shown = enc.prompt(obj["prompt"], where)
+            if len(ids) > max_prompt:
+                if overlong == "drop":
+                    stats.dropped_too_long += 1
+                    continue
+                ids = ids[-max_prompt:]
+                stats.truncated += 1
+            answer = obj.get("answer")
+            fields = {k: v for k, v in obj.items() if k not in ("prompt", *OFFLINE_KEYS)}
+            ex = PromptExample(
+                list(ids),
+                [0] * len(ids),
+                prompt=text,
+                answer=answer
+                if isinstance(answer, str)
+                else None
+                if answer is None
+                else str(answer),
+                prompt_ids=list(ids),
+                display=shown,
+                fields=fields,
+                where=where,
             )
-        has = [k for k in OFFLINE_KEYS if k in obj]
-        if offline and len(has) < 2 or not offline and has:
-            raise UserInputError(
-                "offline rows (the file's first row is one) need both 'responses' and 'rewards'"
-                if offline
-                else "this row gives responses, but the file's first row is a prompt to "
-                "generate from: every row of a file is one kind",
-                where,
-            )
-        ids, text, shown = enc.prompt(obj["prompt"], where)
-        if len(ids) > max_prompt:
-            if overlong == "drop":
-                stats.dropped_too_long += 1
-                continue
-            ids = ids[-max_prompt:]
-            stats.truncated += 1
-        answer = obj.get("answer")
-        fields = {k: v for k, v in obj.items() if k not in ("prompt", *OFFLINE_KEYS)}
-        ex = PromptExample(
-            list(ids),
-            [0] * len(ids),
-            prompt=text,
-            answer=answer if isinstance(answer, str) else None if answer is None else str(answer),
-            prompt_ids=list(ids),
-            display=shown,
-            fields=fields,
-            where=where,
-        )
-        if offline:
-            _offline(ex, obj, enc, max_completion, where)
-        out.append(ex)
-        stats.tokens += len(ids)
+            if offline:
+                _offline(ex, obj, enc, max_completion, where)
+            out.append(ex)
+            stats.tokens += len(ids)
+    bad.check(len(rows) + read_skipped, path)
+    stats.skipped, stats.skipped_rows = len(bad.seen), bad.report()
     stats.kept = len(out)
     if not out:
         raise UserInputError(

@@ -19,7 +19,16 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import ObjectiveConfig, Recipe
-from ..data import Batch, Dataset, Encoder, load_split, read_positions, split_batch, split_off
+from ..data import (
+    BadRows,
+    Batch,
+    Dataset,
+    Encoder,
+    load_split,
+    read_positions,
+    split_batch,
+    split_off,
+)
 from ..errors import UserInputError
 from ..kernels import linear_cross_entropy
 from ..models import LMParts, segments
@@ -105,7 +114,14 @@ class Objective:
 
         def load(path, max_length):
             return load_split(
-                r.resolve_path(path), enc, d.format, max_length, d.overlong, d.min_length
+                r.resolve_path(path),
+                enc,
+                d.format,
+                max_length,
+                d.overlong,
+                d.min_length,
+                d.columns,
+                BadRows(d.bad_rows == "skip", d.max_bad_fraction),
             )
 
         # a token stream is cut into rows, not truncated per document

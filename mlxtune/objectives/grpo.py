@@ -36,7 +36,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import ObjectiveConfig
-from ..data import read_positions, split_off
+from ..data import BadRows, read_positions, split_off
 from ..data.prompts import PromptEncoder, PromptExample, load_prompts
 from ..distributed import current
 from ..errors import UserInputError
@@ -256,7 +256,13 @@ class GRPO(Objective):
 
         def load(path):
             return load_prompts(
-                r.resolve_path(path), enc, d.max_length, cfg.max_completion_length, d.overlong
+                r.resolve_path(path),
+                enc,
+                d.max_length,
+                cfg.max_completion_length,
+                d.overlong,
+                d.columns,
+                BadRows(d.bad_rows == "skip", d.max_bad_fraction),
             )
 
         train = load(d.train)

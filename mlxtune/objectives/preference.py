@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import ObjectiveConfig
-from ..data import read_positions, split_off
+from ..data import BadRows, read_positions, split_off
 from ..data.preference import (
     PairBatch,
     PairEncoder,
@@ -138,7 +138,14 @@ class Preference(Objective):
 
         def load(path):
             return load_pairs(
-                r.resolve_path(path), enc, d.format, d.max_length, d.overlong, d.min_length
+                r.resolve_path(path),
+                enc,
+                d.format,
+                d.max_length,
+                d.overlong,
+                d.min_length,
+                d.columns,
+                BadRows(d.bad_rows == "skip", d.max_bad_fraction),
             )
 
         train = load(d.train)

@@ -1,0 +1,173 @@
+"""Reading a data file into rows: JSONL (one object a line), CSV and TSV (a header, then one row
+a line), or plain text (.txt: each paragraph, blank-line separated, one ``{"text": ...}`` row);
+columns renamed as the recipe maps them; and what happens to a bad row (``BadRows``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserInputError
+
+SHOWN = 5
+"""Bad rows named one by one in the log (the rest are counted)."""
+
+
+@dataclass
+class BadRows:
+    """``data.bad_rows``: a bad row (not JSON, a missing or wrong field, ...) is an error
+    (``skip`` false), or is skipped and remembered; more than ``max_fraction`` of a file's rows
+    skipped is an error all the same."""
+
+    skip: bool = False
+    max_fraction: float = 0.05
+    seen: list[tuple[str, str]] = field(default_factory=list)
+    """(where, why) of each row skipped."""
+
+    @contextmanager
+    def row(self):
+        """Around the reading of one row: its UserInputError skips it (``skip``) or goes on."""
+        try:
+            yield
+        except UserInputError as e:
+            if not self.skip:
+                raise
+            self.seen.append((e.where or "", e.message))
+
+    def check(self, rows: int, path) -> None:
+        """After a file: too many of its ``rows`` skipped is an error naming the first."""
+        if self.seen and len(self.seen) > self.max_fraction * rows:
+            where, why = self.seen[0]
+            raise UserInputError(
+                f"{len(self.seen)} of {rows} rows are bad, more than data.max_bad_fraction "
+                f"({self.max_fraction:g}); the first, {where}: {why}",
+                str(path),
+            )
+
+    def report(self) -> list[str]:
+        """Log lines: the skipped rows counted by reason, and the first few by line."""
+        if not self.seen:
+            return []
+        reasons = Counter(why for _, why in self.seen)
+        out = [
+            f"skipped {len(self.seen)} bad rows (data.bad_rows: skip): "
+            + "; ".join(f"{n} x {why}" for why, n in reasons.most_common())
+        ]
+        out += [f"  skipped {where}: {why}" for where, why in self.seen[:SHOWN]]
+        return out
+
+
+def read_rows(
+    path: Path, columns: dict[str, str] | None = None, bad: BadRows | None = None
+) -> list[tuple[int, dict]]:
+    """(line number, row) for each row of ``path``, by its suffix: .csv and .tsv (the header
+    names the fields), .txt (a paragraph a row, as text), else JSONL. ``columns`` maps the
+    names a row uses to the ones its format needs (``{"prompt": "question"}``: the file's
+    question is the prompt). A bad line is an error naming it, or skipped (``bad``)."""
+    bad = bad or BadRows()
+    if not path.exists():
+        raise UserInputError("data file not found", str(path))
+    if path.is_dir():
+        raise UserInputError("expected a data file, got a directory", str(path))
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        rows = _table(path, "\t" if suffix == ".tsv" else ",")
+    elif suffix == ".txt":
+        rows = _paragraphs(path)
+    else:
+        rows = _jsonl(path, bad)
+    if columns:
+        rows = [(n, _renamed(obj, columns, f"{path}:{n}")) for n, obj in rows]
+    if not rows:
+        raise UserInputError("the data file has no examples", str(path))
+    return rows
+
+
+def _renamed(obj: dict, columns: dict[str, str], where: str) -> dict:
+    """``obj`` with each ``columns`` value's field under its key's name."""
+    out = dict(obj)
+    for want, have in columns.items():
+        if have not in obj:
+            raise UserInputError(
+                f"no column {have!r} (data.columns maps it to {want!r}); the row has "
+                f"{', '.join(map(str, obj)) or 'none'}",
+                where,
+            )
+        out[want] = out.pop(have)
+    return out
+
+
+def _text_of(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserInputError(f"not UTF-8 ({e.reason} at byte {e.start})", str(path)) from None
+
+
+def _table(path: Path, delimiter: str) -> list[tuple[int, dict]]:
+    """A CSV/TSV file's rows as dicts by its header, each with the line it starts on."""
+    lines = _text_of(path).splitlines(keepends=True)
+    reader = csv.DictReader(lines, delimiter=delimiter)
+    if not reader.fieldnames:
+        raise UserInputError("no header line naming the columns", str(path))
+    rows, start = [], 2
+    for row in reader:
+        if None in row:  # more cells than the header has names
+            raise UserInputError(
+                f"{len(reader.fieldnames) + len(row[None])} cells, the header names "
+                f"{len(reader.fieldnames)}",
+                f"{path}:{start}",
+            )
+        if any(v not in (None, "") for v in row.values()):
+            rows.append((start, {k: v for k, v in row.items() if v is not None}))
+        start = reader.line_num + 1
+    return rows
+
+
+def _paragraphs(path: Path) -> list[tuple[int, dict]]:
+    """Plain text: each run of non-blank lines a ``{"text": ...}`` row, at its first line."""
+    rows, lines, first = [], [], 0
+    for n, line in enumerate(_text_of(path).splitlines(), 1):
+        if line.strip():
+            if not lines:
+                first = n
+            lines.append(line)
+        elif lines:
+            rows.append((first, {"text": "\n".join(lines)}))
+            lines = []
+    if lines:
+        rows.append((first, {"text": "\n".join(lines)}))
+    return rows
+
+
+def _jsonl(path: Path, bad: BadRows) -> list[tuple[int, dict]]:
+    rows = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            with bad.row():
+                rows.append((n, _json_line(raw, f"{path}:{n}")))
+    rows = [r for r in rows if r[1] is not None]
+    bad.check(len(rows) + len(bad.seen), path)
+    return rows
+
+
+def _json_line(raw: bytes, where: str) -> dict | None:
+    """One JSONL line's object (None for a blank line)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserInputError(f"not UTF-8 ({e.reason} at byte {e.start})", where) from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserInputError(f"not valid JSON ({e.msg} at column {e.colno})", where) from None
+    if not isinstance(obj, dict):
+        raise UserInputError(f"each line must be a JSON object, got {type(obj).__name__}", where)
+    return obj
