@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NoReturn, Protocol
 
+from .. import report
 from ..data import format_names
 from ..precision import scaling_mode
 from ..rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
@@ -335,13 +336,11 @@ def check_export(r: Recipe, v: Fails) -> None:
 
 def check_report(r: Recipe, v: Fails) -> None:
     """report: each reporter once, and installed."""
-    from ..report import install_command, not_installed
-
     if len(set(r.report)) != len(r.report):
         v.fail("report", f"names a reporter twice: {r.report}")
     for name in dict.fromkeys(r.report):
-        if not_installed(name):
-            v.fail("report", f"{name} is not installed: {install_command(name)}")
+        if report.not_installed(name):
+            v.fail("report", f"{name} is not installed: {report.install_command(name)}")
 
 
 # --------------------------------------------------------------------------------------------
