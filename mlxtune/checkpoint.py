@@ -18,6 +18,8 @@ import shutil
 import time
 from pathlib import Path
 
+import mlx.nn as nn
+
 from .adapters import apply_adapters
 from .config import Recipe
 from .errors import UserInputError
@@ -301,6 +303,25 @@ def load_trained(path: str | Path, warn=None) -> TrainedModel:
     return load_checkpoint(find_checkpoint(path, warn))
 
 
+def base_model(state: dict) -> tuple[nn.Module, dict]:
+    """The model a checkpoint's run started from (``state``: its trainer_state.json), as the
+    run loaded it: its base directory (a GGUF's quantized tensors kept under LoRA/DoRA, QLoRA's
+    quantization applied again), or a new model of its config for a run from scratch."""
+    base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
+    saved = (state.get("recipe") or {}).get("model") or {}
+    # the run's recipe allowed the model's own code (or did not): so does its export
+    trust = bool(saved.get("trust_remote_code"))
+    if base is None:
+        cfg = state["model_config"]
+        return build_model(cfg, cfg["vocab_size"], state.get("dtype", "float32"))
+    keep = state["adapter"]["type"] in ("lora", "dora") and not saved.get("dequantize", False)
+    model, config = load_model(base, state.get("dtype", "float32"), trust, keep)
+    q = saved.get("quantize")
+    if q:  # QLoRA: the adapters were trained over the quantized base
+        quantize_model(model, q["bits"], q["group_size"])
+    return model, config
+
+
 def load_checkpoint(ckpt: Path) -> TrainedModel:
     """Rebuild the trained model of a checkpoint ``find_checkpoint`` has found and checked."""
     state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -309,23 +330,9 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
             "this checkpoint does not describe its model (written by an older mlxtune)", str(ckpt)
         )
     base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
-    # the run's recipe allowed the model's own code (or did not): so does its export
     trust = bool(((state.get("recipe") or {}).get("model") or {}).get("trust_remote_code"))
     a = state["adapter"]
-    if base is not None:
-        # a GGUF base's native quantized tensors stay quantized under LoRA/DoRA, as in training
-        saved = (state.get("recipe") or {}).get("model") or {}
-        keep = a["type"] in ("lora", "dora") and not saved.get("dequantize", False)
-        model, config = load_model(base, state.get("dtype", "float32"), trust, keep)
-        q = ((state.get("recipe") or {}).get("model") or {}).get("quantize")
-        if q:  # QLoRA: the adapters were trained over the quantized base
-            quantize_model(model, q["bits"], q["group_size"])
-    else:
-        model, config = build_model(
-            state["model_config"],
-            state["model_config"]["vocab_size"],
-            state.get("dtype", "float32"),
-        )
+    model, config = base_model(state)
     apply_adapters(
         model,
         a["type"],

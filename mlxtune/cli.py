@@ -284,6 +284,21 @@ def chat(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, system):
         messages.append({"role": "assistant", "content": reply})
 
 
+@cli.command(name="eval")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--base", is_flag=True, help="Also evaluate the model the run started from.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
+def eval_(run_dir, base, as_json):
+    """Evaluate a run's trained model on its validation and test data (loss, perplexity, exact
+    match, a few answers), beside its base model with --base. Writes nothing."""
+    import json
+
+    from .evaluate import evaluate_run, format_comparison
+
+    result = evaluate_run(run_dir, base=base, warn=_warn)
+    click.echo(json.dumps(result) if as_json else format_comparison(result))
+
+
 @cli.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--read-only", is_flag=True, help="Watch without the keys that steer the run.")
