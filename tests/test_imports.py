@@ -21,6 +21,7 @@ ALLOWED = {
         ("mlxtune/cli.py", m): "each command imports what it runs; nothing in mlxtune imports cli"
         for m in (
             "mlxtune.loop",
+            "mlxtune.evaluate",
             "mlxtune.tui.live",
             "mlxtune.checkpoint",
             "mlxtune.export",
