@@ -243,7 +243,7 @@ def adapt(recipe: Recipe, model: nn.Module, log) -> dict:
                 f"adapter.init_from was trained at scale {was:g}; this run scales it by {now:g} "
                 "(adapter.alpha / rank, or / sqrt(rank) with adapter.rslora)"
             )
-    if r.train.grad_checkpointing:
+    if r.train.grad_checkpointing and r.train.grad_checkpointing != "auto":  # auto: later
         n = checkpoint_layers(model, int(r.train.grad_checkpointing))
         log(
             f"gradient checkpointing: {n} of {len(model.layers)} layers recompute "

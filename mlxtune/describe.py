@@ -59,6 +59,7 @@ def resolved(trainer) -> dict:
         "model_dir": str(model_dir) if model_dir else None,
         "model_config": trainer.model_config,
         "derived": derived(trainer),
+        "auto": trainer.auto_sizes,
     }
 
 

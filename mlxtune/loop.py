@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import _blas, describe, distributed
+from . import _blas, autosize, describe, distributed
 from .build import Built, build, kernel_tiers, optimizer_for
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
 from .checkpoint import last_saved, named, prune, restore, save
@@ -153,6 +153,8 @@ class Trainer:
             r, self.run_dir, self.tiers, self.resume_from is not None, self.log
         )
         self.objective = build_objective(r, self.built.components)
+        self.auto_sizes = autosize.resolve(self, optimizer_for)
+        """What train.batch_size / grad_checkpointing: auto resolved to, and why."""
         self.batches_per_epoch = self.objective.batches_per_epoch()
         t = r.train
         self.total_steps = (

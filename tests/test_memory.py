@@ -15,7 +15,7 @@ from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.errors import TrainingError, UserInputError
-from mlxtune.memory import estimate, is_out_of_memory, shape_of
+from mlxtune.memory import GB, estimate, is_out_of_memory, shape_of
 
 
 @pytest.fixture(scope="module")
@@ -353,3 +353,46 @@ def test_an_rl_run_over_the_limit_is_told_the_pass_size_that_fits(tmp_path, wide
     assert "train.batch_size" not in err.split("any of these would fit")[1].split(";")[0]
     r["objective"]["micro_batch_size"] = 4  # the suggestion passes the check
     Trainer(recipe_from_dict(r), tmp_path / "fits", console=Console(quiet=True))
+
+
+def test_auto_batch_size_fits_the_budget_and_grows_with_it(wide, tmp_path):
+    """train.batch_size: auto on a small memory.limit_gb: the chosen batch's measured peak is
+    within the budget; a larger budget picks a larger batch."""
+    chosen = {}
+    for limit in (0.05, 0.1):
+        r = wide_recipe(wide, train={"batch_size": "auto"}, memory={"limit_gb": limit})
+        tr = Trainer(recipe_from_dict(r), tmp_path / f"r{limit}", console=Console(quiet=True))
+        b = tr.recipe.train.batch_size
+        assert isinstance(b, int) and b & (b - 1) == 0  # a power of two
+        assert measured_peak(tr) <= limit * GB
+        chosen[limit] = b
+        resolved = json.loads((tmp_path / f"r{limit}" / "config_resolved.json").read_text())
+        assert resolved["recipe"]["train"]["batch_size"] == b
+        assert resolved["auto"]["train.batch_size"].startswith(f"{b} (the largest of 1, 2, 4")
+    assert 1 < chosen[0.05] < chosen[0.1]
+
+
+def test_auto_checkpointing_turns_on_only_where_the_batch_needs_it(wide, tmp_path):
+    """A given batch that fits as it is keeps every activation; one that fits only when the
+    blocks recompute theirs gets checkpointing, and its measured peak is within the budget."""
+    from mlxtune.models import checkpointed_layers
+
+    for limit, on in ((0.5, False), (0.13, True)):
+        r = wide_recipe(
+            wide,
+            train={"batch_size": 16, "grad_checkpointing": "auto"},
+            memory={"limit_gb": limit},
+        )
+        tr = Trainer(recipe_from_dict(r), tmp_path / f"c{limit}", console=Console(quiet=True))
+        assert tr.recipe.train.grad_checkpointing is on
+        assert (checkpointed_layers(tr.model) == 2) is on
+        assert measured_peak(tr) <= limit * GB
+
+
+def test_auto_batch_size_is_refused_where_the_objective_sizes_its_passes(wide, tmp_path):
+    r = grpo_recipe(wide, tmp_path)
+    r["train"]["batch_size"] = "auto"
+    with pytest.raises(UserInputError) as e:
+        Trainer(recipe_from_dict(r), tmp_path / "g", console=Console(quiet=True))
+    assert e.value.where == "train.batch_size" and "objective.micro_batch_size" in str(e.value)
+    assert not (tmp_path / "g").exists()

@@ -251,7 +251,8 @@ def check_schedule(r: Recipe, v: Fails) -> None:
 def check_train(r: Recipe, v: Fails) -> None:
     """train: batch sizes, how long, label smoothing, gradient checkpointing."""
     t = r.train
-    _positive(v, "train.batch_size", t.batch_size)
+    if t.batch_size != "auto":
+        _positive(v, "train.batch_size", t.batch_size)
     _positive(v, "train.grad_accumulation", t.grad_accumulation)
     _positive(v, "train.log_every", t.log_every)
     if t.max_steps is None and t.epochs is None:
@@ -260,7 +261,7 @@ def check_train(r: Recipe, v: Fails) -> None:
     _positive(v, "train.epochs", t.epochs, allow_none=True)
     _in_range(v, "train.label_smoothing", t.label_smoothing, 0.0, 1.0)
     gc = t.grad_checkpointing
-    if not isinstance(gc, bool) and gc < 1:
+    if gc != "auto" and not isinstance(gc, bool) and gc < 1:
         v.fail("train.grad_checkpointing", f"true, false or every k-th layer (k >= 1), got {gc}")
     es = t.early_stopping
     _positive(v, "train.early_stopping.patience", es.patience, allow_none=True)

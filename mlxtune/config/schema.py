@@ -301,8 +301,9 @@ class EarlyStoppingConfig:
 class TrainConfig:
     """The training loop."""
 
-    batch_size: int = 4
-    """Examples per micro-batch."""
+    batch_size: int | Literal["auto"] = 4
+    """Examples per micro-batch; auto: the largest power of two whose estimated peak fits 90%
+    of the memory budget (SFT and preference objectives)."""
     grad_accumulation: int = 1
     """Micro-batches per optimizer step; gradients are weighted by valid tokens."""
     max_steps: int | None = None
@@ -317,10 +318,11 @@ class TrainConfig:
     """Label smoothing of the cross-entropy, in [0, 1)."""
     progress: bool = True
     """Show a progress bar with ETA when writing to a terminal."""
-    grad_checkpointing: bool | int = False
+    grad_checkpointing: bool | int | Literal["auto"] = False
     """Recompute transformer blocks' activations in the backward pass instead of keeping them
     (less memory, more compute): true for every block, an integer k for every k-th (blocks 0,
-    k, 2k, ...), false for none."""
+    k, 2k, ...), false for none; auto: on only where it lets a larger batch fit (or the given
+    batch fit at all)."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     """Stopping early on an evaluation metric."""
 

@@ -1,0 +1,83 @@
+"""``train.batch_size: auto`` and ``train.grad_checkpointing: auto``: resolved before training
+from the memory plan, to the largest batch (a power of two, at most the training examples)
+whose estimated peak fits ``MARGIN`` of the budget (``memory.limit_gb``, else the device's),
+gradient checkpointing on only where it lets a larger batch fit. Explicit values win; what was
+chosen, and why, goes to the log and to config_resolved.json."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .engine import Engine
+from .errors import UserInputError
+from .memory import GB, device_budget, estimate, shape_of
+from .models import checkpoint_layers
+
+MARGIN = 0.9
+"""The share of the budget an automatic size may plan to use."""
+LARGEST = 256
+"""The largest automatic batch."""
+
+
+def resolve(trainer, optimizer_for) -> dict[str, str]:
+    """Set the recipe's automatic sizes on a built ``trainer`` (its objective made, nothing
+    trained): each chosen value, by key, with why; {} when the recipe asks for none.
+    ``optimizer_for(recipe, steps)`` makes the optimizer whose state the plan counts."""
+    r = trainer.recipe
+    t = r.train
+    auto_batch, auto_gc = t.batch_size == "auto", t.grad_checkpointing == "auto"
+    if not (auto_batch or auto_gc):
+        return {}
+    if auto_batch and trainer.objective.micro_key is not None:
+        raise UserInputError(
+            f"auto sizes a step's examples, but {trainer.objective.name}'s passes are set by "
+            f"{trainer.objective.micro_key}: give train.batch_size a number",
+            "train.batch_size",
+        )
+    if r.memory.limit_gb is not None:
+        budget, what = r.memory.limit_gb * GB, "memory.limit_gb"
+    else:
+        budget, what = device_budget()
+    if auto_batch:
+        t.batch_size = 1
+    if auto_gc:
+        t.grad_checkpointing = False
+    # the plan counts the optimizer's state as allocated: a provisional one, replaced later
+    trainer.optimizer = optimizer_for(r, 1)
+    trainer.engine = Engine(trainer.model, trainer.optimizer, trainer.objective, r, trainer.world)
+    shape = shape_of(trainer)
+    most = max(1, min(LARGEST, len(trainer.train_set)))
+    sizes = [1 << i for i in range(most.bit_length()) if 1 << i <= most] if auto_batch else [1]
+    given = 1 if auto_batch else t.batch_size
+    layers = [0, shape.layers] if auto_gc else [shape.checkpointed]
+    fits = {}  # checkpointed layers -> (largest batch that fits, its estimate)
+    for ck in layers:
+        for b in sizes:
+            batch = (b if auto_batch else given) * shape.rows_per_example
+            total = estimate(replace(shape, batch=batch, checkpointed=ck))["total"]
+            if total <= MARGIN * budget:
+                fits[ck] = (b if auto_batch else given, total)
+    if fits:  # the largest batch; no checkpointing where it fits as large a one
+        ck = max(fits, key=lambda k: (fits[k][0], -k))
+        b, total = fits[ck]
+        why = f"its estimated peak {total / GB:.2f} GB fits {MARGIN:.0%} of {budget / GB:.2f} GB"
+    else:  # nothing fits: the smallest; the memory plan then says what would
+        ck, b = layers[-1], sizes[0] if auto_batch else given
+        why = f"nothing fits {MARGIN:.0%} of {budget / GB:.2f} GB; the smallest setting"
+    chosen = {}
+    if auto_batch:
+        t.batch_size = b
+        tried = f"of {', '.join(map(str, sizes))}"
+        chosen["train.batch_size"] = f"{b} (the largest {tried} whose step fits: {why}, {what})"
+    if auto_gc:
+        t.grad_checkpointing = bool(ck)
+        chosen["train.grad_checkpointing"] = (
+            f"{'true' if ck else 'false'} ("
+            + ("it lets a larger batch fit" if ck else "the batch fits without it")
+            + f": {why}, {what})"
+        )
+        if ck:
+            checkpoint_layers(trainer.model, 1)
+    for key, line in chosen.items():
+        trainer.log(f"{key}: auto -> {line}")
+    return chosen
