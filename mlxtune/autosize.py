@@ -26,7 +26,8 @@ def resolve(trainer, optimizer_for) -> dict[str, str]:
     r = trainer.recipe
     t = r.train
     auto_batch, auto_gc = t.batch_size == "auto", t.grad_checkpointing == "auto"
-    if not (auto_batch or auto_gc):
+    context = trainer.built.auto_context
+    if not (auto_batch or auto_gc or context):
         return {}
     if auto_batch and trainer.objective.micro_key is not None:
         raise UserInputError(
@@ -46,6 +47,9 @@ def resolve(trainer, optimizer_for) -> dict[str, str]:
     trainer.optimizer = optimizer_for(r, 1)
     trainer.engine = Engine(trainer.model, trainer.optimizer, trainer.objective, r, trainer.world)
     shape = shape_of(trainer)
+    chosen = {}
+    if context:
+        shape, chosen["data.max_length"] = _fit_length(trainer, shape, budget, auto_gc, context)
     most = max(1, min(LARGEST, len(trainer.train_set)))
     sizes = [1 << i for i in range(most.bit_length()) if 1 << i <= most] if auto_batch else [1]
     given = 1 if auto_batch else t.batch_size
@@ -64,7 +68,6 @@ def resolve(trainer, optimizer_for) -> dict[str, str]:
     else:  # nothing fits: the smallest; the memory plan then says what would
         ck, b = layers[-1], sizes[0] if auto_batch else given
         why = f"nothing fits {MARGIN:.0%} of {budget / GB:.2f} GB; the smallest setting"
-    chosen = {}
     if auto_batch:
         t.batch_size = b
         tried = f"of {', '.join(map(str, sizes))}"
@@ -81,3 +84,58 @@ def resolve(trainer, optimizer_for) -> dict[str, str]:
     for key, line in chosen.items():
         trainer.log(f"{key}: auto -> {line}")
     return chosen
+
+
+def _fit_length(trainer, shape, budget: float, auto_gc: bool, context: int):
+    """data.max_length: auto, read up to ``context``: the longest example when one example a
+    step fits the budget (checkpointing too when that is automatic), else the longest of its
+    halvings (down to 64) that does, the datasets cut to it as ``data.overlong`` says.
+    (the shape at that length, why)."""
+    r = trainer.recipe
+    longest = r.data.max_length
+    ck = shape.layers if auto_gc else shape.checkpointed
+    per = shape.rows_per_example
+
+    def fits(length: int) -> bool:
+        s = replace(shape, batch=per, length=length - 1, checkpointed=ck)
+        return estimate(s)["total"] <= MARGIN * budget
+
+    if fits(longest):
+        return shape, f"{longest} (the longest example; the model reads {context})"
+    m = longest
+    while not fits(m) and m // 2 >= 64:
+        m //= 2
+    datasets = {id(d): d for d in (trainer.train_set, trainer.valid_set, trainer.test_set)}
+    for ds in datasets.values():
+        _cut(ds, m, r.data.overlong)
+    r.data.max_length = m
+    if not trainer.train_set.examples:
+        raise UserInputError(
+            f"at {m} tokens, the longest that fits the memory budget, no example is left",
+            "data.max_length",
+        )
+    return shape_of(trainer), (
+        f"{m} (the longest example, {longest}, does not fit one a step in {MARGIN:.0%} of "
+        f"{budget / GB:.2f} GB; longer ones {'dropped' if r.data.overlong == 'drop' else 'cut'})"
+    )
+
+
+def _cut(ds, m: int, overlong: str) -> None:
+    """The examples of ``ds`` longer than ``m`` tokens cut to it (or dropped: ``overlong``);
+    the split's counts follow."""
+    kept, st = [], ds.stats
+    for e in ds.examples:
+        if len(e.ids) > m:
+            if overlong == "drop":
+                st.dropped_too_long += 1
+                continue
+            e.ids, e.mask = e.ids[:m], e.mask[:m]
+            st.truncated += 1
+            if e.n_targets == 0:
+                st.dropped_no_targets += 1
+                continue
+        kept.append(e)
+    ds.examples[:] = kept
+    st.kept = len(kept)
+    st.tokens = sum(len(e.ids) for e in kept)
+    st.target_tokens = sum(e.n_targets for e in kept)

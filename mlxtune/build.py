@@ -53,6 +53,8 @@ class Built:
     """What ``apply_adapters`` did: the adapted modules and layers."""
     trainable: int
     total_params: int
+    auto_context: int | None = None
+    """data.max_length: auto: the context the data was read up to (then the longest example)."""
 
     def trained(self, recipe: Recipe) -> TrainedModel:
         """The model being trained, with what it came from, for checkpoints and exports."""
@@ -272,7 +274,18 @@ def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool
     objective_class(r).extend(r, model, log)
     trainable, total = count_parameters(model)
     names = {k for k, _ in tree_flatten(model.trainable_parameters())}
+    context = None
+    if r.data.max_length == "auto":  # read up to the model's context, then the longest
+        if r.objective.type != "sft":
+            raise UserInputError(
+                f"auto sizes SFT examples; give {r.objective.type}'s data a number",
+                "data.max_length",
+            )
+        context = int(config.get("max_position_embeddings") or 1 << 20)
+        r.data.max_length = context
     train, valid, test = objective_class(r).datasets(r, tokenizer)
+    if context is not None:
+        r.data.max_length = max(len(e.ids) for ds in (train, valid, test) for e in ds.examples)
     for ds in {id(ds): ds for ds in (train, valid, test)}.values():
         for line in ds.stats.skipped_rows:  # data.bad_rows: skip
             log(f"{ds.path}: {line}" if not line.startswith(" ") else line)
@@ -290,7 +303,7 @@ def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool
         tiers=tiers,
         head_trains=bool({"lm_head.weight", "model.embed_tokens.weight"} & names),
     )
-    return Built(components, config, model_dir, tokenizer_dir, info, trainable, total)
+    return Built(components, config, model_dir, tokenizer_dir, info, trainable, total, context)
 
 
 def optimizer_for(recipe: Recipe, total_steps: int):

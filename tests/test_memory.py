@@ -396,3 +396,27 @@ def test_auto_batch_size_is_refused_where_the_objective_sizes_its_passes(wide, t
         Trainer(recipe_from_dict(r), tmp_path / "g", console=Console(quiet=True))
     assert e.value.where == "train.batch_size" and "objective.micro_batch_size" in str(e.value)
     assert not (tmp_path / "g").exists()
+
+
+def test_auto_max_length_is_the_longest_example_unless_one_does_not_fit(wide, tmp_path):
+    """data.max_length: auto reads the data up to the model's context: the longest example
+    when one a step fits; on a budget too small for it, the longest halving that fits, the
+    examples cut to it, and the measured peak within the budget."""
+    from mlxtune.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(wide / "model")
+    rows = [json.loads(x) for x in (wide / "train.jsonl").read_text().splitlines()]
+    longest = max(len(tok.encode(r["text"])) + 1 for r in rows)  # and EOS
+    r = wide_recipe(wide, data={"max_length": "auto"}, train={"batch_size": 1})
+    tr = Trainer(recipe_from_dict(r), tmp_path / "big", console=Console(quiet=True))
+    assert tr.recipe.data.max_length == longest
+    assert max(len(e.ids) for e in tr.train_set.examples) == longest
+    r = wide_recipe(
+        wide, data={"max_length": "auto"}, train={"batch_size": 1}, memory={"limit_gb": 0.016}
+    )
+    tr = Trainer(recipe_from_dict(r), tmp_path / "small", console=Console(quiet=True))
+    m = tr.recipe.data.max_length
+    assert 64 <= m < longest and longest // m in (2, 4, 8)
+    assert max(len(e.ids) for e in tr.train_set.examples) == m
+    assert measured_peak(tr) <= 0.016 * GB
+    assert "data.max_length: auto ->" in (tmp_path / "small" / "log.txt").read_text()

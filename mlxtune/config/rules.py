@@ -130,7 +130,13 @@ def check_data(r: Recipe, v: Fails) -> None:
     if d.format != "auto" and d.format not in format_names():
         known = ", ".join(["auto", *format_names()])
         v.fail("data.format", f"unknown format {d.format!r}; known: {known}")
-    _positive(v, "data.max_length", d.max_length)
+    if d.max_length == "auto":
+        if d.packing != "off":
+            v.fail(
+                "data.max_length", "auto is for unpacked rows (data.packing: off); give a number"
+            )
+    else:
+        _positive(v, "data.max_length", d.max_length)
     if d.min_length < 0:
         v.fail("data.min_length", f"must be 0 or more, got {d.min_length}")
     _in_range(v, "data.valid_fraction", d.valid_fraction, 0.0, 1.0)

@@ -106,8 +106,10 @@ class DataConfig:
     counted by reason and named in the log (the first few)."""
     max_bad_fraction: float = 0.05
     """With bad_rows skip: a file with more than this share of bad rows is an error still."""
-    max_length: int = 2048
-    """Longest example in tokens; longer ones are truncated or dropped (see overlong)."""
+    max_length: int | Literal["auto"] = 2048
+    """Longest example in tokens (see overlong); auto: the longest example, up to the model's
+    context, shortened where even one example a step would not fit the memory budget
+    (unpacked SFT data)."""
     overlong: Literal["truncate", "drop"] = "truncate"
     """What to do with examples longer than max_length."""
     min_length: int = 2
