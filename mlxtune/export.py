@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .adapters import DoRALinear, LoRALinear, lora_scale
 from .errors import UserInputError
 from .gguf_export import write_gguf_adapter, write_gguf_model
+from .modelfile import modelfile
 from .models import (
     DTYPES,
     HF_ARCHITECTURES,
@@ -307,10 +308,12 @@ def export(
         model, config = dequantize(fuse(t.model), t.model_config)
         source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
         with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
-            write_gguf_model(
+            path = write_gguf_model(
                 model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source
             )
         write_reward_head(t.model, out)
+        text = modelfile(t.tokenizer, f"./{path.name}", base_dir=t.base_dir)
+        (out / "Modelfile").write_text(text)
     elif fmt == "gguf-adapter":
         if t.adapter["type"] != "lora":
             raise UserInputError(
@@ -319,8 +322,12 @@ def export(
         # the file's alpha is read as alpha / rank: rsLoRA's scale goes in as scale x rank
         a = t.adapter
         alpha = lora_scale(a["alpha"], a["rank"], a.get("rslora", False)) * a["rank"]
-        write_gguf_adapter(t.model, t.model_config, alpha, out)
+        path = write_gguf_adapter(t.model, t.model_config, alpha, out)
         write_reward_head(t.model, out)
+        if t.base_dir:  # Ollama runs the adapter over the base it was trained on
+            base = str(Path(t.base_dir).resolve())
+            text = modelfile(t.tokenizer, base, f"./{path.name}", base_dir=t.base_dir)
+            (out / "Modelfile").write_text(text)
     else:
         raise UserInputError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}", "export")
 
