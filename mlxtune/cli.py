@@ -104,10 +104,19 @@ def validate(recipe, overrides):
         f"{' steps' if r.train.max_steps else ''})"
     )
     world = distributed.current()
+    b = r.train.batch_size
     if world.size > 1:
+        share = "sized when it builds" if b == "auto" else f"about {-(-b // world.size)} examples"
+        click.echo(f"data-parallel: {world.describe()}; global batch {b}, {share} a rank")
+    auto = {
+        "train.batch_size": b,
+        "train.grad_checkpointing": r.train.grad_checkpointing,
+        "data.max_length": r.data.max_length,
+    }
+    for key in (k for k, v in auto.items() if v == "auto"):
         click.echo(
-            f"data-parallel: {world.describe()}; global batch {r.train.batch_size}, about "
-            f"{-(-r.train.batch_size // world.size)} examples a rank"
+            f"note: {key}: auto is chosen from the data and the memory plan when the run builds "
+            "(mlxtune run --dry-run prints the choice)"
         )
     for note in inert_notes(r):
         click.echo(note)

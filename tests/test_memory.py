@@ -420,3 +420,14 @@ def test_auto_max_length_is_the_longest_example_unless_one_does_not_fit(wide, tm
     assert max(len(e.ids) for e in tr.train_set.examples) == m
     assert measured_peak(tr) <= 0.016 * GB
     assert "data.max_length: auto ->" in (tmp_path / "small" / "log.txt").read_text()
+
+
+def test_validate_and_dry_run_say_what_auto_means_and_chose(wide, tmp_path, capsys):
+    r = wide_recipe(wide, train={"batch_size": "auto"}, memory={"limit_gb": 0.1})
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(r))
+    assert main(["validate", str(p)]) == 0
+    assert "note: train.batch_size: auto is chosen" in capsys.readouterr().out
+    assert main(["run", str(p), "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "train.batch_size: auto -> 8 (the largest of" in out.out + out.err
