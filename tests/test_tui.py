@@ -514,3 +514,24 @@ def test_grpo_runs_plot_reward_and_length_beside_the_loss(tmp_path):
 
     asyncio.run(watch())
     asyncio.run(compare())
+
+
+def test_the_end_screen_puts_the_trained_model_beside_its_base(tmp_path):
+    """From the run's own records: its evaluation before the first step and at the end, its
+    exact match before and after."""
+    run = recorded_run(tmp_path / "run", bad=False)
+    metrics = run / "metrics.jsonl"
+    first = json.dumps({"step": 0, "eval_loss": 4.25, "eval_ppl": 70.1, "time": 999.0})
+    metrics.write_text(first + "\n" + metrics.read_text())
+    summary = {"steps": 30, "final_loss": 0.1, "best_eval_loss": 0.07, "final_eval_loss": 0.0667}
+    summary.update(exact_match_before=0.0, exact_match_after=0.9)
+    (run / "summary.json").write_text(json.dumps(summary))
+
+    async def drive():
+        app = WatchApp(run, read_only=True, poll_s=60)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            text = str(app.query_one("#progress", Static).render())
+            assert "base → trained: eval loss 4.2500 → 0.0667, exact match 0.0% → 90.0%" in text
+
+    asyncio.run(drive())

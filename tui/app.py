@@ -62,6 +62,20 @@ def _metric(row: dict, key: str, fmt: str) -> str:
     return _num(row.get(key), fmt)
 
 
+def versus(d: RunData) -> str:
+    """The trained model beside the one it started from, from the run's own records: the eval
+    loss before the first step (eval.at_start) and at the end, the exact match before and after
+    (eval.exact_match); "" when the run recorded neither (mlxtune eval RUN_DIR --base says)."""
+    s, parts = d.summary or {}, []
+    xs, ys = d.eval_loss.xs, d.eval_loss.ys
+    if len(xs) and xs[0] == 0 and s.get("final_eval_loss") is not None:
+        parts.append(f"eval loss {_num(ys[0], '.4f')} → {_num(s['final_eval_loss'], '.4f')}")
+    if s.get("exact_match_before") is not None and s.get("exact_match_after") is not None:
+        before, after = 100 * s["exact_match_before"], 100 * s["exact_match_after"]
+        parts.append(f"exact match {before:.1f}% → {after:.1f}%")
+    return "\nbase → trained: " + ", ".join(parts) if parts else ""
+
+
 class WatchApp(App):
     """A live view of one run; keys send requests to its trainer unless read-only."""
 
@@ -243,7 +257,7 @@ class WatchApp(App):
         if d.summary is not None:
             self.query_one("#progress", Static).update(
                 f"finished: {d.summary.get('steps')} steps · final loss {_num(d.summary.get('final_loss'), '.4f')} · "
-                f"best eval {_num(d.summary.get('best_eval_loss'), '.4f')}"
+                f"best eval {_num(d.summary.get('best_eval_loss'), '.4f')}" + versus(d)
             )
 
     def _draw_objective(self, last: dict) -> None:
