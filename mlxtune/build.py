@@ -28,7 +28,6 @@ from .models import (
     checkpoint_layers,
     count_parameters,
     is_gguf,
-    is_quantized,
     lm_parts,
     load_gguf,
     load_model,
@@ -203,8 +202,6 @@ def model_for(
         log(f"loaded {model_dir}")
     if r.model.arch is None and r.model.quantize is not None:
         _quantize_base(model, r.model.quantize, log)
-    if mx.default_device() == mx.cpu and any(is_quantized(m) for _, m in model.named_modules()):
-        log(CPU_QUANTIZED)
     model_vocab = config.get("vocab_size") or vocab
     if vocab > model_vocab:
         raise UserInputError(
@@ -213,14 +210,6 @@ def model_for(
             "tokenizer",
         )
     return model, config
-
-
-CPU_QUANTIZED = (
-    "WARNING: training over quantized weights on the CPU backend: MLX's quantized matmul has no "
-    "BLAS path here, about 15x slower than LoRA over de-quantized weights (measured on "
-    "SmolLM2-135M: 2 against 30 trained tokens/s); where memory allows, leave out model.quantize "
-    "(a GGUF base: model.dequantize: true)"
-)
 
 
 def _quantize_base(model: nn.Module, cfg, log) -> None:

@@ -261,9 +261,8 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
         )
     if not s.full and s.quantizable:
         packed = s.quantizable * (0.5 + 2 * s.act_bytes / 64)  # 4 bits, a scale and bias per 64
-        slow = ", about 15x slower on the CPU backend" if mx.default_device() == mx.cpu else ""
         fits(
-            f"model.quantize: {{bits: 4, group_size: 64}} (QLoRA: the base held in 4 bits{slow})",
+            "model.quantize: {bits: 4, group_size: 64} (QLoRA: the base held in 4 bits)",
             replace(s, weight_bytes=int(s.weight_bytes - s.quantizable * s.act_bytes + packed)),
         )
     if s.act_bytes == 4:

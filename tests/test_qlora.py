@@ -244,8 +244,6 @@ def test_memory_alternatives_suggest_quantizing_a_lora_base(data_dir, llama_dir)
     lora = recipe_from_dict(tiny_recipe(data_dir, llama_dir))
     out = alternatives(s, budget, lora)
     assert any(o.startswith("model.quantize: {bits: 4, group_size: 64}") for o in out), out
-    # this machine's CPU backend: said to be slow there
-    assert "15x slower on the CPU backend" in next(o for o in out if o.startswith("model.quantize"))
     # 4 bits and an fp32 scale and bias per 64 weights: 0.156x of fp32
     q = estimate(_shape(weight_bytes=int(10**9 * (0.5 + 8 / 64))))["total"]
     assert f"(about {q / 1e9:.2f} GB)" in next(o for o in out if o.startswith("model.quantize"))
@@ -323,5 +321,3 @@ def test_a_qlora_run_trains(tmp_path, data_dir, llama_dir):
     assert losses[-1] < losses[0]
     trainable = [k for k, _ in tree_flatten(tr.model.trainable_parameters())]
     assert all(k.endswith(("lora_a", "lora_b", ".m")) for k in trainable)
-    # on the CPU backend the log says what quantized weights cost, and what to do instead
-    assert "quantized matmul has no BLAS path" in (tmp_path / "q" / "log.txt").read_text()
