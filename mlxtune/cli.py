@@ -113,11 +113,14 @@ def validate(recipe, overrides):
         "train.grad_checkpointing": r.train.grad_checkpointing,
         "data.max_length": r.data.max_length,
     }
-    for key in (k for k, v in auto.items() if v == "auto"):
-        click.echo(
-            f"note: {key}: auto is chosen from the data and the memory plan when the run builds "
-            "(mlxtune run --dry-run prints the choice)"
-        )
+    if any(v == "auto" for v in auto.values()) and world.size == 1:
+        # what auto comes to here: the run built (not trained) in a scratch folder
+        from .console import Console
+        from .loop import Trainer
+
+        built = Trainer(r, dry_run=True, console=Console(quiet=True))
+        for key, why in built.auto_sizes.items():
+            click.echo(f"{key}: auto -> {why}")
     for note in inert_notes(r):
         click.echo(note)
 

@@ -22,6 +22,7 @@ ALLOWED = {
         for m in (
             "mlxtune.loop",
             "mlxtune.evaluate",
+            "mlxtune.console",
             "mlxtune.tui.live",
             "mlxtune.checkpoint",
             "mlxtune.export",

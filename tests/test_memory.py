@@ -427,7 +427,7 @@ def test_validate_and_dry_run_say_what_auto_means_and_chose(wide, tmp_path, caps
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump(r))
     assert main(["validate", str(p)]) == 0
-    assert "note: train.batch_size: auto is chosen" in capsys.readouterr().out
+    assert "train.batch_size: auto -> 8 (the largest of" in capsys.readouterr().out
     assert main(["run", str(p), "--dry-run"]) == 0
     out = capsys.readouterr()
     assert "train.batch_size: auto -> 8 (the largest of" in out.out + out.err
