@@ -431,3 +431,17 @@ def test_validate_and_dry_run_say_what_auto_means_and_chose(wide, tmp_path, caps
     assert main(["run", str(p), "--dry-run"]) == 0
     out = capsys.readouterr()
     assert "train.batch_size: auto -> 8 (the largest of" in out.out + out.err
+
+
+def test_auto_max_length_is_for_sft_data(tmp_path, data_dir, llama_dir):
+    rows = [{"prompt": f"p{i} =", "chosen": " yes", "rejected": " no"} for i in range(12)]
+    write_jsonl(tmp_path / "pairs.jsonl", rows)
+    r = tiny_recipe(data_dir, llama_dir, objective={"type": "dpo"})
+    r["data"] = {"train": str(tmp_path / "pairs.jsonl"), "max_length": "auto"}
+    with pytest.raises(UserInputError) as e:
+        Trainer(recipe_from_dict(r), tmp_path / "d", console=Console(quiet=True))
+    assert e.value.where == "data.max_length" and "dpo" in str(e.value)
+    r["data"] = {**r["data"], "packing": "pack"}
+    r["objective"] = {"type": "sft"}
+    with pytest.raises(UserInputError, match="unpacked"):
+        recipe_from_dict(r)
