@@ -76,7 +76,11 @@ def resolve(trainer, optimizer_for) -> dict[str, str]:
         t.grad_checkpointing = bool(ck)
         chosen["train.grad_checkpointing"] = (
             f"{'true' if ck else 'false'} ("
-            + ("it lets a larger batch fit" if ck else "the batch fits without it")
+            + (
+                ("it lets a larger batch fit" if auto_batch else "the batch fits only with it")
+                if ck
+                else "the batch fits without it"
+            )
             + f": {why}, {what})"
         )
         if ck:
