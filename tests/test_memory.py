@@ -355,6 +355,15 @@ def test_an_rl_run_over_the_limit_is_told_the_pass_size_that_fits(tmp_path, wide
     Trainer(recipe_from_dict(r), tmp_path / "fits", console=Console(quiet=True))
 
 
+def own_peak(tr) -> float:
+    """``measured_peak`` with what earlier tests left unreferenced collected first (MLX's peak
+    starts from the memory in use)."""
+    import gc
+
+    gc.collect()
+    return measured_peak(tr)
+
+
 def test_auto_batch_size_fits_the_budget_and_grows_with_it(wide, tmp_path):
     """train.batch_size: auto on a small memory.limit_gb: the chosen batch's measured peak is
     within the budget; a larger budget picks a larger batch."""
@@ -364,7 +373,7 @@ def test_auto_batch_size_fits_the_budget_and_grows_with_it(wide, tmp_path):
         tr = Trainer(recipe_from_dict(r), tmp_path / f"r{limit}", console=Console(quiet=True))
         b = tr.recipe.train.batch_size
         assert isinstance(b, int) and b & (b - 1) == 0  # a power of two
-        assert measured_peak(tr) <= limit * GB
+        assert own_peak(tr) <= limit * GB
         chosen[limit] = b
         resolved = json.loads((tmp_path / f"r{limit}" / "config_resolved.json").read_text())
         assert resolved["recipe"]["train"]["batch_size"] == b
@@ -386,7 +395,7 @@ def test_auto_checkpointing_turns_on_only_where_the_batch_needs_it(wide, tmp_pat
         tr = Trainer(recipe_from_dict(r), tmp_path / f"c{limit}", console=Console(quiet=True))
         assert tr.recipe.train.grad_checkpointing is on
         assert (checkpointed_layers(tr.model) == 2) is on
-        assert measured_peak(tr) <= limit * GB
+        assert own_peak(tr) <= limit * GB
 
 
 def test_auto_batch_size_is_refused_where_the_objective_sizes_its_passes(wide, tmp_path):
@@ -418,7 +427,7 @@ def test_auto_max_length_is_the_longest_example_unless_one_does_not_fit(wide, tm
     m = tr.recipe.data.max_length
     assert 64 <= m < longest and longest // m in (2, 4, 8)
     assert max(len(e.ids) for e in tr.train_set.examples) == m
-    assert measured_peak(tr) <= 0.016 * GB
+    assert own_peak(tr) <= 0.016 * GB
     assert "data.max_length: auto ->" in (tmp_path / "small" / "log.txt").read_text()
 
 
