@@ -330,7 +330,9 @@ def test_the_estimate_follows_grpo_passes_and_generation(tmp_path, wide, micro):
     assert shape.generation_rows == 16
     est = estimate(shape)
     peak = rl_peak(tr, base)
-    assert 0.6 < est["total"] / peak < 1.6, (est, peak)
+    # the estimate sizes every completion at max_completion_length; the sampled ones end
+    # earlier, by a varying amount (one pass measured 1.46x-1.70x over repeated runs)
+    assert 0.6 < est["total"] / peak < 1.8, (est, peak)
     assert est["generation"] > 0
     if micro == 4:
         whole = estimate(replace(shape, batch=16))["total"]
