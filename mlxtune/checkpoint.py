@@ -56,6 +56,7 @@ MAY_CHANGE = (
     "precision.nonfinite",
     "precision.max_skipped",
     "memory.",
+    "report",  # where the records also go: a reporter may join or leave a resumed run
     "train.grad_checkpointing",  # the same gradients (dropout masks are drawn differently)
 )
 

@@ -4,14 +4,16 @@ sent on to TensorBoard or Weights & Biases as it is written (``report: [tensorbo
 Each is an optional extra (``pip install 'mlxtune[tensorboard]'``, ``'mlxtune[wandb]'``); only
 rank 0 of a data-parallel run reports. A resumed run goes on with the same record:
 
-- TensorBoard: event files in RUN_DIR/tensorboard. A resumed run starts a new file with a
-  session-start event at the step after its checkpoint, which TensorBoard's reader takes as
+- TensorBoard: event files in RUN_DIR/tensorboard, each attempt's starting with a session-start
+  event (a resumed run's at the step after its checkpoint), which TensorBoard's loaders take as
   "drop what an earlier file holds from this step on": the steps the interrupted run wrote after
   its checkpoint are read once, as the resumed run wrote them.
 - W&B: ``wandb.init`` in the mode the environment sets (``WANDB_MODE=offline`` needs no
   network), files under RUN_DIR/wandb, the run's id kept in RUN_DIR/wandb.json. A resumed run
   continues that id (``resume="allow"``) and skips the rows the interrupted run had logged
-  already (they are the same rows: resuming is exact), so no step is logged twice.
+  already (they are the same rows: resuming is exact), so no step is logged twice. Offline, W&B
+  cannot look the earlier attempt up: each attempt is its own ``offline-run-*`` folder with the
+  same id, and ``wandb sync`` uploads them in order of start time.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import secrets
 import string
 import time
 from pathlib import Path
+
+from .errors import UserInputError
 
 NAMES = ("tensorboard", "wandb")
 """What ``report`` may list."""
@@ -82,6 +86,14 @@ class Reporter:
         """The run ended (``failed``: by an exception)."""
 
 
+def _wait_past(folder: Path) -> None:
+    """An event file is named after the second it was opened in, and TensorBoard reads a run's
+    files in name order: a resumed run's file must come after the earlier ones'."""
+    seconds = [p.name.split(".")[3] for p in folder.glob("events.out.tfevents.*")]
+    latest = max((int(s) for s in seconds if s.isdigit()), default=0)
+    time.sleep(min(2.0, max(0.0, latest + 1 - time.time())))  # at most 2 s, whatever the clock
+
+
 class TensorBoardReporter(Reporter):
     """Event files in ``folder``: scalars, the recipe and samples as text."""
 
@@ -90,13 +102,15 @@ class TensorBoardReporter(Reporter):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         folder.mkdir(parents=True, exist_ok=True)
+        _wait_past(folder)
         self._event = event_pb2
         self._writer = EventFileWriter(str(folder))
-        start = 0
-        if resumed_at is not None:  # the reader drops what earlier files hold from here on
-            start = resumed_at + 1
-            log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
-            self._add(event_pb2.Event(step=start, wall_time=time.time(), session_log=log))
+        # Every attempt starts with a session start at its first step. TensorBoard's loaders take
+        # each one after the first as a restart: what earlier files hold from that step on is
+        # dropped (the app's loader ignores the first, so a new run writes one too).
+        start = 0 if resumed_at is None else resumed_at + 1
+        log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self._add(event_pb2.Event(step=start, wall_time=time.time(), session_log=log))
         self._text("config", f"```\n{config}\n```", start)
         self._writer.flush()
 
@@ -152,19 +166,28 @@ class WandbReporter(Reporter):
         # rows the interrupted run logged: (its last step, how many rows at that step)
         self._done = (state.get("step", -1), state.get("rows", 0)) if resumed else (-1, 0)
         self._at = (-1, 0)
-        self._run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "mlxtune"),
-            name=name,
-            id=self._id,
-            resume="allow",
-            dir=str(run_dir),
-            config=config,
-        )
+        try:  # what init is given wins over the environment: only defaults are set here
+            self._run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "mlxtune"),
+                name=os.environ.get("WANDB_NAME", name),
+                id=self._id,
+                resume="allow",
+                dir=str(run_dir),
+                config=config,
+            )
+        except wandb.errors.Error as e:  # not logged in, no server: before the first step
+            raise UserInputError(
+                f"W&B could not start its run ({e}); log in with `wandb login`, or set "
+                "WANDB_MODE=offline to record it here and `wandb sync` it later",
+                "report",
+            ) from None
         self._save()
 
     def _save(self) -> None:
         step, rows = max(self._done, self._at)
-        self._state_file.write_text(json.dumps({"id": self._id, "step": step, "rows": rows}))
+        tmp = self._state_file.with_name(self._state_file.name + ".tmp")
+        tmp.write_text(json.dumps({"id": self._id, "step": step, "rows": rows}))
+        os.replace(tmp, self._state_file)  # a kill mid-write leaves the old file whole
 
     def _fresh(self, step: int) -> bool:
         """Counts a record at ``step``; whether the interrupted run had not logged it."""
