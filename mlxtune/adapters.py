@@ -116,15 +116,9 @@ class DoRALinear(LoRALinear):
     """Weight-decomposed LoRA: y = m * (W + dW) x / ||W + dW||_row, m starting at ||W||_row."""
 
     @classmethod
-    def from_base(
-        cls,
-        base: nn.Module,
-        rank: int = 8,
-        alpha: float = 16.0,
-        dropout: float = 0.0,
-        rslora: bool = False,
-    ):
-        layer = super().from_base(base, rank, alpha, dropout, rslora)
+    def from_base(cls, base: nn.Module, *args, **kw):
+        """LoRALinear.from_base's layer, with the magnitude m = ||W||_row."""
+        layer = super().from_base(base, *args, **kw)
         layer.m = mx.linalg.norm(dense_weight(base).astype(mx.float32), axis=1)
         return layer
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .data.encode import fitted
 from .engine import Engine
 from .errors import UserInputError
 from .memory import GB, device_budget, estimate, shape_of
@@ -127,19 +128,8 @@ def _fit_length(trainer, shape, budget: float, auto_gc: bool, context: int):
 def _cut(ds, m: int, overlong: str) -> None:
     """The examples of ``ds`` longer than ``m`` tokens cut to it (or dropped: ``overlong``);
     the split's counts follow."""
-    kept, st = [], ds.stats
-    for e in ds.examples:
-        if len(e.ids) > m:
-            if overlong == "drop":
-                st.dropped_too_long += 1
-                continue
-            e.ids, e.mask = e.ids[:m], e.mask[:m]
-            st.truncated += 1
-            if e.n_targets == 0:
-                st.dropped_no_targets += 1
-                continue
-        kept.append(e)
-    ds.examples[:] = kept
-    st.kept = len(kept)
-    st.tokens = sum(len(e.ids) for e in kept)
-    st.target_tokens = sum(e.n_targets for e in kept)
+    st = ds.stats
+    ds.examples[:] = [e for e in ds.examples if fitted(e, m, overlong, 0, st)]
+    st.kept = len(ds.examples)
+    st.tokens = sum(len(e.ids) for e in ds.examples)
+    st.target_tokens = sum(e.n_targets for e in ds.examples)

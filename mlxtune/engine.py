@@ -197,7 +197,7 @@ class Engine:
         draws itself (``Objective.sampled_loss``), averaged over ranks, handed to the optimizer
         with the number of targets it averaged (left out when not finite)."""
         model, opt, objective, world = self.model, self.optimizer, self.objective, self.world
-        if not objective.draws_labels:
+        if not hasattr(objective, "sampled_loss"):
             raise UserInputError(
                 f"sophia estimates curvature from labels the model draws itself, which the "
                 f"{objective.name} objective does not have; use another optimizer.name",

@@ -128,10 +128,7 @@ def run_steps(cfg, before, grads, lrs, explicit=frozenset()):
     model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5))
     model.update(nn.utils.tree_unflatten([(k, mx.array(v)) for k, v in before.items()]))
     opt = build_optimizer(cfg, lambda step: mx.array(lrs)[step], explicit)
-    for g in grads:
-        opt.update(model, nn.utils.tree_unflatten([(k, mx.array(x)) for k, x in g.items()]))
-        mx.eval(model.parameters())
-    return {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}, opt
+    return stepped(opt, model, grads), opt
 
 
 def problem(seed=0, steps=6):
@@ -280,6 +277,29 @@ def test_the_decay_starts_after_the_warmup_step_by_step(name):
 
 
 # ------------------------------------------------------------------ muon
+def randomised(model, seed: int, steps: int):
+    """``model``'s weights set at random, and ``steps`` random gradients for them (NumPy)."""
+    rng = np.random.default_rng(seed)
+    before = {
+        k: rng.normal(size=v.shape).astype(np.float32)
+        for k, v in nn.utils.tree_flatten(model.parameters())
+    }
+    model.update(nn.utils.tree_unflatten([(k, mx.array(x)) for k, x in before.items()]))
+    grads = [
+        {k: rng.normal(size=x.shape).astype(np.float32) for k, x in before.items()}
+        for _ in range(steps)
+    ]
+    return before, grads
+
+
+def stepped(opt, model, grads) -> dict:
+    """``model``'s weights after ``opt`` applied each of ``grads``."""
+    for g in grads:
+        opt.update(model, nn.utils.tree_unflatten([(k, mx.array(x)) for k, x in g.items()]))
+        mx.eval(model.parameters())
+    return {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}
+
+
 class Blocks(nn.Module):
     """Embedding, two numbered blocks (a matrix with a bias, a norm), a head: the layout Muon
     splits (matrices inside the blocks to Muon, the rest to AdamW)."""
@@ -346,25 +366,13 @@ def muon_reference(
 def test_muon_on_block_matrices_adamw_on_the_rest_over_several_steps(over):
     from mlxtune.config.schema import MuonConfig
 
-    rng = np.random.default_rng(3)
     model = Blocks()
-    before = {
-        k: rng.normal(size=v.shape).astype(np.float32)
-        for k, v in nn.utils.tree_flatten(model.parameters())
-    }
-    model.update(nn.utils.tree_unflatten([(k, mx.array(x)) for k, x in before.items()]))
-    grads = [
-        {k: rng.normal(size=x.shape).astype(np.float32) for k, x in before.items()}
-        for _ in range(5)
-    ]
+    before, grads = randomised(model, seed=3, steps=5)
     lrs = [0.01, 0.02, 0.015, 0.005, 0.01]
     m = MuonConfig(**over)
     cfg = OptimizerConfig(name="muon", lr=0.01, weight_decay=0.1, muon=m)
     opt = build_optimizer(cfg, lambda step: mx.array(lrs)[step])
-    for g in grads:
-        opt.update(model, nn.utils.tree_unflatten([(k, mx.array(x)) for k, x in g.items()]))
-        mx.eval(model.parameters())
-    got = {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}
+    got = stepped(opt, model, grads)
     muon = {"layers.0.weight", "layers.2.weight"}  # not the embedding, head, bias or norm
     want = muon_reference(
         before, grads, lrs, m.lr_scale, m.momentum, m.nesterov, m.ns_steps, 0.1,
@@ -394,25 +402,13 @@ def test_lora_plus_trains_b_at_its_multiple_of_the_lr(name, adapters):
     adapters, B is Muon's at ratio x Muon's lr."""
     from mlxtune.config.schema import MuonConfig
 
-    rng = np.random.default_rng(4)
     model = LoRAish()
-    before = {
-        k: rng.normal(size=v.shape).astype(np.float32)
-        for k, v in nn.utils.tree_flatten(model.parameters())
-    }
-    model.update(nn.utils.tree_unflatten([(k, mx.array(x)) for k, x in before.items()]))
-    grads = [
-        {k: rng.normal(size=x.shape).astype(np.float32) for k, x in before.items()}
-        for _ in range(4)
-    ]
+    before, grads = randomised(model, seed=4, steps=4)
     lrs = [0.01, 0.02, 0.015, 0.005]
     m = MuonConfig(adapters=adapters, lr_scale=2.0)
     cfg = OptimizerConfig(name=name, lr=0.01, weight_decay=0.1, muon=m)
     opt = build_optimizer(cfg, lambda step: mx.array(lrs)[step], lora_plus_ratio=3.0)
-    for g in grads:
-        opt.update(model, nn.utils.tree_unflatten([(k, mx.array(x)) for k, x in g.items()]))
-        mx.eval(model.parameters())
-    got = {k: np.array(v) for k, v in nn.utils.tree_flatten(model.parameters())}
+    got = stepped(opt, model, grads)
     muon = set()
     if name == "muon":
         muon = {"layers.0.weight"} | ({"layers.0.lora_a", "layers.0.lora_b"} if adapters else set())

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import UserInputError
 from .formats import Chat, Pair, PromptAnswer, Text, Tokens, detect_format, get_format
-from .rows import BadRows, read_rows
+from .rows import BadRows
 
 
 @dataclass
@@ -243,6 +243,25 @@ class Encoder:
         )
 
 
+def fitted(ex: Example, max_length: int, overlong: str, min_length: int, stats) -> bool:
+    """Whether ``ex`` stays in its split: longer than ``max_length`` it is cut to it
+    (``overlong: truncate``) or dropped; shorter than ``min_length``, or left with no target, it
+    is dropped. Each counted in ``stats``."""
+    if len(ex.ids) > max_length:
+        if overlong == "drop":
+            stats.dropped_too_long += 1
+            return False
+        ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
+        stats.truncated += 1
+    if len(ex.ids) < min_length:
+        stats.dropped_too_short += 1
+        return False
+    if ex.n_targets == 0:
+        stats.dropped_no_targets += 1
+        return False
+    return True
+
+
 def load_split(
     path: Path,
     encoder: Encoder,
@@ -257,8 +276,7 @@ def load_split(
     long ones truncated or dropped (``overlong``), too short and untrained ones dropped, each
     counted in the split's stats. No example left is an error naming the file."""
     bad = bad or BadRows()
-    rows = read_rows(path, columns, bad)
-    read_skipped = len(bad.seen)
+    rows = bad.read(path, columns)
     if fmt == "auto":
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
@@ -266,23 +284,11 @@ def load_split(
     for n, obj in rows:
         with bad.row():
             ex = encoder.encode(obj, fmt, f"{path}:{n}")
-            if len(ex.ids) > max_length:
-                if overlong == "drop":
-                    stats.dropped_too_long += 1
-                    continue
-                ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
-                stats.truncated += 1
-            if len(ex.ids) < min_length:
-                stats.dropped_too_short += 1
-                continue
-            if ex.n_targets == 0:
-                stats.dropped_no_targets += 1
-                continue
-            out.append(ex)
-            stats.tokens += len(ex.ids)
-            stats.target_tokens += ex.n_targets
-    bad.check(len(rows) + read_skipped, path)
-    stats.skipped, stats.skipped_rows = len(bad.seen), bad.report()
+            if fitted(ex, max_length, overlong, min_length, stats):
+                out.append(ex)
+                stats.tokens += len(ex.ids)
+                stats.target_tokens += ex.n_targets
+    bad.finish(stats, path)
     stats.kept = len(out)
     if not out:
         raise UserInputError(

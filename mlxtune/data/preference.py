@@ -24,7 +24,7 @@ from .batching import Batch, batch_order, eval_order, read_positions
 from .encode import Dataset, Encoder, Example, SplitStats
 from .formats import Chat, Pair, PromptAnswer, detect_format, get_format
 from .packing import packed_epoch
-from .rows import BadRows, read_rows
+from .rows import BadRows
 
 NO_SEQUENCE = -1
 
@@ -116,8 +116,7 @@ def load_pairs(
     completion cut at the end (``overlong: truncate``) or its pair dropped (``drop``); a prompt
     that leaves no room for a completion token is an error naming the line."""
     bad = bad or BadRows()
-    rows = read_rows(path, columns, bad)
-    read_skipped = len(bad.seen)
+    rows = bad.read(path, columns)
     if fmt == "auto":
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
@@ -155,8 +154,7 @@ def load_pairs(
             out.append(ex)
             stats.tokens += ex.size
             stats.target_tokens += ex.n_targets + ex.rejected_targets
-    bad.check(len(rows) + read_skipped, path)
-    stats.skipped, stats.skipped_rows = len(bad.seen), bad.report()
+    bad.finish(stats, path)
     stats.kept = len(out)
     if not out:
         raise UserInputError(

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import UserInputError
 from .encode import Dataset, Example, SplitStats, _common_prefix
-from .rows import BadRows, read_rows
+from .rows import BadRows
 
 OFFLINE_KEYS = ("responses", "rewards")
 
@@ -128,8 +128,7 @@ def load_prompts(
     truncate``, as chat prompts keep their latest turns) or is dropped; offline responses are cut
     at ``max_completion`` tokens (a cut one did not end)."""
     bad = bad or BadRows()
-    rows = read_rows(path, columns, bad)
-    read_skipped = len(bad.seen)
+    rows = bad.read(path, columns)
     offline = any(k in rows[0][1] for k in OFFLINE_KEYS)
     stats = SplitStats(examples=len(rows), noun="prompts")
     out: list[PromptExample] = []
@@ -177,8 +176,7 @@ def load_prompts(
                 _offline(ex, obj, enc, max_completion, where)
             out.append(ex)
             stats.tokens += len(ids)
-    bad.check(len(rows) + read_skipped, path)
-    stats.skipped, stats.skipped_rows = len(bad.seen), bad.report()
+    bad.finish(stats, path)
     stats.kept = len(out)
     if not out:
         raise UserInputError(

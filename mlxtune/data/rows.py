@@ -28,6 +28,8 @@ class BadRows:
     max_fraction: float = 0.05
     seen: list[tuple[str, str]] = field(default_factory=list)
     """(where, why) of each row skipped."""
+    rows: int = 0
+    """Rows of the file ``read`` read, bad ones included."""
 
     @contextmanager
     def row(self):
@@ -38,6 +40,18 @@ class BadRows:
             if not self.skip:
                 raise
             self.seen.append((e.where or "", e.message))
+
+    def read(self, path: Path, columns: dict[str, str] | None = None) -> list[tuple[int, dict]]:
+        """``read_rows`` of ``path`` through these rules, counting the file's rows."""
+        rows = read_rows(path, columns, self)
+        self.rows = len(rows) + len(self.seen)
+        return rows
+
+    def finish(self, stats, path) -> None:
+        """After a file's rows were read and encoded: too many bad is an error; else the
+        split's ``stats`` count and name the skipped ones."""
+        self.check(self.rows, path)
+        stats.skipped, stats.skipped_rows = len(self.seen), self.report()
 
     def check(self, rows: int, path) -> None:
         """After a file: too many of its ``rows`` skipped is an error naming the first."""

@@ -155,15 +155,6 @@ class Objective:
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
         raise NotImplementedError(f"{type(self).__name__} must define loss(model, batch)")
 
-    def sampled_loss(self, model: nn.Module, batch: dict[str, mx.array]):
-        """The loss against labels drawn from the model's own predictions, for Sophia's
-        Gauss-Newton-Bartlett curvature estimate: (sum, count). Only objectives that predict
-        tokens (``draws_labels``) have one."""
-        raise NotImplementedError(f"{type(self).__name__} draws no labels")
-
-    draws_labels: bool = False
-    """Whether ``sampled_loss`` is defined (Sophia needs it)."""
-
     def hidden(self, batch: dict[str, mx.array]) -> mx.array:
         """The model's final hidden states [B, T-1, D] for every position but the last; packed
         rows (``batch["segments"]``) keep attention within each example."""

@@ -37,12 +37,11 @@ class SFT(Objective):
         loss, n = self.token_losses(batch, label_smoothing=self.recipe.train.label_smoothing)
         return loss, n, {}
 
-    draws_labels = True
-
     def sampled_loss(self, model: nn.Module, batch: dict[str, mx.array]):
         """Cross-entropy at the target positions against next tokens drawn from the model's
         own (softcapped) distribution there, with the global random state; no gradient flows
-        through the draw."""
+        through the draw: (sum, count). Sophia's curvature estimate needs it; an objective
+        without one cannot use Sophia."""
         h = self.hidden(batch)
         lm = self.components.lm
         logits = mx.stop_gradient(h @ lm.head_weight().T.astype(h.dtype)).astype(mx.float32)
