@@ -230,6 +230,14 @@ def prune(run_dir: RunDir, keep_last: int) -> None:
         shutil.rmtree(p)
 
 
+def best_checkpoint(run_dir: RunDir) -> tuple[Path | None, dict]:
+    """checkpoints/best and its trainer_state.json (step, evaluation), or (None, {})."""
+    best = run_dir.checkpoints / "best"
+    if not (best / "trainer_state.json").exists():
+        return None, {}
+    return best, json.loads((best / "trainer_state.json").read_text())
+
+
 def last_saved(run_dir: RunDir) -> str:
     """The newest step checkpoint, as a path in the run directory, or "none saved yet"."""
     folder = run_dir.checkpoints

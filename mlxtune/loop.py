@@ -5,7 +5,6 @@ to save and resume; none of them knows about the loop."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 import tempfile
@@ -14,10 +13,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import _blas, autosize, describe, distributed
+from . import _blas, autosize, describe, distributed, stopping
 from .build import Built, build, kernel_tiers, optimizer_for
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
-from .checkpoint import last_saved, named, prune, restore, save
+from .checkpoint import best_checkpoint, last_saved, named, prune, restore, save
 from .config import Recipe, dump_yaml, inert_notes
 from .console import Console
 from .control import Signals, take_requests
@@ -32,16 +31,6 @@ from .objectives import build_objective
 from .report import open_reporters
 from .rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
 from .state import LoopPosition, TrainState
-
-HIGHER_IS_BETTER = ("reward", "accuracy", "exact_match")
-"""Words in a metric's name that make higher better for early stopping and the best checkpoint."""
-
-
-def watch_mode(e) -> str:
-    """ "min" or "max": train.early_stopping.mode, or what the metric's name implies."""
-    if e.mode is not None:
-        return e.mode
-    return "max" if any(w in e.metric for w in HIGHER_IS_BETTER) else "min"
 
 
 class Trainer:
@@ -248,15 +237,9 @@ class Trainer:
         r, failed = self.recipe, True
         try:
             if r.report and self.world.main and not self.dry_run:
-                resolved = r.to_dict()
-                self._reporters = open_reporters(
-                    r.report,
-                    self.run_dir.path,
-                    self.run_dir.path.name,
-                    resolved,
-                    dump_yaml(resolved),
-                    self.position.step if self.resumed else None,
-                )
+                at = self.position.step if self.resumed else None
+                yaml_text = dump_yaml(r.to_dict())
+                self._reporters = open_reporters(r, self.run_dir.path, yaml_text, at)
             with self._signals:
                 if self.tiers["attention"] == "off":
                     out = self._run()
@@ -502,15 +485,7 @@ class Trainer:
         self.position.best_eval = min(self.position.best_eval, m["eval_loss"])
         if better and self.recipe.checkpoints.save_best:
             self._checkpoint("best", m, prune_after=False)
-        drawn = self.objective.eval_samples if self.world.main else []
-        for s in drawn:
-            self.run_dir.append_jsonl(
-                "samples.jsonl", {"step": step, "eval": True, **s, "time": time.time()}
-            )
-        self._report_samples(step, drawn)
-        if self.objective.eval_samples and self.world.main:
-            s = self.objective.eval_samples[0]
-            self.console.sample(step, s["prompt"], s["completion"])
+        self._record_samples(step, self.objective.eval_samples if self.world.main else [], True)
         for cb in self.callbacks:
             cb.on_eval(self, row)
         return m
@@ -534,11 +509,7 @@ class Trainer:
         if not self.world.main:
             return
         drawn = sample(self.model, self.tokenizer, self.recipe.samples, self.valid_set, step)
-        for s in drawn:
-            self.run_dir.append_jsonl("samples.jsonl", {"step": step, **s, "time": time.time()})
-        self._report_samples(step, drawn)
-        if drawn:
-            self.console.sample(step, drawn[0]["prompt"], drawn[0]["completion"])
+        self._record_samples(step, drawn)
 
     def _record(self, row: dict) -> None:
         """A metrics row: into metrics.jsonl, and to the recipe's reporters."""
@@ -546,50 +517,32 @@ class Trainer:
         for rep in self._reporters:
             rep.row(row)
 
-    def _report_samples(self, step: int, drawn: list[dict]) -> None:
+    def _record_samples(self, step: int, drawn: list[dict], evaluated: bool = False) -> None:
+        """Samples: into samples.jsonl (``eval`` marks an evaluation's), to the reporters, and
+        the first on the console."""
+        for s in drawn:
+            mark = {"eval": True} if evaluated else {}
+            self.run_dir.append_jsonl(
+                "samples.jsonl", {"step": step, **mark, **s, "time": time.time()}
+            )
         for rep in self._reporters if drawn else ():
             rep.samples(step, drawn)
+        if drawn:
+            self.console.sample(step, drawn[0]["prompt"], drawn[0]["completion"])
 
     def _watch(self, m: dict) -> bool:
-        """Whether the watched metric (train.early_stopping.metric) beat its best so far (the
-        best checkpoint's rule); counts the evaluations without an improvement of more than
-        min_delta and asks the run to stop after ``patience`` of them."""
-        e, pos = self.recipe.train.early_stopping, self.position
-        if e.metric not in m or not isinstance(m[e.metric], (int, float)):
-            names = ", ".join(k for k, x in m.items() if isinstance(x, (int, float)))
-            raise UserInputError(
-                f"{e.metric!r} is not one of this run's evaluation metrics: {names}",
-                "train.early_stopping.metric",
-            )
-        sign = 1.0 if watch_mode(e) == "min" else -1.0
-        best = pos.best_watched
-        if best is None and e.metric == "eval_loss" and math.isfinite(pos.best_eval):
-            best = pos.best_eval  # a checkpoint from before the metric was kept on its own
-        value = sign * m[e.metric]
-        gain = math.inf if best is None else sign * best - value
-        if gain > e.min_delta:
-            pos.stalled = 0
-        else:
-            pos.stalled += 1
-        if e.patience is not None and pos.stalled >= e.patience and not self._stop:
-            self.log(
-                f"early stopping: {e.metric} has not improved by more than {e.min_delta:g} in "
-                f"{pos.stalled} evaluations (best {best:.6g})"
-            )
+        """``stopping.watch`` on this evaluation (a stop it asks for ends the run here)."""
+        better, stop = stopping.watch(self.recipe.train.early_stopping, self.position, m)
+        if stop and not self._stop:
+            self.log(stop)
             self._stop = self._stopped_early = True
-        if gain > 0:
-            pos.best_watched = m[e.metric]
-            return True
-        return False
+        return better
 
     def _restore_best(self) -> dict | None:
         """Put the best checkpoint's weights back (checkpoints.load_best_at_end); its
         evaluation, or None when the model in memory is the best already or there is none."""
-        best = self.run_dir.checkpoints / "best"
-        if not (best / "trainer_state.json").exists():
-            return None
-        info = json.loads((best / "trainer_state.json").read_text())
-        if info["step"] == self.position.step:
+        best, info = best_checkpoint(self.run_dir)
+        if best is None or info["step"] == self.position.step:
             return None
         self.engine.load_weights(best)
         self.log(f"restored the best checkpoint's weights (step {info['step']})")

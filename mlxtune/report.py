@@ -212,15 +212,15 @@ class WandbReporter(Reporter):
         self._run.finish(exit_code=1 if failed else 0)
 
 
-def open_reporters(
-    names, run_dir: Path, name: str, config: dict, config_text: str, resumed_at: int | None
-) -> list[Reporter]:
-    """The reporters ``names`` asks for, opened for a run (resumed after step ``resumed_at``,
-    or new when None)."""
+def open_reporters(recipe, run_dir: Path, config_text: str, resumed_at: int | None):
+    """The reporters ``recipe.report`` asks for, opened for a run in ``run_dir`` (resumed after
+    step ``resumed_at``, or new when None); ``config_text``: the resolved recipe as YAML."""
     out: list[Reporter] = []
-    for n in names:
+    for n in recipe.report:
         if n == "tensorboard":
             out.append(TensorBoardReporter(run_dir / "tensorboard", config_text, resumed_at))
         elif n == "wandb":
-            out.append(WandbReporter(run_dir, name, config, resumed_at is not None))
+            out.append(
+                WandbReporter(run_dir, run_dir.name, recipe.to_dict(), resumed_at is not None)
+            )
     return out
