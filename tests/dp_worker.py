@@ -54,6 +54,10 @@ def main():
     ap.add_argument("--oom-at", type=int, help="the rank's Nth forward+backward runs out of memory")
     ap.add_argument("--nan-at", type=int, help="the rank's forward is NaN in this step only")
     a = ap.parse_args()
+    # mlx.launch stops the other ranks (SIGTERM) as soon as one exits non-zero: a rank that has
+    # already left the training loop must still get to write its exit code (the trainer has its
+    # own handler while it runs, and puts this one back after)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     code = 0
     try:
         trainer = mlxtune.Trainer(
