@@ -261,6 +261,15 @@ def test_bad_ppo_settings_exit_2(tmp_path, llama_dir, prompts, capsys, objective
     assert where in err and message in err and "Traceback" not in err
 
 
+def test_packing_is_refused_in_ppos_words(tmp_path, llama_dir, prompts, capsys):
+    r = recipe(prompts, llama_dir)
+    r["data"]["packing"] = "pack"
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "data.packing" in err and "PPO trains on generated completions" in err, err
+
+
 def test_offline_rows_are_refused(tmp_path, llama_dir, capsys):
     d = tmp_path / "off"
     rows_ = [{"prompt": "reverse ab =", "responses": [" ba"], "rewards": [1]}] * 4

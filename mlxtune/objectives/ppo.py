@@ -40,7 +40,7 @@ from ..errors import UserInputError
 from ..kernels import forward_only
 from ..models import add_value_head, reward_head, value_head
 from .base import Objective
-from .grpo import GRPO, RLConfig
+from .online import OnPolicy, RLConfig
 from .rollout import RolloutBatch, rows_of
 
 STATE_FILE = "ppo_state.json"
@@ -97,7 +97,7 @@ def gae(rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> np
     return out
 
 
-class PPO(GRPO):
+class PPO(OnPolicy):
     """PPO on prompt rows; counts completion tokens."""
 
     name = "ppo"
@@ -135,9 +135,6 @@ class PPO(GRPO):
 
     def _kl_weight(self) -> float:
         return self.config.kl_coef
-
-    def _groups_compared(self) -> bool:
-        return False
 
     def _other_rewards(self) -> bool:
         return self.config.reward_model is not None
@@ -301,9 +298,6 @@ class PPO(GRPO):
         with forward_only(), self._reference.active():
             return self._passes(batch, self._target_logps)[0]
 
-    def _logps(self, batch) -> None:  # PPO computes its rollout's arrays in make_batch
-        return
-
     # ------------------------------------------------------------------ the loss
     def arrays(self, batch: RolloutBatch) -> dict[str, np.ndarray]:
         out = Objective.arrays(self, batch)
@@ -363,7 +357,7 @@ class PPO(GRPO):
 
     def generation_layout(self) -> tuple[int, int] | None:
         _, capacity = super().generation_layout()
-        return GRPO._batch_rows(self), capacity  # the whole rollout, not a minibatch
+        return OnPolicy._batch_rows(self), capacity  # the whole rollout, not a minibatch
 
     def eval_metrics(self, loss_sum: float, count: int, metrics: dict) -> dict:
         n = max(count, 1)
