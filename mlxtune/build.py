@@ -24,6 +24,7 @@ from .export import TrainedModel, adapter_settings, import_adapter
 from .gguf_tokenizer import write_tokenizer_from_gguf
 from .memory import GB
 from .models import (
+    add_embedding_noise,
     build_model,
     checkpoint_layers,
     count_parameters,
@@ -230,7 +231,8 @@ def _quantize_base(model: nn.Module, cfg, log) -> None:
 
 def adapt(recipe: Recipe, model: nn.Module, log) -> dict:
     """Put LoRA/DoRA adapters in (or unfreeze everything for full fine-tuning), load
-    ``init_from`` weights, and turn on gradient checkpointing; what ``apply_adapters`` did."""
+    ``init_from`` weights, turn on NEFTune and gradient checkpointing; what ``apply_adapters``
+    did."""
     r, a = recipe, recipe.adapter
     mx.random.seed(r.train.seed)
     info = apply_adapters(model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers, a.rslora)
@@ -245,6 +247,10 @@ def adapt(recipe: Recipe, model: nn.Module, log) -> dict:
                 f"adapter.init_from was trained at scale {was:g}; this run scales it by {now:g} "
                 "(adapter.alpha / rank, or / sqrt(rank) with adapter.rslora)"
             )
+    alpha = r.train.neftune_noise_alpha
+    if alpha and r.objective.type == "sft":
+        add_embedding_noise(model, alpha)
+        log(f"NEFTune: token embeddings get uniform noise of alpha {alpha:g} while training")
     if r.train.grad_checkpointing and r.train.grad_checkpointing != "auto":  # auto: later
         n = checkpoint_layers(model, int(r.train.grad_checkpointing))
         log(

@@ -31,7 +31,7 @@ from .errors import TrainingError, UserInputError
 from .export import load_trainable_weights, read_trainable
 from .kernels import forward_only
 from .memory import is_out_of_memory
-from .models import dropout_key
+from .models import dropout_key, has_embedding_noise
 from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
 from .state import EngineState
 
@@ -80,7 +80,7 @@ class Engine:
         self.in_a_row = 0
         self.split = 1
         """Micro-batches each batch is split into (more after running out of memory)."""
-        self._has_dropout = any(
+        self._has_dropout = has_embedding_noise(model) or any(
             isinstance(m, nn.Dropout) and m._p_1 < 1 for _, m in model.named_modules()
         )
         self._build()
@@ -97,10 +97,10 @@ class Engine:
         return self._state
 
     def _rank_dropout(self):
-        """Data-parallel with adapter dropout: every rank advances the shared random state
-        alike (so rank 0's checkpoint holds the state of all of them, for any number of ranks)
-        and draws its masks from its own key split from it, so that ranks' rows get
-        independent masks. Entered inside the traced step."""
+        """Data-parallel with adapter dropout or NEFTune: every rank advances the shared random
+        state alike (so rank 0's checkpoint holds the state of all of them, for any number of
+        ranks) and draws its masks and noise from its own key split from it, so that ranks'
+        rows get independent draws. Entered inside the traced step."""
         if self.world.size == 1 or not self._has_dropout:
             return contextlib.nullcontext()
         shared = mx.random.randint(0, 1 << 32, (2,), dtype=mx.uint32)

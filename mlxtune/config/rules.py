@@ -266,6 +266,7 @@ def check_train(r: Recipe, v: Fails) -> None:
     _positive(v, "train.max_steps", t.max_steps, allow_none=True)
     _positive(v, "train.epochs", t.epochs, allow_none=True)
     _in_range(v, "train.label_smoothing", t.label_smoothing, 0.0, 1.0)
+    _positive(v, "train.neftune_noise_alpha", t.neftune_noise_alpha, allow_none=True)
     gc = t.grad_checkpointing
     if gc != "auto" and not isinstance(gc, bool) and gc < 1:
         v.fail("train.grad_checkpointing", f"true, false or every k-th layer (k >= 1), got {gc}")
@@ -462,6 +463,8 @@ def _objective_inert(r: Recipe, inert) -> None:
     """Data, training and objective keys the objective does not read (preference pairs, reward
     models, GRPO)."""
     kind = r.objective.type
+    if kind != "sft":
+        inert(("train.neftune_noise_alpha",), f"NEFTune is for SFT, not objective.type {kind}")
     if kind in PREFERENCE:
         inert(("data.mask_prompt",), f"objective.type {kind} scores the completions only")
         inert(("train.label_smoothing",), f"objective.type {kind} does not read it")

@@ -213,6 +213,10 @@ class TrainConfig:
     """Write a metrics row and a console line every N optimizer steps."""
     label_smoothing: float = 0.0
     """Label smoothing of the cross-entropy, in [0, 1)."""
+    neftune_noise_alpha: float | None = None
+    """NEFTune (SFT): uniform noise of at most alpha / sqrt(T x D) added to every token
+    embedding while training (T the row length, D the model width); 5 is the paper's usual
+    value; null: off."""
     progress: bool = True
     """Show a progress bar with ETA when writing to a terminal."""
     grad_checkpointing: bool | int | Literal["auto"] = False

@@ -23,6 +23,7 @@ from .heads import (
     without_value_head,
 )
 from .loading import check_model_dir, load_model, resolve_model_path
+from .noise import add_embedding_noise, has_embedding_noise
 from .parts import LMParts, count_parameters, lm_parts
 from .patches import kernel_attention
 from .quantize import (
@@ -45,6 +46,7 @@ __all__ = [
     "ForwardContext",
     "GGUFLoad",
     "LMParts",
+    "add_embedding_noise",
     "add_reward_head",
     "build_model",
     "cast_floats",
@@ -58,6 +60,7 @@ __all__ = [
     "dense_weight",
     "dropout_key",
     "gguf_config",
+    "has_embedding_noise",
     "has_reward_head",
     "init_weights",
     "is_gguf",

@@ -1,0 +1,55 @@
+"""NEFTune: uniform noise added to the token embeddings while training (Jain et al., 2023), which
+makes instruction tuning less prone to memorising its answers' exact wording.
+
+Each entry of a [B, T, D] embedding output gets ``alpha / sqrt(T D) x U(-1, 1)``, ``T`` the
+batch's row length (padding and packing included, as Hugging Face's trainers count it). Only in
+training mode: evaluation, generation and exports see the embeddings as they are. The draws come
+from the forward context's key where the engine sets one (data-parallel ranks: a key of their
+own), else from MLX's global random state, which checkpoints keep.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .context import current
+
+
+class _Noisy:
+    """Mixed into an embedding's class: its output, plus NEFTune's noise while training."""
+
+    neftune_alpha: float
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = super().__call__(x)
+        if not self.training or y.ndim < 2:
+            return y
+        t, d = y.shape[-2], y.shape[-1]
+        bound = self.neftune_alpha / math.sqrt(t * d)
+        keys = current().dropout_keys
+        key = None if keys is None else keys.next()
+        noise = mx.random.uniform(-bound, bound, y.shape, dtype=mx.float32, key=key)
+        return (y.astype(mx.float32) + noise).astype(y.dtype)
+
+
+def add_embedding_noise(model: nn.Module, alpha: float) -> nn.Module:
+    """Turn NEFTune on for ``model``'s token embedding (``model.model.embed_tokens``), in place;
+    the embedding keeps its weights and their names. Returns the embedding."""
+    emb = model.model.embed_tokens
+    cls = type(emb)
+    if not issubclass(cls, _Noisy):
+        emb.__class__ = type(f"Noisy{cls.__name__}", (_Noisy, cls), {})
+    emb.neftune_alpha = float(alpha)
+    return emb
+
+
+def has_embedding_noise(model: nn.Module) -> bool:
+    """Whether ``model``'s forward draws NEFTune noise (in training mode)."""
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return isinstance(emb, _Noisy)
+
+
+__all__ = ["add_embedding_noise", "has_embedding_noise"]
