@@ -212,7 +212,7 @@ def test_sft_refuses_pairs_and_preference_objectives_refuse_other_data(
     (tmp_path / "a.yaml").write_text(yaml.safe_dump(r))
     assert main(["validate", str(tmp_path / "a.yaml")]) in (0, 2)  # validate reads no data
     assert main(["run", str(tmp_path / "a.yaml"), "--run-dir", str(tmp_path / "a")]) == 2
-    assert "objective.type dpo, orpo or reward" in capsys.readouterr().err
+    assert "objective.type dpo, orpo, cpo or reward" in capsys.readouterr().err
     r = recipe(prefs, llama_dir)
     r["data"] = {**r["data"], "train": str(data_dir / "train.jsonl"), "valid": None}
     (tmp_path / "b.yaml").write_text(yaml.safe_dump(r))

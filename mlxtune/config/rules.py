@@ -16,7 +16,7 @@ from ..precision import scaling_mode
 from ..rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
 from .schema import Recipe
 
-PREFERENCE = ("dpo", "orpo", "reward")
+PREFERENCE = ("dpo", "orpo", "cpo", "reward")
 """The objectives that train on preference pairs."""
 
 
@@ -470,6 +470,8 @@ def _objective_inert(r: Recipe, inert) -> None:
         inert(("train.label_smoothing",), f"objective.type {kind} does not read it")
         if r.data.packing != "off":
             inert(("data.mask_boundary_loss",), "a pair's sequences never score their first token")
+    if kind == "cpo" and r.objective.loss != "simpo":
+        inert(("objective.simpo_gamma",), f"objective.loss is {r.objective.loss}, not simpo")
     if kind == "reward":
         why = "a reward model scores each sequence's last token, with no LM head or loss kernel"
         inert(("data.train_on_eos", "kernels.loss"), why)

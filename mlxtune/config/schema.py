@@ -104,7 +104,7 @@ class DataConfig:
     """Held-out JSONL file for the task metric (exact match); defaults to the validation set."""
     format: str = "auto"
     """Example format: text, completion, instruction, chat, sharegpt, tokens, preference (pairs, for
-    objective.type dpo, orpo or reward), or one registered with
+    objective.type dpo, orpo, cpo or reward), or one registered with
     ``mlxtune.data.register_format``; "auto" detects it from the keys of the first example."""
     columns: dict | None = None
     """Fields under other names: {prompt: question, completion: answer} reads a row's question

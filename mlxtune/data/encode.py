@@ -145,7 +145,7 @@ class Encoder:
         if isinstance(piece, Pair):
             raise UserInputError(
                 "this is a preference pair (prompt, chosen, rejected): it trains with "
-                "objective.type dpo, orpo or reward",
+                "objective.type dpo, orpo, cpo or reward",
                 where,
             )
         for kind in type(piece).__mro__:  # a subclass of a piece encodes as that piece

@@ -77,7 +77,7 @@ class Pair:
     """A preference pair: a prompt and two completions of it, ``chosen`` preferred to
     ``rejected``. Each is a string, or (chat) a list of messages: the prompt's conversation and
     the completions' assistant turns. The preference objectives (``objective.type: dpo``,
-    ``orpo``, ``reward``) train on pairs; SFT refuses them."""
+    ``orpo``, ``cpo``, ``reward``) train on pairs; SFT refuses them."""
 
     prompt: str | list
     chosen: str | list

@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..config import register_objective_config, unregister_objective_config
 from ..errors import UserInputError
 from .base import Components, Objective, Usage, target_rows
+from .cpo import CPO
 from .grpo import GRPO, RolloutBatch
 from .ppo import PPO
 from .preference import DPO, ORPO, Preference, Reward
@@ -59,12 +60,13 @@ def objective_class(recipe) -> type[Objective]:
     return OBJECTIVES[name]
 
 
-for _cls in (SFT, DPO, ORPO, Reward, GRPO, PPO):
+for _cls in (SFT, DPO, ORPO, CPO, Reward, GRPO, PPO):
     register(_cls)
 del _cls
 
 __all__ = [
     "Components",
+    "CPO",
     "DPO",
     "GRPO",
     "ORPO",

@@ -244,7 +244,7 @@ class Preference(Objective):
         return out
 
 
-def _pair_metrics(chosen, rejected, logp_chosen, logp_rejected, valid) -> dict:
+def pair_metrics(chosen, rejected, logp_chosen, logp_rejected, valid) -> dict:
     """TRL's names: implicit rewards, their margin and accuracy, the policy's log-probs; sums
     over the batch's pairs (rows show them divided by the pairs)."""
     chosen, rejected = mx.stop_gradient(chosen), mx.stop_gradient(rejected)
@@ -388,7 +388,7 @@ class DPO(Preference):
             losses = mx.maximum(1 - beta * margin, 0)
         else:  # ipo
             losses = mx.square(margin - 1 / (2 * beta))
-        metrics = _pair_metrics(beta * chosen, beta * rejected, policy[:, 0], policy[:, 1], valid)
+        metrics = pair_metrics(beta * chosen, beta * rejected, policy[:, 0], policy[:, 1], valid)
         if cfg.rpo_alpha:
             nll = -policy[:, 0] if cfg.loss == "ipo" else -policy[:, 0] / batch["lengths"][:, 0]
             losses = losses + cfg.rpo_alpha * nll
@@ -420,7 +420,7 @@ class ORPO(Preference):
         nll = -mean[:, 0]
         beta = self.config.beta
         losses = nll - beta * ratio
-        metrics = _pair_metrics(beta * mean[:, 0], beta * mean[:, 1], mean[:, 0], mean[:, 1], valid)
+        metrics = pair_metrics(beta * mean[:, 0], beta * mean[:, 1], mean[:, 0], mean[:, 1], valid)
         metrics["nll_loss"] = mx.sum(mx.stop_gradient(nll) * valid)
         metrics["log_odds_ratio"] = mx.sum(mx.stop_gradient(ratio) * valid)
         metrics["log_odds_chosen"] = mx.sum(mx.stop_gradient(log_odds) * valid)
@@ -504,4 +504,5 @@ __all__ = [
     "Preference",
     "Reward",
     "RewardConfig",
+    "pair_metrics",
 ]

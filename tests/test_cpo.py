@@ -1,0 +1,183 @@
+"""CPO and SimPO (``objective.type: cpo``): each loss against its paper's formula written here over
+full logits (values in float64, gradients in MLX), bad settings, and learning the quickstart's
+preference with no reference policy."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import yaml
+from mlx.utils import tree_flatten
+from test_preference import (
+    batch_pairs,
+    build,
+    logsig,
+    mx_logp,
+    naive_logp,
+    pair_rows,
+    preference_accuracy,
+    quickstart,
+    recipe,
+    shake_adapters,
+)
+
+from conftest import REPO, write_jsonl
+from mlxtune import Trainer
+from mlxtune.cli import main
+from mlxtune.console import Console
+
+
+@pytest.fixture
+def pair_data(tmp_path):
+    """test_preference's pairs: "reverse w =" preferring the reversal."""
+    write_jsonl(tmp_path / "prefs" / "train.jsonl", pair_rows(48, 1))
+    write_jsonl(tmp_path / "prefs" / "valid.jsonl", pair_rows(10, 2))
+    return tmp_path / "prefs"
+
+
+def cpo_formula(kind, beta, eps, alpha, gamma, pc, pr, nc, nr):
+    """A pair's loss from the CPO (Xu et al.) and SimPO (Meng et al.) papers, numpy float64:
+    ``pc``/``pr`` the summed log-probs, ``nc``/``nr`` the completions' token counts."""
+    if kind in ("simpo", "ipo"):
+        z = pc / nc - pr / nr  # length-normalised
+    else:
+        z = pc - pr
+    if kind == "sigmoid":
+        loss = -(1 - eps) * logsig(beta * z) - eps * logsig(-beta * z)
+    elif kind == "simpo":  # -log sigmoid(beta/|yw| log pi(yw) - beta/|yl| log pi(yl) - gamma)
+        m = beta * z - gamma
+        loss = -(1 - eps) * logsig(m) - eps * logsig(-m)
+    elif kind == "hinge":
+        loss = max(0.0, 1 - beta * z)
+    else:
+        loss = (z - 1 / (2 * beta)) ** 2
+    return loss + alpha * (-pc / nc)
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [
+        {"type": "cpo", "beta": 0.5},
+        {"type": "cpo", "beta": 0.3, "label_smoothing": 0.2, "cpo_alpha": 0.5},
+        {"type": "cpo", "loss": "simpo", "beta": 2.0, "simpo_gamma": 0.8, "cpo_alpha": 0.0},
+        {"type": "cpo", "loss": "simpo", "beta": 2.5, "label_smoothing": 0.1, "cpo_alpha": 0.3},
+        {"type": "cpo", "loss": "hinge", "beta": 0.4},
+        {"type": "cpo", "loss": "ipo", "beta": 0.2, "cpo_alpha": 0.0},
+    ],
+    ids=lambda o: "-".join(str(v) for v in o.values()),
+)
+def test_each_cpo_loss_is_its_formula_in_values_and_gradients(
+    tmp_path,
+    llama_dir,
+    pair_data,
+    objective,
+):
+    t = build(recipe(pair_data, llama_dir, objective), tmp_path)
+    shake_adapters(t.model)
+    obj, o = t.objective, t.recipe.objective
+    batch = next(obj.batches())[1]
+    arrays = t.engine.arrays(batch)
+    pairs = batch_pairs(t, batch)
+    pol = [
+        (naive_logp(t.model, p.ids, p.mask), naive_logp(t.model, p.rejected_ids, p.rejected_mask))
+        for p in pairs
+    ]
+    lens = [(p.n_targets, p.rejected_targets) for p in pairs]
+    args = (o.loss, o.beta, o.label_smoothing, o.cpo_alpha, o.simpo_gamma)
+    want = [cpo_formula(*args, *pp, *nn_) for pp, nn_ in zip(pol, lens, strict=True)]
+    loss, count, metrics = obj.loss(t.model, arrays)
+    assert count.item() == len(pairs) == obj.count(batch)
+    assert loss.item() == pytest.approx(sum(want), rel=2e-5, abs=1e-5)
+    norm = o.loss in ("simpo", "ipo")
+    chosen = [o.beta * (p[0] / n[0] if norm else p[0]) for p, n in zip(pol, lens, strict=True)]
+    rejected = [o.beta * (p[1] / n[1] if norm else p[1]) for p, n in zip(pol, lens, strict=True)]
+    assert metrics["rewards/chosen"].item() == pytest.approx(sum(chosen), rel=1e-4, abs=1e-5)
+    assert metrics["rewards/accuracies"].item() == sum(
+        c > r for c, r in zip(chosen, rejected, strict=True)
+    )
+    assert ("nll_loss" in metrics) == (o.cpo_alpha > 0)
+
+    def naive(model):  # the formula in MLX over full logits
+        total = 0.0
+        for p, (nc, nr) in zip(pairs, lens, strict=True):
+            pc, pr = mx_logp(model, p.ids, p.mask), mx_logp(model, p.rejected_ids, p.rejected_mask)
+            z = pc / nc - pr / nr if norm else pc - pr
+            b, e = o.beta, o.label_smoothing
+            if o.loss in ("sigmoid", "simpo"):
+                m = b * z - (o.simpo_gamma if o.loss == "simpo" else 0.0)
+                loss = (1 - e) * mx.logaddexp(0.0, -m) + e * mx.logaddexp(0.0, m)
+            elif o.loss == "hinge":
+                loss = mx.maximum(1 - b * z, 0.0)
+            else:
+                loss = mx.square(z - 1 / (2 * b))
+            total = total + loss + o.cpo_alpha * (-pc / nc)
+        return total
+
+    _, want_g = nn.value_and_grad(t.model, naive)(t.model)
+    _, got_g = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0])(t.model)
+    want_g, got_g = dict(tree_flatten(want_g)), dict(tree_flatten(got_g))
+    assert want_g.keys() == got_g.keys() and want_g
+    for k in want_g:
+        np.testing.assert_allclose(
+            np.array(got_g[k]), np.array(want_g[k]), rtol=2e-4, atol=2e-6, err_msg=k
+        )
+
+
+@pytest.mark.parametrize(
+    "objective, key, message",
+    [
+        ({"beta": 0.0}, "objective.beta", "greater than 0"),
+        ({"cpo_alpha": -1.0}, "objective.cpo_alpha", "at least 0"),
+        ({"loss": "hinge", "label_smoothing": 0.1}, "objective.label_smoothing", "not hinge"),
+        ({"label_smoothing": 0.5}, "objective.label_smoothing", "in [0, 0.5)"),
+        ({"reference": "copy"}, "objective.reference", "unknown key"),
+    ],
+)
+def test_bad_cpo_settings_exit_2(
+    tmp_path,
+    llama_dir,
+    pair_data,
+    capsys,
+    objective,
+    key,
+    message,
+):
+    r = recipe(pair_data, llama_dir, {"type": "cpo", **objective})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert key in err and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_simpo_gamma_is_noted_outside_simpo(tmp_path, capsys):
+    from test_recipe import recipe_text, validate_notes
+
+    text = recipe_text(objective={"type": "cpo", "loss": "sigmoid", "simpo_gamma": 1.0})
+    assert "objective.simpo_gamma" in validate_notes(tmp_path, capsys, text)
+    text = recipe_text(objective={"type": "cpo", "loss": "simpo", "simpo_gamma": 1.0})
+    assert "objective.simpo_gamma" not in validate_notes(tmp_path, capsys, text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "objective",
+    [
+        {"type": "cpo", "beta": 0.1, "cpo_alpha": 1.0},
+        {"type": "cpo", "loss": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0},
+    ],
+    ids=["cpo", "simpo"],
+)
+def test_the_quickstart_learns_the_preferred_answer_without_a_reference(tmp_path, objective):
+    r = quickstart(objective)
+    held = [
+        json.loads(x) for x in (REPO / "recipes/data/prefs/valid.jsonl").read_text().splitlines()
+    ]
+    Trainer(r, run_dir=tmp_path / "run", console=Console(quiet=True)).run()
+    assert preference_accuracy(tmp_path / "run" / "export" / "mlx-lm", held) >= 0.9
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "reference" not in log.lower()  # no reference policy kept or run
