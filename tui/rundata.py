@@ -115,7 +115,7 @@ class RunData:
         # train loss against tokens seen, and eval loss likewise (compare aligns runs by it)
         self.loss_by_tokens = Curve(max_points)
         self.eval_by_tokens = Curve(max_points)
-        # preference objectives (dpo, orpo, reward): the implicit rewards' margin and accuracy,
+        # preference objectives (dpo, orpo, cpo, reward): the implicit rewards' margin and accuracy,
         # by step and by tokens seen
         self.margins, self.eval_margins = Curve(max_points), Curve(max_points)
         self.accuracy, self.eval_accuracy = Curve(max_points), Curve(max_points)
