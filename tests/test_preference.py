@@ -136,6 +136,18 @@ def orpo_formula(beta, pc, pr, nc, nr):
     return -ac - beta * logsig(log_odds)
 
 
+def same_gradients(model, naive, loss):
+    """The gradients of ``loss(model)`` equal those of the ``naive`` formula, weight by weight."""
+    _, want = nn.value_and_grad(model, naive)(model)
+    _, got = nn.value_and_grad(model, loss)(model)
+    want, got = dict(tree_flatten(want)), dict(tree_flatten(got))
+    assert want.keys() == got.keys() and want
+    for k in want:
+        np.testing.assert_allclose(
+            np.array(got[k]), np.array(want[k]), rtol=2e-4, atol=2e-6, err_msg=k
+        )
+
+
 def batch_pairs(trainer, batch):
     return [trainer.train_set.examples[i] for i in batch.pairs if i >= 0]
 
@@ -303,14 +315,7 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
             total = total + loss + o.rpo_alpha * (-pc / nc)
         return total
 
-    _, want_g = nn.value_and_grad(t.model, naive)(t.model)
-    _, got_g = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0])(t.model)
-    want_g, got_g = dict(tree_flatten(want_g)), dict(tree_flatten(got_g))
-    assert want_g.keys() == got_g.keys() and want_g
-    for k in want_g:
-        np.testing.assert_allclose(
-            np.array(got_g[k]), np.array(want_g[k]), rtol=2e-4, atol=2e-6, err_msg=k
-        )
+    same_gradients(t.model, naive, lambda m: obj.loss(m, arrays)[0])
 
 
 def test_padding_prompt_positions_and_packing_change_nothing(tmp_path, llama_dir, prefs):
