@@ -288,6 +288,7 @@ def test_every_shipped_recipe_loads_with_its_objective_and_no_inert_keys(path):
         "quickstart-dpo.yaml": "dpo",
         "quickstart-grpo.yaml": "grpo",
         "quickstart-ppo.yaml": "ppo",
+        "quickstart-online-dpo.yaml": "online_dpo",
     }
     assert r.objective.type == kinds.get(path.name, "sft")
     assert R.inert_keys(r) == []
@@ -344,7 +345,7 @@ def test_an_unknown_objective_type_lists_the_registered_ones(tmp_path, weighted)
     assert f"{p}:9: objective.type: unknown objective 'test-weigted'" in msg
     assert (
         "did you mean 'test-weighted'" in msg
-        and "registered: sft, dpo, orpo, reward, grpo, ppo, test-weighted" in msg
+        and "registered: sft, dpo, orpo, cpo, reward, grpo, ppo, online_dpo, test-weighted" in msg
     )
     assert main(["validate", str(p)]) == 2
 
@@ -354,7 +355,7 @@ def test_an_objective_unregistered_again_is_unknown(tmp_path, weighted):
     try:
         with pytest.raises(
             UserInputError,
-            match=r"unknown objective .*\(registered: sft, dpo, orpo, reward, grpo, ppo\)",
+            match=r"unknown objective .*\(registered: sft, dpo, orpo, cpo, reward, grpo, ppo, online_dpo\)",
         ):
             R.load_recipe(write(tmp_path, WEIGHTED))
     finally:

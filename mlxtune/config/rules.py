@@ -475,14 +475,14 @@ def _objective_inert(r: Recipe, inert) -> None:
     if kind == "reward":
         why = "a reward model scores each sequence's last token, with no LM head or loss kernel"
         inert(("data.train_on_eos", "kernels.loss"), why)
-    if kind in ("grpo", "ppo"):
+    if kind in ("grpo", "ppo", "online_dpo"):
         why = f"objective.type {kind} trains on completions"
         inert(("data.mask_prompt", "data.train_on_eos"), f"{why} (EOS included), never prompts")
         inert(("train.label_smoothing",), f"{why} weighted by their advantages")
         drawn = f"objective.type {kind} batches prompts as drawn"
         inert(("data.bucket_size", "data.min_length"), drawn)
         o = r.objective
-        weight = "beta" if kind == "grpo" else "kl_coef"
+        weight = "kl_coef" if kind == "ppo" else "beta"
         if getattr(o, weight) == 0:
             inert(("objective.reference",), f"objective.{weight} is 0 (no KL term)")
         if kind == "ppo" and o.kl_target is None:

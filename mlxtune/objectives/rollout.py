@@ -12,7 +12,16 @@ import numpy as np
 from ..data import Batch
 from ..distributed import collectives
 
-ROLLOUT_ARRAYS = ("advantages", "valid", "old", "ref", "values", "returns", "token_advantages")
+ROLLOUT_ARRAYS = (
+    "advantages",
+    "valid",
+    "old",
+    "ref",
+    "values",
+    "returns",
+    "token_advantages",
+    "side",
+)
 """The per-row arrays a RolloutBatch carries beside tokens and mask (what a checkpoint inside a
 rollout keeps)."""
 ADV_EPS = 1e-4  # added to the standard deviation the advantages are divided by
@@ -39,6 +48,8 @@ class RolloutBatch(Batch):
     """[R, L-1] PPO: the returns the values are trained towards."""
     token_advantages: np.ndarray | None = None
     """[R, L-1] PPO: each target token's (whitened) advantage."""
+    side: np.ndarray | None = None
+    """[R] online DPO: 1 for its pair's chosen completion, -1 for the rejected one."""
     prompts: int = 0
     """Prompts counted as seen: the rollout's first iteration counts them, the others 0."""
     host: dict = field(default_factory=dict)
