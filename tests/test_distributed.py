@@ -364,3 +364,37 @@ def test_sophia_estimates_curvature_over_every_rank(runs, tmp_path):
     state = mx.load(str(two / "checkpoints" / "final" / "optimizer.safetensors"))
     hs = [v for k, v in state.items() if k.endswith(".h")]
     assert hs and all(float(mx.abs(h).max()) > 0 for h in hs)
+
+
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
+def test_online_dpo_pairs_train_as_one(runs, tmp_path):
+    """Online DPO: the pairs are completed and ranked as in one process and split whole among
+    the ranks (an odd number of pairs: one rank has more)."""
+    from test_grpo import prompt_rows
+
+    from conftest import write_jsonl
+
+    data = tmp_path / "prompts"
+    write_jsonl(data / "train.jsonl", prompt_rows(24, 1))
+    write_jsonl(data / "valid.jsonl", prompt_rows(5, 2))
+    r = dict(runs["recipe"])
+    r["data"] = {"train": str(data / "train.jsonl"), "valid": str(data / "valid.jsonl")}
+    r["objective"] = {
+        "type": "online_dpo",
+        "beta": 0.5,
+        "max_completion_length": 5,
+        "rewards": [{"name": "regex", "pattern": "^.?[aeo]"}],
+    }
+    r["train"] = {**r["train"], "batch_size": 5, "max_steps": 4}
+    r["eval"] = {"every": 2}
+    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
+    one, two, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = rows(two)
+    assert got[0]["world_size"] == 2 and any(x.get("rewards/margins") for x in got)
+    drop = {"generation_s", "generation_tokens_per_sec"}
+    same(
+        [{k: v for k, v in x.items() if k not in drop} for x in rows(one)],
+        [{k: v for k, v in x.items() if k not in drop} for x in got],
+        abs=2e-5,
+    )
