@@ -69,10 +69,16 @@ def run(tmp_path, data_dir, llama_dir, name, alpha, **extra):
 
 
 def test_an_sft_run_trains_on_noisy_embeddings_and_evaluates_on_clean_ones(
-    tmp_path, data_dir, llama_dir
+    tmp_path, data_dir, llama_dir, capsys
 ):
     plain, _ = run(tmp_path, data_dir, llama_dir, "plain", None)
     noisy, log = run(tmp_path, data_dir, llama_dir, "noisy", 50.0)
+    # the last evaluation, after steps were traced with noise, as `mlxtune eval` computes it
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "noisy"), "--json"]) == 0
+    trained = json.loads(capsys.readouterr().out)["models"]["trained"]
+    last = [r["eval_loss"] for r in noisy if "eval_loss" in r][-1]
+    assert trained["eval_loss"] == pytest.approx(last, rel=1e-5)
     assert "NEFTune" in log
     start = [r["eval_loss"] for r in (plain[0], noisy[0]) if r["step"] == 0]
     assert len(start) == 2 and start[0] == pytest.approx(start[1], rel=1e-6)  # no noise in eval
