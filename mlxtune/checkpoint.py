@@ -249,12 +249,19 @@ def last_saved(run_dir: RunDir) -> str:
 
 
 def restore(
-    run_dir: RunDir, which: str, recipe: Recipe, engine, log, trim: bool = True
+    run_dir: RunDir,
+    which: str,
+    recipe: Recipe,
+    engine,
+    log,
+    trim: bool = True,
+    total_steps: int | None = None,
 ) -> TrainState:
     """Put back the weights, the engine's state and the random state of checkpoint ``which``
     ("latest" or a name), cut metrics and samples back to its step (``trim``: not on the ranks of
     a data-parallel run that do not write the run), and return its ``TrainState``.
-    ``log(message)`` hears of skipped checkpoints and honoured recipe changes."""
+    ``log(message)`` hears of skipped checkpoints and honoured recipe changes; a checkpoint
+    already at ``total_steps`` (the recipe's last step) is refused before anything is touched."""
     ckpt = pick(run_dir.path, which, lambda m: log(f"WARNING: {m}"))
     info = json.loads((ckpt / "trainer_state.json").read_text())
     if info.get("resume") is None:
@@ -268,8 +275,14 @@ def restore(
     for line in ok:
         log(f"resuming with a changed recipe: {line}")
     state = TrainState.from_json(info["resume"])
-    engine.restore(ckpt, state.engine)
     step = state.position.step
+    if total_steps is not None and step >= total_steps:
+        raise UserInputError(
+            f"this checkpoint is at step {step} and the recipe ends at step {total_steps}: "
+            "nothing is left to train (raise train.max_steps or train.epochs to go on)",
+            str(ckpt),
+        )
+    engine.restore(ckpt, state.engine)
     for name in ("metrics.jsonl", "samples.jsonl") if trim else ():
         rows = run_dir.read_jsonl(name)
         if rows:

@@ -129,6 +129,27 @@ def test_a_recipe_change_that_cannot_be_honoured_is_refused(tmp_path, data_dir, 
     assert (tmp_path / "cut" / "metrics.jsonl").read_text() == before  # nothing touched
 
 
+def test_resuming_a_finished_run_is_refused_and_touches_nothing(
+    tmp_path, data_dir, llama_dir, capsys
+):
+    """--resume on a run already at its last step exits 2 naming the checkpoint; the run's
+    metrics, summary and checkpoints stay as they were."""
+    r = recipe(data_dir, llama_dir)
+    r["train"]["max_steps"] = 3
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(r))
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "done")]) == 0
+    capsys.readouterr()
+    files = sorted(f for f in (tmp_path / "done").rglob("*") if f.is_file())
+    before = {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "done"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "checkpoints/final: this checkpoint is at step 3 and the recipe ends at step 3" in err
+    assert sorted(f for f in (tmp_path / "done").rglob("*") if f.is_file()) == files
+    assert {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files} == before
+
+
 def test_resume_needs_a_run_and_an_intact_checkpoint(tmp_path, data_dir, llama_dir):
     r = recipe(data_dir, llama_dir)
     with pytest.raises(UserInputError, match="no run to resume"):
