@@ -85,6 +85,8 @@ def verify(folder: Path) -> str | None:
     try:
         sums = json.loads(sums_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
+        sums = None
+    if not isinstance(sums, dict):
         return "checksums.json is damaged"
     for name in ("trainer_state.json", "adapters.safetensors", "optimizer.safetensors"):
         if name not in sums:
@@ -95,7 +97,28 @@ def verify(folder: Path) -> str | None:
             return f"{name} is missing"
         if _sha256(p) != digest:
             return f"{name} does not match its checksum (corrupt or truncated)"
+        if not _readable(p):
+            return f"{name} is damaged (it does not parse)"
     return None
+
+
+def _readable(p: Path) -> bool:
+    """Whether a checkpoint's file parses: a JSON file as an object, a safetensors file as its
+    header (8-byte length, a JSON object) with every tensor's bytes inside the file."""
+    try:
+        if p.suffix == ".json":
+            return isinstance(json.loads(p.read_text()), dict)
+        if p.suffix != ".safetensors":
+            return True
+        with open(p, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n <= p.stat().st_size - 8 else None
+        if not isinstance(header, dict):
+            return False
+        data = p.stat().st_size - 8 - n
+        return all(k == "__metadata__" or max(v["data_offsets"]) <= data for k, v in header.items())
+    except (OSError, ValueError, TypeError, KeyError):  # JSONDecodeError, UnicodeDecodeError
+        return False
 
 
 def candidates(run_dir: Path) -> list[Path]:
@@ -109,7 +132,7 @@ def candidates(run_dir: Path) -> list[Path]:
             continue
         try:
             step = json.loads((c / "trainer_state.json").read_text()).get("step", -1)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             step = -1
         found.append((step, c.name == "final", c))
     return [c for _, _, c in sorted(found, key=lambda x: (x[0], x[1]), reverse=True)]
