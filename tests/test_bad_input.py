@@ -85,6 +85,12 @@ def unknown_key(w):
     )
 
 
+def key_given_twice(w):
+    return _recipe_text(
+        w, GOOD_HEAD.format(model=w.model) + "train:\n  max_steps: 3\n  max_steps: 30\n"
+    )
+
+
 def wrong_type(w):
     return _recipe_text(w, GOOD_HEAD.format(model=w.model) + "train:\n  max_steps: ten\n")
 
@@ -223,6 +229,11 @@ CASES = [
         "unknown-key",
         unknown_key,
         r"r\.yaml:8: train\.bach_size: unknown key; did you mean 'batch_size'\?",
+    ),
+    (
+        "key-given-twice",
+        key_given_twice,
+        r"r\.yaml:8: train\.max_steps: given twice \(first on line 7\)",
     ),
     ("wrong-type", wrong_type, r"r\.yaml:7: train\.max_steps: expected an integer, got 'ten'"),
     ("out-of-range", out_of_range, r"r\.yaml:7: adapter\.dropout: must be in \[0\.0, 1\.0\)"),

@@ -303,7 +303,27 @@ def parse_yaml(text: str, source: str) -> dict:
         raise UserInputError(
             "a recipe is a mapping of sections (model:, data:, train:, ...)", source
         )
+    _no_key_twice(yaml.compose(text, Loader=yaml.SafeLoader), source, "")
     return data
+
+
+def _no_key_twice(node, source: str, prefix: str) -> None:
+    """Refuse a mapping that gives a key twice (YAML would keep the last one silently)."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _no_key_twice(v, source, f"{prefix}[{i}]")
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for k, v in node.value:
+        key = f"{prefix}.{k.value}" if prefix else str(k.value)
+        line = k.start_mark.line + 1
+        if key in seen and k.tag != "tag:yaml.org,2002:merge":
+            raise UserInputError(
+                f"given twice (first on line {seen[key]})", f"{source}:{line}: {key}"
+            )
+        seen[key] = line
+        _no_key_twice(v, source, key)
 
 
 def dump_yaml(data: dict) -> str:
