@@ -585,8 +585,15 @@ SCRATCH = {
         ({"train": {"epochs": 2}}, {"train.epochs": "train.max_steps is set"}),
         ({"eval": {"max_new_tokens": 8}}, {"eval.max_new_tokens": "eval.exact_match is 0"}),
         (
-            {"samples": {"prompts": ["hi"], "count": 5}},
+            {"samples": {"every": 5, "prompts": ["hi"], "count": 5}},
             {"samples.count": "samples.prompts is given"},
+        ),
+        (
+            {"samples": {"prompts": ["hi"], "max_new_tokens": 8, "temperature": 0.5}},
+            {
+                f"samples.{k}": "samples.every is null"
+                for k in ("prompts", "max_new_tokens", "temperature")
+            },
         ),
         ({"model": {"seed": 3}}, {"model.seed": "the model is loaded from model.path"}),
         (
@@ -650,7 +657,7 @@ def test_validate_notes_each_key_that_has_no_effect(tmp_path, capsys, sections, 
         {"schedule": {"name": "constant", "warmup_steps": 3}},
         {"train": {"max_steps": None, "epochs": 2}},
         {"eval": {"exact_match": 5, "max_new_tokens": 8}},
-        {"samples": {"count": 5}},
+        {"samples": {"every": 5, "count": 5, "max_new_tokens": 8, "temperature": 0.5}},
         {**SCRATCH, "model": {"path": None, "arch": {"model_type": "llama"}, "seed": 3}},
         {"model": {"path": "some/model", "trust_remote_code": True}, "tokenizer": {"path": "t"}},
         {"memory": {"check": "warn", "limit_gb": 4}},
