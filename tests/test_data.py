@@ -103,6 +103,24 @@ def test_chat_without_assistant_turn_is_refused(tokenizer):
         Encoder(tokenizer).encode({"messages": [{"role": "user", "content": "x"}]}, "chat", "f:4")
 
 
+@pytest.mark.parametrize("role", ["usr", "Assistant"])
+def test_a_message_with_an_unknown_role_is_refused_by_its_index(tokenizer, role):
+    """A misspelt role would be printed as written by the chat template (and 'Assistant' never
+    trained on): chat rows and GRPO's prompt messages refuse it, naming the message."""
+    from mlxtune.data.prompts import PromptEncoder
+
+    msgs = [{"role": "user", "content": "x"}, {"role": role, "content": "y"}]
+    expected = rf"unknown role '{role}'; expected system, user, assistant"
+    with pytest.raises(UserInputError, match=expected) as e:
+        Encoder(tokenizer).encode(
+            {"messages": [*msgs, {"role": "assistant", "content": "z"}]}, "chat", "f:4"
+        )
+    assert e.value.where == "f:4 (messages[1])"
+    with pytest.raises(UserInputError, match=expected) as e:
+        PromptEncoder(tokenizer).prompt(msgs, "p:2")
+    assert e.value.where == "p:2 (messages[1])"
+
+
 def test_max_length_truncate_and_drop_are_counted(tmp_path, tokenizer):
     rows = [{"text": "a b c d e f g h i j k l m n o p"}, {"text": "a b"}, {"text": "a"}]
     p = write_jsonl(tmp_path / "t.jsonl", rows)
