@@ -474,6 +474,10 @@ def test_csv_tsv_and_text_files_with_columns_mapped(tmp_path, tokenizer):
     with pytest.raises(UserInputError, match="3 cells, the header names 2") as e:
         load_split(tmp_path / "bad.csv", enc, "text", 64, "truncate", 1)
     assert f"{tmp_path / 'bad.csv'}:3" in str(e.value)
+    (tmp_path / "twice.csv").write_text("prompt,prompt,completion\nkept?,or this?, a\n")
+    with pytest.raises(UserInputError, match="the header names the column 'prompt' twice") as e:
+        load_split(tmp_path / "twice.csv", enc, "auto", 64, "truncate", 1)
+    assert f"{tmp_path / 'twice.csv'}:1" in str(e.value)
     # plain text: each paragraph an example, every token trained on
     (tmp_path / "t.txt").write_text("first line\nof one\n\n\nsecond one\n")
     ds = load_split(tmp_path / "t.txt", enc, "auto", 64, "truncate", 1)

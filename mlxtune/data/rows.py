@@ -129,6 +129,9 @@ def _table(path: Path, delimiter: str) -> list[tuple[int, dict]]:
     reader = csv.DictReader(lines, delimiter=delimiter)
     if not reader.fieldnames:
         raise UserInputError("no header line naming the columns", str(path))
+    twice = next((c for i, c in enumerate(reader.fieldnames) if c in reader.fieldnames[:i]), None)
+    if twice is not None:  # DictReader would keep the last of its cells
+        raise UserInputError(f"the header names the column {twice!r} twice", f"{path}:1")
     rows, start = [], 2
     for row in reader:
         if None in row:  # more cells than the header has names
