@@ -474,6 +474,14 @@ def test_csv_tsv_and_text_files_with_columns_mapped(tmp_path, tokenizer):
     with pytest.raises(UserInputError, match="3 cells, the header names 2") as e:
         load_split(tmp_path / "bad.csv", enc, "text", 64, "truncate", 1)
     assert f"{tmp_path / 'bad.csv'}:3" in str(e.value)
+    for name, text in (("bom.csv", "question,answer\nreverse ab =, ba\n"), ("bom.jsonl", None)):
+        row = json.dumps({"question": "reverse ab =", "answer": " ba"}) + "\n"
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + (text or row).encode())  # Excel's BOM
+        ds = load_split(
+            tmp_path / name, enc, "auto", 64, "truncate", 1,
+            columns={"prompt": "question", "completion": "answer"},
+        )  # fmt: skip
+        assert [e.ids for e in ds.examples] == [want[0].ids], name
     (tmp_path / "twice.csv").write_text("prompt,prompt,completion\nkept?,or this?, a\n")
     with pytest.raises(UserInputError, match="the header names the column 'prompt' twice") as e:
         load_split(tmp_path / "twice.csv", enc, "auto", 64, "truncate", 1)

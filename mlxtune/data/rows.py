@@ -5,6 +5,7 @@ columns renamed as the recipe maps them; and what happens to a bad row (``BadRow
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 from collections import Counter
@@ -118,7 +119,7 @@ def _renamed(obj: dict, columns: dict[str, str], where: str) -> dict:
 
 def _text_of(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark (Excel's) is not text
     except UnicodeDecodeError as e:
         raise UserInputError(f"not UTF-8 ({e.reason} at byte {e.start})", str(path)) from None
 
@@ -167,6 +168,7 @@ def _jsonl(path: Path, bad: BadRows) -> list[tuple[int, dict]]:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             with bad.row():
+                raw = raw.removeprefix(codecs.BOM_UTF8) if n == 1 else raw
                 rows.append((n, _json_line(raw, f"{path}:{n}")))
     rows = [r for r in rows if r[1] is not None]
     bad.check(len(rows) + len(bad.seen), path)
