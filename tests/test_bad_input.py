@@ -181,6 +181,15 @@ def model_without_weights(w):
     return w.run()
 
 
+def model_weights_truncated(w):
+    m = w.tmp / "truncated"
+    shutil.copytree(w.model, m)
+    for f in m.glob("*.safetensors"):  # an interrupted download
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    w.write_recipe(model={"path": str(m)})
+    return w.run()
+
+
 def tokenizer_bigger_than_model(w):
     from mlxtune.models import build_model, save_model
     from mlxtune.tokenizer import load_tokenizer
@@ -273,6 +282,11 @@ CASES = [
         "model-without-weights",
         model_without_weights,
         r"no-weights: no model\*\.safetensors weights in the model directory",
+    ),
+    (
+        "model-weights-truncated",
+        model_weights_truncated,
+        r"truncated: cannot read the weights: .*exceeding the size of the file",
     ),
     (
         "tokenizer-bigger-than-model",
