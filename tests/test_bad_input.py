@@ -190,6 +190,15 @@ def model_weights_truncated(w):
     return w.run()
 
 
+def model_config_mistyped(w):
+    m = w.tmp / "mistyped"
+    shutil.copytree(w.model, m)
+    config = json.loads((m / "config.json").read_text())
+    (m / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))
+    w.write_recipe(model={"path": str(m)})
+    return w.run()
+
+
 def tokenizer_bigger_than_model(w):
     from mlxtune.models import build_model, save_model
     from mlxtune.tokenizer import load_tokenizer
@@ -287,6 +296,11 @@ CASES = [
         "model-weights-truncated",
         model_weights_truncated,
         r"truncated: cannot read the weights: .*exceeding the size of the file",
+    ),
+    (
+        "model-config-mistyped",
+        model_config_mistyped,
+        r"mistyped: cannot load the tokenizer: .*'hidden_size' expected int, got str",
     ),
     (
         "tokenizer-bigger-than-model",
