@@ -225,6 +225,16 @@ def override_unknown_key(w):
     return w.run("train.bach_size=4")
 
 
+def override_unknown_section(w):
+    w.write_recipe()
+    return w.run("trian.max_steps=4")
+
+
+def override_value_not_yaml(w):
+    w.write_recipe()
+    return w.run("adapter.targets=[q_proj,")
+
+
 def export_not_a_run(w):
     return ["export", str(w.data), "--format", "mlx-lm"]
 
@@ -319,6 +329,17 @@ CASES = [
         "override-unknown-key",
         override_unknown_key,
         r"override 'train\.bach_size=4': train\.bach_size: unknown key; did you mean 'batch_size'",
+    ),
+    (
+        "override-unknown-section",
+        override_unknown_section,
+        r"override 'trian\.max_steps=4': trian: unknown key; did you mean 'train'",
+    ),
+    (
+        "override-value-not-yaml",
+        override_value_not_yaml,
+        r"override: value of 'adapter\.targets=\[q_proj,' is not valid YAML: expected the node "
+        r"content, but found '<stream end>'$",
     ),
     (
         "export-not-a-run",

@@ -63,9 +63,13 @@ class _Overrides:
     def __init__(self, keys: dict[str, str]):
         self.keys = keys
 
-    def lookup(self, key: str) -> str | None:
+    def lookup(self, key: str, written: bool = True) -> str | None:
+        """The override that set ``key``, or (``written`` false: the file has no such key) made
+        it as a section on the way to its own key."""
         for k, raw in self.keys.items():
             if key == k or key.startswith(k + ".") or key.startswith(k + "["):
+                return f"override {raw!r}: {key}"
+            if not written and k.startswith(key + "."):
                 return f"override {raw!r}: {key}"
         return None
 
@@ -84,7 +88,8 @@ class _Validator:
         self.explicit: set[str] = set()
 
     def where(self, key: str) -> str:
-        return self.overrides.lookup(key) or self.lines.where(key)
+        written = key in self.lines.lines
+        return self.overrides.lookup(key, written) or self.lines.where(key)
 
     def fail(self, key: str, msg: str) -> NoReturn:
         raise UserInputError(msg, self.where(key))
@@ -205,7 +210,8 @@ def parse_override(raw: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as e:
-        raise UserInputError(f"value of {raw!r} is not valid YAML: {e}", "override") from None
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise UserInputError(f"value of {raw!r} is not valid YAML: {problem}", "override") from None
     return key, value
 
 
