@@ -199,6 +199,30 @@ def model_config_mistyped(w):
     return w.run()
 
 
+def _init_from(w, config: str, weights: bytes) -> list[str]:
+    a = w.tmp / "adapter"
+    a.mkdir()
+    (a / "adapter_config.json").write_text(config)
+    (a / "adapters.safetensors").write_bytes(weights)
+    lora = {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj"], "init_from": str(a)}
+    w.write_recipe(adapter=lora)
+    return w.run()
+
+
+MLX_LM_CONFIG = json.dumps(
+    {"num_layers": 2, "lora_parameters": {"rank": 4, "scale": 2.0, "keys": ["self_attn.q_proj"]}}
+)
+
+
+def init_from_weights_damaged(w):
+    return _init_from(w, MLX_LM_CONFIG, b"not safetensors")
+
+
+def adapter_config_not_an_object(w):
+    _init_from(w, "[4]", b"")
+    return ["generate", "--model", str(w.model), "--adapter", str(w.tmp / "adapter"), "x"]
+
+
 def tokenizer_bigger_than_model(w):
     from mlxtune.models import build_model, save_model
     from mlxtune.tokenizer import load_tokenizer
@@ -311,6 +335,16 @@ CASES = [
         "model-config-mistyped",
         model_config_mistyped,
         r"mistyped: cannot load the tokenizer: .*'hidden_size' expected int, got str",
+    ),
+    (
+        "init-from-weights-damaged",
+        init_from_weights_damaged,
+        r"adapter/adapters\.safetensors: cannot read the weights: .*Invalid json header",
+    ),
+    (
+        "adapter-config-not-an-object",
+        adapter_config_not_an_object,
+        r"/adapter: adapter_config\.json is not a JSON object",
     ),
     (
         "tokenizer-bigger-than-model",
