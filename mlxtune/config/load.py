@@ -156,7 +156,8 @@ class _Validator:
                 words = ("on", "yes", "true") if value else ("off", "no", "false")
                 value = next((w for w in words if w in args), value)
             if value not in args:
-                close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+                close = [str(a) for a in args if str(a).lower() == str(value).lower()]
+                close = close or difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 choices = ", ".join(repr(a) for a in args)
                 self.fail(key, f"{show_value(value)} is not one of {choices}{hint}")
