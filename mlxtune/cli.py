@@ -97,6 +97,9 @@ def validate(recipe, overrides):
         p = r.resolve_path(r.model.path)
         if not p.exists() and "/" not in r.model.path:
             missing.append(f"model.path: {p}")
+    p = r.resolve_path(r.adapter.init_from)
+    if p is not None and not p.exists():
+        missing.append(f"adapter.init_from: {p}")
     if missing:
         raise UserInputError("file not found: " + "; ".join(missing), recipe)
     click.echo(
