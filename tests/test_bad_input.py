@@ -263,6 +263,14 @@ def export_not_a_run(w):
     return ["export", str(w.data), "--format", "mlx-lm"]
 
 
+def export_dtype_of_an_adapter(w):
+    return ["export", str(w.old), "--format", "peft", "--dtype", "float16"]
+
+
+def export_group_size_without_quantize(w):
+    return ["export", str(w.old), "--format", "fused", "--q-group-size", "32"]
+
+
 def export_over_a_full_folder(w):
     from mlxtune.checkpoint import write_checksums
 
@@ -379,6 +387,16 @@ CASES = [
         "export-not-a-run",
         export_not_a_run,
         r"/data: not a run directory or checkpoint \(no trainer_state\.json found\)",
+    ),
+    (
+        "export-dtype-of-an-adapter",
+        export_dtype_of_an_adapter,
+        r"export: --dtype applies to fused and gguf exports, not peft",
+    ),
+    (
+        "export-group-size-without-quantize",
+        export_group_size_without_quantize,
+        r"export: --q-group-size applies with --quantize",
     ),
     (
         "export-over-a-full-folder",
