@@ -85,6 +85,8 @@ def verify(folder: Path) -> str | None:
     try:
         sums = json.loads(sums_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
+        sums = None
+    if not isinstance(sums, dict):
         return "checksums.json is damaged"
     for name in ("trainer_state.json", "adapters.safetensors", "optimizer.safetensors"):
         if name not in sums:
@@ -95,7 +97,28 @@ def verify(folder: Path) -> str | None:
             return f"{name} is missing"
         if _sha256(p) != digest:
             return f"{name} does not match its checksum (corrupt or truncated)"
+        if not _readable(p):
+            return f"{name} is damaged (it does not parse)"
     return None
+
+
+def _readable(p: Path) -> bool:
+    """Whether a checkpoint's file parses: a JSON file as an object, a safetensors file as its
+    header (8-byte length, a JSON object) with every tensor's bytes inside the file."""
+    try:
+        if p.suffix == ".json":
+            return isinstance(json.loads(p.read_text()), dict)
+        if p.suffix != ".safetensors":
+            return True
+        with open(p, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n <= p.stat().st_size - 8 else None
+        if not isinstance(header, dict):
+            return False
+        data = p.stat().st_size - 8 - n
+        return all(k == "__metadata__" or max(v["data_offsets"]) <= data for k, v in header.items())
+    except (OSError, ValueError, TypeError, KeyError):  # JSONDecodeError, UnicodeDecodeError
+        return False
 
 
 def candidates(run_dir: Path) -> list[Path]:
@@ -109,7 +132,7 @@ def candidates(run_dir: Path) -> list[Path]:
             continue
         try:
             step = json.loads((c / "trainer_state.json").read_text()).get("step", -1)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             step = -1
         found.append((step, c.name == "final", c))
     return [c for _, _, c in sorted(found, key=lambda x: (x[0], x[1]), reverse=True)]
@@ -249,12 +272,19 @@ def last_saved(run_dir: RunDir) -> str:
 
 
 def restore(
-    run_dir: RunDir, which: str, recipe: Recipe, engine, log, trim: bool = True
+    run_dir: RunDir,
+    which: str,
+    recipe: Recipe,
+    engine,
+    log,
+    trim: bool = True,
+    total_steps: int | None = None,
 ) -> TrainState:
     """Put back the weights, the engine's state and the random state of checkpoint ``which``
     ("latest" or a name), cut metrics and samples back to its step (``trim``: not on the ranks of
     a data-parallel run that do not write the run), and return its ``TrainState``.
-    ``log(message)`` hears of skipped checkpoints and honoured recipe changes."""
+    ``log(message)`` hears of skipped checkpoints and honoured recipe changes; a checkpoint
+    already at ``total_steps`` (the recipe's last step) is refused before anything is touched."""
     ckpt = pick(run_dir.path, which, lambda m: log(f"WARNING: {m}"))
     info = json.loads((ckpt / "trainer_state.json").read_text())
     if info.get("resume") is None:
@@ -268,8 +298,14 @@ def restore(
     for line in ok:
         log(f"resuming with a changed recipe: {line}")
     state = TrainState.from_json(info["resume"])
-    engine.restore(ckpt, state.engine)
     step = state.position.step
+    if total_steps is not None and step >= total_steps:
+        raise UserInputError(
+            f"this checkpoint is at step {step} and the recipe ends at step {total_steps}: "
+            "nothing is left to train (raise train.max_steps or train.epochs to go on)",
+            str(ckpt),
+        )
+    engine.restore(ckpt, state.engine)
     for name in ("metrics.jsonl", "samples.jsonl") if trim else ():
         rows = run_dir.read_jsonl(name)
         if rows:

@@ -97,6 +97,9 @@ def validate(recipe, overrides):
         p = r.resolve_path(r.model.path)
         if not p.exists() and "/" not in r.model.path:
             missing.append(f"model.path: {p}")
+    p = r.resolve_path(r.adapter.init_from)
+    if p is not None and not p.exists():
+        missing.append(f"adapter.init_from: {p}")
     if missing:
         raise UserInputError("file not found: " + "; ".join(missing), recipe)
     click.echo(
@@ -150,7 +153,9 @@ def validate(recipe, overrides):
     help="fused: quantize the merged model to 4 or 8 bits.",
 )
 @click.option(
-    "--q-group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True
+    "--q-group-size",
+    type=click.Choice(["32", "64", "128"]),
+    help="With --quantize: weights a scale covers (default 64).",
 )
 def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""
@@ -160,6 +165,10 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     from .export import export
     from .rundir import staged_folder
 
+    if q_group_size and not quantize:
+        raise UserInputError("--q-group-size applies with --quantize", "export")
+    if dtype and fmt not in ("fused", "gguf"):
+        raise UserInputError(f"--dtype applies to fused and gguf exports, not {fmt}", "export")
     ckpt = find_checkpoint(path, warn=_warn)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else Path(path)
     out = Path(out) if out else run_dir / "export" / fmt
@@ -170,7 +179,9 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
         raise UserInputError("is inside the run's checkpoints; choose another --out", str(out))
     trained = load_checkpoint(ckpt)
     with staged_folder(out) as tmp:  # written beside it, flushed, renamed into place
-        export(trained, fmt, tmp, dtype, int(quantize) if quantize else None, int(q_group_size))
+        export(
+            trained, fmt, tmp, dtype, int(quantize) if quantize else None, int(q_group_size or 64)
+        )
     click.echo(f"wrote {fmt} from {ckpt} to {out}")
 
 

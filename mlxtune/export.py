@@ -351,10 +351,10 @@ def read_adapter(path: str | Path) -> dict[str, mx.array]:
             "no adapter_config.json: not an mlx-lm or PEFT adapter directory", str(p)
         )
     if (p / "adapters.safetensors").exists():
-        return mx.load(str(p / "adapters.safetensors"))
+        return _load_weights(p / "adapters.safetensors")
     if (p / "adapter_model.safetensors").exists():
         weights = {}
-        for k, v in mx.load(str(p / "adapter_model.safetensors")).items():
+        for k, v in _load_weights(p / "adapter_model.safetensors").items():
             name = k.removeprefix("base_model.model.")
             if name.endswith(".lora_A.weight"):
                 weights[name.removesuffix(".lora_A.weight") + ".lora_a"] = mx.contiguous(v.T)
@@ -375,6 +375,13 @@ def read_adapter(path: str | Path) -> dict[str, mx.array]:
     )
 
 
+def _load_weights(path: Path) -> dict[str, mx.array]:
+    try:
+        return mx.load(str(path))
+    except RuntimeError as e:  # MLX's reader: a truncated or corrupt file
+        raise UserInputError(f"cannot read the weights: {e}", str(path)) from None
+
+
 def import_adapter(model: nn.Module, path: str | Path):
     """Load an mlx-lm or PEFT adapter into a model whose adapters are already in place."""
     load_trainable_weights(model, read_adapter(path), str(path))
@@ -391,6 +398,16 @@ def adapter_settings(path: str | Path) -> dict:
         ) from None
     except json.JSONDecodeError as e:
         raise UserInputError(f"adapter_config.json is not valid JSON: {e}", str(p)) from None
+    if not isinstance(cfg, dict):
+        raise UserInputError("adapter_config.json is not a JSON object", str(p))
+    try:
+        return _settings(cfg, p)
+    except (KeyError, TypeError, AttributeError) as e:
+        why = f"no {e}" if isinstance(e, KeyError) else f"a field has the wrong type ({e})"
+        raise UserInputError(f"adapter_config.json: {why}", str(p)) from None
+
+
+def _settings(cfg: dict, p: Path) -> dict:
     if "lora_parameters" in cfg:  # mlx-lm
         lp = cfg["lora_parameters"]
         keys = lp.get("keys")

@@ -164,6 +164,7 @@ class Trainer:
                 self.engine,
                 self.log,
                 trim=self.world.main,
+                total_steps=self.total_steps,
             )
             self.position, self.resumed = state.position, True
         self._write_resolved()

@@ -61,7 +61,8 @@ def load_tokenizer(
         # never transformers' interactive prompt: the recipe decides
         tok = load_wrapper(path, {"trust_remote_code": trust_remote_code})
     except Exception as e:  # transformers raises many kinds
-        raise UserInputError(f"cannot load the tokenizer: {e}", str(path)) from None
+        message = " ".join(str(e).split())  # one line: transformers' can run over several
+        raise UserInputError(f"cannot load the tokenizer: {message}", str(path)) from None
     if chat_template is not None:
         tok._tokenizer.chat_template = chat_template
     return tok

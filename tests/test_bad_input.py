@@ -9,6 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 import yaml
 
@@ -81,6 +82,12 @@ def yaml_does_not_parse(w):
 def unknown_key(w):
     return _recipe_text(
         w, GOOD_HEAD.format(model=w.model) + "train:\n  max_steps: 3\n  bach_size: 4\n"
+    )
+
+
+def key_given_twice(w):
+    return _recipe_text(
+        w, GOOD_HEAD.format(model=w.model) + "train:\n  max_steps: 3\n  max_steps: 30\n"
     )
 
 
@@ -174,6 +181,48 @@ def model_without_weights(w):
     return w.run()
 
 
+def model_weights_truncated(w):
+    m = w.tmp / "truncated"
+    shutil.copytree(w.model, m)
+    for f in m.glob("*.safetensors"):  # an interrupted download
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    w.write_recipe(model={"path": str(m)})
+    return w.run()
+
+
+def model_config_mistyped(w):
+    m = w.tmp / "mistyped"
+    shutil.copytree(w.model, m)
+    config = json.loads((m / "config.json").read_text())
+    (m / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))
+    w.write_recipe(model={"path": str(m)})
+    return w.run()
+
+
+def _init_from(w, config: str, weights: bytes) -> list[str]:
+    a = w.tmp / "adapter"
+    a.mkdir()
+    (a / "adapter_config.json").write_text(config)
+    (a / "adapters.safetensors").write_bytes(weights)
+    lora = {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj"], "init_from": str(a)}
+    w.write_recipe(adapter=lora)
+    return w.run()
+
+
+MLX_LM_CONFIG = json.dumps(
+    {"num_layers": 2, "lora_parameters": {"rank": 4, "scale": 2.0, "keys": ["self_attn.q_proj"]}}
+)
+
+
+def init_from_weights_damaged(w):
+    return _init_from(w, MLX_LM_CONFIG, b"not safetensors")
+
+
+def adapter_config_not_an_object(w):
+    _init_from(w, "[4]", b"")
+    return ["generate", "--model", str(w.model), "--adapter", str(w.tmp / "adapter"), "x"]
+
+
 def tokenizer_bigger_than_model(w):
     from mlxtune.models import build_model, save_model
     from mlxtune.tokenizer import load_tokenizer
@@ -200,8 +249,26 @@ def override_unknown_key(w):
     return w.run("train.bach_size=4")
 
 
+def override_unknown_section(w):
+    w.write_recipe()
+    return w.run("trian.max_steps=4")
+
+
+def override_value_not_yaml(w):
+    w.write_recipe()
+    return w.run("adapter.targets=[q_proj,")
+
+
 def export_not_a_run(w):
     return ["export", str(w.data), "--format", "mlx-lm"]
+
+
+def export_dtype_of_an_adapter(w):
+    return ["export", str(w.old), "--format", "peft", "--dtype", "float16"]
+
+
+def export_group_size_without_quantize(w):
+    return ["export", str(w.old), "--format", "fused", "--q-group-size", "32"]
 
 
 def export_over_a_full_folder(w):
@@ -209,8 +276,9 @@ def export_over_a_full_folder(w):
 
     final = w.old / "checkpoints" / "final"  # an intact checkpoint: the --out check refuses
     final.mkdir()
-    for name in ("trainer_state.json", "adapters.safetensors", "optimizer.safetensors"):
-        (final / name).write_text("{}")
+    (final / "trainer_state.json").write_text("{}")
+    for name in ("adapters.safetensors", "optimizer.safetensors"):
+        mx.save_safetensors(str(final / name), {"w": mx.zeros(2)})
     write_checksums(final)
     return ["export", str(w.old), "--format", "mlx-lm"]  # export/mlx-lm holds files
 
@@ -221,6 +289,11 @@ CASES = [
         "unknown-key",
         unknown_key,
         r"r\.yaml:8: train\.bach_size: unknown key; did you mean 'batch_size'\?",
+    ),
+    (
+        "key-given-twice",
+        key_given_twice,
+        r"r\.yaml:8: train\.max_steps: given twice \(first on line 7\)",
     ),
     ("wrong-type", wrong_type, r"r\.yaml:7: train\.max_steps: expected an integer, got 'ten'"),
     ("out-of-range", out_of_range, r"r\.yaml:7: adapter\.dropout: must be in \[0\.0, 1\.0\)"),
@@ -262,6 +335,26 @@ CASES = [
         r"no-weights: no model\*\.safetensors weights in the model directory",
     ),
     (
+        "model-weights-truncated",
+        model_weights_truncated,
+        r"truncated: cannot read the weights: .*exceeding the size of the file",
+    ),
+    (
+        "model-config-mistyped",
+        model_config_mistyped,
+        r"mistyped: cannot load the tokenizer: .*'hidden_size' expected int, got str",
+    ),
+    (
+        "init-from-weights-damaged",
+        init_from_weights_damaged,
+        r"adapter/adapters\.safetensors: cannot read the weights: .*Invalid json header",
+    ),
+    (
+        "adapter-config-not-an-object",
+        adapter_config_not_an_object,
+        r"/adapter: adapter_config\.json is not a JSON object",
+    ),
+    (
         "tokenizer-bigger-than-model",
         tokenizer_bigger_than_model,
         r"tokenizer: the tokenizer \(.*small-model\) has \d+ tokens but the model's "
@@ -280,9 +373,30 @@ CASES = [
         r"override 'train\.bach_size=4': train\.bach_size: unknown key; did you mean 'batch_size'",
     ),
     (
+        "override-unknown-section",
+        override_unknown_section,
+        r"override 'trian\.max_steps=4': trian: unknown key; did you mean 'train'",
+    ),
+    (
+        "override-value-not-yaml",
+        override_value_not_yaml,
+        r"override: value of 'adapter\.targets=\[q_proj,' is not valid YAML: expected the node "
+        r"content, but found '<stream end>'$",
+    ),
+    (
         "export-not-a-run",
         export_not_a_run,
         r"/data: not a run directory or checkpoint \(no trainer_state\.json found\)",
+    ),
+    (
+        "export-dtype-of-an-adapter",
+        export_dtype_of_an_adapter,
+        r"export: --dtype applies to fused and gguf exports, not peft",
+    ),
+    (
+        "export-group-size-without-quantize",
+        export_group_size_without_quantize,
+        r"export: --q-group-size applies with --quantize",
     ),
     (
         "export-over-a-full-folder",

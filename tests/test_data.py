@@ -103,6 +103,24 @@ def test_chat_without_assistant_turn_is_refused(tokenizer):
         Encoder(tokenizer).encode({"messages": [{"role": "user", "content": "x"}]}, "chat", "f:4")
 
 
+@pytest.mark.parametrize("role", ["usr", "Assistant"])
+def test_a_message_with_an_unknown_role_is_refused_by_its_index(tokenizer, role):
+    """A misspelt role would be printed as written by the chat template (and 'Assistant' never
+    trained on): chat rows and GRPO's prompt messages refuse it, naming the message."""
+    from mlxtune.data.prompts import PromptEncoder
+
+    msgs = [{"role": "user", "content": "x"}, {"role": role, "content": "y"}]
+    expected = rf"unknown role '{role}'; expected system, user, assistant"
+    with pytest.raises(UserInputError, match=expected) as e:
+        Encoder(tokenizer).encode(
+            {"messages": [*msgs, {"role": "assistant", "content": "z"}]}, "chat", "f:4"
+        )
+    assert e.value.where == "f:4 (messages[1])"
+    with pytest.raises(UserInputError, match=expected) as e:
+        PromptEncoder(tokenizer).prompt(msgs, "p:2")
+    assert e.value.where == "p:2 (messages[1])"
+
+
 def test_max_length_truncate_and_drop_are_counted(tmp_path, tokenizer):
     rows = [{"text": "a b c d e f g h i j k l m n o p"}, {"text": "a b"}, {"text": "a"}]
     p = write_jsonl(tmp_path / "t.jsonl", rows)
@@ -456,6 +474,18 @@ def test_csv_tsv_and_text_files_with_columns_mapped(tmp_path, tokenizer):
     with pytest.raises(UserInputError, match="3 cells, the header names 2") as e:
         load_split(tmp_path / "bad.csv", enc, "text", 64, "truncate", 1)
     assert f"{tmp_path / 'bad.csv'}:3" in str(e.value)
+    for name, text in (("bom.csv", "question,answer\nreverse ab =, ba\n"), ("bom.jsonl", None)):
+        row = json.dumps({"question": "reverse ab =", "answer": " ba"}) + "\n"
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + (text or row).encode())  # Excel's BOM
+        ds = load_split(
+            tmp_path / name, enc, "auto", 64, "truncate", 1,
+            columns={"prompt": "question", "completion": "answer"},
+        )  # fmt: skip
+        assert [e.ids for e in ds.examples] == [want[0].ids], name
+    (tmp_path / "twice.csv").write_text("prompt,prompt,completion\nkept?,or this?, a\n")
+    with pytest.raises(UserInputError, match="the header names the column 'prompt' twice") as e:
+        load_split(tmp_path / "twice.csv", enc, "auto", 64, "truncate", 1)
+    assert f"{tmp_path / 'twice.csv'}:1" in str(e.value)
     # plain text: each paragraph an example, every token trained on
     (tmp_path / "t.txt").write_text("first line\nof one\n\n\nsecond one\n")
     ds = load_split(tmp_path / "t.txt", enc, "auto", 64, "truncate", 1)

@@ -131,6 +131,9 @@ def test_settings_that_need_another_are_refused_naming_the_key(tmp_path, overrid
 def test_literal_typo_gets_a_suggestion(tmp_path):
     with pytest.raises(UserInputError, match="did you mean 'lora'"):
         R.load_recipe(write(tmp_path, MINIMAL_RECIPE), ["adapter.type=lorra"])
+    # the same word in other letters' case is the suggestion, before any closer spelling
+    with pytest.raises(UserInputError, match="did you mean 'adamw'"):
+        R.load_recipe(write(tmp_path, MINIMAL_RECIPE), ["optimizer.name=AdamW"])
 
 
 def test_overrides_set_nested_values_as_yaml(tmp_path):
@@ -190,6 +193,15 @@ def test_cli_validate_reports_missing_data_files(tmp_path, capsys):
     p = write(tmp_path, MINIMAL_RECIPE)
     assert main(["validate", str(p)]) == 2
     assert "data.train" in capsys.readouterr().err
+
+
+def test_cli_validate_reports_a_missing_init_from_adapter(tmp_path, capsys):
+    (tmp_path / "train.jsonl").write_text("")
+    p = write(tmp_path, MINIMAL_RECIPE + "adapter:\n  init_from: no-such-adapter\n")
+    assert main(["validate", str(p)]) == 2
+    assert f"file not found: adapter.init_from: {tmp_path / 'no-such-adapter'}" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize(
@@ -586,8 +598,15 @@ SCRATCH = {
         ({"train": {"epochs": 2}}, {"train.epochs": "train.max_steps is set"}),
         ({"eval": {"max_new_tokens": 8}}, {"eval.max_new_tokens": "eval.exact_match is 0"}),
         (
-            {"samples": {"prompts": ["hi"], "count": 5}},
+            {"samples": {"every": 5, "prompts": ["hi"], "count": 5}},
             {"samples.count": "samples.prompts is given"},
+        ),
+        (
+            {"samples": {"prompts": ["hi"], "max_new_tokens": 8, "temperature": 0.5}},
+            {
+                f"samples.{k}": "samples.every is null"
+                for k in ("prompts", "max_new_tokens", "temperature")
+            },
         ),
         ({"model": {"seed": 3}}, {"model.seed": "the model is loaded from model.path"}),
         (
@@ -651,7 +670,7 @@ def test_validate_notes_each_key_that_has_no_effect(tmp_path, capsys, sections, 
         {"schedule": {"name": "constant", "warmup_steps": 3}},
         {"train": {"max_steps": None, "epochs": 2}},
         {"eval": {"exact_match": 5, "max_new_tokens": 8}},
-        {"samples": {"count": 5}},
+        {"samples": {"every": 5, "count": 5, "max_new_tokens": 8, "temperature": 0.5}},
         {**SCRATCH, "model": {"path": None, "arch": {"model_type": "llama"}, "seed": 3}},
         {"model": {"path": "some/model", "trust_remote_code": True}, "tokenizer": {"path": "t"}},
         {"memory": {"check": "warn", "limit_gb": 4}},

@@ -129,6 +129,27 @@ def test_a_recipe_change_that_cannot_be_honoured_is_refused(tmp_path, data_dir, 
     assert (tmp_path / "cut" / "metrics.jsonl").read_text() == before  # nothing touched
 
 
+def test_resuming_a_finished_run_is_refused_and_touches_nothing(
+    tmp_path, data_dir, llama_dir, capsys
+):
+    """--resume on a run already at its last step exits 2 naming the checkpoint; the run's
+    metrics, summary and checkpoints stay as they were."""
+    r = recipe(data_dir, llama_dir)
+    r["train"]["max_steps"] = 3
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(r))
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "done")]) == 0
+    capsys.readouterr()
+    files = sorted(f for f in (tmp_path / "done").rglob("*") if f.is_file())
+    before = {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "done"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "checkpoints/final: this checkpoint is at step 3 and the recipe ends at step 3" in err
+    assert sorted(f for f in (tmp_path / "done").rglob("*") if f.is_file()) == files
+    assert {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files} == before
+
+
 def test_resume_needs_a_run_and_an_intact_checkpoint(tmp_path, data_dir, llama_dir):
     r = recipe(data_dir, llama_dir)
     with pytest.raises(UserInputError, match="no run to resume"):
@@ -140,6 +161,39 @@ def test_resume_needs_a_run_and_an_intact_checkpoint(tmp_path, data_dir, llama_d
     (tmp_path / "cut2" / "checkpoints" / "step-000003" / "checksums.json").unlink()
     with pytest.raises(UserInputError, match="incomplete write"):
         trainer(r, tmp_path / "cut2", resume="step-000003")
+
+
+@pytest.mark.parametrize(
+    "name, damage",
+    [
+        ("trainer_state.json", lambda b: b"not json"),
+        ("adapters.safetensors", lambda b: b[: len(b) // 2]),  # the header, half the data
+    ],
+)
+def test_a_checkpoint_written_damaged_under_its_checksums_is_refused(
+    tmp_path, data_dir, llama_dir, capsys, name, damage
+):
+    """A file that matches checksums.json but does not parse (a checkpoint copied or rewritten
+    by hand) is named, exit 2, when export or --resume read it; never a traceback."""
+    r = recipe(data_dir, llama_dir)
+    r["train"]["max_steps"] = 2
+    trainer(r, tmp_path / "run").run()
+    final = tmp_path / "run" / "checkpoints" / "final"
+    (final / name).write_bytes(damage((final / name).read_bytes()))
+    (final / "checksums.json").unlink()
+    write_checksums(final)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(dict(r, train=dict(r["train"], max_steps=4))))
+    out = tmp_path / "out"
+    for argv in (
+        ["export", str(final), "--format", "mlx-lm", "--out", str(out)],
+        ["run", str(p), "--run-dir", str(tmp_path / "run"), "--resume", "final"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert f"{final}: cannot " in err and f"{name} is damaged (it does not parse)" in err
+    assert not out.exists()
 
 
 class Signal(Callback):

@@ -63,9 +63,13 @@ class _Overrides:
     def __init__(self, keys: dict[str, str]):
         self.keys = keys
 
-    def lookup(self, key: str) -> str | None:
+    def lookup(self, key: str, written: bool = True) -> str | None:
+        """The override that set ``key``, or (``written`` false: the file has no such key) made
+        it as a section on the way to its own key."""
         for k, raw in self.keys.items():
             if key == k or key.startswith(k + ".") or key.startswith(k + "["):
+                return f"override {raw!r}: {key}"
+            if not written and k.startswith(key + "."):
                 return f"override {raw!r}: {key}"
         return None
 
@@ -84,7 +88,8 @@ class _Validator:
         self.explicit: set[str] = set()
 
     def where(self, key: str) -> str:
-        return self.overrides.lookup(key) or self.lines.where(key)
+        written = key in self.lines.lines
+        return self.overrides.lookup(key, written) or self.lines.where(key)
 
     def fail(self, key: str, msg: str) -> NoReturn:
         raise UserInputError(msg, self.where(key))
@@ -151,7 +156,8 @@ class _Validator:
                 words = ("on", "yes", "true") if value else ("off", "no", "false")
                 value = next((w for w in words if w in args), value)
             if value not in args:
-                close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+                close = [str(a) for a in args if str(a).lower() == str(value).lower()]
+                close = close or difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 choices = ", ".join(repr(a) for a in args)
                 self.fail(key, f"{show_value(value)} is not one of {choices}{hint}")
@@ -205,7 +211,8 @@ def parse_override(raw: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as e:
-        raise UserInputError(f"value of {raw!r} is not valid YAML: {e}", "override") from None
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise UserInputError(f"value of {raw!r} is not valid YAML: {problem}", "override") from None
     return key, value
 
 
@@ -303,7 +310,27 @@ def parse_yaml(text: str, source: str) -> dict:
         raise UserInputError(
             "a recipe is a mapping of sections (model:, data:, train:, ...)", source
         )
+    _no_key_twice(yaml.compose(text, Loader=yaml.SafeLoader), source, "")
     return data
+
+
+def _no_key_twice(node, source: str, prefix: str) -> None:
+    """Refuse a mapping that gives a key twice (YAML would keep the last one silently)."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _no_key_twice(v, source, f"{prefix}[{i}]")
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for k, v in node.value:
+        key = f"{prefix}.{k.value}" if prefix else str(k.value)
+        line = k.start_mark.line + 1
+        if key in seen and k.tag != "tag:yaml.org,2002:merge":
+            raise UserInputError(
+                f"given twice (first on line {seen[key]})", f"{source}:{line}: {key}"
+            )
+        seen[key] = line
+        _no_key_twice(v, source, key)
 
 
 def dump_yaml(data: dict) -> str:

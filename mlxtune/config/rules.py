@@ -429,7 +429,10 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
         inert(("train.epochs",), "train.max_steps is set")
     if r.eval.exact_match == 0:
         inert(("eval.max_new_tokens",), "eval.exact_match is 0")
-    if r.samples.prompts:
+    if r.samples.every is None:
+        keys = tuple(f"samples.{k}" for k in ("prompts", "count", "max_new_tokens", "temperature"))
+        inert(keys, "samples.every is null (no samples are drawn)")
+    elif r.samples.prompts:
         inert(("samples.count",), "samples.prompts is given")
 
     _precision_inert(r, inert)

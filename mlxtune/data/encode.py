@@ -15,7 +15,16 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserInputError
-from .formats import Chat, Pair, PromptAnswer, Text, Tokens, detect_format, get_format
+from .formats import (
+    Chat,
+    Pair,
+    PromptAnswer,
+    Text,
+    Tokens,
+    check_messages,
+    detect_format,
+    get_format,
+)
 from .rows import BadRows
 
 
@@ -188,13 +197,7 @@ class Encoder:
 
     def _chat(self, piece: Chat, where: str) -> Example:
         msgs = piece.messages
-        for m in msgs:
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise UserInputError("each message needs a string 'role' and 'content'", where)
+        check_messages(msgs, where)
         if not any(m["role"] == "assistant" for m in msgs[piece.first_trained :]):
             raise UserInputError("the conversation has no assistant turn to train on", where)
         tmpl = self.tok._tokenizer if hasattr(self.tok, "_tokenizer") else self.tok

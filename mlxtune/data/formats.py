@@ -64,6 +64,26 @@ class Chat:
     first_trained: int = 0
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
+"""The roles a chat message may have (a chat template prints any other as written)."""
+
+
+def check_messages(messages: list, where: str) -> None:
+    """Refuse a message that is not a string ``role`` (one of ``CHAT_ROLES``) and ``content``."""
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise UserInputError("each message needs a string 'role' and 'content'", where)
+        if m["role"] not in CHAT_ROLES:
+            raise UserInputError(
+                f"unknown role {m['role']!r}; expected {', '.join(CHAT_ROLES)}",
+                f"{where} (messages[{i}])",
+            )
+
+
 @dataclass(frozen=True)
 class Tokens:
     """Token ids as they are, with a 0/1 mask (one per token) or None for "all but the first"."""

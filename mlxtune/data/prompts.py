@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import UserInputError
 from .encode import Dataset, Example, SplitStats, _common_prefix
+from .formats import check_messages
 from .rows import BadRows
 
 OFFLINE_KEYS = ("responses", "rewards")
@@ -81,13 +82,7 @@ class PromptEncoder:
                 raise UserInputError("'prompt' is empty", where)
             return list(self.tok.encode(value)), value, value
         if isinstance(value, list) and value:
-            for m in value:
-                if (
-                    not isinstance(m, dict)
-                    or not isinstance(m.get("role"), str)
-                    or not isinstance(m.get("content"), str)
-                ):
-                    raise UserInputError("each message needs a string 'role' and 'content'", where)
+            check_messages(value, where)
             users = [m for m in value if m["role"] == "user"]
             shown = (users or value)[-1]["content"]
             return (

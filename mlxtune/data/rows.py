@@ -5,6 +5,7 @@ columns renamed as the recipe maps them; and what happens to a bad row (``BadRow
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 from collections import Counter
@@ -118,7 +119,7 @@ def _renamed(obj: dict, columns: dict[str, str], where: str) -> dict:
 
 def _text_of(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark (Excel's) is not text
     except UnicodeDecodeError as e:
         raise UserInputError(f"not UTF-8 ({e.reason} at byte {e.start})", str(path)) from None
 
@@ -129,6 +130,9 @@ def _table(path: Path, delimiter: str) -> list[tuple[int, dict]]:
     reader = csv.DictReader(lines, delimiter=delimiter)
     if not reader.fieldnames:
         raise UserInputError("no header line naming the columns", str(path))
+    twice = next((c for i, c in enumerate(reader.fieldnames) if c in reader.fieldnames[:i]), None)
+    if twice is not None:  # DictReader would keep the last of its cells
+        raise UserInputError(f"the header names the column {twice!r} twice", f"{path}:1")
     rows, start = [], 2
     for row in reader:
         if None in row:  # more cells than the header has names
@@ -164,6 +168,7 @@ def _jsonl(path: Path, bad: BadRows) -> list[tuple[int, dict]]:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             with bad.row():
+                raw = raw.removeprefix(codecs.BOM_UTF8) if n == 1 else raw
                 rows.append((n, _json_line(raw, f"{path}:{n}")))
     rows = [r for r in rows if r[1] is not None]
     bad.check(len(rows) + len(bad.seen), path)

@@ -147,8 +147,12 @@ def load_model(
     config = check_model_dir(path, trust_remote_code)
     try:
         model, config = mlx_lm_load_model(path, trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        raise UserInputError(str(e), str(path)) from None
+    except ValueError as e:  # missing or misshapen weights
+        raise UserInputError(" ".join(str(e).split()), str(path)) from None
+    except RuntimeError as e:  # MLX's reader: a truncated or corrupt safetensors file
+        if "safetensors" not in str(e):
+            raise
+        raise UserInputError(f"cannot read the weights: {e}", str(path)) from None
     cast_floats(model, dtype)
     cpu_dequantizing(model)  # a quantized checkpoint's layers, at BLAS speed on the CPU
     return model, config
