@@ -736,3 +736,42 @@ def test_an_override_path_is_taken_from_where_it_was_typed(tmp_path, monkeypatch
     assert r.tokenizer.path == "org/some-tokenizer"
     r = R.load_recipe(p, ["model.path=org/model", "data.test=/abs/test.jsonl"])
     assert r.model.path == "org/model" and r.data.test == "/abs/test.jsonl"
+
+
+@pytest.mark.parametrize(
+    "objective, key, message",
+    [
+        ({"type": "dpo", "beta": -1}, "objective.beta", "must be greater than 0, got -1"),
+        (
+            {"type": "dpo", "loss": "hinge", "label_smoothing": 0.1},
+            "objective.label_smoothing",
+            "must be 0 with loss hinge",
+        ),
+        ({"type": "orpo", "beta": 0}, "objective.beta", "must be greater than 0"),
+        (
+            {"type": "reward", "center_rewards": -1},
+            "objective.center_rewards",
+            "must be at least 0",
+        ),
+        ({"type": "cpo", "simpo_gamma": -1}, "objective.simpo_gamma", "must be at least 0"),
+        ({"type": "grpo", "top_p": 0}, "objective.top_p", "must be in (0, 1]"),
+        ({"type": "grpo", "epsilon": 1.5}, "objective.epsilon", "must be in [0, 1)"),
+        ({"type": "ppo", "lam": 2}, "objective.lam", "must be in [0, 1]"),
+        (
+            {"type": "online_dpo", "num_generations": 3},
+            "objective.num_generations",
+            "must be 2 (a pair",
+        ),
+    ],
+)
+def test_validate_refuses_an_objectives_bad_values_at_their_line(
+    tmp_path, capsys, objective, key, message
+):
+    """Checked with the recipe, before any model or data is read: file, line and key."""
+    p = write(tmp_path, recipe_text(objective=objective))
+    assert main(["validate", str(p)]) == 2
+    err = capsys.readouterr().err
+    line = next(
+        i for i, x in enumerate(p.read_text().splitlines(), 1) if x.strip().startswith(key[10:])
+    )
+    assert f"{p}:{line}: {key}: {message}" in err, err

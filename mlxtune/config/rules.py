@@ -70,6 +70,15 @@ def check_values(r: Recipe, v: Fails) -> None:
     check_checkpoints(r, v)
     check_export(r, v)
     check_report(r, v)
+    check_objective(r, v)
+
+
+def check_objective(r: Recipe, v: Fails) -> None:
+    """The objective's own values (``ObjectiveConfig.checks``)."""
+    o = r.objective
+    for ok, key, what in o.checks():
+        if not ok:
+            v.fail(f"objective.{key}", f"must be {what}, got {show_value(getattr(o, key))}")
 
 
 def check_run(r: Recipe, v: Fails) -> None:

@@ -364,6 +364,11 @@ class ObjectiveConfig:
     """The training objective: "sft" (next-token cross-entropy on the data's target tokens), or
     the name of an objective registered with its own keys (each documented by its class)."""
 
+    def checks(self) -> tuple:
+        """(ok, key, what it must be) for this section's own values: ``mlxtune validate`` and
+        every run refuse a value that is not ok, naming where its key was set."""
+        return ()
+
 
 @dataclass
 class Recipe:

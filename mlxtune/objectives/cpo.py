@@ -24,7 +24,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ObjectiveConfig
-from ..errors import UserInputError
 from .preference import Preference, pair_metrics
 
 
@@ -49,30 +48,25 @@ class CPOConfig(ObjectiveConfig):
     simpo_gamma: float = 0.5
     """simpo: the target margin between the chosen and rejected rewards."""
 
+    def checks(self) -> tuple:
+        return (
+            (self.beta > 0, "beta", "greater than 0"),
+            (0 <= self.label_smoothing < 0.5, "label_smoothing", "in [0, 0.5)"),
+            (self.cpo_alpha >= 0, "cpo_alpha", "at least 0"),
+            (self.simpo_gamma >= 0, "simpo_gamma", "at least 0"),
+            (
+                self.loss in ("sigmoid", "simpo") or not self.label_smoothing,
+                "label_smoothing",
+                f"0 with loss {self.loss} (it applies to the sigmoid and simpo losses)",
+            ),
+        )
+
 
 class CPO(Preference):
     """CPO / SimPO on pairs; counts pairs."""
 
     name = "cpo"
     Config = CPOConfig
-
-    def __init__(self, recipe, components):
-        super().__init__(recipe, components)
-        cfg = self.config
-        checks = (
-            (cfg.beta > 0, "beta", "greater than 0"),
-            (0 <= cfg.label_smoothing < 0.5, "label_smoothing", "in [0, 0.5)"),
-            (cfg.cpo_alpha >= 0, "cpo_alpha", "at least 0"),
-            (cfg.simpo_gamma >= 0, "simpo_gamma", "at least 0"),
-        )
-        for ok, key, what in checks:
-            if not ok:
-                raise UserInputError(f"must be {what}, got {getattr(cfg, key)}", f"objective.{key}")
-        if cfg.label_smoothing and cfg.loss not in ("sigmoid", "simpo"):
-            raise UserInputError(
-                f"label smoothing applies to the sigmoid and simpo losses, not {cfg.loss}",
-                "objective.label_smoothing",
-            )
 
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
         cfg = self.config

@@ -60,6 +60,14 @@ class GRPOConfig(RLConfig):
     num_iterations: int = 1
     """Optimizer steps each rollout trains (> 1 keeps the generating policy's log-probs)."""
 
+    def checks(self) -> tuple:
+        return super().checks() + (
+            (0 <= self.epsilon < 1, "epsilon", "in [0, 1)"),
+            (self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", "at least 0"),
+            (self.beta >= 0, "beta", "at least 0"),
+            (self.num_iterations >= 1, "num_iterations", "at least 1"),
+        )
+
 
 class GRPO(OnPolicy):
     """GRPO on prompt rows; counts completion tokens (dapo) or completions (grpo, dr_grpo)."""
@@ -70,24 +78,14 @@ class GRPO(OnPolicy):
     def __init__(self, recipe, components):
         super().__init__(recipe, components)
         cfg = self.config
+        self.eps_low = cfg.epsilon
+        self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
         if not self.offline and cfg.scale_rewards == "group" and cfg.num_generations < 2:
             raise UserInputError(
                 "a group of one has no spread to compare within: num_generations >= 2, "
                 "or scale_rewards: batch / none",
                 "objective.num_generations",
             )
-
-    # what GRPO's own keys say (PPO answers from its own)
-    def _checks(self) -> tuple:
-        cfg = self.config
-        self.eps_low = cfg.epsilon
-        self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-        return (
-            (0 <= cfg.epsilon < 1, "epsilon", "in [0, 1)"),
-            (cfg.epsilon_high is None or cfg.epsilon_high >= 0, "epsilon_high", "at least 0"),
-            (cfg.beta >= 0, "beta", "at least 0"),
-            (cfg.num_iterations >= 1, "num_iterations", "at least 1"),
-        )
 
     def _kl_weight(self) -> float:
         return self.config.beta

@@ -82,6 +82,19 @@ class RLConfig(ObjectiveConfig):
     step's peak memory. Null: as many as fill about 1,024 positions (prompt and completion
     padded; at least one)."""
 
+    def checks(self) -> tuple:
+        m = self.micro_batch_size
+        return (
+            (self.num_generations >= 1, "num_generations", "at least 1"),
+            (self.max_completion_length >= 1, "max_completion_length", "at least 1"),
+            (self.temperature > 0, "temperature", "greater than 0"),
+            (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
+            (self.top_k >= 0, "top_k", "at least 0"),
+            (0 <= self.min_p < 1, "min_p", "in [0, 1)"),
+            (self.eval_temperature >= 0, "eval_temperature", "at least 0"),
+            (m is None or m >= 1, "micro_batch_size", "at least 1"),
+        )
+
 
 def rollout_seed(seed: int, k: int) -> int:
     """A sampling seed for rollout ``k`` of a run seeded ``seed``."""
@@ -104,24 +117,6 @@ class OnPolicy(Objective):
                 f"{self.name.upper()} trains on generated completions, one a row: use packing: off",
                 "data.packing",
             )
-        checks = (
-            (cfg.num_generations >= 1, "num_generations", "at least 1"),
-            (cfg.max_completion_length >= 1, "max_completion_length", "at least 1"),
-            (cfg.temperature > 0, "temperature", "greater than 0"),
-            (0 < cfg.top_p <= 1, "top_p", "in (0, 1]"),
-            (cfg.top_k >= 0, "top_k", "at least 0"),
-            (0 <= cfg.min_p < 1, "min_p", "in [0, 1)"),
-            (cfg.eval_temperature >= 0, "eval_temperature", "at least 0"),
-            (
-                cfg.micro_batch_size is None or cfg.micro_batch_size >= 1,
-                "micro_batch_size",
-                "at least 1",
-            ),
-            *self._checks(),
-        )
-        for ok, key, what in checks:
-            if not ok:
-                raise UserInputError(f"must be {what}, got {getattr(cfg, key)}", f"objective.{key}")
         self.offline = components.train_set.examples[0].responses is not None
         self.rewards = build_rewards(cfg.rewards, recipe)
         if not self.offline:
@@ -164,11 +159,7 @@ class OnPolicy(Objective):
         self._restored: tuple[int, int, list[RolloutBatch]] | None = None
         self.eval_samples: list[dict] = []
 
-    # what the objective's own keys say, and the hooks it answers
-    def _checks(self) -> tuple:
-        """(ok, key, what it must be) of the objective's own keys."""
-        return ()
-
+    # the hooks the objective answers
     def _kl_weight(self) -> float:
         """The KL term's weight (0: no reference policy)."""
         return 0.0

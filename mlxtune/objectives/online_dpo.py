@@ -44,6 +44,13 @@ class OnlineDPOConfig(RLConfig):
     """Taken off the score of a completion cut at max_completion_length before the pair is
     ranked."""
 
+    def checks(self) -> tuple:
+        return super().checks() + (
+            (self.num_generations == 2, "num_generations", "2 (a pair a prompt)"),
+            (self.beta > 0, "beta", "greater than 0"),
+            (self.missing_eos_penalty >= 0, "missing_eos_penalty", "at least 0"),
+        )
+
 
 class OnlineDPO(OnPolicy):
     """Online DPO on prompt rows; counts pairs that are not ties."""
@@ -59,14 +66,6 @@ class OnlineDPO(OnPolicy):
                 "train with objective.type grpo, and fixed pairs with dpo",
                 str(components.train_set.path),
             )
-
-    def _checks(self) -> tuple:
-        cfg = self.config
-        return (
-            (cfg.num_generations == 2, "num_generations", "2 (a pair a prompt)"),
-            (cfg.beta > 0, "beta", "greater than 0"),
-            (cfg.missing_eos_penalty >= 0, "missing_eos_penalty", "at least 0"),
-        )
 
     def _kl_weight(self) -> float:
         return self.config.beta

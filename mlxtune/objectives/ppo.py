@@ -83,6 +83,23 @@ class PPOConfig(RLConfig):
     """A reward model (a run of objective.type: reward, or a checkpoint of one) scoring each
     completion, added to the reward functions' sum."""
 
+    def checks(self) -> tuple:
+        adapts = self.kl_target is not None
+        return super().checks() + (
+            (self.kl_coef >= 0, "kl_coef", "at least 0"),
+            (not adapts or self.kl_target > 0, "kl_target", "greater than 0"),
+            (not adapts or self.kl_coef > 0, "kl_coef", "above 0 to adapt"),
+            (self.kl_horizon >= 1, "kl_horizon", "at least 1"),
+            (0 < self.gamma <= 1, "gamma", "in (0, 1]"),
+            (0 <= self.lam <= 1, "lam", "in [0, 1]"),
+            (0 < self.cliprange < 1, "cliprange", "in (0, 1)"),
+            (self.cliprange_value > 0, "cliprange_value", "greater than 0"),
+            (self.vf_coef >= 0, "vf_coef", "at least 0"),
+            (self.entropy_coef >= 0, "entropy_coef", "at least 0"),
+            (self.ppo_epochs >= 1, "ppo_epochs", "at least 1"),
+            (self.num_mini_batches >= 1, "num_mini_batches", "at least 1"),
+        )
+
 
 def gae(rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> np.ndarray:
     """Generalised advantage estimates of one completion's tokens (float64), the value after the
@@ -115,23 +132,6 @@ class PPO(OnPolicy):
         if value_head(components.model) is None:
             raise RuntimeError("PPO.extend() was not called: the model has no value head")
         self.kl_coef = float(self.config.kl_coef)
-
-    def _checks(self) -> tuple:
-        cfg = self.config
-        return (
-            (cfg.kl_coef >= 0, "kl_coef", "at least 0"),
-            (cfg.kl_target is None or cfg.kl_target > 0, "kl_target", "greater than 0"),
-            (cfg.kl_target is None or cfg.kl_coef > 0, "kl_coef", "above 0 to adapt"),
-            (cfg.kl_horizon >= 1, "kl_horizon", "at least 1"),
-            (0 < cfg.gamma <= 1, "gamma", "in (0, 1]"),
-            (0 <= cfg.lam <= 1, "lam", "in [0, 1]"),
-            (0 < cfg.cliprange < 1, "cliprange", "in (0, 1)"),
-            (cfg.cliprange_value > 0, "cliprange_value", "greater than 0"),
-            (cfg.vf_coef >= 0, "vf_coef", "at least 0"),
-            (cfg.entropy_coef >= 0, "entropy_coef", "at least 0"),
-            (cfg.ppo_epochs >= 1, "ppo_epochs", "at least 1"),
-            (cfg.num_mini_batches >= 1, "num_mini_batches", "at least 1"),
-        )
 
     def _kl_weight(self) -> float:
         return self.config.kl_coef

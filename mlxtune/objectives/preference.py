@@ -73,6 +73,19 @@ class DPOConfig(ObjectiveConfig):
     trainable weights as the run starts, kept aside; precomputed: the starting model's
     log-probs of every pair, computed once before training into the run directory."""
 
+    def checks(self) -> tuple:
+        smooths = self.loss in ("sigmoid", "robust")
+        return (
+            (self.beta > 0, "beta", "greater than 0"),
+            (0 <= self.label_smoothing < 0.5, "label_smoothing", "in [0, 0.5)"),
+            (self.rpo_alpha >= 0, "rpo_alpha", "at least 0"),
+            (
+                smooths or not self.label_smoothing,
+                "label_smoothing",
+                f"0 with loss {self.loss} (it applies to the sigmoid and robust losses)",
+            ),
+        )
+
 
 @dataclass
 class ORPOConfig(ObjectiveConfig):
@@ -84,6 +97,9 @@ class ORPOConfig(ObjectiveConfig):
     beta: float = 0.1
     """Weight of the odds-ratio term beside the chosen completion's NLL."""
 
+    def checks(self) -> tuple:
+        return ((self.beta > 0, "beta", "greater than 0"),)
+
 
 @dataclass
 class RewardConfig(ObjectiveConfig):
@@ -94,6 +110,9 @@ class RewardConfig(ObjectiveConfig):
     """This objective."""
     center_rewards: float = 0.0
     """Weight of a penalty on the mean squared reward, which keeps rewards near 0."""
+
+    def checks(self) -> tuple:
+        return ((self.center_rewards >= 0, "center_rewards", "at least 0"),)
 
 
 class Preference(Objective):
@@ -268,19 +287,6 @@ class DPO(Preference):
     def __init__(self, recipe, components):
         super().__init__(recipe, components)
         cfg = self.config
-        if cfg.beta <= 0:
-            raise UserInputError(f"must be greater than 0, got {cfg.beta}", "objective.beta")
-        if not 0 <= cfg.label_smoothing < 0.5:
-            raise UserInputError(
-                f"must be in [0, 0.5), got {cfg.label_smoothing}", "objective.label_smoothing"
-            )
-        if cfg.rpo_alpha < 0:
-            raise UserInputError(f"must be at least 0, got {cfg.rpo_alpha}", "objective.rpo_alpha")
-        if cfg.label_smoothing and cfg.loss not in ("sigmoid", "robust"):
-            raise UserInputError(
-                f"label smoothing applies to the sigmoid and robust losses, not {cfg.loss}",
-                "objective.label_smoothing",
-            )
         self.reference = reference_kind(cfg.reference, recipe.adapter.type)
         self._policy = (
             ReferencePolicy(self.reference, components.model)
@@ -403,13 +409,6 @@ class ORPO(Preference):
     name = "orpo"
     Config = ORPOConfig
 
-    def __init__(self, recipe, components):
-        super().__init__(recipe, components)
-        if self.config.beta <= 0:
-            raise UserInputError(
-                f"must be greater than 0, got {self.config.beta}", "objective.beta"
-            )
-
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
         valid = batch["valid"]
         mean = self.sequence_logps(batch) / batch["lengths"]
@@ -437,10 +436,6 @@ class Reward(Preference):
 
     def __init__(self, recipe, components):
         super().__init__(recipe, components)
-        if self.config.center_rewards < 0:
-            raise UserInputError(
-                f"must be at least 0, got {self.config.center_rewards}", "objective.center_rewards"
-            )
         if recipe.eval.exact_match:
             raise UserInputError(
                 "a reward model scores answers and generates none: set eval.exact_match: 0",
