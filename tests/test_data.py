@@ -493,6 +493,43 @@ def test_csv_tsv_and_text_files_with_columns_mapped(tmp_path, tokenizer):
     assert [e.ids for e in ds.examples] == [enc.encode({"text": t}, "text", "f").ids for t in texts]
 
 
+def test_json_arrays_are_read_as_rows_by_line_and_binary_tables_refused(tmp_path, tokenizer):
+    from mlxtune.data import BadRows
+
+    enc = Encoder(tokenizer)
+    rows = [
+        {"instruction": "reverse", "input": "ab", "output": "ba"},
+        {"instruction": "copy", "input": "cd", "output": "cd"},
+        {"instruction": "reverse", "input": "xyz", "output": "zyx"},
+    ]
+    write_jsonl(tmp_path / "lines.jsonl", rows)
+    want = load_split(tmp_path / "lines.jsonl", enc, "auto", 64, "truncate", 1)
+    # Alpaca's alpaca_data.json: an indented array; and a .json file of lines (JSONL)
+    (tmp_path / "alpaca.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "lines.json").write_text((tmp_path / "lines.jsonl").read_text())
+    for name in ("alpaca.json", "lines.json"):
+        ds = load_split(tmp_path / name, enc, "auto", 64, "truncate", 1)
+        assert [e.ids for e in ds.examples] == [e.ids for e in want.examples], name
+        assert [e.mask for e in ds.examples] == [e.mask for e in want.examples], name
+    # an item that is not an object is named by the line it starts on (the 3rd item: line 12)
+    bad = [rows[0], rows[1], "just text", rows[2]]
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(bad, indent=2))
+    assert p.read_text().splitlines()[11].strip() == '"just text",'
+    with pytest.raises(UserInputError, match="must be a JSON object, got str") as e:
+        load_split(p, enc, "auto", 64, "truncate", 1)
+    assert f"{p}:12" in str(e.value)
+    ds = load_split(p, enc, "auto", 64, "truncate", 1, bad=BadRows(True, 0.5))
+    assert ds.stats.kept == 3 and ds.stats.skipped == 1
+    p.write_text('[\n  {"output": "a"},\n  {"output": "b"\n]\n')
+    with pytest.raises(UserInputError, match="not valid JSON") as e:
+        load_split(p, enc, "auto", 64, "truncate", 1)
+    assert f"{p}:4" in str(e.value)
+    (tmp_path / "t.parquet").write_bytes(b"PAR1\x00")
+    with pytest.raises(UserInputError, match=r"\.parquet files are not read; write the rows as"):
+        load_split(tmp_path / "t.parquet", enc, "auto", 64, "truncate", 1)
+
+
 def test_bad_rows_are_skipped_counted_and_named_up_to_a_share(tmp_path, tokenizer):
     from mlxtune.data import BadRows
 

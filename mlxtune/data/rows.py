@@ -1,6 +1,7 @@
-"""Reading a data file into rows: JSONL (one object a line), CSV and TSV (a header, then one row
-a line), or plain text (.txt: each paragraph, blank-line separated, one ``{"text": ...}`` row);
-columns renamed as the recipe maps them; and what happens to a bad row (``BadRows``).
+"""Reading a data file into rows: JSONL (one object a line), a JSON array of objects (.json, as
+Alpaca's data is shipped; a .json file of lines is read as JSONL), CSV and TSV (a header, then
+one row a line), or plain text (.txt: each paragraph, blank-line separated, one ``{"text": ...}``
+row); columns renamed as the recipe maps them; and what happens to a bad row (``BadRows``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from ..errors import UserInputError
 
 SHOWN = 5
 """Bad rows named one by one in the log (the rest are counted)."""
+BINARY = (".parquet", ".arrow", ".feather", ".xlsx", ".xls", ".gz", ".zip", ".pkl", ".pickle")
+"""Suffixes of files that are not text rows: refused with a way to convert them."""
 
 
 @dataclass
@@ -90,10 +93,18 @@ def read_rows(
     if path.is_dir():
         raise UserInputError("expected a data file, got a directory", str(path))
     suffix = path.suffix.lower()
+    if suffix in BINARY:
+        raise UserInputError(
+            f"{suffix} files are not read; write the rows as JSONL (one JSON object a line), "
+            "JSON, CSV, TSV or text (e.g. pandas: df.to_json(path, orient='records', lines=True))",
+            str(path),
+        )
     if suffix in (".csv", ".tsv"):
         rows = _table(path, "\t" if suffix == ".tsv" else ",")
     elif suffix == ".txt":
         rows = _paragraphs(path)
+    elif suffix == ".json" and _text_of(path).lstrip().startswith("["):
+        rows = _json_array(path, bad)
     else:
         rows = _jsonl(path, bad)
     if columns:
@@ -171,6 +182,51 @@ def _jsonl(path: Path, bad: BadRows) -> list[tuple[int, dict]]:
                 raw = raw.removeprefix(codecs.BOM_UTF8) if n == 1 else raw
                 rows.append((n, _json_line(raw, f"{path}:{n}")))
     rows = [r for r in rows if r[1] is not None]
+    bad.check(len(rows) + len(bad.seen), path)
+    return rows
+
+
+def _json_array(path: Path, bad: BadRows) -> list[tuple[int, dict]]:
+    """A JSON array's objects, each with the line it starts on."""
+    text, dec = _text_of(path), json.JSONDecoder()
+    line, at = 1, 0  # the line of position ``at``
+
+    def skip(i: int) -> int:  # past whitespace
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    def line_of(i: int) -> int:
+        nonlocal line, at
+        line, at = line + text.count("\n", at, i), i
+        return line
+
+    rows, i = [], skip(0) + 1  # past the "["
+    while True:
+        i = skip(i)
+        if i < len(text) and text[i] == "]" and not rows:
+            break
+        where = f"{path}:{line_of(min(i, len(text)))}"
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise UserInputError(f"not valid JSON ({e.msg})", f"{path}:{e.lineno}") from None
+        with bad.row():
+            if not isinstance(obj, dict):
+                raise UserInputError(
+                    f"each item of the array must be a JSON object, got {type(obj).__name__}",
+                    where,
+                )
+            rows.append((line, obj))
+        i = skip(i)
+        if i < len(text) and text[i] == ",":
+            i += 1
+        elif i < len(text) and text[i] == "]":
+            break
+        else:
+            raise UserInputError("not valid JSON (expected ',' or ']')", f"{path}:{line_of(i)}")
+    if text[skip(i + 1) :]:
+        raise UserInputError("not valid JSON (text after the array)", f"{path}:{line_of(i)}")
     bad.check(len(rows) + len(bad.seen), path)
     return rows
 
