@@ -87,6 +87,43 @@ def write_jsonl(path: Path, rows) -> Path:
     return path
 
 
+def prompt_rows(n: int, seed: int = 0):
+    """GRPO-style prompt rows: "reverse w =" with the reversal as the answer."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        w = "".join(rng.choice(list(LETTERS), rng.integers(2, 6)))
+        out.append({"prompt": f"reverse {w} =", "answer": w[::-1], "word": w})
+    return out
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    """24 training and 6 validation prompt rows (``prompt_rows``)."""
+    d = tmp_path / "prompts"
+    write_jsonl(d / "train.jsonl", prompt_rows(24, 1))
+    write_jsonl(d / "valid.jsonl", prompt_rows(6, 2))
+    return d
+
+
+def shipped_recipe(name: str) -> dict:
+    """recipes/NAME as a dict, its paths made absolute, without a progress bar."""
+    import yaml
+
+    r = yaml.safe_load((REPO / "recipes" / name).read_text())
+    here = REPO / "recipes"
+    r["model"]["path"] = str(here / r["model"]["path"])
+    if r.get("adapter", {}).get("init_from"):
+        r["adapter"]["init_from"] = str(here / r["adapter"]["init_from"])
+    for k in ("train", "valid", "test"):
+        if r["data"].get(k):
+            r["data"][k] = str(here / r["data"][k])
+    r.setdefault("train", {})["progress"] = False
+    return r
+
+
 def reverse_rows(n: int, seed: int = 0, prefix: str = "reverse"):
     rng = random.Random(seed)
     rows = []

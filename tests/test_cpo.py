@@ -123,7 +123,11 @@ def test_each_cpo_loss_is_its_formula_in_values_and_gradients(
     [
         ({"beta": 0.0}, "objective.beta", "greater than 0"),
         ({"cpo_alpha": -1.0}, "objective.cpo_alpha", "at least 0"),
-        ({"loss": "hinge", "label_smoothing": 0.1}, "objective.label_smoothing", "0 with loss hinge"),
+        (
+            {"loss": "hinge", "label_smoothing": 0.1},
+            "objective.label_smoothing",
+            "0 with loss hinge",
+        ),
         ({"label_smoothing": 0.5}, "objective.label_smoothing", "in [0, 0.5)"),
         ({"reference": "copy"}, "objective.reference", "unknown key"),
     ],

@@ -311,9 +311,7 @@ def test_grpo_groups_train_as_one(runs, tmp_path):
     """GRPO: each rank completes its share of a step's prompts with the rows' keys (from the
     seed and the step) and every rank gathers them all, so the completions are one process's;
     the groups split whole among the ranks; the held-out reward is summed over ranks."""
-    from test_grpo import prompt_rows
-
-    from conftest import write_jsonl
+    from conftest import prompt_rows, write_jsonl
 
     data = tmp_path / "prompts"
     write_jsonl(data / "train.jsonl", prompt_rows(24, 1))
@@ -370,9 +368,7 @@ def test_sophia_estimates_curvature_over_every_rank(runs, tmp_path):
 def test_online_dpo_pairs_train_as_one(runs, tmp_path):
     """Online DPO: the pairs are completed and ranked as in one process and split whole among
     the ranks (an odd number of pairs: one rank has more)."""
-    from test_grpo import prompt_rows
-
-    from conftest import write_jsonl
+    from conftest import prompt_rows, write_jsonl
 
     data = tmp_path / "prompts"
     write_jsonl(data / "train.jsonl", prompt_rows(24, 1))

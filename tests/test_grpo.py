@@ -16,7 +16,7 @@ import pytest
 import yaml
 from mlx.utils import tree_flatten
 
-from conftest import REPO, make_crash, same_rows, write_jsonl
+from conftest import REPO, make_crash, prompt_rows, same_rows, shipped_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
@@ -31,24 +31,6 @@ TIMING = {
     "generation_s",
     "generation_tokens_per_sec",
 }
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
-
-def prompt_rows(n, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        w = "".join(rng.choice(list(LETTERS), rng.integers(2, 6)))
-        out.append({"prompt": f"reverse {w} =", "answer": w[::-1], "word": w})
-    return out
-
-
-@pytest.fixture
-def prompts(tmp_path):
-    d = tmp_path / "prompts"
-    write_jsonl(d / "train.jsonl", prompt_rows(24, 1))
-    write_jsonl(d / "valid.jsonl", prompt_rows(6, 2))
-    return d
 
 
 def recipe(prompts, model_dir, objective=None, **over):
@@ -491,13 +473,7 @@ def test_offline_groups_train_without_generating(tmp_path, llama_dir):
 
 # ------------------------------------------------------------------------ learning
 def quickstart(**over):
-    r = yaml.safe_load((REPO / "recipes" / "quickstart-grpo.yaml").read_text())
-    here = REPO / "recipes"
-    r["model"]["path"] = str(here / r["model"]["path"])
-    r["adapter"]["init_from"] = str(here / r["adapter"]["init_from"])
-    for k in ("train", "valid", "test"):
-        r["data"][k] = str(here / r["data"][k])
-    r["train"]["progress"] = False
+    r = shipped_recipe("quickstart-grpo.yaml")
     for k, v in over.items():
         sec, _, key = k.partition(".")
         r[sec][key] = v

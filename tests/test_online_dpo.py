@@ -14,7 +14,6 @@ from test_grpo import (
     build,
     completions,
     copies,
-    prompt_rows,
     recipe,
     rows,
     token_logps,
@@ -27,16 +26,6 @@ from mlxtune.cli import main
 from mlxtune.console import Console
 
 ODPO = {"type": "online_dpo", "num_generations": 2, "beta": 0.5}
-
-
-@pytest.fixture
-def prompts(tmp_path):
-    from conftest import write_jsonl
-
-    d = tmp_path / "prompts"
-    write_jsonl(d / "train.jsonl", prompt_rows(24, 1))
-    write_jsonl(d / "valid.jsonl", prompt_rows(6, 2))
-    return d
 
 
 def odpo_recipe(prompts, llama_dir, **objective):
@@ -172,16 +161,10 @@ def test_bad_online_dpo_settings_exit_2(
 @pytest.mark.slow
 def test_the_quickstart_learns_to_copy(tmp_path):
     """recipes/quickstart-online-dpo.yaml: quickstart-grpo's task (copy the word) from pairs."""
-    from conftest import REPO
+    from conftest import REPO, shipped_recipe
     from mlxtune import recipe_from_dict
 
-    r = yaml.safe_load((REPO / "recipes" / "quickstart-online-dpo.yaml").read_text())
-    here = REPO / "recipes"
-    r["model"]["path"] = str(here / r["model"]["path"])
-    r["adapter"]["init_from"] = str(here / r["adapter"]["init_from"])
-    for k in ("train", "valid", "test"):
-        r["data"][k] = str(here / r["data"][k])
-    r["train"]["progress"] = False
+    r = shipped_recipe("quickstart-online-dpo.yaml")
     held = [
         json.loads(x)["answer"]
         for x in (REPO / "recipes/data/copy-prompts/valid.jsonl").read_text().splitlines()

@@ -15,23 +15,15 @@ import numpy as np
 import pytest
 import yaml
 from mlx.utils import tree_flatten
-from test_grpo import completions, prompt_rows, rows, token_logps
+from test_grpo import completions, rows, token_logps
 from test_preference import pair_rows, shake_adapters
 
-from conftest import REPO, make_crash, same_rows, write_jsonl
+from conftest import REPO, make_crash, same_rows, shipped_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
 
 PATTERN = "^.?[aeo]"  # rewards with spread on a random model's completions
-
-
-@pytest.fixture
-def prompts(tmp_path):
-    d = tmp_path / "prompts"
-    write_jsonl(d / "train.jsonl", prompt_rows(24, 1))
-    write_jsonl(d / "valid.jsonl", prompt_rows(6, 2))
-    return d
 
 
 def recipe(prompts, model_dir, objective=None, **over):
@@ -284,13 +276,7 @@ def test_offline_rows_are_refused(tmp_path, llama_dir, capsys):
 def test_the_quickstart_learns_to_copy(tmp_path):
     from test_grpo import copies
 
-    r = yaml.safe_load((REPO / "recipes" / "quickstart-ppo.yaml").read_text())
-    here = REPO / "recipes"
-    r["model"]["path"] = str(here / r["model"]["path"])
-    r["adapter"]["init_from"] = str(here / r["adapter"]["init_from"])
-    for k in ("train", "valid", "test"):
-        r["data"][k] = str(here / r["data"][k])
-    r["train"]["progress"] = False
+    r = shipped_recipe("quickstart-ppo.yaml")
     s = Trainer(recipe_from_dict(r), run_dir=tmp_path / "run", console=Console(quiet=True)).run()
     assert s["eval_reward_at_start"] < 0.35 and s["final_eval_reward"] >= 0.7
     held = [

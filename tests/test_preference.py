@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import REPO, make_crash, same_rows, write_jsonl
+from conftest import REPO, make_crash, same_rows, shipped_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
@@ -428,19 +428,11 @@ def test_precomputed_trains_as_auto_and_both_resume_exactly(tmp_path, llama_dir,
 # ------------------------------------------------------------------------ learning
 def quickstart(objective: dict):
     """recipes/quickstart-dpo.yaml, its paths made absolute, its objective section updated."""
-    import yaml
-
-    r = yaml.safe_load((REPO / "recipes" / "quickstart-dpo.yaml").read_text())
-    here = REPO / "recipes"
-    r["model"]["path"] = str(here / r["model"]["path"])
-    r["adapter"]["init_from"] = str(here / r["adapter"]["init_from"])
-    for k in ("train", "valid", "test"):
-        r["data"][k] = str(here / r["data"][k])
+    r = shipped_recipe("quickstart-dpo.yaml")
     if objective.get("type", "dpo") != "dpo":
         r["objective"] = {}
     r["objective"].update(objective)
     r["samples"] = {"every": None}
-    r["train"]["progress"] = False
     return recipe_from_dict(r)
 
 
