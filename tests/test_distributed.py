@@ -307,10 +307,10 @@ def test_preference_pairs_train_as_one(runs, tmp_path):
         same(rows(one), got, abs=2e-5)
 
 
-def test_grpo_groups_train_as_one(runs, tmp_path):
-    """GRPO: each rank completes its share of a step's prompts with the rows' keys (from the
-    seed and the step) and every rank gathers them all, so the completions are one process's;
-    the groups split whole among the ranks; the held-out reward is summed over ranks."""
+def prompt_runs(runs, tmp_path, objective: dict, batch_size: int):
+    """``objective`` on prompt rows (rewards with spread on a random model's completions), 4
+    steps, in one process and under ``--nproc 2``: (the two-process run, its rows; the one
+    process's rows), timings of generation left out."""
     from conftest import prompt_rows, write_jsonl
 
     data = tmp_path / "prompts"
@@ -319,27 +319,33 @@ def test_grpo_groups_train_as_one(runs, tmp_path):
     r = dict(runs["recipe"])
     r["data"] = {"train": str(data / "train.jsonl"), "valid": str(data / "valid.jsonl")}
     r["objective"] = {
-        "type": "grpo",
-        "num_generations": 4,
+        **objective,
         "max_completion_length": 5,
-        "beta": 0.05,
-        "rewards": [{"name": "regex", "pattern": "^.?[aeo]"}],  # rewards with spread
+        "rewards": [{"name": "regex", "pattern": "^.?[aeo]"}],
     }
-    r["train"] = {**r["train"], "batch_size": 3, "max_steps": 4}
+    r["train"] = {**r["train"], "batch_size": batch_size, "max_steps": 4}
     r["eval"] = {"every": 2}
     r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
     one, two, p = one_and_two(tmp_path, r)
     assert p.returncode == 0, p.stdout + p.stderr
-    got = rows(two)
+    drop = {"generation_s", "generation_tokens_per_sec"}
+
+    def kept(d):
+        return [{k: v for k, v in x.items() if k not in drop} for x in rows(d)]
+
+    return two, kept(two), kept(one)
+
+
+def test_grpo_groups_train_as_one(runs, tmp_path):
+    """GRPO: each rank completes its share of a step's prompts with the rows' keys (from the
+    seed and the step) and every rank gathers them all, so the completions are one process's;
+    the groups split whole among the ranks; the held-out reward is summed over ranks."""
+    objective = {"type": "grpo", "num_generations": 4, "beta": 0.05}
+    two, got, want = prompt_runs(runs, tmp_path, objective, batch_size=3)
     assert got[0]["world_size"] == 2 and all(x["grad_norm"] > 1e-3 for x in got if "loss" in x)
     assert [x["eval_prompts"] for x in got if "eval_reward" in x] == [5, 5]
     assert "each of the 2 ranks completes its share" in (two / "log.txt").read_text()
-    drop = {"generation_s", "generation_tokens_per_sec"}
-    same(
-        [{k: v for k, v in x.items() if k not in drop} for x in rows(one)],
-        [{k: v for k, v in x.items() if k not in drop} for x in got],
-        abs=2e-5,
-    )
+    same(want, got, abs=2e-5)
 
 
 @pytest.mark.slow  # suite time: the default run stays under 10 minutes
@@ -368,29 +374,6 @@ def test_sophia_estimates_curvature_over_every_rank(runs, tmp_path):
 def test_online_dpo_pairs_train_as_one(runs, tmp_path):
     """Online DPO: the pairs are completed and ranked as in one process and split whole among
     the ranks (an odd number of pairs: one rank has more)."""
-    from conftest import prompt_rows, write_jsonl
-
-    data = tmp_path / "prompts"
-    write_jsonl(data / "train.jsonl", prompt_rows(24, 1))
-    write_jsonl(data / "valid.jsonl", prompt_rows(5, 2))
-    r = dict(runs["recipe"])
-    r["data"] = {"train": str(data / "train.jsonl"), "valid": str(data / "valid.jsonl")}
-    r["objective"] = {
-        "type": "online_dpo",
-        "beta": 0.5,
-        "max_completion_length": 5,
-        "rewards": [{"name": "regex", "pattern": "^.?[aeo]"}],
-    }
-    r["train"] = {**r["train"], "batch_size": 5, "max_steps": 4}
-    r["eval"] = {"every": 2}
-    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
-    one, two, p = one_and_two(tmp_path, r)
-    assert p.returncode == 0, p.stdout + p.stderr
-    got = rows(two)
+    _, got, want = prompt_runs(runs, tmp_path, {"type": "online_dpo", "beta": 0.5}, batch_size=5)
     assert got[0]["world_size"] == 2 and any(x.get("rewards/margins") for x in got)
-    drop = {"generation_s", "generation_tokens_per_sec"}
-    same(
-        [{k: v for k, v in x.items() if k not in drop} for x in rows(one)],
-        [{k: v for k, v in x.items() if k not in drop} for x in got],
-        abs=2e-5,
-    )
+    same(want, got, abs=2e-5)
