@@ -108,6 +108,7 @@ def test_two_processes_train_as_one(runs):
     assert cfg["derived"]["world_size"] == 2 and cfg["derived"]["batch_per_rank"] == 4
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_interrupted_and_resumed_together_equals_the_whole_run(runs, tmp_path):
     run_dir = tmp_path / "cut"
     (run_dir / "control").mkdir(parents=True)
@@ -336,6 +337,7 @@ def prompt_runs(runs, tmp_path, objective: dict, batch_size: int):
     return two, kept(two), kept(one)
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_grpo_groups_train_as_one(runs, tmp_path):
     """GRPO: each rank completes its share of a step's prompts with the rows' keys (from the
     seed and the step) and every rank gathers them all, so the completions are one process's;

@@ -140,6 +140,7 @@ def test_q_and_k_rows_are_permuted_and_nothing_else(tmp_path, data_dir, llama_di
     )
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_gguf_adapter_applies_as_llama_cpp_applies_it(tmp_path, data_dir, llama_dir):
     trained_run(tmp_path, data_dir, llama_dir, "lora", ["gguf-adapter"])
     f, ad, _ = read(tmp_path / "lora" / "export" / "gguf-adapter" / "adapter.gguf")
