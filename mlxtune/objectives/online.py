@@ -1,7 +1,7 @@
-"""What the on-policy objectives (GRPO, PPO) share: prompts completed by the policy as it is and
-scored by reward functions (or, offline, groups given with their rewards), the endless stream of
-rollouts a run trains on, the passes a rollout's rows are cut into, rollouts kept in checkpoints,
-and the held-out reward.
+"""What the on-policy objectives (GRPO, PPO, online DPO) share: prompts completed by the policy
+as it is and scored by reward functions (or, offline, groups given with their rewards), the
+endless stream of rollouts a run trains on, the passes a rollout's rows are cut into, rollouts
+kept in checkpoints, and the held-out reward.
 
 A rollout is the prompts of one optimizer step (``train.batch_size`` x
 ``train.grad_accumulation``); it trains ``num_iterations`` steps, and a checkpoint taken between
@@ -114,7 +114,8 @@ class OnPolicy(Objective):
         cfg, d = self.config, recipe.data
         if d.packing != "off":
             raise UserInputError(
-                f"{self.name.upper()} trains on generated completions, one a row: use packing: off",
+                f"objective.type {self.name} trains on generated completions, one a row: use "
+                "packing: off",
                 "data.packing",
             )
         self.offline = components.train_set.examples[0].responses is not None
@@ -122,7 +123,7 @@ class OnPolicy(Objective):
         if not self.offline:
             if not self.rewards and not self._other_rewards():
                 raise UserInputError(
-                    f"online {self.name.upper()} scores its completions with reward functions: "
+                    f"objective.type {self.name} scores its completions with reward functions: "
                     "name at least one (e.g. [{name: exact_match}])",
                     "objective.rewards",
                 )
