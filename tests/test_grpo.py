@@ -87,11 +87,12 @@ def token_logps(model, ids):
 
 
 def naive_grpo(model, batch, old, ref, cfg):
-    """TRL's GRPO loss, written out completion by completion: (loss, clip counts low, high)."""
+    """TRL's GRPO loss, written out completion by completion: (loss, each completion's count of
+    tokens clipped low and high and its KL sum, as [R, 3] float64)."""
     el = cfg["epsilon"]
     eh = cfg.get("epsilon_high") or el
     beta, kind = cfg.get("beta", 0.0), cfg.get("loss", "dapo")
-    seq_sums, seq_ns, lows, highs = [], [], 0.0, 0.0
+    seq_sums, seq_ns, stats = [], [], []
     for i, (t, m) in enumerate(zip(batch.tokens, batch.mask, strict=True)):
         n = int(batch.lengths[i])
         where = [j for j in range(n - 1) if m[j + 1]]
@@ -104,18 +105,21 @@ def naive_grpo(model, batch, old, ref, cfg):
         c2 = mx.clip(c1, 1 - el, 1 + eh)
         a = float(batch.advantages[i])
         per = -mx.minimum(c1 * a, c2 * a)
+        kl = 0.0
         if beta:
             d = mx.array(ref[i][where]) - lp
             per = per + beta * (mx.exp(d) - d - 1)
-        lows += float(mx.sum((c1 < 1 - el) & (a < 0)))
-        highs += float(mx.sum((c1 > 1 + eh) & (a > 0)))
+            kl = float(mx.sum(mx.exp(d) - d - 1))
+        low, high = float(mx.sum((c1 < 1 - el) & (a < 0))), float(mx.sum((c1 > 1 + eh) & (a > 0)))
+        stats.append((low, high, kl))
         seq_sums.append(mx.sum(per))
         seq_ns.append(len(where))
+    stats = np.array(stats, np.float64)
     if kind == "dapo":
-        return sum(seq_sums) / sum(seq_ns), lows, highs
+        return sum(seq_sums) / sum(seq_ns), stats
     if kind == "grpo":
-        return sum(s / k for s, k in zip(seq_sums, seq_ns, strict=True)) / len(seq_ns), lows, highs
-    return sum(seq_sums) / (len(seq_ns) * cfg["max_completion_length"]), lows, highs
+        return sum(s / k for s, k in zip(seq_sums, seq_ns, strict=True)) / len(seq_ns), stats
+    return sum(seq_sums) / (len(seq_ns) * cfg["max_completion_length"]), stats
 
 
 VARIANTS = [
@@ -150,14 +154,19 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
         batch.ref = None
     batch.advantages = rng.normal(0, 1, len(batch.tokens)).astype(np.float32)
     arrays = t.engine.arrays(batch)
-    want, lows, highs = naive_grpo(t.model, batch, batch.old, batch.ref, cfg)
+    want, stats = naive_grpo(t.model, batch, batch.old, batch.ref, cfg)
     loss, count, metrics = obj.loss(t.model, arrays)
     assert count.item() == obj.count(batch)
     assert loss.item() / count.item() == pytest.approx(want.item(), rel=2e-5, abs=1e-6)
-    if cfg.get("importance_sampling") != "sequence" and cfg["loss"] == "dapo":
-        assert lows > 0 and highs > 0  # both bounds were reached
-        assert metrics["clip_ratio/low"].item() == pytest.approx(lows)
-        assert metrics["clip_ratio/high"].item() == pytest.approx(highs)
+    # the metrics add up as the loss counts: over tokens (dapo), or each completion's mean
+    ns = batch.mask[:, 1:].sum(axis=1)
+    summed = stats.sum(axis=0) if cfg["loss"] == "dapo" else (stats / ns[:, None]).sum(axis=0)
+    if cfg.get("importance_sampling") != "sequence":
+        assert stats[:, 0].sum() > 0 and stats[:, 1].sum() > 0  # both bounds were reached
+    for k, j in (("clip_ratio/low", 0), ("clip_ratio/high", 1), ("kl", 2)):
+        if k in metrics:
+            assert metrics[k].item() == pytest.approx(summed[j], rel=1e-4, abs=1e-5), k
+    assert metrics["clip_ratio"].item() == pytest.approx(summed[0] + summed[1], rel=1e-4, abs=1e-5)
     assert ("kl" in metrics) == bool(cfg.get("beta"))
 
     def naive(model):

@@ -74,6 +74,7 @@ def test_advantages_and_returns_are_gae_of_the_kl_shaped_rewards(tmp_path, llama
     from mlx_lm import load
 
     cfg = {"kl_coef": 0.2, "gamma": 0.9, "lam": 0.8, "whiten_advantages": False}
+    cfg.update(kl_target=0.08, kl_horizon=10)  # the coefficient adapts after the rollout
     t = build(recipe(prompts, llama_dir, cfg), tmp_path)
     shake_adapters(t.model)  # the policy differs from its reference, the base
     shake_value_head(t.model)
@@ -82,6 +83,7 @@ def test_advantages_and_returns_are_gae_of_the_kl_shaped_rewards(tmp_path, llama
     tok, eos = t.tokenizer, t.tokenizer.eos_token_id
     w = np.array(t.model.value_head.weight, np.float64)[0]
     b = float(t.model.value_head.bias[0])
+    kls = []
     for i, comp in enumerate(completions(batch)):
         ids = [int(x) for x in batch.tokens[i, : int(batch.lengths[i])]]
         where = targets(batch, i)
@@ -92,6 +94,7 @@ def test_advantages_and_returns_are_gae_of_the_kl_shaped_rewards(tmp_path, llama
         # what a reward function reads: the completion's text without EOS or special tokens
         text = tok.decode([x for x in comp if x != eos], skip_special_tokens=True)
         score = float(re.search(PATTERN, text, re.DOTALL) is not None)
+        kls.append((logp - ref).sum())
         r = -0.2 * (logp - ref)
         r[-1] += score
         nxt = np.append(values[1:], 0.0)
@@ -109,6 +112,14 @@ def test_advantages_and_returns_are_gae_of_the_kl_shaped_rewards(tmp_path, llama
         off = np.ones(batch.mask.shape[1] - 1, bool)
         off[where] = False
         assert not batch.token_advantages[i, off].any()
+    # kl: per completion, summed over its tokens; Ziegler et al.'s controller then moves the
+    # coefficient by clip(kl / target - 1, +-0.2) x completions / horizon
+    kl = np.mean(kls)
+    host = t.objective.host_metrics(batch)
+    assert host["kl"][0] / host["kl"][1] == pytest.approx(kl, rel=1e-4, abs=1e-6)
+    err = np.clip(kl / 0.08 - 1, -0.2, 0.2)
+    assert abs(err) < 0.2  # inside the clip, where a wrong ratio would show
+    assert t.objective.kl_coef == pytest.approx(0.2 * (1 + err * len(kls) / 10), rel=1e-4)
     # whitened: mean 0 and standard deviation 1 over the rollout's completion tokens
     t2 = build(recipe(prompts, llama_dir, {"kl_coef": 0.2}), tmp_path, "whitened")
     shake_adapters(t2.model)

@@ -287,6 +287,18 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
             c > r for c, r in zip(chosen, rejected, strict=True)
         )
         assert metrics["logps/rejected"].item() == pytest.approx(sum(p[1] for p in pol), rel=1e-5)
+    if o.type == "orpo":  # from the log-probs averaged over each completion's tokens
+        ac = np.array([p[0] / n[0] for p, n in zip(pol, lens, strict=True)])
+        ar = np.array([p[1] / n[1] for p, n in zip(pol, lens, strict=True)])
+        odds = (ac - ar) - (np.log1p(-np.exp(ac)) - np.log1p(-np.exp(ar)))
+        for k, v in (
+            ("nll_loss", -ac),
+            ("log_odds_chosen", odds),
+            ("log_odds_ratio", logsig(odds)),
+            ("rewards/chosen", o.beta * ac),
+            ("rewards/margins", o.beta * (ac - ar)),
+        ):
+            assert metrics[k].item() == pytest.approx(v.sum(), rel=1e-4, abs=1e-5), k
 
     # gradients: the formula written in MLX over full logits, the reference as constants
     def naive(model):
