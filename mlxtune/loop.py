@@ -157,15 +157,8 @@ class Trainer:
         self.memory_estimate = plan(shape_of(self), r, self.log)
         self.objective.prepare(self.run_dir, self._source, self.log)
         if self.resume_from is not None and not self.dry_run:
-            state = restore(
-                self._source,
-                self.resume_from,
-                r,
-                self.engine,
-                self.log,
-                trim=self.world.main,
-                total_steps=self.total_steps,
-            )
+            src, which, steps = self._source, self.resume_from, self.total_steps
+            state = restore(src, which, r, self.engine, self.log, self.world.main, steps)
             self.position, self.resumed = state.position, True
         self._write_resolved()
         held, self._held_logs = self._held_logs, None

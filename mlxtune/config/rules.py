@@ -373,6 +373,41 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
     def inert(keys: tuple[str, ...], why: str) -> None:
         found.extend((k, why) for k in keys if k in r.explicit)
 
+    _model_data_inert(r, inert)
+    if r.adapter.type == "full":
+        keys = ("rank", "alpha", "dropout", "targets", "layers", "rslora", "lora_plus_ratio")
+        inert(tuple(f"adapter.{k}" for k in keys), "adapter.type is full")
+
+    _optimizer_inert(r, inert)
+
+    es = r.train.early_stopping
+    if es.patience is None:
+        inert(("train.early_stopping.min_delta",), "train.early_stopping.patience is null")
+        if not r.checkpoints.save_best:
+            keys = ("train.early_stopping.metric", "train.early_stopping.mode")
+            inert(keys, "neither early stopping nor checkpoints.save_best uses them")
+
+    if r.schedule.name == "constant":
+        inert(("schedule.min_lr",), "schedule.name is constant")
+    if r.schedule.name != "warmup_stable_decay":
+        inert(("schedule.decay_fraction",), f"schedule.name is {r.schedule.name}")
+    if r.train.max_steps is not None:
+        inert(("train.epochs",), "train.max_steps is set")
+    if r.eval.exact_match == 0:
+        inert(("eval.max_new_tokens",), "eval.exact_match is 0")
+    if r.samples.every is None:
+        keys = tuple(f"samples.{k}" for k in ("prompts", "count", "max_new_tokens", "temperature"))
+        inert(keys, "samples.every is null (no samples are drawn)")
+    elif r.samples.prompts:
+        inert(("samples.count",), "samples.prompts is given")
+
+    _precision_inert(r, inert)
+    _objective_inert(r, inert)
+    return found
+
+
+def _model_data_inert(r: Recipe, inert) -> None:
+    """Model, tokenizer and data keys the other settings leave unread."""
     if r.model.arch is None:
         inert(("model.seed",), "the model is loaded from model.path (it seeds model.arch only)")
     elif r.tokenizer.train is not None:
@@ -404,10 +439,9 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
     if d.bad_rows == "error":
         inert(("data.max_bad_fraction",), "data.bad_rows is error")
 
-    if r.adapter.type == "full":
-        keys = ("rank", "alpha", "dropout", "targets", "layers", "rslora", "lora_plus_ratio")
-        inert(tuple(f"adapter.{k}" for k in keys), "adapter.type is full")
 
+def _optimizer_inert(r: Recipe, inert) -> None:
+    """Optimizer keys (and the other optimizers' blocks) the chosen optimizer does not read."""
     o = r.optimizer
     if o.name in ("sgd", "lion", "adafactor", "sophia"):
         keys = ("eps", "bias_correction") + (("betas",) if o.name != "lion" else ())
@@ -422,31 +456,6 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
             inert(keys, f"optimizer.name is {o.name}")
     if o.name == "muon" and r.adapter.type == "full":
         inert(("optimizer.muon.adapters",), "adapter.type is full (no adapters train)")
-
-    es = r.train.early_stopping
-    if es.patience is None:
-        inert(("train.early_stopping.min_delta",), "train.early_stopping.patience is null")
-        if not r.checkpoints.save_best:
-            keys = ("train.early_stopping.metric", "train.early_stopping.mode")
-            inert(keys, "neither early stopping nor checkpoints.save_best uses them")
-
-    if r.schedule.name == "constant":
-        inert(("schedule.min_lr",), "schedule.name is constant")
-    if r.schedule.name != "warmup_stable_decay":
-        inert(("schedule.decay_fraction",), f"schedule.name is {r.schedule.name}")
-    if r.train.max_steps is not None:
-        inert(("train.epochs",), "train.max_steps is set")
-    if r.eval.exact_match == 0:
-        inert(("eval.max_new_tokens",), "eval.exact_match is 0")
-    if r.samples.every is None:
-        keys = tuple(f"samples.{k}" for k in ("prompts", "count", "max_new_tokens", "temperature"))
-        inert(keys, "samples.every is null (no samples are drawn)")
-    elif r.samples.prompts:
-        inert(("samples.count",), "samples.prompts is given")
-
-    _precision_inert(r, inert)
-    _objective_inert(r, inert)
-    return found
 
 
 def _precision_inert(r: Recipe, inert) -> None:

@@ -28,14 +28,15 @@ from ..rewards import RewardSpec, build_rewards, score
 from .base import Objective, Usage
 from .reference import ReferencePolicy, reference_kind
 from .rollout import (
-    ROLLOUT_ARRAYS,
     RolloutBatch,
     cut_rows,
     even_sizes,
     gather_completions,
     handed_again,
+    load_rollout,
     reward_means,
     rows_of,
+    save_rollout,
 )
 
 ROLLOUT_FILE = "rollout.safetensors"
@@ -511,40 +512,13 @@ class OnPolicy(Objective):
         k, batches = self._rollout
         if self._used in (0, self._yields()):
             return
-        arrays, meta = {}, {"rollout": str(k), "used": str(self._used)}
-        for j, b in enumerate(batches):
-            arrays[f"{j}.tokens"] = mx.array(b.tokens)
-            arrays[f"{j}.mask"] = mx.array(b.mask)
-            arrays[f"{j}.lengths"] = mx.array(np.array(b.lengths, np.int32))
-            arrays[f"{j}.groups"] = mx.array(np.array(b.groups, np.int32))
-            for name in ROLLOUT_ARRAYS:
-                if getattr(b, name) is not None:
-                    arrays[f"{j}.{name}"] = mx.array(getattr(b, name))
-        mx.save_safetensors(str(folder / ROLLOUT_FILE), arrays, metadata=meta)
+        save_rollout(folder / ROLLOUT_FILE, batches, {"rollout": str(k), "used": str(self._used)})
 
     def restore(self, folder) -> None:
         path = folder / ROLLOUT_FILE
         if not path.exists():
             return
-        arrays, meta = mx.load(str(path), return_metadata=True)
-        batches = []
-        for j in range(self._batches_per_rollout()):
-            a = {
-                k.split(".", 1)[1]: np.array(v) for k, v in arrays.items() if k.startswith(f"{j}.")
-            }
-            if not a:
-                raise UserInputError("holds a rollout of other sizes than this recipe's", str(path))
-            mask = a["mask"].astype(np.int32)
-            batches.append(
-                RolloutBatch(
-                    a["tokens"].astype(np.int32),
-                    mask,
-                    int(mask[:, 1:].sum()),
-                    tuple(int(x) for x in a["lengths"]),
-                    groups=tuple(int(x) for x in a["groups"]),
-                    **{name: a.get(name) for name in ROLLOUT_ARRAYS},
-                )
-            )
+        batches, meta = load_rollout(path, self._batches_per_rollout())
         self._restored = (int(meta["rollout"]), int(meta["used"]), batches)
 
     # ------------------------------------------------------------------ evaluation

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..data import Batch
 from ..distributed import collectives
+from ..errors import UserInputError
 
 ROLLOUT_ARRAYS = (
     "advantages",
@@ -140,6 +141,43 @@ def rows_of(b: RolloutBatch, rows, groups, prompts: int, host: bool) -> RolloutB
     )
 
 
+def save_rollout(path, batches: list[RolloutBatch], meta: dict[str, str]) -> None:
+    """A rollout's batches (every array they carry) in one safetensors file, with ``meta``."""
+    arrays = {}
+    for j, b in enumerate(batches):
+        arrays[f"{j}.tokens"] = mx.array(b.tokens)
+        arrays[f"{j}.mask"] = mx.array(b.mask)
+        arrays[f"{j}.lengths"] = mx.array(np.array(b.lengths, np.int32))
+        arrays[f"{j}.groups"] = mx.array(np.array(b.groups, np.int32))
+        for name in ROLLOUT_ARRAYS:
+            if getattr(b, name) is not None:
+                arrays[f"{j}.{name}"] = mx.array(getattr(b, name))
+    mx.save_safetensors(str(path), arrays, metadata=meta)
+
+
+def load_rollout(path, count: int) -> tuple[list[RolloutBatch], dict[str, str]]:
+    """The ``count`` batches ``save_rollout`` wrote to ``path``, and its meta; a file of another
+    size is a UserInputError."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    batches = []
+    for j in range(count):
+        a = {k.split(".", 1)[1]: np.array(v) for k, v in arrays.items() if k.startswith(f"{j}.")}
+        if not a:
+            raise UserInputError("holds a rollout of other sizes than this recipe's", str(path))
+        mask = a["mask"].astype(np.int32)
+        batches.append(
+            RolloutBatch(
+                a["tokens"].astype(np.int32),
+                mask,
+                int(mask[:, 1:].sum()),
+                tuple(int(x) for x in a["lengths"]),
+                groups=tuple(int(x) for x in a["groups"]),
+                **{name: a.get(name) for name in ROLLOUT_ARRAYS},
+            )
+        )
+    return batches, meta
+
+
 __all__ = [
     "ADV_EPS",
     "ROLLOUT_ARRAYS",
@@ -149,6 +187,8 @@ __all__ = [
     "even_sizes",
     "gather_completions",
     "handed_again",
+    "load_rollout",
     "reward_means",
     "rows_of",
+    "save_rollout",
 ]
