@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .errors import UserInputError
 from .models.context import current, dropout_key
@@ -21,7 +22,9 @@ from .models.quantize import dense_weight
 
 __all__ = [
     "DoRALinear",
+    "DoRASwitchLinear",
     "LoRALinear",
+    "LoRASwitchLinear",
     "adapters_disabled",
     "apply_adapters",
     "dropout_key",
@@ -146,6 +149,147 @@ class DoRALinear(LoRALinear):
         return fused
 
 
+def _switch_weight(base: nn.Module) -> mx.array:
+    """A SwitchLinear's [experts, out, in] weight (de-quantized when it is quantized)."""
+    if isinstance(base, QuantizedSwitchLinear):
+        return mx.dequantize(
+            base.weight,
+            base.scales,
+            base.get("biases"),
+            group_size=base.group_size,
+            bits=base.bits,
+            mode=base.mode,
+        )
+    return base.weight
+
+
+class LoRASwitchLinear(LoRALinear):
+    """LoRA on a mixture of experts' stacked projections (mlx-lm's ``SwitchLinear``, quantized or
+    not): each expert has its own pair, ``lora_a`` [experts, r, in] and ``lora_b``
+    [experts, out, r] (mlx-lm's names and layout), and a token's update comes from the experts
+    the router picked for it."""
+
+    @classmethod
+    def from_base(cls, base, rank=8, alpha=16.0, dropout=0.0, rslora=False):
+        layer = cls(
+            base.input_dims, base.output_dims, base.num_experts, rank, alpha, dropout, rslora
+        )
+        layer.linear = base
+        return layer
+
+    def __init__(
+        self,
+        in_dims: int,
+        out_dims: int,
+        experts: int,
+        rank: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        rslora: bool = False,
+    ):
+        nn.Module.__init__(self)
+        self.linear = SwitchLinear(in_dims, out_dims, experts, bias=False)
+        self.dropout = nn.Dropout(p=dropout)
+        self.scale = lora_scale(alpha, rank, rslora)
+        bound = 1.0 / math.sqrt(in_dims)
+        self.lora_a = mx.random.uniform(low=-bound, high=bound, shape=(experts, rank, in_dims))
+        self.lora_b = mx.zeros((experts, out_dims, rank))
+
+    def _update(self, x, indices, sorted_indices):
+        z = mx.gather_mm(
+            _dropout(self.dropout, x),
+            self.lora_a.swapaxes(-1, -2).astype(x.dtype),
+            rhs_indices=indices,
+            sorted_indices=sorted_indices,
+        )
+        return mx.gather_mm(
+            z,
+            self.lora_b.swapaxes(-1, -2).astype(x.dtype),
+            rhs_indices=indices,
+            sorted_indices=sorted_indices,
+        )
+
+    def __call__(self, x, indices, sorted_indices=False):
+        y = self.linear(x, indices, sorted_indices=sorted_indices)
+        if self._disabled:
+            return y
+        z = self._update(x, indices, sorted_indices)
+        return y + (self.scale * z).astype(y.dtype)
+
+    def delta(self) -> mx.array:
+        """The update to each expert's weight, [experts, out, in]."""
+        return self.scale * (self.lora_b @ self.lora_a)
+
+    def fused(self) -> nn.Module:
+        """A SwitchLinear with the adapter merged in (de-quantized when the base was quantized)."""
+        w = _switch_weight(self.linear)
+        bias = "bias" in self.linear
+        fused = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=bias)
+        fused.weight = (w.astype(mx.float32) + self.delta()).astype(w.dtype)
+        if bias:
+            fused.bias = self.linear.bias
+        return fused
+
+
+class DoRASwitchLinear(LoRASwitchLinear):
+    """DoRA on a mixture of experts' projections: each expert's rows rescaled to a trained
+    magnitude ``m`` [experts, out], as DoRALinear does for one matrix."""
+
+    @classmethod
+    def from_base(cls, base, *args, **kw):
+        layer = super().from_base(base, *args, **kw)
+        layer.m = mx.linalg.norm(_switch_weight(base).astype(mx.float32), axis=-1)
+        return layer
+
+    def __call__(self, x, indices, sorted_indices=False):
+        if self._disabled:
+            return self.linear(x, indices, sorted_indices=sorted_indices)
+        w = _switch_weight(self.linear)
+        y = mx.gather_mm(
+            x,
+            w.swapaxes(-1, -2).astype(x.dtype),
+            rhs_indices=indices,
+            sorted_indices=sorted_indices,
+        )
+        out = y + (self.scale * self._update(x, indices, sorted_indices)).astype(y.dtype)
+        norms = mx.linalg.norm(w.astype(mx.float32) + self.delta(), axis=-1)  # [experts, out]
+        ratio = (self.m / norms)[indices]  # [..., k, out] for each token's experts
+        out = out * mx.expand_dims(ratio, -2).astype(out.dtype)
+        if "bias" in self.linear:
+            out = out + mx.expand_dims(self.linear.bias[indices], -2)
+        return out
+
+    def fused(self) -> nn.Module:
+        w = _switch_weight(self.linear)
+        adapted = w.astype(mx.float32) + self.delta()
+        adapted = adapted * (self.m / mx.linalg.norm(adapted, axis=-1))[..., None]
+        bias = "bias" in self.linear
+        fused = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=bias)
+        fused.weight = adapted.astype(w.dtype)
+        if bias:
+            fused.bias = self.linear.bias
+        return fused
+
+
+_SWITCH = (SwitchLinear, QuantizedSwitchLinear)
+
+
+def _routers(block: nn.Module) -> set[int]:
+    """ids of a block's mixture-of-experts routers: the linear layers of a module holding
+    experts (SwitchLinear) whose outputs are one a expert, or one (a shared expert's gate)."""
+    out: set[int] = set()
+    for _, mod in block.named_modules():
+        experts = {m.num_experts for _, m in mod.named_modules() if isinstance(m, _SWITCH)}
+        if not experts:
+            continue
+        for _, m in mod.named_modules():
+            if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and m.weight.shape[0] in experts | {
+                1
+            }:
+                out.add(id(m))
+    return out
+
+
 def select_layers(n_layers: int, spec) -> list[int]:
     """Layer indices from the recipe's adapter.layers: None/all, N (last N), "a-b", or a list."""
     if spec is None or spec == "all":
@@ -184,7 +328,7 @@ def apply_adapters(
     if kind == "full":
         model.unfreeze()
         return {"type": "full", "adapted": []}
-    cls = DoRALinear if kind == "dora" else LoRALinear
+    dora = kind == "dora"
     model.freeze()
     blocks = model.layers
     chosen = select_layers(len(blocks), layers)
@@ -194,14 +338,19 @@ def apply_adapters(
     for i in chosen:
         block = blocks[i]
         replace = []
+        routers = _routers(block)
         for name, mod in block.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             seen_names.add(leaf)
-            if not isinstance(mod, (nn.Linear, nn.QuantizedLinear)):
+            if isinstance(mod, _SWITCH):
+                cls = DoRASwitchLinear if dora else LoRASwitchLinear
+            elif isinstance(mod, (nn.Linear, nn.QuantizedLinear)):
+                cls = DoRALinear if dora else LoRALinear
+            else:
                 continue
-            if all_linear or leaf in targets:
-                layer = cls.from_base(mod, rank, alpha, dropout, rslora)
-                replace.append((name, layer))
+            # a router stays as trained unless a target names it
+            if leaf in targets or (all_linear and id(mod) not in routers):
+                replace.append((name, cls.from_base(mod, rank, alpha, dropout, rslora)))
         if replace:
             block.update_modules(tree_unflatten(replace))
             adapted += [f"layers.{i}.{n}" for n, _ in replace]
@@ -212,7 +361,7 @@ def apply_adapters(
                 {
                     n.rsplit(".", 1)[-1]
                     for n, m in blocks[0].named_modules()
-                    if isinstance(m, (nn.Linear, nn.QuantizedLinear))
+                    if isinstance(m, (nn.Linear, nn.QuantizedLinear, *_SWITCH))
                 }
             )
             raise UserInputError(

@@ -307,7 +307,7 @@ def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool
         test_set=test,
         pad_id=pad_id,
         tiers=tiers,
-        head_trains=bool({"lm_head.weight", "model.embed_tokens.weight"} & names),
+        head_trains=bool(lm.head_names & names),
     )
     return Built(components, config, model_dir, tokenizer_dir, info, trainable, total, context)
 

@@ -33,9 +33,9 @@ from .gguf_export import write_gguf_adapter, write_gguf_model
 from .modelfile import modelfile
 from .models import (
     DTYPES,
-    HF_ARCHITECTURES,
     PICKLED,
     cast_floats,
+    hf_architecture,
     is_gguf,
     is_quantized,
     load_gguf,
@@ -255,7 +255,7 @@ def write_fused(
         config = {**config, "quantization": {"group_size": group_size, "bits": quantize}}
         dtype = None
     if reward_head(model) is not None:  # Hugging Face's sequence classifier, one label
-        arch = HF_ARCHITECTURES.get(config.get("model_type"), "ForCausalLM")
+        arch = hf_architecture(config.get("model_type", "")) or "ForCausalLM"
         config = {
             **config,
             "architectures": [arch.replace("ForCausalLM", "ForSequenceClassification")],

@@ -162,26 +162,68 @@ def generate_ids(
                 see = lambda rs, z, base=base: on_logits(  # noqa: E731
                     [r + base if r >= 0 else r for r in rs], z
                 )
-            out += _decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see)
+            decode = _decode if plain_kv_caches(model) else _decode_own_caches
+            out += decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see)
     finally:
         model.train(was_training)
     return out
 
 
+def _own_caches(model) -> list:
+    return model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+
+
+def plain_kv_caches(model) -> bool:
+    """Whether every layer of the model caches plain keys and values (mlx-lm's KVCache): then
+    prompts decode left-padded in fixed-capacity caches. Sliding windows (rotating caches) and
+    recurrent layers (conv or SSM state) decode in the model's own caches instead."""
+    return all(type(c) is KVCache for c in _own_caches(model))
+
+
 def _batch_cache(model, pad: list[int]) -> list:
     """The model's per-layer caches as mlx-lm's batched, left-padded KV caches."""
-    plain = (
-        model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    )
-    out = []
-    for c in plain:
-        if type(c) is not KVCache:
-            raise UserInputError(
-                f"batched generation needs plain KV caches; this model uses {type(c).__name__}",
-                "model",
-            )
-        out.append(BatchKVCache(pad))
-    return out
+    return [BatchKVCache(pad) for _ in _own_caches(model)]
+
+
+def _decode_own_caches(
+    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None, on_logits=None
+) -> list[list[int]]:
+    """``_decode`` for models whose caches are not plain KV caches (sliding windows, conv or
+    SSM state): prompts of one length at a time, unpadded (padding would flow into a recurrent
+    state), each prompt's ``group`` rows read it in one batch, in the model's own caches
+    (``make_cache``), one uncompiled step a token. Rows draw from the same keys as ``_decode``
+    gives them, so a row's tokens do not depend on which path decodes it."""
+    new: list[list[int]] = [[] for _ in range(len(prompts) * group)]
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    for idx in by_length.values():
+        rows = [i * group + j for i in idx for j in range(group)]
+        x = mx.array([prompts[i] for i in idx for _ in range(group)])
+        cache = _own_caches(model)
+        logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
+        ks = keys[mx.array(rows)]
+        done = [False] * len(rows)
+        for t in range(max_new_tokens):
+            tokens, ks = _draw(logits, ks, s)
+            if on_logits is not None:
+                on_logits([r if not done[j] else -1 for j, r in enumerate(rows)], logits)
+            for j, tok in enumerate(tokens.tolist()):
+                r = rows[j]
+                if done[j]:
+                    continue
+                if tok in eos:
+                    done[j] = True
+                    continue
+                new[r].append(tok)
+                if on_token is not None:
+                    on_token(r, tok)
+                if stop is not None and stop.ends(new[r]):
+                    done[j] = True
+            if all(done) or t == max_new_tokens - 1:
+                break
+            logits = model(tokens[:, None], cache=cache)[:, -1, :].astype(mx.float32)
+    return new
 
 
 AHEAD = 4

@@ -26,6 +26,7 @@ from .errors import UserInputError
 from .gguf_file import open_gguf
 from .gguf_names import ARCHES, DTYPES, NORM_PLUS_ONE, gguf_name
 from .gguf_tokenizer import EXPORT_PRE_NAMES
+from .models.configs import rope_base
 
 
 def _arch(config: dict) -> tuple[str, bool]:
@@ -230,7 +231,7 @@ def _add_hparams(w, config: dict, model=None):
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(config.get("rope_theta") or 10000.0))
+    w.add_rope_freq_base(rope_base(config))
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-5))
     w.add_vocab_size(config["vocab_size"])
     if config.get("head_dim"):

@@ -162,10 +162,29 @@ def describe(parts: dict[str, float]) -> str:
     return f"{parts['total'] / GB:.2f} GB ({', '.join(shown) or 'all parts under 0.01 GB'})"
 
 
+def text_config(cfg: dict) -> dict:
+    """The language model's config: a multimodal wrapper's ``text_config``, else ``cfg``."""
+    inner = cfg.get("text_config")
+    return {**cfg, **inner} if isinstance(inner, dict) else cfg
+
+
+def active_intermediate(cfg: dict, hidden: int) -> int:
+    """The MLP width a token's activations take: a mixture of experts' top-k experts (and its
+    shared expert) each keep theirs."""
+    dense = int(cfg.get("intermediate_size") or 4 * hidden)
+    k = cfg.get("num_experts_per_tok")
+    if not isinstance(k, int) or k < 1:
+        return dense
+    expert = int(cfg.get("moe_intermediate_size") or dense)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    shared += expert * int(cfg.get("n_shared_experts") or 0)
+    return max(dense, k * expert + shared)
+
+
 def shape_of(trainer) -> Shape:
     """The Shape of a built Trainer's run (its model, data and recipe)."""
     r = trainer.recipe
-    cfg = trainer.model_config
+    cfg = text_config(trainer.model_config)
     model = trainer.model
     weights = tree_flatten(model.parameters())
     trainable = tree_flatten(model.trainable_parameters())
@@ -189,9 +208,7 @@ def shape_of(trainer) -> Shape:
             if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 64 == 0
         )
     )
-    head = getattr(model, "lm_head", None)
-    if head is None:
-        head = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = trainer.built.components.lm.head
     act_bytes = 4 if r.model.dtype == "float32" else 2
     # the loss de-quantizes a quantized LM head: one dense copy while a step runs
     dense_head = (
@@ -206,7 +223,7 @@ def shape_of(trainer) -> Shape:
         act_bytes=act_bytes,
         layers=layers,
         hidden=hidden,
-        intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+        intermediate=active_intermediate(cfg, hidden),
         q_dim=heads * head_dim,
         kv_dim=2 * kv_heads * head_dim,
         heads=heads,

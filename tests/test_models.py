@@ -13,12 +13,8 @@ from conftest import FAMILIES
 from mlxtune.adapters import apply_adapters
 from mlxtune.errors import UserInputError
 from mlxtune.kernels import linear_cross_entropy
-from mlxtune.models import SUPPORTED, lm_parts, load_model, resolve_model_path
+from mlxtune.models import lm_parts, load_model, resolve_model_path
 from mlxtune.tokenizer import load_tokenizer, sentencepiece_to_tokenizers
-
-
-def test_every_supported_family_has_a_test_model():
-    assert set(FAMILIES) == set(SUPPORTED)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -29,9 +25,7 @@ def test_family_loads_and_backbone_plus_head_gives_the_models_logits(family, mod
     x = mx.array([[1, 5, 9, 12, 7, 3]])
     logits = model(x).astype(mx.float32)
     h = parts.hidden(x)
-    ours = h @ parts.head_weight().T
-    if parts.softcap is not None:
-        ours = parts.softcap * mx.tanh(ours / parts.softcap)
+    ours = parts.logits(h)
     np.testing.assert_allclose(np.array(ours), np.array(logits), rtol=1e-4, atol=1e-4)
     # and the loss through the head equals cross-entropy of the model's own logits
     t = mx.array([5, 9, 12, 7, 3, 2])
@@ -69,9 +63,9 @@ def copy_with_config(src, dst, **changes):
     return dst
 
 
-def test_unsupported_architecture_names_the_supported_ones(tmp_path, llama_dir):
-    d = copy_with_config(llama_dir, tmp_path / "m", model_type="mamba")
-    with pytest.raises(UserInputError, match="'mamba' is not supported.*llama"):
+def test_a_model_type_mlx_lm_does_not_know_is_refused(tmp_path, llama_dir):
+    d = copy_with_config(llama_dir, tmp_path / "m", model_type="no_such_family")
+    with pytest.raises(UserInputError, match="'no_such_family' is not a model type mlx-lm knows"):
         load_model(d)
 
 

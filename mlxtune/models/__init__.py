@@ -5,8 +5,9 @@ the full logits. One module per concern; every name is importable from ``mlxtune
 
 from ..safety import PICKLED, code_files, pickled_hint
 from .building import build_model, init_weights, save_model
+from .capabilities import packing_refusal, recurrent_caches
 from .checkpointing import checkpoint_layers, checkpointed_layers
-from .common import DTYPES, HF_ARCHITECTURES, SUPPORTED, cast_floats
+from .common import DTYPES, HF_ARCHITECTURES, cast_floats, family_classes, hf_architecture
 from .context import ForwardContext, current, dropout_key, segments
 from .gguf import GGUFLoad, gguf_config, is_gguf, load_gguf, read_gguf
 from .heads import (
@@ -24,7 +25,7 @@ from .heads import (
 )
 from .loading import check_model_dir, load_model, resolve_model_path
 from .noise import add_embedding_noise, has_embedding_noise
-from .parts import LMParts, count_parameters, lm_parts
+from .parts import LMParts, count_parameters, lm_parts, module_at
 from .patches import kernel_attention
 from .quantize import (
     DequantizingEmbedding,
@@ -40,7 +41,8 @@ __all__ = [
     "HF_ARCHITECTURES",
     "PICKLED",
     "REWARD_HEAD",
-    "SUPPORTED",
+    "family_classes",
+    "hf_architecture",
     "DequantizingEmbedding",
     "DequantizingLinear",
     "ForwardContext",
@@ -67,6 +69,9 @@ __all__ = [
     "is_quantized",
     "kernel_attention",
     "lm_parts",
+    "packing_refusal",
+    "recurrent_caches",
+    "module_at",
     "load_gguf",
     "load_model",
     "pickled_hint",

@@ -11,7 +11,8 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
 from ..tokenizer import save_tokenizer
-from .common import DTYPES, HF_ARCHITECTURES, SUPPORTED, cast_floats
+from .common import DTYPES, cast_floats, family_classes, hf_architecture
+from .configs import normalise_config
 
 # Architecture sizes that must be positive integers when a recipe gives them.
 _SIZES = (
@@ -23,13 +24,6 @@ _SIZES = (
     "num_key_value_heads",
     "head_dim",
 )
-
-
-def _get_classes(config: dict):
-    # mlx_lm.utils pulls in transformers: imported when a model is built, not with mlxtune
-    from mlx_lm.utils import _get_classes as mlx_lm_classes
-
-    return mlx_lm_classes(config)
 
 
 def build_model(
@@ -59,17 +53,13 @@ def build_model(
             f"vocab_size {config['vocab_size']} is smaller than the tokenizer's {vocab_size}",
             "model.arch.vocab_size",
         )
-    if config["model_type"] not in SUPPORTED:
-        raise UserInputError(
-            f"{config['model_type']!r} is not supported; supported: {', '.join(SUPPORTED)}",
-            "model.arch.model_type",
-        )
-    config.setdefault("architectures", [HF_ARCHITECTURES[config["model_type"]]])
+    config.setdefault("architectures", [hf_architecture(config["model_type"])])
     config.setdefault("tie_word_embeddings", True)
     for k, v in (special_ids or {}).items():
         if v is not None:
             config.setdefault(k, v)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = family_classes(config, "model.arch.model_type")
+    config = normalise_config(config, args_class, "model.arch")
     try:
         args = args_class.from_dict(config)
         mx.random.seed(seed)
@@ -117,7 +107,7 @@ def save_model(
             for k, v in weights.items()
         }
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    cfg.setdefault("architectures", [HF_ARCHITECTURES.get(cfg.get("model_type"), "")])
+    cfg.setdefault("architectures", [hf_architecture(cfg.get("model_type", ""))])
     float_dtypes = {
         str(v.dtype).split(".")[-1] for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)
     }

@@ -29,8 +29,7 @@ from mlx.utils import tree_flatten
 from ..errors import UserInputError
 from ..gguf_file import GGUFFile, open_gguf
 from ..gguf_names import ARCHES, NORM_PLUS_ONE, gguf_name
-from .building import _get_classes
-from .common import DTYPES, HF_ARCHITECTURES
+from .common import DTYPES, HF_ARCHITECTURES, family_classes
 from .quantize import cpu_dequantizing
 
 GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
@@ -316,7 +315,7 @@ def load_gguf(
     g = read_gguf(path)
     where = str(g.path)
     config = gguf_config(g)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = family_classes(config)
     try:
         model = model_class(args_class.from_dict(config))
     except Exception as e:

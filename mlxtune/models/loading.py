@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..errors import UserInputError
 from ..safety import code_files, pickled_hint
-from .common import SUPPORTED, cast_floats
+from .common import cast_floats, family_classes
+from .configs import normalise_config
 from .gguf import is_gguf, load_gguf
 from .quantize import cpu_dequantizing
 
@@ -119,12 +120,6 @@ def check_model_dir(p: Path, trust_remote_code: bool = False):
             "when the recipe sets model.trust_remote_code: true",
             str(p / "config.json"),
         )
-    mt = config.get("model_type")
-    if mt not in SUPPORTED:
-        raise UserInputError(
-            f"model_type {mt!r} is not supported for training yet; supported: {', '.join(SUPPORTED)}",
-            str(p / "config.json"),
-        )
     return config
 
 
@@ -145,8 +140,18 @@ def load_model(
         model, config, _ = load_gguf(path, dtype, keep_quantized)
         return model, config
     config = check_model_dir(path, trust_remote_code)
+    changes = {}
+    if (
+        config.get("model_file") is None
+    ):  # mlx-lm's own module: its keys, as transformers reads them
+        normalised = normalise_config(
+            config, family_classes(config, str(path / "config.json"))[1], str(path / "config.json")
+        )
+        changes = {k: v for k, v in normalised.items() if config.get(k) != v}
     try:
-        model, config = mlx_lm_load_model(path, trust_remote_code=trust_remote_code)
+        model, config = mlx_lm_load_model(
+            path, trust_remote_code=trust_remote_code, model_config=changes
+        )
     except ValueError as e:  # missing or misshapen weights
         raise UserInputError(" ".join(str(e).split()), str(path)) from None
     except RuntimeError as e:  # MLX's reader: a truncated or corrupt safetensors file

@@ -15,6 +15,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import UserInputError
 from .context import current
 
 
@@ -35,10 +36,20 @@ class _Noisy:
         return (y.astype(mx.float32) + noise).astype(y.dtype)
 
 
-def add_embedding_noise(model: nn.Module, alpha: float) -> nn.Module:
-    """Turn NEFTune on for ``model``'s token embedding (``model.model.embed_tokens``), in place;
-    the embedding keeps its weights and their names. Returns the embedding."""
-    emb = model.model.embed_tokens
+def add_embedding_noise(model: nn.Module, alpha: float, path: str | None = None) -> nn.Module:
+    """Turn NEFTune on for ``model``'s token embedding (at ``named_modules`` path ``path``;
+    by default the one its forward pass reads the tokens with), in place; the embedding keeps
+    its weights and their names. Returns the embedding."""
+    from .parts import lm_parts, module_at
+
+    if path is None:
+        path = lm_parts(model).embed_path
+    if path is None:
+        raise UserInputError(
+            "NEFTune needs a token embedding, and this model reads none",
+            "train.neftune_noise_alpha",
+        )
+    emb = module_at(model, path)
     cls = type(emb)
     if not issubclass(cls, _Noisy):
         emb.__class__ = type(f"Noisy{cls.__name__}", (_Noisy, cls), {})
@@ -48,8 +59,7 @@ def add_embedding_noise(model: nn.Module, alpha: float) -> nn.Module:
 
 def has_embedding_noise(model: nn.Module) -> bool:
     """Whether ``model``'s forward draws NEFTune noise (in training mode)."""
-    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
-    return isinstance(emb, _Noisy)
+    return any(isinstance(m, _Noisy) for _, m in model.named_modules())
 
 
 __all__ = ["add_embedding_noise", "has_embedding_noise"]

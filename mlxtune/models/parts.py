@@ -1,49 +1,276 @@
-"""A model split into its backbone and LM head, so the loss never needs the full logits."""
+"""A model split into its backbone and LM head, so the loss never needs the full logits.
+
+Any mlx-lm causal LM: the head is found by watching one short forward pass (the last linear map
+onto the vocabulary, or the embedding used as one), and the hidden states are what the model
+hands that head. What the model does to the head's output (a soft cap, a scale, a bias) is found
+on the same pass and checked against the model's own logits, so the loss computes exactly the
+model's logits; a model whose logits are something else is refused, naming what differs.
+"""
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
-from .common import SUPPORTED
 from .quantize import dense_weight, is_quantized
+
+_LINEAR = (nn.Linear, nn.QuantizedLinear)
+_EMBEDDING = (nn.Embedding, nn.QuantizedEmbedding)
+
+# while a forward pass runs inside LMParts.hidden: where the head's input goes
+_CAPTURE: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "mlxtune_head_capture", default=None
+)
+# while the probe runs: every call of a candidate head or embedding, in order
+_SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "mlxtune_head_probe", default=None
+)
+
+
+def module_at(model: nn.Module, path: str) -> nn.Module:
+    """The submodule at a dotted path from ``named_modules`` (list entries by index)."""
+    m = model
+    for part in path.split(".") if path else ():
+        m = m[int(part)] if isinstance(m, list) else m[part]
+    return m
+
+
+def _vocab_out(x: mx.array, rows: int) -> mx.array:
+    """A stand-in for the head's output that is never computed (nothing reads it)."""
+    return mx.zeros((*x.shape[:-1], rows), x.dtype)
+
+
+class _CapturingLinear:
+    def __call__(self, x):
+        box = _CAPTURE.get()
+        box.append(x)
+        return _vocab_out(x, self.weight.shape[0])
+
+
+class _CapturingEmbedding:
+    def as_linear(self, x):
+        box = _CAPTURE.get()
+        box.append(x)
+        return _vocab_out(x, self.weight.shape[0])
+
+
+class _WatchedLinear:
+    def __call__(self, x):
+        _SEEN.get().append(("head", self, x))
+        return super().__call__(x)
+
+
+class _WatchedEmbedding:
+    def __call__(self, x):
+        _SEEN.get().append(("embed", self, x))
+        return super().__call__(x)
+
+    def as_linear(self, x):
+        _SEEN.get().append(("head", self, x))
+        return super().as_linear(x)
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _mixed(mixin: type, cls: type) -> type:
+    key = (mixin, cls)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{mixin.__name__.strip('_')}{cls.__name__}", (mixin, cls), {})
+    return _CLASSES[key]
 
 
 @dataclass
 class LMParts:
-    """What the loss needs from a model: hidden states, the head weight, and a softcap."""
+    """What the loss needs from a model: the hidden states the LM head reads, the head as a
+    matrix, and what the model applies to the head's output (``logit_scale``, ``softcap``)."""
 
     model: nn.Module
-
-    def hidden(self, inputs: mx.array) -> mx.array:
-        """Final hidden states [B, T, D] (after the last norm), before the LM head."""
-        return self.model.model(inputs)
-
-    def head_weight(self) -> mx.array:
-        """The LM head as a [V, D] matrix (de-quantized when the head is quantized)."""
-        m = self.model
-        head = getattr(m, "lm_head", None)
-        if head is None:
-            head = m.model.embed_tokens
-        return dense_weight(head)
+    head_path: str
+    """``named_modules`` path of the head: a linear layer, or the tied input embedding."""
+    tied: bool
+    """The head is an embedding used as a linear map (``as_linear``)."""
+    embed_path: str | None
+    """Path of the input token embedding (what NEFTune adds noise to)."""
+    logit_scale: float = 1.0
+    softcap: float | None = None
 
     @property
-    def softcap(self) -> float | None:
-        return getattr(self.model, "final_logit_softcapping", None)
+    def head(self) -> nn.Module:
+        return module_at(self.model, self.head_path)
+
+    def hidden(self, inputs: mx.array) -> mx.array:
+        """Final hidden states [B, T, D]: what the model hands its LM head."""
+        head = self.head
+        cls = type(head)
+        head.__class__ = _mixed(_CapturingEmbedding if self.tied else _CapturingLinear, cls)
+        box: list = []
+        token = _CAPTURE.set(box)
+        try:
+            self.model(inputs)
+        finally:
+            _CAPTURE.reset(token)
+            head.__class__ = cls
+        if len(box) != 1:
+            raise RuntimeError(f"the LM head ran {len(box)} times in one forward pass")
+        return box[0]
+
+    @property
+    def head_bias(self) -> bool:
+        return not self.tied and "bias" in self.head
+
+    def head_weight(self) -> mx.array:
+        """The head as a [V, D] matrix in loss space: de-quantized, times ``logit_scale``, and
+        with the bias as one more column when the head has one (``loss_hidden`` adds the
+        matching column of ones)."""
+        head = self.head
+        w = dense_weight(head)
+        if self.head_bias:
+            w = mx.concatenate([w, head.bias[:, None].astype(w.dtype)], axis=1)
+        return w if self.logit_scale == 1.0 else w * self.logit_scale
+
+    def loss_hidden(self, h: mx.array) -> mx.array:
+        """Hidden states as ``head_weight`` reads them (a column of ones for a head's bias)."""
+        if not self.head_bias:
+            return h
+        return mx.concatenate([h, mx.ones((*h.shape[:-1], 1), h.dtype)], axis=-1)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """fp32 logits of hidden states ``h`` [..., D], as the model computes them."""
+        z = self.loss_hidden(h).astype(mx.float32) @ self.head_weight().astype(mx.float32).T
+        return z if self.softcap is None else self.softcap * mx.tanh(z / self.softcap)
+
+    @property
+    def head_names(self) -> set[str]:
+        """Parameter names of the head (trainable when they are in a full fine-tune)."""
+        return {f"{self.head_path}.{k}" for k, _ in tree_flatten(self.head.parameters())}
 
 
 def lm_parts(model: nn.Module) -> LMParts:
-    model_type = getattr(getattr(model, "args", None), "model_type", None)
-    if model_type not in SUPPORTED or not hasattr(getattr(model, "model", None), "embed_tokens"):
+    """The model's LMParts, found on one short forward pass and checked against its logits;
+    a UserInputError naming what differs for a model mlxtune's loss cannot compute."""
+    name = _family(model)
+    try:
+        probe = _probe(model)
+    except UserInputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of a family's forward is its refusal
         raise UserInputError(
-            f"model type {model_type!r} is not supported for training yet; supported: {', '.join(SUPPORTED)}",
+            f"model type {name!r}: its forward pass on token ids fails ({type(e).__name__}: {e})",
             "model",
+        ) from None
+    return probe
+
+
+def _family(model) -> str:
+    return str(getattr(getattr(model, "args", None), "model_type", type(model).__module__))
+
+
+def _probe(model: nn.Module) -> LMParts:
+    name = _family(model)
+    was_training = model.training
+    model.eval()  # no dropout on the probe
+    try:
+        x = mx.array([[1, 2, 3, 4, 5, 6]])
+        logits = model(x)
+        if not isinstance(logits, mx.array) or logits.ndim != 3:
+            raise UserInputError(
+                f"model type {name!r}: its forward pass gives no [batch, tokens, vocab] logits",
+                "model",
+            )
+        vocab = logits.shape[-1]
+        paths = {id(m): p for p, m in model.named_modules()}
+        candidates = [
+            m
+            for _, m in model.named_modules()
+            if (isinstance(m, _LINEAR) and m.weight.shape[0] == vocab)
+            or (isinstance(m, _EMBEDDING) and m.weight.shape[0] == vocab)
+        ]
+        seen: list = []
+        saved = [(m, type(m)) for m in candidates]
+        for m, cls in saved:
+            m.__class__ = _mixed(
+                _WatchedLinear if isinstance(m, _LINEAR) else _WatchedEmbedding, cls
+            )
+        token = _SEEN.set(seen)
+        try:
+            again = model(x)
+        finally:
+            _SEEN.reset(token)
+            for m, cls in saved:
+                m.__class__ = cls
+        heads = [(m, h) for kind, m, h in seen if kind == "head"]
+        if not heads:
+            raise UserInputError(
+                f"model type {name!r}: no linear map onto its {vocab}-token vocabulary makes its "
+                "logits (mlxtune's loss reads the hidden states that map takes)",
+                "model",
+            )
+        head, h = heads[-1]
+        embeds = [m for kind, m, _ in seen if kind == "embed"]
+        parts = LMParts(
+            model,
+            head_path=paths[id(head)],
+            tied=isinstance(head, _EMBEDDING),
+            embed_path=paths[id(embeds[0])] if embeds else None,
         )
-    return LMParts(model)
+        _fit_output(parts, name, h, again)
+        mx.eval(parts.hidden(x))  # the capture reaches the same head
+        return parts
+    finally:
+        model.train(was_training)
+
+
+def _close(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
+    scale = max(float(np.abs(b).max()), 1e-6)
+    return a.shape == b.shape and float(np.abs(a - b).max()) <= tol * scale
+
+
+def _fit_output(parts: LMParts, name: str, h: mx.array, logits: mx.array) -> None:
+    """Set ``parts``' logit scale and softcap so that the head's output becomes the model's
+    logits, or refuse the model."""
+    want = np.array(logits.astype(mx.float32), dtype=np.float64)
+    z = np.array(parts.logits(h), dtype=np.float64)
+    tol = 1e-5 if logits.dtype == mx.float32 else 2e-2
+    args = getattr(parts.model, "args", None)
+    caps = [
+        v
+        for k in ("final_logit_softcapping", "logit_softcapping", "output_softcapping")
+        for v in (getattr(parts.model, k, None), getattr(args, k, None))
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    ]
+    for cap in dict.fromkeys(caps):  # a cap the model names first: it is what it applies
+        if _close(cap * np.tanh(z / cap), want, tol):
+            parts.softcap = float(cap)
+            return
+    if _close(z, want, tol):
+        return
+    # a scale: the least-squares factor, then checked everywhere
+    c = float((z * want).sum() / max((z * z).sum(), 1e-30))
+    if c != 0 and _close(c * z, want, tol):
+        parts.logit_scale = _snap(c, args)
+        return
+    raise UserInputError(
+        f"model type {name!r}: its logits are not its LM head's output (nor a scaled or "
+        "soft-capped one), which mlxtune's loss computes",
+        "model",
+    )
+
+
+def _snap(c: float, args) -> float:
+    """The config's own number where the fitted scale is one (logits_scaling: 8 gives 1/8)."""
+    for v in vars(args).values() if args is not None else ():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v:
+            for exact in (float(v), 1.0 / float(v)):
+                if abs(exact - c) <= 1e-4 * abs(c):
+                    return exact
+    return c
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -15,85 +15,114 @@ from .context import current
 class kernel_attention:
     """Route a model's training attention through ``mlxtune.kernels.attention`` while active.
 
-    mlx-lm's llama, qwen2, qwen3, gemma and phi3 modules call a module-level
-    ``scaled_dot_product_attention``; inside this context that name is a wrapper that sends
-    the training case (no KV cache, a plain causal mask, no sinks) to the kernel tier and every
-    other call (generation with a cache, explicit masks) to mlx-lm's own function. mlx-lm's files
-    are not edited, and the original is restored on exit. Families whose attention is their own
-    code (gemma2's soft-capped scores) keep it.
+    mlx-lm's families call a module-level ``scaled_dot_product_attention`` (imported from
+    ``mlx_lm.models.base`` into each family's module); inside this context that name, in every
+    module the model's layers come from, is a wrapper that sends the training case (no KV
+    cache, a plain causal mask, no sinks) to the kernel tier and every other call (generation
+    with a cache, explicit masks, sinks) to mlx-lm's own function, packed segments kept apart
+    there too. mlx-lm's files are not edited, and the originals are restored on exit. Families
+    whose attention is their own code (gemma2's soft-capped scores) keep it.
 
-    On the CPU, unless the tier is "reference", the modules' ``swiglu`` (llama, qwen2, qwen3,
-    phi3) becomes ``kernels.cpu.swiglu`` too: the same function with an exponential that MLX's
-    CPU backend vectorises (see kernels/cpu.py).
+    On the CPU, unless the tier is "reference", the modules' ``swiglu`` becomes
+    ``kernels.cpu.swiglu`` too: the same function with an exponential that MLX's CPU backend
+    vectorises (see kernels/cpu.py).
     """
 
     def __init__(self, model: nn.Module, impl: str | None = None):
-        self.module = sys.modules[type(model).__module__]
+        names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
+        self.modules = [sys.modules[n] for n in sorted(names) if n in sys.modules]
         self.impl = impl
         # mlx-lm's own functions, also when another kernel_attention is active around this one
-        self.original = _unpatched(getattr(self.module, "scaled_dot_product_attention", None))
-        self.original_swiglu = _unpatched(getattr(self.module, "swiglu", None))
-        self._saved: list[tuple] = []  # what each __enter__ found, for its __exit__
+        self.originals = {
+            id(mod): (
+                _unpatched(getattr(mod, "scaled_dot_product_attention", None)),
+                _unpatched(getattr(mod, "swiglu", None)),
+            )
+            for mod in self.modules
+        }
+        self._saved: list[list] = []  # what each __enter__ found, for its __exit__
 
     @property
     def active(self) -> bool:
-        return self.original is not None
+        """Whether any of the model's modules calls an attention this context routes."""
+        return any(sdpa is not None for sdpa, _ in self.originals.values())
 
     def __enter__(self):
         self._saved.append(
-            (
-                getattr(self.module, "scaled_dot_product_attention", None),
-                getattr(self.module, "swiglu", None),
-            )
-        )
-        if self.original is None:
-            return self
-        original, impl = self.original, self.impl
-
-        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-            if cache is None and sinks is None and isinstance(mask, str) and mask == "causal":
-                return attention(
-                    queries,
-                    keys,
-                    values,
-                    scale=scale,
-                    causal=True,
-                    segment_ids=current().segment_ids,
-                    impl=impl,
+            [
+                (
+                    mod,
+                    getattr(mod, "scaled_dot_product_attention", None),
+                    getattr(mod, "swiglu", None),
                 )
-            seg = current().segment_ids
-            if cache is None and seg is not None and mask is not None and not isinstance(mask, str):
-                # an explicit mask (a sliding-window layer): packed examples stay apart there too
-                same = (seg[:, :, None] == seg[:, None, :])[:, None]
-                if mask.dtype == mx.bool_:
-                    mask = mask & same
-                else:  # additive
-                    mask = mx.where(same, mask, mx.array(-mx.inf, dtype=mask.dtype))
-            if sinks is None:
-                return original(queries, keys, values, cache, scale=scale, mask=mask)
-            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+                for mod in self.modules
+            ]
+        )
+        for mod in self.modules:
+            original, original_swiglu = self.originals[id(mod)]
+            if original is not None:
+                mod.scaled_dot_product_attention = _routed(original, self.impl)
+            if original_swiglu is not None:
+                if self.impl != "reference" and mx.default_device() == mx.cpu:
 
-        sdpa._mlxtune_original = original
-        self.module.scaled_dot_product_attention = sdpa
-        if self.original_swiglu is not None:
-            if self.impl != "reference" and mx.default_device() == mx.cpu:
+                    def swiglu(gate, x):
+                        return cpu.swiglu(gate, x)
 
-                def swiglu(gate, x):
-                    return cpu.swiglu(gate, x)
-
-                swiglu._mlxtune_original = self.original_swiglu
-                self.module.swiglu = swiglu
-            else:  # the naive tier keeps mlx-lm's, inside another kernel_attention too
-                self.module.swiglu = self.original_swiglu
+                    swiglu._mlxtune_original = original_swiglu
+                    mod.swiglu = swiglu
+                else:  # the naive tier keeps mlx-lm's, inside another kernel_attention too
+                    mod.swiglu = original_swiglu
         return self
 
     def __exit__(self, *exc):
-        sdpa, swiglu = self._saved.pop()
-        if sdpa is not None:
-            self.module.scaled_dot_product_attention = sdpa
-        if swiglu is not None:
-            self.module.swiglu = swiglu
+        for mod, sdpa, swiglu in self._saved.pop():
+            if sdpa is not None:
+                mod.scaled_dot_product_attention = sdpa
+            if swiglu is not None:
+                mod.swiglu = swiglu
         return False
+
+
+def _routed(original, impl):
+    """mlx-lm's ``scaled_dot_product_attention`` with the training case sent to the kernels."""
+
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
+        if (
+            cache is None
+            and sinks is None
+            and not kwargs
+            and isinstance(mask, str)
+            and mask == "causal"
+            and queries.shape[-1] == values.shape[-1]
+        ):
+            return attention(
+                queries,
+                keys,
+                values,
+                scale=scale,
+                causal=True,
+                segment_ids=current().segment_ids,
+                impl=impl,
+            )
+        seg = current().segment_ids
+        if cache is None and seg is not None:
+            # packed examples stay apart here too: a causal or explicit mask (a sliding window)
+            # gets the segments' block-diagonal added
+            same = (seg[:, :, None] == seg[:, None, :])[:, None]
+            t = queries.shape[-2]
+            if isinstance(mask, str) or mask is None:
+                causal = mx.tril(mx.ones((t, t), dtype=mx.bool_)) if mask == "causal" else True
+                mask = same & causal
+            elif mask.dtype == mx.bool_:
+                mask = mask & same
+            else:  # additive
+                mask = mx.where(same, mask, mx.array(-mx.inf, dtype=mask.dtype))
+        if sinks is not None:
+            kwargs["sinks"] = sinks
+        return original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
+
+    sdpa._mlxtune_original = original
+    return sdpa
 
 
 def _unpatched(fn):

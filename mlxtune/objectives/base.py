@@ -186,7 +186,7 @@ class Objective:
         picked = targets if rows is None else targets[rows]
         c = self.components
         out, n = linear_cross_entropy(
-            h if rows is None else h[rows],
+            c.lm.loss_hidden(h if rows is None else h[rows]),
             c.lm.head_weight(),
             picked,
             ignore_index=IGNORE,

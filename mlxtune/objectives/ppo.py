@@ -341,9 +341,7 @@ class PPO(OnPolicy):
     def _entropy(self, h: mx.array) -> mx.array:
         """[R, L-1] the entropy of each position's next-token distribution (fp32 logits)."""
         lm = self.components.lm
-        z = h.astype(mx.float32) @ lm.head_weight().astype(mx.float32).T
-        if lm.softcap:
-            z = lm.softcap * mx.tanh(z / lm.softcap)
+        z = lm.logits(h)
         lse = mx.logsumexp(z, axis=-1, keepdims=True)
         p = mx.exp(z - lse)
         return lse[..., 0] - mx.sum(p * z, axis=-1)

@@ -43,7 +43,7 @@ from ..data.preference import (
 )
 from ..errors import UserInputError
 from ..kernels import forward_only
-from ..models import add_reward_head, kernel_attention, segments
+from ..models import add_reward_head, kernel_attention, packing_refusal, segments
 from .base import Objective, Usage
 from .reference import ReferencePolicy, reference_kind
 
@@ -134,12 +134,9 @@ class Preference(Objective):
                 "data.packing",
             )
         if self.packing == "pack":
-            if not kernel_attention(components.model).active:
-                raise UserInputError(
-                    "packed rows need the model's attention routed through mlxtune's kernels; "
-                    "use packing: off",
-                    "data.packing",
-                )
+            why = packing_refusal(components.model, components.lm, components.tiers["attention"])
+            if why is not None:
+                raise UserInputError(f"{why}; use packing: off", "data.packing")
             longest = max(p.size for p in components.train_set.examples)
             if longest > self.pack_length:
                 raise UserInputError(

@@ -10,7 +10,7 @@ import mlx.nn as nn
 
 from ..data import eval_batches, iterate_batches, iterate_packed, packed_epoch
 from ..errors import UserInputError
-from ..models import kernel_attention
+from ..models import packing_refusal
 from .base import Objective
 
 
@@ -25,13 +25,10 @@ class SFT(Objective):
         d = recipe.data
         self.packing = d.packing
         self.pack_length = d.pack_length or d.max_length
-        if self.packing != "off" and not kernel_attention(components.model).active:
-            model_type = getattr(getattr(components.model, "args", None), "model_type", None)
-            raise UserInputError(
-                f"packed rows need the model's attention routed through mlxtune's kernels, "
-                f"which {model_type} does not allow; use packing: off",
-                "data.packing",
-            )
+        if self.packing != "off":
+            why = packing_refusal(components.model, components.lm, components.tiers["attention"])
+            if why is not None:
+                raise UserInputError(f"{why}; use packing: off", "data.packing")
 
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
         loss, n = self.token_losses(batch, label_smoothing=self.recipe.train.label_smoothing)
@@ -44,9 +41,7 @@ class SFT(Objective):
         without one cannot use Sophia."""
         h = self.hidden(batch)
         lm = self.components.lm
-        logits = mx.stop_gradient(h @ lm.head_weight().T.astype(h.dtype)).astype(mx.float32)
-        if lm.softcap:
-            logits = lm.softcap * mx.tanh(logits / lm.softcap)
+        logits = mx.stop_gradient(lm.logits(h))
         drawn = mx.random.categorical(logits).astype(batch["tokens"].dtype)
         return self.token_losses({**batch, "labels": drawn}, hidden=h)
 

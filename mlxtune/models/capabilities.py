@@ -1,0 +1,60 @@
+"""What a loaded model can do in training, read off the model itself rather than a list of
+families: whether packed examples stay apart in it, and which of its layers carry state along
+the sequence."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .context import segments
+from .parts import LMParts
+from .patches import kernel_attention
+
+
+def recurrent_caches(model: nn.Module) -> list[str]:
+    """The kinds of cache the model keeps for layers that carry state along the sequence
+    (conv or SSM state: anything but keys and values), by class name."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    make = getattr(model, "make_cache", None)
+    if make is None:
+        return []
+    kinds = [type(c).__name__ for c in make() if not isinstance(c, (KVCache, RotatingKVCache))]
+    return sorted(set(kinds))
+
+
+def packing_refusal(model: nn.Module, lm: LMParts, tier: str | None = None) -> str | None:
+    """Why packed rows cannot train this model (None when they can): packed examples must
+    give the hidden states each gives alone, which a layer carrying state along the sequence,
+    or attention that does not go through mlxtune's routed function, would break. Checked on
+    two short examples packed into one row."""
+    family = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    state = recurrent_caches(model)
+    if state:
+        return (
+            f"{family} has layers that carry state along the sequence ({', '.join(state)}), "
+            "which would flow from one packed example into the next"
+        )
+    route = kernel_attention(model, None if tier == "off" else tier)
+    if not route.active:
+        return f"{family}'s attention does not go through a function mlxtune can route"
+    a, b = [3, 1, 4, 1, 5], [9, 2, 6, 5]
+    was_training = model.training
+    model.eval()
+    try:
+        with route:
+            with segments(mx.array([[1] * len(a) + [2] * len(b)])):
+                packed = lm.hidden(mx.array([a + b]))
+            alone = mx.concatenate([lm.hidden(mx.array([a])), lm.hidden(mx.array([b]))], axis=1)
+    finally:
+        model.train(was_training)
+    tol = 1e-3 if packed.dtype == mx.float32 else 5e-2
+    packed, alone = packed.astype(mx.float32), alone.astype(mx.float32)
+    err = mx.abs(packed - alone).max().item()
+    if err > tol * max(mx.abs(alone).max().item(), 1e-6):
+        return (
+            f"in {family}, packed examples do not give what each gives alone (its attention "
+            "reads across them)"
+        )
+    return None

@@ -1,0 +1,166 @@
+"""A model's config.json as mlx-lm's module for its family reads it.
+
+transformers 5 writes some keys differently from the configs mlx-lm's modules were written
+against: the RoPE base and scaling only inside ``rope_parameters`` (per layer type for families
+with sliding-window layers), and the sliding-window layout as ``layer_types``. A module that
+reads only the older keys would build the model silently at its defaults (a llama saved by
+transformers 5 with a base of 100000 would run at 10000). ``normalise_config`` gives each module
+the keys it reads, with the values transformers itself uses (``rope_parameters`` wins over a
+top-level key, as it does in transformers), and refuses a setting the module cannot honour.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ..errors import UserInputError
+
+# the per-layer-type sections of a nested ``rope_parameters``
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+def args_fields(args_class) -> set[str]:
+    """The config keys a family's ``ModelArgs`` takes (what its ``from_dict`` keeps)."""
+    return set(inspect.signature(args_class).parameters)
+
+
+def _rope_type(params: dict) -> str:
+    return params.get("rope_type") or params.get("type") or "default"
+
+
+def _scaling(params: dict) -> dict | None:
+    """A ``rope_parameters`` section as the ``rope_scaling`` dict mlx-lm reads (None for the
+    plain rotation): both spellings of its type, the base left out."""
+    kind = _rope_type(params)
+    if kind == "default":
+        return None
+    out = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    out["type"] = out["rope_type"] = kind
+    return out
+
+
+def _check_rope_type(scaling: dict | None, where: str) -> None:
+    """Refuse a RoPE type mlx-lm's rope builder does not know (it would fail later, or a
+    family's own code would ignore it)."""
+    if scaling is None:
+        return
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    try:
+        initialize_rope(8, 10000.0, False, dict(scaling), 4096)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserInputError(
+            f"RoPE type {_rope_type(scaling)!r} cannot be run by mlx-lm's rope ({type(e).__name__}: {e})",
+            where,
+        ) from None
+
+
+def _sliding_pattern(layer_types: list, where: str) -> int:
+    """mlx-lm's ``sliding_window_pattern`` (every n-th layer is full attention, the rest slide)
+    that gives ``layer_types`` (the model's length + 1 when every layer slides)."""
+    n = len(layer_types)
+    for p in range(1, n + 2):
+        if all((t == _FULL) == ((i + 1) % p == 0) for i, t in enumerate(layer_types)):
+            return p
+    raise UserInputError(
+        f"layer_types {layer_types} is not 'every n-th layer is full attention', the only "
+        "layout this family's mlx-lm module builds",
+        where,
+    )
+
+
+def normalise_config(config: dict, args_class, where: str = "config.json") -> dict:
+    """``config`` with the keys ``args_class`` (the family's ModelArgs) reads filled in from the
+    ones transformers 5 writes. ``where`` names the file in errors. The input is not changed."""
+    config = dict(config)
+    fields = args_fields(args_class)
+    if isinstance(config.get("text_config"), dict):
+        # a multimodal wrapper builds its language model from text_config
+        text = config["text_config"]
+        text_class = _text_args_class(text)
+        if text_class is not None:
+            config["text_config"] = normalise_config(text, text_class, where + " text_config")
+    rp = config.get("rope_parameters")
+    # a top-level rope_scaling wins where both are given (transformers reads it first)
+    if (
+        isinstance(rp, dict)
+        and rp
+        and "rope_parameters" not in fields
+        and not config.get("rope_scaling")
+    ):
+        _from_rope_parameters(config, rp, fields, where)
+    lt = config.get("layer_types")
+    if (
+        isinstance(lt, list)
+        and "layer_types" not in fields
+        and "sliding_window_pattern" in fields
+        and set(lt) <= {_FULL, _SLIDING}
+    ):
+        config["sliding_window_pattern"] = _sliding_pattern(lt, f"{where} layer_types")
+    return config
+
+
+def _from_rope_parameters(config: dict, rp: dict, fields: set, where: str) -> None:
+    nested = {k: v for k, v in rp.items() if k in (_FULL, _SLIDING) and isinstance(v, dict)}
+    full = nested.get(_FULL, rp if not nested else None)
+    sliding = nested.get(_SLIDING)
+    key = f"{where} rope_parameters"
+    if full is not None:
+        if "rope_theta" in full:
+            config["rope_theta"] = full["rope_theta"]
+        if "partial_rotary_factor" in full and "partial_rotary_factor" in fields:
+            config["partial_rotary_factor"] = full["partial_rotary_factor"]
+        scaling = _scaling(full)
+        if scaling is not None:
+            if "rope_scaling" not in fields:
+                raise UserInputError(
+                    f"asks for RoPE type {_rope_type(full)!r}, and this family's mlx-lm module "
+                    "reads no RoPE scaling: it would run the plain rotation",
+                    key,
+                )
+            _check_rope_type(scaling, key)
+            config["rope_scaling"] = scaling
+    if sliding is not None:
+        if _rope_type(sliding) != "default":
+            raise UserInputError(
+                f"asks for RoPE type {_rope_type(sliding)!r} on sliding-window layers, which "
+                "mlx-lm's modules rotate plainly",
+                key,
+            )
+        theta = sliding.get("rope_theta")
+        if theta is not None:
+            if "rope_local_base_freq" in fields:
+                config["rope_local_base_freq"] = theta
+            elif full is not None and theta != full.get("rope_theta"):
+                raise UserInputError(
+                    f"gives sliding-window layers their own RoPE base ({theta}), which this "
+                    "family's mlx-lm module does not read",
+                    key,
+                )
+
+
+def _text_args_class(text: dict):
+    mt = text.get("model_type")
+    if not isinstance(mt, str):
+        return None
+    try:
+        from mlx_lm.utils import _get_classes
+
+        return _get_classes(text)[1]
+    except (ValueError, ImportError):
+        return None
+
+
+def rope_base(config: dict) -> float:
+    """The RoPE base a config's model runs at: its own key, else inside ``rope_parameters``,
+    else its family's default."""
+    from .common import family_classes
+
+    args_class = family_classes(config)[1]
+    theta = normalise_config(config, args_class).get("rope_theta")
+    if theta is None:
+        p = inspect.signature(args_class).parameters.get("rope_theta")
+        theta = None if p is None or p.default is inspect.Parameter.empty else p.default
+    if theta is None:
+        raise UserInputError("no rope_theta, and its family has no default", "config.json")
+    return float(theta)
