@@ -7,6 +7,7 @@ adapter file mlxtune writes is an mlx-lm adapter file.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -274,6 +275,38 @@ class DoRASwitchLinear(LoRASwitchLinear):
 _SWITCH = (SwitchLinear, QuantizedSwitchLinear)
 
 
+def plain_layer(mod: nn.Module) -> bool:
+    """Whether a linear (or experts') layer computes its plain map: a family's subclass with a
+    call of its own (one that splits its output into q, k and v, say) is left alone."""
+    from .models.quantize import DequantizingLinear
+
+    plain = (nn.Linear, nn.QuantizedLinear, DequantizingLinear, *_SWITCH)
+    return any(type(mod).__call__ is cls.__call__ for cls in plain)
+
+
+@functools.lru_cache(maxsize=None)
+def _source(cls: type) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+def _weights_read_directly(block: nn.Module) -> set[int]:
+    """ids of layers whose weight the family's code reads or sets itself
+    (``self.coefs.weight``) instead of calling the layer: an adapter around one would not be
+    seen there."""
+    out: set[int] = set()
+    for _, parent in block.named_modules():
+        code = _source(type(parent))
+        for leaf, child in parent.children().items():
+            if isinstance(child, nn.Module) and f"self.{leaf}.weight" in code:
+                out.add(id(child))
+    return out
+
+
 def _routers(block: nn.Module) -> set[int]:
     """ids of a block's mixture-of-experts routers: the linear layers of a module holding
     experts (SwitchLinear) whose outputs are one a expert, or one (a shared expert's gate)."""
@@ -339,12 +372,15 @@ def apply_adapters(
         block = blocks[i]
         replace = []
         routers = _routers(block)
+        direct = _weights_read_directly(block)
         for name, mod in block.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             seen_names.add(leaf)
-            if isinstance(mod, _SWITCH):
+            if id(mod) in direct:
+                continue
+            if isinstance(mod, _SWITCH) and plain_layer(mod):
                 cls = DoRASwitchLinear if dora else LoRASwitchLinear
-            elif isinstance(mod, (nn.Linear, nn.QuantizedLinear)):
+            elif isinstance(mod, (nn.Linear, nn.QuantizedLinear)) and plain_layer(mod):
                 cls = DoRALinear if dora else LoRALinear
             else:
                 continue
@@ -361,7 +397,7 @@ def apply_adapters(
                 {
                     n.rsplit(".", 1)[-1]
                     for n, m in blocks[0].named_modules()
-                    if isinstance(m, (nn.Linear, nn.QuantizedLinear, *_SWITCH))
+                    if isinstance(m, (nn.Linear, nn.QuantizedLinear, *_SWITCH)) and plain_layer(m)
                 }
             )
             raise UserInputError(

@@ -76,6 +76,32 @@ class _WatchedEmbedding:
         return super().as_linear(x)
 
 
+class _ReplacedLinear:
+    """The head giving ``_REPLACE``'s array instead of its output: what the model does after
+    its head is then read off the model's logits."""
+
+    def __call__(self, x):
+        return _REPLACE.get()
+
+
+class _ReplacedEmbedding:
+    def as_linear(self, x):
+        return _REPLACE.get()
+
+
+class _ScaledEmbedding:
+    """The input embedding times ``_REPLACE``'s scalar: a path for a gradient through every
+    layer that differentiates no weight."""
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        return y * _REPLACE.get().astype(y.dtype)
+
+
+_REPLACE: contextvars.ContextVar[mx.array | None] = contextvars.ContextVar(
+    "mlxtune_head_replace", default=None
+)
+
 _CLASSES: dict[tuple[type, type], type] = {}
 
 
@@ -169,7 +195,25 @@ def lm_parts(model: nn.Module) -> LMParts:
 
 
 def _family(model) -> str:
-    return str(getattr(getattr(model, "args", None), "model_type", type(model).__module__))
+    name = getattr(getattr(model, "args", None), "model_type", None)
+    return str(name or type(model).__module__.rsplit(".", 1)[-1])
+
+
+class _swapped:
+    """``module``'s class mixed with ``mixin`` inside the block, ``var`` set to ``value``."""
+
+    def __init__(self, module, mixin, var, value):
+        self.module, self.mixin, self.var, self.value = module, mixin, var, value
+
+    def __enter__(self):
+        self.cls = type(self.module)
+        self.module.__class__ = _mixed(self.mixin, self.cls)
+        self.token = self.var.set(self.value)
+
+    def __exit__(self, *exc):
+        self.var.reset(self.token)
+        self.module.__class__ = self.cls
+        return False
 
 
 def _probe(model: nn.Module) -> LMParts:
@@ -212,7 +256,7 @@ def _probe(model: nn.Module) -> LMParts:
                 "logits (mlxtune's loss reads the hidden states that map takes)",
                 "model",
             )
-        head, h = heads[-1]
+        head = heads[-1][0]
         embeds = [m for kind, m, _ in seen if kind == "embed"]
         parts = LMParts(
             model,
@@ -220,8 +264,17 @@ def _probe(model: nn.Module) -> LMParts:
             tied=isinstance(head, _EMBEDDING),
             embed_path=paths[id(embeds[0])] if embeds else None,
         )
-        _fit_output(parts, name, h, again)
-        mx.eval(parts.hidden(x))  # the capture reaches the same head
+        _fit_output(parts, name, x, vocab, logits.dtype)
+        # the loss's logits from the captured hidden states are the model's
+        ours = np.array(parts.logits(parts.hidden(x)), dtype=np.float64)
+        tol = 1e-4 if logits.dtype == mx.float32 else 3e-2
+        if not _close(ours, np.array(again.astype(mx.float32), dtype=np.float64), tol):
+            raise UserInputError(
+                f"model type {name!r}: the logits computed from what its head reads are not "
+                "its logits",
+                "model",
+            )
+        _check_gradients(parts, name, x)
         return parts
     finally:
         model.train(was_training)
@@ -232,30 +285,37 @@ def _close(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
     return a.shape == b.shape and float(np.abs(a - b).max()) <= tol * scale
 
 
-def _fit_output(parts: LMParts, name: str, h: mx.array, logits: mx.array) -> None:
-    """Set ``parts``' logit scale and softcap so that the head's output becomes the model's
-    logits, or refuse the model."""
-    want = np.array(logits.astype(mx.float32), dtype=np.float64)
-    z = np.array(parts.logits(h), dtype=np.float64)
-    tol = 1e-5 if logits.dtype == mx.float32 else 2e-2
-    args = getattr(parts.model, "args", None)
-    caps = [
-        v
-        for k in ("final_logit_softcapping", "logit_softcapping", "output_softcapping")
-        for v in (getattr(parts.model, k, None), getattr(args, k, None))
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-    ]
-    for cap in dict.fromkeys(caps):  # a cap the model names first: it is what it applies
-        if _close(cap * np.tanh(z / cap), want, tol):
-            parts.softcap = float(cap)
-            return
+def _fit_output(parts: LMParts, name: str, x: mx.array, vocab: int, dtype) -> None:
+    """Set ``parts``' logit scale and softcap to what the model does after its head: the head
+    is made to give a ramp of values from -100 to 100, and the model's logits are read as a
+    function of it (the same, a multiple, or a soft cap), or the model is refused."""
+    n = x.size * vocab
+    ramp = mx.linspace(-100.0, 100.0, n).reshape(*x.shape, vocab).astype(dtype)
+    mixin = _ReplacedEmbedding if parts.tied else _ReplacedLinear
+    with _swapped(parts.head, mixin, _REPLACE, ramp):
+        out = parts.model(x)
+    want = np.array(out.astype(mx.float32), dtype=np.float64).reshape(-1)
+    z = np.array(ramp.astype(mx.float32), dtype=np.float64).reshape(-1)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
     if _close(z, want, tol):
         return
-    # a scale: the least-squares factor, then checked everywhere
-    c = float((z * want).sum() / max((z * z).sum(), 1e-30))
+    c = float((z * want).sum() / (z * z).sum())
     if c != 0 and _close(c * z, want, tol):
-        parts.logit_scale = _snap(c, args)
+        parts.logit_scale = _snap(c)
         return
+    # a soft cap, after a scale or not: want = cap * tanh(c * z / cap), c read where z is
+    # smallest (where the cap bends least), the cap where z is largest
+    top = float(np.abs(want).max())
+    k = int(np.argmin(np.where(z == 0, np.inf, np.abs(z))))
+    if 0 < top < float(np.abs(z).max()) * abs(c) * 2 and abs(want[k]) < top:
+        cap, scale = top, want[k] / z[k]
+        for _ in range(100):
+            cap = top / np.tanh(min(100.0 * abs(scale) / cap, 50.0))
+            scale = cap * np.arctanh(want[k] / cap) / z[k]
+        cap, scale = _snap(cap), _snap(scale)
+        if _close(cap * np.tanh(scale * z / cap), want, tol):
+            parts.softcap, parts.logit_scale = cap, (1.0 if scale == 1.0 else scale)
+            return
     raise UserInputError(
         f"model type {name!r}: its logits are not its LM head's output (nor a scaled or "
         "soft-capped one), which mlxtune's loss computes",
@@ -263,14 +323,31 @@ def _fit_output(parts: LMParts, name: str, h: mx.array, logits: mx.array) -> Non
     )
 
 
-def _snap(c: float, args) -> float:
-    """The config's own number where the fitted scale is one (logits_scaling: 8 gives 1/8)."""
-    for v in vars(args).values() if args is not None else ():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v:
-            for exact in (float(v), 1.0 / float(v)):
-                if abs(exact - c) <= 1e-4 * abs(c):
-                    return exact
-    return c
+def _snap(v: float) -> float:
+    """``v`` at 6 significant digits, or as the reciprocal of such a number (a fitted 0.1250001
+    is the 1/8 a config gives), whichever is nearer."""
+    a = float(f"{v:.6g}")
+    b = 1.0 / float(f"{1.0 / v:.6g}")
+    return a if abs(a - v) <= abs(b - v) else b
+
+
+def _check_gradients(parts: LMParts, name: str, x: mx.array) -> None:
+    """A gradient through every layer (to a scale on the input embedding, no weight's): a
+    family whose forward MLX cannot differentiate is refused before any training."""
+    if parts.embed_path is None:
+        return
+    emb = module_at(parts.model, parts.embed_path)
+
+    def total(s):
+        with _swapped(emb, _ScaledEmbedding, _REPLACE, s):
+            return parts.hidden(x).astype(mx.float32).sum()
+
+    try:
+        mx.eval(mx.grad(total)(mx.array(1.0)))
+    except ValueError as e:
+        raise UserInputError(
+            f"model type {name!r}: MLX cannot differentiate its forward pass ({e})", "model"
+        ) from None
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

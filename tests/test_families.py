@@ -1,0 +1,327 @@
+"""Every model type mlx-lm ships either trains under mlxtune or is refused by name, with the
+reason read off the model (tests/mlx_lm_archs.py builds a tiny random model of each). The
+families people fine-tune today train end to end: LoRA in the default run; DoRA, full
+fine-tuning, DPO, GRPO and exact resume under ``-m slow``."""
+
+import json
+import pkgutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm_archs import ARCHS, EXTRA_ARCHS, NOT_MODELS, tiny_config
+
+from conftest import tiny_recipe, write_jsonl
+from mlxtune import Trainer, recipe_from_dict
+from mlxtune.adapters import apply_adapters
+from mlxtune.errors import UserInputError
+from mlxtune.kernels import linear_cross_entropy
+from mlxtune.models import (
+    build_model,
+    family_classes,
+    kernel_attention,
+    lm_parts,
+    packing_refusal,
+    save_model,
+    segments,
+)
+from mlxtune.models.configs import normalise_config
+
+# the types issue 33 names, and Mistral 3
+NAMED = [
+    "gemma3_text",
+    "gemma4_text",
+    "smollm3",
+    "olmo2",
+    "granite",
+    "mixtral",
+    "qwen3_moe",
+    "gpt_oss",
+    "deepseek_v3",
+    "qwen3_next",
+    "qwen3_5",
+    "lfm2",
+    "nemotron_h",
+    "ministral3",
+]
+RECURRENT = {"qwen3_next", "qwen3_5", "lfm2", "nemotron_h"}  # conv or SSM layers
+VOCAB = 64  # the test tokenizer has 60 pieces
+
+
+def mlx_lm_modules() -> list[str]:
+    import mlx_lm.models
+
+    return sorted(m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__))
+
+
+def test_every_mlx_lm_module_is_known_to_the_tests():
+    """A new mlx-lm release's new model type fails here until it has a tiny architecture."""
+    known = set(ARCHS) | set(NOT_MODELS)
+    assert [m for m in mlx_lm_modules() if m not in known] == []
+    assert set(EXTRA_ARCHS) <= set(NOT_MODELS)
+
+
+def trains(name: str):
+    """Build the tiny model of ``name``: None when a LoRA step on every linear layer computes
+    the model's own loss with finite, nonzero gradients, else the UserInputError's message."""
+    model, _ = build_model(tiny_config(name, VOCAB), VOCAB, seed=1)
+    try:
+        parts = lm_parts(model)
+    except UserInputError as e:
+        return e.message
+    x = mx.array([[1, 5, 9, 12, 7, 3, 4, 8, 2]])
+    apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
+    for _, m in model.named_modules():  # a trained-looking adapter (B starts at 0)
+        if "lora_b" in m:
+            m.lora_b = mx.random.normal(m.lora_b.shape) * 0.05
+
+    def loss(model):
+        h = parts.hidden(x[:, :-1])[0]
+        return linear_cross_entropy(
+            parts.loss_hidden(h), parts.head_weight(), x[0, 1:], softcap=parts.softcap
+        )[0]
+
+    value, grads = nn.value_and_grad(model, loss)(model)
+    # the loss is cross-entropy of the model's own logits
+    logits = model(x[:, :-1])[0].astype(mx.float32)
+    want = (mx.logsumexp(logits, axis=-1) - logits[mx.arange(8), x[0, 1:]]).sum()
+    assert value.item() == pytest.approx(want.item(), rel=1e-4), name
+    flat = tree_flatten(grads)
+    assert flat and all(k.endswith(("lora_a", "lora_b")) for k, _ in flat), name
+    norms = np.array([float(mx.abs(g).sum()) for _, g in flat])
+    assert np.isfinite(norms).all() and norms.sum() > 0, name
+    return None
+
+
+def test_every_mlx_lm_model_type_trains_or_is_refused_by_name():
+    refused = {}
+    for name in sorted(ARCHS):
+        why = trains(name)
+        if why is not None:
+            family = tiny_config(name)["model_type"]
+            assert f"model type {family!r}" in why, why
+            refused[name] = why
+    # the exceptions are few, and each says why (what MLX or the family's code does)
+    assert len(refused) <= 4, refused
+    assert not set(refused) & set(NAMED)
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory, tokenizer, tokenizer_dir):
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            out = tmp_path_factory.mktemp(f"family-{name}")
+            # mlx-lm's own initialisation: livelier than the small normal init of build_model
+            mx.random.seed(2)
+            config = tiny_config(name, VOCAB)
+            model_class, args_class = family_classes(config)
+            model = model_class(args_class.from_dict(normalise_config(config, args_class)))
+            save_model(model, config, out, tokenizer, tokenizer_dir)
+            made[name] = out
+        return made[name]
+
+    return make
+
+
+def run(tmp_path, data_dir, model_dir, **sections):
+    r = tiny_recipe(data_dir, model_dir, **sections)
+    r["train"] = {**r["train"], "max_steps": 16, "log_every": 1}
+    r["schedule"] = {"name": "constant"}
+    r["eval"] = {"every": None}
+    r.setdefault("adapter", {})
+    tr = Trainer(recipe_from_dict(r), run_dir=tmp_path / "run")
+    tr.run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in rows if "loss" in row and "eval_loss" not in row]
+    return tr, losses
+
+
+def learned(losses) -> bool:
+    """Finite, and the last three steps' mean loss well under the first step's."""
+    return bool(np.isfinite(losses).all()) and np.mean(losses[-3:]) < losses[0] - 0.1
+
+
+LORA = {"type": "lora", "rank": 4, "alpha": 16, "targets": ["all-linear"]}
+
+
+# the default run trains one family of each kind (mixture of experts, hybrid, a scaled head);
+# -m slow every named family
+QUICK = ["qwen3_moe", "lfm2", "granite"]
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in NAMED]
+)
+def test_named_family_trains_with_lora(name, tmp_path, data_dir, family_dir):
+    tr, losses = run(tmp_path, data_dir, family_dir(name), adapter=LORA, optimizer={"lr": 1e-1})
+    assert learned(losses), losses
+    # packing is allowed, or refused for what the model does: its layers' state
+    why = packing_refusal(tr.model, tr.built.components.lm)
+    if name in RECURRENT:
+        assert "carry state along the sequence (ArraysCache)" in why
+    else:
+        assert why is None
+
+
+def write_pairs(d):
+    rows = [
+        {"prompt": f"reverse {w} =", "chosen": f" {w[::-1]}", "rejected": f" {w}"}
+        for w in ["abc", "dog", "cat", "tree", "mouse", "sun", "blue", "green"] * 3
+    ]
+    write_jsonl(d / "pairs.jsonl", rows)
+    return d / "pairs.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dora", "full"])
+@pytest.mark.parametrize("name", NAMED)
+def test_named_family_trains_with_dora_and_in_full(name, kind, tmp_path, data_dir, family_dir):
+    adapter = {**LORA, "type": kind} if kind == "dora" else {"type": "full"}
+    lr = 3e-2 if kind == "dora" else 3e-3
+    _, losses = run(tmp_path, data_dir, family_dir(name), adapter=adapter, optimizer={"lr": lr})
+    assert learned(losses), losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMED)
+def test_named_family_trains_with_dpo_and_grpo(name, tmp_path, data_dir, family_dir):
+    pairs = write_pairs(tmp_path)
+    data = {"train": str(pairs), "valid": str(pairs), "max_length": 48}
+    tr, losses = run(
+        tmp_path / "dpo",
+        data_dir,
+        family_dir(name),
+        adapter=LORA,
+        data=data,
+        objective={"type": "dpo", "beta": 0.5},
+        optimizer={"lr": 1e-2},
+    )
+    assert learned(losses), losses
+    prompts = tmp_path / "prompts.jsonl"
+    write_jsonl(prompts, [{"prompt": f"reverse {w} ="} for w in ["abc", "dog", "cat", "sun"]])
+    tr, losses = run(
+        tmp_path / "grpo",
+        data_dir,
+        family_dir(name),
+        adapter=LORA,
+        data={"train": str(prompts), "valid": str(prompts), "max_length": 48},
+        objective={
+            "type": "grpo",
+            "rewards": [{"name": "length", "target": 3}],
+            "num_generations": 4,
+            "max_completion_length": 6,
+        },
+        optimizer={"lr": 1e-2},
+    )
+    assert all(np.isfinite(losses))
+
+
+def packed_gradients_match(name: str) -> bool | None:
+    """None when the family refuses packing; else whether a packed row's LoRA loss and
+    gradients equal the sum of its two examples' run one by one."""
+    model, _ = build_model(tiny_config(name, VOCAB), VOCAB, seed=3)
+    try:
+        parts = lm_parts(model)
+    except UserInputError:
+        return None
+    if packing_refusal(model, parts) is not None:
+        return None
+    apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
+    for _, m in model.named_modules():
+        if "lora_b" in m:
+            m.lora_b = mx.random.normal(m.lora_b.shape) * 0.05
+    a, b = [1, 5, 9, 12, 7, 3], [4, 8, 2, 6, 11]
+
+    def loss_of(ids, seg=None):
+        def loss(model):
+            x = mx.array([ids])
+            with kernel_attention(model, "chunked"), segments(None if seg is None else seg[:, :-1]):
+                h = parts.hidden(x[:, :-1])[0]
+            t = mx.array(ids[1:])
+            if seg is not None:  # no target across the seam
+                t = mx.where(seg[0, 1:] == seg[0, :-1], t, -100)
+            return linear_cross_entropy(
+                parts.loss_hidden(h), parts.head_weight(), t, softcap=parts.softcap
+            )[0]
+
+        return nn.value_and_grad(model, loss)(model)
+
+    seg = mx.array([[1] * len(a) + [2] * len(b)])
+    packed, pg = loss_of(a + b, seg)
+    la, ga = loss_of(a)
+    lb, gb = loss_of(b)
+    if abs(packed.item() - (la + lb).item()) > 1e-4 * abs(packed.item()):
+        return False
+    ga, gb = dict(tree_flatten(ga)), dict(tree_flatten(gb))
+    for k, g in tree_flatten(pg):
+        if not np.allclose(np.array(g), np.array(ga[k] + gb[k]), rtol=1e-3, atol=1e-5):
+            return False
+    return True
+
+
+def test_packed_rows_train_as_their_examples_one_by_one_in_every_family():
+    checked = {name: packed_gradients_match(name) for name in sorted(ARCHS)}
+    assert [n for n, ok in checked.items() if ok is False] == []
+    assert sum(ok is True for ok in checked.values()) >= 80
+    assert all(checked[n] for n in NAMED if n not in RECURRENT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMED)
+def test_named_family_resumes_exactly(name, tmp_path, data_dir, family_dir):
+    from conftest import make_crash, same_rows
+    from mlxtune.console import Console
+
+    r = tiny_recipe(
+        data_dir,
+        family_dir(name),
+        adapter={**LORA, "dropout": 0.1},
+        train={"batch_size": 8, "max_steps": 8, "log_every": 1, "progress": False, "seed": 3},
+        eval={"every": 4},
+        checkpoints={"every": 3},
+    )
+
+    def rows(d):
+        skip = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time"}
+        lines = (d / "metrics.jsonl").read_text().splitlines()
+        return [
+            {k: v for k, v in json.loads(x).items() if k not in skip and "compile" not in k}
+            for x in lines
+        ]
+
+    quiet = Console(quiet=True)
+    Trainer(recipe_from_dict(r), run_dir=tmp_path / "whole", console=quiet).run()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        Trainer(
+            recipe_from_dict(r), run_dir=tmp_path / "cut", console=quiet, callbacks=[make_crash(5)]
+        ).run()
+    Trainer(recipe_from_dict(r), run_dir=tmp_path / "cut", console=quiet, resume="latest").run()
+    same_rows(rows(tmp_path / "cut"), rows(tmp_path / "whole"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMED)
+def test_named_family_fused_export_is_the_adapted_model(name, tmp_path, data_dir, family_dir):
+    from mlx_lm.utils import load as mlx_lm_load
+
+    tr, _ = run(
+        tmp_path,
+        data_dir,
+        family_dir(name),
+        adapter=LORA,
+        optimizer={"lr": 1e-1},
+        export={"formats": ["mlx-lm", "fused"]},
+    )
+    tr.model.eval()
+    ids = mx.array([tr.train_set.examples[0].ids])
+    want = np.array(tr.model(ids).astype(mx.float32))
+    fused, _ = mlx_lm_load(str(tmp_path / "run" / "export" / "fused"))
+    np.testing.assert_allclose(np.array(fused(ids)), want, rtol=1e-4, atol=1e-4)
+    with_adapter, _ = mlx_lm_load(
+        str(family_dir(name)), adapter_path=str(tmp_path / "run" / "export" / "mlx-lm")
+    )
+    np.testing.assert_allclose(np.array(with_adapter(ids)), want, rtol=1e-4, atol=1e-4)
