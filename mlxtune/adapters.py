@@ -284,7 +284,7 @@ def plain_layer(mod: nn.Module) -> bool:
     return any(type(mod).__call__ is cls.__call__ for cls in plain)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source(cls: type) -> str:
     import inspect
 
