@@ -26,12 +26,15 @@ from .memory import GB
 from .models import (
     add_embedding_noise,
     build_model,
+    cast_floats,
     checkpoint_layers,
     count_parameters,
+    dequantize_for_training,
     is_gguf,
     lm_parts,
     load_gguf,
     load_model,
+    module_at,
     quantize_model,
     resolve_model_path,
 )
@@ -201,6 +204,18 @@ def model_for(
     else:
         model, config = load_model(model_dir, r.model.dtype, r.model.trust_remote_code)
         log(f"loaded {model_dir}")
+        if r.adapter.type == "full":  # a quantized checkpoint trains in full de-quantized
+            n, left = dequantize_for_training(model)
+            if left:
+                raise UserInputError(
+                    f"full fine-tuning trains every weight, and {left[0]} holds quantized "
+                    f"codes ({type(module_at(model, left[0])).__name__}) that mlxtune cannot "
+                    "de-quantize; use adapter.type lora or dora",
+                    "adapter.type",
+                )
+            if n:
+                cast_floats(model, r.model.dtype)
+                log(f"de-quantized {n} quantized layers to {r.model.dtype} for full fine-tuning")
     if r.model.arch is None and r.model.quantize is not None:
         _quantize_base(model, r.model.quantize, log)
     model_vocab = config.get("vocab_size") or vocab

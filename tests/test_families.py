@@ -20,6 +20,7 @@ from mlxtune.errors import UserInputError
 from mlxtune.kernels import linear_cross_entropy
 from mlxtune.models import (
     build_model,
+    dequantize_for_training,
     family_classes,
     kernel_attention,
     lm_parts,
@@ -83,15 +84,31 @@ def trains(name: str):
             parts.loss_hidden(h), parts.head_weight(), x[0, 1:], softcap=parts.softcap
         )[0]
 
+    def naive(model):  # cross-entropy of the model's own logits (mlx-lm's forward, unpatched)
+        logits = model(x[:, :-1])[0].astype(mx.float32)
+        return (mx.logsumexp(logits, axis=-1) - logits[mx.arange(8), x[0, 1:]]).sum()
+
     value, grads = nn.value_and_grad(model, loss)(model)
-    # the loss is cross-entropy of the model's own logits
-    logits = model(x[:, :-1])[0].astype(mx.float32)
-    want = (mx.logsumexp(logits, axis=-1) - logits[mx.arange(8), x[0, 1:]]).sum()
+    want, want_grads = nn.value_and_grad(model, naive)(model)
     assert value.item() == pytest.approx(want.item(), rel=1e-4), name
+    want_grads = dict(tree_flatten(want_grads))
+    for k, g in tree_flatten(grads):
+        np.testing.assert_allclose(
+            np.array(g), np.array(want_grads[k]), rtol=1e-3, atol=1e-5, err_msg=f"{name} {k}"
+        )
     flat = tree_flatten(grads)
     assert flat and all(k.endswith(("lora_a", "lora_b")) for k, _ in flat), name
     norms = np.array([float(mx.abs(g).sum()) for _, g in flat])
     assert np.isfinite(norms).all() and norms.sum() > 0, name
+    for kind in ("dora", "full"):  # the other adapters' gradients, finite and nonzero
+        model, _ = build_model(tiny_config(name, VOCAB), VOCAB, seed=1)
+        parts = lm_parts(model)
+        if kind == "full" and dequantize_for_training(model)[1]:
+            continue  # a family built quantized (its own layers): full fine-tuning is refused
+        apply_adapters(model, kind, 4, 8.0, 0.0, ["all-linear"])
+        _, grads = nn.value_and_grad(model, loss)(model)
+        norms = np.array([float(mx.abs(g).sum()) for _, g in tree_flatten(grads)])
+        assert norms.size and np.isfinite(norms).all() and norms.sum() > 0, (name, kind)
     return None
 
 
@@ -106,6 +123,13 @@ def test_every_mlx_lm_model_type_trains_or_is_refused_by_name():
     # the exceptions are few, and each says why (what MLX or the family's code does)
     assert len(refused) <= 4, refused
     assert not set(refused) & set(NAMED)
+
+
+def test_the_readmes_family_table_is_current():
+    """The README's table is what tests/families_table.py reads off the models now."""
+    from families_table import all_supports, block, readme_block
+
+    assert readme_block() == block(all_supports()), "run: python tests/families_table.py --write"
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +349,33 @@ def test_named_family_fused_export_is_the_adapted_model(name, tmp_path, data_dir
         str(family_dir(name)), adapter_path=str(tmp_path / "run" / "export" / "mlx-lm")
     )
     np.testing.assert_allclose(np.array(with_adapter(ids)), want, rtol=1e-4, atol=1e-4)
+
+
+def test_full_fine_tuning_of_a_quantized_checkpoint_trains_it_de_quantized(
+    tmp_path, data_dir, tokenizer, tokenizer_dir
+):
+    """An mlx-community style 8-bit checkpoint of a mixture of experts (its experts quantized
+    too) trains in full: de-quantized first, its logits unchanged by that."""
+    from mlx_lm.utils import quantize_model
+
+    from mlxtune.models import load_model
+
+    mx.random.seed(2)
+    config = tiny_config("qwen3_moe", VOCAB)
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model, config = quantize_model(model, config, group_size=32, bits=8)
+    assert any("scales" in m for _, m in model.named_modules())
+    save_model(model, config, tmp_path / "q8", tokenizer, tokenizer_dir)
+    loaded, _ = load_model(tmp_path / "q8")
+    ids = mx.array([[1, 5, 9, 12, 7, 3]])
+    want = np.array(loaded(ids))
+    n, left = dequantize_for_training(loaded)
+    assert n > 0 and left == []
+    assert not any("scales" in m for _, m in loaded.named_modules())
+    np.testing.assert_allclose(np.array(loaded(ids)), want, rtol=1e-4, atol=1e-4)
+    tr, losses = run(
+        tmp_path, data_dir, tmp_path / "q8", adapter={"type": "full"}, optimizer={"lr": 3e-3}
+    )
+    assert learned(losses), losses
+    assert "de-quantized" in (tmp_path / "run" / "log.txt").read_text()

@@ -32,6 +32,7 @@ from .quantize import (
     DequantizingLinear,
     cpu_dequantizing,
     dense_weight,
+    dequantize_for_training,
     is_quantized,
     quantize_model,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "cpu_dequantizing",
     "current",
     "dense_weight",
+    "dequantize_for_training",
     "dropout_key",
     "gguf_config",
     "has_embedding_noise",

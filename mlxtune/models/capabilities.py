@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import patches
 from .context import segments
 from .parts import LMParts, _family
 from .patches import kernel_attention
@@ -63,3 +64,37 @@ def packing_refusal(model: nn.Module, lm: LMParts, tier: str | None = None) -> s
             "or its positions reach across them)"
         )
     return None
+
+
+def kernel_attention_share(model: nn.Module, lm: LMParts) -> tuple[int, int]:
+    """(attention calls of a training forward that mlxtune's kernel tier computes, all calls of
+    mlx-lm's attention function in it). A family's own attention code (gemma2's soft-capped
+    scores) counts in neither; calls with sinks or an explicit mask count only in the second."""
+    calls = {"kernel": 0, "all": 0}
+    kernel = patches.attention
+
+    def counted(*a, **kw):
+        calls["kernel"] += 1
+        return kernel(*a, **kw)
+
+    route = kernel_attention(model)
+    was_training = model.training
+    model.eval()
+    patches.attention = counted
+    try:
+        with route:
+            for mod in route.modules:
+                routed = getattr(mod, "scaled_dot_product_attention", None)
+                if getattr(routed, "_mlxtune_original", None) is None:
+                    continue
+
+                def spy(*a, _routed=routed, **kw):
+                    calls["all"] += 1
+                    return _routed(*a, **kw)
+
+                mod.scaled_dot_product_attention = spy
+            mx.eval(lm.hidden(mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])))
+    finally:
+        patches.attention = kernel
+        model.train(was_training)
+    return calls["kernel"], calls["all"]

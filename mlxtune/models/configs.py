@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 
 from ..errors import UserInputError
+from .common import family_classes
 
 # the per-layer-type sections of a nested ``rope_parameters``
 _FULL, _SLIDING = "full_attention", "sliding_attention"
@@ -154,8 +155,6 @@ def _text_args_class(text: dict):
 def rope_base(config: dict) -> float:
     """The RoPE base a config's model runs at: its own key, else inside ``rope_parameters``,
     else its family's default."""
-    from .common import family_classes
-
     args_class = family_classes(config)[1]
     theta = normalise_config(config, args_class).get("rope_theta")
     if theta is None:

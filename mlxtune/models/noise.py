@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from ..errors import UserInputError
 from .context import current
+from .parts import lm_parts, module_at
 
 
 class _Noisy:
@@ -40,8 +41,6 @@ def add_embedding_noise(model: nn.Module, alpha: float, path: str | None = None)
     """Turn NEFTune on for ``model``'s token embedding (at ``named_modules`` path ``path``;
     by default the one its forward pass reads the tokens with), in place; the embedding keeps
     its weights and their names. Returns the embedding."""
-    from .parts import lm_parts, module_at
-
     if path is None:
         path = lm_parts(model).embed_path
     if path is None:

@@ -154,3 +154,22 @@ def cpu_dequantizing(model: nn.Module) -> int:
             m.__class__ = DequantizingEmbedding
             n += 1
     return n
+
+
+def _dequantizable(m: nn.Module) -> bool:
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
+
+
+def dequantize_for_training(model: nn.Module) -> tuple[int, list[str]]:
+    """De-quantize the model's quantized linear, embedding and experts' layers in place (a full
+    fine-tune trains every weight, and quantized codes have no gradient): (how many, the paths
+    of quantized layers of other kinds left, which cannot be de-quantized here)."""
+    from mlx_lm.utils import dequantize_model
+
+    plain = sum(1 for _, m in model.named_modules() if _dequantizable(m))
+    if plain:
+        dequantize_model(model)
+    left = [p for p, m in model.named_modules() if isinstance(m.get("scales"), mx.array)]
+    return plain, left

@@ -7,10 +7,13 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from ..data import eval_batches, iterate_batches, iterate_packed, packed_epoch
+from ..config import SFTConfig
+from ..data import Batch, eval_batches, iterate_batches, iterate_packed, packed_epoch
 from ..errors import UserInputError
 from ..models import packing_refusal
+from ..models.moe import experts_per_token, load_balancing_loss, router_logits, router_paths
 from .base import Objective
 
 
@@ -19,6 +22,7 @@ class SFT(Objective):
     token-weighted validation loss and its perplexity."""
 
     name = "sft"
+    Config = SFTConfig
 
     def __init__(self, recipe, components):
         super().__init__(recipe, components)
@@ -29,10 +33,42 @@ class SFT(Objective):
             why = packing_refusal(components.model, components.lm, components.tiers["attention"])
             if why is not None:
                 raise UserInputError(f"{why}; use packing: off", "data.packing")
+        self.aux_coef = getattr(self.config, "router_aux_loss_coef", 0.0)
+        if self.aux_coef:
+            self.routers = router_paths(components.model)
+            self.top_k = experts_per_token(components.model)
+            if not self.routers or self.top_k is None:
+                raise UserInputError(
+                    "a router load-balancing loss needs a mixture-of-experts model"
+                    + (" (no router found)" if not self.routers else " (no num_experts_per_tok)"),
+                    "objective.router_aux_loss_coef",
+                )
+
+    def arrays(self, batch: Batch) -> dict[str, np.ndarray]:
+        out = super().arrays(batch)
+        if self.aux_coef:  # the positions that hold tokens (not padding): the routers' load
+            if batch.segments is not None:
+                read = batch.segments > 0
+            else:
+                read = np.arange(batch.tokens.shape[1])[None, :] < np.array(batch.lengths)[:, None]
+            out["read"] = read.astype(np.int32)
+        return out
 
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
-        loss, n = self.token_losses(batch, label_smoothing=self.recipe.train.label_smoothing)
-        return loss, n, {}
+        smoothing = self.recipe.train.label_smoothing
+        if not self.aux_coef:
+            loss, n = self.token_losses(batch, label_smoothing=smoothing)
+            return loss, n, {}
+        with router_logits(model, self.routers) as logits:
+            h = self.hidden(batch)
+        loss, n = self.token_losses(batch, label_smoothing=smoothing, hidden=h)
+        aux = load_balancing_loss(logits, self.top_k, batch["read"][:, :-1])
+        # the step divides by the token count: the mean cross-entropy + coef x aux; evaluation
+        # (the model in eval mode) keeps the cross-entropy alone, its perplexity a perplexity
+        weighted = aux * n.astype(mx.float32)
+        if model.training:
+            loss = loss + self.aux_coef * weighted
+        return loss, n, {"router_aux_loss": weighted}
 
     def sampled_loss(self, model: nn.Module, batch: dict[str, mx.array]):
         """Cross-entropy at the target positions against next tokens drawn from the model's
