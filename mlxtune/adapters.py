@@ -20,7 +20,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from .errors import UserInputError
 from .models.context import current, dropout_key
 from .models.moe import SWITCH as _SWITCH
-from .models.quantize import DequantizingLinear, dense_weight
+from .models.quantize import DequantizingLinear, DequantizingSwitchLinear, dense_weight
 
 __all__ = [
     "DoRALinear",
@@ -276,7 +276,7 @@ class DoRASwitchLinear(LoRASwitchLinear):
 def plain_layer(mod: nn.Module) -> bool:
     """Whether a linear (or experts') layer computes its plain map: a family's subclass with a
     call of its own (one that splits its output into q, k and v, say) is left alone."""
-    plain = (nn.Linear, nn.QuantizedLinear, DequantizingLinear, *_SWITCH)
+    plain = (nn.Linear, nn.QuantizedLinear, DequantizingLinear, DequantizingSwitchLinear, *_SWITCH)
     return any(type(mod).__call__ is cls.__call__ for cls in plain)
 
 

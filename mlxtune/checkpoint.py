@@ -12,6 +12,7 @@ written last, so a checkpoint without it is incomplete. A checkpoint describes i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 import mlx.nn as nn
 
 from .adapters import apply_adapters
-from .config import Recipe
+from .config import OBJECTIVE_CONFIGS, Recipe
 from .errors import UserInputError
 from .export import TrainedModel, load_trainable_weights, read_trainable, write_mlx_lm
 from .models import (
@@ -194,7 +195,12 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def recipe_changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
     """(changes a resumed run honours, changes it cannot), as 'key: old -> new' lines. A key the
     saved recipe lacks (a section added to the schema since) counts at its default."""
-    a, b = {**_flat(Recipe().to_dict()), **_flat(saved)}, _flat(now)
+    defaults = Recipe().to_dict()
+    # the objective section's defaults are those of the saved objective's own section
+    kind = (saved.get("objective") or {}).get("type", "sft")
+    section = OBJECTIVE_CONFIGS.get(kind)
+    defaults["objective"] = dataclasses.asdict(section()) if section is not None else {}
+    a, b = {**_flat(defaults), **_flat(saved)}, _flat(now)
     ok, refused = [], []
     for key in sorted(set(a) | set(b)):
         if key == "source" or a.get(key) == b.get(key):

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .adapters import DoRALinear, LoRALinear, lora_scale
+from .adapters import DoRALinear, LoRALinear, LoRASwitchLinear, lora_scale
 from .errors import UserInputError
 from .gguf_export import write_gguf_adapter, write_gguf_model
 from .modelfile import modelfile
@@ -185,12 +185,27 @@ def peft_weights(model: nn.Module) -> dict[str, mx.array]:
     return out
 
 
+def peft_refusal(model: nn.Module) -> str | None:
+    """Why the model's adapters have no PEFT form (None when they have one)."""
+    experts = [n for n, m in adapter_modules(model) if isinstance(m, LoRASwitchLinear)]
+    if experts:
+        return (
+            f"{experts[0]} is a mixture's experts, which mlx-lm stacks in one layer and PEFT "
+            "names one by one (or not at all): export mlx-lm (the adapter) or fused instead, "
+            "or leave the experts out of adapter.targets"
+        )
+    return None
+
+
 def write_peft(t: TrainedModel, out: Path, base_name: str | None = None):
     a = t.adapter
     if a["type"] == "full":
         raise UserInputError(
             "PEFT adapters hold LoRA/DoRA weights; a full fine-tune exports as fused", "export"
         )
+    why = peft_refusal(t.model)
+    if why is not None:
+        raise UserInputError(why, "export")
     weights = peft_weights(t.model)
     head = reward_head(t.model)
     if head is not None:  # PEFT keeps a sequence classifier's head whole (modules_to_save)

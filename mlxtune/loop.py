@@ -22,7 +22,7 @@ from .console import Console
 from .control import Signals, take_requests
 from .engine import Engine
 from .errors import Interrupted, TrainingError, UserInputError
-from .export import TrainedModel, export
+from .export import TrainedModel, export, peft_refusal
 from .generate import exact_match, sample
 from .memory import plan, shape_of
 from .meter import StepMeter, merge_host
@@ -141,6 +141,8 @@ class Trainer:
         self.built: Built = build(
             r, self.run_dir, self.tiers, self.resume_from is not None, self.log
         )
+        if "peft" in r.export.formats and (why := peft_refusal(self.model)) is not None:
+            raise UserInputError(why, "export.formats")  # before training, not after it
         self.objective = build_objective(r, self.built.components)
         self.auto_sizes = autosize.resolve(self, optimizer_for)
         """What train.batch_size / grad_checkpointing: auto resolved to, and why."""

@@ -379,3 +379,32 @@ def test_full_fine_tuning_of_a_quantized_checkpoint_trains_it_de_quantized(
     )
     assert learned(losses), losses
     assert "de-quantized" in (tmp_path / "run" / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "lfm2", "gemma3_text"])
+def test_gradient_checkpointing_gives_the_same_gradients_in_moe_and_hybrid_blocks(name):
+    from mlxtune.models import checkpoint_layers, checkpointed_layers
+
+    def grads(checkpointed: bool):
+        model, _ = build_model(tiny_config(name, VOCAB), VOCAB, seed=5)
+        parts = lm_parts(model)
+        apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
+        for _, m in model.named_modules():
+            if "lora_b" in m:
+                m.lora_b = mx.ones(m.lora_b.shape) * 0.03
+        if checkpointed:
+            assert checkpoint_layers(model) == checkpointed_layers(model) == len(model.layers)
+        x = mx.array([[1, 5, 9, 12, 7, 3, 4, 8, 2]])
+
+        def loss(model):
+            h = parts.hidden(x[:, :-1])[0]
+            return linear_cross_entropy(
+                parts.loss_hidden(h), parts.head_weight(), x[0, 1:], softcap=parts.softcap
+            )[0]
+
+        return dict(tree_flatten(nn.value_and_grad(model, loss)(model)[1]))
+
+    plain, again = grads(False), grads(True)
+    assert plain.keys() == again.keys()
+    for k in plain:
+        np.testing.assert_allclose(np.array(again[k]), np.array(plain[k]), rtol=1e-4, atol=1e-6)

@@ -135,3 +135,81 @@ def test_routers_stay_as_trained_unless_named():
     named = qwen3_moe()
     info = apply_adapters(named, "lora", 4, 8.0, 0.0, ["gate"])
     assert info["adapted"] == ["layers.0.mlp.gate", "layers.1.mlp.gate"]
+
+
+@pytest.mark.parametrize("sort", [False, True])
+def test_the_cpus_de_quantizing_experts_give_the_quantized_layers_values_and_gradients(sort):
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from mlxtune.models.quantize import DequantizingSwitchLinear
+
+    mx.random.seed(3)
+    q = SwitchLinear(IN, OUT, E, bias=True).to_quantized(group_size=32, bits=4)
+    q.bias = mx.random.normal((E, OUT)) * 0.1
+    assert type(q) is QuantizedSwitchLinear
+    x = mx.random.normal((6, 1, 1, IN))
+    idx = mx.array([[0, 2], [1, 3], [2, 2], [3, 0], [1, 0], [2, 3]])
+    if sort:  # as SwitchGLU sorts many tokens: one row a (token, expert) pair
+        x, idx = mx.repeat(x, 2, axis=0).reshape(12, 1, IN), idx.reshape(12)
+        order = mx.argsort(idx)
+        x, idx = x[order], idx[order]
+    c = mx.random.normal(q(x, idx, sorted_indices=sort).shape)
+
+    def run(layer):
+        def loss(x):
+            return (layer(x, idx, sorted_indices=sort) * c).sum()
+
+        return mx.value_and_grad(loss)(x)
+
+    want, want_dx = run(q)
+    q.__class__ = DequantizingSwitchLinear
+    got, dx = run(q)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    np.testing.assert_allclose(np.array(dx), np.array(want_dx), rtol=1e-4, atol=1e-5)
+
+
+def test_qlora_quantizes_the_experts_and_trains_over_them(tmp_path, data_dir, family_dir_moe):
+    from test_families import learned, run
+
+    from mlxtune.models.quantize import DequantizingSwitchLinear
+
+    tr, losses = run(
+        tmp_path,
+        data_dir,
+        family_dir_moe,
+        adapter={"type": "lora", "rank": 4, "alpha": 16, "targets": ["all-linear"]},
+        model={"path": str(family_dir_moe), "quantize": {"bits": 4, "group_size": 32}},
+        optimizer={"lr": 1e-1},
+    )
+    assert learned(losses), losses
+    experts = [m for _, m in tr.model.named_modules() if isinstance(m, LoRASwitchLinear)]
+    assert experts and all(type(m.linear) is DequantizingSwitchLinear for m in experts)
+
+
+@pytest.fixture
+def family_dir_moe(tmp_path, tokenizer, tokenizer_dir):
+    from mlx_lm_archs import tiny_config
+
+    from mlxtune.models import family_classes, save_model
+
+    mx.random.seed(2)
+    config = tiny_config("qwen3_moe", 64)
+    model_class, args_class = family_classes(config)
+    return save_model(
+        model_class(args_class.from_dict(config)), config, tmp_path / "m", tokenizer, tokenizer_dir
+    )
+
+
+def test_a_peft_export_of_expert_adapters_is_refused_by_name(tmp_path, data_dir, family_dir_moe):
+    from test_families import run
+
+    from mlxtune.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="mlp.switch_mlp.* is a mixture's experts"):
+        run(
+            tmp_path,
+            data_dir,
+            family_dir_moe,
+            adapter={"type": "lora", "rank": 4, "alpha": 16, "targets": ["all-linear"]},
+            export={"formats": ["peft"]},
+        )

@@ -234,7 +234,7 @@ def test_packing_settings_are_checked(
         recipe_from_dict(r)
     r = packed_recipe(data_dir, model_dir_factory("gemma2"))
     r["tokenizer"] = {"path": str(tokenizer_dir)}
-    with pytest.raises(UserInputError, match="gemma2 does not allow"):
+    with pytest.raises(UserInputError, match="gemma2's attention does not go through"):
         Trainer(recipe_from_dict(r), tmp_path / "g", console=Console(quiet=True))
 
 

@@ -308,9 +308,10 @@ def test_every_shipped_recipe_loads_with_its_objective_and_no_inert_keys(path):
 
 def test_the_objective_defaults_to_sft(tmp_path):
     r = R.load_recipe(write(tmp_path, MINIMAL_RECIPE))
-    assert type(r.objective) is R.ObjectiveConfig and r.objective.type == "sft"
+    assert type(r.objective) is R.SFTConfig and r.objective.type == "sft"
+    assert r.objective.router_aux_loss_coef == 0.0
     r = R.load_recipe(write(tmp_path, MINIMAL_RECIPE + "objective:\n  type: sft\n"))
-    assert type(r.objective) is R.ObjectiveConfig and r.objective.type == "sft"
+    assert type(r.objective) is R.SFTConfig and r.objective.type == "sft"
     with pytest.raises(UserInputError, match=r"r.yaml:10: objective.weight: unknown key"):
         R.load_recipe(write(tmp_path, MINIMAL_RECIPE + "objective:\n  type: sft\n  weight: 2\n"))
 
@@ -386,7 +387,7 @@ def test_a_registered_objective_round_trips(tmp_path, weighted):
     assert from_yaml.to_dict() == d
     # a dict without an objective section trains sft
     del d["objective"]
-    assert R.recipe_from_dict(d).objective == R.ObjectiveConfig(type="sft")
+    assert R.recipe_from_dict(d).objective == R.SFTConfig()
     # an instance made in code knows its objective
     r.objective = weighted(weight=2.0)
     assert R.recipe_from_dict(r.to_dict()).objective == weighted(weight=2.0)
@@ -411,7 +412,7 @@ def test_register_objective_config_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="non-empty string"):
         R.register_objective_config("", WeightedObjective)
     assert R.OBJECTIVE_CONFIGS == before
-    R.register_objective_config("sft", R.ObjectiveConfig)  # the same class again: nothing
+    R.register_objective_config("sft", R.SFTConfig)  # the same class again: nothing
     assert R.OBJECTIVE_CONFIGS == before
 
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from ..errors import UserInputError
 
 
 def is_quantized(m: nn.Module) -> bool:
-    """Whether a layer is one of MLX's quantized linear or embedding layers."""
-    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    """Whether a layer is one of MLX's quantized linear or embedding layers, or mlx-lm's
+    quantized experts."""
+    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
 
 
 def dense_weight(m: nn.Module) -> mx.array:
@@ -55,7 +57,9 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dic
     skipped: list[str] = []
 
     def predicate(path: str, m: nn.Module):
-        if not isinstance(m, (nn.Linear, nn.Embedding)) or not hasattr(m, "to_quantized"):
+        if not isinstance(m, (nn.Linear, nn.Embedding, SwitchLinear)):
+            return False
+        if not hasattr(m, "to_quantized"):
             return False
         if m.weight.shape[-1] % group_size:
             skipped.append(path)
@@ -128,6 +132,58 @@ class DequantizingLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+def _dequantizing_gather(group_size: int, bits: int, mode: str, has_biases: bool, sort: bool):
+    """``gather_mm(x, dequantize(w) transposed, indices)`` (each token times the experts it is
+    routed to) whose VJP de-quantizes w again, as ``_dequantizing_matmul`` does for one matrix."""
+    key = ("gather", group_size, bits, mode, has_biases, sort)
+    if key in _MATMULS:
+        return _MATMULS[key]
+
+    def dense(w, scales, biases, after):
+        w, scales = mx.depends([w, scales], [after])
+        return mx.dequantize(w, scales, biases, group_size, bits, mode=mode)
+
+    @mx.custom_function
+    def f(x, indices, w, scales, *biases):
+        d = dense(w, scales, biases[0] if biases else None, x).astype(x.dtype)
+        return mx.gather_mm(x, d.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sort)
+
+    @f.vjp
+    def f_vjp(primals, cotangent, _):
+        x, indices, w, scales, *biases = primals
+        b = biases[0] if biases else None
+        d = dense(w, scales, b, cotangent).astype(cotangent.dtype)
+        dx = mx.gather_mm(cotangent, d, rhs_indices=indices, sorted_indices=sort)
+        # x was broadcast against the experts a token is routed to: sum those copies back
+        lead = dx.ndim - x.ndim
+        if lead:
+            dx = dx.sum(axis=tuple(range(lead)))
+        axes = tuple(i for i, n in enumerate(x.shape) if n == 1 and dx.shape[i] != 1)
+        if axes:
+            dx = dx.sum(axis=axes, keepdims=True)
+        zeros = (mx.zeros_like(indices), mx.zeros_like(w), mx.zeros_like(scales))
+        return (dx, *zeros, *(mx.zeros_like(v) for v in biases))
+
+    _MATMULS[key] = f
+    return f
+
+
+class DequantizingSwitchLinear(QuantizedSwitchLinear):
+    """A ``QuantizedSwitchLinear`` (a mixture's quantized experts) that multiplies by its
+    de-quantized weight through BLAS on the CPU, as ``DequantizingLinear`` does; the same
+    parameters."""
+
+    def __call__(self, x, indices, sorted_indices=False):
+        biases = (self["biases"],) if self.get("biases") is not None else ()
+        f = _dequantizing_gather(
+            self.group_size, self.bits, self.mode, bool(biases), sorted_indices
+        )
+        y = f(x, indices, self["weight"], self["scales"], *biases)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
 class DequantizingEmbedding(nn.QuantizedEmbedding):
     """A ``QuantizedEmbedding`` whose tied-head use (``as_linear``) multiplies densely."""
 
@@ -153,12 +209,17 @@ def cpu_dequantizing(model: nn.Module) -> int:
         elif type(m) is nn.QuantizedEmbedding and getattr(m, "mode", "affine") == "affine":
             m.__class__ = DequantizingEmbedding
             n += 1
+        elif (
+            type(m) is QuantizedSwitchLinear
+            and m.mode == "affine"
+            and getattr(m, "global_scale", None) is None
+        ):
+            m.__class__ = DequantizingSwitchLinear
+            n += 1
     return n
 
 
 def _dequantizable(m: nn.Module) -> bool:
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
-
     return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
 
 
