@@ -3,6 +3,7 @@ reason read off the model (tests/mlx_lm_archs.py builds a tiny random model of e
 families people fine-tune today train end to end: LoRA in the default run; DoRA, full
 fine-tuning, DPO, GRPO and exact resume under ``-m slow``."""
 
+import dataclasses
 import json
 import pkgutil
 
@@ -100,9 +101,10 @@ def trains(name: str):
     assert flat and all(k.endswith(("lora_a", "lora_b")) for k, _ in flat), name
     norms = np.array([float(mx.abs(g).sum()) for _, g in flat])
     assert np.isfinite(norms).all() and norms.sum() > 0, name
+    found = parts
     for kind in ("dora", "full"):  # the other adapters' gradients, finite and nonzero
         model, _ = build_model(tiny_config(name, VOCAB), VOCAB, seed=1)
-        parts = lm_parts(model)
+        parts = dataclasses.replace(found, model=model)  # the same head, found once
         if kind == "full" and dequantize_for_training(model)[1]:
             continue  # a family built quantized (its own layers): full fine-tuning is refused
         apply_adapters(model, kind, 4, 8.0, 0.0, ["all-linear"])

@@ -456,3 +456,55 @@ def test_auto_max_length_is_for_sft_data(tmp_path, data_dir, llama_dir):
     r["objective"] = {"type": "sft"}
     with pytest.raises(UserInputError, match="unpacked"):
         recipe_from_dict(r)
+
+
+@pytest.fixture(scope="module")
+def wide_moe(tmp_path_factory, tokenizer, tokenizer_dir, wide):
+    """``wide``'s data with a mixture of experts of the same width: 8 experts, 2 a token."""
+    import mlx.core as mx
+
+    from mlxtune.models import family_classes, save_model
+
+    root = tmp_path_factory.mktemp("wide-moe")
+    config = dict(
+        model_type="qwen3_moe",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=192,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        vocab_size=len(tokenizer._tokenizer),
+    )
+    mx.random.seed(1)
+    model_class, args_class = family_classes(config)
+    save_model(
+        model_class(args_class.from_dict(config)), config, root / "model", tokenizer, tokenizer_dir
+    )
+    (root / "train.jsonl").write_text((wide / "train.jsonl").read_text())
+    return root
+
+
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_the_estimate_holds_for_a_mixture_of_experts(tmp_path, wide_moe, adapter):
+    over = {"adapter": {"type": adapter}}
+    if adapter == "lora":
+        over["adapter"]["targets"] = ["all-linear"]
+    tr = Trainer(
+        recipe_from_dict(wide_recipe(wide_moe, **over)), tmp_path / "r", console=Console(quiet=True)
+    )
+    shape = shape_of(tr)
+    assert shape.intermediate == 2 * 192  # each token's two experts, not the dense width
+    est = estimate(shape)["total"]
+    peak = measured_peak(tr)
+    assert 0.6 < est / peak < 1.6, (est, peak)

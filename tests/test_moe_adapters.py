@@ -102,26 +102,9 @@ def test_expert_adapter_gradients_match_finite_differences_of_the_formula(kind):
 
 
 def qwen3_moe():
-    cfg = dict(
-        model_type="qwen3_moe",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        moe_intermediate_size=16,
-        rms_norm_eps=1e-5,
-        num_key_value_heads=2,
-        head_dim=8,
-        rope_theta=1e4,
-        tie_word_embeddings=False,
-        max_position_embeddings=256,
-        norm_topk_prob=True,
-    )
-    return build_model(cfg, 64)[0]
+    from mlx_lm_archs import tiny_config
+
+    return build_model(tiny_config("qwen3_moe", 64), 64)[0]
 
 
 def test_routers_stay_as_trained_unless_named():

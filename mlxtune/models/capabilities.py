@@ -9,7 +9,7 @@ import mlx.nn as nn
 
 from . import patches
 from .context import segments
-from .parts import LMParts, _family
+from .parts import LMParts, family_name
 from .patches import kernel_attention
 
 
@@ -26,7 +26,12 @@ def recurrent_caches(model: nn.Module) -> list[str]:
         inner = getattr(c, "caches", None)
         return [x for i in inner for x in leaves(i)] if isinstance(inner, (list, tuple)) else [c]
 
-    kinds = [type(c).__name__ for c in make() for c in leaves(c) if isinstance(c, ArraysCache)]
+    kinds = [
+        type(leaf).__name__
+        for cache in make()
+        for leaf in leaves(cache)
+        if isinstance(leaf, ArraysCache)
+    ]
     return sorted(set(kinds))
 
 
@@ -35,7 +40,7 @@ def packing_refusal(model: nn.Module, lm: LMParts, tier: str | None = None) -> s
     give the hidden states each gives alone, which a layer carrying state along the sequence,
     or attention that does not go through mlxtune's routed function, would break. Checked on
     two short examples packed into one row."""
-    family = _family(model)
+    family = family_name(model)
     state = recurrent_caches(model)
     if state:
         return (

@@ -181,7 +181,7 @@ class LMParts:
 def lm_parts(model: nn.Module) -> LMParts:
     """The model's LMParts, found on one short forward pass and checked against its logits;
     a UserInputError naming what differs for a model mlxtune's loss cannot compute."""
-    name = _family(model)
+    name = family_name(model)
     try:
         probe = _probe(model)
     except UserInputError:
@@ -194,7 +194,8 @@ def lm_parts(model: nn.Module) -> LMParts:
     return probe
 
 
-def _family(model) -> str:
+def family_name(model) -> str:
+    """The model's model_type (its mlx-lm module's name when its args hold none)."""
     name = getattr(getattr(model, "args", None), "model_type", None)
     return str(name or type(model).__module__.rsplit(".", 1)[-1])
 
@@ -217,7 +218,7 @@ class _swapped:
 
 
 def _probe(model: nn.Module) -> LMParts:
-    name = _family(model)
+    name = family_name(model)
     was_training = model.training
     model.eval()  # no dropout on the probe
     try:

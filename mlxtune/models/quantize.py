@@ -88,18 +88,25 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dic
     }
 
 
+def _dense_after(group_size: int, bits: int, mode: str):
+    """dense(w, scales, biases, after): the de-quantized weight, computed only once ``after``
+    exists: MLX may otherwise run every layer's de-quantization early (they depend on
+    parameters alone) and hold them all at once."""
+
+    def dense(w, scales, biases, after):
+        w, scales = mx.depends([w, scales], [after])
+        return mx.dequantize(w, scales, biases, group_size, bits, mode=mode)
+
+    return dense
+
+
 def _dequantizing_matmul(group_size: int, bits: int, mode: str, has_biases: bool):
     """x @ dequantize(w).T as a function of (x, w, scales[, biases]) whose VJP de-quantizes w
     again (the frozen base gets no gradient)."""
     key = (group_size, bits, mode, has_biases)
     if key in _MATMULS:
         return _MATMULS[key]
-
-    def dense(w, scales, biases, after):
-        # de-quantized only once ``after`` exists: MLX may otherwise run every layer's
-        # de-quantization early (they depend on parameters alone) and hold them all at once
-        w, scales = mx.depends([w, scales], [after])
-        return mx.dequantize(w, scales, biases, group_size, bits, mode=mode)
+    dense = _dense_after(group_size, bits, mode)
 
     @mx.custom_function
     def f(x, w, scales, *biases):
@@ -138,10 +145,7 @@ def _dequantizing_gather(group_size: int, bits: int, mode: str, has_biases: bool
     key = ("gather", group_size, bits, mode, has_biases, sort)
     if key in _MATMULS:
         return _MATMULS[key]
-
-    def dense(w, scales, biases, after):
-        w, scales = mx.depends([w, scales], [after])
-        return mx.dequantize(w, scales, biases, group_size, bits, mode=mode)
+    dense = _dense_after(group_size, bits, mode)
 
     @mx.custom_function
     def f(x, indices, w, scales, *biases):
