@@ -140,3 +140,25 @@ def test_settings_mlx_lm_cannot_honour_are_refused():
     both = {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 7.0, **rp}
     assert normalise_config(both, llama.ModelArgs) == both
     assert normalise_config({"hidden_size": 8}, llama.ModelArgs) == {"hidden_size": 8}
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "olmo2", "granite", "smollm3"])
+def test_a_saved_model_of_a_dense_family_runs_in_transformers_as_in_mlx_lm(tmp_path, name):
+    """The Hugging Face layout mlxtune saves (what the fused export writes) of newer dense
+    families: transformers reads every weight and computes mlx-lm's logits."""
+    torch = interop("torch")
+    from mlx_lm_archs import tiny_config
+    from test_interop import from_pretrained
+
+    from mlxtune.models import family_classes, save_model
+
+    mx.random.seed(0)
+    config = {**tiny_config(name, 64), "pad_token_id": 0}
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(config))
+    want = np.array(model(mx.array([IDS]))[0])
+    save_model(model, config, tmp_path)
+    hf = from_pretrained(torch, tmp_path)
+    with torch.no_grad():
+        got = hf(torch.tensor([IDS])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
