@@ -37,20 +37,25 @@ def mlxtune_logits(path):
     return np.array(model(mx.array([IDS]))[0].astype(mx.float32)), config
 
 
-def test_llama_saved_by_transformers_5_runs_at_its_rope_base(tmp_path):
-    torch = interop("torch")
+def llama_config(**rope):
+    """A tiny LlamaConfig as transformers makes it, with RoPE settings ``rope``."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
+    return LlamaConfig(
         hidden_size=32,
         num_hidden_layers=2,
         intermediate_size=64,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=64,
-        rope_theta=100.0,
         tie_word_embeddings=False,
+        **rope,
     )
+
+
+def test_llama_saved_by_transformers_5_runs_at_its_rope_base(tmp_path):
+    torch = interop("torch")
+    cfg = llama_config(rope_theta=100.0)
     path, ref = saved_by_transformers(torch, tmp_path, cfg)
     written = json.loads((path / "config.json").read_text())
     assert "rope_theta" not in written and written["rope_parameters"]["rope_theta"] == 100.0
@@ -66,15 +71,7 @@ def test_llama_saved_by_transformers_5_runs_at_its_rope_base(tmp_path):
 
 def test_llama3_rope_scaling_inside_rope_parameters(tmp_path):
     torch = interop("torch")
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
+    cfg = llama_config(
         max_position_embeddings=64,
         rope_parameters={
             "rope_type": "llama3",
