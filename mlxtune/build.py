@@ -24,6 +24,7 @@ from .export import TrainedModel, adapter_settings, import_adapter
 from .gguf_tokenizer import write_tokenizer_from_gguf
 from .memory import GB
 from .models import (
+    LMParts,
     add_embedding_noise,
     build_model,
     cast_floats,
@@ -244,7 +245,7 @@ def _quantize_base(model: nn.Module, cfg, log) -> None:
     )
 
 
-def adapt(recipe: Recipe, model: nn.Module, log) -> dict:
+def adapt(recipe: Recipe, model: nn.Module, lm: LMParts, log) -> dict:
     """Put LoRA/DoRA adapters in (or unfreeze everything for full fine-tuning), load
     ``init_from`` weights, turn on NEFTune and gradient checkpointing; what ``apply_adapters``
     did."""
@@ -264,7 +265,7 @@ def adapt(recipe: Recipe, model: nn.Module, log) -> dict:
             )
     alpha = r.train.neftune_noise_alpha
     if alpha and r.objective.type == "sft":
-        add_embedding_noise(model, alpha)
+        add_embedding_noise(model, alpha, lm.embed_path)
         log(f"NEFTune: token embeddings get uniform noise of alpha {alpha:g} while training")
     if r.train.grad_checkpointing and r.train.grad_checkpointing != "auto":  # auto: later
         n = checkpoint_layers(model, int(r.train.grad_checkpointing))
@@ -291,7 +292,7 @@ def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool
     tokenizer, tokenizer_dir = tokenizer_for(r, run_dir, model_dir, train_rows, resuming, log)
     model, config = model_for(r, tokenizer, tokenizer_dir, model_dir, log)
     lm = lm_parts(model)
-    info = adapt(r, model, log)
+    info = adapt(r, model, lm, log)
     objective_class(r).extend(r, model, log)
     trainable, total = count_parameters(model)
     names = {k for k, _ in tree_flatten(model.trainable_parameters())}

@@ -149,6 +149,7 @@ def generate_ids(
     was_training = model.training
     model.eval()
     out: list[list[int]] = []
+    decode = _decode if plain_kv_caches(model) else _decode_own_caches
     try:
         step = max(1, max_batch // group)
         for at in range(0, len(prompts), step):
@@ -162,11 +163,21 @@ def generate_ids(
                 see = lambda rs, z, base=base: on_logits(  # noqa: E731
                     [r + base if r >= 0 else r for r in rs], z
                 )
-            decode = _decode if plain_kv_caches(model) else _decode_own_caches
             out += decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see)
     finally:
         model.train(was_training)
     return out
+
+
+def _ends(row: list[int], token: int, r: int, eos, stop, on_token) -> bool:
+    """Take ``token`` drawn for output row ``r`` (its tokens so far ``row``): whether the row
+    ends with it (EOS, left out; a stop string, kept)."""
+    if token in eos:
+        return True
+    row.append(token)
+    if on_token is not None:
+        on_token(r, token)
+    return stop is not None and stop.ends(row)
 
 
 def _own_caches(model) -> list:
@@ -209,17 +220,8 @@ def _decode_own_caches(
             if on_logits is not None:
                 on_logits([r if not done[j] else -1 for j, r in enumerate(rows)], logits)
             for j, tok in enumerate(tokens.tolist()):
-                r = rows[j]
-                if done[j]:
-                    continue
-                if tok in eos:
-                    done[j] = True
-                    continue
-                new[r].append(tok)
-                if on_token is not None:
-                    on_token(r, tok)
-                if stop is not None and stop.ends(new[r]):
-                    done[j] = True
+                if not done[j]:
+                    done[j] = _ends(new[rows[j]], tok, rows[j], eos, stop, on_token)
             if all(done) or t == max_new_tokens - 1:
                 break
             logits = model(tokens[:, None], cache=cache)[:, -1, :].astype(mx.float32)
@@ -366,16 +368,8 @@ def _decode(
             on_logits([r if r >= 0 and not done[r] else -1 for r in layout], z)
         for j, t in enumerate(drawn.tolist()):
             r = layout[j]
-            if r < 0 or done[r]:
-                continue
-            if t in eos:
-                done[r] = True
-                continue
-            new[r].append(t)
-            if on_token is not None:
-                on_token(r, t)
-            if stop is not None and stop.ends(new[r]):
-                done[r] = True
+            if r >= 0 and not done[r]:
+                done[r] = _ends(new[r], t, r, eos, stop, on_token)
         going = [j for j, r in enumerate(slots) if r >= 0 and not done[r]]
         if not going:
             break

@@ -31,7 +31,7 @@ from ..data import (
 )
 from ..errors import UserInputError
 from ..kernels import linear_cross_entropy
-from ..models import LMParts, segments
+from ..models import LMParts, packing_refusal, segments
 
 IGNORE = -100
 
@@ -150,6 +150,14 @@ class Objective:
         model holds its starting weights): what the objective keeps from them, written to
         ``run_dir`` (or read back from ``source``, the run being resumed). Nothing by
         default."""
+
+    def refuse_packing_the_model_cannot_keep_apart(self) -> None:
+        """Packed rows are for models whose packed examples give what each gives alone
+        (``models.packing_refusal``); else the recipe's ``data.packing`` is refused, saying why."""
+        c = self.components
+        why = packing_refusal(c.model, c.lm, c.tiers["attention"])
+        if why is not None:
+            raise UserInputError(f"{why}; use packing: off", "data.packing")
 
     # --------------------------------------------------------------------- the loss
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):

@@ -43,7 +43,7 @@ from ..data.preference import (
 )
 from ..errors import UserInputError
 from ..kernels import forward_only
-from ..models import add_reward_head, kernel_attention, packing_refusal, segments
+from ..models import add_reward_head, kernel_attention, segments
 from .base import Objective, Usage
 from .reference import ReferencePolicy, reference_kind
 
@@ -134,9 +134,7 @@ class Preference(Objective):
                 "data.packing",
             )
         if self.packing == "pack":
-            why = packing_refusal(components.model, components.lm, components.tiers["attention"])
-            if why is not None:
-                raise UserInputError(f"{why}; use packing: off", "data.packing")
+            self.refuse_packing_the_model_cannot_keep_apart()
             longest = max(p.size for p in components.train_set.examples)
             if longest > self.pack_length:
                 raise UserInputError(

@@ -12,7 +12,6 @@ import numpy as np
 from ..config import SFTConfig
 from ..data import Batch, eval_batches, iterate_batches, iterate_packed, packed_epoch
 from ..errors import UserInputError
-from ..models import packing_refusal
 from ..models.moe import experts_per_token, load_balancing_loss, router_logits, router_paths
 from .base import Objective
 
@@ -30,9 +29,7 @@ class SFT(Objective):
         self.packing = d.packing
         self.pack_length = d.pack_length or d.max_length
         if self.packing != "off":
-            why = packing_refusal(components.model, components.lm, components.tiers["attention"])
-            if why is not None:
-                raise UserInputError(f"{why}; use packing: off", "data.packing")
+            self.refuse_packing_the_model_cannot_keep_apart()
         self.aux_coef = getattr(self.config, "router_aux_loss_coef", 0.0)
         if self.aux_coef:
             self.routers = router_paths(components.model)
