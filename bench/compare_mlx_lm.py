@@ -230,7 +230,7 @@ def build_base(out: Path, vocab: int | None) -> Path:
     )
     arch.update(MODEL)
     model, config = build_model(arch, vocab or len(tok._tokenizer), dtype=DTYPE, seed=0)
-    return save_model(model, config, out, tok, TOKENIZER, dtype=DTYPE)
+    return save_model(model, config, out, tok, TOKENIZER, dtype=DTYPE)[0]
 
 
 def gguf_path(name: str) -> Path | None:
@@ -255,7 +255,7 @@ def build_gguf_base(out: Path, gguf: Path) -> Path:
     model, config, _ = load_gguf(gguf, DTYPE, keep_quantized=False)
     tok_dir = out.parent / f"{out.name}-tokenizer"
     write_tokenizer_from_gguf(gguf, tok_dir)
-    base = save_model(model, config, out, load_tokenizer(tok_dir), tok_dir, dtype=DTYPE)
+    base, _ = save_model(model, config, out, load_tokenizer(tok_dir), tok_dir, dtype=DTYPE)
     del model
     gc.collect()
     mx.clear_cache()

@@ -179,10 +179,12 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
         raise UserInputError("is inside the run's checkpoints; choose another --out", str(out))
     trained = load_checkpoint(ckpt)
     with staged_folder(out) as tmp:  # written beside it, flushed, renamed into place
-        export(
+        note = export(
             trained, fmt, tmp, dtype, int(quantize) if quantize else None, int(q_group_size or 64)
         )
     click.echo(f"wrote {fmt} from {ckpt} to {out}")
+    if note:
+        click.echo(note)
 
 
 def _warn(message: str) -> None:

@@ -257,7 +257,8 @@ def write_fused(
     group_size: int = 64,
 ):
     """The model with its adapters merged in; de-quantized when the base was quantized, and
-    quantized again (``quantize`` bits, affine, per group of ``group_size``) when asked."""
+    quantized again (``quantize`` bits, affine, per group of ``group_size``) when asked.
+    Returns a note when the weights could not be written in the published layout."""
     model, config = dequantize(fuse(t.model), t.model_config)
     if dtype is not None:
         cast_floats(model, dtype)
@@ -284,7 +285,14 @@ def write_fused(
                 else config.get("pad_token_id")
             ),
         }
-    save_model(model, config, out, t.tokenizer, t.tokenizer_dir, dtype)
+    _, published = save_model(model, config, out, t.tokenizer, t.tokenizer_dir, dtype)
+    if published or quantize is not None:  # MLX's quantized layout is mlx-lm's alone anyway
+        return None
+    return (
+        f"{config.get('model_type')}: the fused weights keep mlx-lm's layout (stacked experts, "
+        "MLX conv weights), which mlx-lm loads; no rewrite into the published layout reads "
+        "back through this family's sanitize, so transformers may not read them"
+    )
 
 
 def export(
@@ -295,7 +303,8 @@ def export(
     quantize: int | None = None,
     group_size: int = 64,
 ):
-    """Write format ``fmt`` into the (existing, empty) folder ``out``."""
+    """Write format ``fmt`` into the (existing, empty) folder ``out``; returns a note for the
+    user, or None."""
     if quantize is not None and fmt != "fused":
         raise UserInputError(
             "--quantize applies to fused exports (gguf has --dtype q8_0)", "export"
@@ -312,7 +321,7 @@ def export(
     elif fmt == "fused":
         if dtype is not None and dtype not in DTYPES:
             raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
-        write_fused(t, out, dtype, quantize, group_size)
+        return write_fused(t, out, dtype, quantize, group_size)
     elif fmt == "gguf":
         # a GGUF base names the file after itself, without its .gguf
         name = (

@@ -566,8 +566,12 @@ class Trainer:
     def _export_formats(self, fmts):
         for fmt in fmts:
             with self.run_dir.staged("export", fmt) as tmp:
-                export(self.trained, fmt, tmp, self.recipe.model.dtype if fmt == "fused" else None)
+                note = export(
+                    self.trained, fmt, tmp, self.recipe.model.dtype if fmt == "fused" else None
+                )
             self.log(f"exported {fmt} to {self.run_dir.path / 'export' / fmt}")
+            if note:
+                self.log(note)
 
     # ---------------------------------------------------------------- output
     def log(self, message: str):

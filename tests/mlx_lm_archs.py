@@ -729,7 +729,7 @@ ARCHS: dict[str, dict] = {
         "model_type": "gemma4_text",
         "vocab_size": 64,
         "hidden_size": 64,
-        "num_hidden_layers": 3,
+        "num_hidden_layers": 4,  # S F | S F: transformers wants the last layer full and the
         "intermediate_size": 128,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -739,7 +739,7 @@ ARCHS: dict[str, dict] = {
         "tie_word_embeddings": True,
         "sliding_window": 4,
         "sliding_window_pattern": 2,
-        "num_kv_shared_layers": 1,
+        "num_kv_shared_layers": 2,  # shared layers of the same kinds as the ones they read
         "global_head_dim": 32,
         "vocab_size_per_layer_input": 64,
         "hidden_size_per_layer_input": 8,

@@ -229,7 +229,7 @@ def tokenizer_bigger_than_model(w):
 
     tok = load_tokenizer(w.model)
     model, config = build_model(tiny_arch("llama", vocab_size=8), 8)
-    small = save_model(model, config, w.tmp / "small-model", tok, w.model)
+    small, _ = save_model(model, config, w.tmp / "small-model", tok, w.model)
     w.write_recipe(model={"path": str(small)})
     return w.run()
 

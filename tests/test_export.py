@@ -240,7 +240,7 @@ def test_a_lora_run_over_a_quantized_base_exports_dequantized(
 
     base, config = load_model(llama_dir)
     nn.quantize(base, group_size=32, bits=8)
-    qdir = save_model(
+    qdir, _ = save_model(
         base,
         {**config, "quantization": {"group_size": 32, "bits": 8}},
         tmp_path / "q8",

@@ -114,7 +114,7 @@ def test_tokenizer_bigger_than_the_model_is_refused(tmp_path, data_dir, tokenize
     from mlxtune.models import build_model, save_model
 
     model, config = build_model(tiny_arch("llama", vocab_size=8), 8)
-    small = save_model(model, config, tmp_path / "small", tokenizer, tokenizer_dir)
+    small, _ = save_model(model, config, tmp_path / "small", tokenizer, tokenizer_dir)
     with pytest.raises(
         UserInputError,
         match=r"the tokenizer \(.*\) has .* tokens but the model's vocabulary \(.*small\) is 8",

@@ -178,9 +178,10 @@ def family_dir_moe(tmp_path, tokenizer, tokenizer_dir):
     mx.random.seed(2)
     config = tiny_config("qwen3_moe", 64)
     model_class, args_class = family_classes(config)
-    return save_model(
+    folder, _ = save_model(
         model_class(args_class.from_dict(config)), config, tmp_path / "m", tokenizer, tokenizer_dir
     )
+    return folder
 
 
 def test_a_peft_export_of_expert_adapters_is_refused_by_name(tmp_path, data_dir, family_dir_moe):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from ..errors import UserInputError
 from ..tokenizer import save_tokenizer
 from .common import DTYPES, cast_floats, family_classes, hf_architecture
 from .configs import normalise_config
+from .layout import hf_weights
 
 # Architecture sizes that must be positive integers when a recipe gives them.
 _SIZES = (
@@ -89,6 +91,28 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02):
     model.load_weights(new, strict=False)
 
 
+def _settings_left_to_defaults(model: nn.Module, config: dict) -> dict:
+    """The settings mlx-lm built ``model`` with that ``config`` leaves out (its defaults, and
+    what it derives, such as a layer layout from a pattern key), so that the saved config
+    describes the model that ran to any reader: transformers' defaults are not always
+    mlx-lm's (Gemma 4's double-wide MLP), and transformers 5 builds its own layout when
+    ``layer_types`` is missing."""
+    args = getattr(model, "args", None)
+    if not dataclasses.is_dataclass(args):
+        return {}
+    out = {}
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name, None)
+        if f.name in config or value is None or f.name.startswith("_"):
+            continue
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):  # not JSON (or infinite: not every reader takes it)
+            continue
+        out[f.name] = value
+    return out
+
+
 def save_model(
     model: nn.Module,
     config: dict,
@@ -97,16 +121,19 @@ def save_model(
     tokenizer_dir=None,
     dtype: str | None = None,
 ):
-    """Save in Hugging Face layout: config.json, model.safetensors, tokenizer files."""
+    """Save in Hugging Face layout: config.json, model.safetensors, tokenizer files. Returns
+    the folder, and whether the weights are in the published layout (False: a family whose
+    experts or conv layers have no layout mlx-lm's ``sanitize`` reads back, saved as held)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(model.parameters()))
+    weights, published = hf_weights(model, dict(tree_flatten(model.parameters())))
     if dtype is not None:
         weights = {
             k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
             for k, v in weights.items()
         }
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+    cfg.update(_settings_left_to_defaults(model, cfg))
     cfg.setdefault("architectures", [hf_architecture(cfg.get("model_type", ""))])
     float_dtypes = {
         str(v.dtype).split(".")[-1] for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)
@@ -117,4 +144,4 @@ def save_model(
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     if tokenizer is not None:
         save_tokenizer(tokenizer, out, tokenizer_dir)
-    return out
+    return out, published

@@ -18,6 +18,7 @@ from .common import family_classes
 
 # the per-layer-type sections of a nested ``rope_parameters``
 _FULL, _SLIDING = "full_attention", "sliding_attention"
+_LINEAR = "linear_attention"  # a hybrid's linear-attention layers (Qwen3-Next, Qwen3.5)
 
 
 def args_fields(args_class) -> set[str]:
@@ -58,7 +59,8 @@ def _check_rope_type(scaling: dict | None, where: str) -> None:
 
 def _sliding_pattern(layer_types: list, where: str) -> int:
     """mlx-lm's ``sliding_window_pattern`` (every n-th layer is full attention, the rest slide)
-    that gives ``layer_types`` (the model's length + 1 when every layer slides)."""
+    that gives ``layer_types`` (the model's length + 1 when every layer slides); the same for
+    a hybrid's ``full_attention_interval`` (the rest linear attention)."""
     n = len(layer_types)
     for p in range(1, n + 2):
         if all((t == _FULL) == ((i + 1) % p == 0) for i, t in enumerate(layer_types)):
@@ -81,6 +83,8 @@ def normalise_config(config: dict, args_class, where: str = "config.json") -> di
         text_class = _text_args_class(text)
         if text_class is not None:
             config["text_config"] = normalise_config(text, text_class, where + " text_config")
+    _aliased(config, fields)
+    _legacy_layer_types(config, fields, args_class)
     rp = config.get("rope_parameters")
     # a top-level rope_scaling wins where both are given (transformers reads it first)
     if (
@@ -98,7 +102,59 @@ def normalise_config(config: dict, args_class, where: str = "config.json") -> di
         and set(lt) <= {_FULL, _SLIDING}
     ):
         config["sliding_window_pattern"] = _sliding_pattern(lt, f"{where} layer_types")
+    if (
+        isinstance(lt, list)
+        and "layer_types" not in fields
+        and "full_attention_interval" in fields
+        and "full_attention_interval" not in config
+        and set(lt) <= {_FULL, _LINEAR}
+    ):
+        config["full_attention_interval"] = _sliding_pattern(lt, f"{where} layer_types")
     return config
+
+
+def _aliased(config: dict, fields: set) -> None:
+    """Keys transformers 5 writes under another name than the one mlx-lm reads (Qwen3-MoE's
+    ``num_local_experts`` for ``num_experts``), by the config class's own ``attribute_map``."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        aliases = CONFIG_MAPPING[config.get("model_type")].attribute_map
+    except (KeyError, ImportError, AttributeError):
+        return
+    for a, b in aliases.items():
+        for want, have in ((a, b), (b, a)):
+            if want in fields and want not in config and have in config:
+                config[want] = config[have]
+
+
+# the layer-type names transformers 5 writes -> the names checkpoints used before
+_LEGACY = {
+    "mamba": "linear_attention",
+    "attention": "full_attention",
+    "deepseek_sparse_attention": "indexed_attention",
+    "qwen_sparse_attention": "indexed_attention",
+}
+
+
+def _legacy_layer_types(config: dict, fields: set, args_class) -> None:
+    """``layer_types`` in the names the family's mlx-lm module compares against (Granite 4
+    hybrids read "mamba"/"attention", which transformers 5 writes as "linear_attention"/
+    "full_attention"): only names the module's source spells and the new one it does not."""
+    lt = config.get("layer_types")
+    if "layer_types" not in fields or not isinstance(lt, list):
+        return
+    try:
+        source = inspect.getsource(inspect.getmodule(args_class))
+    except (OSError, TypeError):
+        return
+    back = {
+        new: old
+        for old, new in _LEGACY.items()
+        if f'"{old}"' in source and f'"{new}"' not in source
+    }
+    if any(t in back for t in lt):
+        config["layer_types"] = [back.get(t, t) for t in lt]
 
 
 def _from_rope_parameters(config: dict, rp: dict, fields: set, where: str) -> None:
@@ -112,6 +168,8 @@ def _from_rope_parameters(config: dict, rp: dict, fields: set, where: str) -> No
         if "partial_rotary_factor" in full and "partial_rotary_factor" in fields:
             config["partial_rotary_factor"] = full["partial_rotary_factor"]
         scaling = _scaling(full)
+        if scaling is None and "rope_scaling" in fields and "rope_scaling" not in config:
+            config["rope_scaling"] = None  # a family whose ModelArgs requires the key (GLM-4 MoE)
         if scaling is not None:
             if "rope_scaling" not in fields:
                 raise UserInputError(

@@ -147,13 +147,21 @@ def load_model(
         normalised = normalise_config(
             config, family_classes(config, str(path / "config.json"))[1], str(path / "config.json")
         )
-        changes = {k: v for k, v in normalised.items() if config.get(k) != v}
+        changes = {k: v for k, v in normalised.items() if k not in config or config[k] != v}
     try:
         model, config = mlx_lm_load_model(
             path, trust_remote_code=trust_remote_code, model_config=changes
         )
     except ValueError as e:  # missing or misshapen weights
         raise UserInputError(" ".join(str(e).split()), str(path)) from None
+    except TypeError as e:  # the family's ModelArgs lacks a key it requires
+        if "required" not in str(e):
+            raise
+        missing = str(e).split("argument", 1)[-1].strip(" s:")
+        raise UserInputError(
+            f"lacks {missing}, which this family's mlx-lm module requires",
+            str(path / "config.json"),
+        ) from None
     except RuntimeError as e:  # MLX's reader: a truncated or corrupt safetensors file
         if "safetensors" not in str(e):
             raise

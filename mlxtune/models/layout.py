@@ -1,0 +1,186 @@
+"""The Hugging Face layout of a model's weights, found by inverting mlx-lm's own ``sanitize``.
+
+mlx-lm reads a checkpoint through each family's ``Model.sanitize``, which turns the published
+layout into the one its modules hold: a mixture's experts stacked into one ``switch_mlp`` tensor
+per projection, depthwise conv weights as MLX's ``[channels, kernel, 1]``, a ``(1 + w)`` norm
+stored as ``w + 1``. A model saved as held loads back in mlx-lm, but transformers (and any tool
+of the field) reads the published layout only.
+
+No per-family table: each candidate layout is built from the held weights by the few rewrites
+the families' sanitize functions undo (experts one by one under the names families use, a
+gate/up pair concatenated, conv weights transposed), and a candidate counts only when the
+family's own ``sanitize`` turns it back into exactly the held weights. Offsets sanitize adds
+(the ``+ 1`` of a shifted norm) are read off that same round trip and taken back out.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .moe import SWITCH
+
+# expert projection names under switch_mlp -> the names published checkpoints use per expert
+_EXPERT_NAMES = (
+    {},  # gate_proj / up_proj / down_proj (Qwen, DeepSeek, OLMoE, ...)
+    {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},  # Mixtral, PhiMoE
+    {"fc1": "up_proj", "fc2": "down_proj"},  # Nemotron-H
+)
+
+
+def _unstacked(weights: dict, stacked: dict, names: dict) -> dict | None:
+    """Each expert's projection under ``<block>.experts.<e>.<name>``."""
+    out = {}
+    for k, v in weights.items():
+        module, _, leaf = k.rpartition(".")
+        if module not in stacked:
+            out[k] = v
+            continue
+        block, proj = stacked[module]
+        for e in range(v.shape[0]):
+            out[f"{block}.experts.{e}.{names.get(proj, proj)}.{leaf}"] = v[e]
+    return out
+
+
+def _concatenated(weights: dict, stacked: dict) -> dict | None:
+    """Experts as one ``input_linear`` (gate and up, joined on the output axis) and one
+    ``output_linear`` tensor (Granite MoE)."""
+    out = {}
+    for k, v in weights.items():
+        module, _, leaf = k.rpartition(".")
+        if module not in stacked:
+            out[k] = v
+            continue
+        block, proj = stacked[module]
+        if proj == "gate_proj":
+            up = weights.get(f"{module.rpartition('.')[0]}.up_proj.{leaf}")
+            if up is None:
+                return None
+            out[f"{block}.input_linear.{leaf}"] = mx.concatenate([v, up], axis=1)
+        elif proj == "down_proj":
+            out[f"{block}.output_linear.{leaf}"] = v
+        elif proj != "up_proj":
+            return None
+    return out
+
+
+def _sanitized(model: nn.Module, weights: dict) -> dict | None:
+    try:
+        return dict(model.sanitize(dict(weights)))
+    except (KeyError, ValueError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def _take_back_offsets(model: nn.Module, candidate: dict, held: dict) -> dict | None:
+    """``candidate`` with what sanitize adds to a 1-D weight (one constant) taken back out."""
+    back = _sanitized(model, candidate)
+    if back is None or back.keys() != held.keys():
+        return None
+    fixed = dict(candidate)
+    for k, v in back.items():
+        if v is candidate.get(k) or v.ndim != 1 or k not in candidate:
+            continue
+        if v.shape != candidate[k].shape:
+            continue
+        shift = v.astype(mx.float32) - candidate[k].astype(mx.float32)
+        c = shift[0].item()
+        if c != 0 and mx.all(mx.abs(shift - c) <= 1e-6 * max(1.0, abs(c))).item():
+            fixed[k] = (held[k].astype(mx.float32) - c).astype(held[k].dtype)
+    return fixed
+
+
+def _round_trips(model: nn.Module, candidate: dict, held: dict) -> bool:
+    back = _sanitized(model, candidate)
+    if back is None or back.keys() != held.keys():
+        return False
+    for k, v in back.items():
+        if v is held[k]:
+            continue
+        if v.shape != held[k].shape:
+            return False
+        a, b = v.astype(mx.float32), held[k].astype(mx.float32)
+        if not mx.allclose(a, b, rtol=0, atol=1e-6 * (1 + mx.abs(b).max().item())).item():
+            return False
+    return True
+
+
+def _held_forms(model: nn.Module) -> tuple[dict, set]:
+    """The stacked expert layers ({path: (block, projection)}) and conv layers of ``model``."""
+    stacked, convs = {}, set()
+    for path, m in model.named_modules():
+        if isinstance(m, SWITCH):
+            container, _, proj = path.rpartition(".")
+            stacked[path] = (container.rpartition(".")[0], proj)
+        elif isinstance(m, nn.Conv1d):
+            convs.add(f"{path}.weight")
+    return stacked, convs
+
+
+def _renamed(weights: dict, names: dict) -> dict:
+    """Every projection named ``names`` names it (dense MLPs as well as experts: LFM2-MoE)."""
+    out = {}
+    for k, v in weights.items():
+        module, _, leaf = k.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        out[f"{parent}.{names[proj]}.{leaf}" if proj in names else k] = v
+    return out
+
+
+def _mla_joined(weights: dict) -> dict:
+    """Multi-head latent attention's per-head ``embed_q`` ([heads, rank, nope]) and
+    ``unembed_out`` ([heads, v, rank]) as the one ``kv_b_proj`` ([heads * (nope + v), rank])
+    checkpoints publish (DeepSeek V2/V3, GLM-4 MoE Lite, Kimi, Mistral 4, ...)."""
+    out = {}
+    for k, v in weights.items():
+        if k.endswith(".embed_q.weight"):
+            prefix = k[: -len(".embed_q.weight")]
+            up = weights.get(f"{prefix}.unembed_out.weight")
+            if up is None:
+                return weights
+            kv = mx.concatenate([v.swapaxes(-1, -2), up], axis=1)
+            out[f"{prefix}.kv_b_proj.weight"] = kv.reshape(-1, kv.shape[-1])
+        elif not k.endswith(".unembed_out.weight"):
+            out[k] = v
+    return out
+
+
+def _candidates(weights: dict, stacked: dict, convs: set):
+    if stacked:
+        layouts = [_unstacked(weights, stacked, n) for n in _EXPERT_NAMES]
+        pairs = zip(layouts[1:], _EXPERT_NAMES[1:], strict=True)
+        layouts += [_renamed(layout, n) for layout, n in pairs]
+        layouts.append(_concatenated(weights, stacked))
+    else:
+        layouts = [weights] + [_renamed(weights, n) for n in _EXPERT_NAMES[1:]]
+    mla = any(k.endswith(".embed_q.weight") for k in weights)
+    for layout in layouts:
+        if layout is not None:  # MLX's conv weight is [out, kernel, in]; torch's [out, in, kernel]
+            layout = {k: v.swapaxes(1, 2) if k in convs else v for k, v in layout.items()}
+            yield _mla_joined(layout) if mla else layout
+
+
+def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
+    """(weights in the published layout, True), or (``weights`` as held, False) when the
+    model holds experts or conv layers and no rewrite round-trips through the family's
+    ``sanitize``. Quantized experts stay stacked (mlx-lm's quantized checkpoints hold them so)."""
+    stacked, convs = _held_forms(model)
+    convs &= weights.keys()
+    needs = bool(stacked or convs) or any(k.endswith(".embed_q.weight") for k in weights)
+    if any(k.endswith(".scales") for k in weights) or not hasattr(model, "sanitize"):
+        return weights, not needs
+    # several layouts can read back alike (a sanitize that renames w1 -> gate_proj also keeps
+    # gate_proj): the published one is the layout sanitize rewrites most, so take that
+    found, most = None, -1
+    for candidate in _candidates(weights, stacked, convs):
+        fixed = _take_back_offsets(model, candidate, weights)
+        if fixed is None or not _round_trips(model, fixed, weights):
+            continue
+        rewritten = len(fixed.keys() - weights.keys()) + sum(
+            fixed[k] is not weights.get(k) for k in fixed.keys() & weights.keys()
+        )
+        if rewritten > most:
+            found, most = fixed, rewritten
+    return (found, True) if found is not None else (weights, not needs)
+
+
+__all__ = ["hf_weights"]

@@ -1,0 +1,124 @@
+"""Mixtures of experts, MLA and hybrids saved in the published layout: a checkpoint transformers
+5 writes loads in mlxtune as transformers runs it (its config keys read as transformers reads
+them), and saving it again (what the fused export does) gives back transformers' own file,
+every tensor under the same name with the same values: experts one by one again, MLA's
+``kv_b_proj`` whole, conv weights in torch's order, shifted norms unshifted."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm_archs import tiny_config
+from test_interop import interop
+
+from mlxtune.models import load_model, save_model
+from mlxtune.models.configs import normalise_config
+
+IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40]
+
+# family -> how far mlx-lm's logits may sit from transformers' (None: not compared)
+FAMILIES = {
+    "mixtral": 1e-4,
+    "qwen3_moe": 1e-4,  # transformers 5 writes num_local_experts; mlx-lm reads num_experts
+    "qwen2_moe": 1e-4,
+    "olmoe": 1e-4,
+    "granitemoe": 1e-4,  # experts as input_linear (gate and up joined) / output_linear
+    "glm4_moe": 1e-4,  # no rope_scaling key; mlx-lm's ModelArgs requires one
+    "deepseek_v3": None,  # MLA; transformers' own forward fails at this size
+    "lfm2": 1e-4,  # conv weights
+    "lfm2_moe": 1e-4,  # w1/w2/w3 in dense and expert MLPs alike
+    "qwen3_next": 1e-4,  # (1 + w) norms, conv, experts; layer_types for full_attention_interval
+    "nemotron_h": 1e-4,  # experts as up/down (fc1/fc2 in mlx-lm)
+    "granitemoehybrid": 1e-3,  # "mamba"/"attention" layer types, written as new names
+    "falcon_h1": 1e-4,
+    "mamba2": 1e-4,
+    "jamba": None,  # mlx-lm's forward differs from transformers' (~0.2 in logits)
+}
+
+
+def saved_by_transformers(torch, name, folder):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {**tiny_config(name, 64), "pad_token_id": 0}
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # away from the initialisation's zeros and ones (norms, biases)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_published_layout_reads_and_saves_back_as_transformers_wrote_it(tmp_path, name):
+    torch = interop("torch")
+    from safetensors.numpy import load_file
+
+    hf = saved_by_transformers(torch, name, tmp_path / "hf")
+    model, config = load_model(tmp_path / "hf")
+    if FAMILIES[name] is not None:
+        with torch.no_grad():
+            want = hf(torch.tensor([IDS])).logits[0].numpy()
+        got = np.array(model(mx.array([IDS]))[0])
+        np.testing.assert_allclose(got, want, rtol=FAMILIES[name], atol=FAMILIES[name])
+    folder, published = save_model(model, config, tmp_path / "saved")
+    assert published
+    theirs = load_file(tmp_path / "hf" / "model.safetensors")
+    ours = load_file(folder / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for k, v in theirs.items():
+        assert ours[k].shape == v.shape, k
+        np.testing.assert_allclose(ours[k], v, rtol=0, atol=1e-6, err_msg=k)
+
+
+def test_a_family_with_no_published_layout_is_saved_as_held_and_says_so(tmp_path):
+    """gpt-oss: mlx-lm reads its experts from the [experts, 2 x intermediate, hidden] layout
+    of the original checkpoint, which no rewrite of the held weights reaches."""
+    from mlxtune.models import family_classes
+
+    config = tiny_config("gpt_oss", 64)
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(config))
+    folder, published = save_model(model, config, tmp_path / "m")
+    assert not published
+    reloaded, _ = load_model(folder)
+    np.testing.assert_array_equal(
+        np.array(reloaded(mx.array([IDS]))[0]), np.array(model(mx.array([IDS]))[0])
+    )
+
+
+def test_transformers_5_renames_are_read_back_for_mlx_lm():
+    from mlx_lm.models import granitemoehybrid, qwen3_moe, qwen3_next
+
+    got = normalise_config({"model_type": "qwen3_moe", "num_local_experts": 8}, qwen3_moe.ModelArgs)
+    assert got["num_experts"] == 8
+    got = normalise_config(
+        {"model_type": "qwen3_next", "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+        qwen3_next.ModelArgs,
+    )
+    assert got["full_attention_interval"] == 4
+    types = ["linear_attention", "full_attention", "linear_attention"]
+    got = normalise_config(
+        {"model_type": "granitemoehybrid", "layer_types": types}, granitemoehybrid.ModelArgs
+    )
+    assert got["layer_types"] == ["mamba", "attention", "mamba"]
+    # a layout the interval cannot express is refused, naming the key
+    from mlxtune.errors import UserInputError
+
+    odd = ["full_attention", "linear_attention", "linear_attention"]
+    with pytest.raises(UserInputError, match="layer_types"):
+        normalise_config({"model_type": "qwen3_next", "layer_types": odd}, qwen3_next.ModelArgs)
+
+
+def test_a_config_without_a_key_the_family_requires_is_refused_by_name(tmp_path, llama_dir):
+    config = json.loads((llama_dir / "config.json").read_text())
+    for f in llama_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    del config["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from mlxtune.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="hidden_size"):
+        load_model(tmp_path)
