@@ -21,7 +21,7 @@ from .config import Recipe
 from .data import BadRows, read_rows
 from .errors import UserInputError
 from .export import TrainedModel, adapter_settings, import_adapter
-from .gguf_tokenizer import write_tokenizer_from_gguf
+from .gguf.tokenizer import write_tokenizer_from_gguf
 from .memory import GB
 from .models import (
     LMParts,

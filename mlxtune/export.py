@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .adapters import DoRALinear, LoRALinear, LoRASwitchLinear, lora_scale
 from .errors import UserInputError
-from .gguf_export import write_gguf_adapter, write_gguf_model
+from .gguf.export import write_gguf_adapter, write_gguf_model
 from .modelfile import modelfile
 from .models import (
     DTYPES,

@@ -19,7 +19,7 @@ from .adapters import apply_adapters
 from .checkpoint import load_trained
 from .errors import UserInputError
 from .export import adapter_modules, adapter_settings, import_adapter
-from .gguf_tokenizer import write_tokenizer_from_gguf
+from .gguf.tokenizer import write_tokenizer_from_gguf
 from .kernels.cpu import exp_of_nonpositive, materialized
 from .models import is_gguf, load_model, resolve_model_path
 from .tokenizer import load_tokenizer

@@ -1,4 +1,4 @@
-"""Tokenizers read from a GGUF file's metadata (mlxtune.gguf_tokenizer).
+"""Tokenizers read from a GGUF file's metadata (mlxtune.gguf.tokenizer).
 
 The expected ids come from the tokenizer a GGUF was written from (mlxtune's own export read back:
 the trained tokenizer, or sentencepiece itself for sentencepiece models), or from transformers'
@@ -15,8 +15,8 @@ import sentencepiece as spm
 
 from conftest import smollm2_gguf, tiny_arch
 from mlxtune.errors import UserInputError
-from mlxtune.gguf_export import write_gguf_model
-from mlxtune.gguf_tokenizer import BPE_PRE, write_tokenizer_from_gguf
+from mlxtune.gguf.export import write_gguf_model
+from mlxtune.gguf.tokenizer import BPE_PRE, write_tokenizer_from_gguf
 from mlxtune.models import build_model
 from mlxtune.tokenizer import load_tokenizer
 

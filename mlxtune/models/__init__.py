@@ -9,7 +9,7 @@ from .capabilities import packing_refusal, recurrent_caches
 from .checkpointing import checkpoint_layers, checkpointed_layers
 from .common import DTYPES, HF_ARCHITECTURES, cast_floats, family_classes, hf_architecture
 from .context import ForwardContext, current, dropout_key, segments
-from .gguf import GGUFLoad, gguf_config, is_gguf, load_gguf, read_gguf
+from ..gguf.load import GGUFLoad, gguf_config, is_gguf, load_gguf, read_gguf
 from .heads import (
     REWARD_HEAD,
     VALUE_HEAD,

@@ -11,7 +11,7 @@ from ..errors import UserInputError
 from ..safety import code_files, pickled_hint
 from .common import cast_floats, family_classes
 from .configs import normalise_config
-from .gguf import is_gguf, load_gguf
+from ..gguf.load import is_gguf, load_gguf
 from .quantize import cpu_dequantizing
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserInputError
+from ..errors import UserInputError
 
 # GGUF metadata value types (gguf.GGUFValueType) -> numpy scalar types
 _SCALARS = {

@@ -1,5 +1,5 @@
 """GGUF's names for the families and tensors mlxtune exports and reads back: one table, so the
-export (gguf_export.py) and the import (models/gguf.py) agree."""
+export (export.py) and the import (load.py) agree."""
 
 from __future__ import annotations
 

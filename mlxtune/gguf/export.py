@@ -21,12 +21,12 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .adapters import DoRALinear, LoRALinear
-from .errors import UserInputError
-from .gguf_file import open_gguf
-from .gguf_names import ARCHES, DTYPES, NORM_PLUS_ONE, gguf_name
-from .gguf_tokenizer import EXPORT_PRE_NAMES
-from .models.configs import rope_base
+from ..adapters import DoRALinear, LoRALinear
+from ..errors import UserInputError
+from .file import open_gguf
+from .names import ARCHES, DTYPES, NORM_PLUS_ONE, gguf_name
+from .tokenizer import EXPORT_PRE_NAMES
+from ..models.configs import rope_base
 
 
 def _arch(config: dict) -> tuple[str, bool]:

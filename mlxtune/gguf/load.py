@@ -5,7 +5,7 @@ trainable mlx-lm model.
   mistral, qwen2, qwen3, gemma, gemma2, phi3), in the family's Hugging Face form, so the model is
   the same mlx-lm module a Hugging Face directory gives and everything downstream (adapters,
   kernels, exports) treats it alike.
-- Tensor names are mapped back with the export's own table (``gguf_export.gguf_name``), llama's
+- Tensor names are mapped back with the export's own table (``names.gguf_name``), llama's
   q/k rows are permuted back from llama.cpp's interleaved rope order to rotate-half, and gemma's
   norms lose the 1 llama.cpp's converter adds.
 - Q8_0, Q4_0 and Q4_1 are affine codes in blocks of 32 with one scale (and one offset) per block,
@@ -27,10 +27,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
-from ..gguf_file import GGUFFile, open_gguf
-from ..gguf_names import ARCHES, NORM_PLUS_ONE, gguf_name
-from .common import DTYPES, HF_ARCHITECTURES, family_classes
-from .quantize import cpu_dequantizing
+from .file import GGUFFile, open_gguf
+from .names import ARCHES, NORM_PLUS_ONE, gguf_name
+from ..models.common import DTYPES, HF_ARCHITECTURES, family_classes
+from ..models.quantize import cpu_dequantizing
 
 GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 
@@ -225,7 +225,7 @@ def _name_table(model: nn.Module, model_type: str) -> dict[str, str]:
 
 def _unpermute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
     """Rows of a q/k projection from llama.cpp's interleaved order back to rotate-half (the
-    inverse of ``gguf_export.permute_qk``); works on any trailing shape, codes and scales too."""
+    inverse of ``export.permute_qk``); works on any trailing shape, codes and scales too."""
     rows = a.shape[0]
     return a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
