@@ -23,10 +23,10 @@ from mlx.utils import tree_flatten
 
 from ..adapters import DoRALinear, LoRALinear
 from ..errors import UserInputError
+from ..models.configs import rope_base
 from .file import open_gguf
 from .names import ARCHES, DTYPES, NORM_PLUS_ONE, gguf_name
 from .tokenizer import EXPORT_PRE_NAMES
-from ..models.configs import rope_base
 
 
 def _arch(config: dict) -> tuple[str, bool]:

@@ -27,10 +27,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
-from .file import GGUFFile, open_gguf
-from .names import ARCHES, NORM_PLUS_ONE, gguf_name
 from ..models.common import DTYPES, HF_ARCHITECTURES, family_classes
 from ..models.quantize import cpu_dequantizing
+from .file import GGUFFile, open_gguf
+from .names import ARCHES, NORM_PLUS_ONE, gguf_name
 
 GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 

@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 
 from ..errors import UserInputError
+from ..gguf.load import is_gguf, load_gguf
 from ..safety import code_files, pickled_hint
 from .common import cast_floats, family_classes
 from .configs import normalise_config
-from ..gguf.load import is_gguf, load_gguf
 from .quantize import cpu_dequantizing
 
 
