@@ -21,21 +21,72 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..adapters import DoRALinear, LoRALinear
+from ..adapters import DoRALinear, LoRALinear, LoRASwitchLinear
 from ..errors import UserInputError
 from ..models.configs import rope_base
 from .file import open_gguf
-from .names import ARCHES, DTYPES, NORM_PLUS_ONE, gguf_name
+from .names import DTYPES, FAMILIES, gguf_name
 from .tokenizer import EXPORT_PRE_NAMES
 
 
 def _arch(config: dict) -> tuple[str, bool]:
     mt = config.get("model_type")
-    if mt not in ARCHES:
+    if mt not in FAMILIES:
         raise UserInputError(
-            f"GGUF export supports {', '.join(ARCHES)} so far, not {mt!r}", "export --format gguf"
+            f"GGUF export writes the model types llama.cpp has an architecture for that mlxtune "
+            f"maps ({', '.join(FAMILIES)}), not {mt!r}",
+            "export --format gguf",
         )
-    return ARCHES[mt]
+    return FAMILIES[mt].arch, FAMILIES[mt].permuted
+
+
+def _args(model):
+    return getattr(model, "args", None)
+
+
+def _refusal(model, config: dict) -> str | None:
+    """What llama.cpp fixes for the architecture that this model does otherwise (None: none).
+    llama.cpp's graphs hard-code some settings per architecture instead of reading them."""
+    mt, args = config["model_type"], _args(model)
+    family = FAMILIES[mt]
+
+    def arg(name, default=None):
+        return getattr(args, name, config.get(name, default))
+
+    if family.norm_topk is not None:
+        norm = arg("norm_topk_prob", True if mt in ("mixtral", "granitemoe") else None)
+        if norm is not None and bool(norm) != family.norm_topk:
+            return (
+                f"llama.cpp's {family.arch} {'re' if family.norm_topk else 'does not re'}"
+                f"normalise the routers' top-k weights; this model's norm_topk_prob is {norm}"
+            )
+        if arg("mlp_only_layers") or arg("decoder_sparse_step", 1) != 1:
+            return f"llama.cpp's {family.arch} puts experts in every layer; this model does not"
+    if mt == "gemma3_text":
+        head_dim = arg("head_dim")
+        checks = (
+            ("sliding_window_pattern", 6),
+            ("rope_local_base_freq", 10000.0),
+            ("query_pre_attn_scalar", head_dim),
+        )
+        for key, fixed in checks:
+            if arg(key) is not None and float(arg(key)) != float(fixed):
+                return f"llama.cpp's gemma3 fixes {key} at {fixed:g}; this model's is {arg(key):g}"
+    if mt == "smollm3":
+        layers = arg("no_rope_layers")
+        every4 = [int((i + 1) % 4 != 0) for i in range(arg("num_hidden_layers"))]
+        if layers is not None and list(layers) != every4:
+            return "llama.cpp's smollm3 leaves RoPE out of every 4th layer; this model does not"
+    if mt == "olmoe" and (arg("num_key_value_heads") or arg("num_attention_heads")) != arg(
+        "num_attention_heads"
+    ):
+        return (
+            "llama.cpp's olmoe normalises keys over all heads at once, so it reads models with "
+            "as many key/value heads as query heads; this model has fewer"
+        )
+    if mt == "lfm2" and int(arg("conv_L_cache", 0)) < 2:
+        return "llama.cpp's lfm2 needs a short convolution of at least 2 taps"
+    return None
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -218,25 +269,90 @@ def _copy_tokenizer(w, source: Path, template: str | None):
 
 
 def _add_hparams(w, config: dict, model=None):
+    mt, args = config["model_type"], _args(model)
+
+    def arg(name, default=None):
+        v = getattr(args, name, None)
+        return config.get(name, default) if v is None else v
+
     n_head, n_kv, head_dim = _heads(config)
-    if config["model_type"] == "gemma2":
-        args = getattr(model, "args", None)
-        w.add_attn_logit_softcapping(float(getattr(args, "attn_logit_softcapping", 50.0)))
-        w.add_final_logit_softcapping(float(getattr(args, "final_logit_softcapping", 30.0)))
+    layers = config["num_hidden_layers"]
+    if mt == "gemma2":
+        w.add_attn_logit_softcapping(float(arg("attn_logit_softcapping", 50.0)))
+        w.add_final_logit_softcapping(float(arg("final_logit_softcapping", 30.0)))
         w.add_sliding_window(int(config.get("sliding_window") or 4096))
+    if mt == "gemma3_text":
+        w.add_sliding_window(int(arg("sliding_window")))
+        if arg("final_logit_softcapping"):
+            w.add_final_logit_softcapping(float(arg("final_logit_softcapping")))
     w.add_context_length(int(config.get("max_position_embeddings") or 2048))
     w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length(_ffn_width(model, config))
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
+    if mt == "lfm2":  # llama.cpp reads a layer with no kv heads as a short-convolution layer
+        full = set(arg("full_attn_idxs") or [])
+        w.add_head_count_kv([n_kv if i in full else 0 for i in range(layers)])
+        w.add_shortconv_l_cache(int(arg("conv_L_cache")))
+    else:
+        w.add_head_count_kv(n_kv)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(rope_base(config))
-    w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-5))
+    w.add_layer_norm_rms_eps(float(arg("rms_norm_eps") or arg("norm_eps") or 1e-5))
     w.add_vocab_size(config["vocab_size"])
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    experts = arg("num_experts") or arg("num_local_experts")
+    if experts:
+        w.add_expert_count(int(experts))
+        w.add_expert_used_count(int(arg("num_experts_per_tok")))
+        if arg("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(int(arg("moe_intermediate_size")))
+        if arg("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(int(arg("shared_expert_intermediate_size")))
+    if mt in ("granite", "granitemoe"):  # every one written: some llama.cpp builds need all
+        w.add_attention_scale(float(arg("attention_multiplier")))
+        w.add_embedding_scale(float(arg("embedding_multiplier")))
+        w.add_residual_scale(float(arg("residual_multiplier")))
+        w.add_logit_scale(float(arg("logits_scaling")))
+
+
+def _ffn_width(model, config: dict) -> int:
+    """The dense MLP's hidden width: LFM2 works its own out of block_ff_dim, so it is read off
+    the weights there."""
+    if config["model_type"] == "lfm2" and model is not None:
+        for name, v in tree_flatten(model.parameters()):
+            if name.endswith("feed_forward.w1.weight"):
+                return int(v.shape[0])
+    return int(config["intermediate_size"])
+
+
+def _tensor_for_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> np.ndarray:
+    """A parameter (fp32) as llama.cpp's converter stores it under GGUF name ``g``."""
+    if family.permuted and g.endswith(("attn_q.weight", "attn_q.bias")):
+        return permute_qk(a, n_head)
+    if family.permuted and g.endswith(("attn_k.weight", "attn_k.bias")):
+        return permute_qk(a, n_kv)
+    if family.norm_plus_one and g.endswith("norm.weight"):
+        return a + 1.0
+    if g.endswith("shortconv.conv.weight"):  # MLX's depthwise conv [C, K, 1] -> [C, K]
+        return a.reshape(a.shape[0], a.shape[1])
+    return a
+
+
+def _names(model, config: dict, where: str) -> dict[str, str]:
+    """Parameter name -> GGUF name, every parameter named (UserInputError otherwise)."""
+    mt, layers = config["model_type"], config["num_hidden_layers"]
+    out = {}
+    for hf, _ in tree_flatten(model.parameters()):
+        g = gguf_name(hf, mt, layers)
+        if g is None:
+            raise UserInputError(
+                f"llama.cpp's {FAMILIES[mt].arch} architecture holds no tensor for {hf!r}", where
+            )
+        out[hf] = g
+    return out
 
 
 def write_gguf_model(
@@ -257,15 +373,21 @@ def write_gguf_model(
         raise UserInputError(
             f"GGUF dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "--dtype"
         )
-    arch, permute = _arch(config)
+    where = "export --format gguf"
+    arch, _ = _arch(config)
+    family = FAMILIES[config["model_type"]]
     n_head, n_kv, head_dim = _heads(config)
-    scalar = getattr(getattr(model, "args", None), "query_pre_attn_scalar", None)
+    scalar = getattr(_args(model), "query_pre_attn_scalar", None)
     if config["model_type"] == "gemma2" and scalar is not None and scalar != head_dim:
         raise UserInputError(
             f"llama.cpp scales gemma2 queries by 1/sqrt(head_dim); this model's query_pre_attn_scalar "
             f"is {scalar:g}, not head_dim {head_dim}",
-            "export --format gguf",
+            where,
         )
+    why = _refusal(model, config)
+    if why is not None:
+        raise UserInputError(why, where)
+    names = _names(model, config, where)
     path = out / f"{name}-{dtype}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
@@ -276,24 +398,18 @@ def write_gguf_model(
         _copy_tokenizer(w, Path(tokenizer_gguf), template if isinstance(template, str) else None)
     else:
         _add_tokenizer(w, tokenizer_dir, tokenizer)
-    mt = config["model_type"]
+    shapes = {}
     for hf, v in tree_flatten(model.parameters()):
-        g = gguf_name(hf, mt)
-        if g is None:
-            raise UserInputError(f"no GGUF name for tensor {hf!r}", "export --format gguf")
-        a = np.array(v.astype(mx.float32))
-        if permute and g.endswith("attn_q.weight"):
-            a = permute_qk(a, n_head)
-        elif permute and g.endswith("attn_k.weight"):
-            a = permute_qk(a, n_kv)
-        elif mt in NORM_PLUS_ONE and g.endswith("norm.weight"):
-            a = a + 1.0
-        data, raw = _tensor_array(np.ascontiguousarray(a, dtype=np.float32), dtype)
+        g = names[hf]
+        a = _tensor_for_gguf(np.array(v.astype(mx.float32)), g, family, n_head, n_kv)
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        # routers and short convolutions stay f32, as llama.cpp's converter keeps them
+        kind = "f32" if g.endswith(("ffn_gate_inp.weight", "shortconv.conv.weight")) else dtype
+        data, raw = _tensor_array(a, kind)
         w.add_tensor(g, data, raw_dtype=raw)
+        shapes[g] = a.shape[::-1]
     _finish(w)
-    verify(
-        path, arch, {gguf_name(k, mt): v.shape[::-1] for k, v in tree_flatten(model.parameters())}
-    )
+    verify(path, arch, shapes)
     return path
 
 
@@ -301,8 +417,13 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
     """The LoRA adapter of a model (its LoRALinear layers) for llama.cpp's --lora; returns its path."""
     import gguf
 
+    where = "export --format gguf-adapter"
     arch, permute = _arch(config)
+    why = _refusal(model, config)
+    if why is not None:
+        raise UserInputError(why, where)
     n_head, n_kv, _ = _heads(config)
+    layers = config["num_hidden_layers"]
     path = out / f"{name}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_string("general.type", "adapter")
@@ -311,15 +432,21 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
     w.add_float32("adapter.lora.alpha", float(alpha))
     shapes = {}
     for mod_name, m in model.named_modules():
+        if isinstance(m, LoRASwitchLinear):
+            raise UserInputError(
+                f"{mod_name} adapts a mixture's experts, which llama.cpp's LoRA adapters do not "
+                "hold; export gguf (fused) instead, or leave the experts out of adapter.targets",
+                where,
+            )
         if not isinstance(m, LoRALinear):
             continue
         if isinstance(m, DoRALinear):
             raise UserInputError(
                 "llama.cpp's LoRA adapters cannot hold DoRA; export gguf (fused) instead", "export"
             )
-        g = gguf_name(f"{mod_name}.weight", config["model_type"])
+        g = gguf_name(f"{mod_name}.weight", config["model_type"], layers)
         if g is None:
-            raise UserInputError(f"no GGUF name for {mod_name!r}", "export --format gguf-adapter")
+            raise UserInputError(f"no GGUF name for {mod_name!r}", where)
         a = np.ascontiguousarray(np.array(m.lora_a.astype(mx.float32)).T)  # [r, in]
         b = np.ascontiguousarray(np.array(m.lora_b.astype(mx.float32)).T)  # [out, r]
         if permute and g.endswith("attn_q.weight"):

@@ -215,9 +215,9 @@ def _gemma2_settings(g: GGUFModelFile, config: dict) -> dict:
 
 def _name_table(model: nn.Module, model_type: str) -> dict[str, str]:
     """GGUF tensor name -> parameter name, for every parameter the model has."""
-    table = {}
+    table, n_blocks = {}, len(model.layers)
     for hf, _ in tree_flatten(model.parameters()):
-        g = gguf_name(hf, model_type)
+        g = gguf_name(hf, model_type, n_blocks)
         if g is not None:
             table[g] = hf
     return table

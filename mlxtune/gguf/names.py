@@ -1,72 +1,96 @@
 """GGUF's names for the families and tensors mlxtune exports and reads back: one table, so the
-export (export.py) and the import (load.py) agree."""
+export (export.py) and the import (load.py) agree.
+
+Tensor names come from the ``gguf`` package's ``TensorNameMap`` (llama.cpp's converter's own
+table, limited to the tensors each architecture has), so a tensor llama.cpp's architecture does
+not hold has no name and the export refuses it by name. A mixture's experts are held stacked
+(mlx-lm's ``switch_mlp``), which is llama.cpp's layout too (``ffn_*_exps``).
+"""
 
 from __future__ import annotations
 
-# model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
-ARCHES = {
-    "llama": ("llama", True),
-    "mistral": ("llama", True),
-    "qwen2": ("qwen2", False),
-    "qwen3": ("qwen3", False),
-    "gemma": ("gemma", False),
-    "gemma2": ("gemma2", False),
-    "phi3": ("phi3", False),
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class Family:
+    """How llama.cpp holds one mlx-lm model type."""
+
+    arch: str  # general.architecture
+    permuted: bool = False  # q/k rows in llama.cpp's interleaved rope order (its LlamaModel)
+    norm_plus_one: bool = False  # a (1 + w) RMSNorm, stored as w + 1 (gemma)
+    # the router's top-k weights renormalised, as llama.cpp's graph for the arch fixes it
+    # (None: the arch has no experts)
+    norm_topk: bool | None = None
+
+
+FAMILIES = {
+    "llama": Family("llama", permuted=True),
+    "mistral": Family("llama", permuted=True),
+    "mixtral": Family("llama", permuted=True, norm_topk=True),
+    "qwen2": Family("qwen2"),
+    "qwen3": Family("qwen3"),
+    "qwen2_moe": Family("qwen2moe", norm_topk=False),
+    "qwen3_moe": Family("qwen3moe", norm_topk=True),
+    "olmoe": Family("olmoe", norm_topk=False),
+    "olmo2": Family("olmo2"),
+    "granite": Family("granite", permuted=True),
+    "granitemoe": Family("granitemoe", permuted=True, norm_topk=True),
+    "smollm3": Family("smollm3", permuted=True),
+    "gemma": Family("gemma", norm_plus_one=True),
+    "gemma2": Family("gemma2", norm_plus_one=True),
+    "gemma3_text": Family("gemma3", norm_plus_one=True),
+    "phi3": Family("phi3"),
+    "lfm2": Family("lfm2"),
 }
-# gemma's RMSNorm scales by (1 + w); llama.cpp's by w, so its converter stores w + 1
-NORM_PLUS_ONE = ("gemma", "gemma2")
+# model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
+ARCHES = {mt: (f.arch, f.permuted) for mt, f in FAMILIES.items()}
+NORM_PLUS_ONE = tuple(mt for mt, f in FAMILIES.items() if f.norm_plus_one)
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 
-_LINEAR = {
-    "self_attn.qkv_proj": "attn_qkv",  # phi3: q, k and v in one matrix
-    "mlp.gate_up_proj": "ffn_up",  # phi3: gate and up in one matrix
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_OTHER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
+# a stacked expert projection (mlx-lm's switch_mlp) -> llama.cpp's merged expert tensor
+_EXPERTS = {
+    "gate_proj": "FFN_GATE_EXP",
+    "up_proj": "FFN_UP_EXP",
+    "down_proj": "FFN_DOWN_EXP",
+    "fc1": "FFN_UP_EXP",
+    "fc2": "FFN_DOWN_EXP",
 }
 
 
-# gemma2 has four norms per block; its post_attention_layernorm is not llama's (pre-FFN) one
-_GEMMA2 = {
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-}
+def _arch_code(arch: str):
+    import gguf
+
+    return next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
 
 
-def gguf_name(hf: str, model_type: str = "llama") -> str | None:
-    """The GGUF tensor name for a Hugging Face/mlx-lm parameter name (None: not exported)."""
-    if hf == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf == "model.norm.weight":
-        return "output_norm.weight"
-    if hf == "lm_head.weight":
-        return "output.weight"
-    parts = hf.split(".")
-    if parts[:2] != ["model", "layers"]:
+@lru_cache(maxsize=16)
+def _name_map(arch: str, n_blocks: int):
+    import gguf
+
+    return gguf.get_tensor_name_map(_arch_code(arch), n_blocks)
+
+
+def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | None:
+    """The GGUF tensor name for a Hugging Face/mlx-lm parameter name of a model with
+    ``n_blocks`` layers (None: llama.cpp's architecture holds no such tensor)."""
+    import gguf
+
+    family = FAMILIES.get(model_type)
+    if family is None:
         return None
-    bid, rest = parts[2], ".".join(parts[3:])
-    if model_type == "gemma2" and rest in _GEMMA2:
-        return f"blk.{bid}.{_GEMMA2[rest]}"
-    if rest in _OTHER:
-        return f"blk.{bid}.{_OTHER[rest]}"
-    for hf_mod, name in _LINEAR.items():
-        if rest == f"{hf_mod}.weight":
-            return f"blk.{bid}.{name}.weight"
-    return None
+    parts = hf.split(".")
+    if "switch_mlp" in parts and len(parts) >= 3 and parts[2].isdigit():
+        i = parts.index("switch_mlp")
+        kind = _EXPERTS.get(parts[i + 1]) if i + 2 < len(parts) else None
+        if kind is None or parts[-1] not in ("weight", "bias"):
+            return None
+        tensor = getattr(gguf.MODEL_TENSOR, kind)
+        if tensor not in gguf.MODEL_TENSORS[_arch_code(family.arch)]:
+            return None
+        return f"{gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2]))}.{parts[-1]}"
+    return _name_map(family.arch, max(n_blocks, 1)).get_name(hf, try_suffixes=(".weight", ".bias"))
 
 
-__all__ = ["ARCHES", "DTYPES", "NORM_PLUS_ONE", "gguf_name"]
+__all__ = ["ARCHES", "DTYPES", "FAMILIES", "Family", "NORM_PLUS_ONE", "gguf_name"]

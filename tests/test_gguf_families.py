@@ -1,0 +1,164 @@
+"""GGUF export and import of the newer families: mixtures of experts (Mixtral, Qwen2/3-MoE,
+OLMoE, Granite MoE), OLMo 2, Granite, SmolLM3, Gemma 3 and LFM2.
+
+The export is checked in llama.cpp itself (llama-cpp-python, the ``llama_cpp`` marker: the
+same logits as mlx-lm's from the file it reads). Without llama.cpp, the default run checks
+what the file says against the model (every tensor under llama.cpp's converter's name, its
+shape and values undone from llama.cpp's conventions by a NumPy reading written here, the
+metadata llama.cpp's loader needs), and that mlxtune reads its own file back to the same
+logits. What llama.cpp fixes per architecture and a model does otherwise is refused by name.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm_archs import tiny_config
+from test_gguf import read
+
+from mlxtune.errors import UserInputError
+from mlxtune.gguf.export import write_gguf_model
+from mlxtune.models import family_classes, load_gguf
+from mlxtune.models.configs import normalise_config
+from mlxtune.models.moe import router_paths
+
+# model type -> settings llama.cpp fixes for its architecture, where the tiny config differs
+FAMILIES = {
+    "mixtral": {},
+    "qwen2_moe": {},
+    "qwen3_moe": {"norm_topk_prob": True},
+    "olmoe": {"norm_topk_prob": False, "num_key_value_heads": 4},
+    "granitemoe": {},
+    "olmo2": {},
+    "granite": {},
+    "smollm3": {"num_hidden_layers": 4, "no_rope_layer_interval": 4},
+    "gemma3_text": {
+        "num_hidden_layers": 6,
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 16,
+        "head_dim": 16,
+    },
+    "lfm2": {},
+}
+IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
+
+
+def tiny(name, vocab):
+    mx.random.seed(4)
+    config = {**tiny_config(name, vocab), **FAMILIES[name]}
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(normalise_config(config, args_class)))
+    for path in router_paths(model):  # mlx-lm starts some routers at zero: experts would tie
+        router = dict(model.named_modules())[path]
+        router.weight = 0.5 * mx.random.normal(router.weight.shape)
+    params = tree_flatten(model.parameters())  # norms and biases away from 1 and 0
+    model.load_weights([(k, v + 0.05 * mx.random.normal(v.shape)) for k, v in params])
+    return model, config
+
+
+@pytest.fixture(params=list(FAMILIES))
+def exported(request, tmp_path, tokenizer, tokenizer_dir):
+    name = request.param
+    model, config = tiny(name, len(tokenizer._tokenizer))
+    path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32", name)
+    want = np.array(model(mx.array([IDS]))[0])
+    return name, model, config, path, want
+
+
+def test_mlxtune_reads_its_gguf_export_back_to_the_same_model(exported):
+    name, model, config, path, want = exported
+    back, back_config, _ = load_gguf(path, "float32")
+    assert back_config["model_type"] == name
+    np.testing.assert_allclose(np.array(back(mx.array([IDS]))[0]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
+    import gguf
+
+    name, model, config, path, _ = exported
+    f, t, _ = read(path)
+    arch = f["general.architecture"]
+    layers = config["num_hidden_layers"]
+    assert f[f"{arch}.block_count"] == layers
+    # every tensor llama.cpp's architecture lists, under its own names, and no other
+    code = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    allowed = {
+        gguf.TENSOR_NAMES[k].format(bid=i) for k in gguf.MODEL_TENSORS[code] for i in range(layers)
+    }
+    assert {n.rsplit(".", 1)[0] for n in t} <= allowed
+    assert sum(v.size for v in t.values()) == sum(
+        v.size for _, v in tree_flatten(model.parameters())
+    )
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        assert f[f"{arch}.expert_count"] == experts
+        assert f[f"{arch}.expert_used_count"] == config["num_experts_per_tok"]
+        stacked = [v for n, v in t.items() if "_exps." in n]
+        assert stacked and all(v.shape[0] == experts for v in stacked)
+    if name == "lfm2":  # conv layers are the ones without kv heads
+        full = set(model.args.full_attn_idxs)
+        kv = f["lfm2.attention.head_count_kv"]
+        assert [i for i in range(layers) if kv[i] > 0] == sorted(full)
+        assert f["lfm2.shortconv.l_cache"] == config["conv_L_cache"]
+    if name.startswith("granite"):
+        for key, hf in (
+            ("attention.scale", "attention_multiplier"),
+            ("embedding_scale", "embedding_multiplier"),
+            ("residual_scale", "residual_multiplier"),
+            ("logit_scale", "logits_scaling"),
+        ):
+            assert f[f"{arch}.{key}"] == pytest.approx(getattr(model.args, hf))
+    if name == "gemma3_text":  # (1 + w) norms stored as w + 1, as llama.cpp's converter does
+        w = np.array(model.model.layers[0].input_layernorm.weight)
+        np.testing.assert_allclose(t["blk.0.attn_norm.weight"], w + 1, rtol=1e-6)
+        assert f["gemma3.attention.sliding_window"] == config["sliding_window"]
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
+    llama_cpp = pytest.importorskip(
+        "llama_cpp",
+        reason="needs llama-cpp-python (compiles from source, about 13 minutes on 2 cores)",
+    )
+    name, _, _, path, want = exported
+    f32 = 0  # ggml's F32: the key/value cache in full precision, as the mlx-lm side computes
+    llm = llama_cpp.Llama(
+        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=f32, type_v=f32
+    )
+    llm.eval(IDS)
+    got = np.array(llm.scores[: len(IDS)])
+    np.testing.assert_allclose(got, want, atol=1e-3 * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize(
+    "name, change, words",
+    [
+        ("qwen3_moe", {"norm_topk_prob": False}, "renormalise the routers' top-k"),
+        ("qwen3_moe", {"mlp_only_layers": [0]}, "experts in every layer"),
+        ("olmoe", {"norm_topk_prob": True}, "does not renormalise"),
+        ("olmoe", {"num_key_value_heads": 2}, "as many key/value heads"),
+        ("gemma3_text", {"sliding_window_pattern": 2}, "fixes sliding_window_pattern at 6"),
+        ("smollm3", {"no_rope_layer_interval": 3}, "every 4th layer"),
+    ],
+)
+def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
+    tmp_path, tokenizer, tokenizer_dir, name, change, words
+):
+    vocab = len(tokenizer._tokenizer)
+    config = {**tiny_config(name, vocab), **FAMILIES[name], **change}
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(normalise_config(config, args_class)))
+    with pytest.raises(UserInputError, match=words):
+        write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_a_family_llama_cpp_has_no_architecture_for_is_refused_by_name(
+    tmp_path, tokenizer, tokenizer_dir
+):
+    config = tiny_config("gpt_oss", len(tokenizer._tokenizer))
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(config))
+    with pytest.raises(UserInputError, match="'gpt_oss'"):
+        write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
