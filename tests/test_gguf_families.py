@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm_archs import tiny_config
-from test_gguf import read
 
 from mlxtune.errors import UserInputError
 from mlxtune.gguf.export import write_gguf_model
@@ -42,6 +41,17 @@ FAMILIES = {
     "lfm2": {},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
+# llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table
+TOL = 2e-3
+
+
+def read(path):
+    """(metadata, tensors as numpy, the file) through mlxtune's own one-pass reader (gguf's
+    reader walks a vocabulary's every string; these files are f32)."""
+    from mlxtune.gguf.file import open_gguf
+
+    r = open_gguf(path)
+    return r.fields, {n: np.asarray(t.data, np.float32) for n, t in r.tensors.items()}, r
 
 
 def tiny(name, vocab):
@@ -128,7 +138,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
     )
     llm.eval(IDS)
     got = np.array(llm.scores[: len(IDS)])
-    np.testing.assert_allclose(got, want, atol=1e-3 * max(1.0, np.abs(want).max()))
+    np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
 
 
 @pytest.mark.parametrize(
@@ -154,11 +164,94 @@ def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
     assert not list(tmp_path.glob("*.gguf"))
 
 
-def test_a_family_llama_cpp_has_no_architecture_for_is_refused_by_name(
+def test_a_family_mlxtune_does_not_write_is_refused_by_name(
     tmp_path, tokenizer, tokenizer_dir
 ):
     config = tiny_config("gpt_oss", len(tokenizer._tokenizer))
     model_class, args_class = family_classes(config)
     model = model_class(args_class.from_dict(config))
-    with pytest.raises(UserInputError, match="'gpt_oss'"):
+    with pytest.raises(UserInputError, match="'gpt-oss' architecture is not one mlxtune writes"):
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+
+
+def adapted(name, vocab):
+    """The tiny model with LoRA on every linear layer but a mixture's experts, its B random."""
+    from mlxtune.adapters import LoRALinear, apply_adapters
+
+    model, config = tiny(name, vocab)
+    moe = bool(config.get("num_experts") or config.get("num_local_experts"))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if moe else ["all-linear"]
+    apply_adapters(model, "lora", 4, 8.0, 0.0, targets)
+    for _, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            m.lora_b = 0.2 * mx.random.normal(m.lora_b.shape)
+    return model, config
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_llama_cpp_applies_the_gguf_adapter_of_each_family(
+    name, tmp_path, tokenizer, tokenizer_dir
+):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
+    from mlxtune.gguf.export import write_gguf_adapter
+
+    plain, config = tiny(name, len(tokenizer._tokenizer))  # the same base: the same seed
+    base = write_gguf_model(plain, config, tokenizer, tokenizer_dir, tmp_path, "f32", name)
+    model, config = adapted(name, len(tokenizer._tokenizer))
+    lora = write_gguf_adapter(model, config, 8.0, tmp_path)
+    want = np.array(model(mx.array([IDS]))[0])
+    llm = llama_cpp.Llama(
+        model_path=str(base),
+        lora_path=str(lora),
+        logits_all=True,
+        n_ctx=64,
+        verbose=False,
+        type_k=0,
+        type_v=0,
+    )
+    llm.eval(IDS)
+    got = np.array(llm.scores[: len(IDS)])
+    np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
+
+
+def test_a_gguf_adapter_of_expert_adapters_is_refused_by_name(tmp_path, tokenizer):
+    from mlxtune.adapters import apply_adapters
+    from mlxtune.gguf.export import write_gguf_adapter
+
+    model, config = tiny("qwen3_moe", len(tokenizer._tokenizer))
+    apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
+    with pytest.raises(UserInputError, match="switch_mlp.* experts"):
+        write_gguf_adapter(model, config, 8.0, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "lfm2"])
+def test_a_gguf_file_of_a_newer_family_is_a_training_base(
+    name, tmp_path, data_dir, tokenizer, tokenizer_dir
+):
+    """LoRA over the Q8_0 file of a mixture of experts and of a hybrid: the loss falls, and the
+    run's own GGUF export holds the trained model (read back to its logits)."""
+    import json
+
+    from test_gguf_run import recipe
+    from test_resume import trainer
+
+    model, config = tiny(name, len(tokenizer._tokenizer))
+    (tmp_path / "base").mkdir()
+    base = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path / "base", "q8_0")
+    r = recipe(data_dir, base)
+    r["train"]["max_steps"] = 12
+    r["export"] = {"formats": ["gguf"]}
+    tr = trainer(r, tmp_path / "run")
+    tr.run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in rows if "loss" in row and "eval_loss" not in row]
+    assert np.isfinite(losses).all() and np.mean(losses[-3:]) < losses[0]
+    tr.model.eval()
+    ids = mx.array([tr.train_set.examples[0].ids])
+    want = np.array(tr.model(ids)[0].astype(mx.float32))
+    out = next((tmp_path / "run" / "export" / "gguf").glob("*.gguf"))
+    back, back_config, _ = load_gguf(out, "float32")
+    assert back_config["model_type"] == name
+    # the export is f16: its rounding, not the training, sets the tolerance
+    np.testing.assert_allclose(np.array(back(ids)[0]), want, atol=3e-2 * np.abs(want).max())

@@ -25,17 +25,21 @@ from ..adapters import DoRALinear, LoRALinear, LoRASwitchLinear
 from ..errors import UserInputError
 from ..models.configs import rope_base
 from .file import open_gguf
-from .names import DTYPES, FAMILIES, gguf_name
+from .names import DTYPES, FAMILIES, gguf_name, llama_cpp_arch
 from .tokenizer import EXPORT_PRE_NAMES
 
 
 def _arch(config: dict) -> tuple[str, bool]:
     mt = config.get("model_type")
     if mt not in FAMILIES:
+        arch = llama_cpp_arch(str(mt))
+        why = (
+            f"llama.cpp has no architecture for {mt!r}"
+            if arch is None
+            else f"llama.cpp's {arch!r} architecture is not one mlxtune writes yet"
+        )
         raise UserInputError(
-            f"GGUF export writes the model types llama.cpp has an architecture for that mlxtune "
-            f"maps ({', '.join(FAMILIES)}), not {mt!r}",
-            "export --format gguf",
+            f"{why}; GGUF export writes {', '.join(FAMILIES)}", "export --format gguf"
         )
     return FAMILIES[mt].arch, FAMILIES[mt].permuted
 
@@ -474,24 +478,20 @@ def verify(path: Path, arch: str, shapes: dict, adapter: bool = False):
     import gguf
 
     try:
-        r = gguf.GGUFReader(str(path))
-    except Exception as e:
+        r = open_gguf(path)
+    except UserInputError as e:
         raise UserInputError(f"the GGUF just written does not read back: {e}", str(path)) from None
-
-    def field(key):
-        f = r.fields.get(key)
-        return None if f is None else f.contents()
-
+    field = r.fields.get
     problems = []
     if field("general.architecture") != arch:
         problems.append(f"general.architecture is {field('general.architecture')!r}, not {arch!r}")
     if adapter and (field("general.type") != "adapter" or field("adapter.type") != "lora"):
         problems.append("adapter metadata (general.type, adapter.type) missing")
     if not adapter:
-        types = r.fields.get("tokenizer.ggml.token_type")
-        if types is None or types.types[-1] != gguf.GGUFValueType.INT32:
+        array, int32 = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32
+        if r.types.get("tokenizer.ggml.token_type") != (array, int32):
             problems.append("tokenizer.ggml.token_type is not an array of int32")
-    got = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+    got = {name: tuple(int(x) for x in t.shape) for name, t in r.tensors.items()}
     for name, shape in shapes.items():
         if name not in got:
             problems.append(f"tensor {name} is missing")

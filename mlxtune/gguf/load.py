@@ -27,22 +27,17 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
-from ..models.common import DTYPES, HF_ARCHITECTURES, family_classes
+from ..models.common import DTYPES, family_classes, hf_architecture
 from ..models.quantize import cpu_dequantizing
 from .file import GGUFFile, open_gguf
 from .names import ARCHES, NORM_PLUS_ONE, gguf_name
+from .names import FAMILIES as NAMED
 
 GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 
-# GGUF architecture -> model_type (mistral's files say "llama": mlx-lm's llama runs them)
-FAMILIES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma": "gemma",
-    "gemma2": "gemma2",
-    "phi3": "phi3",
-}
+# GGUF architecture -> model_type (mistral's files say "llama": mlx-lm's llama runs them; a
+# "llama" file with experts is a Mixtral)
+FAMILIES = {f.arch: mt for mt, f in NAMED.items() if mt not in ("mistral", "mixtral")}
 # architectures whose q/k rows llama.cpp's converter permutes to its interleaved rope order
 PERMUTED = tuple({arch for arch, permuted in ARCHES.values() if permuted})
 # tensor types held as MLX quantized arrays (bits) when kept quantized
@@ -114,8 +109,15 @@ def gguf_config(g: GGUFModelFile) -> dict:
             raise UserInputError(f"the metadata has no {arch}.{key}", where)
         return v
 
+    model_type = FAMILIES[arch]
+    if arch == "llama" and g.get("expert_count"):
+        model_type = "mixtral"
     n_head = need("attention.head_count")
     n_kv = g.get("attention.head_count_kv", n_head)
+    kv_layers = None
+    if model_type == "lfm2" and not isinstance(n_kv, int):  # 0 kv heads: a short-conv layer
+        kv_layers = [int(n) for n in n_kv]
+        n_kv = max(kv_layers)
     for name, v in (("attention.head_count", n_head), ("attention.head_count_kv", n_kv)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise UserInputError(
@@ -130,10 +132,9 @@ def gguf_config(g: GGUFModelFile) -> dict:
         raise UserInputError("no token_embd.weight tensor", where)
     tokens = g.fields.get("tokenizer.ggml.tokens")
     vocab = g.get("vocab_size") or (len(tokens) if tokens is not None else int(embd.shape[-1]))
-    model_type = FAMILIES[arch]
     config = {
         "model_type": model_type,
-        "architectures": [HF_ARCHITECTURES[model_type]],
+        "architectures": [hf_architecture(model_type)],
         "hidden_size": hidden,
         "num_hidden_layers": need("block_count"),
         "intermediate_size": need("feed_forward_length"),
@@ -157,7 +158,73 @@ def gguf_config(g: GGUFModelFile) -> dict:
     config.update(_rope_settings(g, config))
     if model_type == "gemma2":
         config.update(_gemma2_settings(g, config))
+    config.update(_family_settings(g, config, kv_layers))
     return config
+
+
+def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:
+    """The settings of the newer families, from their metadata, tensors, and what llama.cpp
+    fixes for their architecture (the export refuses a model that does otherwise)."""
+    mt, out = config["model_type"], {}
+    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    experts = g.get("expert_count")
+    if experts:
+        key = "num_local_experts" if mt in ("mixtral", "granitemoe") else "num_experts"
+        out[key] = int(experts)
+        out["num_experts_per_tok"] = int(g.get("expert_used_count"))
+        width = g.get("expert_feed_forward_length")
+        if width is None and "blk.0.ffn_gate_exps.weight" in g.tensors:
+            width = int(g.tensors["blk.0.ffn_gate_exps.weight"].shape[1])
+        if mt in ("qwen2_moe", "qwen3_moe"):
+            out["moe_intermediate_size"] = int(width)
+            out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
+        if NAMED[mt].norm_topk is not None and mt in ("qwen3_moe", "olmoe"):
+            out["norm_topk_prob"] = NAMED[mt].norm_topk
+        if mt == "qwen2_moe":
+            shared = g.get("expert_shared_feed_forward_length")
+            if shared is None and "blk.0.ffn_gate_shexp.weight" in g.tensors:
+                shared = int(g.tensors["blk.0.ffn_gate_shexp.weight"].shape[1])
+            out["shared_expert_intermediate_size"] = int(shared or 0)
+    if mt in ("granite", "granitemoe", "olmoe", "olmo2"):
+        out["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+        out["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
+    if mt in ("granite", "granitemoe"):
+        for key, meta in (
+            ("attention_multiplier", "attention.scale"),
+            ("embedding_multiplier", "embedding_scale"),
+            ("residual_multiplier", "residual_scale"),
+            ("logits_scaling", "logit_scale"),
+        ):
+            out[key] = float(g.get(meta, 1.0))
+    if mt == "smollm3":
+        out["no_rope_layer_interval"] = 4  # llama.cpp's smollm3 leaves every 4th layer unroped
+    if mt == "gemma3_text":
+        big = layers == 62  # llama.cpp scales the 27B model's queries by hidden / heads
+        out.update(
+            sliding_window=int(g.get("attention.sliding_window", 512)),
+            sliding_window_pattern=6,
+            rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=float(
+                config["hidden_size"] // config["num_attention_heads"] if big else head_dim
+            ),
+        )
+        if g.get("final_logit_softcapping"):
+            out["final_logit_softcapping"] = float(g.get("final_logit_softcapping"))
+    if mt == "lfm2":
+        full = [i for i, n in enumerate(kv_layers or [1] * layers) if n > 0]
+        out.update(
+            full_attn_idxs=full,
+            conv_L_cache=int(g.get("shortconv.l_cache", 3)),
+            conv_bias="blk.0.shortconv.conv.bias" in g.tensors
+            or any(f"blk.{i}.shortconv.in_proj.bias" in g.tensors for i in range(layers)),
+            norm_eps=config["rms_norm_eps"],
+            block_dim=config["hidden_size"],
+            block_ff_dim=config["intermediate_size"],
+            block_auto_adjust_ff_dim=False,
+            block_multiple_of=1,
+            block_ffn_dim_multiplier=1.0,
+        )
+    return out
 
 
 def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
@@ -382,6 +449,7 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
     rotate-half order and gemma norms without llama.cpp's 1. Records each in ``done``."""
     heads = {"attn_q.weight": config["num_attention_heads"]}
     heads["attn_k.weight"] = config["num_key_value_heads"]
+    heads["attn_q.bias"], heads["attn_k.bias"] = heads["attn_q.weight"], heads["attn_k.weight"]
     weights = []
     for gname, hf in table.items():
         t = g.tensors[gname]
@@ -403,6 +471,8 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
             a = _unpermute_rows(a, h)
         if config["model_type"] in NORM_PLUS_ONE and gname.endswith("norm.weight"):
             a = a - 1.0
+        if gname.endswith("shortconv.conv.weight"):  # [C, K] -> MLX's depthwise [C, K, 1]
+            a = a[..., None]
         weights.append((hf, mx.array(a).astype(target)))
         if kind != "F32":
             done.dequantized[gname] = kind

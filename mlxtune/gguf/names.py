@@ -59,6 +59,20 @@ _EXPERTS = {
 }
 
 
+def llama_cpp_arch(model_type: str) -> str | None:
+    """The llama.cpp architecture of the same name as an mlx-lm model type (spelling aside:
+    ``gpt_oss`` is ``gpt-oss``, ``qwen3_next`` ``qwen3next``), or None."""
+    import gguf
+
+    if model_type in FAMILIES:
+        return FAMILIES[model_type].arch
+
+    def key(name: str) -> str:
+        return name.removesuffix("_text").replace("_", "").replace("-", "")
+
+    return next((a for a in gguf.MODEL_ARCH_NAMES.values() if key(a) == key(model_type)), None)
+
+
 def _arch_code(arch: str):
     import gguf
 
@@ -93,4 +107,4 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
     return _name_map(family.arch, max(n_blocks, 1)).get_name(hf, try_suffixes=(".weight", ".bias"))
 
 
-__all__ = ["ARCHES", "DTYPES", "FAMILIES", "Family", "NORM_PLUS_ONE", "gguf_name"]
+__all__ = ["ARCHES", "DTYPES", "FAMILIES", "Family", "NORM_PLUS_ONE", "gguf_name", "llama_cpp_arch"]
