@@ -49,6 +49,7 @@ from .models import (
     without_value_head,
 )
 from .models.heads import VALUE_HEAD
+from .models.layout import published_names
 
 FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter")
 REWARD_HEAD_FILE = "reward_head.safetensors"
@@ -174,10 +175,26 @@ def write_gguf_base(t: TrainedModel, out: Path):
     save_model(base, config, out, t.tokenizer, t.tokenizer_dir)
 
 
+def _plain_weights(model: nn.Module) -> dict[str, mx.array]:
+    """The model's weights as its base holds them: each adapter's base weight at its path."""
+    wrapped = {name for name, _ in adapter_modules(model)}
+    out = {}
+    for k, v in tree_flatten(model.parameters()):
+        module, _, leaf = k.rpartition(".")
+        if module in wrapped:
+            continue  # lora_a, lora_b, a DoRA magnitude
+        parent, _, inner = module.rpartition(".")
+        out[f"{parent}.{leaf}" if inner == "linear" and parent in wrapped else k] = v
+    return out
+
+
 def peft_weights(model: nn.Module) -> dict[str, mx.array]:
+    """PEFT's tensors, under the module names of the published layout (what transformers
+    builds): the same as mlx-lm's wherever a family keeps them."""
+    names = published_names(model, _plain_weights(model))
     out = {}
     for name, m in adapter_modules(model):
-        key = f"base_model.model.{name}"
+        key = f"base_model.model.{names.get(f'{name}.weight', f'{name}.weight')[: -len('.weight')]}"
         out[f"{key}.lora_A.weight"] = mx.contiguous(m.lora_a.T)
         out[f"{key}.lora_B.weight"] = mx.contiguous(m.lora_b.T)
         if isinstance(m, DoRALinear):
@@ -219,7 +236,9 @@ def write_peft(t: TrainedModel, out: Path, base_name: str | None = None):
         "lora_alpha": a["alpha"],
         "use_rslora": a.get("rslora", False),
         "lora_dropout": a.get("dropout", 0.0),
-        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in a["adapted"]}),
+        "target_modules": sorted(
+            {k.split(".lora_A.")[0].rsplit(".", 1)[-1] for k in weights if ".lora_A." in k}
+        ),
         "layers_to_transform": sorted(a["layers"]),
         "use_dora": a["type"] == "dora",
         "bias": "none",

@@ -438,3 +438,56 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_moe_and_hybrid_block
     assert plain.keys() == again.keys()
     for k in plain:
         np.testing.assert_allclose(np.array(again[k]), np.array(plain[k]), rtol=1e-4, atol=1e-6)
+
+
+# PEFT's module names are transformers' (the published layout's): LFM2-MoE renames its dense MLP
+PEFT_FAMILIES = [n for n in NAMED if n not in TRANSFORMERS_DIFFERS] + ["lfm2_moe"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in QUICK + ["lfm2_moe"] else pytest.param(n, marks=pytest.mark.slow)
+        for n in PEFT_FAMILIES
+    ],
+)
+def test_peft_applies_the_peft_export_over_the_published_base(name, tmp_path, data_dir, family_dir):
+    torch = interop("torch")
+    peft = interop("peft")
+    from test_interop import from_pretrained
+
+    moe = any("switch_mlp" in k for k, _ in tree_flatten(load_family(family_dir(name))))
+    adapter = {
+        **LORA,
+        "targets": ["q_proj", "k_proj", "v_proj", "o_proj"] if moe else LORA["targets"],
+    }
+    if name == "lfm2_moe":  # every linear layer of its dense block (conv, attention, w1/w2/w3)
+        adapter = {**LORA, "layers": [0]}
+    tr, _ = run(
+        tmp_path,
+        data_dir,
+        family_dir(name),
+        adapter=adapter,
+        optimizer={"lr": 1e-1},
+        export={"formats": ["peft"]},
+    )
+    tr.model.eval()
+    ids = [tr.train_set.examples[0].ids]
+    want = np.array(tr.model(mx.array(ids)).astype(mx.float32))
+    base = from_pretrained(torch, family_dir(name))
+    with torch.no_grad():
+        before = base(torch.tensor(ids)).logits.numpy()
+    assert np.abs(before - want).max() > 1e-2  # the adapter moved the logits
+    if name == "lfm2_moe":
+        written = mx.load(str(tmp_path / "run" / "export" / "peft" / "adapter_model.safetensors"))
+        assert any(".feed_forward.w1.lora_A" in k for k in written), sorted(written)
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "run" / "export" / "peft"))
+    with torch.no_grad():
+        got = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def load_family(path):
+    from mlxtune.models import load_model
+
+    return load_model(path)[0].parameters()

@@ -183,4 +183,13 @@ def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
     return (found, True) if found is not None else (weights, not needs)
 
 
-__all__ = ["hf_weights"]
+def published_names(model: nn.Module, held: dict) -> dict[str, str]:
+    """Held parameter name -> its name in the published layout, for the parameters that layout
+    keeps as they are under another name (LFM2-MoE's dense ``gate_proj`` is ``w1``); the rest
+    keep theirs. ``held``: the model's plain weights (adapters' base weights at their paths)."""
+    published, _ = hf_weights(model, held)
+    by_value = {id(v): k for k, v in published.items()}
+    return {k: by_value.get(id(v), k) for k, v in held.items()}
+
+
+__all__ = ["hf_weights", "published_names"]
