@@ -491,3 +491,56 @@ def load_family(path):
     from mlxtune.models import load_model
 
     return load_model(path)[0].parameters()
+
+
+@pytest.mark.parametrize("mode, bits", [("affine", 4), ("mxfp4", 4)])
+@pytest.mark.parametrize(
+    "name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in NAMED]
+)
+def test_lora_over_a_pre_quantized_checkpoint_trains_and_exports(
+    name, mode, bits, tmp_path, data_dir, tokenizer, tokenizer_dir
+):
+    """An mlx-community style checkpoint (4-bit affine, or mxfp4 as gpt-oss's are), experts
+    quantized too: LoRA trains over the codes as they are, the mlx-lm adapter loads over the
+    checkpoint in mlx-lm, and the fused export (de-quantized) is the trained model."""
+    from mlx_lm.utils import load as mlx_lm_load
+    from mlx_lm.utils import quantize_model
+
+    from mlxtune.cli import main
+
+    mx.random.seed(2)
+    config = {**tiny_config(name, VOCAB), "pad_token_id": 0}
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(normalise_config(config, args_class)))
+    for path in router_paths(model):
+        router = dict(model.named_modules())[path]
+        router.weight = 0.1 * mx.random.normal(router.weight.shape)
+    model, config = quantize_model(model, config, group_size=32, bits=bits, mode=mode)
+    save_model(model, config, tmp_path / "q", tokenizer, tokenizer_dir)
+    tr, losses = run(
+        tmp_path,
+        data_dir,
+        tmp_path / "q",
+        adapter=LORA,
+        optimizer={"lr": 1e-1},
+        export={"formats": ["mlx-lm"]},
+    )
+    assert learned(losses), losses
+    held = [m for _, m in tr.model.named_modules() if getattr(m, "mode", None) == mode]
+    assert held, "the base was not kept quantized"
+    tr.model.eval()
+    ids = mx.array([tr.train_set.examples[0].ids])
+    want = np.array(tr.model(ids).astype(mx.float32))
+    # mxfp4's products on the CPU round differently from one path to another (~3e-4 of the
+    # largest logit seen); the adapter moves the logits by far more than either tolerance
+    tol = (1e-4 if mode == "affine" else 2e-3) * max(1.0, np.abs(want).max())
+    base, _ = mlx_lm_load(str(tmp_path / "q"))
+    assert np.abs(np.array(base(ids)) - want).max() > 20 * tol
+    with_adapter, _ = mlx_lm_load(
+        str(tmp_path / "q"), adapter_path=str(tmp_path / "run" / "export" / "mlx-lm")
+    )
+    np.testing.assert_allclose(np.array(with_adapter(ids)), want, rtol=0, atol=tol)
+    out = tmp_path / "fused"
+    assert main(["export", str(tmp_path / "run"), "--format", "fused", "--out", str(out)]) == 0
+    fused, _ = mlx_lm_load(str(out))  # de-quantized: the quantized products' rounding differs
+    np.testing.assert_allclose(np.array(fused(ids)), want, rtol=0, atol=max(10 * tol, 1e-3))
