@@ -159,3 +159,19 @@ def test_a_saved_model_of_a_dense_family_runs_in_transformers_as_in_mlx_lm(tmp_p
     with torch.no_grad():
         got = hf(torch.tensor([IDS])).logits[0].numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_ministral3_saved_by_transformers_runs_as_transformers_runs_it(tmp_path):
+    """Ministral 3's RoPE (yarn, with Llama 4's attention temperature in rope_parameters) read
+    as transformers reads it. Its config without a sliding window: with one, transformers slides
+    every layer and mlx-lm only the layer_types' sliding ones."""
+    torch = interop("torch")
+    from mlx_lm_archs import tiny_config
+    from transformers import AutoConfig
+
+    cfg = {**tiny_config("ministral3", 64), "sliding_window": None, "pad_token_id": 0}
+    cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    path, ref = saved_by_transformers(torch, tmp_path, config)
+    got, _ = mlxtune_logits(path)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
