@@ -164,9 +164,7 @@ def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
     assert not list(tmp_path.glob("*.gguf"))
 
 
-def test_a_family_mlxtune_does_not_write_is_refused_by_name(
-    tmp_path, tokenizer, tokenizer_dir
-):
+def test_a_family_mlxtune_does_not_write_is_refused_by_name(tmp_path, tokenizer, tokenizer_dir):
     config = tiny_config("gpt_oss", len(tokenizer._tokenizer))
     model_class, args_class = family_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -255,3 +253,85 @@ def test_a_gguf_file_of_a_newer_family_is_a_training_base(
     assert back_config["model_type"] == name
     # the export is f16: its rounding, not the training, sets the tolerance
     np.testing.assert_allclose(np.array(back(ids)[0]), want, atol=3e-2 * np.abs(want).max())
+
+
+SCALINGS = {
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    "linear": {"type": "linear", "factor": 4.0},
+}
+
+
+def test_llama3_rope_divisors_are_mlx_lms_and_read_back_to_the_same():
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    from mlxtune.gguf.rope import llama3_rope_factors, llama3_settings
+
+    for base, dim, old in ((500000.0, 128, 8192), (10000.0, 16, 32), (10000.0, 64, 512)):
+        scaling = {**SCALINGS["llama3"], "original_max_position_embeddings": old}
+        rope = Llama3RoPE(dim, 2048, False, base, scaling_config=scaling)
+        plain = base ** (np.arange(0, dim, 2) / dim)
+        want = np.array(rope._freqs) / plain
+        got = llama3_rope_factors(base, dim, scaling)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        back = llama3_settings(got, base, dim)
+        assert back is not None
+        np.testing.assert_allclose(llama3_rope_factors(base, dim, back), got, rtol=1e-5)
+    assert llama3_settings(np.linspace(1, 3, 8), 10000.0, 16) is None  # not Llama 3's shape
+
+
+def scaled_llama(vocab, kind):
+    mx.random.seed(6)
+    config = {**tiny_config("llama", vocab), "rope_scaling": SCALINGS.get(kind)}
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(config))
+    params = tree_flatten(model.parameters())  # livelier than the init: the positions show
+    model.load_weights([(k, v * 4 if v.ndim == 2 else v) for k, v in params])
+    return model, config
+
+
+ROPE_IDS = list(range(1, 41))  # past the original context of the test's Llama 3 scaling
+
+
+@pytest.mark.parametrize("kind", list(SCALINGS))
+def test_rope_scaling_is_written_to_gguf_and_read_back(kind, tmp_path, tokenizer, tokenizer_dir):
+    model, config = scaled_llama(len(tokenizer._tokenizer), kind)
+    path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+    want = np.array(model(mx.array([ROPE_IDS]))[0])
+    unscaled, _ = scaled_llama(len(tokenizer._tokenizer), None)
+    assert np.abs(np.array(unscaled(mx.array([ROPE_IDS]))[0]) - want).max() > 1e-2
+    back, back_config, _ = load_gguf(path, "float32")
+    np.testing.assert_allclose(np.array(back(mx.array([ROPE_IDS]))[0]), want, atol=1e-4)
+    scaling = back_config["rope_scaling"]
+    assert (scaling.get("rope_type") or scaling.get("type")) == kind
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("kind", list(SCALINGS))
+def test_llama_cpp_runs_a_scaled_rope_as_mlx_lm(kind, tmp_path, tokenizer, tokenizer_dir):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
+    model, config = scaled_llama(len(tokenizer._tokenizer), kind)
+    path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+    want = np.array(model(mx.array([ROPE_IDS]))[0])
+    llm = llama_cpp.Llama(
+        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=0, type_v=0
+    )
+    llm.eval(ROPE_IDS)
+    got = np.array(llm.scores[: len(ROPE_IDS)])
+    np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
+
+
+def test_a_rope_scaling_gguf_export_cannot_hold_is_refused_by_name(
+    tmp_path, tokenizer, tokenizer_dir
+):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    config = {**tiny_config("qwen2", len(tokenizer._tokenizer)), "rope_scaling": yarn}
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(config))
+    with pytest.raises(UserInputError, match="RoPE scaling 'yarn' of a qwen2 model"):
+        write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")

@@ -26,6 +26,7 @@ from ..errors import UserInputError
 from ..models.configs import rope_base
 from .file import open_gguf
 from .names import DTYPES, FAMILIES, gguf_name, llama_cpp_arch
+from .rope import llama3_rope_factors
 from .tokenizer import EXPORT_PRE_NAMES
 
 
@@ -322,6 +323,28 @@ def _add_hparams(w, config: dict, model=None):
         w.add_logit_scale(float(arg("logits_scaling")))
 
 
+def _add_rope_scaling(w, config: dict) -> np.ndarray | None:
+    """The model's RoPE scaling as llama.cpp reads it: linear as metadata, Llama 3's as the
+    ``rope_freqs`` tensor (returned, for a llama file); any other kind is refused by name."""
+    import gguf
+
+    sc = config.get("rope_scaling") or {}
+    kind = sc.get("rope_type") or sc.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(sc["factor"]))
+        return None
+    if kind == "llama3" and FAMILIES[config["model_type"]].arch == "llama":
+        return llama3_rope_factors(rope_base(config), _heads(config)[2], sc)
+    raise UserInputError(
+        f"RoPE scaling {kind!r} of a {config['model_type']} model is not one mlxtune writes to "
+        "GGUF (linear is, and Llama 3's for llama files)",
+        "export --format gguf",
+    )
+
+
 def _ffn_width(model, config: dict) -> int:
     """The dense MLP's hidden width: LFM2 works its own out of block_ff_dim, so it is read off
     the weights there."""
@@ -397,6 +420,7 @@ def write_gguf_model(
     w.add_name(name)
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
     _add_hparams(w, config, model)
+    rope_freqs = _add_rope_scaling(w, config)
     if tokenizer_gguf is not None:
         template = getattr(getattr(tokenizer, "_tokenizer", None), "chat_template", None)
         _copy_tokenizer(w, Path(tokenizer_gguf), template if isinstance(template, str) else None)
@@ -412,6 +436,9 @@ def write_gguf_model(
         data, raw = _tensor_array(a, kind)
         w.add_tensor(g, data, raw_dtype=raw)
         shapes[g] = a.shape[::-1]
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+        shapes["rope_freqs.weight"] = rope_freqs.shape
     _finish(w)
     verify(path, arch, shapes)
     return path

@@ -32,6 +32,7 @@ from ..models.quantize import cpu_dequantizing
 from .file import GGUFFile, open_gguf
 from .names import ARCHES, NORM_PLUS_ONE, gguf_name
 from .names import FAMILIES as NAMED
+from .rope import llama3_settings
 
 GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 
@@ -258,11 +259,17 @@ def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
             )
         out["rope_scaling"] = {"type": "linear", "factor": float(factor)}
     if "rope_freqs.weight" in g.tensors:
-        raise UserInputError(
-            "this model scales its rope frequencies per dimension (rope_freqs, as Llama 3.1 "
-            "does), which mlxtune does not read from GGUF yet",
-            where,
-        )
+        settings = None
+        if config["model_type"] == "llama" and scaling in (None, "none"):
+            factors = dequantized(g.tensors["rope_freqs.weight"])
+            settings = llama3_settings(factors, config["rope_theta"], head_dim)
+        if settings is None:
+            raise UserInputError(
+                "this model scales its rope frequencies per dimension (rope_freqs) in a way "
+                "that is not Llama 3's, which mlxtune does not read",
+                where,
+            )
+        out["rope_scaling"] = settings
     return out
 
 

@@ -1,0 +1,81 @@
+"""Llama 3's RoPE scaling as llama.cpp holds it: a ``rope_freqs`` tensor of per-frequency
+divisors instead of settings. Written from the settings on export, and the settings read back
+from the tensor on import (checked to give the very same divisors)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# mlx-lm's (and transformers') defaults for the settings a config may leave out
+_DEFAULTS = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _wavelengths(base: float, head_dim: int) -> np.ndarray:
+    return 2 * np.pi * float(base) ** (np.arange(0, head_dim, 2) / head_dim)
+
+
+def llama3_rope_factors(base: float, head_dim: int, scaling: dict) -> np.ndarray:
+    """The divisor of each rotary frequency: 1 for short wavelengths, ``factor`` for long ones,
+    a smooth blend between."""
+    s = {**_DEFAULTS, **{k: v for k, v in scaling.items() if k in _DEFAULTS}}
+    factor, low, high = (
+        float(s["factor"]),
+        float(s["low_freq_factor"]),
+        float(s["high_freq_factor"]),
+    )
+    old = float(s["original_max_position_embeddings"])
+    wavelen = _wavelengths(base, head_dim)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended))
+    return out.astype(np.float32)
+
+
+def llama3_settings(factors: np.ndarray, base: float, head_dim: int) -> dict | None:
+    """Llama 3 settings giving ``factors`` (None when no settings do). The original context is
+    not determined by the divisors alone; 8192 is taken and the two thresholds fitted to it."""
+    f = np.asarray(factors, np.float64).reshape(-1)
+    wavelen = _wavelengths(base, head_dim)
+    if f.shape != wavelen.shape or (f <= 0).any():
+        return None
+    factor = float(f.max())
+    if factor <= 1.0:
+        return None
+    old = float(_DEFAULTS["original_max_position_embeddings"])
+    tol = 1e-4 * factor
+    middle = (f > 1 + tol) & (f < factor - tol)
+    ones, full = wavelen[f <= 1 + tol], wavelen[f >= factor - tol]
+    if not len(ones) or not len(full):
+        return None
+    if middle.sum() >= 2:
+        # 1/f = (1 - s)/factor + s with s = (old/w - low)/(high - low): s is linear in 1/w
+        s = (1 / f[middle] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(1 / wavelen[middle], s, 1)
+        if a <= 0:
+            return None
+        low = -b * old / a
+        high = low + old / a
+    else:  # the long-wavelength threshold between the blended (or undivided) and the divided
+        low = old / ((full.min() + wavelen[wavelen < full.min()].max()) / 2)
+        if middle.any():  # one blended frequency fixes the other threshold
+            s = (1 / f[middle][0] - 1 / factor) / (1 - 1 / factor)
+            high = low + (old / wavelen[middle][0] - low) / s
+        else:
+            high = old / ((ones.max() + wavelen[wavelen > ones.max()].min()) / 2)
+    settings = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": int(old),
+    }
+    again = llama3_rope_factors(base, head_dim, settings)
+    return settings if np.allclose(again, f, rtol=1e-4, atol=1e-6) else None
+
+
+__all__ = ["llama3_rope_factors", "llama3_settings"]
