@@ -264,6 +264,13 @@ SCALINGS = {
         "original_max_position_embeddings": 32,
     },
     "linear": {"type": "linear", "factor": 4.0},
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
 }
 
 
@@ -329,7 +336,7 @@ def test_llama_cpp_runs_a_scaled_rope_as_mlx_lm(kind, tmp_path, tokenizer, token
 def test_a_rope_scaling_gguf_export_cannot_hold_is_refused_by_name(
     tmp_path, tokenizer, tokenizer_dir
 ):
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    yarn = {**SCALINGS["yarn"], "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek's
     config = {**tiny_config("qwen2", len(tokenizer._tokenizer)), "rope_scaling": yarn}
     model_class, args_class = family_classes(config)
     model = model_class(args_class.from_dict(config))

@@ -336,11 +336,19 @@ def _add_rope_scaling(w, config: dict) -> np.ndarray | None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(sc["factor"]))
         return None
+    if kind == "yarn" and not {"mscale", "mscale_all_dim"} & set(sc):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(sc["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(sc["original_max_position_embeddings"]))
+        w.add_rope_scaling_yarn_beta_fast(float(sc.get("beta_fast", 32.0)))
+        w.add_rope_scaling_yarn_beta_slow(float(sc.get("beta_slow", 1.0)))
+        return None
     if kind == "llama3" and FAMILIES[config["model_type"]].arch == "llama":
         return llama3_rope_factors(rope_base(config), _heads(config)[2], sc)
     raise UserInputError(
-        f"RoPE scaling {kind!r} of a {config['model_type']} model is not one mlxtune writes to "
-        "GGUF (linear is, and Llama 3's for llama files)",
+        f"RoPE scaling {kind!r} of a {config['model_type']} model, as its config sets it, is "
+        "not one llama.cpp reads from mlxtune's GGUF (linear, yarn without DeepSeek's mscale "
+        "keys, and Llama 3's in llama files are)",
         "export --format gguf",
     )
 

@@ -252,12 +252,29 @@ def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
     scaling = g.get("rope.scaling.type")
     if scaling not in (None, "none"):
         factor = g.get("rope.scaling.factor")
-        if scaling != "linear" or factor is None:
+        original = g.get("rope.scaling.original_context_length")
+        if scaling == "linear" and factor is not None:
+            out["rope_scaling"] = {"type": "linear", "factor": float(factor)}
+        elif scaling == "yarn" and factor is not None and original is not None:
+            out["rope_scaling"] = {
+                "rope_type": "yarn",
+                "factor": float(factor),
+                "original_max_position_embeddings": int(original),
+                "beta_fast": float(g.get("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(g.get("rope.scaling.yarn_beta_slow", 1.0)),
+            }
+            for key in ("yarn_ext_factor", "yarn_attn_factor"):
+                if g.get(f"rope.scaling.{key}") not in (None, 1.0):
+                    raise UserInputError(
+                        f"{g.arch}.rope.scaling.{key} is not 1, which mlx-lm's yarn cannot run",
+                        where,
+                    )
+        else:
             raise UserInputError(
-                f"rope scaling {scaling!r} is not read from GGUF yet (linear with a factor is)",
+                f"rope scaling {scaling!r} is not read from GGUF (linear with a factor, and yarn "
+                "with its original context, are)",
                 where,
             )
-        out["rope_scaling"] = {"type": "linear", "factor": float(factor)}
     if "rope_freqs.weight" in g.tensors:
         settings = None
         if config["model_type"] == "llama" and scaling in (None, "none"):
