@@ -39,6 +39,7 @@ FAMILIES = {
         "head_dim": 16,
     },
     "lfm2": {},
+    "gpt_oss": {},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table
@@ -150,6 +151,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("olmoe", {"num_key_value_heads": 2}, "as many key/value heads"),
         ("gemma3_text", {"sliding_window_pattern": 2}, "fixes sliding_window_pattern at 6"),
         ("smollm3", {"no_rope_layer_interval": 3}, "every 4th layer"),
+        ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}, "even layers"),
     ],
 )
 def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
@@ -165,10 +167,10 @@ def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
 
 
 def test_a_family_mlxtune_does_not_write_is_refused_by_name(tmp_path, tokenizer, tokenizer_dir):
-    config = tiny_config("gpt_oss", len(tokenizer._tokenizer))
+    config = tiny_config("qwen3_next", len(tokenizer._tokenizer))
     model_class, args_class = family_classes(config)
     model = model_class(args_class.from_dict(config))
-    with pytest.raises(UserInputError, match="'gpt-oss' architecture is not one mlxtune writes"):
+    with pytest.raises(UserInputError, match="'qwen3next' architecture is not one mlxtune writes"):
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
 
 

@@ -89,6 +89,16 @@ def _refusal(model, config: dict) -> str | None:
             "llama.cpp's olmoe normalises keys over all heads at once, so it reads models with "
             "as many key/value heads as query heads; this model has fewer"
         )
+    if mt == "gpt_oss":
+        types = list(arg("layer_types") or [])
+        alternate = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(types))
+        ]
+        if types != alternate:
+            return (
+                "llama.cpp's gpt-oss slides the window on even layers and attends fully on odd "
+                "ones; this model's layer_types differ"
+            )
     if mt == "lfm2" and int(arg("conv_L_cache", 0)) < 2:
         return "llama.cpp's lfm2 needs a short convolution of at least 2 taps"
     return None
@@ -286,6 +296,9 @@ def _add_hparams(w, config: dict, model=None):
         w.add_attn_logit_softcapping(float(arg("attn_logit_softcapping", 50.0)))
         w.add_final_logit_softcapping(float(arg("final_logit_softcapping", 30.0)))
         w.add_sliding_window(int(config.get("sliding_window") or 4096))
+    if mt == "gpt_oss":
+        w.add_sliding_window(int(arg("sliding_window")))
+        w.add_expert_feed_forward_length(int(arg("intermediate_size")))
     if mt == "gemma3_text":
         w.add_sliding_window(int(arg("sliding_window")))
         if arg("final_logit_softcapping"):
@@ -440,7 +453,8 @@ def write_gguf_model(
         a = _tensor_for_gguf(np.array(v.astype(mx.float32)), g, family, n_head, n_kv)
         a = np.ascontiguousarray(a, dtype=np.float32)
         # routers and short convolutions stay f32, as llama.cpp's converter keeps them
-        kind = "f32" if g.endswith(("ffn_gate_inp.weight", "shortconv.conv.weight")) else dtype
+        f32 = ("ffn_gate_inp.weight", "shortconv.conv.weight", "attn_sinks.weight")
+        kind = "f32" if g.endswith(f32) else dtype
         data, raw = _tensor_array(a, kind)
         w.add_tensor(g, data, raw_dtype=raw)
         shapes[g] = a.shape[::-1]

@@ -170,7 +170,7 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
     layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     experts = g.get("expert_count")
     if experts:
-        key = "num_local_experts" if mt in ("mixtral", "granitemoe") else "num_experts"
+        key = "num_local_experts" if mt in ("mixtral", "granitemoe", "gpt_oss") else "num_experts"
         out[key] = int(experts)
         out["num_experts_per_tok"] = int(g.get("expert_used_count"))
         width = g.get("expert_feed_forward_length")
@@ -197,6 +197,14 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             ("logits_scaling", "logit_scale"),
         ):
             out[key] = float(g.get(meta, 1.0))
+    if mt == "gpt_oss":  # llama.cpp's: a window on even layers, full attention on odd ones
+        out.update(
+            intermediate_size=int(g.get("expert_feed_forward_length", config["intermediate_size"])),
+            sliding_window=int(g.get("attention.sliding_window")),
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ],
+        )
     if mt == "smollm3":
         out["no_rope_layer_interval"] = 4  # llama.cpp's smollm3 leaves every 4th layer unroped
     if mt == "gemma3_text":

@@ -43,6 +43,7 @@ FAMILIES = {
     "gemma3_text": Family("gemma3", norm_plus_one=True),
     "phi3": Family("phi3"),
     "lfm2": Family("lfm2"),
+    "gpt_oss": Family("gpt-oss", norm_topk=True),
 }
 # model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
 ARCHES = {mt: (f.arch, f.permuted) for mt, f in FAMILIES.items()}
@@ -104,7 +105,10 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
         if tensor not in gguf.MODEL_TENSORS[_arch_code(family.arch)]:
             return None
         return f"{gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2]))}.{parts[-1]}"
-    return _name_map(family.arch, max(n_blocks, 1)).get_name(hf, try_suffixes=(".weight", ".bias"))
+    name = _name_map(family.arch, max(n_blocks, 1)).get_name(hf, try_suffixes=(".weight", ".bias"))
+    if name is not None and not name.endswith((".weight", ".bias")):
+        name += ".weight"  # a bare parameter (gpt-oss's attention sinks), as the converter names it
+    return name
 
 
 __all__ = ["ARCHES", "DTYPES", "FAMILIES", "Family", "NORM_PLUS_ONE", "gguf_name", "llama_cpp_arch"]
