@@ -10,6 +10,7 @@ logits. What llama.cpp fixes per architecture and a model does otherwise is refu
 """
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -40,6 +41,7 @@ FAMILIES = {
     },
     "lfm2": {},
     "gpt_oss": {},
+    "lfm2_moe": {},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table
@@ -180,7 +182,9 @@ def adapted(name, vocab):
 
     model, config = tiny(name, vocab)
     moe = bool(config.get("num_experts") or config.get("num_local_experts"))
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if moe else ["all-linear"]
+    present = {p.rsplit(".", 1)[-1] for p, m in model.named_modules() if isinstance(m, nn.Linear)}
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj"]
+    targets = [n for n in attention if n in present] if moe else ["all-linear"]
     apply_adapters(model, "lora", 4, 8.0, 0.0, targets)
     for _, m in model.named_modules():
         if isinstance(m, LoRALinear):

@@ -99,7 +99,14 @@ def _refusal(model, config: dict) -> str | None:
                 "llama.cpp's gpt-oss slides the window on even layers and attends fully on odd "
                 "ones; this model's layer_types differ"
             )
-    if mt == "lfm2" and int(arg("conv_L_cache", 0)) < 2:
+    if mt == "lfm2_moe" and (
+        float(arg("routed_scaling_factor", 1.0)) != 1.0 or not arg("use_expert_bias", True)
+    ):
+        return (
+            "llama.cpp's lfm2moe mixes experts by their sigmoid weights with the expert bias, "
+            "unscaled; this model scales them or has no expert bias"
+        )
+    if mt in ("lfm2", "lfm2_moe") and int(arg("conv_L_cache", 0)) < 2:
         return "llama.cpp's lfm2 needs a short convolution of at least 2 taps"
     return None
 
@@ -284,6 +291,8 @@ def _copy_tokenizer(w, source: Path, template: str | None):
 
 
 def _add_hparams(w, config: dict, model=None):
+    import gguf
+
     mt, args = config["model_type"], _args(model)
 
     def arg(name, default=None):
@@ -308,10 +317,13 @@ def _add_hparams(w, config: dict, model=None):
     w.add_block_count(layers)
     w.add_feed_forward_length(_ffn_width(model, config))
     w.add_head_count(n_head)
-    if mt == "lfm2":  # llama.cpp reads a layer with no kv heads as a short-convolution layer
+    if mt in ("lfm2", "lfm2_moe"):  # a layer with no kv heads is a short-convolution layer
         full = set(arg("full_attn_idxs") or [])
         w.add_head_count_kv([n_kv if i in full else 0 for i in range(layers)])
         w.add_shortconv_l_cache(int(arg("conv_L_cache")))
+        if mt == "lfm2_moe":
+            w.add_leading_dense_block_count(int(arg("num_dense_layers")))
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     else:
         w.add_head_count_kv(n_kv)
     w.add_rope_dimension_count(head_dim)

@@ -116,7 +116,7 @@ def gguf_config(g: GGUFModelFile) -> dict:
     n_head = need("attention.head_count")
     n_kv = g.get("attention.head_count_kv", n_head)
     kv_layers = None
-    if model_type == "lfm2" and not isinstance(n_kv, int):  # 0 kv heads: a short-conv layer
+    if model_type in ("lfm2", "lfm2_moe") and not isinstance(n_kv, int):  # 0 kv heads: a short-conv layer
         kv_layers = [int(n) for n in n_kv]
         n_kv = max(kv_layers)
     for name, v in (("attention.head_count", n_head), ("attention.head_count_kv", n_kv)):
@@ -219,6 +219,18 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
         )
         if g.get("final_logit_softcapping"):
             out["final_logit_softcapping"] = float(g.get("final_logit_softcapping"))
+    if mt == "lfm2_moe":
+        full = [i for i, n in enumerate(kv_layers or [1] * layers) if n > 0]
+        out.update(
+            full_attn_idxs=full,
+            conv_L_cache=int(g.get("shortconv.l_cache", 3)),
+            conv_bias="blk.0.shortconv.conv.bias" in g.tensors,
+            norm_eps=config["rms_norm_eps"],
+            num_dense_layers=int(g.get("leading_dense_block_count", 0)),
+            moe_intermediate_size=int(g.get("expert_feed_forward_length")),
+            norm_topk_prob=True,
+            use_expert_bias=any(".exp_probs_b." in n for n in g.tensors),
+        )
     if mt == "lfm2":
         full = [i for i, n in enumerate(kv_layers or [1] * layers) if n > 0]
         out.update(

@@ -44,7 +44,10 @@ FAMILIES = {
     "phi3": Family("phi3"),
     "lfm2": Family("lfm2"),
     "gpt_oss": Family("gpt-oss", norm_topk=True),
+    "lfm2_moe": Family("lfm2moe", norm_topk=True),
 }
+# a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
+_BARE = {"exp_probs_b": "bias"}
 # model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
 ARCHES = {mt: (f.arch, f.permuted) for mt, f in FAMILIES.items()}
 NORM_PLUS_ONE = tuple(mt for mt, f in FAMILIES.items() if f.norm_plus_one)
@@ -105,9 +108,13 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
         if tensor not in gguf.MODEL_TENSORS[_arch_code(family.arch)]:
             return None
         return f"{gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2]))}.{parts[-1]}"
-    name = _name_map(family.arch, max(n_blocks, 1)).get_name(hf, try_suffixes=(".weight", ".bias"))
+    names = _name_map(family.arch, max(n_blocks, 1))
+    name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+    if name is None and hf.endswith("_bias"):  # DeepSeek-style e_score_correction_bias
+        name = names.get_name(hf[: -len("_bias")] + ".bias", try_suffixes=(".weight", ".bias"))
     if name is not None and not name.endswith((".weight", ".bias")):
-        name += ".weight"  # a bare parameter (gpt-oss's attention sinks), as the converter names it
+        # a bare parameter (gpt-oss's attention sinks, a router's expert bias)
+        name += "." + _BARE.get(name.rsplit(".", 1)[-1], "weight")
     return name
 
 
