@@ -42,6 +42,7 @@ FAMILIES = {
     "lfm2": {},
     "gpt_oss": {},
     "lfm2_moe": {},
+    "glm4_moe": {},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table
@@ -103,7 +104,11 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
     assert sum(v.size for v in t.values()) == sum(
         v.size for _, v in tree_flatten(model.parameters())
     )
-    experts = config.get("num_experts") or config.get("num_local_experts")
+    experts = (
+        config.get("num_experts")
+        or config.get("num_local_experts")
+        or config.get("n_routed_experts")
+    )
     if experts:
         assert f[f"{arch}.expert_count"] == experts
         assert f[f"{arch}.expert_used_count"] == config["num_experts_per_tok"]
@@ -181,7 +186,7 @@ def adapted(name, vocab):
     from mlxtune.adapters import LoRALinear, apply_adapters
 
     model, config = tiny(name, vocab)
-    moe = bool(config.get("num_experts") or config.get("num_local_experts"))
+    moe = any("switch_mlp" in p or ".experts." in p for p, _ in tree_flatten(model.parameters()))
     present = {p.rsplit(".", 1)[-1] for p, m in model.named_modules() if isinstance(m, nn.Linear)}
     attention = ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj"]
     targets = [n for n in attention if n in present] if moe else ["all-linear"]

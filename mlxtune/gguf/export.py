@@ -326,14 +326,14 @@ def _add_hparams(w, config: dict, model=None):
             w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     else:
         w.add_head_count_kv(n_kv)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * float(arg("partial_rotary_factor") or 1.0)))
     w.add_rope_freq_base(rope_base(config))
     w.add_layer_norm_rms_eps(float(arg("rms_norm_eps") or arg("norm_eps") or 1e-5))
     w.add_vocab_size(config["vocab_size"])
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    experts = arg("num_experts") or arg("num_local_experts")
+    experts = arg("num_experts") or arg("num_local_experts") or arg("n_routed_experts")
     if experts:
         w.add_expert_count(int(experts))
         w.add_expert_used_count(int(arg("num_experts_per_tok")))
@@ -341,6 +341,15 @@ def _add_hparams(w, config: dict, model=None):
             w.add_expert_feed_forward_length(int(arg("moe_intermediate_size")))
         if arg("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(int(arg("shared_expert_intermediate_size")))
+    if mt == "glm4_moe":  # sigmoid routing with a correction bias, grouped, scaled, renormed
+        w.add_expert_shared_count(int(arg("n_shared_experts") or 0))
+        w.add_leading_dense_block_count(int(arg("first_k_dense_replace") or 0))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(float(arg("routed_scaling_factor") or 1.0))
+        w.add_expert_weights_norm(bool(arg("norm_topk_prob")))
+        w.add_expert_group_count(int(arg("n_group") or 1))
+        w.add_expert_group_used_count(int(arg("topk_group") or 1))
+        w.add_nextn_predict_layers(0)  # mlx-lm keeps no multi-token-prediction layer
     if mt in ("granite", "granitemoe"):  # every one written: some llama.cpp builds need all
         w.add_attention_scale(float(arg("attention_multiplier")))
         w.add_embedding_scale(float(arg("embedding_multiplier")))

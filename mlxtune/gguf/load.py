@@ -116,7 +116,9 @@ def gguf_config(g: GGUFModelFile) -> dict:
     n_head = need("attention.head_count")
     n_kv = g.get("attention.head_count_kv", n_head)
     kv_layers = None
-    if model_type in ("lfm2", "lfm2_moe") and not isinstance(n_kv, int):  # 0 kv heads: a short-conv layer
+    if model_type in ("lfm2", "lfm2_moe") and not isinstance(
+        n_kv, int
+    ):  # 0 kv heads: a short-conv layer
         kv_layers = [int(n) for n in n_kv]
         n_kv = max(kv_layers)
     for name, v in (("attention.head_count", n_head), ("attention.head_count_kv", n_kv)):
@@ -170,13 +172,16 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
     layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     experts = g.get("expert_count")
     if experts:
-        key = "num_local_experts" if mt in ("mixtral", "granitemoe", "gpt_oss") else "num_experts"
+        key = {"mixtral": "num_local_experts", "granitemoe": "num_local_experts"}.get(
+            mt, "num_experts"
+        )
+        key = {"gpt_oss": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(mt, key)
         out[key] = int(experts)
         out["num_experts_per_tok"] = int(g.get("expert_used_count"))
         width = g.get("expert_feed_forward_length")
         if width is None and "blk.0.ffn_gate_exps.weight" in g.tensors:
             width = int(g.tensors["blk.0.ffn_gate_exps.weight"].shape[1])
-        if mt in ("qwen2_moe", "qwen3_moe"):
+        if mt in ("qwen2_moe", "qwen3_moe", "glm4_moe"):
             out["moe_intermediate_size"] = int(width)
             out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
         if NAMED[mt].norm_topk is not None and mt in ("qwen3_moe", "olmoe"):
@@ -197,6 +202,18 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             ("logits_scaling", "logit_scale"),
         ):
             out[key] = float(g.get(meta, 1.0))
+    if mt == "glm4_moe":
+        out.update(
+            n_shared_experts=int(g.get("expert_shared_count", 0)),
+            first_k_dense_replace=int(g.get("leading_dense_block_count", 0)),
+            norm_topk_prob=bool(g.get("expert_weights_norm", True)),
+            routed_scaling_factor=float(g.get("expert_weights_scale", 1.0)),
+            n_group=int(g.get("expert_group_count", 1)),
+            topk_group=int(g.get("expert_group_used_count", 1)),
+            use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+            attention_bias="blk.0.attn_q.bias" in g.tensors,
+            rope_scaling=config.get("rope_scaling"),  # a key its ModelArgs requires
+        )
     if mt == "gpt_oss":  # llama.cpp's: a window on even layers, full attention on odd ones
         out.update(
             intermediate_size=int(g.get("expert_feed_forward_length", config["intermediate_size"])),
@@ -263,6 +280,8 @@ def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
                 "does not read from GGUF yet",
                 where,
             )
+    elif config["model_type"] == "glm4_moe":
+        out["partial_rotary_factor"] = rope_dims / head_dim
     elif rope_dims != head_dim:
         raise UserInputError(
             f"{g.arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}: "

@@ -45,6 +45,7 @@ FAMILIES = {
     "lfm2": Family("lfm2"),
     "gpt_oss": Family("gpt-oss", norm_topk=True),
     "lfm2_moe": Family("lfm2moe", norm_topk=True),
+    "glm4_moe": Family("glm4moe", norm_topk=True),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": "bias"}
