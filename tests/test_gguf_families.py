@@ -43,6 +43,9 @@ FAMILIES = {
     "gpt_oss": {},
     "lfm2_moe": {},
     "glm4_moe": {},
+    "glm4": {},
+    "ernie4_5": {},
+    "seed_oss": {},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
 from ..models.common import DTYPES, family_classes, hf_architecture
+from ..models.configs import args_fields
 from ..models.quantize import cpu_dequantizing
 from .file import GGUFFile, open_gguf
 from .names import ARCHES, NORM_PLUS_ONE, gguf_name
@@ -165,6 +166,11 @@ def gguf_config(g: GGUFModelFile) -> dict:
     return config
 
 
+def _fields(config: dict) -> set[str]:
+    """The config keys the family's mlx-lm ModelArgs takes."""
+    return args_fields(family_classes(config)[1])
+
+
 def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:
     """The settings of the newer families, from their metadata, tensors, and what llama.cpp
     fixes for their architecture (the export refuses a model that does otherwise)."""
@@ -191,9 +197,16 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             if shared is None and "blk.0.ffn_gate_shexp.weight" in g.tensors:
                 shared = int(g.tensors["blk.0.ffn_gate_shexp.weight"].shape[1])
             out["shared_expert_intermediate_size"] = int(shared or 0)
-    if mt in ("granite", "granitemoe", "olmoe", "olmo2"):
-        out["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
-        out["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
+    fields = _fields(config)
+    biases = {  # a family's bias switches, read off the tensors the file holds
+        "attention_bias": "blk.0.attn_q.bias",
+        "use_bias": "blk.0.attn_q.bias",
+        "mlp_bias": "blk.0.ffn_up.bias",
+        "attention_out_bias": "blk.0.attn_output.bias",
+    }
+    for key, tensor in biases.items():
+        if key in fields:
+            out[key] = tensor in g.tensors
     if mt in ("granite", "granitemoe"):
         for key, meta in (
             ("attention_multiplier", "attention.scale"),
@@ -280,12 +293,12 @@ def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
                 "does not read from GGUF yet",
                 where,
             )
-    elif config["model_type"] == "glm4_moe":
+    elif rope_dims != head_dim and "partial_rotary_factor" in _fields(config):
         out["partial_rotary_factor"] = rope_dims / head_dim
     elif rope_dims != head_dim:
         raise UserInputError(
-            f"{g.arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}: "
-            "partial rotary embeddings are read for phi3 only",
+            f"{g.arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}, and "
+            f"mlx-lm's {config['model_type']} rotates whole heads",
             where,
         )
     scaling = g.get("rope.scaling.type")

@@ -46,6 +46,9 @@ FAMILIES = {
     "gpt_oss": Family("gpt-oss", norm_topk=True),
     "lfm2_moe": Family("lfm2moe", norm_topk=True),
     "glm4_moe": Family("glm4moe", norm_topk=True),
+    "glm4": Family("glm4"),
+    "ernie4_5": Family("ernie4_5"),
+    "seed_oss": Family("seed_oss"),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": "bias"}
