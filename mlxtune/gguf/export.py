@@ -89,6 +89,12 @@ def _refusal(model, config: dict) -> str | None:
             "llama.cpp's olmoe normalises keys over all heads at once, so it reads models with "
             "as many key/value heads as query heads; this model has fewer"
         )
+    if mt == "gemma4_text":
+        full = (arg("rope_parameters") or {}).get("full_attention", {})
+        if arg("enable_moe_block") or arg("attention_k_eq_v"):
+            return "mlxtune writes Gemma 4's dense models to GGUF, not its experts or k = v form"
+        if full.get("rope_type", "proportional") != "proportional":
+            return "llama.cpp's gemma4 rotates full layers proportionally; this model does not"
     if mt == "gpt_oss":
         types = list(arg("layer_types") or [])
         alternate = [
@@ -315,8 +321,12 @@ def _add_hparams(w, config: dict, model=None):
     w.add_context_length(int(config.get("max_position_embeddings") or 2048))
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(layers)
-    w.add_feed_forward_length(_ffn_width(model, config))
     w.add_head_count(n_head)
+    w.add_layer_norm_rms_eps(float(arg("rms_norm_eps") or arg("norm_eps") or 1e-5))
+    w.add_vocab_size(config["vocab_size"])
+    if mt == "gemma4_text":
+        return _add_gemma4(w, args)
+    w.add_feed_forward_length(_ffn_width(model, config))
     if mt in ("lfm2", "lfm2_moe"):  # a layer with no kv heads is a short-convolution layer
         full = set(arg("full_attn_idxs") or [])
         w.add_head_count_kv([n_kv if i in full else 0 for i in range(layers)])
@@ -328,8 +338,6 @@ def _add_hparams(w, config: dict, model=None):
         w.add_head_count_kv(n_kv)
     w.add_rope_dimension_count(int(head_dim * float(arg("partial_rotary_factor") or 1.0)))
     w.add_rope_freq_base(rope_base(config))
-    w.add_layer_norm_rms_eps(float(arg("rms_norm_eps") or arg("norm_eps") or 1e-5))
-    w.add_vocab_size(config["vocab_size"])
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -355,6 +363,46 @@ def _add_hparams(w, config: dict, model=None):
         w.add_embedding_scale(float(arg("embedding_multiplier")))
         w.add_residual_scale(float(arg("residual_multiplier")))
         w.add_logit_scale(float(arg("logits_scaling")))
+
+
+def _add_gemma4(w, args) -> None:
+    """Gemma 4's layout as llama.cpp's gemma4 reads it: full layers with their own head size,
+    kv heads and a partial ("proportional") rotation base, sliding ones with theirs; the last
+    num_kv_shared_layers reading earlier layers' keys, their MLP twice as wide."""
+    layers = args.num_hidden_layers
+    sliding = [t == "sliding_attention" for t in args.layer_types]
+    full_rope = args.rope_parameters.get("full_attention", {})
+    swa_rope = args.rope_parameters.get("sliding_attention", {})
+    w.add_sliding_window(int(args.sliding_window))
+    if args.final_logit_softcapping:
+        w.add_final_logit_softcapping(float(args.final_logit_softcapping))
+    w.add_shared_kv_layers(int(args.num_kv_shared_layers))
+    w.add_embedding_length_per_layer_input(int(args.hidden_size_per_layer_input or 0))
+    w.add_sliding_window_pattern(sliding)
+    w.add_key_length(int(args.global_head_dim))
+    w.add_value_length(int(args.global_head_dim))
+    w.add_key_length_swa(int(args.head_dim))
+    w.add_value_length_swa(int(args.head_dim))
+    shared_from = layers - int(args.num_kv_shared_layers)
+    ff = int(args.intermediate_size)
+    wide = [ff if i < shared_from else 2 * ff for i in range(layers)]
+    w.add_feed_forward_length(wide if args.use_double_wide_mlp else ff)
+    kv, kv_full = int(args.num_key_value_heads), args.num_global_key_value_heads
+    w.add_head_count_kv([kv if s else int(kv_full) for s in sliding] if kv_full else kv)
+    w.add_rope_dimension_count(int(args.global_head_dim))
+    swa_dims = args.head_dim * float(swa_rope.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count_swa(int(swa_dims))
+    w.add_rope_freq_base(float(full_rope.get("rope_theta", 1e6)))
+    w.add_rope_freq_base_swa(float(swa_rope.get("rope_theta", 1e4)))
+
+
+def _gemma4_rope_freqs(args) -> np.ndarray:
+    """The full layers' "proportional" RoPE as llama.cpp's converter writes it: the rotated
+    share of each head's frequency pairs as they are, the rest divided by 1e30 (unrotated)."""
+    full = args.rope_parameters.get("full_attention", {})
+    pairs = int(args.global_head_dim) // 2
+    rotated = int(args.global_head_dim * float(full.get("partial_rotary_factor", 1.0)) / 2)
+    return np.array([1.0] * rotated + [1e30] * (pairs - rotated), dtype=np.float32)
 
 
 def _add_rope_scaling(w, config: dict) -> np.ndarray | None:
@@ -462,7 +510,10 @@ def write_gguf_model(
     w.add_name(name)
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
     _add_hparams(w, config, model)
-    rope_freqs = _add_rope_scaling(w, config)
+    if config["model_type"] == "gemma4_text":
+        rope_freqs = _gemma4_rope_freqs(_args(model))
+    else:
+        rope_freqs = _add_rope_scaling(w, config)
     if tokenizer_gguf is not None:
         template = getattr(getattr(tokenizer, "_tokenizer", None), "chat_template", None)
         _copy_tokenizer(w, Path(tokenizer_gguf), template if isinstance(template, str) else None)

@@ -117,10 +117,8 @@ def gguf_config(g: GGUFModelFile) -> dict:
     n_head = need("attention.head_count")
     n_kv = g.get("attention.head_count_kv", n_head)
     kv_layers = None
-    if model_type in ("lfm2", "lfm2_moe") and not isinstance(
-        n_kv, int
-    ):  # 0 kv heads: a short-conv layer
-        kv_layers = [int(n) for n in n_kv]
+    if model_type in ("lfm2", "lfm2_moe", "gemma4_text") and not isinstance(n_kv, int):
+        kv_layers = [int(n) for n in n_kv]  # lfm2: 0 kv heads is a short-conv layer
         n_kv = max(kv_layers)
     for name, v in (("attention.head_count", n_head), ("attention.head_count_kv", n_kv)):
         if not isinstance(v, int) or isinstance(v, bool):
@@ -164,6 +162,60 @@ def gguf_config(g: GGUFModelFile) -> dict:
         config.update(_gemma2_settings(g, config))
     config.update(_family_settings(g, config, kv_layers))
     return config
+
+
+def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:
+    """Gemma 4's layout back from what llama.cpp's gemma4 reads (see the export)."""
+    where, layers = str(g.path), config["num_hidden_layers"]
+    sliding = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
+    if len(sliding) != layers:
+        raise UserInputError(f"{g.arch}.attention.sliding_window_pattern is not per layer", where)
+    head_swa = int(g.get("attention.key_length_swa", config["head_dim"]))
+    head_full = int(g.get("attention.key_length", config["head_dim"]))
+    ff = g.get("feed_forward_length")
+    ff = [int(x) for x in ff] if not isinstance(ff, int) else [int(ff)] * layers
+    shared = int(g.get("attention.shared_kv_layers", 0))
+    out = {
+        "head_dim": head_swa,
+        "global_head_dim": head_full,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": int(g.get("attention.sliding_window", 512)),
+        "final_logit_softcapping": g.get("final_logit_softcapping"),
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": int(g.get("embedding_length_per_layer_input", 0)),
+        "intermediate_size": ff[0],
+        "use_double_wide_mlp": any(x == 2 * ff[0] for x in ff[layers - shared :])
+        if shared
+        else False,
+        "enable_moe_block": False,
+        "attention_k_eq_v": False,
+    }
+    if kv_layers is not None:
+        out["num_key_value_heads"] = next(n for n, s in zip(kv_layers, sliding, strict=True) if s)
+        out["num_global_key_value_heads"] = next(
+            n for n, s in zip(kv_layers, sliding, strict=True) if not s
+        )
+    per_layer = g.tensors.get("per_layer_token_embd.weight")
+    if per_layer is not None:
+        out["vocab_size_per_layer_input"] = int(per_layer.shape[-1])
+    freqs = g.tensors.get("rope_freqs.weight")
+    rotated = head_full // 2
+    if freqs is not None:
+        rotated = int((dequantized(freqs) < 1e20).sum())
+    swa_dims = int(g.get("rope.dimension_count_swa", head_swa))
+    out["rope_parameters"] = {
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 2 * rotated / head_full,
+            "rope_theta": float(g.get("rope.freq_base", 1e6)),
+        },
+        "sliding_attention": {
+            "rope_type": "default",
+            "partial_rotary_factor": swa_dims / head_swa,
+            "rope_theta": float(g.get("rope.freq_base_swa", 1e4)),
+        },
+    }
+    return out
 
 
 def _fields(config: dict) -> set[str]:
@@ -215,6 +267,8 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             ("logits_scaling", "logit_scale"),
         ):
             out[key] = float(g.get(meta, 1.0))
+    if mt == "gemma4_text":
+        out.update(_gemma4_settings(g, config, kv_layers))
     if mt == "glm4_moe":
         out.update(
             n_shared_experts=int(g.get("expert_shared_count", 0)),
@@ -327,7 +381,7 @@ def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
                 "with its original context, are)",
                 where,
             )
-    if "rope_freqs.weight" in g.tensors:
+    if "rope_freqs.weight" in g.tensors and config["model_type"] != "gemma4_text":
         settings = None
         if config["model_type"] == "llama" and scaling in (None, "none"):
             factors = dequantized(g.tensors["rope_freqs.weight"])

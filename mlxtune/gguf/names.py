@@ -49,6 +49,7 @@ FAMILIES = {
     "glm4": Family("glm4"),
     "ernie4_5": Family("ernie4_5"),
     "seed_oss": Family("seed_oss"),
+    "gemma4_text": Family("gemma4"),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": "bias"}
