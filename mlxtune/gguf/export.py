@@ -349,6 +349,13 @@ def _add_hparams(w, config: dict, model=None):
             w.add_expert_feed_forward_length(int(arg("moe_intermediate_size")))
         if arg("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(int(arg("shared_expert_intermediate_size")))
+    if mt == "qwen3_next":  # gated delta-net layers between every full_attention_interval-th
+        w.add_ssm_conv_kernel(int(arg("linear_conv_kernel_dim")))
+        w.add_ssm_state_size(int(arg("linear_key_head_dim")))
+        w.add_ssm_group_count(int(arg("linear_num_key_heads")))
+        w.add_ssm_time_step_rank(int(arg("linear_num_value_heads")))
+        w.add_ssm_inner_size(int(arg("linear_value_head_dim") * arg("linear_num_value_heads")))
+        w.add_full_attention_interval(int(arg("full_attention_interval")))
     if mt == "glm4_moe":  # sigmoid routing with a correction bias, grouped, scaled, renormed
         w.add_expert_shared_count(int(arg("n_shared_experts") or 0))
         w.add_leading_dense_block_count(int(arg("first_k_dense_replace") or 0))
@@ -453,9 +460,30 @@ def _tensor_for_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> n
         return permute_qk(a, n_kv)
     if family.norm_plus_one and g.endswith("norm.weight"):
         return a + 1.0
-    if g.endswith("shortconv.conv.weight"):  # MLX's depthwise conv [C, K, 1] -> [C, K]
+    if g.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):  # MLX's [C, K, 1] -> [C, K]
         return a.reshape(a.shape[0], a.shape[1])
     return a
+
+
+def _linear_attention_tensors(a: np.ndarray, g: str, args):
+    """Qwen3-Next's gated delta-net tensors as llama.cpp's converter writes them, or None for
+    any other tensor: the fused q/k/v/z projection (grouped per key head) as one q/k/v
+    projection and a z gate, A as -exp(A_log), the conv kernel without its unit axis."""
+    if g.endswith("ssm_in.weight"):
+        nk, dk = args.linear_num_key_heads, args.linear_key_head_dim
+        nv, dv = args.linear_num_value_heads, args.linear_value_head_dim
+        per = [dk, dk, nv // nk * dv, nv // nk * dv]
+        grouped = a.reshape(nk, sum(per), a.shape[-1])
+        q, k, v, z = np.split(grouped, np.cumsum(per)[:-1], axis=1)
+        flat = [x.reshape(-1, a.shape[-1]) for x in (q, k, v, z)]
+        block = g[: -len("ssm_in.weight")]
+        return [
+            (f"{block}attn_qkv.weight", np.concatenate(flat[:3], axis=0)),
+            (f"{block}attn_gate.weight", flat[3]),
+        ]
+    if g.endswith("ssm_a.weight"):
+        return [(g.replace("ssm_a.weight", "ssm_a"), -np.exp(a))]
+    return None
 
 
 def _names(model, config: dict, where: str) -> dict[str, str]:
@@ -523,6 +551,15 @@ def write_gguf_model(
     for hf, v in tree_flatten(model.parameters()):
         g = names[hf]
         a = _tensor_for_gguf(np.array(v.astype(mx.float32)), g, family, n_head, n_kv)
+        split = (
+            _linear_attention_tensors(a, g, _args(model)) if family.arch == "qwen3next" else None
+        )
+        if split is not None:
+            for g2, a2 in split:
+                data, raw = _tensor_array(np.ascontiguousarray(a2, dtype=np.float32), dtype)
+                w.add_tensor(g2, data, raw_dtype=raw)
+                shapes[g2] = a2.shape[::-1]
+            continue
         a = np.ascontiguousarray(a, dtype=np.float32)
         # routers and short convolutions stay f32, as llama.cpp's converter keeps them
         f32 = ("ffn_gate_inp.weight", "shortconv.conv.weight", "attn_sinks.weight")
@@ -578,9 +615,14 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
             b = permute_qk(b, n_head)
         elif permute and g.endswith("attn_k.weight"):
             b = permute_qk(b, n_kv)
-        w.add_tensor(f"{g}.lora_a", a)
-        w.add_tensor(f"{g}.lora_b", b)
-        shapes[f"{g}.lora_a"], shapes[f"{g}.lora_b"] = a.shape[::-1], b.shape[::-1]
+        pairs = [(g, b)]
+        if arch == "qwen3next":  # the fused projection is two tensors there: B's rows split
+            pairs = _linear_attention_tensors(b, g, _args(model)) or pairs
+        for name_, b_ in pairs:
+            b_ = np.ascontiguousarray(b_)
+            w.add_tensor(f"{name_}.lora_a", a)
+            w.add_tensor(f"{name_}.lora_b", b_)
+            shapes[f"{name_}.lora_a"], shapes[f"{name_}.lora_b"] = a.shape[::-1], b_.shape[::-1]
     _finish(w)
     verify(path, arch, shapes, adapter=True)
     return path

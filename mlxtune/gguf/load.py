@@ -30,7 +30,7 @@ from ..errors import UserInputError
 from ..models.common import DTYPES, family_classes, hf_architecture
 from ..models.configs import args_fields
 from ..models.quantize import cpu_dequantizing
-from .file import GGUFFile, open_gguf
+from .file import GGUFFile, GGUFTensor, open_gguf
 from .names import ARCHES, NORM_PLUS_ONE, gguf_name
 from .names import FAMILIES as NAMED
 from .rope import llama3_settings
@@ -239,7 +239,7 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
         width = g.get("expert_feed_forward_length")
         if width is None and "blk.0.ffn_gate_exps.weight" in g.tensors:
             width = int(g.tensors["blk.0.ffn_gate_exps.weight"].shape[1])
-        if mt in ("qwen2_moe", "qwen3_moe", "glm4_moe"):
+        if mt in ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next"):
             out["moe_intermediate_size"] = int(width)
             out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
         if NAMED[mt].norm_topk is not None and mt in ("qwen3_moe", "olmoe"):
@@ -269,6 +269,17 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             out[key] = float(g.get(meta, 1.0))
     if mt == "gemma4_text":
         out.update(_gemma4_settings(g, config, kv_layers))
+    if mt == "qwen3_next":
+        out.update(
+            linear_conv_kernel_dim=int(g.get("ssm.conv_kernel")),
+            linear_key_head_dim=int(g.get("ssm.state_size")),
+            linear_num_key_heads=int(g.get("ssm.group_count")),
+            linear_num_value_heads=int(g.get("ssm.time_step_rank")),
+            linear_value_head_dim=int(g.get("ssm.inner_size")) // int(g.get("ssm.time_step_rank")),
+            full_attention_interval=int(g.get("full_attention_interval", 4)),
+            shared_expert_intermediate_size=int(g.get("expert_shared_feed_forward_length", 0)),
+            norm_topk_prob=True,
+        )
     if mt == "glm4_moe":
         out.update(
             n_shared_experts=int(g.get("expert_shared_count", 0)),
@@ -519,6 +530,8 @@ def load_gguf(
         raise UserInputError(
             f"cannot build the model its metadata describes: {type(e).__name__}: {e}", where
         ) from None
+    if g.arch == "qwen3next":
+        _gather_linear_attention(g, config)
     table = _name_table(model, config["model_type"])
     _check_tensor_names(g, table, config["model_type"])
     quant = _kept_quantized(g, table, model) if keep_quantized else {}
@@ -539,6 +552,34 @@ def load_gguf(
     cpu_dequantizing(model)
     done.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return model, config, done
+
+
+def _gather_linear_attention(g: GGUFModelFile, config: dict) -> None:
+    """Qwen3-Next's gated delta-net tensors back in mlx-lm's form (the export's inverse): the
+    q/k/v projection and z gate as one projection grouped per key head, A_log from A."""
+    nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    nv, dv = config["linear_num_value_heads"], config["linear_value_head_dim"]
+    per = [dk, dk, nv // nk * dv, nv // nk * dv]
+    for i in range(config["num_hidden_layers"]):
+        qkv, gate = g.tensors.pop(f"blk.{i}.attn_qkv.weight", None), None
+        if qkv is not None:
+            gate = g.tensors.pop(f"blk.{i}.attn_gate.weight")
+            qkv, z = dequantized(qkv), dequantized(gate)
+            q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk], axis=0)
+            parts = [x.reshape(nk, -1, x.shape[-1]) for x in (q, k, v, z)]
+            fused = np.concatenate(parts, axis=1).reshape(nk * sum(per), -1)
+            g.tensors[f"blk.{i}.ssm_in.weight"] = _plain(f"blk.{i}.ssm_in.weight", fused)
+        a = g.tensors.pop(f"blk.{i}.ssm_a", None)
+        if a is not None:
+            g.tensors[f"blk.{i}.ssm_a.weight"] = _plain(
+                f"blk.{i}.ssm_a.weight", np.log(-dequantized(a))
+            )
+
+
+def _plain(name: str, a: np.ndarray) -> GGUFTensor:
+    """A float32 tensor made here, held as the file's plain tensors are."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return GGUFTensor(name, 0, tuple(reversed(a.shape)), a)
 
 
 def _check_tensor_names(g: GGUFModelFile, table: dict[str, str], model_type: str) -> None:
@@ -601,7 +642,7 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
             a = _unpermute_rows(a, h)
         if config["model_type"] in NORM_PLUS_ONE and gname.endswith("norm.weight"):
             a = a - 1.0
-        if gname.endswith("shortconv.conv.weight"):  # [C, K] -> MLX's depthwise [C, K, 1]
+        if gname.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):  # -> MLX [C, K, 1]
             a = a[..., None]
         weights.append((hf, mx.array(a).astype(target)))
         if kind != "F32":

@@ -50,6 +50,7 @@ FAMILIES = {
     "ernie4_5": Family("ernie4_5"),
     "seed_oss": Family("seed_oss"),
     "gemma4_text": Family("gemma4"),
+    "qwen3_next": Family("qwen3next", norm_topk=True),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": "bias"}
@@ -115,6 +116,8 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
         return f"{gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2]))}.{parts[-1]}"
     names = _name_map(family.arch, max(n_blocks, 1))
     name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+    if name is None and hf.endswith(".dt_bias"):  # Qwen3-Next's, as the converter renames it
+        name = names.get_name(hf[: -len(".dt_bias")] + ".dt_proj.bias", try_suffixes=(".bias",))
     if name is None and hf.endswith("_bias"):  # DeepSeek-style e_score_correction_bias
         name = names.get_name(hf[: -len("_bias")] + ".bias", try_suffixes=(".weight", ".bias"))
     if name is not None and not name.endswith((".weight", ".bias")):
