@@ -32,6 +32,8 @@ def support(name: str) -> dict:
     config = tiny_config(name, VOCAB)
     model, _ = build_model(config, VOCAB, seed=1)
     family = config["model_type"]
+    if isinstance(config.get("text_config"), dict):  # GGUF holds a wrapper's language model
+        family = config["text_config"].get("model_type", family)
     out = {
         "module": name,
         "gguf_in": family in FAMILIES.values() or ARCHES.get(family, ("",))[0] in FAMILIES,

@@ -48,6 +48,7 @@ FAMILIES = {
     "seed_oss": {},
     "gemma4_text": {},
     "qwen3_next": {},
+    "qwen3_5": {},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table
@@ -96,6 +97,7 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
     import gguf
 
     name, model, config, path, _ = exported
+    config = config.get("text_config", config)  # a multimodal wrapper's language model
     f, t, _ = read(path)
     arch = f["general.architecture"]
     layers = config["num_hidden_layers"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -47,6 +48,18 @@ def _arch(config: dict) -> tuple[str, bool]:
 
 def _args(model):
     return getattr(model, "args", None)
+
+
+def text_part(model, config: dict):
+    """(language model, its config) of a multimodal wrapper that mlx-lm builds around one
+    (Gemma 3 and 4, Qwen3.5, Mistral 3: ``language_model`` under ``text_config``); the model
+    and config themselves otherwise. GGUF holds the language model; a vision tower goes to
+    llama.cpp's separate projector file, which mlxtune does not write."""
+    text = config.get("text_config")
+    inner = getattr(model, "language_model", None)
+    if isinstance(text, dict) and isinstance(inner, nn.Module):
+        return inner, {**text, "model_type": text.get("model_type", config.get("model_type"))}
+    return model, config
 
 
 def _refusal(model, config: dict) -> str | None:
@@ -337,7 +350,8 @@ def _add_hparams(w, config: dict, model=None):
     else:
         w.add_head_count_kv(n_kv)
     w.add_rope_dimension_count(int(head_dim * float(arg("partial_rotary_factor") or 1.0)))
-    w.add_rope_freq_base(rope_base(config))
+    theta = getattr(args, "rope_theta", None)  # as the model was built (config normalised)
+    w.add_rope_freq_base(float(theta) if theta is not None else rope_base(config))
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -349,13 +363,18 @@ def _add_hparams(w, config: dict, model=None):
             w.add_expert_feed_forward_length(int(arg("moe_intermediate_size")))
         if arg("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(int(arg("shared_expert_intermediate_size")))
-    if mt == "qwen3_next":  # gated delta-net layers between every full_attention_interval-th
+    if mt in ("qwen3_next", "qwen3_5_text"):  # gated delta-net layers, full attention between
         w.add_ssm_conv_kernel(int(arg("linear_conv_kernel_dim")))
         w.add_ssm_state_size(int(arg("linear_key_head_dim")))
         w.add_ssm_group_count(int(arg("linear_num_key_heads")))
         w.add_ssm_time_step_rank(int(arg("linear_num_value_heads")))
         w.add_ssm_inner_size(int(arg("linear_value_head_dim") * arg("linear_num_value_heads")))
         w.add_full_attention_interval(int(arg("full_attention_interval")))
+        if mt == "qwen3_5_text":  # multimodal RoPE sections (text positions: any split is one)
+            rp = arg("rope_parameters") or {}
+            rot = int(head_dim * float(arg("partial_rotary_factor") or 1.0)) // 2
+            sections = list(rp.get("mrope_section") or [rot])
+            w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
     if mt == "glm4_moe":  # sigmoid routing with a correction bias, grouped, scaled, renormed
         w.add_expert_shared_count(int(arg("n_shared_experts") or 0))
         w.add_leading_dense_block_count(int(arg("first_k_dense_replace") or 0))
@@ -465,6 +484,38 @@ def _tensor_for_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> n
     return a
 
 
+def _tiled_v_heads(a: np.ndarray, axis: int, args, head_dim: int) -> np.ndarray:
+    """V heads along ``axis`` from grouped by key head (HF: k0's v heads, then k1's) to tiled
+    (v0 of every key head, then v1 ...), the order llama.cpp's qwen35 broadcasts in."""
+    nk = args.linear_num_key_heads
+    r = args.linear_num_value_heads // nk
+    moved = np.moveaxis(a, axis, 0)
+    tiled = moved.reshape(nk, r, head_dim, *moved.shape[1:]).swapaxes(0, 1)
+    return np.moveaxis(tiled.reshape(moved.shape), 0, axis)
+
+
+def _qwen35_tensor(a: np.ndarray, g: str, args, lora: str = "") -> np.ndarray:
+    """A Qwen3.5 gated delta-net tensor (or one LoRA factor of it: ``lora`` "a" or "b") as
+    llama.cpp's converter writes it: V heads tiled, A as -exp(A_log)."""
+    if lora != "a" and g.endswith("ssm_a.weight"):
+        a = -np.exp(a)
+    if args.linear_num_key_heads == args.linear_num_value_heads:
+        return a
+    dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
+    qk = 2 * args.linear_num_key_heads * dk
+    if lora == "a":  # an adapter's A factor: only ssm_out's input columns are V heads
+        return _tiled_v_heads(a, 1, args, dv) if g.endswith("ssm_out.weight") else a
+    if g.endswith(("attn_qkv.weight", "ssm_conv1d.weight")):
+        return np.concatenate([a[:qk], _tiled_v_heads(a[qk:], 0, args, dv)], axis=0)
+    if g.endswith("attn_gate.weight"):
+        return _tiled_v_heads(a, 0, args, dv)
+    if g.endswith(("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", "ssm_a.weight")):
+        return _tiled_v_heads(a, 0, args, 1)
+    if g.endswith("ssm_out.weight") and lora != "b":
+        return _tiled_v_heads(a, 1, args, dv)
+    return a
+
+
 def _linear_attention_tensors(a: np.ndarray, g: str, args):
     """Qwen3-Next's gated delta-net tensors as llama.cpp's converter writes them, or None for
     any other tensor: the fused q/k/v/z projection (grouped per key head) as one q/k/v
@@ -519,6 +570,7 @@ def write_gguf_model(
             f"GGUF dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "--dtype"
         )
     where = "export --format gguf"
+    model, config = text_part(model, config)
     arch, _ = _arch(config)
     family = FAMILIES[config["model_type"]]
     n_head, n_kv, head_dim = _heads(config)
@@ -551,6 +603,9 @@ def write_gguf_model(
     for hf, v in tree_flatten(model.parameters()):
         g = names[hf]
         a = _tensor_for_gguf(np.array(v.astype(mx.float32)), g, family, n_head, n_kv)
+        if family.arch in ("qwen35", "qwen35moe"):
+            a = _qwen35_tensor(a, g, _args(model))
+            g = g.replace("ssm_a.weight", "ssm_a")  # a bare tensor in llama.cpp
         split = (
             _linear_attention_tensors(a, g, _args(model)) if family.arch == "qwen3next" else None
         )
@@ -580,6 +635,7 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
     import gguf
 
     where = "export --format gguf-adapter"
+    model, config = text_part(model, config)
     arch, permute = _arch(config)
     why = _refusal(model, config)
     if why is not None:
@@ -618,6 +674,9 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
         pairs = [(g, b)]
         if arch == "qwen3next":  # the fused projection is two tensors there: B's rows split
             pairs = _linear_attention_tensors(b, g, _args(model)) or pairs
+        if arch in ("qwen35", "qwen35moe"):  # V heads tiled in B's rows (ssm_out: A's columns)
+            a = np.ascontiguousarray(_qwen35_tensor(a, g, _args(model), "a"))
+            pairs = [(g, _qwen35_tensor(b, g, _args(model), "b"))]
         for name_, b_ in pairs:
             b_ = np.ascontiguousarray(b_)
             w.add_tensor(f"{name_}.lora_a", a)

@@ -218,8 +218,18 @@ def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
     return out
 
 
+# a text model mlx-lm builds only inside its multimodal wrapper -> the wrapper's model_type
+WRAPPED = {"qwen3_5_text": "qwen3_5"}
+
+
 def _fields(config: dict) -> set[str]:
-    """The config keys the family's mlx-lm ModelArgs takes."""
+    """The config keys the family's mlx-lm ModelArgs takes (a wrapped text model's own)."""
+    mt = config["model_type"]
+    if mt in WRAPPED:
+        import importlib
+
+        module = importlib.import_module(f"mlx_lm.models.{WRAPPED[mt]}")
+        return args_fields(module.TextModelArgs)
     return args_fields(family_classes(config)[1])
 
 
@@ -269,6 +279,15 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             out[key] = float(g.get(meta, 1.0))
     if mt == "gemma4_text":
         out.update(_gemma4_settings(g, config, kv_layers))
+    if mt == "qwen3_5_text":
+        out.update(
+            linear_conv_kernel_dim=int(g.get("ssm.conv_kernel")),
+            linear_key_head_dim=int(g.get("ssm.state_size")),
+            linear_num_key_heads=int(g.get("ssm.group_count")),
+            linear_num_value_heads=int(g.get("ssm.time_step_rank")),
+            linear_value_head_dim=int(g.get("ssm.inner_size")) // int(g.get("ssm.time_step_rank")),
+            full_attention_interval=int(g.get("full_attention_interval", 4)),
+        )
     if mt == "qwen3_next":
         out.update(
             linear_conv_kernel_dim=int(g.get("ssm.conv_kernel")),
@@ -358,6 +377,14 @@ def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
                 "does not read from GGUF yet",
                 where,
             )
+    elif config["model_type"] == "qwen3_5_text":
+        sections = [int(x) for x in g.get("rope.dimension_sections", [])][:3]
+        out["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": config["rope_theta"],
+            "partial_rotary_factor": rope_dims / head_dim,
+            "mrope_section": sections or [rope_dims // 2, 0, 0],
+        }
     elif rope_dims != head_dim and "partial_rotary_factor" in _fields(config):
         out["partial_rotary_factor"] = rope_dims / head_dim
     elif rope_dims != head_dim:
@@ -425,7 +452,7 @@ def _name_table(model: nn.Module, model_type: str) -> dict[str, str]:
     """GGUF tensor name -> parameter name, for every parameter the model has."""
     table, n_blocks = {}, len(model.layers)
     for hf, _ in tree_flatten(model.parameters()):
-        g = gguf_name(hf, model_type, n_blocks)
+        g = gguf_name(hf.removeprefix("language_model."), model_type, n_blocks)
         if g is not None:
             table[g] = hf
     return table
@@ -523,6 +550,9 @@ def load_gguf(
     g = read_gguf(path)
     where = str(g.path)
     config = gguf_config(g)
+    text_type = config["model_type"]
+    if text_type in WRAPPED:  # mlx-lm builds this text model inside its wrapper only
+        config = {"model_type": WRAPPED[text_type], "text_config": config}
     model_class, args_class = family_classes(config)
     try:
         model = model_class(args_class.from_dict(config))
@@ -532,8 +562,10 @@ def load_gguf(
         ) from None
     if g.arch == "qwen3next":
         _gather_linear_attention(g, config)
-    table = _name_table(model, config["model_type"])
-    _check_tensor_names(g, table, config["model_type"])
+    if g.arch in ("qwen35", "qwen35moe"):
+        _untile_v_heads(g, config["text_config"])
+    table = _name_table(model, text_type)
+    _check_tensor_names(g, table, text_type)
     quant = _kept_quantized(g, table, model) if keep_quantized else {}
     if quant:
         nn.quantize(
@@ -543,7 +575,7 @@ def load_gguf(
             ),
         )
     done = GGUFLoad({}, {}, 0)
-    weights = _weights(g, table, config, quant, DTYPES[dtype], done)
+    weights = _weights(g, table, config.get("text_config", config), quant, DTYPES[dtype], done)
     try:
         model.load_weights(weights, strict=True)
     except ValueError as e:
@@ -574,6 +606,41 @@ def _gather_linear_attention(g: GGUFModelFile, config: dict) -> None:
             g.tensors[f"blk.{i}.ssm_a.weight"] = _plain(
                 f"blk.{i}.ssm_a.weight", np.log(-dequantized(a))
             )
+
+
+def _untile_v_heads(g: GGUFModelFile, text: dict) -> None:
+    """Qwen3.5's gated delta-net tensors back in mlx-lm's form (the export's inverse): V heads
+    grouped by key head again, A_log from A."""
+    nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    qk = 2 * nk * dk
+
+    def grouped(a: np.ndarray, axis: int, head_dim: int) -> np.ndarray:
+        moved = np.moveaxis(a, axis, 0)
+        back = moved.reshape(nv // nk, nk, head_dim, *moved.shape[1:]).swapaxes(0, 1)
+        return np.moveaxis(back.reshape(moved.shape), 0, axis)
+
+    for i in range(text["num_hidden_layers"]):
+        a = g.tensors.pop(f"blk.{i}.ssm_a", None)
+        if a is None:
+            continue
+        edits = {f"blk.{i}.ssm_a.weight": np.log(-grouped(dequantized(a), 0, 1))}
+        for name, axis, head_dim, skip in (
+            ("attn_qkv.weight", 0, dv, qk),
+            ("ssm_conv1d.weight", 0, dv, qk),
+            ("attn_gate.weight", 0, dv, 0),
+            ("ssm_beta.weight", 0, 1, 0),
+            ("ssm_alpha.weight", 0, 1, 0),
+            ("ssm_dt.bias", 0, 1, 0),
+            ("ssm_out.weight", 1, dv, 0),
+        ):
+            t = g.tensors.get(f"blk.{i}.{name}")
+            if t is None or nk == nv:
+                continue
+            x = dequantized(t)
+            edits[f"blk.{i}.{name}"] = np.concatenate([x[:skip], grouped(x[skip:], axis, head_dim)])
+        for name, x in edits.items():
+            g.tensors[name] = _plain(name, x)
 
 
 def _plain(name: str, a: np.ndarray) -> GGUFTensor:

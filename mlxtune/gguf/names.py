@@ -51,6 +51,7 @@ FAMILIES = {
     "seed_oss": Family("seed_oss"),
     "gemma4_text": Family("gemma4"),
     "qwen3_next": Family("qwen3next", norm_topk=True),
+    "qwen3_5_text": Family("qwen35"),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": "bias"}
