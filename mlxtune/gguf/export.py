@@ -363,14 +363,14 @@ def _add_hparams(w, config: dict, model=None):
             w.add_expert_feed_forward_length(int(arg("moe_intermediate_size")))
         if arg("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(int(arg("shared_expert_intermediate_size")))
-    if mt in ("qwen3_next", "qwen3_5_text"):  # gated delta-net layers, full attention between
+    if mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):  # gated delta-net layers
         w.add_ssm_conv_kernel(int(arg("linear_conv_kernel_dim")))
         w.add_ssm_state_size(int(arg("linear_key_head_dim")))
         w.add_ssm_group_count(int(arg("linear_num_key_heads")))
         w.add_ssm_time_step_rank(int(arg("linear_num_value_heads")))
         w.add_ssm_inner_size(int(arg("linear_value_head_dim") * arg("linear_num_value_heads")))
         w.add_full_attention_interval(int(arg("full_attention_interval")))
-        if mt == "qwen3_5_text":  # multimodal RoPE sections (text positions: any split is one)
+        if mt != "qwen3_next":  # multimodal RoPE sections (text positions: any split is one)
             rp = arg("rope_parameters") or {}
             rot = int(head_dim * float(arg("partial_rotary_factor") or 1.0)) // 2
             sections = list(rp.get("mrope_section") or [rot])

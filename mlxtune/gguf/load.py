@@ -219,7 +219,7 @@ def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
 
 
 # a text model mlx-lm builds only inside its multimodal wrapper -> the wrapper's model_type
-WRAPPED = {"qwen3_5_text": "qwen3_5"}
+WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 def _fields(config: dict) -> set[str]:
@@ -229,7 +229,11 @@ def _fields(config: dict) -> set[str]:
         import importlib
 
         module = importlib.import_module(f"mlx_lm.models.{WRAPPED[mt]}")
-        return args_fields(module.TextModelArgs)
+        # the text model's arguments: in the wrapper's module or the one it builds on
+        # (Qwen3.5-MoE's wrapper subclasses Qwen3.5's)
+        owners = [importlib.import_module(c.__module__) for c in module.Model.__mro__]
+        text_args = next(m.TextModelArgs for m in owners if hasattr(m, "TextModelArgs"))
+        return args_fields(text_args)
     return args_fields(family_classes(config)[1])
 
 
@@ -249,7 +253,7 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
         width = g.get("expert_feed_forward_length")
         if width is None and "blk.0.ffn_gate_exps.weight" in g.tensors:
             width = int(g.tensors["blk.0.ffn_gate_exps.weight"].shape[1])
-        if mt in ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next"):
+        if mt in ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text"):
             out["moe_intermediate_size"] = int(width)
             out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
         if NAMED[mt].norm_topk is not None and mt in ("qwen3_moe", "olmoe"):
@@ -279,7 +283,10 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             out[key] = float(g.get(meta, 1.0))
     if mt == "gemma4_text":
         out.update(_gemma4_settings(g, config, kv_layers))
-    if mt == "qwen3_5_text":
+    if mt == "qwen3_5_moe_text":
+        out["shared_expert_intermediate_size"] = int(g.get("expert_shared_feed_forward_length", 0))
+        out["norm_topk_prob"] = True
+    if mt in ("qwen3_5_text", "qwen3_5_moe_text"):
         out.update(
             linear_conv_kernel_dim=int(g.get("ssm.conv_kernel")),
             linear_key_head_dim=int(g.get("ssm.state_size")),
@@ -377,7 +384,7 @@ def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
                 "does not read from GGUF yet",
                 where,
             )
-    elif config["model_type"] == "qwen3_5_text":
+    elif config["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text"):
         sections = [int(x) for x in g.get("rope.dimension_sections", [])][:3]
         out["rope_parameters"] = {
             "rope_type": "default",

@@ -52,6 +52,7 @@ FAMILIES = {
     "gemma4_text": Family("gemma4"),
     "qwen3_next": Family("qwen3next", norm_topk=True),
     "qwen3_5_text": Family("qwen35"),
+    "qwen3_5_moe_text": Family("qwen35moe", norm_topk=True),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": "bias"}
