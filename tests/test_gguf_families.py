@@ -50,6 +50,7 @@ FAMILIES = {
     "qwen3_next": {},
     "qwen3_5": {},
     "qwen3_5_moe": {},
+    "mamba2": {"time_step_limit": [0.0, float("inf")]},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table
@@ -167,6 +168,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("gemma3_text", {"sliding_window_pattern": 2}, "fixes sliding_window_pattern at 6"),
         ("smollm3", {"no_rope_layer_interval": 3}, "every 4th layer"),
         ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}, "even layers"),
+        ("mamba2", {"time_step_limit": [0.001, 100.0]}, "clamp the SSM step"),
     ],
 )
 def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(

@@ -102,6 +102,8 @@ def _refusal(model, config: dict) -> str | None:
             "llama.cpp's olmoe normalises keys over all heads at once, so it reads models with "
             "as many key/value heads as query heads; this model has fewer"
         )
+    if mt == "mamba2" and float((arg("time_step_limit") or [0.0])[0]) > 0.0:
+        return "llama.cpp's mamba2 does not clamp the SSM step from below; this model does"
     if mt == "gemma4_text":
         full = (arg("rope_parameters") or {}).get("full_attention", {})
         if arg("enable_moe_block") or arg("attention_k_eq_v"):
@@ -140,6 +142,8 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _heads(config: dict) -> tuple[int, int, int]:
+    if "num_attention_heads" not in config:  # an attention-free model (Mamba 2)
+        return 0, 0, 0
     n_head = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads") or n_head
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
@@ -320,6 +324,8 @@ def _add_hparams(w, config: dict, model=None):
 
     n_head, n_kv, head_dim = _heads(config)
     layers = config["num_hidden_layers"]
+    if mt == "mamba2":
+        return _add_mamba2(w, args)
     if mt == "gemma2":
         w.add_attn_logit_softcapping(float(arg("attn_logit_softcapping", 50.0)))
         w.add_final_logit_softcapping(float(arg("final_logit_softcapping", 30.0)))
@@ -389,6 +395,34 @@ def _add_hparams(w, config: dict, model=None):
         w.add_embedding_scale(float(arg("embedding_multiplier")))
         w.add_residual_scale(float(arg("residual_multiplier")))
         w.add_logit_scale(float(arg("logits_scaling")))
+
+
+def _add_mamba2(w, args) -> None:
+    """Mamba 2 as llama.cpp's mamba2 reads it (no attention: zero heads, no MLP)."""
+    w.add_context_length(int(getattr(args, "max_position_embeddings", None) or 2**20))
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(int(args.num_hidden_layers))
+    w.add_ssm_conv_kernel(int(args.conv_kernel))
+    w.add_ssm_inner_size(int(args.intermediate_size))
+    w.add_ssm_state_size(int(args.state_size))
+    w.add_ssm_time_step_rank(int(args.num_heads))
+    w.add_ssm_group_count(int(args.n_groups))
+    w.add_layer_norm_rms_eps(float(args.layer_norm_epsilon))
+    w.add_vocab_size(int(args.vocab_size))
+
+
+def _ssm_tensor(a: np.ndarray, g: str, args) -> np.ndarray:
+    """A Mamba 2 tensor as llama.cpp's converter writes it: A as -exp(A_log) and D as columns
+    [heads, 1], the gated norm per group [groups, inner / groups]."""
+    if g.endswith(".ssm_a"):
+        return -np.exp(a).reshape(-1, 1)
+    if g.endswith(".ssm_d"):
+        return a.reshape(-1, 1)
+    if g.endswith("ssm_norm.weight"):
+        return a.reshape(int(args.n_groups), -1)
+    return a
 
 
 def _add_gemma4(w, args) -> None:
@@ -497,7 +531,7 @@ def _tiled_v_heads(a: np.ndarray, axis: int, args, head_dim: int) -> np.ndarray:
 def _qwen35_tensor(a: np.ndarray, g: str, args, lora: str = "") -> np.ndarray:
     """A Qwen3.5 gated delta-net tensor (or one LoRA factor of it: ``lora`` "a" or "b") as
     llama.cpp's converter writes it: V heads tiled, A as -exp(A_log)."""
-    if lora != "a" and g.endswith("ssm_a.weight"):
+    if lora != "a" and g.endswith(".ssm_a"):
         a = -np.exp(a)
     if args.linear_num_key_heads == args.linear_num_value_heads:
         return a
@@ -509,7 +543,7 @@ def _qwen35_tensor(a: np.ndarray, g: str, args, lora: str = "") -> np.ndarray:
         return np.concatenate([a[:qk], _tiled_v_heads(a[qk:], 0, args, dv)], axis=0)
     if g.endswith("attn_gate.weight"):
         return _tiled_v_heads(a, 0, args, dv)
-    if g.endswith(("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", "ssm_a.weight")):
+    if g.endswith(("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", ".ssm_a")):
         return _tiled_v_heads(a, 0, args, 1)
     if g.endswith("ssm_out.weight") and lora != "b":
         return _tiled_v_heads(a, 1, args, dv)
@@ -532,8 +566,8 @@ def _linear_attention_tensors(a: np.ndarray, g: str, args):
             (f"{block}attn_qkv.weight", np.concatenate(flat[:3], axis=0)),
             (f"{block}attn_gate.weight", flat[3]),
         ]
-    if g.endswith("ssm_a.weight"):
-        return [(g.replace("ssm_a.weight", "ssm_a"), -np.exp(a))]
+    if g.endswith(".ssm_a"):
+        return [(g, -np.exp(a))]
     return None
 
 
@@ -605,7 +639,8 @@ def write_gguf_model(
         a = _tensor_for_gguf(np.array(v.astype(mx.float32)), g, family, n_head, n_kv)
         if family.arch in ("qwen35", "qwen35moe"):
             a = _qwen35_tensor(a, g, _args(model))
-            g = g.replace("ssm_a.weight", "ssm_a")  # a bare tensor in llama.cpp
+        if family.arch == "mamba2":
+            a = _ssm_tensor(a, g, _args(model))
         split = (
             _linear_attention_tensors(a, g, _args(model)) if family.arch == "qwen3next" else None
         )

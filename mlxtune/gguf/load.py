@@ -111,6 +111,8 @@ def gguf_config(g: GGUFModelFile) -> dict:
             raise UserInputError(f"the metadata has no {arch}.{key}", where)
         return v
 
+    if arch == "mamba2":
+        return _mamba2_config(g, need)
     model_type = FAMILIES[arch]
     if arch == "llama" and g.get("expert_count"):
         model_type = "mixtral"
@@ -220,6 +222,47 @@ def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
 
 # a text model mlx-lm builds only inside its multimodal wrapper -> the wrapper's model_type
 WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _mamba2_config(g: GGUFModelFile, need) -> dict:
+    """Mamba 2's config from what llama.cpp's mamba2 reads (no attention, no MLP)."""
+    inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    return {
+        "model_type": "mamba2",
+        "architectures": [hf_architecture("mamba2")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": inner,
+        "num_heads": heads,
+        "head_dim": inner // heads,
+        "state_size": int(need("ssm.state_size")),
+        "conv_kernel": int(need("ssm.conv_kernel")),
+        "n_groups": int(g.get("ssm.group_count", 1)),
+        "layer_norm_epsilon": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "use_bias": "blk.0.ssm_in.bias" in g.tensors,
+        "use_conv_bias": "blk.0.ssm_conv1d.bias" in g.tensors,
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "time_step_limit": [0.0, float("inf")],
+        "time_step_rank": heads,
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+    }
+
+
+def _ssm_columns(g: GGUFModelFile, config: dict) -> None:
+    """Mamba 2's A, D and gated norm back in mlx-lm's form: A_log from A, each a vector."""
+    for i in range(config["num_hidden_layers"]):
+        for name, fix in (
+            ("ssm_a", lambda x: np.log(-x).reshape(-1)),
+            ("ssm_d", lambda x: x.reshape(-1)),
+            ("ssm_norm.weight", lambda x: x.reshape(-1)),
+        ):
+            t = g.tensors.get(f"blk.{i}.{name}")
+            if t is not None:
+                g.tensors[f"blk.{i}.{name}"] = _plain(f"blk.{i}.{name}", fix(dequantized(t)))
 
 
 def _fields(config: dict) -> set[str]:
@@ -569,6 +612,8 @@ def load_gguf(
         ) from None
     if g.arch == "qwen3next":
         _gather_linear_attention(g, config)
+    if g.arch == "mamba2":
+        _ssm_columns(g, config)
     if g.arch in ("qwen35", "qwen35moe"):
         _untile_v_heads(g, config["text_config"])
     table = _name_table(model, text_type)
@@ -610,9 +655,7 @@ def _gather_linear_attention(g: GGUFModelFile, config: dict) -> None:
             g.tensors[f"blk.{i}.ssm_in.weight"] = _plain(f"blk.{i}.ssm_in.weight", fused)
         a = g.tensors.pop(f"blk.{i}.ssm_a", None)
         if a is not None:
-            g.tensors[f"blk.{i}.ssm_a.weight"] = _plain(
-                f"blk.{i}.ssm_a.weight", np.log(-dequantized(a))
-            )
+            g.tensors[f"blk.{i}.ssm_a"] = _plain(f"blk.{i}.ssm_a", np.log(-dequantized(a)))
 
 
 def _untile_v_heads(g: GGUFModelFile, text: dict) -> None:
@@ -631,7 +674,7 @@ def _untile_v_heads(g: GGUFModelFile, text: dict) -> None:
         a = g.tensors.pop(f"blk.{i}.ssm_a", None)
         if a is None:
             continue
-        edits = {f"blk.{i}.ssm_a.weight": np.log(-grouped(dequantized(a), 0, 1))}
+        edits = {f"blk.{i}.ssm_a": np.log(-grouped(dequantized(a), 0, 1))}
         for name, axis, head_dim, skip in (
             ("attn_qkv.weight", 0, dv, qk),
             ("ssm_conv1d.weight", 0, dv, qk),
@@ -692,8 +735,8 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
     """(parameter name, array) for every tensor: the codes, scales and offsets of a kept
     quantized weight, every other tensor de-quantized to ``target``; q/k rows back in
     rotate-half order and gemma norms without llama.cpp's 1. Records each in ``done``."""
-    heads = {"attn_q.weight": config["num_attention_heads"]}
-    heads["attn_k.weight"] = config["num_key_value_heads"]
+    heads = {"attn_q.weight": config.get("num_attention_heads")}
+    heads["attn_k.weight"] = config.get("num_key_value_heads")
     heads["attn_q.bias"], heads["attn_k.bias"] = heads["attn_q.weight"], heads["attn_k.weight"]
     weights = []
     for gname, hf in table.items():

@@ -53,9 +53,10 @@ FAMILIES = {
     "qwen3_next": Family("qwen3next", norm_topk=True),
     "qwen3_5_text": Family("qwen35"),
     "qwen3_5_moe_text": Family("qwen35moe", norm_topk=True),
+    "mamba2": Family("mamba2"),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
-_BARE = {"exp_probs_b": "bias"}
+_BARE = {"exp_probs_b": ".bias", "ssm_a": "", "ssm_d": ""}
 # model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
 ARCHES = {mt: (f.arch, f.permuted) for mt, f in FAMILIES.items()}
 NORM_PLUS_ONE = tuple(mt for mt, f in FAMILIES.items() if f.norm_plus_one)
@@ -123,8 +124,9 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
     if name is None and hf.endswith("_bias"):  # DeepSeek-style e_score_correction_bias
         name = names.get_name(hf[: -len("_bias")] + ".bias", try_suffixes=(".weight", ".bias"))
     if name is not None and not name.endswith((".weight", ".bias")):
-        # a bare parameter (gpt-oss's attention sinks, a router's expert bias)
-        name += "." + _BARE.get(name.rsplit(".", 1)[-1], "weight")
+        # a bare parameter (gpt-oss's attention sinks, a router's expert bias; an SSM's A and
+        # D keep the bare name)
+        name += _BARE.get(name.rsplit(".", 1)[-1], ".weight")
     return name
 
 

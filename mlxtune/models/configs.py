@@ -215,6 +215,9 @@ def rope_base(config: dict) -> float:
     else its family's default."""
     args_class = family_classes(config)[1]
     theta = normalise_config(config, args_class).get("rope_theta")
+    rp = config.get("rope_parameters")
+    if theta is None and isinstance(rp, dict):  # a family that reads rope_parameters itself
+        theta = rp.get(_FULL, rp).get("rope_theta")
     if theta is None:
         p = inspect.signature(args_class).parameters.get("rope_theta")
         theta = None if p is None or p.default is inspect.Parameter.empty else p.default
