@@ -361,7 +361,12 @@ def _add_hparams(w, config: dict, model=None):
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    experts = arg("num_experts") or arg("num_local_experts") or arg("n_routed_experts")
+    experts = (
+        arg("num_experts")
+        or arg("num_local_experts")
+        or arg("n_routed_experts")
+        or arg("moe_num_experts")
+    )
     if experts:
         w.add_expert_count(int(experts))
         w.add_expert_used_count(int(arg("num_experts_per_tok")))
@@ -381,6 +386,14 @@ def _add_hparams(w, config: dict, model=None):
             rot = int(head_dim * float(arg("partial_rotary_factor") or 1.0)) // 2
             sections = list(rp.get("mrope_section") or [rot])
             w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+    eps = arg("layer_norm_eps") or arg("norm_epsilon") or arg("layer_norm_epsilon")
+    if eps is not None:  # a LayerNorm family (StableLM, StarCoder2, Nemotron)
+        w.add_layer_norm_eps(float(eps))
+    if experts and mt != "glm4_moe":  # DeepSeek-style shared experts and leading dense blocks
+        if arg("n_shared_experts") is not None:
+            w.add_expert_shared_count(int(arg("n_shared_experts")))
+        if arg("first_k_dense_replace") is not None:
+            w.add_leading_dense_block_count(int(arg("first_k_dense_replace")))
     if mt == "glm4_moe":  # sigmoid routing with a correction bias, grouped, scaled, renormed
         w.add_expert_shared_count(int(arg("n_shared_experts") or 0))
         w.add_leading_dense_block_count(int(arg("first_k_dense_replace") or 0))

@@ -307,7 +307,16 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
                 shared = int(g.tensors["blk.0.ffn_gate_shexp.weight"].shape[1])
             out["shared_expert_intermediate_size"] = int(shared or 0)
     fields = _fields(config)
+    eps = g.get("attention.layer_norm_epsilon")
+    for key in ("layer_norm_eps", "norm_epsilon", "layer_norm_epsilon"):
+        if eps is not None and key in fields:  # a LayerNorm family's epsilon
+            out[key] = float(eps)
+    if "qk_layernorm" in fields:
+        out["qk_layernorm"] = "blk.0.attn_q_norm.weight" in g.tensors
+    if "use_parallel_residual" in fields:  # llama.cpp's StableLM: no FFN norm means parallel
+        out["use_parallel_residual"] = "blk.0.ffn_norm.weight" not in g.tensors
     biases = {  # a family's bias switches, read off the tensors the file holds
+        "use_qkv_bias": "blk.0.attn_q.bias",
         "attention_bias": "blk.0.attn_q.bias",
         "use_bias": "blk.0.attn_q.bias",
         "mlp_bias": "blk.0.ffn_up.bias",

@@ -54,6 +54,8 @@ FAMILIES = {
     "qwen3_5_text": Family("qwen35"),
     "qwen3_5_moe_text": Family("qwen35moe", norm_topk=True),
     "mamba2": Family("mamba2"),
+    "stablelm": Family("stablelm"),
+    "starcoder2": Family("starcoder2"),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": ".bias", "ssm_a": "", "ssm_d": ""}
