@@ -53,6 +53,8 @@ FAMILIES = {
     "mamba2": {"time_step_limit": [0.0, float("inf")]},
     "stablelm": {},
     "starcoder2": {},
+    "minicpm": {},
+    "deepseek": {},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table

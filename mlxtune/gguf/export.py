@@ -403,6 +403,10 @@ def _add_hparams(w, config: dict, model=None):
         w.add_expert_group_count(int(arg("n_group") or 1))
         w.add_expert_group_used_count(int(arg("topk_group") or 1))
         w.add_nextn_predict_layers(0)  # mlx-lm keeps no multi-token-prediction layer
+    if mt == "minicpm":  # muP-style scales: embeddings, each residual branch, the logits
+        w.add_embedding_scale(float(arg("scale_emb")))
+        w.add_residual_scale(float(arg("scale_depth")) / layers**0.5)
+        w.add_logit_scale(float(arg("hidden_size")) / float(arg("dim_model_base")))
     if mt in ("granite", "granitemoe"):  # every one written: some llama.cpp builds need all
         w.add_attention_scale(float(arg("attention_multiplier")))
         w.add_embedding_scale(float(arg("embedding_multiplier")))

@@ -291,12 +291,20 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             mt, "num_experts"
         )
         key = {"gpt_oss": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(mt, key)
+        key = "n_routed_experts" if mt == "deepseek" else key
         out[key] = int(experts)
         out["num_experts_per_tok"] = int(g.get("expert_used_count"))
         width = g.get("expert_feed_forward_length")
         if width is None and "blk.0.ffn_gate_exps.weight" in g.tensors:
             width = int(g.tensors["blk.0.ffn_gate_exps.weight"].shape[1])
-        if mt in ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text"):
+        if mt in (
+            "qwen2_moe",
+            "qwen3_moe",
+            "glm4_moe",
+            "qwen3_next",
+            "qwen3_5_moe_text",
+            "deepseek",
+        ):
             out["moe_intermediate_size"] = int(width)
             out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
         if NAMED[mt].norm_topk is not None and mt in ("qwen3_moe", "olmoe"):
@@ -377,6 +385,18 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             layer_types=[
                 "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
             ],
+        )
+    if mt == "deepseek":
+        out.update(
+            n_shared_experts=g.get("expert_shared_count"),
+            first_k_dense_replace=int(g.get("leading_dense_block_count", 0)),
+            moe_layer_freq=1,
+        )
+    if mt == "minicpm":
+        out.update(
+            scale_emb=float(g.get("embedding_scale", 1.0)),
+            scale_depth=float(g.get("residual_scale", 1.0)) * layers**0.5,
+            dim_model_base=round(config["hidden_size"] / float(g.get("logit_scale", 1.0))),
         )
     if mt == "smollm3":
         out["no_rope_layer_interval"] = 4  # llama.cpp's smollm3 leaves every 4th layer unroped

@@ -56,6 +56,8 @@ FAMILIES = {
     "mamba2": Family("mamba2"),
     "stablelm": Family("stablelm"),
     "starcoder2": Family("starcoder2"),
+    "minicpm": Family("minicpm", permuted=True),
+    "deepseek": Family("deepseek", permuted=True, norm_topk=False),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": ".bias", "ssm_a": "", "ssm_d": ""}
