@@ -55,6 +55,7 @@ FAMILIES = {
     "starcoder2": {},
     "minicpm": {},
     "deepseek": {},
+    "nemotron": {},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table

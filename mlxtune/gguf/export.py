@@ -102,6 +102,10 @@ def _refusal(model, config: dict) -> str | None:
             "llama.cpp's olmoe normalises keys over all heads at once, so it reads models with "
             "as many key/value heads as query heads; this model has fewer"
         )
+    if mt == "nemotron" and arg("hidden_act", "relu2") != "relu2":
+        return (
+            f"llama.cpp's nemotron squares a ReLU; this model's activation is {arg('hidden_act')}"
+        )
     if mt == "mamba2" and float((arg("time_step_limit") or [0.0])[0]) > 0.0:
         return "llama.cpp's mamba2 does not clamp the SSM step from below; this model does"
     if mt == "gemma4_text":
@@ -387,6 +391,8 @@ def _add_hparams(w, config: dict, model=None):
             sections = list(rp.get("mrope_section") or [rot])
             w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
     eps = arg("layer_norm_eps") or arg("norm_epsilon") or arg("layer_norm_epsilon")
+    if mt == "nemotron":  # its LayerNorm epsilon goes by norm_eps
+        eps = arg("norm_eps")
     if eps is not None:  # a LayerNorm family (StableLM, StarCoder2, Nemotron)
         w.add_layer_norm_eps(float(eps))
     if experts and mt != "glm4_moe":  # DeepSeek-style shared experts and leading dense blocks

@@ -392,6 +392,8 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             first_k_dense_replace=int(g.get("leading_dense_block_count", 0)),
             moe_layer_freq=1,
         )
+    if mt == "nemotron":  # llama.cpp's nemotron: squared ReLU, LayerNorm1P
+        out.update(hidden_act="relu2", norm_eps=float(g.get("attention.layer_norm_epsilon", 1e-5)))
     if mt == "minicpm":
         out.update(
             scale_emb=float(g.get("embedding_scale", 1.0)),

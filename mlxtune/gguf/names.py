@@ -58,6 +58,7 @@ FAMILIES = {
     "starcoder2": Family("starcoder2"),
     "minicpm": Family("minicpm", permuted=True),
     "deepseek": Family("deepseek", permuted=True, norm_topk=False),
+    "nemotron": Family("nemotron", norm_plus_one=True),  # LayerNorm1P: (1 + w)
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": ".bias", "ssm_a": "", "ssm_d": ""}
