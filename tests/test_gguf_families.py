@@ -56,6 +56,7 @@ FAMILIES = {
     "minicpm": {},
     "deepseek": {},
     "nemotron": {},
+    "ministral3": {"sliding_window": None, "layer_types": ["full_attention"] * 2},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table
@@ -174,6 +175,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("smollm3", {"no_rope_layer_interval": 3}, "every 4th layer"),
         ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}, "even layers"),
         ("mamba2", {"time_step_limit": [0.001, 100.0]}, "clamp the SSM step"),
+        ("ministral3", {"sliding_window": 4}, "sets a sliding_window"),
     ],
 )
 def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(

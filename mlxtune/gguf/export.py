@@ -102,6 +102,15 @@ def _refusal(model, config: dict) -> str | None:
             "llama.cpp's olmoe normalises keys over all heads at once, so it reads models with "
             "as many key/value heads as query heads; this model has fewer"
         )
+    if mt == "ministral3":
+        rp = arg("rope_parameters") or {}
+        if arg("sliding_window") is not None:
+            return (
+                "llama.cpp's mistral3 attends over the whole context; this model's config sets "
+                "a sliding_window"
+            )
+        if rp.get("mscale", rp.get("mscale_all_dim")) != rp.get("mscale_all_dim"):
+            return "llama.cpp's mistral3 reads one yarn mscale; this model's two differ"
     if mt == "nemotron" and arg("hidden_act", "relu2") != "relu2":
         return (
             f"llama.cpp's nemotron squares a ReLU; this model's activation is {arg('hidden_act')}"
@@ -494,8 +503,22 @@ def _add_rope_scaling(w, config: dict) -> np.ndarray | None:
     import gguf
 
     sc = config.get("rope_scaling") or {}
+    if config["model_type"] == "ministral3":  # its RoPE settings live in rope_parameters
+        sc = config.get("rope_parameters") or {}
     kind = sc.get("rope_type") or sc.get("type") or "default"
     if kind == "default":
+        return None
+    if kind == "yarn" and config["model_type"] == "ministral3":
+        # Mistral's yarn: mscale_all_dim as the log multiplier, and Llama 4's position-wise
+        # attention temperature (beta, over the original context)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(sc["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(sc["original_max_position_embeddings"]))
+        w.add_rope_scaling_yarn_beta_fast(float(sc.get("beta_fast", 32.0)))
+        w.add_rope_scaling_yarn_beta_slow(float(sc.get("beta_slow", 1.0)))
+        w.add_rope_scaling_yarn_log_mul(float(sc.get("mscale_all_dim", 0.0)))
+        if sc.get("llama_4_scaling_beta") is not None:
+            w.add_attn_temperature_scale(float(sc["llama_4_scaling_beta"]))
         return None
     if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

@@ -392,6 +392,22 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             first_k_dense_replace=int(g.get("leading_dense_block_count", 0)),
             moe_layer_freq=1,
         )
+    if mt == "ministral3":  # its RoPE settings go in rope_parameters
+        scaling = config.get("rope_scaling") or {}
+        rp = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+        if scaling.get("rope_type") == "yarn":
+            log_mul = float(g.get("rope.scaling.yarn_log_mul", 1.0))
+            rp = {
+                **scaling,
+                **rp,
+                "rope_type": "yarn",
+                "mscale": log_mul,
+                "mscale_all_dim": log_mul,
+            }
+            beta = g.get("attention.temperature_scale")
+            if beta is not None:
+                rp["llama_4_scaling_beta"] = float(beta)
+        out.update(rope_parameters=rp, rope_scaling=None, sliding_window=None)
     if mt == "nemotron":  # llama.cpp's nemotron: squared ReLU, LayerNorm1P
         out.update(hidden_act="relu2", norm_eps=float(g.get("attention.layer_norm_epsilon", 1e-5)))
     if mt == "minicpm":

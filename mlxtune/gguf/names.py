@@ -59,6 +59,7 @@ FAMILIES = {
     "minicpm": Family("minicpm", permuted=True),
     "deepseek": Family("deepseek", permuted=True, norm_topk=False),
     "nemotron": Family("nemotron", norm_plus_one=True),  # LayerNorm1P: (1 + w)
+    "ministral3": Family("mistral3", permuted=True),
 }
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": ".bias", "ssm_a": "", "ssm_d": ""}
