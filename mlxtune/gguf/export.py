@@ -339,6 +339,8 @@ def _add_hparams(w, config: dict, model=None):
     layers = config["num_hidden_layers"]
     if mt == "mamba2":
         return _add_mamba2(w, args)
+    if FAMILIES[mt].arch == "deepseek2":
+        return _add_mla(w, args)
     if mt == "gemma2":
         w.add_attn_logit_softcapping(float(arg("attn_logit_softcapping", 50.0)))
         w.add_final_logit_softcapping(float(arg("final_logit_softcapping", 30.0)))
@@ -429,6 +431,45 @@ def _add_hparams(w, config: dict, model=None):
         w.add_logit_scale(float(arg("logits_scaling")))
 
 
+def _add_mla(w, args) -> None:
+    """DeepSeek-V3's multi-head latent attention and routing as llama.cpp's deepseek2 reads
+    them: one latent kv head of kv_lora_rank + the rotary part, decompressed per head."""
+    import gguf
+
+    layers = int(args.num_hidden_layers)
+    w.add_context_length(int(args.max_position_embeddings))
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_block_count(layers)
+    w.add_feed_forward_length(int(args.intermediate_size))
+    w.add_head_count(int(args.num_attention_heads))
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(float(args.rms_norm_eps))
+    w.add_vocab_size(int(args.vocab_size))
+    w.add_rope_freq_base(float(args.rope_theta))
+    w.add_rope_dimension_count(int(args.qk_rope_head_dim))
+    w.add_leading_dense_block_count(int(args.first_k_dense_replace))
+    if args.q_lora_rank is not None:
+        w.add_q_lora_rank(int(args.q_lora_rank))
+    w.add_kv_lora_rank(int(args.kv_lora_rank))
+    w.add_key_length(int(args.kv_lora_rank + args.qk_rope_head_dim))
+    w.add_value_length(int(args.kv_lora_rank))
+    w.add_key_length_mla(int(args.qk_nope_head_dim + args.qk_rope_head_dim))
+    w.add_value_length_mla(int(args.v_head_dim))
+    w.add_expert_feed_forward_length(int(args.moe_intermediate_size))
+    w.add_expert_count(int(args.n_routed_experts))
+    w.add_expert_used_count(int(args.num_experts_per_tok))
+    w.add_expert_shared_count(int(args.n_shared_experts or 0))
+    w.add_expert_weights_scale(float(getattr(args, "routed_scaling_factor", 1.0)))
+    if getattr(args, "norm_topk_prob", False):
+        w.add_expert_weights_norm(True)
+    sigmoid = getattr(args, "scoring_func", "softmax") == "sigmoid"  # DeepSeek-V2: softmax
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    w.add_expert_group_count(int(getattr(args, "n_group", None) or 1))
+    w.add_expert_group_used_count(int(getattr(args, "topk_group", None) or 1))
+
+
 def _add_mamba2(w, args) -> None:
     """Mamba 2 as llama.cpp's mamba2 reads it (no attention: zero heads, no MLP)."""
     w.add_context_length(int(getattr(args, "max_position_embeddings", None) or 2**20))
@@ -507,6 +548,20 @@ def _add_rope_scaling(w, config: dict) -> np.ndarray | None:
         sc = config.get("rope_parameters") or {}
     kind = sc.get("rope_type") or sc.get("type") or "default"
     if kind == "default":
+        return None
+    if kind in ("yarn", "deepseek_yarn") and FAMILIES[config["model_type"]].arch == "deepseek2":
+        if sc.get("mscale", 1.0) != sc.get("mscale_all_dim", 0.0):
+            raise UserInputError(
+                "llama.cpp's deepseek2 reads one yarn mscale (mscale_all_dim); this model's "
+                "mscale and mscale_all_dim differ",
+                "export --format gguf",
+            )
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(sc["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(sc["original_max_position_embeddings"]))
+        w.add_rope_scaling_yarn_beta_fast(float(sc.get("beta_fast", 32.0)))
+        w.add_rope_scaling_yarn_beta_slow(float(sc.get("beta_slow", 1.0)))
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(sc.get("mscale_all_dim", 0.0)))
         return None
     if kind == "yarn" and config["model_type"] == "ministral3":
         # Mistral's yarn: mscale_all_dim as the log multiplier, and Llama 4's position-wise

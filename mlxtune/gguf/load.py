@@ -37,9 +37,10 @@ from .rope import llama3_settings
 
 GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 
-# GGUF architecture -> model_type (mistral's files say "llama": mlx-lm's llama runs them; a
-# "llama" file with experts is a Mixtral)
-FAMILIES = {f.arch: mt for mt, f in NAMED.items() if mt not in ("mistral", "mixtral")}
+# GGUF architecture -> model_type; model types that share an architecture with another and read back as it: mistral as llama,
+# mixtral as a "llama" file with experts (below), GLM-4.7-Flash's "deepseek2" as DeepSeek-V3
+_SHARED = ("mistral", "mixtral", "glm4_moe_lite")
+FAMILIES = {f.arch: mt for mt, f in NAMED.items() if mt not in _SHARED}
 # architectures whose q/k rows llama.cpp's converter permutes to its interleaved rope order
 PERMUTED = tuple({arch for arch, permuted in ARCHES.values() if permuted})
 # tensor types held as MLX quantized arrays (bits) when kept quantized
@@ -113,6 +114,8 @@ def gguf_config(g: GGUFModelFile) -> dict:
 
     if arch == "mamba2":
         return _mamba2_config(g, need)
+    if arch == "deepseek2":
+        return _mla_config(g, need)
     model_type = FAMILIES[arch]
     if arch == "llama" and g.get("expert_count"):
         model_type = "mixtral"
@@ -222,6 +225,58 @@ def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
 
 # a text model mlx-lm builds only inside its multimodal wrapper -> the wrapper's model_type
 WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _mla_config(g: GGUFModelFile, need) -> dict:
+    """DeepSeek-V3's config from what llama.cpp's deepseek2 reads (see the export)."""
+    rope = int(need("rope.dimension_count"))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    heads = int(need("attention.head_count"))
+    gating = int(g.get("expert_gating_func", 1))
+    config = {
+        "model_type": "deepseek_v3",
+        "architectures": [hf_architecture("deepseek_v3")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "n_routed_experts": int(need("expert_count")),
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "n_shared_experts": int(g.get("expert_shared_count", 0)) or None,
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
+        "scoring_func": "sigmoid" if gating == 2 else "softmax",
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
+        "kv_lora_rank": int(need("attention.kv_lora_rank")),
+        "q_lora_rank": g.get("attention.q_lora_rank"),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(need("attention.key_length_mla")) - rope,
+        "v_head_dim": int(need("attention.value_length_mla")),
+        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+    if g.get("rope.scaling.type") == "yarn":
+        log_mul = float(g.get("rope.scaling.yarn_log_mul", 0.0)) / 0.1
+        config["rope_scaling"] = {
+            "type": "yarn",
+            "factor": float(need("rope.scaling.factor")),
+            "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
+            "beta_fast": float(g.get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(g.get("rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": log_mul,
+            "mscale_all_dim": log_mul,
+        }
+    return config
 
 
 def _mamba2_config(g: GGUFModelFile, need) -> dict:

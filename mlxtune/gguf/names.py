@@ -60,7 +60,11 @@ FAMILIES = {
     "deepseek": Family("deepseek", permuted=True, norm_topk=False),
     "nemotron": Family("nemotron", norm_plus_one=True),  # LayerNorm1P: (1 + w)
     "ministral3": Family("mistral3", permuted=True),
+    "deepseek_v3": Family("deepseek2"),
+    "glm4_moe_lite": Family("deepseek2"),
 }
+# multi-head latent attention's per-head factors (mlx-lm's split of kv_b_proj) -> llama.cpp's
+_MLA = {"embed_q": "ATTN_K_B", "unembed_out": "ATTN_V_B"}
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
 _BARE = {"exp_probs_b": ".bias", "ssm_a": "", "ssm_d": ""}
 # model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
@@ -123,6 +127,11 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
         if tensor not in gguf.MODEL_TENSORS[_arch_code(family.arch)]:
             return None
         return f"{gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2]))}.{parts[-1]}"
+    module = parts[-2] if len(parts) >= 2 else ""
+    if module in _MLA and parts[-1] == "weight" and len(parts) >= 3 and parts[2].isdigit():
+        tensor = getattr(gguf.MODEL_TENSOR, _MLA[module])
+        if tensor in gguf.MODEL_TENSORS[_arch_code(family.arch)]:
+            return f"{gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2]))}.weight"
     names = _name_map(family.arch, max(n_blocks, 1))
     name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
     if name is None and hf.endswith(".dt_bias"):  # Qwen3-Next's, as the converter renames it
