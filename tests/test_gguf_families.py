@@ -59,6 +59,7 @@ FAMILIES = {
     "ministral3": {"sliding_window": None, "layer_types": ["full_attention"] * 2},
     "deepseek_v3": {},
     "glm4_moe_lite": {},
+    "olmo3": {},
 }
 IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
 # llama.cpp against mlx-lm, both fp32 (cache included): ggml's CPU GELU reads an f16 table

@@ -348,6 +348,9 @@ def _add_hparams(w, config: dict, model=None):
     if mt == "gpt_oss":
         w.add_sliding_window(int(arg("sliding_window")))
         w.add_expert_feed_forward_length(int(arg("intermediate_size")))
+    if mt == "olmo3":  # OLMo 3: OLMo 2 with a window on the layer_types' sliding layers
+        w.add_sliding_window(int(arg("sliding_window")))
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in arg("layer_types")])
     if mt == "gemma3_text":
         w.add_sliding_window(int(arg("sliding_window")))
         if arg("final_logit_softcapping"):

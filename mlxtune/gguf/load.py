@@ -39,7 +39,7 @@ GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 
 # GGUF architecture -> model_type; model types that share an architecture with another and read back as it: mistral as llama,
 # mixtral as a "llama" file with experts (below), GLM-4.7-Flash's "deepseek2" as DeepSeek-V3
-_SHARED = ("mistral", "mixtral", "glm4_moe_lite")
+_SHARED = ("mistral", "mixtral", "glm4_moe_lite", "olmo3")
 FAMILIES = {f.arch: mt for mt, f in NAMED.items() if mt not in _SHARED}
 # architectures whose q/k rows llama.cpp's converter permutes to its interleaved rope order
 PERMUTED = tuple({arch for arch, permuted in ARCHES.values() if permuted})
@@ -119,6 +119,8 @@ def gguf_config(g: GGUFModelFile) -> dict:
     model_type = FAMILIES[arch]
     if arch == "llama" and g.get("expert_count"):
         model_type = "mixtral"
+    if arch == "olmo2" and g.get("attention.sliding_window"):  # OLMo 3: OLMo 2 with windows
+        model_type = "olmo3"
     n_head = need("attention.head_count")
     n_kv = g.get("attention.head_count_kv", n_head)
     kv_layers = None
@@ -463,6 +465,14 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
             if beta is not None:
                 rp["llama_4_scaling_beta"] = float(beta)
         out.update(rope_parameters=rp, rope_scaling=None, sliding_window=None)
+    if mt == "olmo3":
+        pattern = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
+        if len(pattern) != layers:  # llama.cpp's default: every 4th layer full
+            pattern = [(i + 1) % 4 != 0 for i in range(layers)]
+        out.update(
+            sliding_window=int(g.get("attention.sliding_window")),
+            layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+        )
     if mt == "nemotron":  # llama.cpp's nemotron: squared ReLU, LayerNorm1P
         out.update(hidden_act="relu2", norm_eps=float(g.get("attention.layer_norm_epsilon", 1e-5)))
     if mt == "minicpm":

@@ -62,6 +62,7 @@ FAMILIES = {
     "ministral3": Family("mistral3", permuted=True),
     "deepseek_v3": Family("deepseek2"),
     "glm4_moe_lite": Family("deepseek2"),
+    "olmo3": Family("olmo2"),
 }
 # multi-head latent attention's per-head factors (mlx-lm's split of kv_b_proj) -> llama.cpp's
 _MLA = {"embed_q": "ATTN_K_B", "unembed_out": "ATTN_V_B"}
