@@ -39,7 +39,7 @@ GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 
 # GGUF architecture -> model_type; model types that share an architecture with another and read back as it: mistral as llama,
 # mixtral as a "llama" file with experts (below), GLM-4.7-Flash's "deepseek2" as DeepSeek-V3
-_SHARED = ("mistral", "mixtral", "glm4_moe_lite", "olmo3")
+_SHARED = ("mistral", "mixtral", "glm4_moe_lite", "kimi_k2", "olmo3")
 FAMILIES = {f.arch: mt for mt, f in NAMED.items() if mt not in _SHARED}
 # architectures whose q/k rows llama.cpp's converter permutes to its interleaved rope order
 PERMUTED = tuple({arch for arch, permuted in ARCHES.values() if permuted})

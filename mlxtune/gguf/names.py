@@ -62,6 +62,7 @@ FAMILIES = {
     "ministral3": Family("mistral3", permuted=True),
     "deepseek_v3": Family("deepseek2"),
     "glm4_moe_lite": Family("deepseek2"),
+    "kimi_k2": Family("deepseek2"),  # Kimi K2 / K2.5's language model: mlx-lm's deepseek_v3
     "olmo3": Family("olmo2"),
 }
 # multi-head latent attention's per-head factors (mlx-lm's split of kv_b_proj) -> llama.cpp's
