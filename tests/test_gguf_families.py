@@ -63,6 +63,7 @@ FAMILIES = {
     "lfm2-vl": {},  # multimodal wrappers: GGUF holds the language model
     "mistral3": {"sliding_window": None, "layer_types": ["full_attention"] * 2},
     "kimi_k25": {},
+    "nemotron_h": {"time_step_limit": [0.0, float("inf")]},
 }
 # families whose file reads back as another model type of the same architecture
 READS_AS = {
@@ -208,10 +209,10 @@ def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
 
 
 def test_a_family_mlxtune_does_not_write_is_refused_by_name(tmp_path, tokenizer, tokenizer_dir):
-    config = tiny_config("nemotron_h", len(tokenizer._tokenizer))
+    config = tiny_config("falcon_h1", len(tokenizer._tokenizer))
     model_class, args_class = family_classes(config)
     model = model_class(args_class.from_dict(config))
-    with pytest.raises(UserInputError, match="'nemotron_h' architecture is not one mlxtune writes"):
+    with pytest.raises(UserInputError, match="'falcon-h1' architecture is not one mlxtune writes"):
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
 
 

@@ -111,6 +111,15 @@ def _refusal(model, config: dict) -> str | None:
             )
         if rp.get("mscale", rp.get("mscale_all_dim")) != rp.get("mscale_all_dim"):
             return "llama.cpp's mistral3 reads one yarn mscale; this model's two differ"
+    if mt == "nemotron_h":
+        pattern = _nemotron_h_pattern(args)
+        if set(pattern) - set("M*E"):
+            return (
+                "mlxtune writes Nemotron-H's mixture-of-experts form (Mamba, attention and "
+                "expert layers); this model has dense MLP layers"
+            )
+        if float((arg("time_step_limit") or [0.0])[0]) > 0.0:
+            return "llama.cpp's nemotron_h does not clamp the SSM step from below; this model does"
     if mt == "nemotron" and arg("hidden_act", "relu2") != "relu2":
         return (
             f"llama.cpp's nemotron squares a ReLU; this model's activation is {arg('hidden_act')}"
@@ -341,6 +350,8 @@ def _add_hparams(w, config: dict, model=None):
         return _add_mamba2(w, args)
     if FAMILIES[mt].arch == "deepseek2":
         return _add_mla(w, args)
+    if mt == "nemotron_h":
+        return _add_nemotron_h(w, args)
     if mt == "gemma2":
         w.add_attn_logit_softcapping(float(arg("attn_logit_softcapping", 50.0)))
         w.add_final_logit_softcapping(float(arg("final_logit_softcapping", 30.0)))
@@ -471,6 +482,47 @@ def _add_mla(w, args) -> None:
     )
     w.add_expert_group_count(int(getattr(args, "n_group", None) or 1))
     w.add_expert_group_used_count(int(getattr(args, "topk_group", None) or 1))
+
+
+def _nemotron_h_pattern(args) -> str:
+    pattern = args.hybrid_override_pattern
+    return pattern if isinstance(pattern, str) else "".join(pattern)
+
+
+def _add_nemotron_h(w, args) -> None:
+    """Nemotron-H as llama.cpp's nemotron_h_moe reads it: Mamba 2 layers (M), attention layers
+    without RoPE (*) and expert layers (E), each kind's widths in per-layer arrays."""
+    import gguf
+
+    pattern = _nemotron_h_pattern(args)
+    layers = len(pattern)
+    w.add_context_length(int(args.max_position_embeddings))
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_block_count(layers)
+    w.add_head_count(int(args.num_attention_heads))
+    w.add_head_count_kv([int(args.num_key_value_heads) if c == "*" else 0 for c in pattern])
+    w.add_key_length(int(args.head_dim))
+    w.add_value_length(int(args.head_dim))
+    w.add_layer_norm_rms_eps(float(args.layer_norm_epsilon))
+    w.add_layer_norm_eps(float(args.layer_norm_epsilon))  # the loader reads both
+    w.add_vocab_size(int(args.vocab_size))
+    w.add_rope_scaling_finetuned(False)  # no RoPE in the attention layers
+    w.add_ssm_conv_kernel(int(args.conv_kernel))
+    w.add_ssm_state_size(int(args.ssm_state_size))
+    w.add_ssm_group_count(int(args.n_groups))
+    w.add_ssm_inner_size(int(args.mamba_num_heads * args.mamba_head_dim))
+    w.add_ssm_time_step_rank(int(args.mamba_num_heads))
+    ff = int(args.moe_intermediate_size)
+    w.add_feed_forward_length([ff if c == "E" else 0 for c in pattern])
+    w.add_expert_count(int(args.n_routed_experts))
+    w.add_expert_used_count(int(args.num_experts_per_tok))
+    w.add_expert_feed_forward_length(ff)
+    w.add_expert_shared_feed_forward_length(int(args.moe_shared_expert_intermediate_size))
+    w.add_expert_shared_count(int(args.n_shared_experts or 0))
+    w.add_expert_weights_norm(bool(args.norm_topk_prob))
+    w.add_expert_weights_scale(float(args.routed_scaling_factor or 1.0))
+    w.add_expert_group_count(int(args.n_group or 1))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
 def _add_mamba2(w, args) -> None:
@@ -743,7 +795,7 @@ def write_gguf_model(
         a = _tensor_for_gguf(np.array(v.astype(mx.float32)), g, family, n_head, n_kv)
         if family.arch in ("qwen35", "qwen35moe"):
             a = _qwen35_tensor(a, g, _args(model))
-        if family.arch == "mamba2":
+        if family.arch in ("mamba2", "nemotron_h_moe"):
             a = _ssm_tensor(a, g, _args(model))
         split = (
             _linear_attention_tensors(a, g, _args(model)) if family.arch == "qwen3next" else None

@@ -116,6 +116,8 @@ def gguf_config(g: GGUFModelFile) -> dict:
         return _mamba2_config(g, need)
     if arch == "deepseek2":
         return _mla_config(g, need)
+    if arch == "nemotron_h_moe":
+        return _nemotron_h_config(g, need)
     model_type = FAMILIES[arch]
     if arch == "llama" and g.get("expert_count"):
         model_type = "mixtral"
@@ -227,6 +229,54 @@ def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
 
 # a text model mlx-lm builds only inside its multimodal wrapper -> the wrapper's model_type
 WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _nemotron_h_config(g: GGUFModelFile, need) -> dict:
+    """Nemotron-H's config from what llama.cpp's nemotron_h_moe reads: its layer pattern from
+    the per-layer kv heads (attention) and FFN widths (experts), Mamba 2 elsewhere."""
+    kv = [int(x) for x in need("attention.head_count_kv")]
+    ff = [int(x) for x in need("feed_forward_length")]
+    pattern = "".join("*" if k else "E" if f else "M" for k, f in zip(kv, ff, strict=True))
+    inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    has = g.tensors.__contains__
+    return {
+        "model_type": "nemotron_h",
+        "architectures": [hf_architecture("nemotron_h")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": len(pattern),
+        "hybrid_override_pattern": pattern,
+        "intermediate_size": max(ff),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "num_attention_heads": int(need("attention.head_count")),
+        "num_key_value_heads": max(kv),
+        "head_dim": int(need("attention.key_length")),
+        "attention_bias": any(has(f"blk.{i}.attn_q.bias") for i in range(len(pattern))),
+        "mamba_num_heads": heads,
+        "mamba_head_dim": inner // heads,
+        "mamba_proj_bias": has("blk.0.ssm_in.bias"),
+        "ssm_state_size": int(need("ssm.state_size")),
+        "conv_kernel": int(need("ssm.conv_kernel")),
+        "n_groups": int(g.get("ssm.group_count", 1)),
+        "mlp_bias": False,
+        "use_bias": False,
+        "use_conv_bias": has("blk.0.ssm_conv1d.bias"),
+        "layer_norm_epsilon": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "n_routed_experts": int(need("expert_count")),
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "moe_shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length", 0)),
+        "n_shared_experts": int(g.get("expert_shared_count", 0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", True)),
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "time_step_limit": [0.0, float("inf")],
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
 
 
 def _mla_config(g: GGUFModelFile, need) -> dict:
@@ -724,7 +774,7 @@ def load_gguf(
         ) from None
     if g.arch == "qwen3next":
         _gather_linear_attention(g, config)
-    if g.arch == "mamba2":
+    if g.arch in ("mamba2", "nemotron_h_moe"):
         _ssm_columns(g, config)
     if g.arch in ("qwen35", "qwen35moe"):
         _untile_v_heads(g, config["text_config"])

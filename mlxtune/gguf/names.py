@@ -64,6 +64,7 @@ FAMILIES = {
     "glm4_moe_lite": Family("deepseek2"),
     "kimi_k2": Family("deepseek2"),  # Kimi K2 / K2.5's language model: mlx-lm's deepseek_v3
     "olmo3": Family("olmo2"),
+    "nemotron_h": Family("nemotron_h_moe", norm_topk=True),
 }
 # multi-head latent attention's per-head factors (mlx-lm's split of kv_b_proj) -> llama.cpp's
 _MLA = {"embed_q": "ATTN_K_B", "unembed_out": "ATTN_V_B"}
