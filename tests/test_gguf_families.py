@@ -64,6 +64,7 @@ FAMILIES = {
     "mistral3": {"sliding_window": None, "layer_types": ["full_attention"] * 2},
     "kimi_k25": {},
     "nemotron_h": {"time_step_limit": [0.0, float("inf")]},
+    "granitemoehybrid": {"time_step_limit": [0.0, float("inf")]},
 }
 # families whose file reads back as another model type of the same architecture
 READS_AS = {
@@ -223,8 +224,11 @@ def adapted(name, vocab):
     model, config = tiny(name, vocab)
     moe = any("switch_mlp" in p or ".experts." in p for p, _ in tree_flatten(model.parameters()))
     present = {p.rsplit(".", 1)[-1] for p, m in model.named_modules() if isinstance(m, nn.Linear)}
-    attention = ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj", "in_proj_qkvz"]
-    targets = [n for n in attention if n in present] if moe else ["all-linear"]
+    beside_experts = [
+        "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj", "in_proj_qkvz",
+        "input_linear",  # Granite's shared MLP
+    ]  # fmt: skip
+    targets = [n for n in beside_experts if n in present] if moe else ["all-linear"]
     apply_adapters(model, "lora", 4, 8.0, 0.0, targets)
     for _, m in model.named_modules():
         if isinstance(m, LoRALinear):

@@ -26,7 +26,7 @@ from ..adapters import DoRALinear, LoRALinear, LoRASwitchLinear
 from ..errors import UserInputError
 from ..models.configs import rope_base
 from .file import open_gguf
-from .names import DTYPES, FAMILIES, gguf_name, llama_cpp_arch
+from .names import DTYPES, FAMILIES, SHARED_GATE_UP, gguf_name, llama_cpp_arch
 from .rope import llama3_rope_factors
 from .tokenizer import EXPORT_PRE_NAMES
 
@@ -124,7 +124,7 @@ def _refusal(model, config: dict) -> str | None:
         return (
             f"llama.cpp's nemotron squares a ReLU; this model's activation is {arg('hidden_act')}"
         )
-    if mt == "mamba2" and float((arg("time_step_limit") or [0.0])[0]) > 0.0:
+    if mt in ("mamba2", "granitemoehybrid") and float((arg("time_step_limit") or [0.0])[0]) > 0:
         return "llama.cpp's mamba2 does not clamp the SSM step from below; this model does"
     if mt == "gemma4_text":
         full = (arg("rope_parameters") or {}).get("full_attention", {})
@@ -352,6 +352,8 @@ def _add_hparams(w, config: dict, model=None):
         return _add_mla(w, args)
     if mt == "nemotron_h":
         return _add_nemotron_h(w, args)
+    if mt == "granitemoehybrid":
+        _add_granite_hybrid(w, args)
     if mt == "gemma2":
         w.add_attn_logit_softcapping(float(arg("attn_logit_softcapping", 50.0)))
         w.add_final_logit_softcapping(float(arg("final_logit_softcapping", 30.0)))
@@ -375,7 +377,10 @@ def _add_hparams(w, config: dict, model=None):
     if mt == "gemma4_text":
         return _add_gemma4(w, args)
     w.add_feed_forward_length(_ffn_width(model, config))
-    if mt in ("lfm2", "lfm2_moe"):  # a layer with no kv heads is a short-convolution layer
+    if mt == "granitemoehybrid":  # a layer with no kv heads is a Mamba layer
+        types = arg("layer_types")
+        w.add_head_count_kv([n_kv if t == "attention" else 0 for t in types])
+    elif mt in ("lfm2", "lfm2_moe"):  # a layer with no kv heads is a short-convolution layer
         full = set(arg("full_attn_idxs") or [])
         w.add_head_count_kv([n_kv if i in full else 0 for i in range(layers)])
         w.add_shortconv_l_cache(int(arg("conv_L_cache")))
@@ -438,7 +443,7 @@ def _add_hparams(w, config: dict, model=None):
         w.add_embedding_scale(float(arg("scale_emb")))
         w.add_residual_scale(float(arg("scale_depth")) / layers**0.5)
         w.add_logit_scale(float(arg("hidden_size")) / float(arg("dim_model_base")))
-    if mt in ("granite", "granitemoe"):  # every one written: some llama.cpp builds need all
+    if mt in ("granite", "granitemoe", "granitemoehybrid"):  # every one: some builds need all
         w.add_attention_scale(float(arg("attention_multiplier")))
         w.add_embedding_scale(float(arg("embedding_multiplier")))
         w.add_residual_scale(float(arg("residual_multiplier")))
@@ -525,6 +530,19 @@ def _add_nemotron_h(w, args) -> None:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
+def _add_granite_hybrid(w, args) -> None:
+    """Granite 4's hybrids as llama.cpp's granitehybrid reads them: Mamba 2 layers beside the
+    attention layers (kv heads per layer, 0 for Mamba), RoPE only where the model uses it."""
+    w.add_ssm_conv_kernel(int(args.mamba_d_conv))
+    w.add_ssm_state_size(int(args.mamba_d_state))
+    w.add_ssm_group_count(int(args.mamba_n_groups))
+    w.add_ssm_inner_size(int(args.mamba_n_heads * args.mamba_d_head))
+    w.add_ssm_time_step_rank(int(args.mamba_n_heads))
+    w.add_rope_scaling_finetuned(getattr(args, "position_embedding_type", "rope") == "rope")
+    if args.shared_intermediate_size:
+        w.add_expert_shared_feed_forward_length(int(args.shared_intermediate_size))
+
+
 def _add_mamba2(w, args) -> None:
     """Mamba 2 as llama.cpp's mamba2 reads it (no attention: zero heads, no MLP)."""
     w.add_context_length(int(getattr(args, "max_position_embeddings", None) or 2**20))
@@ -549,7 +567,8 @@ def _ssm_tensor(a: np.ndarray, g: str, args) -> np.ndarray:
     if g.endswith(".ssm_d"):
         return a.reshape(-1, 1)
     if g.endswith("ssm_norm.weight"):
-        return a.reshape(int(args.n_groups), -1)
+        groups = getattr(args, "n_groups", None) or getattr(args, "mamba_n_groups", 1)
+        return a.reshape(int(groups), -1)
     return a
 
 
@@ -795,11 +814,15 @@ def write_gguf_model(
         a = _tensor_for_gguf(np.array(v.astype(mx.float32)), g, family, n_head, n_kv)
         if family.arch in ("qwen35", "qwen35moe"):
             a = _qwen35_tensor(a, g, _args(model))
-        if family.arch in ("mamba2", "nemotron_h_moe"):
+        if family.arch in ("mamba2", "nemotron_h_moe", "granitehybrid"):
             a = _ssm_tensor(a, g, _args(model))
         split = (
             _linear_attention_tensors(a, g, _args(model)) if family.arch == "qwen3next" else None
         )
+        if g.endswith(f"{SHARED_GATE_UP}.weight"):  # gate rows, then up rows
+            gate, up = np.split(a, 2, axis=0)
+            block = g[: -len(f"{SHARED_GATE_UP}.weight")]
+            split = [(f"{block}ffn_gate_shexp.weight", gate), (f"{block}ffn_up_shexp.weight", up)]
         if split is not None:
             for g2, a2 in split:
                 data, raw = _tensor_array(np.ascontiguousarray(a2, dtype=np.float32), dtype)
@@ -865,6 +888,10 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
         pairs = [(g, b)]
         if arch == "qwen3next":  # the fused projection is two tensors there: B's rows split
             pairs = _linear_attention_tensors(b, g, _args(model)) or pairs
+        if g.endswith(f"{SHARED_GATE_UP}.weight"):  # B's rows: the gate's, then the up's
+            block = g[: -len(f"{SHARED_GATE_UP}.weight")]
+            gate, up = np.split(b, 2, axis=0)
+            pairs = [(f"{block}ffn_gate_shexp.weight", gate), (f"{block}ffn_up_shexp.weight", up)]
         if arch in ("qwen35", "qwen35moe"):  # V heads tiled in B's rows (ssm_out: A's columns)
             a = np.ascontiguousarray(_qwen35_tensor(a, g, _args(model), "a"))
             pairs = [(g, _qwen35_tensor(b, g, _args(model), "b"))]

@@ -31,7 +31,7 @@ from ..models.common import DTYPES, family_classes, hf_architecture
 from ..models.configs import args_fields
 from ..models.quantize import cpu_dequantizing
 from .file import GGUFFile, GGUFTensor, open_gguf
-from .names import ARCHES, NORM_PLUS_ONE, gguf_name
+from .names import ARCHES, NORM_PLUS_ONE, SHARED_GATE_UP, gguf_name
 from .names import FAMILIES as NAMED
 from .rope import llama3_settings
 
@@ -126,7 +126,9 @@ def gguf_config(g: GGUFModelFile) -> dict:
     n_head = need("attention.head_count")
     n_kv = g.get("attention.head_count_kv", n_head)
     kv_layers = None
-    if model_type in ("lfm2", "lfm2_moe", "gemma4_text") and not isinstance(n_kv, int):
+    if model_type in ("lfm2", "lfm2_moe", "gemma4_text", "granitemoehybrid") and not isinstance(
+        n_kv, int
+    ):
         kv_layers = [int(n) for n in n_kv]  # lfm2: 0 kv heads is a short-conv layer
         n_kv = max(kv_layers)
     for name, v in (("attention.head_count", n_head), ("attention.head_count_kv", n_kv)):
@@ -394,9 +396,11 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
     layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     experts = g.get("expert_count")
     if experts:
-        key = {"mixtral": "num_local_experts", "granitemoe": "num_local_experts"}.get(
-            mt, "num_experts"
-        )
+        key = {
+            "mixtral": "num_local_experts",
+            "granitemoe": "num_local_experts",
+            "granitemoehybrid": "num_local_experts",
+        }.get(mt, "num_experts")
         key = {"gpt_oss": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(mt, key)
         key = "n_routed_experts" if mt == "deepseek" else key
         out[key] = int(experts)
@@ -440,7 +444,21 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
     for key, tensor in biases.items():
         if key in fields:
             out[key] = tensor in g.tensors
-    if mt in ("granite", "granitemoe"):
+    if mt == "granitemoehybrid":
+        out.update(
+            layer_types=["attention" if n else "mamba" for n in kv_layers or [1] * layers],
+            mamba_n_heads=int(g.get("ssm.time_step_rank")),
+            mamba_d_head=int(g.get("ssm.inner_size")) // int(g.get("ssm.time_step_rank")),
+            mamba_d_state=int(g.get("ssm.state_size")),
+            mamba_d_conv=int(g.get("ssm.conv_kernel")),
+            mamba_n_groups=int(g.get("ssm.group_count", 1)),
+            mamba_proj_bias=any(f"blk.{i}.ssm_in.bias" in g.tensors for i in range(layers)),
+            mamba_conv_bias=any(f"blk.{i}.ssm_conv1d.bias" in g.tensors for i in range(layers)),
+            shared_intermediate_size=int(g.get("expert_shared_feed_forward_length", 0)),
+            position_embedding_type="rope" if g.get("rope.scaling.finetuned", True) else "nope",
+            time_step_limit=[0.0, float("inf")],
+        )
+    if mt in ("granite", "granitemoe", "granitemoehybrid"):
         for key, meta in (
             ("attention_multiplier", "attention.scale"),
             ("embedding_multiplier", "embedding_scale"),
@@ -774,8 +792,15 @@ def load_gguf(
         ) from None
     if g.arch == "qwen3next":
         _gather_linear_attention(g, config)
-    if g.arch in ("mamba2", "nemotron_h_moe"):
+    if g.arch in ("mamba2", "nemotron_h_moe", "granitehybrid"):
         _ssm_columns(g, config)
+    if g.arch == "granitehybrid":  # Granite's shared MLP: gate and up in one matrix again
+        for i in range(config["num_hidden_layers"]):
+            gate = g.tensors.pop(f"blk.{i}.ffn_gate_shexp.weight", None)
+            if gate is not None:
+                up = dequantized(g.tensors.pop(f"blk.{i}.ffn_up_shexp.weight"))
+                name = f"blk.{i}.{SHARED_GATE_UP}.weight"
+                g.tensors[name] = _plain(name, np.concatenate([dequantized(gate), up]))
     if g.arch in ("qwen35", "qwen35moe"):
         _untile_v_heads(g, config["text_config"])
     table = _name_table(model, text_type)

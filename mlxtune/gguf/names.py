@@ -65,7 +65,10 @@ FAMILIES = {
     "kimi_k2": Family("deepseek2"),  # Kimi K2 / K2.5's language model: mlx-lm's deepseek_v3
     "olmo3": Family("olmo2"),
     "nemotron_h": Family("nemotron_h_moe", norm_topk=True),
+    "granitemoehybrid": Family("granitehybrid", permuted=True, norm_topk=True),
 }
+# Granite's shared MLP holds gate and up in one matrix; llama.cpp holds two (split on export)
+SHARED_GATE_UP = "ffn_gate_up_shexp"
 # multi-head latent attention's per-head factors (mlx-lm's split of kv_b_proj) -> llama.cpp's
 _MLA = {"embed_q": "ATTN_K_B", "unembed_out": "ATTN_V_B"}
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
@@ -130,6 +133,8 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
         if tensor not in gguf.MODEL_TENSORS[_arch_code(family.arch)]:
             return None
         return f"{gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2]))}.{parts[-1]}"
+    if hf.endswith("shared_mlp.input_linear.weight") and parts[2].isdigit():
+        return f"blk.{int(parts[2])}.{SHARED_GATE_UP}.weight"
     module = parts[-2] if len(parts) >= 2 else ""
     if module in _MLA and parts[-1] == "weight" and len(parts) >= 3 and parts[2].isdigit():
         tensor = getattr(gguf.MODEL_TENSOR, _MLA[module])
