@@ -1,0 +1,599 @@
+"""A model's Hugging Face config read back from a GGUF file's metadata, for each family the
+export writes: the keys llama.cpp's loader reads, the tensors the file holds, and what llama.cpp
+fixes for the architecture (the export refuses a model that does otherwise)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import UserInputError
+from ..models.common import family_classes, hf_architecture
+from ..models.configs import args_fields
+from .names import FAMILIES as NAMED
+from .rope import llama3_settings
+from .tensors import dequantized
+
+if TYPE_CHECKING:
+    from .load import GGUFModelFile
+
+
+# GGUF architecture -> model_type; model types that share an architecture with another and read back as it: mistral as llama,
+# mixtral as a "llama" file with experts (below), GLM-4.7-Flash's "deepseek2" as DeepSeek-V3
+_SHARED = ("mistral", "mixtral", "glm4_moe_lite", "kimi_k2", "olmo3")
+
+
+FAMILIES = {f.arch: mt for mt, f in NAMED.items() if mt not in _SHARED}
+
+
+def gguf_config(g: GGUFModelFile) -> dict:
+    """The Hugging Face config of a GGUF model, from its metadata (UserInputError when the
+    family or one of its settings is not one mlxtune reads)."""
+    arch, where = g.arch, str(g.path)
+    if g.fields.get("general.type", "model") != "model":
+        raise UserInputError(
+            f"this GGUF file is a {g.fields.get('general.type')!r}, not a model", where
+        )
+    if arch not in FAMILIES:
+        raise UserInputError(
+            f"GGUF architecture {arch!r} is not one mlxtune trains; it reads "
+            f"{', '.join(sorted(FAMILIES))}",
+            where,
+        )
+
+    def need(key):
+        v = g.get(key)
+        if v is None:
+            raise UserInputError(f"the metadata has no {arch}.{key}", where)
+        return v
+
+    if arch == "mamba2":
+        return _mamba2_config(g, need)
+    if arch == "deepseek2":
+        return _mla_config(g, need)
+    if arch == "nemotron_h_moe":
+        return _nemotron_h_config(g, need)
+    model_type = FAMILIES[arch]
+    if arch == "llama" and g.get("expert_count"):
+        model_type = "mixtral"
+    if arch == "olmo2" and g.get("attention.sliding_window"):  # OLMo 3: OLMo 2 with windows
+        model_type = "olmo3"
+    n_head = need("attention.head_count")
+    n_kv = g.get("attention.head_count_kv", n_head)
+    kv_layers = None
+    if model_type in ("lfm2", "lfm2_moe", "gemma4_text", "granitemoehybrid") and not isinstance(
+        n_kv, int
+    ):
+        kv_layers = [int(n) for n in n_kv]  # lfm2: 0 kv heads is a short-conv layer
+        n_kv = max(kv_layers)
+    for name, v in (("attention.head_count", n_head), ("attention.head_count_kv", n_kv)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise UserInputError(
+                f"{arch}.{name} differs between layers; mlxtune reads one value", where
+            )
+    hidden = need("embedding_length")
+    head_dim = g.get("attention.key_length") or hidden // n_head
+    if g.get("attention.value_length", head_dim) != head_dim:
+        raise UserInputError("key and value head sizes differ; mlxtune reads equal ones", where)
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", where)
+    tokens = g.fields.get("tokenizer.ggml.tokens")
+    vocab = g.get("vocab_size") or (len(tokens) if tokens is not None else int(embd.shape[-1]))
+    config = {
+        "model_type": model_type,
+        "architectures": [hf_architecture(model_type)],
+        "hidden_size": hidden,
+        "num_hidden_layers": need("block_count"),
+        "intermediate_size": need("feed_forward_length"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+    for key, meta in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
+        v = g.fields.get(f"tokenizer.ggml.{meta}")
+        if isinstance(v, int):
+            config[key] = v
+    config.update(_rope_settings(g, config))
+    if model_type == "gemma2":
+        config.update(_gemma2_settings(g, config))
+    config.update(_family_settings(g, config, kv_layers))
+    return config
+
+
+def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:
+    """Gemma 4's layout back from what llama.cpp's gemma4 reads (see the export)."""
+    where, layers = str(g.path), config["num_hidden_layers"]
+    sliding = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
+    if len(sliding) != layers:
+        raise UserInputError(f"{g.arch}.attention.sliding_window_pattern is not per layer", where)
+    head_swa = int(g.get("attention.key_length_swa", config["head_dim"]))
+    head_full = int(g.get("attention.key_length", config["head_dim"]))
+    ff = g.get("feed_forward_length")
+    ff = [int(x) for x in ff] if not isinstance(ff, int) else [int(ff)] * layers
+    shared = int(g.get("attention.shared_kv_layers", 0))
+    out = {
+        "head_dim": head_swa,
+        "global_head_dim": head_full,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": int(g.get("attention.sliding_window", 512)),
+        "final_logit_softcapping": g.get("final_logit_softcapping"),
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": int(g.get("embedding_length_per_layer_input", 0)),
+        "intermediate_size": ff[0],
+        "use_double_wide_mlp": any(x == 2 * ff[0] for x in ff[layers - shared :])
+        if shared
+        else False,
+        "enable_moe_block": False,
+        "attention_k_eq_v": False,
+    }
+    if kv_layers is not None:
+        out["num_key_value_heads"] = next(n for n, s in zip(kv_layers, sliding, strict=True) if s)
+        out["num_global_key_value_heads"] = next(
+            n for n, s in zip(kv_layers, sliding, strict=True) if not s
+        )
+    per_layer = g.tensors.get("per_layer_token_embd.weight")
+    if per_layer is not None:
+        out["vocab_size_per_layer_input"] = int(per_layer.shape[-1])
+    freqs = g.tensors.get("rope_freqs.weight")
+    rotated = head_full // 2
+    if freqs is not None:
+        rotated = int((dequantized(freqs) < 1e20).sum())
+    swa_dims = int(g.get("rope.dimension_count_swa", head_swa))
+    out["rope_parameters"] = {
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 2 * rotated / head_full,
+            "rope_theta": float(g.get("rope.freq_base", 1e6)),
+        },
+        "sliding_attention": {
+            "rope_type": "default",
+            "partial_rotary_factor": swa_dims / head_swa,
+            "rope_theta": float(g.get("rope.freq_base_swa", 1e4)),
+        },
+    }
+    return out
+
+
+# a text model mlx-lm builds only inside its multimodal wrapper -> the wrapper's model_type
+WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _nemotron_h_config(g: GGUFModelFile, need) -> dict:
+    """Nemotron-H's config from what llama.cpp's nemotron_h_moe reads: its layer pattern from
+    the per-layer kv heads (attention) and FFN widths (experts), Mamba 2 elsewhere."""
+    kv = [int(x) for x in need("attention.head_count_kv")]
+    ff = [int(x) for x in need("feed_forward_length")]
+    pattern = "".join("*" if k else "E" if f else "M" for k, f in zip(kv, ff, strict=True))
+    inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    has = g.tensors.__contains__
+    return {
+        "model_type": "nemotron_h",
+        "architectures": [hf_architecture("nemotron_h")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": len(pattern),
+        "hybrid_override_pattern": pattern,
+        "intermediate_size": max(ff),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "num_attention_heads": int(need("attention.head_count")),
+        "num_key_value_heads": max(kv),
+        "head_dim": int(need("attention.key_length")),
+        "attention_bias": any(has(f"blk.{i}.attn_q.bias") for i in range(len(pattern))),
+        "mamba_num_heads": heads,
+        "mamba_head_dim": inner // heads,
+        "mamba_proj_bias": has("blk.0.ssm_in.bias"),
+        "ssm_state_size": int(need("ssm.state_size")),
+        "conv_kernel": int(need("ssm.conv_kernel")),
+        "n_groups": int(g.get("ssm.group_count", 1)),
+        "mlp_bias": False,
+        "use_bias": False,
+        "use_conv_bias": has("blk.0.ssm_conv1d.bias"),
+        "layer_norm_epsilon": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "n_routed_experts": int(need("expert_count")),
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "moe_shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length", 0)),
+        "n_shared_experts": int(g.get("expert_shared_count", 0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", True)),
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "time_step_limit": [0.0, float("inf")],
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+
+
+def _mla_config(g: GGUFModelFile, need) -> dict:
+    """DeepSeek-V3's config from what llama.cpp's deepseek2 reads (see the export)."""
+    rope = int(need("rope.dimension_count"))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    heads = int(need("attention.head_count"))
+    gating = int(g.get("expert_gating_func", 1))
+    config = {
+        "model_type": "deepseek_v3",
+        "architectures": [hf_architecture("deepseek_v3")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "n_routed_experts": int(need("expert_count")),
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "n_shared_experts": int(g.get("expert_shared_count", 0)) or None,
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
+        "scoring_func": "sigmoid" if gating == 2 else "softmax",
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
+        "kv_lora_rank": int(need("attention.kv_lora_rank")),
+        "q_lora_rank": g.get("attention.q_lora_rank"),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(need("attention.key_length_mla")) - rope,
+        "v_head_dim": int(need("attention.value_length_mla")),
+        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+    if g.get("rope.scaling.type") == "yarn":
+        log_mul = float(g.get("rope.scaling.yarn_log_mul", 0.0)) / 0.1
+        config["rope_scaling"] = {
+            "type": "yarn",
+            "factor": float(need("rope.scaling.factor")),
+            "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
+            "beta_fast": float(g.get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(g.get("rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": log_mul,
+            "mscale_all_dim": log_mul,
+        }
+    return config
+
+
+def _mamba2_config(g: GGUFModelFile, need) -> dict:
+    """Mamba 2's config from what llama.cpp's mamba2 reads (no attention, no MLP)."""
+    inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    return {
+        "model_type": "mamba2",
+        "architectures": [hf_architecture("mamba2")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": inner,
+        "num_heads": heads,
+        "head_dim": inner // heads,
+        "state_size": int(need("ssm.state_size")),
+        "conv_kernel": int(need("ssm.conv_kernel")),
+        "n_groups": int(g.get("ssm.group_count", 1)),
+        "layer_norm_epsilon": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "use_bias": "blk.0.ssm_in.bias" in g.tensors,
+        "use_conv_bias": "blk.0.ssm_conv1d.bias" in g.tensors,
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "time_step_limit": [0.0, float("inf")],
+        "time_step_rank": heads,
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+    }
+
+
+def _fields(config: dict) -> set[str]:
+    """The config keys the family's mlx-lm ModelArgs takes (a wrapped text model's own)."""
+    mt = config["model_type"]
+    if mt in WRAPPED:
+        import importlib
+
+        module = importlib.import_module(f"mlx_lm.models.{WRAPPED[mt]}")
+        # the text model's arguments: in the wrapper's module or the one it builds on
+        # (Qwen3.5-MoE's wrapper subclasses Qwen3.5's)
+        owners = [importlib.import_module(c.__module__) for c in module.Model.__mro__]
+        text_args = next(m.TextModelArgs for m in owners if hasattr(m, "TextModelArgs"))
+        return args_fields(text_args)
+    return args_fields(family_classes(config)[1])
+
+
+def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:
+    """The settings of the newer families, from their metadata, tensors, and what llama.cpp
+    fixes for their architecture (the export refuses a model that does otherwise)."""
+    mt, out = config["model_type"], {}
+    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    experts = g.get("expert_count")
+    if experts:
+        key = {
+            "mixtral": "num_local_experts",
+            "granitemoe": "num_local_experts",
+            "granitemoehybrid": "num_local_experts",
+        }.get(mt, "num_experts")
+        key = {"gpt_oss": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(mt, key)
+        key = "n_routed_experts" if mt == "deepseek" else key
+        out[key] = int(experts)
+        out["num_experts_per_tok"] = int(g.get("expert_used_count"))
+        width = g.get("expert_feed_forward_length")
+        if width is None and "blk.0.ffn_gate_exps.weight" in g.tensors:
+            width = int(g.tensors["blk.0.ffn_gate_exps.weight"].shape[1])
+        if mt in (
+            "qwen2_moe",
+            "qwen3_moe",
+            "glm4_moe",
+            "qwen3_next",
+            "qwen3_5_moe_text",
+            "deepseek",
+        ):
+            out["moe_intermediate_size"] = int(width)
+            out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
+        if NAMED[mt].norm_topk is not None and mt in ("qwen3_moe", "olmoe"):
+            out["norm_topk_prob"] = NAMED[mt].norm_topk
+        if mt == "qwen2_moe":
+            shared = g.get("expert_shared_feed_forward_length")
+            if shared is None and "blk.0.ffn_gate_shexp.weight" in g.tensors:
+                shared = int(g.tensors["blk.0.ffn_gate_shexp.weight"].shape[1])
+            out["shared_expert_intermediate_size"] = int(shared or 0)
+    fields = _fields(config)
+    eps = g.get("attention.layer_norm_epsilon")
+    for key in ("layer_norm_eps", "norm_epsilon", "layer_norm_epsilon"):
+        if eps is not None and key in fields:  # a LayerNorm family's epsilon
+            out[key] = float(eps)
+    if "qk_layernorm" in fields:
+        out["qk_layernorm"] = "blk.0.attn_q_norm.weight" in g.tensors
+    if "use_parallel_residual" in fields:  # llama.cpp's StableLM: no FFN norm means parallel
+        out["use_parallel_residual"] = "blk.0.ffn_norm.weight" not in g.tensors
+    biases = {  # a family's bias switches, read off the tensors the file holds
+        "use_qkv_bias": "blk.0.attn_q.bias",
+        "attention_bias": "blk.0.attn_q.bias",
+        "use_bias": "blk.0.attn_q.bias",
+        "mlp_bias": "blk.0.ffn_up.bias",
+        "attention_out_bias": "blk.0.attn_output.bias",
+    }
+    for key, tensor in biases.items():
+        if key in fields:
+            out[key] = tensor in g.tensors
+    if mt == "granitemoehybrid":
+        out.update(
+            layer_types=["attention" if n else "mamba" for n in kv_layers or [1] * layers],
+            mamba_n_heads=int(g.get("ssm.time_step_rank")),
+            mamba_d_head=int(g.get("ssm.inner_size")) // int(g.get("ssm.time_step_rank")),
+            mamba_d_state=int(g.get("ssm.state_size")),
+            mamba_d_conv=int(g.get("ssm.conv_kernel")),
+            mamba_n_groups=int(g.get("ssm.group_count", 1)),
+            mamba_proj_bias=any(f"blk.{i}.ssm_in.bias" in g.tensors for i in range(layers)),
+            mamba_conv_bias=any(f"blk.{i}.ssm_conv1d.bias" in g.tensors for i in range(layers)),
+            shared_intermediate_size=int(g.get("expert_shared_feed_forward_length", 0)),
+            position_embedding_type="rope" if g.get("rope.scaling.finetuned", True) else "nope",
+            time_step_limit=[0.0, float("inf")],
+        )
+    if mt in ("granite", "granitemoe", "granitemoehybrid"):
+        for key, meta in (
+            ("attention_multiplier", "attention.scale"),
+            ("embedding_multiplier", "embedding_scale"),
+            ("residual_multiplier", "residual_scale"),
+            ("logits_scaling", "logit_scale"),
+        ):
+            out[key] = float(g.get(meta, 1.0))
+    if mt == "gemma4_text":
+        out.update(_gemma4_settings(g, config, kv_layers))
+    if mt == "qwen3_5_moe_text":
+        out["shared_expert_intermediate_size"] = int(g.get("expert_shared_feed_forward_length", 0))
+        out["norm_topk_prob"] = True
+    if mt in ("qwen3_5_text", "qwen3_5_moe_text"):
+        out.update(
+            linear_conv_kernel_dim=int(g.get("ssm.conv_kernel")),
+            linear_key_head_dim=int(g.get("ssm.state_size")),
+            linear_num_key_heads=int(g.get("ssm.group_count")),
+            linear_num_value_heads=int(g.get("ssm.time_step_rank")),
+            linear_value_head_dim=int(g.get("ssm.inner_size")) // int(g.get("ssm.time_step_rank")),
+            full_attention_interval=int(g.get("full_attention_interval", 4)),
+        )
+    if mt == "qwen3_next":
+        out.update(
+            linear_conv_kernel_dim=int(g.get("ssm.conv_kernel")),
+            linear_key_head_dim=int(g.get("ssm.state_size")),
+            linear_num_key_heads=int(g.get("ssm.group_count")),
+            linear_num_value_heads=int(g.get("ssm.time_step_rank")),
+            linear_value_head_dim=int(g.get("ssm.inner_size")) // int(g.get("ssm.time_step_rank")),
+            full_attention_interval=int(g.get("full_attention_interval", 4)),
+            shared_expert_intermediate_size=int(g.get("expert_shared_feed_forward_length", 0)),
+            norm_topk_prob=True,
+        )
+    if mt == "glm4_moe":
+        out.update(
+            n_shared_experts=int(g.get("expert_shared_count", 0)),
+            first_k_dense_replace=int(g.get("leading_dense_block_count", 0)),
+            norm_topk_prob=bool(g.get("expert_weights_norm", True)),
+            routed_scaling_factor=float(g.get("expert_weights_scale", 1.0)),
+            n_group=int(g.get("expert_group_count", 1)),
+            topk_group=int(g.get("expert_group_used_count", 1)),
+            use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+            attention_bias="blk.0.attn_q.bias" in g.tensors,
+            rope_scaling=config.get("rope_scaling"),  # a key its ModelArgs requires
+        )
+    if mt == "gpt_oss":  # llama.cpp's: a window on even layers, full attention on odd ones
+        out.update(
+            intermediate_size=int(g.get("expert_feed_forward_length", config["intermediate_size"])),
+            sliding_window=int(g.get("attention.sliding_window")),
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ],
+        )
+    if mt == "deepseek":
+        out.update(
+            n_shared_experts=g.get("expert_shared_count"),
+            first_k_dense_replace=int(g.get("leading_dense_block_count", 0)),
+            moe_layer_freq=1,
+        )
+    if mt == "ministral3":  # its RoPE settings go in rope_parameters
+        scaling = config.get("rope_scaling") or {}
+        rp = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+        if scaling.get("rope_type") == "yarn":
+            log_mul = float(g.get("rope.scaling.yarn_log_mul", 1.0))
+            rp = {
+                **scaling,
+                **rp,
+                "rope_type": "yarn",
+                "mscale": log_mul,
+                "mscale_all_dim": log_mul,
+            }
+            beta = g.get("attention.temperature_scale")
+            if beta is not None:
+                rp["llama_4_scaling_beta"] = float(beta)
+        out.update(rope_parameters=rp, rope_scaling=None, sliding_window=None)
+    if mt == "olmo3":
+        pattern = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
+        if len(pattern) != layers:  # llama.cpp's default: every 4th layer full
+            pattern = [(i + 1) % 4 != 0 for i in range(layers)]
+        out.update(
+            sliding_window=int(g.get("attention.sliding_window")),
+            layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+        )
+    if mt == "nemotron":  # llama.cpp's nemotron: squared ReLU, LayerNorm1P
+        out.update(hidden_act="relu2", norm_eps=float(g.get("attention.layer_norm_epsilon", 1e-5)))
+    if mt == "minicpm":
+        out.update(
+            scale_emb=float(g.get("embedding_scale", 1.0)),
+            scale_depth=float(g.get("residual_scale", 1.0)) * layers**0.5,
+            dim_model_base=round(config["hidden_size"] / float(g.get("logit_scale", 1.0))),
+        )
+    if mt == "smollm3":
+        out["no_rope_layer_interval"] = 4  # llama.cpp's smollm3 leaves every 4th layer unroped
+    if mt == "gemma3_text":
+        big = layers == 62  # llama.cpp scales the 27B model's queries by hidden / heads
+        out.update(
+            sliding_window=int(g.get("attention.sliding_window", 512)),
+            sliding_window_pattern=6,
+            rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=float(
+                config["hidden_size"] // config["num_attention_heads"] if big else head_dim
+            ),
+        )
+        if g.get("final_logit_softcapping"):
+            out["final_logit_softcapping"] = float(g.get("final_logit_softcapping"))
+    if mt == "lfm2_moe":
+        full = [i for i, n in enumerate(kv_layers or [1] * layers) if n > 0]
+        out.update(
+            full_attn_idxs=full,
+            conv_L_cache=int(g.get("shortconv.l_cache", 3)),
+            conv_bias="blk.0.shortconv.conv.bias" in g.tensors,
+            norm_eps=config["rms_norm_eps"],
+            num_dense_layers=int(g.get("leading_dense_block_count", 0)),
+            moe_intermediate_size=int(g.get("expert_feed_forward_length")),
+            norm_topk_prob=True,
+            use_expert_bias=any(".exp_probs_b." in n for n in g.tensors),
+        )
+    if mt == "lfm2":
+        full = [i for i, n in enumerate(kv_layers or [1] * layers) if n > 0]
+        out.update(
+            full_attn_idxs=full,
+            conv_L_cache=int(g.get("shortconv.l_cache", 3)),
+            conv_bias="blk.0.shortconv.conv.bias" in g.tensors
+            or any(f"blk.{i}.shortconv.in_proj.bias" in g.tensors for i in range(layers)),
+            norm_eps=config["rms_norm_eps"],
+            block_dim=config["hidden_size"],
+            block_ff_dim=config["intermediate_size"],
+            block_auto_adjust_ff_dim=False,
+            block_multiple_of=1,
+            block_ffn_dim_multiplier=1.0,
+        )
+    return out
+
+
+def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
+    """Partial rotary (phi3) and linear rope scaling; what mlxtune cannot read is refused."""
+    where, head_dim, out = str(g.path), config["head_dim"], {}
+    rope_dims = g.get("rope.dimension_count", head_dim)
+    if config["model_type"] == "phi3":
+        out["partial_rotary_factor"] = rope_dims / head_dim
+        out["original_max_position_embeddings"] = int(
+            g.get("rope.scaling.original_context_length") or config["max_position_embeddings"]
+        )
+        if "rope_factors_long.weight" in g.tensors:
+            raise UserInputError(
+                "this phi3 model uses long-context rope factors (LongRoPE), which mlxtune "
+                "does not read from GGUF yet",
+                where,
+            )
+    elif config["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text"):
+        sections = [int(x) for x in g.get("rope.dimension_sections", [])][:3]
+        out["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": config["rope_theta"],
+            "partial_rotary_factor": rope_dims / head_dim,
+            "mrope_section": sections or [rope_dims // 2, 0, 0],
+        }
+    elif rope_dims != head_dim and "partial_rotary_factor" in _fields(config):
+        out["partial_rotary_factor"] = rope_dims / head_dim
+    elif rope_dims != head_dim:
+        raise UserInputError(
+            f"{g.arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}, and "
+            f"mlx-lm's {config['model_type']} rotates whole heads",
+            where,
+        )
+    scaling = g.get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        factor = g.get("rope.scaling.factor")
+        original = g.get("rope.scaling.original_context_length")
+        if scaling == "linear" and factor is not None:
+            out["rope_scaling"] = {"type": "linear", "factor": float(factor)}
+        elif scaling == "yarn" and factor is not None and original is not None:
+            out["rope_scaling"] = {
+                "rope_type": "yarn",
+                "factor": float(factor),
+                "original_max_position_embeddings": int(original),
+                "beta_fast": float(g.get("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(g.get("rope.scaling.yarn_beta_slow", 1.0)),
+            }
+            for key in ("yarn_ext_factor", "yarn_attn_factor"):
+                if g.get(f"rope.scaling.{key}") not in (None, 1.0):
+                    raise UserInputError(
+                        f"{g.arch}.rope.scaling.{key} is not 1, which mlx-lm's yarn cannot run",
+                        where,
+                    )
+        else:
+            raise UserInputError(
+                f"rope scaling {scaling!r} is not read from GGUF (linear with a factor, and yarn "
+                "with its original context, are)",
+                where,
+            )
+    if "rope_freqs.weight" in g.tensors and config["model_type"] != "gemma4_text":
+        settings = None
+        if config["model_type"] == "llama" and scaling in (None, "none"):
+            factors = dequantized(g.tensors["rope_freqs.weight"])
+            settings = llama3_settings(factors, config["rope_theta"], head_dim)
+        if settings is None:
+            raise UserInputError(
+                "this model scales its rope frequencies per dimension (rope_freqs) in a way "
+                "that is not Llama 3's, which mlxtune does not read",
+                where,
+            )
+        out["rope_scaling"] = settings
+    return out
+
+
+def _gemma2_settings(g: GGUFModelFile, config: dict) -> dict:
+    # llama.cpp scales gemma2 queries by 1/sqrt(head size), except the 27B model's (46 blocks)
+    # by 1/sqrt(hidden / heads), which is what its config says
+    big = config["num_hidden_layers"] == 46
+    return {
+        "attn_logit_softcapping": float(g.get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(g.get("final_logit_softcapping", 30.0)),
+        "sliding_window": int(g.get("attention.sliding_window", 4096)),
+        "query_pre_attn_scalar": float(
+            config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+        ),
+    }

@@ -1,0 +1,216 @@
+"""Tensors as llama.cpp's converter writes them, and back: q/k rows in its interleaved rope
+order, gemma's ``w + 1`` norms, conv kernels without their unit axis, SSM parameters
+(``-exp(A_log)``, columns, groups), Qwen3-Next's split and Qwen3.5's tiled gated delta-net
+tensors, Gemma 4's proportional-rotation factors; and a GGUF tensor de-quantized to float32."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import UserInputError
+from .file import GGUFTensor
+from .names import SHARED_GATE_UP
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows of a q/k projection from rotate-half to interleaved order (llama.cpp's convention)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def ssm_to_gguf(a: np.ndarray, g: str, args) -> np.ndarray:
+    """A Mamba 2 tensor as llama.cpp's converter writes it: A as -exp(A_log) and D as columns
+    [heads, 1], the gated norm per group [groups, inner / groups]."""
+    if g.endswith(".ssm_a"):
+        return -np.exp(a).reshape(-1, 1)
+    if g.endswith(".ssm_d"):
+        return a.reshape(-1, 1)
+    if g.endswith("ssm_norm.weight"):
+        groups = getattr(args, "n_groups", None) or getattr(args, "mamba_n_groups", 1)
+        return a.reshape(int(groups), -1)
+    return a
+
+
+def gemma4_rope_freqs(args) -> np.ndarray:
+    """The full layers' "proportional" RoPE as llama.cpp's converter writes it: the rotated
+    share of each head's frequency pairs as they are, the rest divided by 1e30 (unrotated)."""
+    full = args.rope_parameters.get("full_attention", {})
+    pairs = int(args.global_head_dim) // 2
+    rotated = int(args.global_head_dim * float(full.get("partial_rotary_factor", 1.0)) / 2)
+    return np.array([1.0] * rotated + [1e30] * (pairs - rotated), dtype=np.float32)
+
+
+def to_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> np.ndarray:
+    """A parameter (fp32) as llama.cpp's converter stores it under GGUF name ``g``."""
+    if family.permuted and g.endswith(("attn_q.weight", "attn_q.bias")):
+        return permute_qk(a, n_head)
+    if family.permuted and g.endswith(("attn_k.weight", "attn_k.bias")):
+        return permute_qk(a, n_kv)
+    if family.norm_plus_one and g.endswith("norm.weight"):
+        return a + 1.0
+    if g.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):  # MLX's [C, K, 1] -> [C, K]
+        return a.reshape(a.shape[0], a.shape[1])
+    return a
+
+
+def _tiled_v_heads(a: np.ndarray, axis: int, args, head_dim: int) -> np.ndarray:
+    """V heads along ``axis`` from grouped by key head (HF: k0's v heads, then k1's) to tiled
+    (v0 of every key head, then v1 ...), the order llama.cpp's qwen35 broadcasts in."""
+    nk = args.linear_num_key_heads
+    r = args.linear_num_value_heads // nk
+    moved = np.moveaxis(a, axis, 0)
+    tiled = moved.reshape(nk, r, head_dim, *moved.shape[1:]).swapaxes(0, 1)
+    return np.moveaxis(tiled.reshape(moved.shape), 0, axis)
+
+
+def qwen35_to_gguf(a: np.ndarray, g: str, args, lora: str = "") -> np.ndarray:
+    """A Qwen3.5 gated delta-net tensor (or one LoRA factor of it: ``lora`` "a" or "b") as
+    llama.cpp's converter writes it: V heads tiled, A as -exp(A_log)."""
+    if lora != "a" and g.endswith(".ssm_a"):
+        a = -np.exp(a)
+    if args.linear_num_key_heads == args.linear_num_value_heads:
+        return a
+    dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
+    qk = 2 * args.linear_num_key_heads * dk
+    if lora == "a":  # an adapter's A factor: only ssm_out's input columns are V heads
+        return _tiled_v_heads(a, 1, args, dv) if g.endswith("ssm_out.weight") else a
+    if g.endswith(("attn_qkv.weight", "ssm_conv1d.weight")):
+        return np.concatenate([a[:qk], _tiled_v_heads(a[qk:], 0, args, dv)], axis=0)
+    if g.endswith("attn_gate.weight"):
+        return _tiled_v_heads(a, 0, args, dv)
+    if g.endswith(("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", ".ssm_a")):
+        return _tiled_v_heads(a, 0, args, 1)
+    if g.endswith("ssm_out.weight") and lora != "b":
+        return _tiled_v_heads(a, 1, args, dv)
+    return a
+
+
+def qwen3_next_split(a: np.ndarray, g: str, args):
+    """Qwen3-Next's gated delta-net tensors as llama.cpp's converter writes them, or None for
+    any other tensor: the fused q/k/v/z projection (grouped per key head) as one q/k/v
+    projection and a z gate, A as -exp(A_log), the conv kernel without its unit axis."""
+    if g.endswith("ssm_in.weight"):
+        nk, dk = args.linear_num_key_heads, args.linear_key_head_dim
+        nv, dv = args.linear_num_value_heads, args.linear_value_head_dim
+        per = [dk, dk, nv // nk * dv, nv // nk * dv]
+        grouped = a.reshape(nk, sum(per), a.shape[-1])
+        q, k, v, z = np.split(grouped, np.cumsum(per)[:-1], axis=1)
+        flat = [x.reshape(-1, a.shape[-1]) for x in (q, k, v, z)]
+        block = g[: -len("ssm_in.weight")]
+        return [
+            (f"{block}attn_qkv.weight", np.concatenate(flat[:3], axis=0)),
+            (f"{block}attn_gate.weight", flat[3]),
+        ]
+    if g.endswith(".ssm_a"):
+        return [(g, -np.exp(a))]
+    return None
+
+
+def ssm_from_gguf(g, config: dict) -> None:
+    """Mamba 2's A, D and gated norm back in mlx-lm's form: A_log from A, each a vector."""
+    for i in range(config["num_hidden_layers"]):
+        for name, fix in (
+            ("ssm_a", lambda x: np.log(-x).reshape(-1)),
+            ("ssm_d", lambda x: x.reshape(-1)),
+            ("ssm_norm.weight", lambda x: x.reshape(-1)),
+        ):
+            t = g.tensors.get(f"blk.{i}.{name}")
+            if t is not None:
+                g.tensors[f"blk.{i}.{name}"] = plain_tensor(f"blk.{i}.{name}", fix(dequantized(t)))
+
+
+def unpermute_qk(a: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows of a q/k projection from llama.cpp's interleaved order back to rotate-half (the
+    inverse of ``export.permute_qk``); works on any trailing shape, codes and scales too."""
+    rows = a.shape[0]
+    return a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def dequantized(t) -> np.ndarray:
+    """A GGUF tensor as float32 in [rows, cols] (numpy) order, whatever its type."""
+    import gguf
+
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists the innermost dim first
+    if t.data.dtype != np.uint8:  # a plain float (or int) array
+        return np.asarray(t.data, dtype=np.float32).reshape(shape)
+    try:
+        out = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType(t.type))
+    except NotImplementedError:
+        raise UserInputError(
+            f"tensor {t.name} is {t.type_name}, a type mlxtune cannot de-quantize", "model.path"
+        ) from None
+    return np.asarray(out, dtype=np.float32).reshape(shape)
+
+
+def qwen3_next_join(g, config: dict) -> None:
+    """Qwen3-Next's gated delta-net tensors back in mlx-lm's form (the export's inverse): the
+    q/k/v projection and z gate as one projection grouped per key head, A_log from A."""
+    nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    nv, dv = config["linear_num_value_heads"], config["linear_value_head_dim"]
+    per = [dk, dk, nv // nk * dv, nv // nk * dv]
+    for i in range(config["num_hidden_layers"]):
+        qkv, gate = g.tensors.pop(f"blk.{i}.attn_qkv.weight", None), None
+        if qkv is not None:
+            gate = g.tensors.pop(f"blk.{i}.attn_gate.weight")
+            qkv, z = dequantized(qkv), dequantized(gate)
+            q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk], axis=0)
+            parts = [x.reshape(nk, -1, x.shape[-1]) for x in (q, k, v, z)]
+            fused = np.concatenate(parts, axis=1).reshape(nk * sum(per), -1)
+            g.tensors[f"blk.{i}.ssm_in.weight"] = plain_tensor(f"blk.{i}.ssm_in.weight", fused)
+        a = g.tensors.pop(f"blk.{i}.ssm_a", None)
+        if a is not None:
+            g.tensors[f"blk.{i}.ssm_a"] = plain_tensor(f"blk.{i}.ssm_a", np.log(-dequantized(a)))
+
+
+def qwen35_from_gguf(g, text: dict) -> None:
+    """Qwen3.5's gated delta-net tensors back in mlx-lm's form (the export's inverse): V heads
+    grouped by key head again, A_log from A."""
+    nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    qk = 2 * nk * dk
+
+    def grouped(a: np.ndarray, axis: int, head_dim: int) -> np.ndarray:
+        moved = np.moveaxis(a, axis, 0)
+        back = moved.reshape(nv // nk, nk, head_dim, *moved.shape[1:]).swapaxes(0, 1)
+        return np.moveaxis(back.reshape(moved.shape), 0, axis)
+
+    for i in range(text["num_hidden_layers"]):
+        a = g.tensors.pop(f"blk.{i}.ssm_a", None)
+        if a is None:
+            continue
+        edits = {f"blk.{i}.ssm_a": np.log(-grouped(dequantized(a), 0, 1))}
+        for name, axis, head_dim, skip in (
+            ("attn_qkv.weight", 0, dv, qk),
+            ("ssm_conv1d.weight", 0, dv, qk),
+            ("attn_gate.weight", 0, dv, 0),
+            ("ssm_beta.weight", 0, 1, 0),
+            ("ssm_alpha.weight", 0, 1, 0),
+            ("ssm_dt.bias", 0, 1, 0),
+            ("ssm_out.weight", 1, dv, 0),
+        ):
+            t = g.tensors.get(f"blk.{i}.{name}")
+            if t is None or nk == nv:
+                continue
+            x = dequantized(t)
+            edits[f"blk.{i}.{name}"] = np.concatenate([x[:skip], grouped(x[skip:], axis, head_dim)])
+        for name, x in edits.items():
+            g.tensors[name] = plain_tensor(name, x)
+
+
+def plain_tensor(name: str, a: np.ndarray) -> GGUFTensor:
+    """A float32 tensor made here, held as the file's plain tensors are."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return GGUFTensor(name, 0, tuple(reversed(a.shape)), a)
+
+
+def shared_gate_up_join(g, config: dict) -> None:
+    """Granite's shared MLP back as one gate-then-up matrix (the export splits it in two)."""
+    for i in range(config["num_hidden_layers"]):
+        gate = g.tensors.pop(f"blk.{i}.ffn_gate_shexp.weight", None)
+        if gate is not None:
+            up = dequantized(g.tensors.pop(f"blk.{i}.ffn_up_shexp.weight"))
+            name = f"blk.{i}.{SHARED_GATE_UP}.weight"
+            g.tensors[name] = plain_tensor(name, np.concatenate([dequantized(gate), up]))
