@@ -310,207 +310,266 @@ def _fields(config: dict) -> set[str]:
     return args_fields(family_classes(config)[1])
 
 
-def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:
-    """The settings of the newer families, from their metadata, tensors, and what llama.cpp
-    fixes for their architecture (the export refuses a model that does otherwise)."""
+# the key each family's ModelArgs counts its experts under (the rest: num_experts)
+_EXPERT_KEY = {
+    "mixtral": "num_local_experts",
+    "granitemoe": "num_local_experts",
+    "granitemoehybrid": "num_local_experts",
+    "gpt_oss": "num_local_experts",
+    "glm4_moe": "n_routed_experts",
+    "deepseek": "n_routed_experts",
+}
+# families whose ModelArgs takes the experts' width, and every layer as an MoE layer
+_MOE_WIDTH = ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek")
+# a family's bias switches, and the tensor whose presence says each is on
+_BIASES = {
+    "use_qkv_bias": "blk.0.attn_q.bias",
+    "attention_bias": "blk.0.attn_q.bias",
+    "use_bias": "blk.0.attn_q.bias",
+    "mlp_bias": "blk.0.ffn_up.bias",
+    "attention_out_bias": "blk.0.attn_output.bias",
+}
+
+
+def _experts(g: GGUFModelFile, config: dict) -> dict:
+    """A mixture's expert count, top-k and widths."""
     mt, out = config["model_type"], {}
-    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     experts = g.get("expert_count")
-    if experts:
-        key = {
-            "mixtral": "num_local_experts",
-            "granitemoe": "num_local_experts",
-            "granitemoehybrid": "num_local_experts",
-        }.get(mt, "num_experts")
-        key = {"gpt_oss": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(mt, key)
-        key = "n_routed_experts" if mt == "deepseek" else key
-        out[key] = int(experts)
-        out["num_experts_per_tok"] = int(g.get("expert_used_count"))
-        width = g.get("expert_feed_forward_length")
-        if width is None and "blk.0.ffn_gate_exps.weight" in g.tensors:
-            width = int(g.tensors["blk.0.ffn_gate_exps.weight"].shape[1])
-        if mt in (
-            "qwen2_moe",
-            "qwen3_moe",
-            "glm4_moe",
-            "qwen3_next",
-            "qwen3_5_moe_text",
-            "deepseek",
-        ):
-            out["moe_intermediate_size"] = int(width)
-            out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
-        if NAMED[mt].norm_topk is not None and mt in ("qwen3_moe", "olmoe"):
-            out["norm_topk_prob"] = NAMED[mt].norm_topk
-        if mt == "qwen2_moe":
-            shared = g.get("expert_shared_feed_forward_length")
-            if shared is None and "blk.0.ffn_gate_shexp.weight" in g.tensors:
-                shared = int(g.tensors["blk.0.ffn_gate_shexp.weight"].shape[1])
-            out["shared_expert_intermediate_size"] = int(shared or 0)
-    fields = _fields(config)
+    if not experts:
+        return out
+    out[_EXPERT_KEY.get(mt, "num_experts")] = int(experts)
+    out["num_experts_per_tok"] = int(g.get("expert_used_count"))
+    width = g.get("expert_feed_forward_length")
+    if width is None and "blk.0.ffn_gate_exps.weight" in g.tensors:
+        width = int(g.tensors["blk.0.ffn_gate_exps.weight"].shape[1])
+    if mt in _MOE_WIDTH:
+        out["moe_intermediate_size"] = int(width)
+        out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
+    if mt in ("qwen3_moe", "olmoe"):  # what llama.cpp's graph fixes for the architecture
+        out["norm_topk_prob"] = NAMED[mt].norm_topk
+    if mt == "qwen2_moe":
+        shared = g.get("expert_shared_feed_forward_length")
+        if shared is None and "blk.0.ffn_gate_shexp.weight" in g.tensors:
+            shared = int(g.tensors["blk.0.ffn_gate_shexp.weight"].shape[1])
+        out["shared_expert_intermediate_size"] = int(shared or 0)
+    return out
+
+
+def _switches(g: GGUFModelFile, config: dict) -> dict:
+    """LayerNorm epsilons, q/k norms, parallel residuals and biases, for the families whose
+    ModelArgs takes them, read off the metadata and the tensors the file holds."""
+    fields, out = _fields(config), {}
     eps = g.get("attention.layer_norm_epsilon")
     for key in ("layer_norm_eps", "norm_epsilon", "layer_norm_epsilon"):
-        if eps is not None and key in fields:  # a LayerNorm family's epsilon
+        if eps is not None and key in fields:
             out[key] = float(eps)
     if "qk_layernorm" in fields:
         out["qk_layernorm"] = "blk.0.attn_q_norm.weight" in g.tensors
     if "use_parallel_residual" in fields:  # llama.cpp's StableLM: no FFN norm means parallel
         out["use_parallel_residual"] = "blk.0.ffn_norm.weight" not in g.tensors
-    biases = {  # a family's bias switches, read off the tensors the file holds
-        "use_qkv_bias": "blk.0.attn_q.bias",
-        "attention_bias": "blk.0.attn_q.bias",
-        "use_bias": "blk.0.attn_q.bias",
-        "mlp_bias": "blk.0.ffn_up.bias",
-        "attention_out_bias": "blk.0.attn_output.bias",
-    }
-    for key, tensor in biases.items():
+    for key, tensor in _BIASES.items():
         if key in fields:
             out[key] = tensor in g.tensors
-    if mt == "granitemoehybrid":
-        out.update(
-            layer_types=["attention" if n else "mamba" for n in kv_layers or [1] * layers],
-            mamba_n_heads=int(g.get("ssm.time_step_rank")),
-            mamba_d_head=int(g.get("ssm.inner_size")) // int(g.get("ssm.time_step_rank")),
-            mamba_d_state=int(g.get("ssm.state_size")),
-            mamba_d_conv=int(g.get("ssm.conv_kernel")),
-            mamba_n_groups=int(g.get("ssm.group_count", 1)),
-            mamba_proj_bias=any(f"blk.{i}.ssm_in.bias" in g.tensors for i in range(layers)),
-            mamba_conv_bias=any(f"blk.{i}.ssm_conv1d.bias" in g.tensors for i in range(layers)),
-            shared_intermediate_size=int(g.get("expert_shared_feed_forward_length", 0)),
-            position_embedding_type="rope" if g.get("rope.scaling.finetuned", True) else "nope",
-            time_step_limit=[0.0, float("inf")],
-        )
-    if mt in ("granite", "granitemoe", "granitemoehybrid"):
-        for key, meta in (
-            ("attention_multiplier", "attention.scale"),
-            ("embedding_multiplier", "embedding_scale"),
-            ("residual_multiplier", "residual_scale"),
-            ("logits_scaling", "logit_scale"),
-        ):
-            out[key] = float(g.get(meta, 1.0))
-    if mt == "gemma4_text":
-        out.update(_gemma4_settings(g, config, kv_layers))
-    if mt == "qwen3_5_moe_text":
-        out["shared_expert_intermediate_size"] = int(g.get("expert_shared_feed_forward_length", 0))
-        out["norm_topk_prob"] = True
-    if mt in ("qwen3_5_text", "qwen3_5_moe_text"):
-        out.update(
-            linear_conv_kernel_dim=int(g.get("ssm.conv_kernel")),
-            linear_key_head_dim=int(g.get("ssm.state_size")),
-            linear_num_key_heads=int(g.get("ssm.group_count")),
-            linear_num_value_heads=int(g.get("ssm.time_step_rank")),
-            linear_value_head_dim=int(g.get("ssm.inner_size")) // int(g.get("ssm.time_step_rank")),
-            full_attention_interval=int(g.get("full_attention_interval", 4)),
-        )
-    if mt == "qwen3_next":
-        out.update(
-            linear_conv_kernel_dim=int(g.get("ssm.conv_kernel")),
-            linear_key_head_dim=int(g.get("ssm.state_size")),
-            linear_num_key_heads=int(g.get("ssm.group_count")),
-            linear_num_value_heads=int(g.get("ssm.time_step_rank")),
-            linear_value_head_dim=int(g.get("ssm.inner_size")) // int(g.get("ssm.time_step_rank")),
-            full_attention_interval=int(g.get("full_attention_interval", 4)),
-            shared_expert_intermediate_size=int(g.get("expert_shared_feed_forward_length", 0)),
-            norm_topk_prob=True,
-        )
-    if mt == "glm4_moe":
-        out.update(
-            n_shared_experts=int(g.get("expert_shared_count", 0)),
-            first_k_dense_replace=int(g.get("leading_dense_block_count", 0)),
-            norm_topk_prob=bool(g.get("expert_weights_norm", True)),
-            routed_scaling_factor=float(g.get("expert_weights_scale", 1.0)),
-            n_group=int(g.get("expert_group_count", 1)),
-            topk_group=int(g.get("expert_group_used_count", 1)),
-            use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
-            attention_bias="blk.0.attn_q.bias" in g.tensors,
-            rope_scaling=config.get("rope_scaling"),  # a key its ModelArgs requires
-        )
-    if mt == "gpt_oss":  # llama.cpp's: a window on even layers, full attention on odd ones
-        out.update(
-            intermediate_size=int(g.get("expert_feed_forward_length", config["intermediate_size"])),
-            sliding_window=int(g.get("attention.sliding_window")),
-            layer_types=[
-                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
-            ],
-        )
-    if mt == "deepseek":
-        out.update(
-            n_shared_experts=g.get("expert_shared_count"),
-            first_k_dense_replace=int(g.get("leading_dense_block_count", 0)),
-            moe_layer_freq=1,
-        )
-    if mt == "ministral3":  # its RoPE settings go in rope_parameters
-        scaling = config.get("rope_scaling") or {}
-        rp = {"rope_type": "default", "rope_theta": config["rope_theta"]}
-        if scaling.get("rope_type") == "yarn":
-            log_mul = float(g.get("rope.scaling.yarn_log_mul", 1.0))
-            rp = {
-                **scaling,
-                **rp,
-                "rope_type": "yarn",
-                "mscale": log_mul,
-                "mscale_all_dim": log_mul,
-            }
-            beta = g.get("attention.temperature_scale")
-            if beta is not None:
-                rp["llama_4_scaling_beta"] = float(beta)
-        out.update(rope_parameters=rp, rope_scaling=None, sliding_window=None)
-    if mt == "olmo3":
-        pattern = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
-        if len(pattern) != layers:  # llama.cpp's default: every 4th layer full
-            pattern = [(i + 1) % 4 != 0 for i in range(layers)]
-        out.update(
-            sliding_window=int(g.get("attention.sliding_window")),
-            layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
-        )
-    if mt == "nemotron":  # llama.cpp's nemotron: squared ReLU, LayerNorm1P
-        out.update(hidden_act="relu2", norm_eps=float(g.get("attention.layer_norm_epsilon", 1e-5)))
-    if mt == "minicpm":
-        out.update(
-            scale_emb=float(g.get("embedding_scale", 1.0)),
-            scale_depth=float(g.get("residual_scale", 1.0)) * layers**0.5,
-            dim_model_base=round(config["hidden_size"] / float(g.get("logit_scale", 1.0))),
-        )
-    if mt == "smollm3":
-        out["no_rope_layer_interval"] = 4  # llama.cpp's smollm3 leaves every 4th layer unroped
-    if mt == "gemma3_text":
-        big = layers == 62  # llama.cpp scales the 27B model's queries by hidden / heads
-        out.update(
-            sliding_window=int(g.get("attention.sliding_window", 512)),
-            sliding_window_pattern=6,
-            rope_local_base_freq=10000.0,
-            query_pre_attn_scalar=float(
-                config["hidden_size"] // config["num_attention_heads"] if big else head_dim
-            ),
-        )
-        if g.get("final_logit_softcapping"):
-            out["final_logit_softcapping"] = float(g.get("final_logit_softcapping"))
-    if mt == "lfm2_moe":
-        full = [i for i, n in enumerate(kv_layers or [1] * layers) if n > 0]
-        out.update(
-            full_attn_idxs=full,
-            conv_L_cache=int(g.get("shortconv.l_cache", 3)),
-            conv_bias="blk.0.shortconv.conv.bias" in g.tensors,
-            norm_eps=config["rms_norm_eps"],
-            num_dense_layers=int(g.get("leading_dense_block_count", 0)),
-            moe_intermediate_size=int(g.get("expert_feed_forward_length")),
-            norm_topk_prob=True,
-            use_expert_bias=any(".exp_probs_b." in n for n in g.tensors),
-        )
-    if mt == "lfm2":
-        full = [i for i, n in enumerate(kv_layers or [1] * layers) if n > 0]
-        out.update(
-            full_attn_idxs=full,
-            conv_L_cache=int(g.get("shortconv.l_cache", 3)),
-            conv_bias="blk.0.shortconv.conv.bias" in g.tensors
-            or any(f"blk.{i}.shortconv.in_proj.bias" in g.tensors for i in range(layers)),
-            norm_eps=config["rms_norm_eps"],
-            block_dim=config["hidden_size"],
-            block_ff_dim=config["intermediate_size"],
-            block_auto_adjust_ff_dim=False,
-            block_multiple_of=1,
-            block_ffn_dim_multiplier=1.0,
-        )
     return out
+
+
+def _linear_attention(g: GGUFModelFile) -> dict:
+    """A gated delta-net's sizes (Qwen3-Next, Qwen3.5)."""
+    rank = int(g.get("ssm.time_step_rank"))
+    return {
+        "linear_conv_kernel_dim": int(g.get("ssm.conv_kernel")),
+        "linear_key_head_dim": int(g.get("ssm.state_size")),
+        "linear_num_key_heads": int(g.get("ssm.group_count")),
+        "linear_num_value_heads": rank,
+        "linear_value_head_dim": int(g.get("ssm.inner_size")) // rank,
+        "full_attention_interval": int(g.get("full_attention_interval", 4)),
+    }
+
+
+def _granite(g, config, kv_layers) -> dict:
+    keys = (
+        ("attention_multiplier", "attention.scale"),
+        ("embedding_multiplier", "embedding_scale"),
+        ("residual_multiplier", "residual_scale"),
+        ("logits_scaling", "logit_scale"),
+    )
+    return {key: float(g.get(meta, 1.0)) for key, meta in keys}
+
+
+def _granite_hybrid(g, config, kv_layers) -> dict:
+    layers, has = config["num_hidden_layers"], g.tensors.__contains__
+    rank = int(g.get("ssm.time_step_rank"))
+    return {
+        **_granite(g, config, kv_layers),
+        "layer_types": ["attention" if n else "mamba" for n in kv_layers or [1] * layers],
+        "mamba_n_heads": rank,
+        "mamba_d_head": int(g.get("ssm.inner_size")) // rank,
+        "mamba_d_state": int(g.get("ssm.state_size")),
+        "mamba_d_conv": int(g.get("ssm.conv_kernel")),
+        "mamba_n_groups": int(g.get("ssm.group_count", 1)),
+        "mamba_proj_bias": any(has(f"blk.{i}.ssm_in.bias") for i in range(layers)),
+        "mamba_conv_bias": any(has(f"blk.{i}.ssm_conv1d.bias") for i in range(layers)),
+        "shared_intermediate_size": int(g.get("expert_shared_feed_forward_length", 0)),
+        "position_embedding_type": "rope" if g.get("rope.scaling.finetuned", True) else "nope",
+        "time_step_limit": [0.0, float("inf")],
+    }
+
+
+def _qwen3_5_moe(g, config, kv_layers) -> dict:
+    return {
+        **_linear_attention(g),
+        "shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length", 0)),
+        "norm_topk_prob": True,
+    }
+
+
+def _glm4_moe(g, config, kv_layers) -> dict:
+    return {
+        "n_shared_experts": int(g.get("expert_shared_count", 0)),
+        "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", True)),
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in g.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "rope_scaling": config.get("rope_scaling"),  # a key its ModelArgs requires
+    }
+
+
+def _gpt_oss(g, config, kv_layers) -> dict:  # llama.cpp's: a window on even layers
+    layers = config["num_hidden_layers"]
+    return {
+        "intermediate_size": int(g.get("expert_feed_forward_length", config["intermediate_size"])),
+        "sliding_window": int(g.get("attention.sliding_window")),
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+    }
+
+
+def _deepseek(g, config, kv_layers) -> dict:
+    return {
+        "n_shared_experts": g.get("expert_shared_count"),
+        "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
+        "moe_layer_freq": 1,
+    }
+
+
+def _ministral3(g, config, kv_layers) -> dict:  # its RoPE settings go in rope_parameters
+    scaling = config.get("rope_scaling") or {}
+    rp = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if scaling.get("rope_type") == "yarn":
+        log_mul = float(g.get("rope.scaling.yarn_log_mul", 1.0))
+        rp = {**scaling, **rp, "rope_type": "yarn", "mscale": log_mul, "mscale_all_dim": log_mul}
+        beta = g.get("attention.temperature_scale")
+        if beta is not None:
+            rp["llama_4_scaling_beta"] = float(beta)
+    return {"rope_parameters": rp, "rope_scaling": None, "sliding_window": None}
+
+
+def _olmo3(g, config, kv_layers) -> dict:
+    layers = config["num_hidden_layers"]
+    pattern = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
+    if len(pattern) != layers:  # llama.cpp's default: every 4th layer full
+        pattern = [(i + 1) % 4 != 0 for i in range(layers)]
+    return {
+        "sliding_window": int(g.get("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern],
+    }
+
+
+def _nemotron(g, config, kv_layers) -> dict:  # llama.cpp's: squared ReLU, LayerNorm1P
+    return {"hidden_act": "relu2", "norm_eps": float(g.get("attention.layer_norm_epsilon", 1e-5))}
+
+
+def _minicpm(g, config, kv_layers) -> dict:
+    return {
+        "scale_emb": float(g.get("embedding_scale", 1.0)),
+        "scale_depth": float(g.get("residual_scale", 1.0)) * config["num_hidden_layers"] ** 0.5,
+        "dim_model_base": round(config["hidden_size"] / float(g.get("logit_scale", 1.0))),
+    }
+
+
+def _gemma3(g, config, kv_layers) -> dict:
+    big = config["num_hidden_layers"] == 62  # llama.cpp scales the 27B's queries by hidden/heads
+    out = {
+        "sliding_window": int(g.get("attention.sliding_window", 512)),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": float(
+            config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+        ),
+    }
+    if g.get("final_logit_softcapping"):
+        out["final_logit_softcapping"] = float(g.get("final_logit_softcapping"))
+    return out
+
+
+def _short_conv(g, config, kv_layers) -> dict:
+    """LFM2's: its conv layers are the ones without kv heads."""
+    layers = config["num_hidden_layers"]
+    return {
+        "full_attn_idxs": [i for i, n in enumerate(kv_layers or [1] * layers) if n > 0],
+        "conv_L_cache": int(g.get("shortconv.l_cache", 3)),
+        "conv_bias": any(
+            f"blk.{i}.shortconv.{part}.bias" in g.tensors
+            for i in range(layers)
+            for part in ("conv", "in_proj")
+        ),
+        "norm_eps": config["rms_norm_eps"],
+    }
+
+
+def _lfm2(g, config, kv_layers) -> dict:
+    return {
+        **_short_conv(g, config, kv_layers),
+        "block_dim": config["hidden_size"],
+        "block_ff_dim": config["intermediate_size"],  # the written width, as it is
+        "block_auto_adjust_ff_dim": False,
+        "block_multiple_of": 1,
+        "block_ffn_dim_multiplier": 1.0,
+    }
+
+
+def _lfm2_moe(g, config, kv_layers) -> dict:
+    return {
+        **_short_conv(g, config, kv_layers),
+        "num_dense_layers": int(g.get("leading_dense_block_count", 0)),
+        "moe_intermediate_size": int(g.get("expert_feed_forward_length")),
+        "norm_topk_prob": True,
+        "use_expert_bias": any(".exp_probs_b." in n for n in g.tensors),
+    }
+
+
+# model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
+_FAMILY_SETTINGS = {
+    "granite": _granite,
+    "granitemoe": _granite,
+    "granitemoehybrid": _granite_hybrid,
+    "gemma4_text": _gemma4_settings,
+    "qwen3_5_text": lambda g, config, kv_layers: _linear_attention(g),
+    "qwen3_5_moe_text": _qwen3_5_moe,
+    "qwen3_next": _qwen3_5_moe,  # the same keys: a delta-net, a shared expert, renormalised
+    "glm4_moe": _glm4_moe,
+    "gpt_oss": _gpt_oss,
+    "deepseek": _deepseek,
+    "ministral3": _ministral3,
+    "olmo3": _olmo3,
+    "nemotron": _nemotron,
+    "minicpm": _minicpm,
+    "smollm3": lambda g, config, kv_layers: {"no_rope_layer_interval": 4},  # llama.cpp's fixed
+    "gemma3_text": _gemma3,
+    "lfm2": _lfm2,
+    "lfm2_moe": _lfm2_moe,
+}
+
+
+def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:
+    """The settings of the newer families: experts, switches, and each family's own."""
+    own = _FAMILY_SETTINGS.get(config["model_type"])
+    out = {**_experts(g, config), **_switches(g, config)}
+    return {**out, **own(g, config, kv_layers)} if own else out
 
 
 def _rope_settings(g: GGUFModelFile, config: dict) -> dict:

@@ -17,86 +17,108 @@ def model_args(model):
     return getattr(model, "args", None)
 
 
-def refusal(model, config: dict) -> str | None:
-    """What llama.cpp fixes for the architecture that this model does otherwise (None: none).
-    llama.cpp's graphs hard-code some settings per architecture instead of reading them."""
-    mt, args = config["model_type"], model_args(model)
+def _routing(arg, mt: str) -> str | None:
     family = FAMILIES[mt]
-
-    def arg(name, default=None):
-        return getattr(args, name, config.get(name, default))
-
-    if family.norm_topk is not None:
-        norm = arg("norm_topk_prob", True if mt in ("mixtral", "granitemoe") else None)
-        if norm is not None and bool(norm) != family.norm_topk:
-            return (
-                f"llama.cpp's {family.arch} {'re' if family.norm_topk else 'does not re'}"
-                f"normalise the routers' top-k weights; this model's norm_topk_prob is {norm}"
-            )
-        if arg("mlp_only_layers") or arg("decoder_sparse_step", 1) != 1:
-            return f"llama.cpp's {family.arch} puts experts in every layer; this model does not"
-    if mt == "gemma3_text":
-        head_dim = arg("head_dim")
-        checks = (
-            ("sliding_window_pattern", 6),
-            ("rope_local_base_freq", 10000.0),
-            ("query_pre_attn_scalar", head_dim),
+    if family.norm_topk is None:
+        return None
+    norm = arg("norm_topk_prob", True if mt in ("mixtral", "granitemoe") else None)
+    if norm is not None and bool(norm) != family.norm_topk:
+        return (
+            f"llama.cpp's {family.arch} {'re' if family.norm_topk else 'does not re'}"
+            f"normalise the routers' top-k weights; this model's norm_topk_prob is {norm}"
         )
-        for key, fixed in checks:
-            if arg(key) is not None and float(arg(key)) != float(fixed):
-                return f"llama.cpp's gemma3 fixes {key} at {fixed:g}; this model's is {arg(key):g}"
-    if mt == "smollm3":
-        layers = arg("no_rope_layers")
-        every4 = [int((i + 1) % 4 != 0) for i in range(arg("num_hidden_layers"))]
-        if layers is not None and list(layers) != every4:
-            return "llama.cpp's smollm3 leaves RoPE out of every 4th layer; this model does not"
-    if mt == "olmoe" and (arg("num_key_value_heads") or arg("num_attention_heads")) != arg(
-        "num_attention_heads"
-    ):
+    if arg("mlp_only_layers") or arg("decoder_sparse_step", 1) != 1:
+        return f"llama.cpp's {family.arch} puts experts in every layer; this model does not"
+    return None
+
+
+def _unclamped(arg, mt: str) -> str | None:  # llama.cpp's SSM scans take the step as it is
+    if float((arg("time_step_limit") or [0.0])[0]) > 0:
+        return f"llama.cpp's {FAMILIES[mt].arch} does not clamp the SSM step from below; this model does"
+    return None
+
+
+def _gemma3(arg, mt: str) -> str | None:
+    fixed = (
+        ("sliding_window_pattern", 6),
+        ("rope_local_base_freq", 10000.0),
+        ("query_pre_attn_scalar", arg("head_dim")),
+    )
+    for key, value in fixed:
+        if arg(key) is not None and float(arg(key)) != float(value):
+            return f"llama.cpp's gemma3 fixes {key} at {value:g}; this model's is {arg(key):g}"
+    return None
+
+
+def _gemma4(arg, mt: str) -> str | None:
+    full = (arg("rope_parameters") or {}).get("full_attention", {})
+    if arg("enable_moe_block") or arg("attention_k_eq_v"):
+        return "mlxtune writes Gemma 4's dense models to GGUF, not its experts or k = v form"
+    if full.get("rope_type", "proportional") != "proportional":
+        return "llama.cpp's gemma4 rotates full layers proportionally; this model does not"
+    return None
+
+
+def _smollm3(arg, mt: str) -> str | None:
+    every4 = [int((i + 1) % 4 != 0) for i in range(arg("num_hidden_layers"))]
+    layers = arg("no_rope_layers")
+    if layers is not None and list(layers) != every4:
+        return "llama.cpp's smollm3 leaves RoPE out of every 4th layer; this model does not"
+    return None
+
+
+def _olmoe(arg, mt: str) -> str | None:
+    if (arg("num_key_value_heads") or arg("num_attention_heads")) != arg("num_attention_heads"):
         return (
             "llama.cpp's olmoe normalises keys over all heads at once, so it reads models with "
             "as many key/value heads as query heads; this model has fewer"
         )
-    if mt == "ministral3":
-        rp = arg("rope_parameters") or {}
-        if arg("sliding_window") is not None:
-            return (
-                "llama.cpp's mistral3 attends over the whole context; this model's config sets "
-                "a sliding_window"
-            )
-        if rp.get("mscale", rp.get("mscale_all_dim")) != rp.get("mscale_all_dim"):
-            return "llama.cpp's mistral3 reads one yarn mscale; this model's two differ"
-    if mt == "nemotron_h":
-        pattern = _nemotron_h_pattern(args)
-        if set(pattern) - set("M*E"):
-            return (
-                "mlxtune writes Nemotron-H's mixture-of-experts form (Mamba, attention and "
-                "expert layers); this model has dense MLP layers"
-            )
-        if float((arg("time_step_limit") or [0.0])[0]) > 0.0:
-            return "llama.cpp's nemotron_h does not clamp the SSM step from below; this model does"
-    if mt == "nemotron" and arg("hidden_act", "relu2") != "relu2":
+    return None
+
+
+def _ministral3(arg, mt: str) -> str | None:
+    rp = arg("rope_parameters") or {}
+    if arg("sliding_window") is not None:
+        return (
+            "llama.cpp's mistral3 attends over the whole context; this model's config sets a "
+            "sliding_window"
+        )
+    if rp.get("mscale", rp.get("mscale_all_dim")) != rp.get("mscale_all_dim"):
+        return "llama.cpp's mistral3 reads one yarn mscale; this model's two differ"
+    return None
+
+
+def _nemotron_h(arg, mt: str) -> str | None:
+    if set(_pattern(arg("hybrid_override_pattern"))) - set("M*E"):
+        return (
+            "mlxtune writes Nemotron-H's mixture-of-experts form (Mamba, attention and expert "
+            "layers); this model has dense MLP layers"
+        )
+    return _unclamped(arg, mt)
+
+
+def _nemotron(arg, mt: str) -> str | None:
+    if arg("hidden_act", "relu2") != "relu2":
         return (
             f"llama.cpp's nemotron squares a ReLU; this model's activation is {arg('hidden_act')}"
         )
-    if mt in ("mamba2", "granitemoehybrid") and float((arg("time_step_limit") or [0.0])[0]) > 0:
-        return "llama.cpp's mamba2 does not clamp the SSM step from below; this model does"
-    if mt == "gemma4_text":
-        full = (arg("rope_parameters") or {}).get("full_attention", {})
-        if arg("enable_moe_block") or arg("attention_k_eq_v"):
-            return "mlxtune writes Gemma 4's dense models to GGUF, not its experts or k = v form"
-        if full.get("rope_type", "proportional") != "proportional":
-            return "llama.cpp's gemma4 rotates full layers proportionally; this model does not"
-    if mt == "gpt_oss":
-        types = list(arg("layer_types") or [])
-        alternate = [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(types))
-        ]
-        if types != alternate:
-            return (
-                "llama.cpp's gpt-oss slides the window on even layers and attends fully on odd "
-                "ones; this model's layer_types differ"
-            )
+    return None
+
+
+def _gpt_oss(arg, mt: str) -> str | None:
+    types = list(arg("layer_types") or [])
+    alternate = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(types))]
+    if types != alternate:
+        return (
+            "llama.cpp's gpt-oss slides the window on even layers and attends fully on odd ones; "
+            "this model's layer_types differ"
+        )
+    return None
+
+
+def _short_conv(arg, mt: str) -> str | None:
+    if int(arg("conv_L_cache", 0)) < 2:
+        return "llama.cpp's lfm2 needs a short convolution of at least 2 taps"
     if mt == "lfm2_moe" and (
         float(arg("routed_scaling_factor", 1.0)) != 1.0 or not arg("use_expert_bias", True)
     ):
@@ -104,9 +126,36 @@ def refusal(model, config: dict) -> str | None:
             "llama.cpp's lfm2moe mixes experts by their sigmoid weights with the expert bias, "
             "unscaled; this model scales them or has no expert bias"
         )
-    if mt in ("lfm2", "lfm2_moe") and int(arg("conv_L_cache", 0)) < 2:
-        return "llama.cpp's lfm2 needs a short convolution of at least 2 taps"
     return None
+
+
+# model type -> what llama.cpp fixes for its architecture, checked against the model
+_FIXED = {
+    "gemma3_text": _gemma3,
+    "gemma4_text": _gemma4,
+    "smollm3": _smollm3,
+    "olmoe": _olmoe,
+    "ministral3": _ministral3,
+    "nemotron_h": _nemotron_h,
+    "nemotron": _nemotron,
+    "mamba2": _unclamped,
+    "granitemoehybrid": _unclamped,
+    "gpt_oss": _gpt_oss,
+    "lfm2": _short_conv,
+    "lfm2_moe": _short_conv,
+}
+
+
+def refusal(model, config: dict) -> str | None:
+    """What llama.cpp fixes for the architecture that this model does otherwise (None: none).
+    llama.cpp's graphs hard-code some settings per architecture instead of reading them."""
+    mt, args = config["model_type"], model_args(model)
+
+    def arg(name, default=None):
+        return getattr(args, name, config.get(name, default))
+
+    check = _FIXED.get(mt)
+    return _routing(arg, mt) or (check(arg, mt) if check else None)
 
 
 def head_counts(config: dict) -> tuple[int, int, int]:
@@ -118,39 +167,163 @@ def head_counts(config: dict) -> tuple[int, int, int]:
     return n_head, n_kv, head_dim
 
 
-def add_hparams(w, config: dict, model=None):
-    import gguf
-
-    mt, args = config["model_type"], model_args(model)
+def _reader(args, config: dict):
+    """``arg(name, default)``: the built model's setting, else the config's."""
 
     def arg(name, default=None):
         v = getattr(args, name, None)
         return config.get(name, default) if v is None else v
 
-    n_head, n_kv, head_dim = head_counts(config)
-    layers = config["num_hidden_layers"]
+    return arg
+
+
+def _kv_heads(mt: str, arg, n_kv: int, layers: int):
+    """The kv heads: one number, or per layer where some layers have none (a Mamba or
+    short-convolution layer)."""
+    if mt == "granitemoehybrid":
+        return [n_kv if t == "attention" else 0 for t in arg("layer_types")]
+    if mt in ("lfm2", "lfm2_moe"):
+        full = set(arg("full_attn_idxs") or [])
+        return [n_kv if i in full else 0 for i in range(layers)]
+    return n_kv
+
+
+def _add_experts(w, arg, mt: str) -> None:
+    experts = (
+        arg("num_experts")
+        or arg("num_local_experts")
+        or arg("n_routed_experts")
+        or arg("moe_num_experts")
+    )
+    if not experts:
+        return
+    w.add_expert_count(int(experts))
+    w.add_expert_used_count(int(arg("num_experts_per_tok")))
+    if arg("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(int(arg("moe_intermediate_size")))
+    if arg("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(int(arg("shared_expert_intermediate_size")))
+    if arg("n_shared_experts") is not None:  # DeepSeek-style shared experts
+        w.add_expert_shared_count(int(arg("n_shared_experts")))
+    if arg("first_k_dense_replace") is not None:  # and leading dense blocks
+        w.add_leading_dense_block_count(int(arg("first_k_dense_replace")))
+
+
+def _layer_norm_eps(w, arg, mt: str) -> None:
+    """A LayerNorm family's epsilon (StableLM, StarCoder2, Nemotron's norm_eps)."""
+    eps = arg("layer_norm_eps") or arg("norm_epsilon") or arg("layer_norm_epsilon")
+    if mt == "nemotron":
+        eps = arg("norm_eps")
+    if eps is not None:
+        w.add_layer_norm_eps(float(eps))
+
+
+def _sliding(w, arg, config: dict) -> None:
+    """Gemma 2/3's, gpt-oss's and OLMo 3's windows (and the first two's soft caps)."""
+    mt = config["model_type"]
+    if mt == "gemma2":
+        w.add_attn_logit_softcapping(float(arg("attn_logit_softcapping", 50.0)))
+        w.add_final_logit_softcapping(float(arg("final_logit_softcapping", 30.0)))
+        w.add_sliding_window(int(config.get("sliding_window") or 4096))
+        return
+    w.add_sliding_window(int(arg("sliding_window")))
+    if mt == "gpt_oss":
+        w.add_expert_feed_forward_length(int(arg("intermediate_size")))
+    if mt == "olmo3":  # OLMo 2 with a window on the layer_types' sliding layers
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in arg("layer_types")])
+    if mt == "gemma3_text" and arg("final_logit_softcapping"):
+        w.add_final_logit_softcapping(float(arg("final_logit_softcapping")))
+
+
+def _short_conv(w, arg, config: dict) -> None:
+    """LFM2's short-convolution cache; LFM2-MoE's leading dense blocks and sigmoid routing."""
+    import gguf
+
+    w.add_shortconv_l_cache(int(arg("conv_L_cache")))
+    if config["model_type"] == "lfm2_moe":
+        w.add_leading_dense_block_count(int(arg("num_dense_layers")))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _delta_net(w, arg, config: dict) -> None:
+    """Qwen3-Next's and Qwen3.5's gated delta-net layers between every interval-th full one."""
+    w.add_ssm_conv_kernel(int(arg("linear_conv_kernel_dim")))
+    w.add_ssm_state_size(int(arg("linear_key_head_dim")))
+    w.add_ssm_group_count(int(arg("linear_num_key_heads")))
+    w.add_ssm_time_step_rank(int(arg("linear_num_value_heads")))
+    w.add_ssm_inner_size(int(arg("linear_value_head_dim") * arg("linear_num_value_heads")))
+    w.add_full_attention_interval(int(arg("full_attention_interval")))
+    if config["model_type"] != "qwen3_next":  # multimodal RoPE sections (text: any split is one)
+        head_dim = head_counts(config)[2]
+        rp = arg("rope_parameters") or {}
+        rot = int(head_dim * float(arg("partial_rotary_factor") or 1.0)) // 2
+        sections = list(rp.get("mrope_section") or [rot])
+        w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+
+
+def _glm4_moe(w, arg, config: dict) -> None:
+    """Sigmoid routing with a correction bias, grouped, scaled, renormalised."""
+    import gguf
+
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # shared, dense: _add_experts
+    w.add_expert_weights_scale(float(arg("routed_scaling_factor") or 1.0))
+    w.add_expert_weights_norm(bool(arg("norm_topk_prob")))
+    w.add_expert_group_count(int(arg("n_group") or 1))
+    w.add_expert_group_used_count(int(arg("topk_group") or 1))
+    w.add_nextn_predict_layers(0)  # mlx-lm keeps no multi-token-prediction layer
+
+
+def _minicpm(w, arg, config: dict) -> None:
+    """muP-style scales: the embeddings, each residual branch, the logits."""
+    w.add_embedding_scale(float(arg("scale_emb")))
+    w.add_residual_scale(float(arg("scale_depth")) / config["num_hidden_layers"] ** 0.5)
+    w.add_logit_scale(float(arg("hidden_size")) / float(arg("dim_model_base")))
+
+
+def _granite(w, arg, config: dict) -> None:
+    """The four Granite scales, every one written: some llama.cpp builds need all."""
+    w.add_attention_scale(float(arg("attention_multiplier")))
+    w.add_embedding_scale(float(arg("embedding_multiplier")))
+    w.add_residual_scale(float(arg("residual_multiplier")))
+    w.add_logit_scale(float(arg("logits_scaling")))
+
+
+def _granite_hybrid(w, arg, config: dict) -> None:
+    _granite(w, arg, config)
+    _add_granite_hybrid(w, arg)
+
+
+# model type -> the metadata it adds to the common keys
+_EXTRA = {
+    "gemma2": _sliding,
+    "gemma3_text": _sliding,
+    "gpt_oss": _sliding,
+    "olmo3": _sliding,
+    "lfm2": _short_conv,
+    "lfm2_moe": _short_conv,
+    "qwen3_next": _delta_net,
+    "qwen3_5_text": _delta_net,
+    "qwen3_5_moe_text": _delta_net,
+    "glm4_moe": _glm4_moe,
+    "minicpm": _minicpm,
+    "granite": _granite,
+    "granitemoe": _granite,
+    "granitemoehybrid": _granite_hybrid,
+}
+
+
+def add_hparams(w, config: dict, model=None):
+    """The model's metadata as llama.cpp's loader for its architecture reads it."""
+    mt, args = config["model_type"], model_args(model)
+    arg = _reader(args, config)
     if mt == "mamba2":
         return _add_mamba2(w, args)
     if FAMILIES[mt].arch == "deepseek2":
         return _add_mla(w, args)
     if mt == "nemotron_h":
         return _add_nemotron_h(w, args)
-    if mt == "granitemoehybrid":
-        _add_granite_hybrid(w, args)
-    if mt == "gemma2":
-        w.add_attn_logit_softcapping(float(arg("attn_logit_softcapping", 50.0)))
-        w.add_final_logit_softcapping(float(arg("final_logit_softcapping", 30.0)))
-        w.add_sliding_window(int(config.get("sliding_window") or 4096))
-    if mt == "gpt_oss":
-        w.add_sliding_window(int(arg("sliding_window")))
-        w.add_expert_feed_forward_length(int(arg("intermediate_size")))
-    if mt == "olmo3":  # OLMo 3: OLMo 2 with a window on the layer_types' sliding layers
-        w.add_sliding_window(int(arg("sliding_window")))
-        w.add_sliding_window_pattern([t == "sliding_attention" for t in arg("layer_types")])
-    if mt == "gemma3_text":
-        w.add_sliding_window(int(arg("sliding_window")))
-        if arg("final_logit_softcapping"):
-            w.add_final_logit_softcapping(float(arg("final_logit_softcapping")))
+    n_head, n_kv, head_dim = head_counts(config)
+    layers = config["num_hidden_layers"]
     w.add_context_length(int(config.get("max_position_embeddings") or 2048))
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(layers)
@@ -160,77 +333,18 @@ def add_hparams(w, config: dict, model=None):
     if mt == "gemma4_text":
         return _add_gemma4(w, args)
     w.add_feed_forward_length(_ffn_width(model, config))
-    if mt == "granitemoehybrid":  # a layer with no kv heads is a Mamba layer
-        types = arg("layer_types")
-        w.add_head_count_kv([n_kv if t == "attention" else 0 for t in types])
-    elif mt in ("lfm2", "lfm2_moe"):  # a layer with no kv heads is a short-convolution layer
-        full = set(arg("full_attn_idxs") or [])
-        w.add_head_count_kv([n_kv if i in full else 0 for i in range(layers)])
-        w.add_shortconv_l_cache(int(arg("conv_L_cache")))
-        if mt == "lfm2_moe":
-            w.add_leading_dense_block_count(int(arg("num_dense_layers")))
-            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    else:
-        w.add_head_count_kv(n_kv)
+    w.add_head_count_kv(_kv_heads(mt, arg, n_kv, layers))
     w.add_rope_dimension_count(int(head_dim * float(arg("partial_rotary_factor") or 1.0)))
     theta = getattr(args, "rope_theta", None)  # as the model was built (config normalised)
     w.add_rope_freq_base(float(theta) if theta is not None else rope_base(config))
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    experts = (
-        arg("num_experts")
-        or arg("num_local_experts")
-        or arg("n_routed_experts")
-        or arg("moe_num_experts")
-    )
-    if experts:
-        w.add_expert_count(int(experts))
-        w.add_expert_used_count(int(arg("num_experts_per_tok")))
-        if arg("moe_intermediate_size"):
-            w.add_expert_feed_forward_length(int(arg("moe_intermediate_size")))
-        if arg("shared_expert_intermediate_size"):
-            w.add_expert_shared_feed_forward_length(int(arg("shared_expert_intermediate_size")))
-    if mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):  # gated delta-net layers
-        w.add_ssm_conv_kernel(int(arg("linear_conv_kernel_dim")))
-        w.add_ssm_state_size(int(arg("linear_key_head_dim")))
-        w.add_ssm_group_count(int(arg("linear_num_key_heads")))
-        w.add_ssm_time_step_rank(int(arg("linear_num_value_heads")))
-        w.add_ssm_inner_size(int(arg("linear_value_head_dim") * arg("linear_num_value_heads")))
-        w.add_full_attention_interval(int(arg("full_attention_interval")))
-        if mt != "qwen3_next":  # multimodal RoPE sections (text positions: any split is one)
-            rp = arg("rope_parameters") or {}
-            rot = int(head_dim * float(arg("partial_rotary_factor") or 1.0)) // 2
-            sections = list(rp.get("mrope_section") or [rot])
-            w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
-    eps = arg("layer_norm_eps") or arg("norm_epsilon") or arg("layer_norm_epsilon")
-    if mt == "nemotron":  # its LayerNorm epsilon goes by norm_eps
-        eps = arg("norm_eps")
-    if eps is not None:  # a LayerNorm family (StableLM, StarCoder2, Nemotron)
-        w.add_layer_norm_eps(float(eps))
-    if experts and mt != "glm4_moe":  # DeepSeek-style shared experts and leading dense blocks
-        if arg("n_shared_experts") is not None:
-            w.add_expert_shared_count(int(arg("n_shared_experts")))
-        if arg("first_k_dense_replace") is not None:
-            w.add_leading_dense_block_count(int(arg("first_k_dense_replace")))
-    if mt == "glm4_moe":  # sigmoid routing with a correction bias, grouped, scaled, renormed
-        w.add_expert_shared_count(int(arg("n_shared_experts") or 0))
-        w.add_leading_dense_block_count(int(arg("first_k_dense_replace") or 0))
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        w.add_expert_weights_scale(float(arg("routed_scaling_factor") or 1.0))
-        w.add_expert_weights_norm(bool(arg("norm_topk_prob")))
-        w.add_expert_group_count(int(arg("n_group") or 1))
-        w.add_expert_group_used_count(int(arg("topk_group") or 1))
-        w.add_nextn_predict_layers(0)  # mlx-lm keeps no multi-token-prediction layer
-    if mt == "minicpm":  # muP-style scales: embeddings, each residual branch, the logits
-        w.add_embedding_scale(float(arg("scale_emb")))
-        w.add_residual_scale(float(arg("scale_depth")) / layers**0.5)
-        w.add_logit_scale(float(arg("hidden_size")) / float(arg("dim_model_base")))
-    if mt in ("granite", "granitemoe", "granitemoehybrid"):  # every one: some builds need all
-        w.add_attention_scale(float(arg("attention_multiplier")))
-        w.add_embedding_scale(float(arg("embedding_multiplier")))
-        w.add_residual_scale(float(arg("residual_multiplier")))
-        w.add_logit_scale(float(arg("logits_scaling")))
+    _add_experts(w, arg, mt)
+    _layer_norm_eps(w, arg, mt)
+    extra = _EXTRA.get(mt)
+    if extra is not None:
+        extra(w, arg, config)
 
 
 def _add_mla(w, args) -> None:
@@ -272,9 +386,9 @@ def _add_mla(w, args) -> None:
     w.add_expert_group_used_count(int(getattr(args, "topk_group", None) or 1))
 
 
-def _nemotron_h_pattern(args) -> str:
-    pattern = args.hybrid_override_pattern
-    return pattern if isinstance(pattern, str) else "".join(pattern)
+def _pattern(value) -> str:
+    """Nemotron-H's layer pattern as one string (configs give a string or a list)."""
+    return value if isinstance(value, str) else "".join(value)
 
 
 def _add_nemotron_h(w, args) -> None:
@@ -282,7 +396,7 @@ def _add_nemotron_h(w, args) -> None:
     without RoPE (*) and expert layers (E), each kind's widths in per-layer arrays."""
     import gguf
 
-    pattern = _nemotron_h_pattern(args)
+    pattern = _pattern(args.hybrid_override_pattern)
     layers = len(pattern)
     w.add_context_length(int(args.max_position_embeddings))
     w.add_embedding_length(int(args.hidden_size))
@@ -313,17 +427,17 @@ def _add_nemotron_h(w, args) -> None:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
-def _add_granite_hybrid(w, args) -> None:
+def _add_granite_hybrid(w, arg) -> None:
     """Granite 4's hybrids as llama.cpp's granitehybrid reads them: Mamba 2 layers beside the
     attention layers (kv heads per layer, 0 for Mamba), RoPE only where the model uses it."""
-    w.add_ssm_conv_kernel(int(args.mamba_d_conv))
-    w.add_ssm_state_size(int(args.mamba_d_state))
-    w.add_ssm_group_count(int(args.mamba_n_groups))
-    w.add_ssm_inner_size(int(args.mamba_n_heads * args.mamba_d_head))
-    w.add_ssm_time_step_rank(int(args.mamba_n_heads))
-    w.add_rope_scaling_finetuned(getattr(args, "position_embedding_type", "rope") == "rope")
-    if args.shared_intermediate_size:
-        w.add_expert_shared_feed_forward_length(int(args.shared_intermediate_size))
+    w.add_ssm_conv_kernel(int(arg("mamba_d_conv")))
+    w.add_ssm_state_size(int(arg("mamba_d_state")))
+    w.add_ssm_group_count(int(arg("mamba_n_groups")))
+    w.add_ssm_inner_size(int(arg("mamba_n_heads") * arg("mamba_d_head")))
+    w.add_ssm_time_step_rank(int(arg("mamba_n_heads")))
+    w.add_rope_scaling_finetuned(arg("position_embedding_type", "rope") == "rope")
+    if arg("shared_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(int(arg("shared_intermediate_size")))
 
 
 def _add_mamba2(w, args) -> None:
