@@ -10,8 +10,9 @@ from ..errors import UserInputError
 from ..models.common import family_classes, hf_architecture
 from ..models.configs import args_fields
 from .names import FAMILIES as NAMED
-from .rope import llama3_settings
+from .rope import rope_settings
 from .tensors import dequantized
+from .whole import mamba2_config, mla_config, nemotron_h_config
 
 if TYPE_CHECKING:
     from .load import GGUFModelFile
@@ -25,9 +26,17 @@ _SHARED = ("mistral", "mixtral", "glm4_moe_lite", "kimi_k2", "olmo3")
 FAMILIES = {f.arch: mt for mt, f in NAMED.items() if mt not in _SHARED}
 
 
-def gguf_config(g: GGUFModelFile) -> dict:
-    """The Hugging Face config of a GGUF model, from its metadata (UserInputError when the
-    family or one of its settings is not one mlxtune reads)."""
+# architectures whose config is built whole (no common attention keys to read)
+_WHOLE = {
+    "mamba2": mamba2_config,
+    "deepseek2": mla_config,
+    "nemotron_h_moe": nemotron_h_config,
+}
+# models with per-layer kv heads (0: a Mamba or short-convolution layer; Gemma 4: per kind)
+_KV_PER_LAYER = ("lfm2", "lfm2_moe", "gemma4_text", "granitemoehybrid")
+
+
+def _model_type(g: GGUFModelFile) -> str:
     arch, where = g.arch, str(g.path)
     if g.fields.get("general.type", "model") != "model":
         raise UserInputError(
@@ -39,37 +48,56 @@ def gguf_config(g: GGUFModelFile) -> dict:
             f"{', '.join(sorted(FAMILIES))}",
             where,
         )
-
-    def need(key):
-        v = g.get(key)
-        if v is None:
-            raise UserInputError(f"the metadata has no {arch}.{key}", where)
-        return v
-
-    if arch == "mamba2":
-        return _mamba2_config(g, need)
-    if arch == "deepseek2":
-        return _mla_config(g, need)
-    if arch == "nemotron_h_moe":
-        return _nemotron_h_config(g, need)
-    model_type = FAMILIES[arch]
     if arch == "llama" and g.get("expert_count"):
-        model_type = "mixtral"
+        return "mixtral"
     if arch == "olmo2" and g.get("attention.sliding_window"):  # OLMo 3: OLMo 2 with windows
-        model_type = "olmo3"
+        return "olmo3"
+    return FAMILIES[arch]
+
+
+def _special_ids(g: GGUFModelFile) -> dict:
+    out = {}
+    for key, meta in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
+        v = g.fields.get(f"tokenizer.ggml.{meta}")
+        if isinstance(v, int):
+            out[key] = v
+    return out
+
+
+def _heads(g: GGUFModelFile, model_type: str, need) -> tuple[int, int, list | None]:
+    """(query heads, kv heads, the kv heads per layer where they differ between layers)."""
     n_head = need("attention.head_count")
     n_kv = g.get("attention.head_count_kv", n_head)
     kv_layers = None
-    if model_type in ("lfm2", "lfm2_moe", "gemma4_text", "granitemoehybrid") and not isinstance(
-        n_kv, int
-    ):
-        kv_layers = [int(n) for n in n_kv]  # lfm2: 0 kv heads is a short-conv layer
+    if model_type in _KV_PER_LAYER and not isinstance(n_kv, int):
+        kv_layers = [int(n) for n in n_kv]
         n_kv = max(kv_layers)
     for name, v in (("attention.head_count", n_head), ("attention.head_count_kv", n_kv)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise UserInputError(
-                f"{arch}.{name} differs between layers; mlxtune reads one value", where
+                f"{g.arch}.{name} differs between layers; mlxtune reads one value", str(g.path)
             )
+    return n_head, n_kv, kv_layers
+
+
+def gguf_config(g: GGUFModelFile) -> dict:
+    """The Hugging Face config of a GGUF model, from its metadata (UserInputError when the
+    family or one of its settings is not one mlxtune reads)."""
+    model_type, where = _model_type(g), str(g.path)
+
+    def need(key):
+        v = g.get(key)
+        if v is None:
+            raise UserInputError(f"the metadata has no {g.arch}.{key}", where)
+        return v
+
+    if g.arch in _WHOLE:
+        return {**_WHOLE[g.arch](g, need), **_special_ids(g)}
+    n_head, n_kv, kv_layers = _heads(g, model_type, need)
     hidden = need("embedding_length")
     head_dim = g.get("attention.key_length") or hidden // n_head
     if g.get("attention.value_length", head_dim) != head_dim:
@@ -93,16 +121,9 @@ def gguf_config(g: GGUFModelFile) -> dict:
         "max_position_embeddings": int(g.get("context_length", 2048)),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in g.tensors,
+        **_special_ids(g),
     }
-    for key, meta in (
-        ("bos_token_id", "bos_token_id"),
-        ("eos_token_id", "eos_token_id"),
-        ("pad_token_id", "padding_token_id"),
-    ):
-        v = g.fields.get(f"tokenizer.ggml.{meta}")
-        if isinstance(v, int):
-            config[key] = v
-    config.update(_rope_settings(g, config))
+    config.update(rope_settings(g, config, _fields(config)))
     if model_type == "gemma2":
         config.update(_gemma2_settings(g, config))
     config.update(_family_settings(g, config, kv_layers))
@@ -165,134 +186,6 @@ def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
 
 # a text model mlx-lm builds only inside its multimodal wrapper -> the wrapper's model_type
 WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
-
-
-def _nemotron_h_config(g: GGUFModelFile, need) -> dict:
-    """Nemotron-H's config from what llama.cpp's nemotron_h_moe reads: its layer pattern from
-    the per-layer kv heads (attention) and FFN widths (experts), Mamba 2 elsewhere."""
-    kv = [int(x) for x in need("attention.head_count_kv")]
-    ff = [int(x) for x in need("feed_forward_length")]
-    pattern = "".join("*" if k else "E" if f else "M" for k, f in zip(kv, ff, strict=True))
-    inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
-    has = g.tensors.__contains__
-    return {
-        "model_type": "nemotron_h",
-        "architectures": [hf_architecture("nemotron_h")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
-        "hidden_size": int(need("embedding_length")),
-        "num_hidden_layers": len(pattern),
-        "hybrid_override_pattern": pattern,
-        "intermediate_size": max(ff),
-        "max_position_embeddings": int(g.get("context_length", 2048)),
-        "num_attention_heads": int(need("attention.head_count")),
-        "num_key_value_heads": max(kv),
-        "head_dim": int(need("attention.key_length")),
-        "attention_bias": any(has(f"blk.{i}.attn_q.bias") for i in range(len(pattern))),
-        "mamba_num_heads": heads,
-        "mamba_head_dim": inner // heads,
-        "mamba_proj_bias": has("blk.0.ssm_in.bias"),
-        "ssm_state_size": int(need("ssm.state_size")),
-        "conv_kernel": int(need("ssm.conv_kernel")),
-        "n_groups": int(g.get("ssm.group_count", 1)),
-        "mlp_bias": False,
-        "use_bias": False,
-        "use_conv_bias": has("blk.0.ssm_conv1d.bias"),
-        "layer_norm_epsilon": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "n_routed_experts": int(need("expert_count")),
-        "num_experts_per_tok": int(need("expert_used_count")),
-        "moe_intermediate_size": int(need("expert_feed_forward_length")),
-        "moe_shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length", 0)),
-        "n_shared_experts": int(g.get("expert_shared_count", 0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", True)),
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
-        "time_step_limit": [0.0, float("inf")],
-        "tie_word_embeddings": "output.weight" not in g.tensors,
-    }
-
-
-def _mla_config(g: GGUFModelFile, need) -> dict:
-    """DeepSeek-V3's config from what llama.cpp's deepseek2 reads (see the export)."""
-    rope = int(need("rope.dimension_count"))
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
-    heads = int(need("attention.head_count"))
-    gating = int(g.get("expert_gating_func", 1))
-    config = {
-        "model_type": "deepseek_v3",
-        "architectures": [hf_architecture("deepseek_v3")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
-        "hidden_size": int(need("embedding_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "intermediate_size": int(need("feed_forward_length")),
-        "moe_intermediate_size": int(need("expert_feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "n_routed_experts": int(need("expert_count")),
-        "num_experts_per_tok": int(need("expert_used_count")),
-        "n_shared_experts": int(g.get("expert_shared_count", 0)) or None,
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
-        "scoring_func": "sigmoid" if gating == 2 else "softmax",
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
-        "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
-        "kv_lora_rank": int(need("attention.kv_lora_rank")),
-        "q_lora_rank": g.get("attention.q_lora_rank"),
-        "qk_rope_head_dim": rope,
-        "qk_nope_head_dim": int(need("attention.key_length_mla")) - rope,
-        "v_head_dim": int(need("attention.value_length_mla")),
-        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(g.get("context_length", 2048)),
-        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
-        "tie_word_embeddings": "output.weight" not in g.tensors,
-    }
-    if g.get("rope.scaling.type") == "yarn":
-        log_mul = float(g.get("rope.scaling.yarn_log_mul", 0.0)) / 0.1
-        config["rope_scaling"] = {
-            "type": "yarn",
-            "factor": float(need("rope.scaling.factor")),
-            "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
-            "beta_fast": float(g.get("rope.scaling.yarn_beta_fast", 32.0)),
-            "beta_slow": float(g.get("rope.scaling.yarn_beta_slow", 1.0)),
-            "mscale": log_mul,
-            "mscale_all_dim": log_mul,
-        }
-    return config
-
-
-def _mamba2_config(g: GGUFModelFile, need) -> dict:
-    """Mamba 2's config from what llama.cpp's mamba2 reads (no attention, no MLP)."""
-    inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
-    return {
-        "model_type": "mamba2",
-        "architectures": [hf_architecture("mamba2")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
-        "hidden_size": int(need("embedding_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "intermediate_size": inner,
-        "num_heads": heads,
-        "head_dim": inner // heads,
-        "state_size": int(need("ssm.state_size")),
-        "conv_kernel": int(need("ssm.conv_kernel")),
-        "n_groups": int(g.get("ssm.group_count", 1)),
-        "layer_norm_epsilon": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "use_bias": "blk.0.ssm_in.bias" in g.tensors,
-        "use_conv_bias": "blk.0.ssm_conv1d.bias" in g.tensors,
-        "tie_word_embeddings": "output.weight" not in g.tensors,
-        "time_step_limit": [0.0, float("inf")],
-        "time_step_rank": heads,
-        "max_position_embeddings": int(g.get("context_length", 2048)),
-    }
 
 
 def _fields(config: dict) -> set[str]:
@@ -570,78 +463,6 @@ def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
     own = _FAMILY_SETTINGS.get(config["model_type"])
     out = {**_experts(g, config), **_switches(g, config)}
     return {**out, **own(g, config, kv_layers)} if own else out
-
-
-def _rope_settings(g: GGUFModelFile, config: dict) -> dict:
-    """Partial rotary (phi3) and linear rope scaling; what mlxtune cannot read is refused."""
-    where, head_dim, out = str(g.path), config["head_dim"], {}
-    rope_dims = g.get("rope.dimension_count", head_dim)
-    if config["model_type"] == "phi3":
-        out["partial_rotary_factor"] = rope_dims / head_dim
-        out["original_max_position_embeddings"] = int(
-            g.get("rope.scaling.original_context_length") or config["max_position_embeddings"]
-        )
-        if "rope_factors_long.weight" in g.tensors:
-            raise UserInputError(
-                "this phi3 model uses long-context rope factors (LongRoPE), which mlxtune "
-                "does not read from GGUF yet",
-                where,
-            )
-    elif config["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text"):
-        sections = [int(x) for x in g.get("rope.dimension_sections", [])][:3]
-        out["rope_parameters"] = {
-            "rope_type": "default",
-            "rope_theta": config["rope_theta"],
-            "partial_rotary_factor": rope_dims / head_dim,
-            "mrope_section": sections or [rope_dims // 2, 0, 0],
-        }
-    elif rope_dims != head_dim and "partial_rotary_factor" in _fields(config):
-        out["partial_rotary_factor"] = rope_dims / head_dim
-    elif rope_dims != head_dim:
-        raise UserInputError(
-            f"{g.arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}, and "
-            f"mlx-lm's {config['model_type']} rotates whole heads",
-            where,
-        )
-    scaling = g.get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        factor = g.get("rope.scaling.factor")
-        original = g.get("rope.scaling.original_context_length")
-        if scaling == "linear" and factor is not None:
-            out["rope_scaling"] = {"type": "linear", "factor": float(factor)}
-        elif scaling == "yarn" and factor is not None and original is not None:
-            out["rope_scaling"] = {
-                "rope_type": "yarn",
-                "factor": float(factor),
-                "original_max_position_embeddings": int(original),
-                "beta_fast": float(g.get("rope.scaling.yarn_beta_fast", 32.0)),
-                "beta_slow": float(g.get("rope.scaling.yarn_beta_slow", 1.0)),
-            }
-            for key in ("yarn_ext_factor", "yarn_attn_factor"):
-                if g.get(f"rope.scaling.{key}") not in (None, 1.0):
-                    raise UserInputError(
-                        f"{g.arch}.rope.scaling.{key} is not 1, which mlx-lm's yarn cannot run",
-                        where,
-                    )
-        else:
-            raise UserInputError(
-                f"rope scaling {scaling!r} is not read from GGUF (linear with a factor, and yarn "
-                "with its original context, are)",
-                where,
-            )
-    if "rope_freqs.weight" in g.tensors and config["model_type"] != "gemma4_text":
-        settings = None
-        if config["model_type"] == "llama" and scaling in (None, "none"):
-            factors = dequantized(g.tensors["rope_freqs.weight"])
-            settings = llama3_settings(factors, config["rope_theta"], head_dim)
-        if settings is None:
-            raise UserInputError(
-                "this model scales its rope frequencies per dimension (rope_freqs) in a way "
-                "that is not Llama 3's, which mlxtune does not read",
-                where,
-            )
-        out["rope_scaling"] = settings
-    return out
 
 
 def _gemma2_settings(g: GGUFModelFile, config: dict) -> dict:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import UserInputError
+from .tensors import dequantized
+
 # mlx-lm's (and transformers') defaults for the settings a config may leave out
 _DEFAULTS = {
     "factor": 8.0,
@@ -78,4 +81,77 @@ def llama3_settings(factors: np.ndarray, base: float, head_dim: int) -> dict | N
     return settings if np.allclose(again, f, rtol=1e-4, atol=1e-6) else None
 
 
-__all__ = ["llama3_rope_factors", "llama3_settings"]
+def rope_settings(g, config: dict, fields: set) -> dict:
+    """A GGUF file's RoPE settings in the config keys the family reads (``fields``): partial
+    rotation, linear, yarn and Llama 3 scaling; what mlxtune cannot read is refused."""
+    where, head_dim, out = str(g.path), config["head_dim"], {}
+    rope_dims = g.get("rope.dimension_count", head_dim)
+    if config["model_type"] == "phi3":
+        out["partial_rotary_factor"] = rope_dims / head_dim
+        out["original_max_position_embeddings"] = int(
+            g.get("rope.scaling.original_context_length") or config["max_position_embeddings"]
+        )
+        if "rope_factors_long.weight" in g.tensors:
+            raise UserInputError(
+                "this phi3 model uses long-context rope factors (LongRoPE), which mlxtune "
+                "does not read from GGUF yet",
+                where,
+            )
+    elif config["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text"):
+        sections = [int(x) for x in g.get("rope.dimension_sections", [])][:3]
+        out["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": config["rope_theta"],
+            "partial_rotary_factor": rope_dims / head_dim,
+            "mrope_section": sections or [rope_dims // 2, 0, 0],
+        }
+    elif rope_dims != head_dim and "partial_rotary_factor" in fields:
+        out["partial_rotary_factor"] = rope_dims / head_dim
+    elif rope_dims != head_dim:
+        raise UserInputError(
+            f"{g.arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}, and "
+            f"mlx-lm's {config['model_type']} rotates whole heads",
+            where,
+        )
+    scaling = g.get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        factor = g.get("rope.scaling.factor")
+        original = g.get("rope.scaling.original_context_length")
+        if scaling == "linear" and factor is not None:
+            out["rope_scaling"] = {"type": "linear", "factor": float(factor)}
+        elif scaling == "yarn" and factor is not None and original is not None:
+            out["rope_scaling"] = {
+                "rope_type": "yarn",
+                "factor": float(factor),
+                "original_max_position_embeddings": int(original),
+                "beta_fast": float(g.get("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(g.get("rope.scaling.yarn_beta_slow", 1.0)),
+            }
+            for key in ("yarn_ext_factor", "yarn_attn_factor"):
+                if g.get(f"rope.scaling.{key}") not in (None, 1.0):
+                    raise UserInputError(
+                        f"{g.arch}.rope.scaling.{key} is not 1, which mlx-lm's yarn cannot run",
+                        where,
+                    )
+        else:
+            raise UserInputError(
+                f"rope scaling {scaling!r} is not read from GGUF (linear with a factor, and yarn "
+                "with its original context, are)",
+                where,
+            )
+    if "rope_freqs.weight" in g.tensors and config["model_type"] != "gemma4_text":
+        settings = None
+        if config["model_type"] == "llama" and scaling in (None, "none"):
+            factors = dequantized(g.tensors["rope_freqs.weight"])
+            settings = llama3_settings(factors, config["rope_theta"], head_dim)
+        if settings is None:
+            raise UserInputError(
+                "this model scales its rope frequencies per dimension (rope_freqs) in a way "
+                "that is not Llama 3's, which mlxtune does not read",
+                where,
+            )
+        out["rope_scaling"] = settings
+    return out
+
+
+__all__ = ["llama3_rope_factors", "llama3_settings", "rope_settings"]

@@ -1,0 +1,141 @@
+"""Configs of the architectures read back whole from their GGUF metadata, without the common
+attention keys: Mamba 2 (no attention), DeepSeek-V3's multi-head latent attention (one latent
+kv head), Nemotron-H (its layer pattern read off the per-layer kv heads and widths)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import UserInputError
+from ..models.common import hf_architecture
+
+if TYPE_CHECKING:
+    from .load import GGUFModelFile
+
+
+def nemotron_h_config(g: GGUFModelFile, need) -> dict:
+    """Nemotron-H's config from what llama.cpp's nemotron_h_moe reads: its layer pattern from
+    the per-layer kv heads (attention) and FFN widths (experts), Mamba 2 elsewhere."""
+    kv = [int(x) for x in need("attention.head_count_kv")]
+    ff = [int(x) for x in need("feed_forward_length")]
+    pattern = "".join("*" if k else "E" if f else "M" for k, f in zip(kv, ff, strict=True))
+    inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    has = g.tensors.__contains__
+    return {
+        "model_type": "nemotron_h",
+        "architectures": [hf_architecture("nemotron_h")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": len(pattern),
+        "hybrid_override_pattern": pattern,
+        "intermediate_size": max(ff),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "num_attention_heads": int(need("attention.head_count")),
+        "num_key_value_heads": max(kv),
+        "head_dim": int(need("attention.key_length")),
+        "attention_bias": any(has(f"blk.{i}.attn_q.bias") for i in range(len(pattern))),
+        "mamba_num_heads": heads,
+        "mamba_head_dim": inner // heads,
+        "mamba_proj_bias": has("blk.0.ssm_in.bias"),
+        "ssm_state_size": int(need("ssm.state_size")),
+        "conv_kernel": int(need("ssm.conv_kernel")),
+        "n_groups": int(g.get("ssm.group_count", 1)),
+        "mlp_bias": False,
+        "use_bias": False,
+        "use_conv_bias": has("blk.0.ssm_conv1d.bias"),
+        "layer_norm_epsilon": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "n_routed_experts": int(need("expert_count")),
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "moe_shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length", 0)),
+        "n_shared_experts": int(g.get("expert_shared_count", 0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", True)),
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "time_step_limit": [0.0, float("inf")],
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+
+
+def mla_config(g: GGUFModelFile, need) -> dict:
+    """DeepSeek-V3's config from what llama.cpp's deepseek2 reads (see the export)."""
+    rope = int(need("rope.dimension_count"))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    heads = int(need("attention.head_count"))
+    gating = int(g.get("expert_gating_func", 1))
+    config = {
+        "model_type": "deepseek_v3",
+        "architectures": [hf_architecture("deepseek_v3")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "n_routed_experts": int(need("expert_count")),
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "n_shared_experts": int(g.get("expert_shared_count", 0)) or None,
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
+        "scoring_func": "sigmoid" if gating == 2 else "softmax",
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
+        "kv_lora_rank": int(need("attention.kv_lora_rank")),
+        "q_lora_rank": g.get("attention.q_lora_rank"),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(need("attention.key_length_mla")) - rope,
+        "v_head_dim": int(need("attention.value_length_mla")),
+        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+    if g.get("rope.scaling.type") == "yarn":
+        log_mul = float(g.get("rope.scaling.yarn_log_mul", 0.0)) / 0.1
+        config["rope_scaling"] = {
+            "type": "yarn",
+            "factor": float(need("rope.scaling.factor")),
+            "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
+            "beta_fast": float(g.get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(g.get("rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": log_mul,
+            "mscale_all_dim": log_mul,
+        }
+    return config
+
+
+def mamba2_config(g: GGUFModelFile, need) -> dict:
+    """Mamba 2's config from what llama.cpp's mamba2 reads (no attention, no MLP)."""
+    inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    return {
+        "model_type": "mamba2",
+        "architectures": [hf_architecture("mamba2")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": inner,
+        "num_heads": heads,
+        "head_dim": inner // heads,
+        "state_size": int(need("ssm.state_size")),
+        "conv_kernel": int(need("ssm.conv_kernel")),
+        "n_groups": int(g.get("ssm.group_count", 1)),
+        "layer_norm_epsilon": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "use_bias": "blk.0.ssm_in.bias" in g.tensors,
+        "use_conv_bias": "blk.0.ssm_conv1d.bias" in g.tensors,
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "time_step_limit": [0.0, float("inf")],
+        "time_step_rank": heads,
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+    }
