@@ -65,6 +65,7 @@ FAMILIES = {
     "kimi_k25": {},
     "nemotron_h": {"time_step_limit": [0.0, float("inf")]},
     "granitemoehybrid": {"time_step_limit": [0.0, float("inf")]},
+    "cohere2": {"num_hidden_layers": 4, "sliding_window_pattern": 4},
 }
 # families whose file reads back as another model type of the same architecture
 READS_AS = {

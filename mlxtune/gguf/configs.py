@@ -435,8 +435,19 @@ def _lfm2_moe(g, config, kv_layers) -> dict:
     }
 
 
+def _cohere2(g, config, kv_layers) -> dict:
+    sliding = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
+    period = next((i + 1 for i, s in enumerate(sliding) if not s), len(sliding) + 1)
+    return {
+        "sliding_window": int(g.get("attention.sliding_window")),
+        "sliding_window_pattern": period,
+        "logit_scale": float(g.get("logit_scale", 1.0)),
+    }
+
+
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "cohere2": _cohere2,
     "granite": _granite,
     "granitemoe": _granite,
     "granitemoehybrid": _granite_hybrid,

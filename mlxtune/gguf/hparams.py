@@ -293,8 +293,18 @@ def _granite_hybrid(w, arg, config: dict) -> None:
     _add_granite_hybrid(w, arg)
 
 
+def _cohere2(w, arg, config: dict) -> None:
+    """Command R7B / A: sliding layers (roped) beside every pattern-th full one (unroped), a
+    logit scale."""
+    layers, period = config["num_hidden_layers"], int(arg("sliding_window_pattern"))
+    w.add_sliding_window(int(arg("sliding_window")))
+    w.add_sliding_window_pattern([(i + 1) % period != 0 for i in range(layers)])
+    w.add_logit_scale(float(arg("logit_scale")))
+
+
 # model type -> the metadata it adds to the common keys
 _EXTRA = {
+    "cohere2": _cohere2,
     "gemma2": _sliding,
     "gemma3_text": _sliding,
     "gpt_oss": _sliding,

@@ -66,6 +66,7 @@ FAMILIES = {
     "olmo3": Family("olmo2"),
     "nemotron_h": Family("nemotron_h_moe", norm_topk=True),
     "granitemoehybrid": Family("granitehybrid", permuted=True, norm_topk=True),
+    "cohere2": Family("cohere2"),
 }
 # Granite's shared MLP holds gate and up in one matrix; llama.cpp holds two (split on export)
 SHARED_GATE_UP = "ffn_gate_up_shexp"
