@@ -66,9 +66,11 @@ FAMILIES = {
     "nemotron_h": {"time_step_limit": [0.0, float("inf")]},
     "granitemoehybrid": {"time_step_limit": [0.0, float("inf")]},
     "cohere2": {"num_hidden_layers": 4, "sliding_window_pattern": 4},
+    "qwen2_vl": {},
 }
 # families whose file reads back as another model type of the same architecture
 READS_AS = {
+    "qwen2_vl": "qwen2",
     "glm4_moe_lite": "deepseek_v3",
     "kimi_k25": "deepseek_v3",
     "lfm2-vl": "lfm2",

@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 
 # GGUF architecture -> model_type; model types that share an architecture with another and read back as it: mistral as llama,
 # mixtral as a "llama" file with experts (below), GLM-4.7-Flash's "deepseek2" as DeepSeek-V3
-_SHARED = ("mistral", "mixtral", "glm4_moe_lite", "kimi_k2", "olmo3")
+_SHARED = ("mistral", "mixtral", "glm4_moe_lite", "kimi_k2", "olmo3", "qwen2_vl_text")
 
 
 FAMILIES = {f.arch: mt for mt, f in NAMED.items() if mt not in _SHARED}
+FAMILIES["qwen2vl"] = "qwen2"  # Qwen2-VL's language model is mlx-lm's qwen2 (text: one rotation)
 
 
 # architectures whose config is built whole (no common attention keys to read)

@@ -302,8 +302,18 @@ def _cohere2(w, arg, config: dict) -> None:
     w.add_logit_scale(float(arg("logit_scale")))
 
 
+def _mrope(w, arg, config: dict) -> None:
+    """Qwen2-VL's multimodal RoPE sections (a text position is the same on every axis, so any
+    split rotates alike)."""
+    head_dim = head_counts(config)[2]
+    scaling = arg("rope_scaling") or {}
+    sections = list(scaling.get("mrope_section") or [head_dim // 2])
+    w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+
+
 # model type -> the metadata it adds to the common keys
 _EXTRA = {
+    "qwen2_vl_text": _mrope,
     "cohere2": _cohere2,
     "gemma2": _sliding,
     "gemma3_text": _sliding,

@@ -67,6 +67,7 @@ FAMILIES = {
     "nemotron_h": Family("nemotron_h_moe", norm_topk=True),
     "granitemoehybrid": Family("granitehybrid", permuted=True, norm_topk=True),
     "cohere2": Family("cohere2"),
+    "qwen2_vl_text": Family("qwen2vl"),
 }
 # Granite's shared MLP holds gate and up in one matrix; llama.cpp holds two (split on export)
 SHARED_GATE_UP = "ffn_gate_up_shexp"
