@@ -122,3 +122,43 @@ def test_a_config_without_a_key_the_family_requires_is_refused_by_name(tmp_path,
 
     with pytest.raises(UserInputError, match="hidden_size"):
         load_model(tmp_path)
+
+
+def test_multipliers_folded_into_weights_are_taken_back_out(tmp_path):
+    """Falcon-H1: mlx-lm folds its muP multipliers into the weights as it loads (one scale per
+    matrix, one per row of the SSM's input projection); the published layout holds them apart."""
+    torch = interop("torch")
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {**tiny_config("falcon_h1", 64), "pad_token_id": 0}
+    multipliers = {
+        "embedding_multiplier": 5.0,
+        "lm_head_multiplier": 0.25,
+        # mlx-lm 0.32 folds attention_in_multiplier into q and k but not v, and
+        # key_multiplier nowhere (it matches "key_proj"): left at 1 here, and named in README
+        "attention_in_multiplier": 1.0,
+        "attention_out_multiplier": 0.75,
+        "key_multiplier": 1.0,
+        "ssm_in_multiplier": 1.25,
+        "ssm_out_multiplier": 0.5,
+        "mlp_multipliers": [2.0, 0.5],
+        "ssm_multipliers": [1.0, 0.5, 2.0, 1.5, 0.75],
+    }
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg, **multipliers)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        want = hf(torch.tensor([IDS])).logits[0].numpy()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    model, loaded = load_model(tmp_path / "hf")
+    np.testing.assert_allclose(np.array(model(mx.array([IDS]))[0]), want, rtol=1e-4, atol=1e-4)
+    folder, published = save_model(model, loaded, tmp_path / "saved")
+    assert published
+    theirs = load_file(tmp_path / "hf" / "model.safetensors")
+    ours = load_file(folder / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for k, v in theirs.items():
+        np.testing.assert_allclose(ours[k], v, rtol=1e-5, atol=1e-6, err_msg=k)

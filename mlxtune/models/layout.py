@@ -65,27 +65,47 @@ def _concatenated(weights: dict, stacked: dict) -> dict | None:
 
 
 def _sanitized(model: nn.Module, weights: dict) -> dict | None:
+    """The family's ``sanitize`` of ``weights``, run on fresh handles: some sanitize in place
+    (Falcon-H1's ``param *= multiplier``), which would change the arrays held (and leaves the
+    handle the same object, so identity says nothing about what it did)."""
     try:
-        return dict(model.sanitize(dict(weights)))
+        return dict(model.sanitize({k: mx.array(v) for k, v in weights.items()}))
     except (KeyError, ValueError, IndexError, TypeError, AttributeError):
         return None
 
 
+def _undone(before: mx.array, after: mx.array, held: mx.array) -> mx.array | None:
+    """``held`` with what sanitize did to ``before`` (giving ``after``) taken back out, when
+    that is one constant added (a ``1 + w`` norm) or a scale per row (Falcon-H1's multipliers
+    folded into its weights); None for anything else."""
+    a, b, h = (x.astype(mx.float32) for x in (before, after, held))
+    if a.ndim == 1:
+        shift = b - a
+        c = shift[0].item()
+        if c != 0 and mx.all(mx.abs(shift - c) <= 1e-6 * max(1.0, abs(c))).item():
+            return (h - c).astype(held.dtype)
+    rows = a.reshape(a.shape[0], -1) if a.ndim > 1 else a[:, None]
+    out = b.reshape(rows.shape)
+    pick = mx.argmax(mx.abs(rows), axis=1, keepdims=True)  # each row's largest entry
+    scale = mx.take_along_axis(out, pick, axis=1) / mx.take_along_axis(rows, pick, axis=1)
+    if mx.all(mx.isfinite(scale)).item() and mx.allclose(rows * scale, out, rtol=1e-5, atol=1e-6):
+        if not mx.allclose(scale, mx.ones_like(scale)).item():
+            return (h.reshape(rows.shape) / scale).reshape(held.shape).astype(held.dtype)
+    return None
+
+
 def _take_back_offsets(model: nn.Module, candidate: dict, held: dict) -> dict | None:
-    """``candidate`` with what sanitize adds to a 1-D weight (one constant) taken back out."""
+    """``candidate`` with what sanitize does to a weight taken back out (see ``_undone``)."""
     back = _sanitized(model, candidate)
     if back is None or back.keys() != held.keys():
         return None
     fixed = dict(candidate)
     for k, v in back.items():
-        if v is candidate.get(k) or v.ndim != 1 or k not in candidate:
+        if k not in candidate or v.shape != candidate[k].shape:
             continue
-        if v.shape != candidate[k].shape:
-            continue
-        shift = v.astype(mx.float32) - candidate[k].astype(mx.float32)
-        c = shift[0].item()
-        if c != 0 and mx.all(mx.abs(shift - c) <= 1e-6 * max(1.0, abs(c))).item():
-            fixed[k] = (held[k].astype(mx.float32) - c).astype(held[k].dtype)
+        undone = _undone(candidate[k], v, held[k])
+        if undone is not None:
+            fixed[k] = undone
     return fixed
 
 
@@ -94,8 +114,6 @@ def _round_trips(model: nn.Module, candidate: dict, held: dict) -> bool:
     if back is None or back.keys() != held.keys():
         return False
     for k, v in back.items():
-        if v is held[k]:
-            continue
         if v.shape != held[k].shape:
             return False
         a, b = v.astype(mx.float32), held[k].astype(mx.float32)
