@@ -107,7 +107,13 @@ def tiny(name, vocab):
     return model, config
 
 
-@pytest.fixture(params=list(FAMILIES))
+# the default run reads back one family of each kind; -m slow (and -m llama_cpp) all of them
+QUICK = {"mixtral", "gemma3_text", "lfm2", "qwen3_next", "deepseek_v3", "nemotron_h", "gpt_oss"}
+
+
+@pytest.fixture(
+    params=[n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES]
+)
 def exported(request, tmp_path, tokenizer, tokenizer_dir):
     name = request.param
     model, config = tiny(name, len(tokenizer._tokenizer))
