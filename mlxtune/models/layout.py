@@ -28,15 +28,23 @@ _EXPERT_NAMES = (
 )
 
 
+def _by_expert_layer(weights: dict, stacked: dict):
+    """(key, array, (block, projection, module path, leaf) or None) for every weight: the
+    stacked expert layers' weights with where they sit, the rest with None."""
+    for k, v in weights.items():
+        module, _, leaf = k.rpartition(".")
+        place = stacked.get(module)
+        yield k, v, (*place, module, leaf) if place else None
+
+
 def _unstacked(weights: dict, stacked: dict, names: dict) -> dict | None:
     """Each expert's projection under ``<block>.experts.<e>.<name>``."""
     out = {}
-    for k, v in weights.items():
-        module, _, leaf = k.rpartition(".")
-        if module not in stacked:
+    for k, v, place in _by_expert_layer(weights, stacked):
+        if place is None:
             out[k] = v
             continue
-        block, proj = stacked[module]
+        block, proj, _, leaf = place
         for e in range(v.shape[0]):
             out[f"{block}.experts.{e}.{names.get(proj, proj)}.{leaf}"] = v[e]
     return out
@@ -46,12 +54,11 @@ def _concatenated(weights: dict, stacked: dict) -> dict | None:
     """Experts as one ``input_linear`` (gate and up, joined on the output axis) and one
     ``output_linear`` tensor (Granite MoE)."""
     out = {}
-    for k, v in weights.items():
-        module, _, leaf = k.rpartition(".")
-        if module not in stacked:
+    for k, v, place in _by_expert_layer(weights, stacked):
+        if place is None:
             out[k] = v
             continue
-        block, proj = stacked[module]
+        block, proj, module, leaf = place
         if proj == "gate_proj":
             up = weights.get(f"{module.rpartition('.')[0]}.up_proj.{leaf}")
             if up is None:
