@@ -67,6 +67,10 @@ FAMILIES = {
     "granitemoehybrid": {"time_step_limit": [0.0, float("inf")]},
     "cohere2": {"num_hidden_layers": 4, "sliding_window_pattern": 4},
     "qwen2_vl": {},
+    "phi": {},
+    "cohere": {"use_qk_norm": False},  # llama.cpp's command-r: q/k norms from 64 layers on
+    # Hunyuan's NTK alpha raises the RoPE base (llama.cpp reads the raised base)
+    "hunyuan_v1_dense": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
 }
 # families whose file reads back as another model type of the same architecture
 READS_AS = {
@@ -204,6 +208,8 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}, "even layers"),
         ("mamba2", {"time_step_limit": [0.001, 100.0]}, "clamp the SSM step"),
         ("ministral3", {"sliding_window": 4}, "sets a sliding_window"),
+        ("cohere", {"use_qk_norm": True}, "64 or more layers"),
+        ("cohere", {"layer_norm_bias": True}, "without biases"),
     ],
 )
 def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(

@@ -257,8 +257,9 @@ def _switches(g: GGUFModelFile, config: dict) -> dict:
     for key in ("layer_norm_eps", "norm_epsilon", "layer_norm_epsilon"):
         if eps is not None and key in fields:
             out[key] = float(eps)
-    if "qk_layernorm" in fields:
-        out["qk_layernorm"] = "blk.0.attn_q_norm.weight" in g.tensors
+    for key in ("qk_layernorm", "use_qk_norm"):
+        if key in fields:
+            out[key] = "blk.0.attn_q_norm.weight" in g.tensors
     if "use_parallel_residual" in fields:  # llama.cpp's StableLM: no FFN norm means parallel
         out["use_parallel_residual"] = "blk.0.ffn_norm.weight" not in g.tensors
     for key, tensor in _BIASES.items():
@@ -448,6 +449,7 @@ def _cohere2(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "cohere": lambda g, config, kv_layers: {"logit_scale": float(g.get("logit_scale", 1.0))},
     "cohere2": _cohere2,
     "granite": _granite,
     "granitemoe": _granite,

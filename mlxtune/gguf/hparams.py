@@ -129,8 +129,21 @@ def _short_conv(arg, mt: str) -> str | None:
     return None
 
 
+def _command_r(arg, mt: str) -> str | None:
+    if bool(arg("use_qk_norm")) != (int(arg("num_hidden_layers")) >= 64):
+        return (
+            "llama.cpp's command-r holds q/k norms exactly when a model has 64 or more layers "
+            f"(Command R+); this model has {arg('num_hidden_layers')} layers and "
+            f"use_qk_norm {bool(arg('use_qk_norm'))}"
+        )
+    if arg("layer_norm_bias"):
+        return "llama.cpp's command-r has LayerNorms without biases; this model's have biases"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "cohere": _command_r,
     "gemma3_text": _gemma3,
     "gemma4_text": _gemma4,
     "smollm3": _smollm3,
@@ -313,6 +326,7 @@ def _mrope(w, arg, config: dict) -> None:
 
 # model type -> the metadata it adds to the common keys
 _EXTRA = {
+    "cohere": lambda w, arg, config: w.add_logit_scale(float(arg("logit_scale"))),
     "qwen2_vl_text": _mrope,
     "cohere2": _cohere2,
     "gemma2": _sliding,
@@ -356,7 +370,11 @@ def add_hparams(w, config: dict, model=None):
     w.add_head_count_kv(_kv_heads(mt, arg, n_kv, layers))
     w.add_rope_dimension_count(int(head_dim * float(arg("partial_rotary_factor") or 1.0)))
     theta = getattr(args, "rope_theta", None)  # as the model was built (config normalised)
-    w.add_rope_freq_base(float(theta) if theta is not None else rope_base(config))
+    theta = float(theta) if theta is not None else rope_base(config)
+    alpha = _ntk_alpha(config)
+    if alpha is not None:  # Hunyuan's NTK alpha: a larger base, as its converter writes it
+        theta *= alpha ** (head_dim / (head_dim - 2))
+    w.add_rope_freq_base(theta)
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -507,6 +525,14 @@ def _add_gemma4(w, args) -> None:
     w.add_rope_freq_base_swa(float(swa_rope.get("rope_theta", 1e4)))
 
 
+def _ntk_alpha(config: dict) -> float | None:
+    """Hunyuan's dynamic NTK alpha (a RoPE base raised once, at load), or None."""
+    sc = config.get("rope_scaling") or {}
+    if config["model_type"] == "hunyuan_v1_dense" and "alpha" in sc:
+        return float(sc["alpha"])
+    return None
+
+
 def add_rope_scaling(w, config: dict) -> np.ndarray | None:
     """The model's RoPE scaling as llama.cpp reads it: linear as metadata, Llama 3's as the
     ``rope_freqs`` tensor (returned, for a llama file); any other kind is refused by name."""
@@ -516,7 +542,7 @@ def add_rope_scaling(w, config: dict) -> np.ndarray | None:
     if config["model_type"] == "ministral3":  # its RoPE settings live in rope_parameters
         sc = config.get("rope_parameters") or {}
     kind = sc.get("rope_type") or sc.get("type") or "default"
-    if kind == "default":
+    if kind == "default" or _ntk_alpha(config) is not None:  # alpha: in the base
         return None
     if kind in ("yarn", "deepseek_yarn") and FAMILIES[config["model_type"]].arch == "deepseek2":
         if sc.get("mscale", 1.0) != sc.get("mscale_all_dim", 0.0):

@@ -68,6 +68,9 @@ FAMILIES = {
     "granitemoehybrid": Family("granitehybrid", permuted=True, norm_topk=True),
     "cohere2": Family("cohere2"),
     "qwen2_vl_text": Family("qwen2vl"),
+    "phi": Family("phi2"),
+    "cohere": Family("command-r"),
+    "hunyuan_v1_dense": Family("hunyuan-dense"),
 }
 # Granite's shared MLP holds gate and up in one matrix; llama.cpp holds two (split on export)
 SHARED_GATE_UP = "ffn_gate_up_shexp"
