@@ -67,6 +67,9 @@ FAMILIES = {
     "granitemoehybrid": {"time_step_limit": [0.0, float("inf")]},
     "cohere2": {"num_hidden_layers": 4, "sliding_window_pattern": 4},
     "qwen2_vl": {},
+    # sections covering every pair: llama.cpp leaves a text position's others unrotated
+    "qwen3_vl": {"rope_scaling": {"mrope_section": [3, 3, 2], "rope_type": "default"}},
+    "qwen3_vl_moe": {"rope_scaling": {"mrope_section": [3, 3, 2], "rope_type": "default"}},
     "phi": {},
     "cohere": {"use_qk_norm": False},  # llama.cpp's command-r: q/k norms from 64 layers on
     # Hunyuan's NTK alpha raises the RoPE base (llama.cpp reads the raised base)
@@ -75,6 +78,8 @@ FAMILIES = {
 # families whose file reads back as another model type of the same architecture
 READS_AS = {
     "qwen2_vl": "qwen2",
+    "qwen3_vl": "qwen3",
+    "qwen3_vl_moe": "qwen3_moe",
     "glm4_moe_lite": "deepseek_v3",
     "kimi_k25": "deepseek_v3",
     "lfm2-vl": "lfm2",

@@ -20,11 +20,16 @@ if TYPE_CHECKING:
 
 # GGUF architecture -> model_type; model types that share an architecture with another and read back as it: mistral as llama,
 # mixtral as a "llama" file with experts (below), GLM-4.7-Flash's "deepseek2" as DeepSeek-V3
-_SHARED = ("mistral", "mixtral", "glm4_moe_lite", "kimi_k2", "olmo3", "qwen2_vl_text")
+_SHARED = (
+    "mistral", "mixtral", "glm4_moe_lite", "kimi_k2", "olmo3", "qwen2_vl_text", "qwen3_vl_text",
+    "qwen3_vl_moe_text",
+)  # fmt: skip
 
 
 FAMILIES = {f.arch: mt for mt, f in NAMED.items() if mt not in _SHARED}
-FAMILIES["qwen2vl"] = "qwen2"  # Qwen2-VL's language model is mlx-lm's qwen2 (text: one rotation)
+# Qwen2-VL's and Qwen3-VL's language models are mlx-lm's qwen2, qwen3 and qwen3_moe (a text
+# position is one rotation)
+FAMILIES.update({"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_moe"})
 
 
 # architectures whose config is built whole (no common attention keys to read)

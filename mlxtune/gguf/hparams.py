@@ -324,8 +324,20 @@ def _mrope(w, arg, config: dict) -> None:
     w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
 
 
+def _imrope(w, arg, config: dict) -> None:
+    """Qwen3-VL's interleaved multimodal RoPE sections, as its converter writes them. llama.cpp
+    leaves a text position's pairs past three times their section unrotated (its fourth
+    position is 0): with Qwen3-VL's [24, 20, 20] of 64 pairs, the two slowest."""
+    pairs = head_counts(config)[2] // 2
+    scaling = arg("rope_scaling") or {}
+    sections = list(scaling.get("mrope_section") or [(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3])
+    w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+
+
 # model type -> the metadata it adds to the common keys
 _EXTRA = {
+    "qwen3_vl_text": _imrope,
+    "qwen3_vl_moe_text": _imrope,
     "cohere": lambda w, arg, config: w.add_logit_scale(float(arg("logit_scale"))),
     "qwen2_vl_text": _mrope,
     "cohere2": _cohere2,

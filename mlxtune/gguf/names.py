@@ -68,6 +68,8 @@ FAMILIES = {
     "granitemoehybrid": Family("granitehybrid", permuted=True, norm_topk=True),
     "cohere2": Family("cohere2"),
     "qwen2_vl_text": Family("qwen2vl"),
+    "qwen3_vl_text": Family("qwen3vl"),
+    "qwen3_vl_moe_text": Family("qwen3vlmoe", norm_topk=True),
     "phi": Family("phi2"),
     "cohere": Family("command-r"),
     "hunyuan_v1_dense": Family("hunyuan-dense"),
