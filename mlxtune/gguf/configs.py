@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # mixtral as a "llama" file with experts (below), GLM-4.7-Flash's "deepseek2" as DeepSeek-V3
 _SHARED = (
     "mistral", "mixtral", "glm4_moe_lite", "kimi_k2", "olmo3", "qwen2_vl_text", "qwen3_vl_text",
-    "qwen3_vl_moe_text",
+    "qwen3_vl_moe_text", "internlm3",
 )  # fmt: skip
 
 

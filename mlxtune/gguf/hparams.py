@@ -141,8 +141,18 @@ def _command_r(arg, mt: str) -> str | None:
     return None
 
 
+def _rotate_half(arg, mt: str) -> str | None:
+    if arg("rope_traditional"):
+        return (
+            f"mlxtune writes {mt} as llama.cpp's converter does, from rotate-half RoPE; this "
+            "model's rope_traditional is set"
+        )
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "internlm3": _rotate_half,
     "cohere": _command_r,
     "gemma3_text": _gemma3,
     "gemma4_text": _gemma4,

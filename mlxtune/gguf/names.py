@@ -71,6 +71,7 @@ FAMILIES = {
     "qwen3_vl_text": Family("qwen3vl"),
     "qwen3_vl_moe_text": Family("qwen3vlmoe", norm_topk=True),
     "phi": Family("phi2"),
+    "internlm3": Family("llama", permuted=True),  # as llama.cpp's converter writes InternLM 3
     "cohere": Family("command-r"),
     "hunyuan_v1_dense": Family("hunyuan-dense"),
 }
