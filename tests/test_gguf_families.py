@@ -72,6 +72,8 @@ FAMILIES = {
     "qwen3_vl_moe": {"rope_scaling": {"mrope_section": [3, 3, 2], "rope_type": "default"}},
     "phi": {},
     "internlm3": {"qkv_bias": True},
+    "solar_open": {},
+    "minimax": {},
     "cohere": {"use_qk_norm": False},  # llama.cpp's command-r: q/k norms from 64 layers on
     # Hunyuan's NTK alpha raises the RoPE base (llama.cpp reads the raised base)
     "hunyuan_v1_dense": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
@@ -81,6 +83,7 @@ READS_AS = {
     "qwen2_vl": "qwen2",
     "qwen3_vl": "qwen3",
     "internlm3": "llama",
+    "solar_open": "glm4_moe",
     "qwen3_vl_moe": "qwen3_moe",
     "glm4_moe_lite": "deepseek_v3",
     "kimi_k25": "deepseek_v3",
@@ -218,6 +221,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("cohere", {"use_qk_norm": True}, "64 or more layers"),
         ("cohere", {"layer_norm_bias": True}, "without biases"),
         ("internlm3", {"rope_traditional": True}, "rope_traditional"),
+        ("minimax", {"use_qk_norm": False}, "normalises queries and keys"),
     ],
 )
 def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(

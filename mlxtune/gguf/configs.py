@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # mixtral as a "llama" file with experts (below), GLM-4.7-Flash's "deepseek2" as DeepSeek-V3
 _SHARED = (
     "mistral", "mixtral", "glm4_moe_lite", "kimi_k2", "olmo3", "qwen2_vl_text", "qwen3_vl_text",
-    "qwen3_vl_moe_text", "internlm3",
+    "qwen3_vl_moe_text", "internlm3", "solar_open",
 )  # fmt: skip
 
 
@@ -215,6 +215,7 @@ _EXPERT_KEY = {
     "granitemoe": "num_local_experts",
     "granitemoehybrid": "num_local_experts",
     "gpt_oss": "num_local_experts",
+    "minimax": "num_local_experts",
     "glm4_moe": "n_routed_experts",
     "deepseek": "n_routed_experts",
 }
@@ -454,6 +455,11 @@ def _cohere2(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "minimax": lambda g, config, kv_layers: {
+        "intermediate_size": int(g.get("expert_feed_forward_length")),
+        "shared_intermediate_size": 0,
+        "use_qk_norm": True,
+    },
     "cohere": lambda g, config, kv_layers: {"logit_scale": float(g.get("logit_scale", 1.0))},
     "cohere2": _cohere2,
     "granite": _granite,

@@ -150,8 +150,15 @@ def _rotate_half(arg, mt: str) -> str | None:
     return None
 
 
+def _minimax_m2(arg, mt: str) -> str | None:
+    if not arg("use_qk_norm", True):
+        return "llama.cpp's minimax-m2 normalises queries and keys; this model does not"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "minimax": _minimax_m2,
     "internlm3": _rotate_half,
     "cohere": _command_r,
     "gemma3_text": _gemma3,
@@ -296,6 +303,15 @@ def _glm4_moe(w, arg, config: dict) -> None:
     w.add_nextn_predict_layers(0)  # mlx-lm keeps no multi-token-prediction layer
 
 
+def _minimax(w, arg, config: dict) -> None:
+    """MiniMax-M2: every layer's experts as wide as intermediate_size, sigmoid routing with the
+    correction bias, renormalised."""
+    import gguf
+
+    w.add_expert_feed_forward_length(int(arg("intermediate_size")))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
 def _minicpm(w, arg, config: dict) -> None:
     """muP-style scales: the embeddings, each residual branch, the logits."""
     w.add_embedding_scale(float(arg("scale_emb")))
@@ -361,6 +377,8 @@ _EXTRA = {
     "qwen3_5_text": _delta_net,
     "qwen3_5_moe_text": _delta_net,
     "glm4_moe": _glm4_moe,
+    "solar_open": _glm4_moe,
+    "minimax": _minimax,
     "minicpm": _minicpm,
     "granite": _granite,
     "granitemoe": _granite,
@@ -390,7 +408,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_gemma4(w, args)
     w.add_feed_forward_length(_ffn_width(model, config))
     w.add_head_count_kv(_kv_heads(mt, arg, n_kv, layers))
-    w.add_rope_dimension_count(int(head_dim * float(arg("partial_rotary_factor") or 1.0)))
+    rotated = arg("rotary_dim") or head_dim * float(arg("partial_rotary_factor") or 1.0)
+    w.add_rope_dimension_count(int(rotated))
     theta = getattr(args, "rope_theta", None)  # as the model was built (config normalised)
     theta = float(theta) if theta is not None else rope_base(config)
     alpha = _ntk_alpha(config)

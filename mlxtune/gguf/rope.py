@@ -107,6 +107,8 @@ def rope_settings(g, config: dict, fields: set) -> dict:
         }
     elif rope_dims != head_dim and "partial_rotary_factor" in fields:
         out["partial_rotary_factor"] = rope_dims / head_dim
+    elif "rotary_dim" in fields:  # the rotated share as a width (MiniMax)
+        out["rotary_dim"] = int(rope_dims)
     elif rope_dims != head_dim:
         raise UserInputError(
             f"{g.arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}, and "
