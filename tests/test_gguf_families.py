@@ -74,6 +74,8 @@ FAMILIES = {
     "internlm3": {"qkv_bias": True},
     "solar_open": {},
     "minimax": {},
+    # llama.cpp's exaone4 has local layers only at 64 layers (below, at 64)
+    "exaone4": {"sliding_window_pattern": None, "sliding_window": None},
     "cohere": {"use_qk_norm": False},  # llama.cpp's command-r: q/k norms from 64 layers on
     # Hunyuan's NTK alpha raises the RoPE base (llama.cpp reads the raised base)
     "hunyuan_v1_dense": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
@@ -222,6 +224,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("cohere", {"layer_norm_bias": True}, "without biases"),
         ("internlm3", {"rope_traditional": True}, "rope_traditional"),
         ("minimax", {"use_qk_norm": False}, "normalises queries and keys"),
+        ("exaone4", {"sliding_window_pattern": "LG", "sliding_window": 4}, "64 layers"),
     ],
 )
 def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
@@ -242,6 +245,29 @@ def test_a_family_mlxtune_does_not_write_is_refused_by_name(tmp_path, tokenizer,
     model = model_class(args_class.from_dict(config))
     with pytest.raises(UserInputError, match="'falcon-h1' architecture is not one mlxtune writes"):
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+
+
+def test_exaone4s_local_and_global_layers_at_64_layers(tmp_path, tokenizer, tokenizer_dir):
+    """EXAONE 4.0 32B's shape: local layers (roped, windowed) and global ones (unroped), which
+    llama.cpp's exaone4 reads at 64 layers; the window shorter than the ids, so it shows."""
+    saved = FAMILIES["exaone4"]
+    FAMILIES["exaone4"] = {"num_hidden_layers": 64, "sliding_window_pattern": "LLLG", "sliding_window": 4}
+    try:
+        model, config = tiny("exaone4", len(tokenizer._tokenizer))
+    finally:
+        FAMILIES["exaone4"] = saved
+    path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+    want = np.array(model(mx.array([IDS]))[0])
+    back, back_config, _ = load_gguf(path, "float32")
+    assert back_config["sliding_window_pattern"] == "LLLG" * 16
+    np.testing.assert_allclose(np.array(back(mx.array([IDS]))[0]), want, rtol=1e-5, atol=1e-5)
+    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
+    llm = llama_cpp.Llama(
+        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=0, type_v=0
+    )
+    llm.eval(IDS)
+    got = np.array(llm.scores[: len(IDS)])
+    np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
 
 
 def adapted(name, vocab):

@@ -453,8 +453,23 @@ def _cohere2(g, config, kv_layers) -> dict:
     }
 
 
+def _exaone4(g, config, kv_layers) -> dict:
+    """EXAONE 4: local ("L") and global ("G") layers as the per-layer window pattern says (none:
+    every layer global, roped)."""
+    local = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
+    out = {"rope_scaling": config.get("rope_scaling")}  # a key its ModelArgs requires
+    if not local:
+        return {**out, "sliding_window_pattern": None, "sliding_window": None}
+    return {
+        **out,
+        "sliding_window_pattern": "".join("L" if x else "G" for x in local),
+        "sliding_window": int(g.get("attention.sliding_window")),
+    }
+
+
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "exaone4": _exaone4,
     "minimax": lambda g, config, kv_layers: {
         "intermediate_size": int(g.get("expert_feed_forward_length")),
         "shared_intermediate_size": 0,

@@ -156,8 +156,20 @@ def _minimax_m2(arg, mt: str) -> str | None:
     return None
 
 
+def _exaone4_layers(arg, mt: str) -> str | None:
+    if _exaone4_local(arg) is not None and int(arg("num_hidden_layers")) != 64:
+        return (
+            "llama.cpp's exaone4 reads local and global layers only in a model of 64 layers "
+            "(EXAONE 4.0 32B) and otherwise ropes every layer over the whole context; this "
+            f"model has {arg('num_hidden_layers')} layers and sliding_window_pattern "
+            f"{arg('sliding_window_pattern')!r}"
+        )
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "exaone4": _exaone4_layers,
     "minimax": _minimax_m2,
     "internlm3": _rotate_half,
     "cohere": _command_r,
@@ -303,6 +315,22 @@ def _glm4_moe(w, arg, config: dict) -> None:
     w.add_nextn_predict_layers(0)  # mlx-lm keeps no multi-token-prediction layer
 
 
+def _exaone4_local(arg) -> list[bool] | None:
+    """EXAONE 4's local ("L") layers, from its pattern string (None: every layer global)."""
+    pattern = arg("sliding_window_pattern")
+    if not pattern:
+        return None
+    return [pattern[i % len(pattern)] == "L" for i in range(int(arg("num_hidden_layers")))]
+
+
+def _exaone4(w, arg, config: dict) -> None:
+    """EXAONE 4's local layers (roped, windowed) beside its global ones (unroped)."""
+    local = _exaone4_local(arg)
+    if local is not None:
+        w.add_sliding_window(int(arg("sliding_window")))
+        w.add_sliding_window_pattern(local)
+
+
 def _minimax(w, arg, config: dict) -> None:
     """MiniMax-M2: every layer's experts as wide as intermediate_size, sigmoid routing with the
     correction bias, renormalised."""
@@ -379,6 +407,7 @@ _EXTRA = {
     "glm4_moe": _glm4_moe,
     "solar_open": _glm4_moe,
     "minimax": _minimax,
+    "exaone4": _exaone4,
     "minicpm": _minicpm,
     "granite": _granite,
     "granitemoe": _granite,

@@ -72,6 +72,7 @@ FAMILIES = {
     "qwen3_vl_moe_text": Family("qwen3vlmoe", norm_topk=True),
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
+    "exaone4": Family("exaone4"),
     "minimax": Family("minimax-m2", norm_topk=True),
     "internlm3": Family("llama", permuted=True),  # as llama.cpp's converter writes InternLM 3
     "cohere": Family("command-r"),
