@@ -74,6 +74,7 @@ FAMILIES = {
     "internlm3": {"qkv_bias": True},
     "solar_open": {},
     "minimax": {},
+    "internlm2": {"bias": False, "tie_word_embeddings": True},
     # llama.cpp's exaone4 has local layers only at 64 layers (below, at 64)
     "exaone4": {"sliding_window_pattern": None, "sliding_window": None},
     "cohere": {"use_qk_norm": False},  # llama.cpp's command-r: q/k norms from 64 layers on
@@ -160,7 +161,11 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
         gguf.TENSOR_NAMES[k].format(bid=i) for k in gguf.MODEL_TENSORS[code] for i in range(layers)
     }
     assert {n.removesuffix(".weight").removesuffix(".bias") for n in t} <= allowed
-    assert sum(v.size for n, v in t.items() if n != "rope_freqs.weight") == sum(
+    # beyond the parameters: Llama 3's rope divisors, and a tied head written out as a copy of
+    # the embedding where llama.cpp's architecture reads a head of its own
+    tied = "output.weight" in t and np.array_equal(t["output.weight"], t["token_embd.weight"])
+    extra = {"rope_freqs.weight"} | ({"output.weight"} if tied else set())
+    assert sum(v.size for n, v in t.items() if n not in extra) == sum(
         v.size for _, v in tree_flatten(model.parameters())
     )
     experts = (
@@ -224,6 +229,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("cohere", {"layer_norm_bias": True}, "without biases"),
         ("internlm3", {"rope_traditional": True}, "rope_traditional"),
         ("minimax", {"use_qk_norm": False}, "normalises queries and keys"),
+        ("internlm2", {"bias": True}, "no bias on the attention output"),
         ("exaone4", {"sliding_window_pattern": "LG", "sliding_window": 4}, "64 layers"),
     ],
 )
@@ -251,7 +257,11 @@ def test_exaone4s_local_and_global_layers_at_64_layers(tmp_path, tokenizer, toke
     """EXAONE 4.0 32B's shape: local layers (roped, windowed) and global ones (unroped), which
     llama.cpp's exaone4 reads at 64 layers; the window shorter than the ids, so it shows."""
     saved = FAMILIES["exaone4"]
-    FAMILIES["exaone4"] = {"num_hidden_layers": 64, "sliding_window_pattern": "LLLG", "sliding_window": 4}
+    FAMILIES["exaone4"] = {
+        "num_hidden_layers": 64,
+        "sliding_window_pattern": "LLLG",
+        "sliding_window": 4,
+    }
     try:
         model, config = tiny("exaone4", len(tokenizer._tokenizer))
     finally:

@@ -226,6 +226,7 @@ _BIASES = {
     "use_qkv_bias": "blk.0.attn_q.bias",
     "attention_bias": "blk.0.attn_q.bias",
     "use_bias": "blk.0.attn_q.bias",
+    "bias": "blk.0.attn_q.bias",  # InternLM 2's
     "mlp_bias": "blk.0.ffn_up.bias",
     "attention_out_bias": "blk.0.attn_output.bias",
 }

@@ -26,10 +26,11 @@ from ..adapters import DoRALinear, LoRALinear, LoRASwitchLinear
 from ..errors import UserInputError
 from .file import open_gguf
 from .hparams import add_hparams, add_rope_scaling, head_counts, model_args, refusal
-from .names import DTYPES, FAMILIES, SHARED_GATE_UP, gguf_name, llama_cpp_arch
+from .names import DTYPES, FAMILIES, QKV_LAYOUT, SHARED_GATE_UP, gguf_name, llama_cpp_arch
 from .tensors import (
     gemma4_rope_freqs,
     permute_qk,
+    qkv_split,
     qwen3_next_split,
     qwen35_to_gguf,
     ssm_to_gguf,
@@ -242,6 +243,22 @@ def _names(model, config: dict, where: str) -> dict[str, str]:
     return out
 
 
+# architectures whose llama.cpp graph needs an output head even when the model ties it
+NEEDS_OUTPUT = ("internlm2",)
+
+
+def qkv_pieces(g: str, a: np.ndarray, model_type: str, n_head: int, n_kv: int):
+    """[(GGUF name, rows)]: a fused q/k/v projection (weight, bias or an adapter's B) as
+    llama.cpp's converter writes it, three tensors; any other tensor as it is."""
+    layout = QKV_LAYOUT.get(model_type)
+    if layout is None or not g.endswith(("attn_qkv.weight", "attn_qkv.bias")):
+        return [(g, a)]
+    q, k, v = qkv_split(a, layout, n_head, n_kv)
+    return [
+        (g.replace("attn_qkv", f"attn_{x}"), part) for x, part in zip("qkv", (q, k, v), strict=True)
+    ]
+
+
 def write_gguf_model(
     model,
     config: dict,
@@ -292,30 +309,44 @@ def write_gguf_model(
         _add_tokenizer(w, tokenizer_dir, tokenizer)
     shapes = {}
     for hf, v in tree_flatten(model.parameters()):
-        g = names[hf]
-        a = to_gguf(np.array(v.astype(mx.float32)), g, family, n_head, n_kv)
-        if family.arch in ("qwen35", "qwen35moe"):
-            a = qwen35_to_gguf(a, g, model_args(model))
-        if family.arch in ("mamba2", "nemotron_h_moe", "granitehybrid"):
-            a = ssm_to_gguf(a, g, model_args(model))
-        split = qwen3_next_split(a, g, model_args(model)) if family.arch == "qwen3next" else None
-        if g.endswith(f"{SHARED_GATE_UP}.weight"):  # gate rows, then up rows
-            gate, up = np.split(a, 2, axis=0)
-            block = g[: -len(f"{SHARED_GATE_UP}.weight")]
-            split = [(f"{block}ffn_gate_shexp.weight", gate), (f"{block}ffn_up_shexp.weight", up)]
-        if split is not None:
-            for g2, a2 in split:
-                data, raw = _tensor_array(np.ascontiguousarray(a2, dtype=np.float32), dtype)
-                w.add_tensor(g2, data, raw_dtype=raw)
-                shapes[g2] = a2.shape[::-1]
-            continue
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        # routers and short convolutions stay f32, as llama.cpp's converter keeps them
-        f32 = ("ffn_gate_inp.weight", "shortconv.conv.weight", "attn_sinks.weight")
-        kind = "f32" if g.endswith(f32) else dtype
-        data, raw = _tensor_array(a, kind)
-        w.add_tensor(g, data, raw_dtype=raw)
-        shapes[g] = a.shape[::-1]
+        held = np.array(v.astype(mx.float32))
+        for g, a in qkv_pieces(names[hf], held, config["model_type"], n_head, n_kv):
+            a = to_gguf(a, g, family, n_head, n_kv)
+            if family.arch in ("qwen35", "qwen35moe"):
+                a = qwen35_to_gguf(a, g, model_args(model))
+            if family.arch in ("mamba2", "nemotron_h_moe", "granitehybrid"):
+                a = ssm_to_gguf(a, g, model_args(model))
+            split = (
+                qwen3_next_split(a, g, model_args(model)) if family.arch == "qwen3next" else None
+            )
+            if g.endswith(f"{SHARED_GATE_UP}.weight"):  # gate rows, then up rows
+                gate, up = np.split(a, 2, axis=0)
+                block = g[: -len(f"{SHARED_GATE_UP}.weight")]
+                split = [
+                    (f"{block}ffn_gate_shexp.weight", gate),
+                    (f"{block}ffn_up_shexp.weight", up),
+                ]
+            if split is not None:
+                for g2, a2 in split:
+                    data, raw = _tensor_array(np.ascontiguousarray(a2, dtype=np.float32), dtype)
+                    w.add_tensor(g2, data, raw_dtype=raw)
+                    shapes[g2] = a2.shape[::-1]
+                continue
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            # routers and short convolutions stay f32, as llama.cpp's converter keeps them
+            f32 = ("ffn_gate_inp.weight", "shortconv.conv.weight", "attn_sinks.weight")
+            kind = "f32" if g.endswith(f32) else dtype
+            data, raw = _tensor_array(a, kind)
+            w.add_tensor(g, data, raw_dtype=raw)
+            shapes[g] = a.shape[::-1]
+    if family.arch in NEEDS_OUTPUT and "output.weight" not in shapes:
+        # a tied model: llama.cpp's architecture reads a head of its own, the embedding's copy
+        embed = next(
+            v for hf, v in tree_flatten(model.parameters()) if names[hf] == "token_embd.weight"
+        )
+        data, raw = _tensor_array(np.array(embed.astype(mx.float32)), dtype)
+        w.add_tensor("output.weight", data, raw_dtype=raw)
+        shapes["output.weight"] = embed.shape[::-1]
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
         shapes["rope_freqs.weight"] = rope_freqs.shape
@@ -365,7 +396,13 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
             b = permute_qk(b, n_head)
         elif permute and g.endswith("attn_k.weight"):
             b = permute_qk(b, n_kv)
-        pairs = [(g, b)]
+        pairs = qkv_pieces(g, b, config["model_type"], n_head, n_kv)
+        pairs = [
+            (g_, permute_qk(b_, n_head if g_.endswith("attn_q.weight") else n_kv))
+            if permute and g_.endswith(("attn_q.weight", "attn_k.weight")) and g_ != g
+            else (g_, b_)
+            for g_, b_ in pairs
+        ]
         if arch == "qwen3next":  # the fused projection is two tensors there: B's rows split
             pairs = qwen3_next_split(b, g, model_args(model)) or pairs
         if g.endswith(f"{SHARED_GATE_UP}.weight"):  # B's rows: the gate's, then the up's

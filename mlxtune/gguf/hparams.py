@@ -167,8 +167,18 @@ def _exaone4_layers(arg, mt: str) -> str | None:
     return None
 
 
+def _internlm2(arg, mt: str) -> str | None:
+    if arg("bias"):
+        return (
+            "llama.cpp's internlm2 has no bias on the attention output; this model's bias is set "
+            "(on q/k/v and the output)"
+        )
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "internlm2": _internlm2,
     "exaone4": _exaone4_layers,
     "minimax": _minimax_m2,
     "internlm3": _rotate_half,
@@ -384,7 +394,9 @@ def _imrope(w, arg, config: dict) -> None:
     position is 0): with Qwen3-VL's [24, 20, 20] of 64 pairs, the two slowest."""
     pairs = head_counts(config)[2] // 2
     scaling = arg("rope_scaling") or {}
-    sections = list(scaling.get("mrope_section") or [(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3])
+    sections = list(
+        scaling.get("mrope_section") or [(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3]
+    )
     w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
 
 

@@ -31,9 +31,10 @@ from ..models.common import DTYPES, family_classes
 from ..models.quantize import cpu_dequantizing
 from .configs import WRAPPED, gguf_config
 from .file import GGUFFile, open_gguf
-from .names import ARCHES, NORM_PLUS_ONE, gguf_name
+from .names import ARCHES, FAMILIES, NORM_PLUS_ONE, QKV_LAYOUT, gguf_name
 from .tensors import (
     dequantized,
+    qkv_from_gguf,
     qwen3_next_join,
     qwen35_from_gguf,
     shared_gate_up_join,
@@ -190,6 +191,9 @@ def load_gguf(
         shared_gate_up_join(g, config)
     if g.arch in ("qwen35", "qwen35moe"):
         qwen35_from_gguf(g, config["text_config"])
+    if text_type in QKV_LAYOUT:  # the family holds q/k/v as one projection
+        family = FAMILIES[text_type]
+        qkv_from_gguf(g, config, QKV_LAYOUT[text_type], family.permuted)
     table = _name_table(model, text_type)
     _check_tensor_names(g, table, text_type)
     quant = _kept_quantized(g, table, model) if keep_quantized else {}

@@ -72,12 +72,18 @@ FAMILIES = {
     "qwen3_vl_moe_text": Family("qwen3vlmoe", norm_topk=True),
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
+    "internlm2": Family("internlm2", permuted=True),
     "exaone4": Family("exaone4"),
     "minimax": Family("minimax-m2", norm_topk=True),
     "internlm3": Family("llama", permuted=True),  # as llama.cpp's converter writes InternLM 3
     "cohere": Family("command-r"),
     "hunyuan_v1_dense": Family("hunyuan-dense"),
 }
+# a fused q/k/v projection's rows, per model type (llama.cpp's converter splits each into
+# attn_q/k/v): "contiguous" all q rows, then k, then v; "per_head" q, k, v of each head in
+# turn (GPT-NeoX); "grouped" each kv head's q rows, then its k and v (InternLM 2)
+QKV_LAYOUT = {"internlm2": "grouped"}
+_FUSED_QKV = ("wqkv", "query_key_value", "c_attn", "qkv_proj", "Wqkv")
 # Granite's shared MLP holds gate and up in one matrix; llama.cpp holds two (split on export)
 SHARED_GATE_UP = "ffn_gate_up_shexp"
 # multi-head latent attention's per-head factors (mlx-lm's split of kv_b_proj) -> llama.cpp's
@@ -144,6 +150,14 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
         if tensor not in gguf.MODEL_TENSORS[_arch_code(family.arch)]:
             return None
         return f"{gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2]))}.{parts[-1]}"
+    if (
+        model_type in QKV_LAYOUT
+        and len(parts) >= 4
+        and parts[-2] in _FUSED_QKV
+        and parts[-1] in ("weight", "bias")
+    ):  # split on export (tensors.qkv_split), joined on import
+        block = next((p for p in parts if p.isdigit()), None)
+        return None if block is None else f"blk.{int(block)}.attn_qkv.{parts[-1]}"
     if hf.endswith("shared_mlp.input_linear.weight") and parts[2].isdigit():
         return f"blk.{int(parts[2])}.{SHARED_GATE_UP}.weight"
     module = parts[-2] if len(parts) >= 2 else ""
@@ -164,4 +178,7 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
     return name
 
 
-__all__ = ["ARCHES", "DTYPES", "FAMILIES", "Family", "NORM_PLUS_ONE", "gguf_name", "llama_cpp_arch"]
+__all__ = [
+    "ARCHES", "DTYPES", "FAMILIES", "Family", "NORM_PLUS_ONE", "QKV_LAYOUT", "gguf_name",
+    "llama_cpp_arch",
+]  # fmt: skip

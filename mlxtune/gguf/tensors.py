@@ -21,6 +21,56 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def qkv_split(a: np.ndarray, layout: str, n_head: int, n_kv: int) -> list[np.ndarray]:
+    """A fused q/k/v projection's rows (weight, bias or an adapter's B) as [q, k, v], from the
+    model type's ``layout`` (names.QKV_LAYOUT)."""
+    rest = a.shape[1:]
+    hd = a.shape[0] // (n_head + 2 * n_kv)
+    if layout == "contiguous":
+        return np.split(a, [n_head * hd, (n_head + n_kv) * hd], axis=0)
+    if layout == "per_head":
+        x = a.reshape(n_head, 3, hd, *rest)
+        return [x[:, i].reshape(-1, *rest) for i in range(3)]
+    group = n_head // n_kv  # "grouped": each kv head's q rows, then its k and v
+    x = a.reshape(n_kv, group + 2, hd, *rest)
+    return [
+        x[:, :group].reshape(-1, *rest),
+        x[:, group].reshape(-1, *rest),
+        x[:, group + 1].reshape(-1, *rest),
+    ]
+
+
+def qkv_join(q: np.ndarray, k: np.ndarray, v: np.ndarray, layout: str, n_head: int, n_kv: int):
+    """The inverse of ``qkv_split``: one fused projection in the model type's layout."""
+    rest = q.shape[1:]
+    if layout == "contiguous":
+        return np.concatenate([q, k, v], axis=0)
+    hd = q.shape[0] // n_head
+    if layout == "per_head":
+        parts = [x.reshape(n_head, 1, hd, *rest) for x in (q, k, v)]
+        return np.concatenate(parts, axis=1).reshape(-1, *rest)
+    group = n_head // n_kv
+    parts = [q.reshape(n_kv, group, hd, *rest)] + [x.reshape(n_kv, 1, hd, *rest) for x in (k, v)]
+    return np.concatenate(parts, axis=1).reshape(-1, *rest)
+
+
+def qkv_from_gguf(g, config: dict, layout: str, permuted: bool) -> None:
+    """A family's fused q/k/v projections back from llama.cpp's three (q/k rows back in
+    rotate-half order first, where the export interleaved them)."""
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_head
+    for i in range(config["num_hidden_layers"]):
+        for suffix in ("weight", "bias"):
+            names = [f"blk.{i}.attn_{x}.{suffix}" for x in "qkv"]
+            if not all(n in g.tensors for n in names):
+                continue
+            q, k, v = (dequantized(g.tensors.pop(n)) for n in names)
+            if permuted:
+                q, k = unpermute_qk(q, n_head), unpermute_qk(k, n_kv)
+            fused = f"blk.{i}.attn_qkv.{suffix}"
+            g.tensors[fused] = plain_tensor(fused, qkv_join(q, k, v, layout, n_head, n_kv))
+
+
 def ssm_to_gguf(a: np.ndarray, g: str, args) -> np.ndarray:
     """A Mamba 2 tensor as llama.cpp's converter writes it: A as -exp(A_log) and D as columns
     [heads, 1], the gated norm per group [groups, inner / groups]."""
