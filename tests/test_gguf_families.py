@@ -74,6 +74,8 @@ FAMILIES = {
     "internlm3": {"qkv_bias": True},
     "solar_open": {},
     "minimax": {},
+    "gpt2": {},
+    "gpt_neox": {},
     "internlm2": {"bias": False, "tie_word_embeddings": True},
     # llama.cpp's exaone4 has local layers only at 64 layers (below, at 64)
     "exaone4": {"sliding_window_pattern": None, "sliding_window": None},
@@ -153,7 +155,7 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
     config = config.get("text_config", config)  # a multimodal wrapper's language model
     f, t, _ = read(path)
     arch = f["general.architecture"]
-    layers = config["num_hidden_layers"]
+    layers = len(model.layers)
     assert f[f"{arch}.block_count"] == layers
     # every tensor llama.cpp's architecture lists, under its own names, and no other
     code = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserInputError
 from ..models.common import family_classes, hf_architecture
 from ..models.configs import args_fields
+from .hparams import STANDARD_NAMES
 from .names import FAMILIES as NAMED
 from .rope import rope_settings
 from .tensors import dequantized
@@ -470,6 +471,11 @@ def _exaone4(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "gpt_neox": lambda g, config, kv_layers: {
+        "rotary_emb_base": config["rope_theta"],
+        "use_parallel_residual": bool(g.get("use_parallel_residual", True)),
+    },
+    "gpt2": lambda g, config, kv_layers: {"n_ctx": config["max_position_embeddings"]},
     "exaone4": _exaone4,
     "minimax": lambda g, config, kv_layers: {
         "intermediate_size": int(g.get("expert_feed_forward_length")),
@@ -499,10 +505,21 @@ _FAMILY_SETTINGS = {
 }
 
 
+def _older_names(config: dict) -> dict:
+    """The common keys again under the names an older family's ModelArgs takes (GPT-2's
+    ``n_layer``), the export's ``standard_config`` undone."""
+    fields, out = _fields(config), {}
+    for key, olds in STANDARD_NAMES.items():
+        for old in olds:
+            if old in fields and key in config:
+                out[old] = config[key]
+    return out
+
+
 def _family_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:
     """The settings of the newer families: experts, switches, and each family's own."""
     own = _FAMILY_SETTINGS.get(config["model_type"])
-    out = {**_experts(g, config), **_switches(g, config)}
+    out = {**_older_names(config), **_experts(g, config), **_switches(g, config)}
     return {**out, **own(g, config, kv_layers)} if own else out
 
 

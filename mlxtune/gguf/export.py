@@ -25,8 +25,23 @@ from mlx.utils import tree_flatten
 from ..adapters import DoRALinear, LoRALinear, LoRASwitchLinear
 from ..errors import UserInputError
 from .file import open_gguf
-from .hparams import add_hparams, add_rope_scaling, head_counts, model_args, refusal
-from .names import DTYPES, FAMILIES, QKV_LAYOUT, SHARED_GATE_UP, gguf_name, llama_cpp_arch
+from .hparams import (
+    add_hparams,
+    add_rope_scaling,
+    head_counts,
+    model_args,
+    refusal,
+    standard_config,
+)
+from .names import (
+    DTYPES,
+    FAMILIES,
+    QKV_LAYOUT,
+    SHARED_GATE_UP,
+    gguf_name,
+    llama_cpp_arch,
+    separate_qkv,
+)
 from .tensors import (
     gemma4_rope_freqs,
     permute_qk,
@@ -254,9 +269,10 @@ def qkv_pieces(g: str, a: np.ndarray, model_type: str, n_head: int, n_kv: int):
     if layout is None or not g.endswith(("attn_qkv.weight", "attn_qkv.bias")):
         return [(g, a)]
     q, k, v = qkv_split(a, layout, n_head, n_kv)
-    return [
-        (g.replace("attn_qkv", f"attn_{x}"), part) for x, part in zip("qkv", (q, k, v), strict=True)
-    ]
+    if not separate_qkv(FAMILIES[model_type].arch):  # one tensor, all q rows first (GPT-NeoX)
+        return [(g, np.concatenate([q, k, v], axis=0))]
+    pieces = zip("qkv", (q, k, v), strict=True)
+    return [(g.replace("attn_qkv", f"attn_{x}"), part) for x, part in pieces]
 
 
 def write_gguf_model(
@@ -279,6 +295,7 @@ def write_gguf_model(
         )
     where = "export --format gguf"
     model, config = text_part(model, config)
+    config = standard_config(config)
     arch, _ = _arch(config)
     family = FAMILIES[config["model_type"]]
     n_head, n_kv, head_dim = head_counts(config)
@@ -361,6 +378,7 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
 
     where = "export --format gguf-adapter"
     model, config = text_part(model, config)
+    config = standard_config(config)
     arch, permute = _arch(config)
     why = refusal(model, config)
     if why is not None:

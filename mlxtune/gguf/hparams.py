@@ -9,8 +9,29 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
 from ..models.configs import rope_base
-from .names import FAMILIES
+from .names import FAMILIES, gguf_name
 from .rope import llama3_rope_factors
+
+
+# the common config keys the export reads -> the names older families' configs use instead
+STANDARD_NAMES = {
+    "num_hidden_layers": ("n_layer", "num_layers", "n_layers", "num_transformer_layers"),
+    "hidden_size": ("n_embd", "d_model", "model_dim"),
+    "num_attention_heads": ("n_head", "n_heads"),
+    "max_position_embeddings": ("n_positions", "max_seq_len"),
+}
+
+
+def standard_config(config: dict) -> dict:
+    """The config with the common keys filled in from an older family's names (GPT-2's
+    ``n_layer``, EXAONE's ``num_layers``)."""
+    out = dict(config)
+    for key, olds in STANDARD_NAMES.items():
+        if key not in out:
+            have = next((o for o in olds if o in config), None)
+            if have is not None:
+                out[key] = config[have]
+    return out
 
 
 def model_args(model):
@@ -402,6 +423,9 @@ def _imrope(w, arg, config: dict) -> None:
 
 # model type -> the metadata it adds to the common keys
 _EXTRA = {
+    "gpt_neox": lambda w, arg, config: w.add_parallel_residual(
+        bool(arg("use_parallel_residual", True))
+    ),
     "qwen3_vl_text": _imrope,
     "qwen3_vl_moe_text": _imrope,
     "cohere": lambda w, arg, config: w.add_logit_scale(float(arg("logit_scale"))),
@@ -449,14 +473,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_gemma4(w, args)
     w.add_feed_forward_length(_ffn_width(model, config))
     w.add_head_count_kv(_kv_heads(mt, arg, n_kv, layers))
-    rotated = arg("rotary_dim") or head_dim * float(arg("partial_rotary_factor") or 1.0)
-    w.add_rope_dimension_count(int(rotated))
-    theta = getattr(args, "rope_theta", None)  # as the model was built (config normalised)
-    theta = float(theta) if theta is not None else rope_base(config)
-    alpha = _ntk_alpha(config)
-    if alpha is not None:  # Hunyuan's NTK alpha: a larger base, as its converter writes it
-        theta *= alpha ** (head_dim / (head_dim - 2))
-    w.add_rope_freq_base(theta)
+    if FAMILIES[mt].arch not in UNROPED:
+        _add_rope(w, arg, args, config, head_dim)
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -465,6 +483,29 @@ def add_hparams(w, config: dict, model=None):
     extra = _EXTRA.get(mt)
     if extra is not None:
         extra(w, arg, config)
+
+
+# architectures with absolute positions (GPT-2's learned embeddings) or none (Mamba)
+UNROPED = ("gpt2", "mamba")
+
+
+def _add_rope(w, arg, args, config: dict, head_dim: int) -> None:
+    """The rotated share of each head and the RoPE base, as the model was built."""
+    rotated = (
+        arg("rotary_dim")
+        or arg("rotary_pct")
+        and head_dim * float(arg("rotary_pct"))  # GPT-NeoX's
+        or head_dim * float(arg("partial_rotary_factor") or 1.0)
+    )
+    w.add_rope_dimension_count(int(rotated))
+    theta = getattr(args, "rope_theta", None)  # as the model was built (config normalised)
+    if theta is None:
+        theta = arg("rotary_emb_base")  # GPT-NeoX's
+    theta = float(theta) if theta is not None else rope_base(config)
+    alpha = _ntk_alpha(config)
+    if alpha is not None:  # Hunyuan's NTK alpha: a larger base, as its converter writes it
+        theta *= alpha ** (head_dim / (head_dim - 2))
+    w.add_rope_freq_base(theta)
 
 
 def _add_mla(w, args) -> None:
@@ -679,5 +720,10 @@ def _ffn_width(model, config: dict) -> int:
     if config["model_type"] == "lfm2" and model is not None:
         for name, v in tree_flatten(model.parameters()):
             if name.endswith("feed_forward.w1.weight"):
+                return int(v.shape[0])
+    if "intermediate_size" not in config and model is not None:  # GPT-2's: 4 x hidden
+        mt, layers = config["model_type"], config["num_hidden_layers"]
+        for name, v in tree_flatten(model.parameters()):
+            if gguf_name(name, mt, layers) == "blk.0.ffn_up.weight":
                 return int(v.shape[0])
     return int(config["intermediate_size"])

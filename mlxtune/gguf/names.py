@@ -72,6 +72,8 @@ FAMILIES = {
     "qwen3_vl_moe_text": Family("qwen3vlmoe", norm_topk=True),
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
+    "gpt2": Family("gpt2"),
+    "gpt_neox": Family("gptneox"),
     "internlm2": Family("internlm2", permuted=True),
     "exaone4": Family("exaone4"),
     "minimax": Family("minimax-m2", norm_topk=True),
@@ -82,7 +84,7 @@ FAMILIES = {
 # a fused q/k/v projection's rows, per model type (llama.cpp's converter splits each into
 # attn_q/k/v): "contiguous" all q rows, then k, then v; "per_head" q, k, v of each head in
 # turn (GPT-NeoX); "grouped" each kv head's q rows, then its k and v (InternLM 2)
-QKV_LAYOUT = {"internlm2": "grouped"}
+QKV_LAYOUT = {"internlm2": "grouped", "gpt_neox": "per_head"}
 _FUSED_QKV = ("wqkv", "query_key_value", "c_attn", "qkv_proj", "Wqkv")
 # Granite's shared MLP holds gate and up in one matrix; llama.cpp holds two (split on export)
 SHARED_GATE_UP = "ffn_gate_up_shexp"
@@ -117,6 +119,14 @@ def llama_cpp_arch(model_type: str) -> str | None:
         return name.removesuffix("_text").replace("_", "").replace("-", "")
 
     return next((a for a in gguf.MODEL_ARCH_NAMES.values() if key(a) == key(model_type)), None)
+
+
+def separate_qkv(arch: str) -> bool:
+    """Whether llama.cpp's converter writes the architecture's q/k/v as three tensors (else as
+    one, all q rows first), by the tensors gguf lists for it."""
+    import gguf
+
+    return gguf.MODEL_TENSOR.ATTN_Q in gguf.MODEL_TENSORS[_arch_code(arch)]
 
 
 def _arch_code(arch: str):
@@ -167,6 +177,17 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
             return f"{gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2]))}.weight"
     names = _name_map(family.arch, max(n_blocks, 1))
     name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+    if name is None:  # mlx-lm's own prefix where the published checkpoint has another
+        rest = hf.removeprefix("model.")
+        for candidate in (
+            rest,
+            f"transformer.{rest}",
+            f"backbone.{rest}",
+            "gpt_neox." + rest.replace("h.", "layers.", 1),
+        ):
+            name = names.get_name(candidate, try_suffixes=(".weight", ".bias"))
+            if name is not None:
+                break
     if name is None and hf.endswith(".dt_bias"):  # Qwen3-Next's, as the converter renames it
         name = names.get_name(hf[: -len(".dt_bias")] + ".dt_proj.bias", try_suffixes=(".bias",))
     if name is None and hf.endswith("_bias"):  # DeepSeek-style e_score_correction_bias
@@ -181,4 +202,5 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
 __all__ = [
     "ARCHES", "DTYPES", "FAMILIES", "Family", "NORM_PLUS_ONE", "QKV_LAYOUT", "gguf_name",
     "llama_cpp_arch",
+    "separate_qkv",
 ]  # fmt: skip

@@ -109,6 +109,8 @@ def rope_settings(g, config: dict, fields: set) -> dict:
         out["partial_rotary_factor"] = rope_dims / head_dim
     elif "rotary_dim" in fields:  # the rotated share as a width (MiniMax)
         out["rotary_dim"] = int(rope_dims)
+    elif "rotary_pct" in fields:  # GPT-NeoX's
+        out["rotary_pct"] = rope_dims / head_dim
     elif rope_dims != head_dim:
         raise UserInputError(
             f"{g.arch}.rope.dimension_count is {rope_dims}, not the head size {head_dim}, and "

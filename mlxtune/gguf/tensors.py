@@ -62,12 +62,15 @@ def qkv_from_gguf(g, config: dict, layout: str, permuted: bool) -> None:
     for i in range(config["num_hidden_layers"]):
         for suffix in ("weight", "bias"):
             names = [f"blk.{i}.attn_{x}.{suffix}" for x in "qkv"]
-            if not all(n in g.tensors for n in names):
+            fused = f"blk.{i}.attn_qkv.{suffix}"
+            if fused in g.tensors:  # one tensor, all q rows first
+                q, k, v = qkv_split(dequantized(g.tensors.pop(fused)), "contiguous", n_head, n_kv)
+            elif all(n in g.tensors for n in names):
+                q, k, v = (dequantized(g.tensors.pop(n)) for n in names)
+            else:
                 continue
-            q, k, v = (dequantized(g.tensors.pop(n)) for n in names)
             if permuted:
                 q, k = unpermute_qk(q, n_head), unpermute_qk(k, n_kv)
-            fused = f"blk.{i}.attn_qkv.{suffix}"
             g.tensors[fused] = plain_tensor(fused, qkv_join(q, k, v, layout, n_head, n_kv))
 
 
