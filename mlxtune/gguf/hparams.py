@@ -12,7 +12,6 @@ from ..models.configs import rope_base
 from .names import FAMILIES, gguf_name
 from .rope import llama3_rope_factors
 
-
 # the common config keys the export reads -> the names older families' configs use instead
 STANDARD_NAMES = {
     "num_hidden_layers": ("n_layer", "num_layers", "n_layers", "num_transformer_layers"),
