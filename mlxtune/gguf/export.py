@@ -331,8 +331,8 @@ def write_gguf_model(
             a = to_gguf(a, g, family, n_head, n_kv)
             if family.arch in ("qwen35", "qwen35moe"):
                 a = qwen35_to_gguf(a, g, model_args(model))
-            if family.arch in ("mamba2", "nemotron_h_moe", "granitehybrid"):
-                a = ssm_to_gguf(a, g, model_args(model))
+            if family.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid"):
+                a = ssm_to_gguf(a, g, model_args(model), family.arch)
             split = (
                 qwen3_next_split(a, g, model_args(model)) if family.arch == "qwen3next" else None
             )

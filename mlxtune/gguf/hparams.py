@@ -196,8 +196,24 @@ def _internlm2(arg, mt: str) -> str | None:
     return None
 
 
+def _mamba(arg, mt: str) -> str | None:
+    if arg("use_bias"):
+        return "llama.cpp's mamba has no bias on the in and out projections; this model has"
+    if int(arg("intermediate_size")) != 2 * int(arg("hidden_size")):
+        return (
+            "llama.cpp's mamba reads an inner size of twice the hidden size; this model's differs"
+        )
+    if arg("use_bcdt_rms") and float(arg("mixer_rms_eps", 1e-6)) != 1e-5:
+        return (
+            "llama.cpp's mamba normalises dt, B and C with the model's one RMS epsilon (mlx-lm's "
+            "1e-5 elsewhere); this model's mixer_rms_eps differs"
+        )
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "mamba": _mamba,
     "internlm2": _internlm2,
     "exaone4": _exaone4_layers,
     "minimax": _minimax_m2,
@@ -456,6 +472,8 @@ def add_hparams(w, config: dict, model=None):
     arg = _reader(args, config)
     if mt == "mamba2":
         return _add_mamba2(w, args)
+    if mt == "mamba":
+        return _add_mamba(w, args)
     if FAMILIES[mt].arch == "deepseek2":
         return _add_mla(w, args)
     if mt == "nemotron_h":
@@ -613,6 +631,22 @@ def _add_mamba2(w, args) -> None:
     w.add_ssm_time_step_rank(int(args.num_heads))
     w.add_ssm_group_count(int(args.n_groups))
     w.add_layer_norm_rms_eps(float(args.layer_norm_epsilon))
+    w.add_vocab_size(int(args.vocab_size))
+
+
+def _add_mamba(w, args) -> None:
+    """Mamba 1 as llama.cpp's mamba reads it; mlx-lm's norms keep MLX's default epsilon."""
+    w.add_context_length(2**20)
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(int(args.num_hidden_layers))
+    w.add_ssm_conv_kernel(int(args.conv_kernel))
+    w.add_ssm_inner_size(int(args.intermediate_size))
+    w.add_ssm_state_size(int(args.state_size))
+    w.add_ssm_time_step_rank(int(args.time_step_rank))
+    w.add_ssm_dt_b_c_rms(bool(args.use_bcdt_rms))
+    w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(int(args.vocab_size))
 
 

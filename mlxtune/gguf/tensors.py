@@ -74,13 +74,14 @@ def qkv_from_gguf(g, config: dict, layout: str, permuted: bool) -> None:
             g.tensors[fused] = plain_tensor(fused, qkv_join(q, k, v, layout, n_head, n_kv))
 
 
-def ssm_to_gguf(a: np.ndarray, g: str, args) -> np.ndarray:
-    """A Mamba 2 tensor as llama.cpp's converter writes it: A as -exp(A_log) and D as columns
-    [heads, 1], the gated norm per group [groups, inner / groups]."""
+def ssm_to_gguf(a: np.ndarray, g: str, args, arch: str = "mamba2") -> np.ndarray:
+    """A Mamba tensor as llama.cpp's converter writes it: A as -exp(A_log); in Mamba 2's
+    layout D and A as columns [heads, 1] and the gated norm per group [groups, inner / groups]
+    (Mamba 1's A is [inner, state] and its D a vector already)."""
     if g.endswith(".ssm_a"):
-        return -np.exp(a).reshape(-1, 1)
+        return -np.exp(a) if arch == "mamba" else -np.exp(a).reshape(-1, 1)
     if g.endswith(".ssm_d"):
-        return a.reshape(-1, 1)
+        return a if arch == "mamba" else a.reshape(-1, 1)
     if g.endswith("ssm_norm.weight"):
         groups = getattr(args, "n_groups", None) or getattr(args, "mamba_n_groups", 1)
         return a.reshape(int(groups), -1)
@@ -163,10 +164,12 @@ def qwen3_next_split(a: np.ndarray, g: str, args):
 
 
 def ssm_from_gguf(g, config: dict) -> None:
-    """Mamba 2's A, D and gated norm back in mlx-lm's form: A_log from A, each a vector."""
+    """Mamba's A, D and gated norm back in mlx-lm's form: A_log from A; Mamba 2's each a
+    vector."""
+    flat = g.arch != "mamba"  # Mamba 1's A stays [inner, state]
     for i in range(config["num_hidden_layers"]):
         for name, fix in (
-            ("ssm_a", lambda x: np.log(-x).reshape(-1)),
+            ("ssm_a", lambda x: np.log(-x).reshape(-1) if flat else np.log(-x)),
             ("ssm_d", lambda x: x.reshape(-1)),
             ("ssm_norm.weight", lambda x: x.reshape(-1)),
         ):

@@ -113,6 +113,29 @@ def mla_config(g: GGUFModelFile, need) -> dict:
     return config
 
 
+def mamba_config(g: GGUFModelFile, need) -> dict:
+    """Mamba 1's config from what llama.cpp's mamba reads (no attention, no MLP)."""
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    return {
+        "model_type": "mamba",
+        "architectures": [hf_architecture("mamba")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("ssm.inner_size")),
+        "state_size": int(need("ssm.state_size")),
+        "conv_kernel": int(need("ssm.conv_kernel")),
+        "time_step_rank": int(need("ssm.time_step_rank")),
+        "use_bias": False,
+        "use_conv_bias": "blk.0.ssm_conv1d.bias" in g.tensors,
+        "use_bcdt_rms": bool(g.get("ssm.dt_b_c_rms", False)),
+        "mixer_rms_eps": 1e-5,
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+
+
 def mamba2_config(g: GGUFModelFile, need) -> dict:
     """Mamba 2's config from what llama.cpp's mamba2 reads (no attention, no MLP)."""
     inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
