@@ -75,6 +75,7 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "qwen": {},
     "mamba": {},
     "gpt_neox": {},
     "internlm2": {"bias": False, "tie_word_embeddings": True},
@@ -234,6 +235,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("minimax", {"use_qk_norm": False}, "normalises queries and keys"),
         ("internlm2", {"bias": True}, "no bias on the attention output"),
         ("mamba", {"intermediate_size": 96}, "twice the hidden size"),
+        ("qwen", {"no_bias": False}, "no bias on the attention output"),
         ("exaone4", {"sliding_window_pattern": "LG", "sliding_window": 4}, "64 layers"),
     ],
 )

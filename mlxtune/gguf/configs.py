@@ -472,6 +472,11 @@ def _exaone4(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "qwen": lambda g, config, kv_layers: {
+        "kv_channels": config["head_dim"],
+        "layer_norm_epsilon": config["rms_norm_eps"],
+        "no_bias": True,
+    },
     "gpt_neox": lambda g, config, kv_layers: {
         "rotary_emb_base": config["rope_theta"],
         "use_parallel_residual": bool(g.get("use_parallel_residual", True)),

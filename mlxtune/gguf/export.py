@@ -259,7 +259,7 @@ def _names(model, config: dict, where: str) -> dict[str, str]:
 
 
 # architectures whose llama.cpp graph needs an output head even when the model ties it
-NEEDS_OUTPUT = ("internlm2",)
+NEEDS_OUTPUT = ("internlm2", "qwen")
 
 
 def qkv_pieces(g: str, a: np.ndarray, model_type: str, n_head: int, n_kv: int):

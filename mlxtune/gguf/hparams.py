@@ -211,8 +211,15 @@ def _mamba(arg, mt: str) -> str | None:
     return None
 
 
+def _qwen(arg, mt: str) -> str | None:
+    if not arg("no_bias", True):
+        return "llama.cpp's qwen has no bias on the attention output, MLP or head; this model has"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "qwen": _qwen,
     "mamba": _mamba,
     "internlm2": _internlm2,
     "exaone4": _exaone4_layers,
@@ -484,7 +491,7 @@ def add_hparams(w, config: dict, model=None):
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(layers)
     w.add_head_count(n_head)
-    w.add_layer_norm_rms_eps(float(arg("rms_norm_eps") or arg("norm_eps") or 1e-5))
+    w.add_layer_norm_rms_eps(float(arg("rms_norm_eps") or _rms_eps(arg, mt) or 1e-5))
     w.add_vocab_size(config["vocab_size"])
     if mt == "gemma4_text":
         return _add_gemma4(w, args)
@@ -506,6 +513,14 @@ def add_hparams(w, config: dict, model=None):
 UNROPED = ("gpt2", "mamba")
 
 
+def _rms_eps(arg, mt: str) -> float | None:
+    """The RMSNorm epsilon of a family that names it otherwise (Qwen (1)'s
+    layer_norm_epsilon)."""
+    if mt == "qwen":
+        return arg("layer_norm_epsilon")
+    return arg("norm_eps")
+
+
 def _add_rope(w, arg, args, config: dict, head_dim: int) -> None:
     """The rotated share of each head and the RoPE base, as the model was built."""
     rotated = (
@@ -516,6 +531,8 @@ def _add_rope(w, arg, args, config: dict, head_dim: int) -> None:
     )
     w.add_rope_dimension_count(int(rotated))
     theta = getattr(args, "rope_theta", None)  # as the model was built (config normalised)
+    if theta is None and config["model_type"] == "qwen":
+        theta = 10000.0  # mlx-lm's Qwen (1) rotates at MLX's default base, whatever the config
     if theta is None:
         theta = arg("rotary_emb_base")  # GPT-NeoX's
     theta = float(theta) if theta is not None else rope_base(config)

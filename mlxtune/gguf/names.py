@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "qwen": Family("qwen"),
     "mamba": Family("mamba"),
     "gpt_neox": Family("gptneox"),
     "internlm2": Family("internlm2", permuted=True),
