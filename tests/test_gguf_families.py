@@ -75,6 +75,8 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "apertus": {"tie_word_embeddings": True},
+    "exaone": {},
     "qwen": {},
     "mamba": {},
     "gpt_neox": {},
@@ -169,9 +171,15 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
     # the embedding where llama.cpp's architecture reads a head of its own
     tied = "output.weight" in t and np.array_equal(t["output.weight"], t["token_embd.weight"])
     extra = {"rope_freqs.weight"} | ({"output.weight"} if tied else set())
-    assert sum(v.size for n, v in t.items() if n not in extra) == sum(
+    # Apertus's xIELU parameters: one value per layer in metadata arrays
+    xielu = sum(len(f[k]) for k in f if k.startswith("xielu."))
+    assert sum(v.size for n, v in t.items() if n not in extra) + xielu == sum(
         v.size for _, v in tree_flatten(model.parameters())
     )
+    if name == "apertus":
+        for key in ("alpha_p", "alpha_n", "beta", "eps"):
+            held = [float(getattr(layer.mlp.act_fn, key)) for layer in model.layers]
+            np.testing.assert_allclose(np.asarray(f[f"xielu.{key}"]), held, rtol=1e-6)
     experts = (
         config.get("num_experts")
         or config.get("num_local_experts")
@@ -236,6 +244,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("internlm2", {"bias": True}, "no bias on the attention output"),
         ("mamba", {"intermediate_size": 96}, "twice the hidden size"),
         ("qwen", {"no_bias": False}, "no bias on the attention output"),
+        ("exaone", {"mlp_bias": True}, "attention_bias or mlp_bias"),
         ("exaone4", {"sliding_window_pattern": "LG", "sliding_window": 4}, "64 layers"),
     ],
 )

@@ -472,6 +472,9 @@ def _exaone4(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    # mlx-lm's Apertus normalises q and k whatever its flags say (and llama.cpp's alike)
+    "apertus": lambda g, config, kv_layers: {"post_norm": False, "qk_norm": True},
+    "exaone": lambda g, config, kv_layers: {"layer_norm_epsilon": config["rms_norm_eps"]},
     "qwen": lambda g, config, kv_layers: {
         "kv_channels": config["head_dim"],
         "layer_norm_epsilon": config["rms_norm_eps"],

@@ -259,7 +259,7 @@ def _names(model, config: dict, where: str) -> dict[str, str]:
 
 
 # architectures whose llama.cpp graph needs an output head even when the model ties it
-NEEDS_OUTPUT = ("internlm2", "qwen")
+NEEDS_OUTPUT = ("internlm2", "qwen", "apertus")
 
 
 def qkv_pieces(g: str, a: np.ndarray, model_type: str, n_head: int, n_kv: int):
@@ -324,9 +324,13 @@ def write_gguf_model(
         _copy_tokenizer(w, Path(tokenizer_gguf), template if isinstance(template, str) else None)
     else:
         _add_tokenizer(w, tokenizer_dir, tokenizer)
-    shapes = {}
+    shapes, xielu = {}, {}
     for hf, v in tree_flatten(model.parameters()):
         held = np.array(v.astype(mx.float32))
+        if ".xielu." in names[hf]:  # Apertus: one value per layer, as metadata
+            block, key = names[hf].split(".")[1], names[hf].rsplit(".", 1)[-1]
+            xielu.setdefault(key, {})[int(block)] = float(held.reshape(-1)[0])
+            continue
         for g, a in qkv_pieces(names[hf], held, config["model_type"], n_head, n_kv):
             a = to_gguf(a, g, family, n_head, n_kv)
             if family.arch in ("qwen35", "qwen35moe"):
@@ -356,6 +360,8 @@ def write_gguf_model(
             data, raw = _tensor_array(a, kind)
             w.add_tensor(g, data, raw_dtype=raw)
             shapes[g] = a.shape[::-1]
+    for key, values in xielu.items():
+        getattr(w, f"add_xielu_{key}")([values[i] for i in sorted(values)])
     if family.arch in NEEDS_OUTPUT and "output.weight" not in shapes:
         # a tied model: llama.cpp's architecture reads a head of its own, the embedding's copy
         embed = next(

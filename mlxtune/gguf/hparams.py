@@ -217,8 +217,25 @@ def _qwen(arg, mt: str) -> str | None:
     return None
 
 
+def _exaone(arg, mt: str) -> str | None:
+    if arg("attention_bias") or arg("mlp_bias"):
+        return (
+            "llama.cpp's exaone has no bias on the attention output or the MLP; this model's "
+            "attention_bias or mlp_bias is set"
+        )
+    return _rotate_half(arg, mt)
+
+
+def _apertus(arg, mt: str) -> str | None:
+    if arg("mlp_bias"):
+        return "llama.cpp's apertus has no bias on the MLP; this model's mlp_bias is set"
+    return _rotate_half(arg, mt)
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "apertus": _apertus,
+    "exaone": _exaone,
     "qwen": _qwen,
     "mamba": _mamba,
     "internlm2": _internlm2,
@@ -516,7 +533,7 @@ UNROPED = ("gpt2", "mamba")
 def _rms_eps(arg, mt: str) -> float | None:
     """The RMSNorm epsilon of a family that names it otherwise (Qwen (1)'s
     layer_norm_epsilon)."""
-    if mt == "qwen":
+    if mt in ("qwen", "exaone"):
         return arg("layer_norm_epsilon")
     return arg("norm_eps")
 

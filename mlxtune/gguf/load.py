@@ -40,6 +40,7 @@ from .tensors import (
     shared_gate_up_join,
     ssm_from_gguf,
     unpermute_qk,
+    xielu_from_gguf,
 )
 
 GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
@@ -191,6 +192,8 @@ def load_gguf(
         shared_gate_up_join(g, config)
     if g.arch in ("qwen35", "qwen35moe"):
         qwen35_from_gguf(g, config["text_config"])
+    if g.arch == "apertus":
+        xielu_from_gguf(g, config)
     if text_type in QKV_LAYOUT:  # the family holds q/k/v as one projection
         family = FAMILIES[text_type]
         qkv_from_gguf(g, config, QKV_LAYOUT[text_type], family.permuted)

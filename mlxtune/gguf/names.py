@@ -73,6 +73,8 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "apertus": Family("apertus"),
+    "exaone": Family("exaone"),
     "qwen": Family("qwen"),
     "mamba": Family("mamba"),
     "gpt_neox": Family("gptneox"),
@@ -87,6 +89,9 @@ FAMILIES = {
 # attn_q/k/v): "contiguous" all q rows, then k, then v; "per_head" q, k, v of each head in
 # turn (GPT-NeoX); "grouped" each kv head's q rows, then its k and v (InternLM 2)
 QKV_LAYOUT = {"internlm2": "grouped", "gpt_neox": "per_head"}
+# Apertus's xIELU parameters: metadata arrays in llama.cpp (one value per layer), held here
+# under these names between the model and the file
+XIELU = ("alpha_p", "alpha_n", "beta", "eps")
 _FUSED_QKV = ("wqkv", "query_key_value", "c_attn", "qkv_proj", "Wqkv")
 # Granite's shared MLP holds gate and up in one matrix; llama.cpp holds two (split on export)
 SHARED_GATE_UP = "ffn_gate_up_shexp"
@@ -170,6 +175,9 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
     ):  # split on export (tensors.qkv_split), joined on import
         block = next((p for p in parts if p.isdigit()), None)
         return None if block is None else f"blk.{int(block)}.attn_qkv.{parts[-1]}"
+    if family.arch == "apertus" and parts[-2:-1] == ["act_fn"] and parts[-1] in XIELU:
+        block = next((p for p in parts if p.isdigit()), None)
+        return None if block is None else f"blk.{int(block)}.xielu.{parts[-1]}"
     if hf.endswith("shared_mlp.input_linear.weight") and parts[2].isdigit():
         return f"blk.{int(parts[2])}.{SHARED_GATE_UP}.weight"
     module = parts[-2] if len(parts) >= 2 else ""

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import UserInputError
 from .file import GGUFTensor
-from .names import SHARED_GATE_UP
+from .names import SHARED_GATE_UP, XIELU
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -260,6 +260,19 @@ def plain_tensor(name: str, a: np.ndarray) -> GGUFTensor:
     """A float32 tensor made here, held as the file's plain tensors are."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     return GGUFTensor(name, 0, tuple(reversed(a.shape)), a)
+
+
+def xielu_from_gguf(g, config: dict) -> None:
+    """Apertus's xIELU parameters, metadata arrays in the file, as the model's per-layer
+    scalars."""
+    for key in XIELU:
+        values = g.fields.get(f"xielu.{key}")
+        if values is None:
+            raise UserInputError(f"the metadata has no xielu.{key}", str(g.path))
+        values = [float(x) for x in values]
+        for i in range(config["num_hidden_layers"]):
+            name = f"blk.{i}.xielu.{key}"
+            g.tensors[name] = GGUFTensor(name, 0, (), np.array(values[i], dtype=np.float32))
 
 
 def shared_gate_up_join(g, config: dict) -> None:
