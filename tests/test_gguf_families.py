@@ -75,6 +75,7 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "openelm": {"num_query_heads": [4, 2], "num_kv_heads": [2, 1]},  # per layer
     "apertus": {"tie_word_embeddings": True},
     "exaone": {},
     "qwen": {},
@@ -245,6 +246,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("mamba", {"intermediate_size": 96}, "twice the hidden size"),
         ("qwen", {"no_bias": False}, "no bias on the attention output"),
         ("exaone", {"mlp_bias": True}, "attention_bias or mlp_bias"),
+        ("openelm", {"share_input_output_layers": False}, "ties the head"),
         ("exaone4", {"sliding_window_pattern": "LG", "sliding_window": 4}, "64 layers"),
     ],
 )

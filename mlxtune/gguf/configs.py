@@ -13,7 +13,7 @@ from .hparams import STANDARD_NAMES
 from .names import FAMILIES as NAMED
 from .rope import rope_settings
 from .tensors import dequantized
-from .whole import mamba2_config, mamba_config, mla_config, nemotron_h_config
+from .whole import mamba2_config, mamba_config, mla_config, nemotron_h_config, openelm_config
 
 if TYPE_CHECKING:
     from .load import GGUFModelFile
@@ -35,6 +35,7 @@ FAMILIES.update({"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_mo
 
 # architectures whose config is built whole (no common attention keys to read)
 _WHOLE = {
+    "openelm": openelm_config,
     "mamba": mamba_config,
     "mamba2": mamba2_config,
     "deepseek2": mla_config,

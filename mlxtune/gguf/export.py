@@ -36,8 +36,8 @@ from .hparams import (
 from .names import (
     DTYPES,
     FAMILIES,
+    GATE_UP,
     QKV_LAYOUT,
-    SHARED_GATE_UP,
     gguf_name,
     llama_cpp_arch,
     separate_qkv,
@@ -262,6 +262,17 @@ def _names(model, config: dict, where: str) -> dict[str, str]:
 NEEDS_OUTPUT = ("internlm2", "qwen", "apertus")
 
 
+def gate_up_split(g: str, a: np.ndarray):
+    """A joined gate-then-up matrix (or an adapter's B rows) as llama.cpp's two tensors, or
+    None for any other tensor."""
+    for joined, (gate_name, up_name) in GATE_UP.items():
+        if g.endswith(f".{joined}.weight"):
+            block = g[: -len(f"{joined}.weight")]
+            gate, up = np.split(a, 2, axis=0)
+            return [(f"{block}{gate_name}.weight", gate), (f"{block}{up_name}.weight", up)]
+    return None
+
+
 def qkv_pieces(g: str, a: np.ndarray, model_type: str, n_head: int, n_kv: int):
     """[(GGUF name, rows)]: a fused q/k/v projection (weight, bias or an adapter's B) as
     llama.cpp's converter writes it, three tensors; any other tensor as it is."""
@@ -340,13 +351,7 @@ def write_gguf_model(
             split = (
                 qwen3_next_split(a, g, model_args(model)) if family.arch == "qwen3next" else None
             )
-            if g.endswith(f"{SHARED_GATE_UP}.weight"):  # gate rows, then up rows
-                gate, up = np.split(a, 2, axis=0)
-                block = g[: -len(f"{SHARED_GATE_UP}.weight")]
-                split = [
-                    (f"{block}ffn_gate_shexp.weight", gate),
-                    (f"{block}ffn_up_shexp.weight", up),
-                ]
+            split = gate_up_split(g, a) or split  # gate rows, then up rows
             if split is not None:
                 for g2, a2 in split:
                     data, raw = _tensor_array(np.ascontiguousarray(a2, dtype=np.float32), dtype)
@@ -429,10 +434,7 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
         ]
         if arch == "qwen3next":  # the fused projection is two tensors there: B's rows split
             pairs = qwen3_next_split(b, g, model_args(model)) or pairs
-        if g.endswith(f"{SHARED_GATE_UP}.weight"):  # B's rows: the gate's, then the up's
-            block = g[: -len(f"{SHARED_GATE_UP}.weight")]
-            gate, up = np.split(b, 2, axis=0)
-            pairs = [(f"{block}ffn_gate_shexp.weight", gate), (f"{block}ffn_up_shexp.weight", up)]
+        pairs = gate_up_split(g, b) or pairs  # B's rows: the gate's, then the up's
         if arch in ("qwen35", "qwen35moe"):  # V heads tiled in B's rows (ssm_out: A's columns)
             a = np.ascontiguousarray(qwen35_to_gguf(a, g, model_args(model), "a"))
             pairs = [(g, qwen35_to_gguf(b, g, model_args(model), "b"))]

@@ -232,8 +232,20 @@ def _apertus(arg, mt: str) -> str | None:
     return _rotate_half(arg, mt)
 
 
+def _openelm(arg, mt: str) -> str | None:
+    for key, what in (
+        ("normalize_qk_projections", "normalises queries and keys"),
+        ("share_input_output_layers", "ties the head to the embedding"),
+        ("ffn_with_glu", "gates its MLP"),
+    ):
+        if not arg(key, True):
+            return f"llama.cpp's openelm {what}; this model's {key} is off"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "openelm": _openelm,
     "apertus": _apertus,
     "exaone": _exaone,
     "qwen": _qwen,
@@ -498,6 +510,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_mamba2(w, args)
     if mt == "mamba":
         return _add_mamba(w, args)
+    if mt == "openelm":
+        return _add_openelm(w, model)
     if FAMILIES[mt].arch == "deepseek2":
         return _add_mla(w, args)
     if mt == "nemotron_h":
@@ -681,6 +695,25 @@ def _add_mamba(w, args) -> None:
     w.add_ssm_time_step_rank(int(args.time_step_rank))
     w.add_ssm_dt_b_c_rms(bool(args.use_bcdt_rms))
     w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(int(args.vocab_size))
+
+
+def _add_openelm(w, model) -> None:
+    """OpenELM as llama.cpp's openelm reads it: heads and MLP widths per layer."""
+    args = model.args
+    layers = int(args.num_transformer_layers)
+    ffn = [int(layer.ffn.proj_2.weight.shape[1]) for layer in model.layers]  # as built
+    w.add_context_length(int(getattr(args, "max_context_length", None) or 2048))
+    w.add_embedding_length(int(args.model_dim))
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count([int(n) for n in args.num_query_heads])
+    w.add_head_count_kv([int(n) for n in args.num_kv_heads])
+    w.add_rope_freq_base(float(args.rope_freq_constant))
+    w.add_rope_dimension_count(int(args.head_dim))
+    w.add_key_length(int(args.head_dim))
+    w.add_value_length(int(args.head_dim))
+    w.add_layer_norm_rms_eps(float(args.rms_norm_eps))
     w.add_vocab_size(int(args.vocab_size))
 
 

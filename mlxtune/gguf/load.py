@@ -34,10 +34,10 @@ from .file import GGUFFile, open_gguf
 from .names import ARCHES, FAMILIES, NORM_PLUS_ONE, QKV_LAYOUT, gguf_name
 from .tensors import (
     dequantized,
+    gate_up_join,
     qkv_from_gguf,
     qwen3_next_join,
     qwen35_from_gguf,
-    shared_gate_up_join,
     ssm_from_gguf,
     unpermute_qk,
     xielu_from_gguf,
@@ -189,7 +189,9 @@ def load_gguf(
     if g.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid"):
         ssm_from_gguf(g, config)
     if g.arch == "granitehybrid":
-        shared_gate_up_join(g, config)
+        gate_up_join(g, config["num_hidden_layers"], "ffn_gate_up_shexp")
+    if g.arch == "openelm":
+        gate_up_join(g, config["num_transformer_layers"], "ffn_gate_up")
     if g.arch in ("qwen35", "qwen35moe"):
         qwen35_from_gguf(g, config["text_config"])
     if g.arch == "apertus":

@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "openelm": Family("openelm"),
     "apertus": Family("apertus"),
     "exaone": Family("exaone"),
     "qwen": Family("qwen"),
@@ -95,6 +96,12 @@ XIELU = ("alpha_p", "alpha_n", "beta", "eps")
 _FUSED_QKV = ("wqkv", "query_key_value", "c_attn", "qkv_proj", "Wqkv")
 # Granite's shared MLP holds gate and up in one matrix; llama.cpp holds two (split on export)
 SHARED_GATE_UP = "ffn_gate_up_shexp"
+# a joined gate-then-up matrix -> the two tensors llama.cpp's converter splits it into
+# (Granite's shared MLP; OpenELM's proj_1)
+GATE_UP = {
+    SHARED_GATE_UP: ("ffn_gate_shexp", "ffn_up_shexp"),
+    "ffn_gate_up": ("ffn_gate", "ffn_up"),
+}
 # multi-head latent attention's per-head factors (mlx-lm's split of kv_b_proj) -> llama.cpp's
 _MLA = {"embed_q": "ATTN_K_B", "unembed_out": "ATTN_V_B"}
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
@@ -180,6 +187,8 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
         return None if block is None else f"blk.{int(block)}.xielu.{parts[-1]}"
     if hf.endswith("shared_mlp.input_linear.weight") and parts[2].isdigit():
         return f"blk.{int(parts[2])}.{SHARED_GATE_UP}.weight"
+    if family.arch == "openelm" and hf.endswith("ffn.proj_1.weight") and parts[2].isdigit():
+        return f"blk.{int(parts[2])}.ffn_gate_up.weight"
     module = parts[-2] if len(parts) >= 2 else ""
     if module in _MLA and parts[-1] == "weight" and len(parts) >= 3 and parts[2].isdigit():
         tensor = getattr(gguf.MODEL_TENSOR, _MLA[module])

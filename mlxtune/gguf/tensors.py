@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import UserInputError
 from .file import GGUFTensor
-from .names import SHARED_GATE_UP, XIELU
+from .names import GATE_UP, XIELU
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -275,11 +275,13 @@ def xielu_from_gguf(g, config: dict) -> None:
             g.tensors[name] = GGUFTensor(name, 0, (), np.array(values[i], dtype=np.float32))
 
 
-def shared_gate_up_join(g, config: dict) -> None:
-    """Granite's shared MLP back as one gate-then-up matrix (the export splits it in two)."""
-    for i in range(config["num_hidden_layers"]):
-        gate = g.tensors.pop(f"blk.{i}.ffn_gate_shexp.weight", None)
+def gate_up_join(g, layers: int, joined: str) -> None:
+    """A joined gate-then-up matrix back from llama.cpp's two tensors (Granite's shared MLP,
+    OpenELM's proj_1: the export splits them)."""
+    gate_name, up_name = GATE_UP[joined]
+    for i in range(layers):
+        gate = g.tensors.pop(f"blk.{i}.{gate_name}.weight", None)
         if gate is not None:
-            up = dequantized(g.tensors.pop(f"blk.{i}.ffn_up_shexp.weight"))
-            name = f"blk.{i}.{SHARED_GATE_UP}.weight"
+            up = dequantized(g.tensors.pop(f"blk.{i}.{up_name}.weight"))
+            name = f"blk.{i}.{joined}.weight"
             g.tensors[name] = plain_tensor(name, np.concatenate([dequantized(gate), up]))

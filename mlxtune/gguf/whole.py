@@ -113,6 +113,35 @@ def mla_config(g: GGUFModelFile, need) -> dict:
     return config
 
 
+def openelm_config(g: GGUFModelFile, need) -> dict:
+    """OpenELM's config from what llama.cpp's openelm reads: heads and MLP widths per layer
+    (each width as its multiplier of the model's, rounded to 1)."""
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    dim, layers = int(need("embedding_length")), int(need("block_count"))
+
+    def per_layer(key):
+        v = need(key)
+        return [int(x) for x in v] if not isinstance(v, int) else [int(v)] * layers
+
+    return {
+        "model_type": "openelm",
+        "architectures": [hf_architecture("openelm")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "model_dim": dim,
+        "num_transformer_layers": layers,
+        "head_dim": int(need("attention.key_length")),
+        "num_query_heads": per_layer("attention.head_count"),
+        "num_kv_heads": per_layer("attention.head_count_kv"),
+        "ffn_multipliers": [f / dim for f in per_layer("feed_forward_length")],
+        "ffn_dim_divisor": 1,
+        "rope_freq_constant": float(g.get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_context_length": int(g.get("context_length", 2048)),
+    }
+
+
 def mamba_config(g: GGUFModelFile, need) -> dict:
     """Mamba 1's config from what llama.cpp's mamba reads (no attention, no MLP)."""
     embd = g.tensors.get("token_embd.weight")
