@@ -75,6 +75,8 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "deepseek_v2": {},
+    "youtu_llm": {},
     "openelm": {"num_query_heads": [4, 2], "num_kv_heads": [2, 1]},  # per layer
     "apertus": {"tie_word_embeddings": True},
     "exaone": {},
@@ -132,7 +134,7 @@ def tiny(name, vocab):
 
 
 # the default run reads back one family of each kind; -m slow (and -m llama_cpp) all of them
-QUICK = {"mixtral", "gemma3_text", "lfm2", "qwen3_next", "deepseek_v3", "nemotron_h", "gpt_oss"}
+QUICK = {"mixtral", "gemma3_text", "lfm2", "qwen3_next", "deepseek_v2", "nemotron_h", "gpt_oss"}
 
 
 @pytest.fixture(
@@ -247,6 +249,11 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("qwen", {"no_bias": False}, "no bias on the attention output"),
         ("exaone", {"mlp_bias": True}, "attention_bias or mlp_bias"),
         ("openelm", {"share_input_output_layers": False}, "ties the head"),
+        (
+            "deepseek_v2",
+            {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+            "ranks expert groups",
+        ),
         ("exaone4", {"sliding_window_pattern": "LG", "sliding_window": 4}, "64 layers"),
     ],
 )
@@ -309,6 +316,10 @@ def adapted(name, vocab):
         "input_linear",  # Granite's shared MLP
     ]  # fmt: skip
     targets = [n for n in beside_experts if n in present] if moe else ["all-linear"]
+    # llama.cpp's deepseek2 applies no adapter to multi-head latent attention's projections
+    mla = {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
+    if "kv_a_proj_with_mqa" in present:
+        targets = sorted((set(targets) if moe else present) - mla - {"lm_head"})
     apply_adapters(model, "lora", 4, 8.0, 0.0, targets)
     for _, m in model.named_modules():
         if isinstance(m, LoRALinear):
@@ -341,6 +352,18 @@ def test_llama_cpp_applies_the_gguf_adapter_of_each_family(
     llm.eval(IDS)
     got = np.array(llm.scores[: len(IDS)])
     np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
+
+
+def test_a_gguf_adapter_where_llama_cpp_applies_none_is_refused_by_name(tmp_path, tokenizer):
+    from mlxtune.adapters import apply_adapters
+    from mlxtune.gguf.export import write_gguf_adapter
+
+    for name, target in (("youtu_llm", "kv_b_proj"), ("deepseek_v3", "q_a_proj")):
+        model, config = tiny(name, len(tokenizer._tokenizer))
+        apply_adapters(model, "lora", 4, 8.0, 0.0, [target])
+        with pytest.raises(UserInputError, match=f"{target} is attn_.* without applying LoRA"):
+            write_gguf_adapter(model, config, 8.0, tmp_path)
+    assert not list(tmp_path.glob("*.gguf"))
 
 
 def test_a_gguf_adapter_of_expert_adapters_is_refused_by_name(tmp_path, tokenizer):

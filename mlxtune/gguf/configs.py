@@ -365,7 +365,7 @@ def _ministral3(g, config, kv_layers) -> dict:  # its RoPE settings go in rope_p
     scaling = config.get("rope_scaling") or {}
     rp = {"rope_type": "default", "rope_theta": config["rope_theta"]}
     if scaling.get("rope_type") == "yarn":
-        log_mul = float(g.get("rope.scaling.yarn_log_mul", 1.0))
+        log_mul = float(g.get("rope.scaling.yarn_log_multiplier", 1.0))
         rp = {**scaling, **rp, "rope_type": "yarn", "mscale": log_mul, "mscale_all_dim": log_mul}
         beta = g.get("attention.temperature_scale")
         if beta is not None:

@@ -37,13 +37,16 @@ from .names import (
     DTYPES,
     FAMILIES,
     GATE_UP,
+    NO_ADAPTER,
     QKV_LAYOUT,
+    RUNS_OTHERWISE,
     gguf_name,
     llama_cpp_arch,
     separate_qkv,
 )
 from .tensors import (
     gemma4_rope_freqs,
+    mla_split,
     permute_qk,
     qkv_split,
     qwen3_next_split,
@@ -56,6 +59,8 @@ from .tokenizer import EXPORT_PRE_NAMES
 
 def _arch(config: dict) -> tuple[str, bool]:
     mt = config.get("model_type")
+    if mt in RUNS_OTHERWISE:
+        raise UserInputError(RUNS_OTHERWISE[mt], "export --format gguf")
     if mt not in FAMILIES:
         arch = llama_cpp_arch(str(mt))
         why = (
@@ -352,6 +357,8 @@ def write_gguf_model(
                 qwen3_next_split(a, g, model_args(model)) if family.arch == "qwen3next" else None
             )
             split = gate_up_split(g, a) or split  # gate rows, then up rows
+            if family.arch == "deepseek2":  # a whole kv_b_proj: per-head key and value parts
+                split = mla_split(a, g, model_args(model)) or split
             if split is not None:
                 for g2, a2 in split:
                     data, raw = _tensor_array(np.ascontiguousarray(a2, dtype=np.float32), dtype)
@@ -425,6 +432,14 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
             b = permute_qk(b, n_head)
         elif permute and g.endswith("attn_k.weight"):
             b = permute_qk(b, n_kv)
+        tensor = g.removesuffix(".weight").split(".")[-1]
+        if tensor in NO_ADAPTER.get(arch, ()):
+            raise UserInputError(
+                f"{mod_name} is {tensor} in llama.cpp's {arch}, which its graph multiplies "
+                "without applying LoRA adapters; export gguf (fused) instead, or leave "
+                f"{mod_name.rsplit('.', 1)[-1]} out of adapter.targets",
+                where,
+            )
         pairs = qkv_pieces(g, b, config["model_type"], n_head, n_kv)
         pairs = [
             (g_, permute_qk(b_, n_head if g_.endswith("attn_q.weight") else n_kv))

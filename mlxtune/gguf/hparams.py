@@ -34,7 +34,9 @@ def standard_config(config: dict) -> dict:
 
 
 def model_args(model):
-    return getattr(model, "args", None)
+    """The ModelArgs a model was built with (``args``; Youtu's ``config``)."""
+    args = getattr(model, "args", None)
+    return args if args is not None else getattr(model, "config", None)
 
 
 def _routing(arg, mt: str) -> str | None:
@@ -243,8 +245,37 @@ def _openelm(arg, mt: str) -> str | None:
     return None
 
 
+def _deepseek_v2(arg, mt: str) -> str | None:
+    if arg("topk_method") == "group_limited_greedy" and int(arg("n_group") or 1) > 1:
+        return (
+            "llama.cpp's deepseek2 ranks expert groups by their two best scores and mlx-lm's "
+            "DeepSeek-V2 by the best one; this model routes by group (group_limited_greedy)"
+        )
+    if arg("n_routed_experts") and not arg("n_shared_experts"):
+        return (
+            "llama.cpp's deepseek2 reads shared experts beside the routed ones; this model has none"
+        )
+    if int(arg("moe_layer_freq", 1)) != 1:
+        return "llama.cpp's deepseek2 puts experts in every layer after the dense ones; this model does not"
+    if arg("attention_bias"):
+        return "llama.cpp's deepseek2 has no attention biases; this model has"
+    return None
+
+
+def _youtu(arg, mt: str) -> str | None:
+    if not arg("rope_traditional", True):
+        return (
+            "llama.cpp's deepseek2 rotates interleaved pairs; this model's rope_traditional is off"
+        )
+    if arg("attention_bias") or arg("mlp_bias"):
+        return "llama.cpp's deepseek2 has no biases; this model has"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "deepseek_v2": _deepseek_v2,
+    "youtu_llm": _youtu,
     "openelm": _openelm,
     "apertus": _apertus,
     "exaone": _exaone,
@@ -513,7 +544,7 @@ def add_hparams(w, config: dict, model=None):
     if mt == "openelm":
         return _add_openelm(w, model)
     if FAMILIES[mt].arch == "deepseek2":
-        return _add_mla(w, args)
+        return _add_mla(w, args, mt)
     if mt == "nemotron_h":
         return _add_nemotron_h(w, args)
     n_head, n_kv, head_dim = head_counts(config)
@@ -573,12 +604,15 @@ def _add_rope(w, arg, args, config: dict, head_dim: int) -> None:
     w.add_rope_freq_base(theta)
 
 
-def _add_mla(w, args) -> None:
-    """DeepSeek-V3's multi-head latent attention and routing as llama.cpp's deepseek2 reads
-    them: one latent kv head of kv_lora_rank + the rotary part, decompressed per head."""
+def _add_mla(w, args, mt: str) -> None:
+    """Multi-head latent attention and routing as llama.cpp's deepseek2 reads them: one latent
+    kv head of kv_lora_rank + the rotary part, decompressed per head. DeepSeek-V3's sigmoid
+    routing, DeepSeek-V2's softmax one (never renormalised in mlx-lm), or no experts at all
+    (Youtu)."""
     import gguf
 
     layers = int(args.num_hidden_layers)
+    experts = int(getattr(args, "n_routed_experts", None) or 0)
     w.add_context_length(int(args.max_position_embeddings))
     w.add_embedding_length(int(args.hidden_size))
     w.add_block_count(layers)
@@ -589,27 +623,30 @@ def _add_mla(w, args) -> None:
     w.add_vocab_size(int(args.vocab_size))
     w.add_rope_freq_base(float(args.rope_theta))
     w.add_rope_dimension_count(int(args.qk_rope_head_dim))
-    w.add_leading_dense_block_count(int(args.first_k_dense_replace))
-    if args.q_lora_rank is not None:
-        w.add_q_lora_rank(int(args.q_lora_rank))
+    dense_lead = int(getattr(args, "first_k_dense_replace", 0)) if experts else layers
+    w.add_leading_dense_block_count(dense_lead)
+    w.add_q_lora_rank(int(args.q_lora_rank or 0))  # 0: one q projection
     w.add_kv_lora_rank(int(args.kv_lora_rank))
     w.add_key_length(int(args.kv_lora_rank + args.qk_rope_head_dim))
     w.add_value_length(int(args.kv_lora_rank))
     w.add_key_length_mla(int(args.qk_nope_head_dim + args.qk_rope_head_dim))
     w.add_value_length_mla(int(args.v_head_dim))
-    w.add_expert_feed_forward_length(int(args.moe_intermediate_size))
-    w.add_expert_count(int(args.n_routed_experts))
+    w.add_expert_feed_forward_length(int(getattr(args, "moe_intermediate_size", 0) or 0))
+    w.add_expert_shared_count(int(getattr(args, "n_shared_experts", None) or 0))
+    if not experts:
+        return
+    w.add_expert_count(experts)
     w.add_expert_used_count(int(args.num_experts_per_tok))
-    w.add_expert_shared_count(int(args.n_shared_experts or 0))
     w.add_expert_weights_scale(float(getattr(args, "routed_scaling_factor", 1.0)))
-    if getattr(args, "norm_topk_prob", False):
+    if mt != "deepseek_v2" and getattr(args, "norm_topk_prob", False):
         w.add_expert_weights_norm(True)
-    sigmoid = getattr(args, "scoring_func", "softmax") == "sigmoid"  # DeepSeek-V2: softmax
+    sigmoid = mt != "deepseek_v2" and getattr(args, "scoring_func", "sigmoid") == "sigmoid"
     w.add_expert_gating_func(
         gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX
     )
-    w.add_expert_group_count(int(getattr(args, "n_group", None) or 1))
-    w.add_expert_group_used_count(int(getattr(args, "topk_group", None) or 1))
+    grouped = mt != "deepseek_v2" or getattr(args, "topk_method", "") == "group_limited_greedy"
+    w.add_expert_group_count(int(getattr(args, "n_group", None) or 1) if grouped else 1)
+    w.add_expert_group_used_count(int(getattr(args, "topk_group", None) or 1) if grouped else 1)
 
 
 def _pattern(value) -> str:

@@ -35,6 +35,7 @@ from .names import ARCHES, FAMILIES, NORM_PLUS_ONE, QKV_LAYOUT, gguf_name
 from .tensors import (
     dequantized,
     gate_up_join,
+    mla_join,
     qkv_from_gguf,
     qwen3_next_join,
     qwen35_from_gguf,
@@ -194,6 +195,8 @@ def load_gguf(
         gate_up_join(g, config["num_transformer_layers"], "ffn_gate_up")
     if g.arch in ("qwen35", "qwen35moe"):
         qwen35_from_gguf(g, config["text_config"])
+    if config["model_type"] in ("deepseek_v2", "youtu_llm"):  # kv_b_proj held whole
+        mla_join(g, config)
     if g.arch == "apertus":
         xielu_from_gguf(g, config)
     if text_type in QKV_LAYOUT:  # the family holds q/k/v as one projection

@@ -73,6 +73,8 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "deepseek_v2": Family("deepseek2"),
+    "youtu_llm": Family("deepseek2"),
     "openelm": Family("openelm"),
     "apertus": Family("apertus"),
     "exaone": Family("exaone"),
@@ -90,12 +92,22 @@ FAMILIES = {
 # attn_q/k/v): "contiguous" all q rows, then k, then v; "per_head" q, k, v of each head in
 # turn (GPT-NeoX); "grouped" each kv head's q rows, then its k and v (InternLM 2)
 QKV_LAYOUT = {"internlm2": "grouped", "gpt_neox": "per_head"}
+# tensors an architecture's llama.cpp graph multiplies by without applying LoRA adapters (a
+# GGUF adapter there would be ignored): multi-head latent attention's projections
+NO_ADAPTER = {
+    "deepseek2": ("attn_q_a", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_kv_b", "output"),
+}
 # Apertus's xIELU parameters: metadata arrays in llama.cpp (one value per layer), held here
 # under these names between the model and the file
 XIELU = ("alpha_p", "alpha_n", "beta", "eps")
 _FUSED_QKV = ("wqkv", "query_key_value", "c_attn", "qkv_proj", "Wqkv")
 # Granite's shared MLP holds gate and up in one matrix; llama.cpp holds two (split on export)
 SHARED_GATE_UP = "ffn_gate_up_shexp"
+# model types llama.cpp names an architecture for but would run otherwise than mlx-lm (or
+# not at all), with the reason: the GGUF export refuses them by name
+RUNS_OTHERWISE = {
+    "gptj": "llama.cpp lists 'gptj' but has no model for it (its loader refuses the architecture)",
+}
 # a joined gate-then-up matrix -> the two tensors llama.cpp's converter splits it into
 # (Granite's shared MLP; OpenELM's proj_1)
 GATE_UP = {

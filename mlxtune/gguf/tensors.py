@@ -74,6 +74,34 @@ def qkv_from_gguf(g, config: dict, layout: str, permuted: bool) -> None:
             g.tensors[fused] = plain_tensor(fused, qkv_join(q, k, v, layout, n_head, n_kv))
 
 
+def mla_split(a: np.ndarray, g: str, args):
+    """A whole kv_b_proj (DeepSeek-V2's, Youtu's) as llama.cpp's converter splits it, or None
+    for any other tensor: per head, the key part transposed [heads, kv_lora, nope]
+    (attn_k_b) and the value part [heads, v, kv_lora] (attn_v_b)."""
+    if not g.endswith("attn_kv_b.weight"):
+        return None
+    heads, nope = int(args.num_attention_heads), int(args.qk_nope_head_dim)
+    per_head = a.reshape(heads, -1, a.shape[-1])
+    block = g[: -len("attn_kv_b.weight")]
+    return [
+        (f"{block}attn_k_b.weight", per_head[:, :nope].swapaxes(1, 2)),
+        (f"{block}attn_v_b.weight", per_head[:, nope:]),
+    ]
+
+
+def mla_join(g, config: dict) -> None:
+    """A whole kv_b_proj back from llama.cpp's per-head key and value parts (the export's
+    inverse)."""
+    for i in range(config["num_hidden_layers"]):
+        k_b = g.tensors.pop(f"blk.{i}.attn_k_b.weight", None)
+        if k_b is None:
+            continue
+        v_b = dequantized(g.tensors.pop(f"blk.{i}.attn_v_b.weight"))
+        k_b = dequantized(k_b).swapaxes(1, 2)  # [heads, nope, kv_lora]
+        whole = np.concatenate([k_b, v_b], axis=1).reshape(-1, v_b.shape[-1])
+        g.tensors[f"blk.{i}.attn_kv_b.weight"] = plain_tensor(f"blk.{i}.attn_kv_b.weight", whole)
+
+
 def ssm_to_gguf(a: np.ndarray, g: str, args, arch: str = "mamba2") -> np.ndarray:
     """A Mamba tensor as llama.cpp's converter writes it: A as -exp(A_log); in Mamba 2's
     layout D and A as columns [heads, 1] and the gated norm per group [groups, inner / groups]

@@ -47,9 +47,9 @@ def nemotron_h_config(g: GGUFModelFile, need) -> dict:
         "use_bias": False,
         "use_conv_bias": has("blk.0.ssm_conv1d.bias"),
         "layer_norm_epsilon": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "n_routed_experts": int(need("expert_count")),
-        "num_experts_per_tok": int(need("expert_used_count")),
-        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "n_routed_experts": int(g.get("expert_count", 0)),
+        "num_experts_per_tok": int(g.get("expert_used_count", 0)),
+        "moe_intermediate_size": int(g.get("expert_feed_forward_length", 0)),
         "moe_shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length", 0)),
         "n_shared_experts": int(g.get("expert_shared_count", 0)),
         "norm_topk_prob": bool(g.get("expert_weights_norm", True)),
@@ -76,11 +76,11 @@ def mla_config(g: GGUFModelFile, need) -> dict:
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": int(need("block_count")),
         "intermediate_size": int(need("feed_forward_length")),
-        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "moe_intermediate_size": int(g.get("expert_feed_forward_length", 0)),
         "num_attention_heads": heads,
         "num_key_value_heads": heads,
-        "n_routed_experts": int(need("expert_count")),
-        "num_experts_per_tok": int(need("expert_used_count")),
+        "n_routed_experts": int(g.get("expert_count", 0)),
+        "num_experts_per_tok": int(g.get("expert_used_count", 0)),
         "n_shared_experts": int(g.get("expert_shared_count", 0)) or None,
         "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
         "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
@@ -99,8 +99,33 @@ def mla_config(g: GGUFModelFile, need) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in g.tensors,
         "tie_word_embeddings": "output.weight" not in g.tensors,
     }
+    if not g.get("expert_count"):  # no experts: Youtu's dense MLA
+        for key in list(config):
+            if key.startswith(("n_routed", "n_shared", "moe_", "num_experts", "routed", "n_group")):
+                del config[key]
+        for key in ("norm_topk_prob", "scoring_func", "topk_group", "first_k_dense_replace"):
+            config.pop(key, None)
+        config.update(model_type="youtu_llm", architectures=[hf_architecture("youtu_llm")])
+        config.update(rope_traditional=True, mlp_bias=False)
+    elif gating != 2:  # softmax routing: DeepSeek-V2's (mlx-lm's never renormalises it)
+        if config["norm_topk_prob"]:
+            raise UserInputError(
+                "this deepseek2 file renormalises softmax routing, which no mlx-lm model does",
+                str(g.path),
+            )
+        grouped = config["n_group"] > 1
+        config.update(model_type="deepseek_v2", architectures=[hf_architecture("deepseek_v2")])
+        config["topk_method"] = "group_limited_greedy" if grouped else "greedy"
+        if grouped:
+            raise UserInputError(
+                "this deepseek2 file routes by expert group, which llama.cpp ranks by the two "
+                "best scores and mlx-lm's DeepSeek-V2 by the best one",
+                str(g.path),
+            )
+    if not config["q_lora_rank"]:
+        config["q_lora_rank"] = None  # one q projection
     if g.get("rope.scaling.type") == "yarn":
-        log_mul = float(g.get("rope.scaling.yarn_log_mul", 0.0)) / 0.1
+        log_mul = float(g.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
         config["rope_scaling"] = {
             "type": "yarn",
             "factor": float(need("rope.scaling.factor")),
