@@ -75,6 +75,7 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "ernie4_5_moe": {},
     "deepseek_v2": {},
     "youtu_llm": {},
     "openelm": {"num_query_heads": [4, 2], "num_kv_heads": [2, 1]},  # per layer
@@ -248,6 +249,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("mamba", {"intermediate_size": 96}, "twice the hidden size"),
         ("qwen", {"no_bias": False}, "no bias on the attention output"),
         ("exaone", {"mlp_bias": True}, "attention_bias or mlp_bias"),
+        ("ernie4_5_moe", {"moe_gate_act": "sigmoid"}, "routes by softmax"),
         ("openelm", {"share_input_output_layers": False}, "ties the head"),
         (
             "deepseek_v2",

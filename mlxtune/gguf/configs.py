@@ -219,6 +219,7 @@ _EXPERT_KEY = {
     "granitemoehybrid": "num_local_experts",
     "gpt_oss": "num_local_experts",
     "minimax": "num_local_experts",
+    "ernie4_5_moe": "moe_num_experts",
     "glm4_moe": "n_routed_experts",
     "deepseek": "n_routed_experts",
 }
@@ -473,6 +474,13 @@ def _exaone4(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "ernie4_5_moe": lambda g, config, kv_layers: {
+        "moe_k": int(g.get("expert_used_count")),
+        "moe_intermediate_size": int(g.get("expert_feed_forward_length")),
+        "moe_layer_start_index": int(g.get("leading_dense_block_count", 0)),
+        "moe_num_shared_experts": int(g.get("expert_shared_count", 0)),
+        "moe_layer_interval": 1,
+    },
     # mlx-lm's Apertus normalises q and k whatever its flags say (and llama.cpp's alike)
     "apertus": lambda g, config, kv_layers: {"post_norm": False, "qk_norm": True},
     "exaone": lambda g, config, kv_layers: {"layer_norm_epsilon": config["rms_norm_eps"]},

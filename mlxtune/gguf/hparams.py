@@ -272,8 +272,24 @@ def _youtu(arg, mt: str) -> str | None:
     return None
 
 
+def _ernie4_5_moe(arg, mt: str) -> str | None:
+    layers = int(arg("num_hidden_layers"))
+    end = arg("moe_layer_end_index")
+    if arg("moe_gate_act", "softmax") != "softmax":
+        return "llama.cpp's ernie4_5-moe routes by softmax; this model's moe_gate_act differs"
+    if int(arg("moe_layer_interval", 1)) != 1 or (end is not None and int(end) < layers - 1):
+        return (
+            "llama.cpp's ernie4_5-moe puts experts in every layer from moe_layer_start_index on; "
+            "this model's moe_layer_interval or moe_layer_end_index says otherwise"
+        )
+    if arg("use_bias"):
+        return "llama.cpp's ernie4_5-moe has no bias on the attention output or MLPs; this model has"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "ernie4_5_moe": _ernie4_5_moe,
     "deepseek_v2": _deepseek_v2,
     "youtu_llm": _youtu,
     "openelm": _openelm,
@@ -353,7 +369,7 @@ def _add_experts(w, arg, mt: str) -> None:
     if not experts:
         return
     w.add_expert_count(int(experts))
-    w.add_expert_used_count(int(arg("num_experts_per_tok")))
+    w.add_expert_used_count(int(arg("num_experts_per_tok") or arg("moe_k")))
     if arg("moe_intermediate_size"):
         w.add_expert_feed_forward_length(int(arg("moe_intermediate_size")))
     if arg("shared_expert_intermediate_size"):
@@ -444,6 +460,17 @@ def _exaone4(w, arg, config: dict) -> None:
         w.add_sliding_window_pattern(local)
 
 
+def _ernie_moe(w, arg, config: dict) -> None:
+    """ERNIE 4.5's experts from layer moe_layer_start_index on, beside a shared MLP as wide as
+    its shared experts together."""
+    w.add_interleave_moe_layer_step(int(arg("moe_layer_interval", 1)))
+    w.add_leading_dense_block_count(int(arg("moe_layer_start_index", 0)))
+    shared = int(arg("moe_num_shared_experts", 0) or 0)
+    w.add_expert_shared_count(shared)
+    if shared:
+        w.add_expert_shared_feed_forward_length(shared * int(arg("moe_intermediate_size")))
+
+
 def _minimax(w, arg, config: dict) -> None:
     """MiniMax-M2: every layer's experts as wide as intermediate_size, sigmoid routing with the
     correction bias, renormalised."""
@@ -525,6 +552,7 @@ _EXTRA = {
     "glm4_moe": _glm4_moe,
     "solar_open": _glm4_moe,
     "minimax": _minimax,
+    "ernie4_5_moe": _ernie_moe,
     "exaone4": _exaone4,
     "minicpm": _minicpm,
     "granite": _granite,

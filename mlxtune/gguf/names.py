@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "ernie4_5_moe": Family("ernie4_5-moe", norm_topk=True),
     "deepseek_v2": Family("deepseek2"),
     "youtu_llm": Family("deepseek2"),
     "openelm": Family("openelm"),
