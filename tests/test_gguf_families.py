@@ -75,6 +75,7 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "dots1": {"num_key_value_heads": 4},
     "ernie4_5_moe": {},
     "deepseek_v2": {},
     "youtu_llm": {},
@@ -250,6 +251,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("qwen", {"no_bias": False}, "no bias on the attention output"),
         ("exaone", {"mlp_bias": True}, "attention_bias or mlp_bias"),
         ("ernie4_5_moe", {"moe_gate_act": "sigmoid"}, "routes by softmax"),
+        ("dots1", {"num_key_value_heads": 2}, "as many key/value heads"),
         ("openelm", {"share_input_output_layers": False}, "ties the head"),
         (
             "deepseek_v2",

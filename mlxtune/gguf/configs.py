@@ -220,6 +220,7 @@ _EXPERT_KEY = {
     "gpt_oss": "num_local_experts",
     "minimax": "num_local_experts",
     "ernie4_5_moe": "moe_num_experts",
+    "dots1": "n_routed_experts",
     "glm4_moe": "n_routed_experts",
     "deepseek": "n_routed_experts",
 }
@@ -474,6 +475,15 @@ def _exaone4(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "dots1": lambda g, config, kv_layers: {
+        "moe_intermediate_size": int(g.get("expert_feed_forward_length")),
+        "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
+        "n_shared_experts": int(g.get("expert_shared_count", 0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+    },
     "ernie4_5_moe": lambda g, config, kv_layers: {
         "moe_k": int(g.get("expert_used_count")),
         "moe_intermediate_size": int(g.get("expert_feed_forward_length")),

@@ -283,12 +283,29 @@ def _ernie4_5_moe(arg, mt: str) -> str | None:
             "this model's moe_layer_interval or moe_layer_end_index says otherwise"
         )
     if arg("use_bias"):
-        return "llama.cpp's ernie4_5-moe has no bias on the attention output or MLPs; this model has"
+        return (
+            "llama.cpp's ernie4_5-moe has no bias on the attention output or MLPs; this model has"
+        )
+    return None
+
+
+def _dots1_fixed(arg, mt: str) -> str | None:
+    if (arg("num_key_value_heads") or arg("num_attention_heads")) != arg("num_attention_heads"):
+        return (
+            "llama.cpp's dots1 reads as many key/value heads as query heads; this model has fewer"
+        )
+    if arg("norm_topk_prob") and int(arg("num_experts_per_tok")) == 1:
+        return "llama.cpp's dots1 renormalises even one expert's weight and mlx-lm does not"
+    if not arg("n_shared_experts"):
+        return "llama.cpp's dots1 reads shared experts beside the routed ones; this model has none"
+    if arg("mlp_bias"):
+        return "llama.cpp's dots1 has no MLP biases; this model has"
     return None
 
 
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "dots1": _dots1_fixed,
     "ernie4_5_moe": _ernie4_5_moe,
     "deepseek_v2": _deepseek_v2,
     "youtu_llm": _youtu,
@@ -471,6 +488,20 @@ def _ernie_moe(w, arg, config: dict) -> None:
         w.add_expert_shared_feed_forward_length(shared * int(arg("moe_intermediate_size")))
 
 
+def _dots1(w, arg, config: dict) -> None:
+    """dots.llm1: sigmoid routing with the correction bias, grouped, scaled, renormalised as
+    the config says."""
+    import gguf
+
+    w.add_leading_dense_block_count(int(arg("first_k_dense_replace", 0)))
+    w.add_expert_shared_count(int(arg("n_shared_experts") or 0))
+    w.add_expert_weights_scale(float(arg("routed_scaling_factor", 1.0)))
+    w.add_expert_weights_norm(bool(arg("norm_topk_prob")))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(int(arg("n_group") or 1))
+    w.add_expert_group_used_count(int(arg("topk_group") or 1))
+
+
 def _minimax(w, arg, config: dict) -> None:
     """MiniMax-M2: every layer's experts as wide as intermediate_size, sigmoid routing with the
     correction bias, renormalised."""
@@ -552,6 +583,7 @@ _EXTRA = {
     "glm4_moe": _glm4_moe,
     "solar_open": _glm4_moe,
     "minimax": _minimax,
+    "dots1": _dots1,
     "ernie4_5_moe": _ernie_moe,
     "exaone4": _exaone4,
     "minicpm": _minicpm,

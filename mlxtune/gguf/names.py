@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "dots1": Family("dots1", norm_topk=None),
     "ernie4_5_moe": Family("ernie4_5-moe", norm_topk=True),
     "deepseek_v2": Family("deepseek2"),
     "youtu_llm": Family("deepseek2"),
@@ -178,8 +179,12 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
     if family is None:
         return None
     parts = hf.split(".")
-    if "switch_mlp" in parts and len(parts) >= 3 and parts[2].isdigit():
-        i = parts.index("switch_mlp")
+    stack = next((k for k in ("switch_mlp", "experts") if k in parts), None)
+    stacked = stack is not None and parts.index(stack) + 2 < len(parts)
+    if stacked and parts[parts.index(stack) + 1].isdigit():  # one expert's own: not stacked
+        stacked = False
+    if stacked and len(parts) >= 3 and parts[2].isdigit():
+        i = parts.index(stack)
         kind = _EXPERTS.get(parts[i + 1]) if i + 2 < len(parts) else None
         if kind is None or parts[-1] not in ("weight", "bias"):
             return None
