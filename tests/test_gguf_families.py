@@ -75,6 +75,7 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "bailing_moe": {"score_function": "sigmoid", "moe_router_enable_expert_bias": True},
     "dots1": {"num_key_value_heads": 4},
     "ernie4_5_moe": {},
     "deepseek_v2": {},
@@ -252,6 +253,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("exaone", {"mlp_bias": True}, "attention_bias or mlp_bias"),
         ("ernie4_5_moe", {"moe_gate_act": "sigmoid"}, "routes by softmax"),
         ("dots1", {"num_key_value_heads": 2}, "as many key/value heads"),
+        ("bailing_moe", {"use_qk_norm": False}, "Ling 1's layout"),
         ("openelm", {"share_input_output_layers": False}, "ties the head"),
         (
             "deepseek_v2",
@@ -318,6 +320,7 @@ def adapted(name, vocab):
     beside_experts = [
         "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj", "in_proj_qkvz",
         "input_linear",  # Granite's shared MLP
+        "query_key_value", "dense",  # Ling's
     ]  # fmt: skip
     targets = [n for n in beside_experts if n in present] if moe else ["all-linear"]
     # llama.cpp's deepseek2 applies no adapter to multi-head latent attention's projections

@@ -475,6 +475,19 @@ def _exaone4(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "bailing_moe": lambda g, config, kv_layers: {
+        "moe_intermediate_size": int(g.get("expert_feed_forward_length")),
+        "num_shared_experts": int(g.get("expert_shared_count", 0)),
+        "moe_shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length")),
+        "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "score_function": "sigmoid" if g.get("expert_gating_func") == 2 else "softmax",
+        "moe_router_enable_expert_bias": any(".exp_probs_b." in n for n in g.tensors),
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "use_qk_norm": True,
+    },
     "dots1": lambda g, config, kv_layers: {
         "moe_intermediate_size": int(g.get("expert_feed_forward_length")),
         "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),

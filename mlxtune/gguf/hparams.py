@@ -303,8 +303,24 @@ def _dots1_fixed(arg, mt: str) -> str | None:
     return None
 
 
+def _bailing_fixed(arg, mt: str) -> str | None:
+    if not arg("use_qk_norm"):
+        return (
+            "mlxtune writes Ling 2.0's layout (llama.cpp's bailingmoe2), which normalises "
+            "queries and keys; this model does not (Ling 1's layout)"
+        )
+    if not (arg("num_shared_experts") and arg("moe_router_enable_shared_expert", True)):
+        return "llama.cpp's bailingmoe2 reads shared experts beside the routed ones; this model has none"
+    if arg("use_bias") or arg("use_qkv_bias"):
+        return "llama.cpp's bailingmoe2 has no attention or MLP biases; this model has"
+    if arg("norm_topk_prob") and int(arg("num_experts_per_tok")) == 1:
+        return "llama.cpp's bailingmoe2 renormalises even one expert's weight and mlx-lm does not"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "bailing_moe": _bailing_fixed,
     "dots1": _dots1_fixed,
     "ernie4_5_moe": _ernie4_5_moe,
     "deepseek_v2": _deepseek_v2,
@@ -502,6 +518,27 @@ def _dots1(w, arg, config: dict) -> None:
     w.add_expert_group_used_count(int(arg("topk_group") or 1))
 
 
+def _bailing(w, arg, config: dict) -> None:
+    """Ling 2.0: leading dense layers, shared experts (the width per shared expert), routing
+    by the config's score function with the expert bias, grouped, scaled, renormalised as the
+    config says."""
+    import gguf
+
+    sigmoid = arg("score_function", "softmax") == "sigmoid"
+    w.add_leading_dense_block_count(int(arg("first_k_dense_replace", 0)))
+    w.add_expert_shared_count(int(arg("num_shared_experts")))
+    shared = arg("moe_shared_expert_intermediate_size") or arg("moe_intermediate_size")
+    w.add_expert_shared_feed_forward_length(int(shared))
+    w.add_expert_weights_scale(float(arg("routed_scaling_factor", 1.0)))
+    w.add_expert_weights_norm(bool(arg("norm_topk_prob")))
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    grouped = int(arg("n_group") or 1) > 1
+    w.add_expert_group_count(int(arg("n_group")) if grouped else 1)
+    w.add_expert_group_used_count(int(arg("topk_group")) if grouped else 1)
+
+
 def _minimax(w, arg, config: dict) -> None:
     """MiniMax-M2: every layer's experts as wide as intermediate_size, sigmoid routing with the
     correction bias, renormalised."""
@@ -583,6 +620,7 @@ _EXTRA = {
     "glm4_moe": _glm4_moe,
     "solar_open": _glm4_moe,
     "minimax": _minimax,
+    "bailing_moe": _bailing,
     "dots1": _dots1,
     "ernie4_5_moe": _ernie_moe,
     "exaone4": _exaone4,

@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "bailing_moe": Family("bailingmoe2", norm_topk=None),  # Ling 2.0's layout
     "dots1": Family("dots1", norm_topk=None),
     "ernie4_5_moe": Family("ernie4_5-moe", norm_topk=True),
     "deepseek_v2": Family("deepseek2"),
@@ -221,6 +222,7 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
             f"transformer.{rest}",
             f"backbone.{rest}",
             "gpt_neox." + rest.replace("h.", "layers.", 1),
+            hf.replace(".gate.gate_proj.", ".gate."),  # Ling's router, as mlx-lm renames it
         ):
             name = names.get_name(candidate, try_suffixes=(".weight", ".bias"))
             if name is not None:
