@@ -75,6 +75,8 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    # a clamp that acts on the tiny model's q/k/v
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "clip_qkv": 0.3, "rope_theta": 10000.0}},
     "bailing_moe": {"score_function": "sigmoid", "moe_router_enable_expert_bias": True},
     "dots1": {"num_key_value_heads": 4},
     "ernie4_5_moe": {},
@@ -321,6 +323,7 @@ def adapted(name, vocab):
         "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj", "in_proj_qkvz",
         "input_linear",  # Granite's shared MLP
         "query_key_value", "dense",  # Ling's
+        "Wqkv",  # DBRX's
     ]  # fmt: skip
     targets = [n for n in beside_experts if n in present] if moe else ["all-linear"]
     # llama.cpp's deepseek2 applies no adapter to multi-head latent attention's projections

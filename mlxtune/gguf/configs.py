@@ -13,7 +13,14 @@ from .hparams import STANDARD_NAMES
 from .names import FAMILIES as NAMED
 from .rope import rope_settings
 from .tensors import dequantized
-from .whole import mamba2_config, mamba_config, mla_config, nemotron_h_config, openelm_config
+from .whole import (
+    dbrx_config,
+    mamba2_config,
+    mamba_config,
+    mla_config,
+    nemotron_h_config,
+    openelm_config,
+)
 
 if TYPE_CHECKING:
     from .load import GGUFModelFile
@@ -35,6 +42,7 @@ FAMILIES.update({"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_mo
 
 # architectures whose config is built whole (no common attention keys to read)
 _WHOLE = {
+    "dbrx": dbrx_config,
     "openelm": openelm_config,
     "mamba": mamba_config,
     "mamba2": mamba2_config,

@@ -249,11 +249,33 @@ def _copy_tokenizer(w, source: Path, template: str | None):
         w.add_chat_template(template)
 
 
+def held_stacked(model) -> list[tuple[str, mx.array]]:
+    """The model's parameters, a mixture's experts held one by one (DBRX's) stacked into one
+    array per projection as llama.cpp holds them (``...experts.w1.weight`` [experts, ...])."""
+    out, groups = [], {}
+    for hf, v in tree_flatten(model.parameters()):
+        parts = hf.split(".")
+        if "experts" in parts:
+            i = parts.index("experts")
+            if i + 2 < len(parts) and parts[i + 1].isdigit():
+                key = ".".join(parts[: i + 1] + parts[i + 2 :])
+                if key not in groups:
+                    groups[key] = []
+                    out.append((key, None))
+                groups[key].append((int(parts[i + 1]), v))
+                continue
+        out.append((hf, v))
+    return [
+        (k, v if v is not None else mx.stack([a for _, a in sorted(groups[k], key=lambda t: t[0])]))
+        for k, v in out
+    ]
+
+
 def _names(model, config: dict, where: str) -> dict[str, str]:
     """Parameter name -> GGUF name, every parameter named (UserInputError otherwise)."""
     mt, layers = config["model_type"], config["num_hidden_layers"]
     out = {}
-    for hf, _ in tree_flatten(model.parameters()):
+    for hf, _ in held_stacked(model):
         g = gguf_name(hf, mt, layers)
         if g is None:
             raise UserInputError(
@@ -341,7 +363,7 @@ def write_gguf_model(
     else:
         _add_tokenizer(w, tokenizer_dir, tokenizer)
     shapes, xielu = {}, {}
-    for hf, v in tree_flatten(model.parameters()):
+    for hf, v in held_stacked(model):
         held = np.array(v.astype(mx.float32))
         if ".xielu." in names[hf]:  # Apertus: one value per layer, as metadata
             block, key = names[hf].split(".")[1], names[hf].rsplit(".", 1)[-1]
@@ -376,9 +398,7 @@ def write_gguf_model(
         getattr(w, f"add_xielu_{key}")([values[i] for i in sorted(values)])
     if family.arch in NEEDS_OUTPUT and "output.weight" not in shapes:
         # a tied model: llama.cpp's architecture reads a head of its own, the embedding's copy
-        embed = next(
-            v for hf, v in tree_flatten(model.parameters()) if names[hf] == "token_embd.weight"
-        )
+        embed = next(v for hf, v in held_stacked(model) if names[hf] == "token_embd.weight")
         data, raw = _tensor_array(np.array(embed.astype(mx.float32)), dtype)
         w.add_tensor("output.weight", data, raw_dtype=raw)
         shapes["output.weight"] = embed.shape[::-1]

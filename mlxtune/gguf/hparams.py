@@ -318,8 +318,15 @@ def _bailing_fixed(arg, mt: str) -> str | None:
     return None
 
 
+def _dbrx(arg, mt: str) -> str | None:
+    if not float((arg("attn_config") or {}).get("clip_qkv") or 0) > 0:
+        return "llama.cpp's dbrx clamps q/k/v only by a positive clip_qkv; this model's is not"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "dbrx": _dbrx,
     "bailing_moe": _bailing_fixed,
     "dots1": _dots1_fixed,
     "ernie4_5_moe": _ernie4_5_moe,
@@ -641,6 +648,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_mamba(w, args)
     if mt == "openelm":
         return _add_openelm(w, model)
+    if mt == "dbrx":
+        return _add_dbrx(w, args)
     if FAMILIES[mt].arch == "deepseek2":
         return _add_mla(w, args, mt)
     if mt == "nemotron_h":
@@ -849,6 +858,25 @@ def _add_openelm(w, model) -> None:
     w.add_key_length(int(args.head_dim))
     w.add_value_length(int(args.head_dim))
     w.add_layer_norm_rms_eps(float(args.rms_norm_eps))
+    w.add_vocab_size(int(args.vocab_size))
+
+
+def _add_dbrx(w, args) -> None:
+    """DBRX as llama.cpp's dbrx reads it: its attention and expert settings nested in the
+    config, q/k/v clamped, LayerNorms without biases."""
+    attn, ffn = args.attn_config, args.ffn_config
+    w.add_context_length(int(getattr(args, "max_seq_len", None) or 2048))
+    w.add_embedding_length(int(args.d_model))
+    w.add_block_count(int(args.n_layers))
+    w.add_feed_forward_length(int(ffn["ffn_hidden_size"]))
+    w.add_head_count(int(args.n_heads))
+    w.add_head_count_kv(int(attn["kv_n_heads"]))
+    w.add_rope_freq_base(float(attn["rope_theta"]))
+    w.add_rope_dimension_count(int(args.d_model) // int(args.n_heads))
+    w.add_clamp_kqv(float(attn["clip_qkv"]))
+    w.add_expert_count(int(ffn["moe_num_experts"]))
+    w.add_expert_used_count(int(ffn["moe_top_k"]))
+    w.add_layer_norm_eps(1e-5)
     w.add_vocab_size(int(args.vocab_size))
 
 

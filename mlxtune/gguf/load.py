@@ -36,6 +36,7 @@ from .tensors import (
     dequantized,
     gate_up_join,
     mla_join,
+    plain_tensor,
     qkv_from_gguf,
     qwen3_next_join,
     qwen35_from_gguf,
@@ -96,13 +97,34 @@ def read_gguf(path: str | Path) -> GGUFModelFile:
 # ------------------------------------------------------------------------------ config
 
 
-def _name_table(model: nn.Module, model_type: str) -> dict[str, str]:
-    """GGUF tensor name -> parameter name, for every parameter the model has."""
+def _name_table(model: nn.Module, model_type: str, g: GGUFModelFile) -> dict[str, str]:
+    """GGUF tensor name -> parameter name, for every parameter the model has. A mixture whose
+    experts the model holds one by one (DBRX) has each expert's slice of the file's stacked
+    tensor put in the file under its own name ("<stacked>#<expert>")."""
     table, n_blocks = {}, len(model.layers)
     for hf, _ in tree_flatten(model.parameters()):
-        g = gguf_name(hf.removeprefix("language_model."), model_type, n_blocks)
-        if g is not None:
-            table[g] = hf
+        parts = hf.split(".")
+        expert = None
+        if "experts" in parts:
+            i = parts.index("experts")
+            if i + 2 < len(parts) and parts[i + 1].isdigit():
+                expert = int(parts[i + 1])
+                parts = parts[: i + 1] + parts[i + 2 :]
+        name = gguf_name(".".join(parts).removeprefix("language_model."), model_type, n_blocks)
+        if name is None:
+            continue
+        if expert is not None:
+            stacked = g.tensors.get(name)
+            if stacked is not None and not isinstance(stacked, list):  # split once
+                g.tensors[name] = list(dequantized(stacked))
+            if isinstance(g.tensors.get(name), list):
+                g.tensors[f"{name}#{expert}"] = plain_tensor(
+                    f"{name}#{expert}", g.tensors[name][expert]
+                )
+            name = f"{name}#{expert}"
+        table[name] = hf
+    for name in [n for n, t in g.tensors.items() if isinstance(t, list)]:
+        del g.tensors[name]
     return table
 
 
@@ -202,7 +224,7 @@ def load_gguf(
     if text_type in QKV_LAYOUT:  # the family holds q/k/v as one projection
         family = FAMILIES[text_type]
         qkv_from_gguf(g, config, QKV_LAYOUT[text_type], family.permuted)
-    table = _name_table(model, text_type)
+    table = _name_table(model, text_type, g)
     _check_tensor_names(g, table, text_type)
     quant = _kept_quantized(g, table, model) if keep_quantized else {}
     if quant:

@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "dbrx": Family("dbrx", norm_topk=True),
     "bailing_moe": Family("bailingmoe2", norm_topk=None),  # Ling 2.0's layout
     "dots1": Family("dots1", norm_topk=None),
     "ernie4_5_moe": Family("ernie4_5-moe", norm_topk=True),
@@ -133,6 +134,10 @@ _EXPERTS = {
     "down_proj": "FFN_DOWN_EXP",
     "fc1": "FFN_UP_EXP",
     "fc2": "FFN_DOWN_EXP",
+    "w1": "FFN_GATE_EXP",  # DBRX's (and Mixtral's published) names
+    "v1": "FFN_UP_EXP",
+    "w3": "FFN_UP_EXP",
+    "w2": "FFN_DOWN_EXP",
 }
 
 

@@ -167,6 +167,33 @@ def openelm_config(g: GGUFModelFile, need) -> dict:
     }
 
 
+def dbrx_config(g: GGUFModelFile, need) -> dict:
+    """DBRX's config (its attention and expert settings nested) from what llama.cpp's dbrx
+    reads."""
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    return {
+        "model_type": "dbrx",
+        "architectures": [hf_architecture("dbrx")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "d_model": int(need("embedding_length")),
+        "n_layers": int(need("block_count")),
+        "n_heads": int(need("attention.head_count")),
+        "max_seq_len": int(g.get("context_length", 2048)),
+        "attn_config": {
+            "kv_n_heads": int(need("attention.head_count_kv")),
+            "clip_qkv": float(need("attention.clamp_kqv")),
+            "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        },
+        "ffn_config": {
+            "ffn_hidden_size": int(need("feed_forward_length")),
+            "moe_num_experts": int(need("expert_count")),
+            "moe_top_k": int(need("expert_used_count")),
+        },
+    }
+
+
 def mamba_config(g: GGUFModelFile, need) -> dict:
     """Mamba 1's config from what llama.cpp's mamba reads (no attention, no MLP)."""
     embd = g.tensors.get("token_embd.weight")
