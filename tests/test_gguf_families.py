@@ -277,6 +277,27 @@ def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
     assert not list(tmp_path.glob("*.gguf"))
 
 
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("phimoe", "sparsemixer"),
+        ("jamba", "not renormalised"),
+        ("hunyuan", "renormalises the top-k"),
+        ("llama4_text", "dense model"),
+        ("llama4", "'llama4' architecture is not one mlxtune writes"),
+    ],
+)
+def test_a_family_llama_cpp_runs_otherwise_is_refused_with_the_reason(
+    name, words, tmp_path, tokenizer, tokenizer_dir
+):
+    config = tiny_config(name, len(tokenizer._tokenizer))
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(normalise_config(config, args_class)))
+    with pytest.raises(UserInputError, match=words):
+        write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+    assert not list(tmp_path.glob("*.gguf"))
+
+
 def test_a_family_mlxtune_does_not_write_is_refused_by_name(tmp_path, tokenizer, tokenizer_dir):
     config = tiny_config("falcon_h1", len(tokenizer._tokenizer))
     model_class, args_class = family_classes(config)

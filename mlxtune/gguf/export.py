@@ -82,7 +82,10 @@ def text_part(model, config: dict):
     text = config.get("text_config")
     inner = getattr(model, "language_model", None)
     if isinstance(text, dict) and isinstance(inner, nn.Module):
-        return inner, {**text, "model_type": text.get("model_type", config.get("model_type"))}
+        mt = text.get("model_type", config.get("model_type"))
+        if config.get("model_type") == "llama4":  # Llama 4's text model, not mlx-lm's llama4_text
+            mt = "llama4"
+        return inner, {**text, "model_type": mt}
     return model, config
 
 

@@ -111,6 +111,31 @@ SHARED_GATE_UP = "ffn_gate_up_shexp"
 # not at all), with the reason: the GGUF export refuses them by name
 RUNS_OTHERWISE = {
     "gptj": "llama.cpp lists 'gptj' but has no model for it (its loader refuses the architecture)",
+    "phimoe": (
+        "llama.cpp's phimoe weighs the top-k experts by their softmax, renormalised, where "
+        "mlx-lm's PhiMoE uses sparsemixer routing (each chosen expert's weight near 1), and "
+        "normalises by RMS where mlx-lm's uses LayerNorm"
+    ),
+    "jamba": (
+        "llama.cpp's jamba weighs the top-k experts by their softmax over all experts, not "
+        "renormalised; mlx-lm's Jamba renormalises them"
+    ),
+    "hunyuan": (
+        "llama.cpp's hunyuan-moe renormalises the top-k experts' weights, which mlx-lm's Hunyuan "
+        "does not, and shares no keys and values across layers as Hunyuan's CLA does"
+    ),
+    "llama4_text": (
+        "llama.cpp's llama4 is Llama 4's mixture of experts; mlx-lm's llama4_text is a dense "
+        "model whose unroped layers and query/key norms llama.cpp would place otherwise"
+    ),
+}
+# mlx-lm model types whose llama.cpp architecture is spelled otherwise
+_ARCH_ALIASES = {
+    "hunyuan": "hunyuan-moe",
+    "step3p5": "step35",
+    "mimo_v2_flash": "mimo2",
+    "glm_moe_dsa": "glm-dsa",
+    "nemotron-nas": "deci",
 }
 # a joined gate-then-up matrix -> the two tensors llama.cpp's converter splits it into
 # (Granite's shared MLP; OpenELM's proj_1)
@@ -148,6 +173,8 @@ def llama_cpp_arch(model_type: str) -> str | None:
 
     if model_type in FAMILIES:
         return FAMILIES[model_type].arch
+    if model_type in _ARCH_ALIASES:
+        return _ARCH_ALIASES[model_type]
 
     def key(name: str) -> str:
         return name.removesuffix("_text").replace("_", "").replace("-", "")
