@@ -75,6 +75,13 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    # tied, its logits scaled at run time by lm_head_multiplier / embedding_multiplier
+    "falcon_h1": {
+        "tie_word_embeddings": True,
+        "lm_head_multiplier": 2.0,
+        "embedding_multiplier": 0.5,
+        "mamba_rms_norm": True,
+    },
     # a clamp that acts on the tiny model's q/k/v
     "dbrx": {"attn_config": {"kv_n_heads": 2, "clip_qkv": 0.3, "rope_theta": 10000.0}},
     "bailing_moe": {"score_function": "sigmoid", "moe_router_enable_expert_bias": True},
@@ -177,7 +184,11 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
     assert {n.removesuffix(".weight").removesuffix(".bias") for n in t} <= allowed
     # beyond the parameters: Llama 3's rope divisors, and a tied head written out as a copy of
     # the embedding where llama.cpp's architecture reads a head of its own
-    tied = "output.weight" in t and np.array_equal(t["output.weight"], t["token_embd.weight"])
+    # (a copy, or scaled by the tied logits' factor: Falcon-H1's)
+    tied = False
+    if "output.weight" in t and t["output.weight"].shape == t["token_embd.weight"].shape:
+        out, embd = t["output.weight"], t["token_embd.weight"]
+        tied = np.allclose(out, (out * embd).sum() / (embd * embd).sum() * embd, rtol=1e-5)
     extra = {"rope_freqs.weight"} | ({"output.weight"} if tied else set())
     # Apertus's xIELU parameters: one value per layer in metadata arrays
     xielu = sum(len(f[k]) for k in f if k.startswith("xielu."))
@@ -255,6 +266,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("exaone", {"mlp_bias": True}, "attention_bias or mlp_bias"),
         ("ernie4_5_moe", {"moe_gate_act": "sigmoid"}, "routes by softmax"),
         ("dots1", {"num_key_value_heads": 2}, "as many key/value heads"),
+        ("falcon_h1", {"mamba_norm_before_gate": True}, "gates before its SSM norm"),
         ("bailing_moe", {"use_qk_norm": False}, "Ling 1's layout"),
         ("openelm", {"share_input_output_layers": False}, "ties the head"),
         (
@@ -299,10 +311,10 @@ def test_a_family_llama_cpp_runs_otherwise_is_refused_with_the_reason(
 
 
 def test_a_family_mlxtune_does_not_write_is_refused_by_name(tmp_path, tokenizer, tokenizer_dir):
-    config = tiny_config("falcon_h1", len(tokenizer._tokenizer))
+    config = tiny_config("plamo2", len(tokenizer._tokenizer))
     model_class, args_class = family_classes(config)
     model = model_class(args_class.from_dict(config))
-    with pytest.raises(UserInputError, match="'falcon-h1' architecture is not one mlxtune writes"):
+    with pytest.raises(UserInputError, match="'plamo2' architecture is not one mlxtune writes"):
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
 
 

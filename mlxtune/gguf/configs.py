@@ -481,8 +481,40 @@ def _exaone4(g, config, kv_layers) -> dict:
     }
 
 
+def _falcon_h1(g, config, kv_layers) -> dict:
+    """Falcon-H1 with its multipliers in the weights (every one 1 here), Mamba 2 beside the
+    attention in each layer."""
+    heads = int(g.get("ssm.time_step_rank"))
+    groups = int(g.get("ssm.group_count", 1))
+    layers = config["num_hidden_layers"]
+    has = g.tensors.__contains__
+    return {
+        "mamba_d_ssm": int(g.get("ssm.inner_size")),
+        "mamba_n_heads": heads,
+        "mamba_d_head": int(g.get("ssm.inner_size")) // heads,
+        "mamba_d_state": int(g.get("ssm.state_size")),
+        "mamba_d_conv": int(g.get("ssm.conv_kernel")),
+        "mamba_n_groups": groups,
+        "mamba_rms_norm": any(has(f"blk.{i}.ssm_norm.weight") for i in range(layers)),
+        "mamba_conv_bias": any(has(f"blk.{i}.ssm_conv1d.bias") for i in range(layers)),
+        "mamba_norm_before_gate": False,
+        "mamba_proj_bias": False,
+        "projectors_bias": False,
+        "attention_in_multiplier": 1.0,
+        "attention_out_multiplier": 1.0,
+        "embedding_multiplier": 1.0,
+        "key_multiplier": 1.0,
+        "lm_head_multiplier": 1.0,
+        "mlp_multipliers": [1.0, 1.0],
+        "ssm_in_multiplier": 1.0,
+        "ssm_multipliers": [1.0] * 5,
+        "ssm_out_multiplier": 1.0,
+    }
+
+
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "falcon_h1": _falcon_h1,
     "bailing_moe": lambda g, config, kv_layers: {
         "moe_intermediate_size": int(g.get("expert_feed_forward_length")),
         "num_shared_experts": int(g.get("expert_shared_count", 0)),

@@ -376,7 +376,7 @@ def write_gguf_model(
             a = to_gguf(a, g, family, n_head, n_kv)
             if family.arch in ("qwen35", "qwen35moe"):
                 a = qwen35_to_gguf(a, g, model_args(model))
-            if family.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid"):
+            if family.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid", "falcon-h1"):
                 a = ssm_to_gguf(a, g, model_args(model), family.arch)
             split = (
                 qwen3_next_split(a, g, model_args(model)) if family.arch == "qwen3next" else None
@@ -399,6 +399,14 @@ def write_gguf_model(
             shapes[g] = a.shape[::-1]
     for key, values in xielu.items():
         getattr(w, f"add_xielu_{key}")([values[i] for i in sorted(values)])
+    args = model_args(model)
+    if family.arch == "falcon-h1" and "output.weight" not in shapes:
+        # a tied Falcon-H1: mlx-lm scales the embedding's logits at run time, llama.cpp does not
+        embed = next(v for hf, v in held_stacked(model) if names[hf] == "token_embd.weight")
+        scale = float(args.lm_head_multiplier) / float(args.embedding_multiplier)
+        data, raw = _tensor_array(np.array(embed.astype(mx.float32)) * scale, dtype)
+        w.add_tensor("output.weight", data, raw_dtype=raw)
+        shapes["output.weight"] = embed.shape[::-1]
     if family.arch in NEEDS_OUTPUT and "output.weight" not in shapes:
         # a tied model: llama.cpp's architecture reads a head of its own, the embedding's copy
         embed = next(v for hf, v in held_stacked(model) if names[hf] == "token_embd.weight")

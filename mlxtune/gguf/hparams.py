@@ -324,8 +324,25 @@ def _dbrx(arg, mt: str) -> str | None:
     return None
 
 
+def _falcon_h1(arg, mt: str) -> str | None:
+    if arg("mamba_norm_before_gate"):
+        return "llama.cpp's falcon-h1 gates before its SSM norm; this model norms before the gate"
+    if arg("mamba_rms_norm") and int(arg("mamba_n_groups", 1)) > 1:
+        return (
+            "llama.cpp's falcon-h1 normalises the SSM output per group and mlx-lm's Falcon-H1 "
+            "over the whole of it; this model has mamba_n_groups > 1"
+        )
+    for key in ("mamba_proj_bias", "projectors_bias", "attention_bias"):
+        if arg(key):
+            return f"llama.cpp's falcon-h1 applies no bias where {key} puts one; this model sets it"
+    if arg("rope_traditional"):
+        return _rotate_half(arg, mt)
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "falcon_h1": _falcon_h1,
     "dbrx": _dbrx,
     "bailing_moe": _bailing_fixed,
     "dots1": _dots1_fixed,
@@ -650,6 +667,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_openelm(w, model)
     if mt == "dbrx":
         return _add_dbrx(w, args)
+    if mt == "falcon_h1":
+        return _add_falcon_h1(w, args)
     if FAMILIES[mt].arch == "deepseek2":
         return _add_mla(w, args, mt)
     if mt == "nemotron_h":
@@ -877,6 +896,29 @@ def _add_dbrx(w, args) -> None:
     w.add_expert_count(int(ffn["moe_num_experts"]))
     w.add_expert_used_count(int(ffn["moe_top_k"]))
     w.add_layer_norm_eps(1e-5)
+    w.add_vocab_size(int(args.vocab_size))
+
+
+def _add_falcon_h1(w, args) -> None:
+    """Falcon-H1 as llama.cpp's falcon-h1 reads it: every layer attention and Mamba 2 side by
+    side. Its muP multipliers are in the weights as mlx-lm holds them (folded at load), so
+    none is written."""
+    w.add_context_length(int(args.max_position_embeddings))
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_block_count(int(args.num_hidden_layers))
+    w.add_feed_forward_length(int(args.intermediate_size))
+    w.add_head_count(int(args.num_attention_heads))
+    w.add_head_count_kv(int(args.num_key_value_heads))
+    w.add_key_length(int(args.head_dim))
+    w.add_value_length(int(args.head_dim))
+    w.add_rope_dimension_count(int(args.head_dim))
+    w.add_rope_freq_base(float(args.rope_theta))
+    w.add_ssm_conv_kernel(int(args.mamba_d_conv))
+    w.add_ssm_inner_size(int(args.mamba_d_ssm))
+    w.add_ssm_state_size(int(args.mamba_d_state))
+    w.add_ssm_time_step_rank(int(args.mamba_n_heads))
+    w.add_ssm_group_count(int(args.mamba_n_groups))
+    w.add_layer_norm_rms_eps(float(args.rms_norm_eps))
     w.add_vocab_size(int(args.vocab_size))
 
 

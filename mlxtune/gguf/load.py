@@ -209,7 +209,7 @@ def load_gguf(
         ) from None
     if g.arch == "qwen3next":
         qwen3_next_join(g, config)
-    if g.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid"):
+    if g.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid", "falcon-h1"):
         ssm_from_gguf(g, config)
     if g.arch == "granitehybrid":
         gate_up_join(g, config["num_hidden_layers"], "ffn_gate_up_shexp")
