@@ -481,6 +481,20 @@ def _exaone4(g, config, kv_layers) -> dict:
     }
 
 
+def _plamo3(g, config, kv_layers) -> dict:
+    """PLaMo 3: sliding layers beside every pattern-th full one; the written window is mlx-lm's
+    window_size + 1 (see the export)."""
+    sliding = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
+    period = next((i + 1 for i, s in enumerate(sliding) if not s), len(sliding) + 1)
+    window = int(g.get("attention.sliding_window")) - 1
+    return {
+        "sliding_window": window,
+        "window_size": window,
+        "sliding_window_pattern": period,
+        "rope_local_theta": float(g.get("rope.freq_base_swa", 10000.0)),
+    }
+
+
 def _falcon_h1(g, config, kv_layers) -> dict:
     """Falcon-H1 with its multipliers in the weights (every one 1 here), Mamba 2 beside the
     attention in each layer."""
@@ -514,6 +528,7 @@ def _falcon_h1(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "plamo3": _plamo3,
     "falcon_h1": _falcon_h1,
     "bailing_moe": lambda g, config, kv_layers: {
         "moe_intermediate_size": int(g.get("expert_feed_forward_length")),

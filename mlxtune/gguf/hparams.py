@@ -563,6 +563,15 @@ def _bailing(w, arg, config: dict) -> None:
     w.add_expert_group_used_count(int(arg("topk_group")) if grouped else 1)
 
 
+def _plamo3(w, arg, config: dict) -> None:
+    """PLaMo 3's sliding layers beside every pattern-th full one, as mlx-lm runs them: a
+    window of window_size + 1 over a whole sequence, a RoPE base of their own."""
+    layers, period = int(arg("num_hidden_layers")), int(arg("sliding_window_pattern", 8))
+    w.add_sliding_window(int(arg("sliding_window") or arg("window_size", 2048)) + 1)
+    w.add_sliding_window_pattern([(i + 1) % period != 0 for i in range(layers)])
+    w.add_rope_freq_base_swa(float(arg("rope_local_theta", 10000.0)))
+
+
 def _minimax(w, arg, config: dict) -> None:
     """MiniMax-M2: every layer's experts as wide as intermediate_size, sigmoid routing with the
     correction bias, renormalised."""
@@ -644,6 +653,7 @@ _EXTRA = {
     "glm4_moe": _glm4_moe,
     "solar_open": _glm4_moe,
     "minimax": _minimax,
+    "plamo3": _plamo3,
     "bailing_moe": _bailing,
     "dots1": _dots1,
     "ernie4_5_moe": _ernie_moe,

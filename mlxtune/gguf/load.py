@@ -36,6 +36,7 @@ from .tensors import (
     dequantized,
     gate_up_join,
     mla_join,
+    norm_offset,
     plain_tensor,
     qkv_from_gguf,
     qwen3_next_join,
@@ -306,6 +307,7 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
             a = unpermute_qk(a, h)
         if config["model_type"] in NORM_PLUS_ONE and gname.endswith("norm.weight"):
             a = a - 1.0
+        a = a - norm_offset(g.arch, gname)
         if gname.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):  # -> MLX [C, K, 1]
             a = a[..., None]
         weights.append((hf, mx.array(a).astype(target)))

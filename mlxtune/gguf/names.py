@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "plamo3": Family("plamo3"),
     "falcon_h1": Family("falcon-h1"),
     "dbrx": Family("dbrx", norm_topk=True),
     "bailing_moe": Family("bailingmoe2", norm_topk=None),  # Ling 2.0's layout
@@ -147,7 +148,27 @@ GATE_UP = {
 # multi-head latent attention's per-head factors (mlx-lm's split of kv_b_proj) -> llama.cpp's
 _MLA = {"embed_q": "ATTN_K_B", "unembed_out": "ATTN_V_B"}
 # a bare parameter's suffix in llama.cpp (the converter's): the rest are weights
-_BARE = {"exp_probs_b": ".bias", "ssm_a": "", "ssm_d": "", "ffn_norm": ""}  # Falcon-H1's
+_BARE = {
+    "exp_probs_b": ".bias",
+    "ssm_a": "",
+    "ssm_d": "",
+    "ffn_norm": "",  # Falcon-H1's
+    "post_attention_norm": "",  # PLaMo 3's
+    "post_ffw_norm": "",
+}
+# an RMSNorm whose scale is weight + offset, per architecture and GGUF tensor (stored as
+# weight + offset, as llama.cpp's converter does)
+NORM_OFFSETS = {
+    "plamo3": {
+        "attn_norm": 1.0,
+        "post_attention_norm": 0.2,
+        "ffn_norm": 1.0,
+        "post_ffw_norm": 5**-1.5,
+        "output_norm": 1.0,
+        "attn_q_norm": 1.0,
+        "attn_k_norm": 1.0,
+    },
+}
 # model_type -> (gguf architecture, whether q/k rows are permuted as llama.cpp's converter does)
 ARCHES = {mt: (f.arch, f.permuted) for mt, f in FAMILIES.items()}
 NORM_PLUS_ONE = tuple(mt for mt, f in FAMILIES.items() if f.norm_plus_one)

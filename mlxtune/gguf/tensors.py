@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import UserInputError
 from .file import GGUFTensor
-from .names import GATE_UP, XIELU
+from .names import GATE_UP, NORM_OFFSETS, XIELU
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -125,6 +125,14 @@ def gemma4_rope_freqs(args) -> np.ndarray:
     return np.array([1.0] * rotated + [1e30] * (pairs - rotated), dtype=np.float32)
 
 
+def norm_offset(arch: str, g: str) -> float:
+    """The offset an architecture's RMSNorm adds to the weight named ``g`` (0: none)."""
+    base = g.removesuffix(".weight").split(".")[-1]
+    return (
+        NORM_OFFSETS.get(arch, {}).get(base, 0.0) if g.startswith(("blk.", "output_norm")) else 0.0
+    )
+
+
 def to_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> np.ndarray:
     """A parameter (fp32) as llama.cpp's converter stores it under GGUF name ``g``."""
     if family.permuted and g.endswith(("attn_q.weight", "attn_q.bias")):
@@ -133,6 +141,9 @@ def to_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> np.ndarray
         return permute_qk(a, n_kv)
     if family.norm_plus_one and g.endswith("norm.weight"):
         return a + 1.0
+    offset = norm_offset(family.arch, g)
+    if offset:
+        return a + offset
     if g.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):  # MLX's [C, K, 1] -> [C, K]
         return a.reshape(a.shape[0], a.shape[1])
     return a
