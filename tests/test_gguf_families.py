@@ -75,6 +75,7 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "plamo": {"num_attention_heads": 8, "n_shared_head": 4},  # 2 kv heads, each read by 4
     "plamo3": {"num_hidden_layers": 4, "rope_local_theta": 500.0},  # full layers 2 and 4
     # tied, its logits scaled at run time by lm_head_multiplier / embedding_multiplier
     "falcon_h1": {

@@ -528,6 +528,9 @@ def _falcon_h1(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "plamo": lambda g, config, kv_layers: {
+        "n_shared_head": config["num_attention_heads"] // config["num_key_value_heads"]
+    },
     "plamo3": _plamo3,
     "falcon_h1": _falcon_h1,
     "bailing_moe": lambda g, config, kv_layers: {

@@ -51,6 +51,7 @@ from .tensors import (
     qkv_split,
     qwen3_next_split,
     qwen35_to_gguf,
+    shared_kv_heads,
     ssm_to_gguf,
     to_gguf,
 )
@@ -374,6 +375,8 @@ def write_gguf_model(
             continue
         for g, a in qkv_pieces(names[hf], held, config["model_type"], n_head, n_kv):
             a = to_gguf(a, g, family, n_head, n_kv)
+            if family.arch == "plamo":
+                a = shared_kv_heads(a, g, n_head, n_kv)
             if family.arch in ("qwen35", "qwen35moe"):
                 a = qwen35_to_gguf(a, g, model_args(model))
             if family.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid", "falcon-h1"):
@@ -471,6 +474,9 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
                 f"{mod_name.rsplit('.', 1)[-1]} out of adapter.targets",
                 where,
             )
+        if arch == "plamo":  # q heads in llama.cpp's order: B's rows (q), A's columns (output)
+            a = np.ascontiguousarray(shared_kv_heads(a, g, n_head, n_kv, lora="a"))
+            b = shared_kv_heads(b, g, n_head, n_kv, lora="b")
         pairs = qkv_pieces(g, b, config["model_type"], n_head, n_kv)
         pairs = [
             (g_, permute_qk(b_, n_head if g_.endswith("attn_q.weight") else n_kv))

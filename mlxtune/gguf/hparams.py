@@ -340,8 +340,15 @@ def _falcon_h1(arg, mt: str) -> str | None:
     return None
 
 
+def _plamo(arg, mt: str) -> str | None:
+    if int(arg("num_attention_heads")) % int(arg("n_shared_head", 8)):
+        return "mlx-lm's PLaMo shares kv heads evenly only when n_shared_head divides the heads"
+    return _rotate_half(arg, mt)
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "plamo": _plamo,
     "falcon_h1": _falcon_h1,
     "dbrx": _dbrx,
     "bailing_moe": _bailing_fixed,
@@ -391,6 +398,8 @@ def head_counts(config: dict) -> tuple[int, int, int]:
         return 0, 0, 0
     n_head = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads") or n_head
+    if config.get("n_shared_head"):  # PLaMo's: each kv head shared by n_shared_head q heads
+        n_kv = -(-n_head // int(config["n_shared_head"]))
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     return n_head, n_kv, head_dim
 

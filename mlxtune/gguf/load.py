@@ -41,6 +41,7 @@ from .tensors import (
     qkv_from_gguf,
     qwen3_next_join,
     qwen35_from_gguf,
+    shared_kv_heads,
     ssm_from_gguf,
     unpermute_qk,
     xielu_from_gguf,
@@ -308,6 +309,9 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
         if config["model_type"] in NORM_PLUS_ONE and gname.endswith("norm.weight"):
             a = a - 1.0
         a = a - norm_offset(g.arch, gname)
+        if g.arch == "plamo":
+            n_head = config["num_attention_heads"]
+            a = shared_kv_heads(a, gname, n_head, n_head // config["n_shared_head"], back=True)
         if gname.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):  # -> MLX [C, K, 1]
             a = a[..., None]
         weights.append((hf, mx.array(a).astype(target)))

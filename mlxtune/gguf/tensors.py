@@ -133,6 +133,22 @@ def norm_offset(arch: str, g: str) -> float:
     )
 
 
+def shared_kv_heads(a: np.ndarray, g: str, n_head: int, n_kv: int, back: bool = False, lora=""):
+    """PLaMo's q heads (rows of attn_q; columns of attn_output) from mlx-lm's order, where q
+    head h reads kv head h % n_kv, to llama.cpp's, where it reads h // (n_head / n_kv)
+    (``back``: the other way). ``lora``: an adapter's "a" or "b" factor of that tensor."""
+    shared = n_head // n_kv
+    rows = g.endswith(("attn_q.weight", "attn_q.bias")) and lora != "a"
+    cols = g.endswith("attn_output.weight") and lora != "b"
+    outer, inner = (n_kv, shared) if back else (shared, n_kv)
+    if rows:
+        rest = a.shape[1:]
+        return a.reshape(outer, inner, -1, *rest).swapaxes(0, 1).reshape(a.shape)
+    if cols:
+        return a.reshape(a.shape[0], outer, inner, -1).swapaxes(1, 2).reshape(a.shape)
+    return a
+
+
 def to_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> np.ndarray:
     """A parameter (fp32) as llama.cpp's converter stores it under GGUF name ``g``."""
     if family.permuted and g.endswith(("attn_q.weight", "attn_q.bias")):
