@@ -540,3 +540,8 @@ def test_a_rope_scaling_gguf_export_cannot_hold_is_refused_by_name(
     model = model_class(args_class.from_dict(config))
     with pytest.raises(UserInputError, match="RoPE scaling 'yarn' of a qwen2 model"):
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+    betas = {**SCALINGS["yarn"], "beta_fast": 16.0}  # llama.cpp's qwen2 keeps 32
+    config = {**tiny_config("qwen2", len(tokenizer._tokenizer)), "rope_scaling": betas}
+    model = model_class(args_class.from_dict(config))
+    with pytest.raises(UserInputError, match="reads no yarn betas"):
+        write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")

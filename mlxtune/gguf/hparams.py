@@ -991,6 +991,14 @@ def add_rope_scaling(w, config: dict) -> np.ndarray | None:
     kind = sc.get("rope_type") or sc.get("type") or "default"
     if kind == "default" or _ntk_alpha(config) is not None:  # alpha: in the base
         return None
+    arch = FAMILIES[config["model_type"]].arch
+    betas = (float(sc.get("beta_fast", 32.0)), float(sc.get("beta_slow", 1.0)))
+    if kind in ("yarn", "deepseek_yarn") and arch != "mistral3" and betas != (32.0, 1.0):
+        raise UserInputError(
+            f"llama.cpp's {arch} reads no yarn betas (it keeps 32 and 1); this model's "
+            f"beta_fast and beta_slow are {betas[0]:g} and {betas[1]:g}",
+            "export --format gguf",
+        )
     if kind in ("yarn", "deepseek_yarn") and FAMILIES[config["model_type"]].arch == "deepseek2":
         if sc.get("mscale", 1.0) != sc.get("mscale_all_dim", 0.0):
             raise UserInputError(
