@@ -495,6 +495,25 @@ def _plamo3(g, config, kv_layers) -> dict:
     }
 
 
+def _exaone_moe(g, config, kv_layers) -> dict:
+    layers = config["num_hidden_layers"]
+    sliding = [bool(x) for x in g.get("attention.sliding_window_pattern", [])]
+    if len(sliding) != layers:  # llama.cpp's default: layers il % 4 < 3 slide
+        sliding = [i % 4 < 3 for i in range(layers)]
+    dense = int(g.get("leading_dense_block_count", 0))
+    return {
+        "moe_intermediate_size": int(g.get("expert_feed_forward_length")),
+        "num_shared_experts": int(g.get("expert_shared_count", 0)),
+        "sliding_window": int(g.get("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "is_moe_layer": [i >= dense for i in range(layers)],
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+    }
+
+
 def _falcon_h1(g, config, kv_layers) -> dict:
     """Falcon-H1 with its multipliers in the weights (every one 1 here), Mamba 2 beside the
     attention in each layer."""
@@ -528,6 +547,7 @@ def _falcon_h1(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "exaone_moe": _exaone_moe,
     "plamo": lambda g, config, kv_layers: {
         "n_shared_head": config["num_attention_heads"] // config["num_key_value_heads"]
     },

@@ -290,7 +290,7 @@ def _names(model, config: dict, where: str) -> dict[str, str]:
 
 
 # architectures whose llama.cpp graph needs an output head even when the model ties it
-NEEDS_OUTPUT = ("internlm2", "qwen", "apertus", "dots1", "bailingmoe2")
+NEEDS_OUTPUT = ("internlm2", "qwen", "apertus", "dots1", "bailingmoe2", "exaone-moe")
 
 
 def gate_up_split(g: str, a: np.ndarray):

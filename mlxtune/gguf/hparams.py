@@ -346,8 +346,26 @@ def _plamo(arg, mt: str) -> str | None:
     return _rotate_half(arg, mt)
 
 
+def _exaone_moe_fixed(arg, mt: str) -> str | None:
+    moe = [bool(x) for x in arg("is_moe_layer")]
+    if "sliding_attention" not in list(arg("layer_types")):
+        return (
+            "llama.cpp's exaone-moe ropes only its sliding layers, and mlx-lm's ropes every layer "
+            "of a model without one; this model has none"
+        )
+    if True not in moe or moe != [False] * moe.index(True) + [True] * (len(moe) - moe.index(True)):
+        return (
+            "llama.cpp's exaone-moe puts experts in every layer after the leading dense ones; "
+            "this model's is_moe_layer does otherwise"
+        )
+    if not arg("num_shared_experts"):
+        return "llama.cpp's exaone-moe reads shared experts beside the routed ones; this model has none"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "exaone_moe": _exaone_moe_fixed,
     "plamo": _plamo,
     "falcon_h1": _falcon_h1,
     "dbrx": _dbrx,
@@ -581,6 +599,26 @@ def _plamo3(w, arg, config: dict) -> None:
     w.add_rope_freq_base_swa(float(arg("rope_local_theta", 10000.0)))
 
 
+def _exaone_moe(w, arg, config: dict) -> None:
+    """K-EXAONE: sliding (roped) and full (unroped) layers per layer, leading dense layers,
+    sigmoid routing with the correction bias, shared experts, scaled and renormalised."""
+    import gguf
+
+    types = list(arg("layer_types"))
+    w.add_sliding_window(int(arg("sliding_window")))
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_leading_dense_block_count(list(arg("is_moe_layer")).index(True))
+    shared = int(arg("num_shared_experts"))
+    w.add_expert_shared_count(shared)
+    w.add_expert_shared_feed_forward_length(shared * int(arg("moe_intermediate_size")))
+    w.add_expert_weights_scale(float(arg("routed_scaling_factor")))
+    w.add_expert_weights_norm(bool(arg("norm_topk_prob")) and int(arg("num_experts_per_tok")) > 1)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    grouped = int(arg("n_group") or 1) > 1 and int(arg("topk_group")) < int(arg("n_group"))
+    w.add_expert_group_count(int(arg("n_group")) if grouped else 1)
+    w.add_expert_group_used_count(int(arg("topk_group")) if grouped else 1)
+
+
 def _minimax(w, arg, config: dict) -> None:
     """MiniMax-M2: every layer's experts as wide as intermediate_size, sigmoid routing with the
     correction bias, renormalised."""
@@ -662,6 +700,7 @@ _EXTRA = {
     "glm4_moe": _glm4_moe,
     "solar_open": _glm4_moe,
     "minimax": _minimax,
+    "exaone_moe": _exaone_moe,
     "plamo3": _plamo3,
     "bailing_moe": _bailing,
     "dots1": _dots1,
