@@ -75,6 +75,7 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "mimo_v2_flash": {"n_shared_experts": None, "attention_value_scale": 0.7},
     "exaone_moe": {"routed_scaling_factor": 2.5},
     "plamo": {"num_attention_heads": 8, "n_shared_head": 4},  # 2 kv heads, each read by 4
     "plamo3": {"num_hidden_layers": 4, "rope_local_theta": 500.0},  # full layers 2 and 4
@@ -269,6 +270,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("exaone", {"mlp_bias": True}, "attention_bias or mlp_bias"),
         ("ernie4_5_moe", {"moe_gate_act": "sigmoid"}, "routes by softmax"),
         ("dots1", {"num_key_value_heads": 2}, "as many key/value heads"),
+        ("mimo_v2_flash", {"n_shared_experts": 1}, "no shared experts"),
         ("exaone_moe", {"layer_types": ["full_attention"] * 2}, "ropes only its sliding"),
         ("falcon_h1", {"mamba_norm_before_gate": True}, "gates before its SSM norm"),
         ("bailing_moe", {"use_qk_norm": False}, "Ling 1's layout"),

@@ -17,6 +17,7 @@ from .whole import (
     dbrx_config,
     mamba2_config,
     mamba_config,
+    mimo2_config,
     mla_config,
     nemotron_h_config,
     openelm_config,
@@ -42,6 +43,7 @@ FAMILIES.update({"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_mo
 
 # architectures whose config is built whole (no common attention keys to read)
 _WHOLE = {
+    "mimo2": mimo2_config,
     "dbrx": dbrx_config,
     "openelm": openelm_config,
     "mamba": mamba_config,

@@ -363,8 +363,21 @@ def _exaone_moe_fixed(arg, mt: str) -> str | None:
     return None
 
 
+def _mimo2(arg, mt: str) -> str | None:
+    if arg("n_shared_experts"):
+        return "llama.cpp's mimo2 has no shared experts; this model has"
+    if int(arg("num_experts_per_tok")) == 1:
+        return "llama.cpp's mimo2 renormalises even one expert's weight and mlx-lm does not"
+    if float(arg("routed_scaling_factor") or 1.0) != 1.0:
+        return "llama.cpp's mimo2 does not scale the routed experts' weights; this model does"
+    if (arg("head_dim"), arg("v_head_dim")) != (arg("swa_head_dim"), arg("swa_v_head_dim")):
+        return "llama.cpp's mimo2 reads one head size for every layer; this model's differ"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "mimo_v2_flash": _mimo2,
     "exaone_moe": _exaone_moe_fixed,
     "plamo": _plamo,
     "falcon_h1": _falcon_h1,
@@ -727,6 +740,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_dbrx(w, args)
     if mt == "falcon_h1":
         return _add_falcon_h1(w, args)
+    if mt == "mimo_v2_flash":
+        return _add_mimo2(w, args)
     if FAMILIES[mt].arch == "deepseek2":
         return _add_mla(w, args, mt)
     if mt == "nemotron_h":
@@ -978,6 +993,42 @@ def _add_falcon_h1(w, args) -> None:
     w.add_ssm_group_count(int(args.mamba_n_groups))
     w.add_layer_norm_rms_eps(float(args.rms_norm_eps))
     w.add_vocab_size(int(args.vocab_size))
+
+
+def _add_mimo2(w, args) -> None:
+    """MiMo-V2-Flash as llama.cpp's mimo2 reads it: sliding and full layers with heads of
+    their own, attention sinks, the value scale, sigmoid routing with the correction bias
+    (renormalised and unscaled, as llama.cpp fixes it)."""
+    import gguf
+
+    layers = int(args.num_hidden_layers)
+    sliding = [int(p) == 1 for p in args.hybrid_layer_pattern]
+    heads = [args.swa_num_attention_heads if s else args.num_attention_heads for s in sliding]
+    kv = [args.swa_num_key_value_heads if s else args.num_key_value_heads for s in sliding]
+    w.add_context_length(int(args.max_position_embeddings))
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_block_count(layers)
+    w.add_feed_forward_length(int(args.intermediate_size))
+    w.add_head_count([int(n) for n in heads])
+    w.add_head_count_kv([int(n) for n in kv])
+    w.add_key_length(int(args.head_dim))
+    w.add_value_length(int(args.v_head_dim))
+    w.add_rope_dimension_count(int(float(args.partial_rotary_factor) * args.head_dim))
+    w.add_rope_freq_base(float(args.rope_theta))
+    w.add_rope_freq_base_swa(float(args.swa_rope_theta))
+    w.add_sliding_window(int(args.sliding_window_size))
+    w.add_sliding_window_pattern(sliding)
+    w.add_layer_norm_rms_eps(float(args.layernorm_epsilon))
+    w.add_vocab_size(int(args.vocab_size))
+    w.add_expert_count(int(args.n_routed_experts))
+    w.add_expert_used_count(int(args.num_experts_per_tok))
+    w.add_expert_feed_forward_length(int(args.moe_intermediate_size))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    grouped = int(args.n_group or 1) > 1 and int(args.topk_group) < int(args.n_group)
+    w.add_expert_group_count(int(args.n_group) if grouped else 1)
+    w.add_expert_group_used_count(int(args.topk_group) if grouped else 1)
+    if args.attention_value_scale is not None:
+        w.add_float32("mimo2.attention.value_scale", float(args.attention_value_scale))
 
 
 def _add_gemma4(w, args) -> None:

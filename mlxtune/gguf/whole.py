@@ -194,6 +194,67 @@ def dbrx_config(g: GGUFModelFile, need) -> dict:
     }
 
 
+def mimo2_config(g: GGUFModelFile, need) -> dict:
+    """MiMo-V2-Flash's config from what llama.cpp's mimo2 reads: sliding and full layers with
+    heads of their own, sinks where the file holds them, experts where it holds a router."""
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    layers = int(need("block_count"))
+    sliding = [bool(x) for x in need("attention.sliding_window_pattern")]
+    heads, kv = need("attention.head_count"), need("attention.head_count_kv")
+    heads = [int(x) for x in heads] if not isinstance(heads, int) else [heads] * layers
+    kv = [int(x) for x in kv] if not isinstance(kv, int) else [kv] * layers
+
+    def first(values, want):
+        return next((v for v, s in zip(values, sliding, strict=True) if s == want), values[0])
+
+    def sinks(want):
+        return any(
+            f"blk.{i}.attn_sinks.weight" in g.tensors for i in range(layers) if sliding[i] == want
+        )
+
+    head_dim = int(need("attention.key_length"))
+    scale = g.get("attention.value_scale")
+    return {
+        "model_type": "mimo_v2_flash",
+        "architectures": [hf_architecture("mimo_v2_flash")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": layers,
+        "intermediate_size": int(need("feed_forward_length")),
+        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "num_attention_heads": first(heads, False),
+        "num_key_value_heads": first(kv, False),
+        "swa_num_attention_heads": first(heads, True),
+        "swa_num_key_value_heads": first(kv, True),
+        "head_dim": head_dim,
+        "swa_head_dim": head_dim,
+        "v_head_dim": int(need("attention.value_length")),
+        "swa_v_head_dim": int(need("attention.value_length")),
+        "partial_rotary_factor": int(g.get("rope.dimension_count", head_dim)) / head_dim,
+        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        "swa_rope_theta": float(g.get("rope.freq_base_swa", 10000.0)),
+        "sliding_window_size": int(need("attention.sliding_window")),
+        "hybrid_layer_pattern": [int(s) for s in sliding],
+        "moe_layer_freq": [int(f"blk.{i}.ffn_gate_inp.weight" in g.tensors) for i in range(layers)],
+        "add_swa_attention_sink_bias": sinks(True),
+        "add_full_attention_sink_bias": sinks(False),
+        "n_routed_experts": int(need("expert_count")),
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "n_shared_experts": None,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": None,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "layernorm_epsilon": float(need("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "attention_value_scale": float(scale) if scale is not None else None,
+    }
+
+
 def mamba_config(g: GGUFModelFile, need) -> dict:
     """Mamba 1's config from what llama.cpp's mamba reads (no attention, no MLP)."""
     embd = g.tensors.get("token_embd.weight")
