@@ -75,6 +75,20 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    # yarn and Llama 4's attention temperature from position 4 on, inside the test's ids
+    "mistral4": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 4,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "rope_theta": 10000.0,
+            "llama_4_scaling_beta": 0.5,
+        }
+    },
     "mimo_v2_flash": {"n_shared_experts": None, "attention_value_scale": 0.7},
     "exaone_moe": {"routed_scaling_factor": 2.5},
     "plamo": {"num_attention_heads": 8, "n_shared_head": 4},  # 2 kv heads, each read by 4
@@ -271,6 +285,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("ernie4_5_moe", {"moe_gate_act": "sigmoid"}, "routes by softmax"),
         ("dots1", {"num_key_value_heads": 2}, "as many key/value heads"),
         ("mimo_v2_flash", {"n_shared_experts": 1}, "no shared experts"),
+        ("mistral4", {"rms_norm_eps": 1e-5}, "epsilon of 1e-6"),
         ("exaone_moe", {"layer_types": ["full_attention"] * 2}, "ropes only its sliding"),
         ("falcon_h1", {"mamba_norm_before_gate": True}, "gates before its SSM norm"),
         ("bailing_moe", {"use_qk_norm": False}, "Ling 1's layout"),

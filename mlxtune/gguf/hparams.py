@@ -375,8 +375,32 @@ def _mimo2(arg, mt: str) -> str | None:
     return None
 
 
+def _mistral4(arg, mt: str) -> str | None:
+    layers, vocab = int(arg("num_hidden_layers")), int(arg("vocab_size"))
+    if arg("rope_interleave") is False:
+        return "llama.cpp's mistral4 rotates interleaved pairs; this model's rope_interleave is off"
+    if arg("q_lora_rank") and (layers in (26, 27) or (layers == 48 and vocab == 128256)):
+        return (
+            "llama.cpp's deepseek2 loader reads no q_lora_rank at this layer count (DeepSeek-V2 "
+            "Lite's); this model has one"
+        )
+    if float(arg("rms_norm_eps")) != 1e-6:
+        return (
+            "mlx-lm's Mistral 4 normalises its latent q and kv at an epsilon of 1e-6 and "
+            "llama.cpp at rms_norm_eps; this model's differs"
+        )
+    if not arg("n_shared_experts"):
+        return (
+            "llama.cpp's mistral4 reads shared experts beside the routed ones; this model has none"
+        )
+    if arg("attention_bias"):
+        return "llama.cpp's mistral4 has no attention biases; this model has"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "mistral4": _mistral4,
     "mimo_v2_flash": _mimo2,
     "exaone_moe": _exaone_moe_fixed,
     "plamo": _plamo,
@@ -742,7 +766,7 @@ def add_hparams(w, config: dict, model=None):
         return _add_falcon_h1(w, args)
     if mt == "mimo_v2_flash":
         return _add_mimo2(w, args)
-    if FAMILIES[mt].arch == "deepseek2":
+    if FAMILIES[mt].arch in ("deepseek2", "mistral4"):
         return _add_mla(w, args, mt)
     if mt == "nemotron_h":
         return _add_nemotron_h(w, args)
@@ -839,13 +863,19 @@ def _add_mla(w, args, mt: str) -> None:
     w.add_expert_weights_scale(float(getattr(args, "routed_scaling_factor", 1.0)))
     if mt != "deepseek_v2" and getattr(args, "norm_topk_prob", False):
         w.add_expert_weights_norm(True)
-    sigmoid = mt != "deepseek_v2" and getattr(args, "scoring_func", "sigmoid") == "sigmoid"
+    softmax = ("deepseek_v2", "mistral4")  # the rest: the config's scoring function
+    sigmoid = mt not in softmax and getattr(args, "scoring_func", "sigmoid") == "sigmoid"
     w.add_expert_gating_func(
         gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX
     )
     grouped = mt != "deepseek_v2" or getattr(args, "topk_method", "") == "group_limited_greedy"
-    w.add_expert_group_count(int(getattr(args, "n_group", None) or 1) if grouped else 1)
-    w.add_expert_group_used_count(int(getattr(args, "topk_group", None) or 1) if grouped else 1)
+    n_group, topk_group = (
+        int(getattr(args, "n_group", None) or 1),
+        getattr(args, "topk_group", None),
+    )
+    grouped = grouped and n_group > 1 and int(topk_group or 1) < n_group  # else: no groups
+    w.add_expert_group_count(n_group if grouped else 1)
+    w.add_expert_group_used_count(int(topk_group or 1) if grouped else 1)
 
 
 def _pattern(value) -> str:
@@ -1076,8 +1106,8 @@ def add_rope_scaling(w, config: dict) -> np.ndarray | None:
     import gguf
 
     sc = config.get("rope_scaling") or {}
-    if config["model_type"] == "ministral3":  # its RoPE settings live in rope_parameters
-        sc = config.get("rope_parameters") or {}
+    if config["model_type"] in ("ministral3", "mistral4"):  # RoPE settings in rope_parameters
+        sc = config.get("rope_parameters") or sc
     kind = sc.get("rope_type") or sc.get("type") or "default"
     if kind == "default" or _ntk_alpha(config) is not None:  # alpha: in the base
         return None
@@ -1089,7 +1119,17 @@ def add_rope_scaling(w, config: dict) -> np.ndarray | None:
             f"beta_fast and beta_slow are {betas[0]:g} and {betas[1]:g}",
             "export --format gguf",
         )
-    if kind in ("yarn", "deepseek_yarn") and FAMILIES[config["model_type"]].arch == "deepseek2":
+    if (
+        kind == "yarn"
+        and arch == "mistral4"
+        and (sc.get("mscale"), sc.get("mscale_all_dim")) != (1, 1)
+    ):
+        raise UserInputError(
+            "llama.cpp's mistral4 runs yarn as mlx-lm's Mistral 4 only with mscale and "
+            "mscale_all_dim both 1; this model's differ",
+            "export --format gguf",
+        )
+    if kind in ("yarn", "deepseek_yarn") and arch in ("deepseek2", "mistral4"):
         if sc.get("mscale", 1.0) != sc.get("mscale_all_dim", 0.0):
             raise UserInputError(
                 "llama.cpp's deepseek2 reads one yarn mscale (mscale_all_dim); this model's "
@@ -1102,6 +1142,9 @@ def add_rope_scaling(w, config: dict) -> np.ndarray | None:
         w.add_rope_scaling_yarn_beta_fast(float(sc.get("beta_fast", 32.0)))
         w.add_rope_scaling_yarn_beta_slow(float(sc.get("beta_slow", 1.0)))
         w.add_rope_scaling_yarn_log_mul(0.1 * float(sc.get("mscale_all_dim", 0.0)))
+        if arch == "mistral4" and sc.get("llama_4_scaling_beta") is not None:  # Llama 4's
+            w.add_attn_temperature_scale(float(sc["llama_4_scaling_beta"]))
+            w.add_attn_temperature_length(int(sc["original_max_position_embeddings"]))
         return None
     if kind == "yarn" and config["model_type"] == "ministral3":
         # Mistral's yarn: mscale_all_dim as the log multiplier, and Llama 4's position-wise

@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "mistral4": Family("mistral4"),
     "mimo_v2_flash": Family("mimo2", norm_topk=True),
     "exaone_moe": Family("exaone-moe", norm_topk=None),
     "plamo": Family("plamo"),
@@ -105,6 +106,7 @@ QKV_LAYOUT = {"internlm2": "grouped", "gpt_neox": "per_head"}
 # GGUF adapter there would be ignored): multi-head latent attention's projections
 NO_ADAPTER = {
     "deepseek2": ("attn_q_a", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_kv_b", "output"),
+    "mistral4": ("attn_q_a", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_kv_b", "output"),
 }
 # Apertus's xIELU parameters: metadata arrays in llama.cpp (one value per layer), held here
 # under these names between the model and the file

@@ -61,7 +61,7 @@ def nemotron_h_config(g: GGUFModelFile, need) -> dict:
     }
 
 
-def mla_config(g: GGUFModelFile, need) -> dict:
+def mla_config(g: GGUFModelFile, need, softmax_is_v2: bool = True) -> dict:
     """DeepSeek-V3's config from what llama.cpp's deepseek2 reads (see the export)."""
     rope = int(need("rope.dimension_count"))
     embd = g.tensors.get("token_embd.weight")
@@ -107,7 +107,7 @@ def mla_config(g: GGUFModelFile, need) -> dict:
             config.pop(key, None)
         config.update(model_type="youtu_llm", architectures=[hf_architecture("youtu_llm")])
         config.update(rope_traditional=True, mlp_bias=False)
-    elif gating != 2:  # softmax routing: DeepSeek-V2's (mlx-lm's never renormalises it)
+    elif gating != 2 and softmax_is_v2:  # softmax routing: DeepSeek-V2's (never renormalised)
         if config["norm_topk_prob"]:
             raise UserInputError(
                 "this deepseek2 file renormalises softmax routing, which no mlx-lm model does",
@@ -253,6 +253,30 @@ def mimo2_config(g: GGUFModelFile, need) -> dict:
         "max_position_embeddings": int(g.get("context_length", 2048)),
         "attention_value_scale": float(scale) if scale is not None else None,
     }
+
+
+def mistral4_config(g: GGUFModelFile, need) -> dict:
+    """Mistral 4's config from what llama.cpp's mistral4 (its deepseek2 loader) reads: MLA,
+    softmax routing, its RoPE settings (yarn, Llama 4's temperature) in rope_parameters."""
+    config = mla_config(g, need, softmax_is_v2=False)
+    scaling = config.pop("rope_scaling", None)
+    rp = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if scaling is not None:
+        rp = {**scaling, **rp, "rope_type": "yarn"}
+        rp.pop("type", None)
+        beta = g.get("attention.temperature_scale")
+        if beta is not None:
+            rp["llama_4_scaling_beta"] = float(beta)
+    config.update(
+        model_type="mistral4",
+        architectures=[hf_architecture("mistral4")],
+        rope_parameters=rp,
+        head_dim=config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
+        rope_interleave=True,
+    )
+    if not config["q_lora_rank"]:
+        config["q_lora_rank"] = None
+    return config
 
 
 def mamba_config(g: GGUFModelFile, need) -> dict:
