@@ -317,6 +317,7 @@ def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
         ("jamba", "not renormalised"),
         ("hunyuan", "renormalises the top-k"),
         ("llama4_text", "dense model"),
+        ("bitnet", "squares a ReLU"),
         ("llama4", "'llama4' architecture is not one mlxtune writes"),
     ],
 )

@@ -131,6 +131,10 @@ RUNS_OTHERWISE = {
         "llama.cpp's hunyuan-moe renormalises the top-k experts' weights, which mlx-lm's Hunyuan "
         "does not, and shares no keys and values across layers as Hunyuan's CLA does"
     ),
+    "bitnet": (
+        "llama.cpp's bitnet gates its MLP with SiLU where BitNet (mlx-lm's, as transformers') "
+        "squares a ReLU"
+    ),
     "llama4_text": (
         "llama.cpp's llama4 is Llama 4's mixture of experts; mlx-lm's llama4_text is a dense "
         "model whose unroped layers and query/key norms llama.cpp would place otherwise"
