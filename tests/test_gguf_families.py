@@ -75,6 +75,11 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "afmoe": {  # llama.cpp's: every 4th layer full (and unroped)
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "route_scale": 2.5,
+    },
     # yarn and Llama 4's attention temperature from position 4 on, inside the test's ids
     "mistral4": {
         "rope_parameters": {
@@ -286,6 +291,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("dots1", {"num_key_value_heads": 2}, "as many key/value heads"),
         ("mimo_v2_flash", {"n_shared_experts": 1}, "no shared experts"),
         ("mistral4", {"rms_norm_eps": 1e-5}, "epsilon of 1e-6"),
+        ("afmoe", {"mup_enabled": False}, "scales the embeddings"),
         ("exaone_moe", {"layer_types": ["full_attention"] * 2}, "ropes only its sliding"),
         ("falcon_h1", {"mamba_norm_before_gate": True}, "gates before its SSM norm"),
         ("bailing_moe", {"use_qk_norm": False}, "Ling 1's layout"),

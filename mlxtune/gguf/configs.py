@@ -518,6 +518,25 @@ def _exaone_moe(g, config, kv_layers) -> dict:
     }
 
 
+def _afmoe(g, config, kv_layers) -> dict:
+    layers = config["num_hidden_layers"]
+    return {
+        "layer_types": [
+            "full_attention" if i % 4 == 3 else "sliding_attention" for i in range(layers)
+        ],  # llama.cpp's afmoe fixes it
+        "sliding_window": int(g.get("attention.sliding_window")),
+        "num_dense_layers": int(g.get("leading_dense_block_count", 0)),
+        "moe_intermediate_size": int(g.get("expert_feed_forward_length")),
+        "num_shared_experts": int(g.get("expert_shared_count", 0)),
+        "route_norm": bool(g.get("expert_weights_norm", False)),
+        "route_scale": float(g.get("expert_weights_scale", 1.0)),
+        "score_func": "sigmoid" if g.get("expert_gating_func", 2) == 2 else "softmax",
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "mup_enabled": True,
+    }
+
+
 def _falcon_h1(g, config, kv_layers) -> dict:
     """Falcon-H1 with its multipliers in the weights (every one 1 here), Mamba 2 beside the
     attention in each layer."""
@@ -551,6 +570,7 @@ def _falcon_h1(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "afmoe": _afmoe,
     "exaone_moe": _exaone_moe,
     "plamo": lambda g, config, kv_layers: {
         "n_shared_head": config["num_attention_heads"] // config["num_key_value_heads"]

@@ -398,8 +398,24 @@ def _mistral4(arg, mt: str) -> str | None:
     return None
 
 
+def _afmoe_fixed(arg, mt: str) -> str | None:
+    types = list(arg("layer_types"))
+    every4 = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(len(types))]
+    if types != every4:
+        return (
+            "llama.cpp's afmoe ropes and slides every layer but every 4th; this model's "
+            "layer_types differ"
+        )
+    if not arg("mup_enabled", True):
+        return "llama.cpp's afmoe scales the embeddings by sqrt(hidden); this model does not"
+    if arg("route_norm", True) and int(arg("num_experts_per_tok")) == 1:
+        return "llama.cpp's afmoe renormalises even one expert's weight and mlx-lm does not"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "afmoe": _afmoe_fixed,
     "mistral4": _mistral4,
     "mimo_v2_flash": _mimo2,
     "exaone_moe": _exaone_moe_fixed,
@@ -656,6 +672,27 @@ def _exaone_moe(w, arg, config: dict) -> None:
     w.add_expert_group_used_count(int(arg("topk_group")) if grouped else 1)
 
 
+def _afmoe(w, arg, config: dict) -> None:
+    """AFMoE (Arcee Trinity): sliding layers beside every 4th full one, leading dense layers,
+    routing by the config's score function with the expert bias, shared experts."""
+    import gguf
+
+    types = list(arg("layer_types"))
+    w.add_sliding_window(int(arg("sliding_window")))
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_leading_dense_block_count(int(arg("num_dense_layers", 0)))
+    w.add_expert_shared_count(int(arg("num_shared_experts") or 0))
+    w.add_expert_weights_scale(float(arg("route_scale", 1.0)))
+    w.add_expert_weights_norm(bool(arg("route_norm", True)))
+    sigmoid = arg("score_func", "sigmoid") == "sigmoid"
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    grouped = int(arg("n_group") or 1) > 1 and int(arg("topk_group")) < int(arg("n_group"))
+    w.add_expert_group_count(int(arg("n_group")) if grouped else 1)
+    w.add_expert_group_used_count(int(arg("topk_group")) if grouped else 1)
+
+
 def _minimax(w, arg, config: dict) -> None:
     """MiniMax-M2: every layer's experts as wide as intermediate_size, sigmoid routing with the
     correction bias, renormalised."""
@@ -737,6 +774,7 @@ _EXTRA = {
     "glm4_moe": _glm4_moe,
     "solar_open": _glm4_moe,
     "minimax": _minimax,
+    "afmoe": _afmoe,
     "exaone_moe": _exaone_moe,
     "plamo3": _plamo3,
     "bailing_moe": _bailing,

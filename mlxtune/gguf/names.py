@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "afmoe": Family("afmoe"),
     "mistral4": Family("mistral4"),
     "mimo_v2_flash": Family("mimo2", norm_topk=True),
     "exaone_moe": Family("exaone-moe", norm_topk=None),
