@@ -75,6 +75,19 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    # Step 3.5's shape: the sliding layers with heads, a rotated share and a base of their own,
+    # clamped SwiGLUs
+    "step3p5": {
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "moe_layers_enum": "1,2",
+        "attention_other_setting": {"num_attention_heads": 8, "num_attention_groups": 2},
+        "partial_rotary_factors": [1.0, 0.5, 1.0],
+        "rope_theta": [500.0, 10000.0, 500.0],
+        "swiglu_limits": [0.0, 0.5, 0.5],
+        "swiglu_limits_shared": [0.5, 0.0, 0.5],
+        "moe_router_scaling_factor": 2.0,
+    },
     "afmoe": {  # llama.cpp's: every 4th layer full (and unroped)
         "num_hidden_layers": 4,
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
@@ -292,6 +305,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("mimo_v2_flash", {"n_shared_experts": 1}, "no shared experts"),
         ("mistral4", {"rms_norm_eps": 1e-5}, "epsilon of 1e-6"),
         ("afmoe", {"mup_enabled": False}, "scales the embeddings"),
+        ("step3p5", {"rope_theta": [500.0, 10000.0, 600.0]}, "per layer type"),
         ("exaone_moe", {"layer_types": ["full_attention"] * 2}, "ropes only its sliding"),
         ("falcon_h1", {"mamba_norm_before_gate": True}, "gates before its SSM norm"),
         ("bailing_moe", {"use_qk_norm": False}, "Ling 1's layout"),

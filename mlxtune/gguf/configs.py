@@ -22,6 +22,7 @@ from .whole import (
     mla_config,
     nemotron_h_config,
     openelm_config,
+    step35_config,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ FAMILIES.update({"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_mo
 
 # architectures whose config is built whole (no common attention keys to read)
 _WHOLE = {
+    "step35": step35_config,
     "mistral4": mistral4_config,
     "mimo2": mimo2_config,
     "dbrx": dbrx_config,

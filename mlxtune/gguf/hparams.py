@@ -413,8 +413,31 @@ def _afmoe_fixed(arg, mt: str) -> str | None:
     return None
 
 
+def _step35(arg, mt: str) -> str | None:
+    from types import SimpleNamespace
+
+    fields = (
+        "num_hidden_layers", "layer_types", "attention_other_setting", "partial_rotary_factors",
+        "rope_theta", "head_dim", "num_attention_heads", "num_attention_groups",
+    )  # fmt: skip
+    layers = step35_layers(SimpleNamespace(**{k: arg(k) for k in fields}))
+    for kind in (True, False):
+        same = {(x[3], x[4]) for x in layers if x[0] == kind}
+        if len(same) > 1:
+            return (
+                "llama.cpp's step35 reads one rotated share and RoPE base per layer type; this "
+                "model's differ between layers of one type"
+            )
+    if arg("rope_scaling"):
+        return "mlxtune writes Step 3.5 without RoPE scaling; this model's config sets one"
+    if not float(arg("moe_router_scaling_factor", 3.0)):
+        return "llama.cpp's step35 reads a routed scale of 0 as none; this model's is 0"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "step3p5": _step35,
     "afmoe": _afmoe_fixed,
     "mistral4": _mistral4,
     "mimo_v2_flash": _mimo2,
@@ -804,6 +827,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_falcon_h1(w, args)
     if mt == "mimo_v2_flash":
         return _add_mimo2(w, args)
+    if mt == "step3p5":
+        return _add_step35(w, model)
     if FAMILIES[mt].arch in ("deepseek2", "mistral4"):
         return _add_mla(w, args, mt)
     if mt == "nemotron_h":
@@ -1097,6 +1122,72 @@ def _add_mimo2(w, args) -> None:
     w.add_expert_group_used_count(int(args.topk_group) if grouped else 1)
     if args.attention_value_scale is not None:
         w.add_float32("mimo2.attention.value_scale", float(args.attention_value_scale))
+
+
+def step35_layers(args) -> list[tuple[bool, int, int, int, float]]:
+    """Step 3.5's layers as mlx-lm builds them: (sliding, heads, kv heads, rotated dims,
+    RoPE base) each."""
+    out = []
+    for i in range(int(args.num_hidden_layers)):
+        sliding = args.layer_types[i] == "sliding_attention" if args.layer_types else i % 2 == 0
+        other = args.attention_other_setting if sliding and args.attention_other_setting else {}
+        factors = args.partial_rotary_factors or []
+        factor = factors[i] if i < len(factors) else 1.0
+        theta = args.rope_theta[i] if isinstance(args.rope_theta, list) else args.rope_theta
+        out.append(
+            (
+                sliding,
+                int(other.get("num_attention_heads", args.num_attention_heads)),
+                int(other.get("num_attention_groups", args.num_attention_groups)),
+                int(args.head_dim * factor),
+                float(theta),
+            )
+        )
+    return out
+
+
+def _add_step35(w, model) -> None:
+    """Step 3.5 as llama.cpp's step35 reads it: sliding and full layers with heads, rotated
+    dims and RoPE bases of their own (the full layers' dims written doubled, as llama.cpp
+    halves them), the head-wise attention gate, sigmoid routing with the router bias, the
+    SwiGLU clamps."""
+    import gguf
+
+    args = model.args
+    layers = step35_layers(args)
+    full = next((x for x in layers if not x[0]), layers[0])
+    swa = next((x for x in layers if x[0]), layers[0])
+    n = len(layers)
+
+    def limits(values):
+        values = list(values or [])
+        return [float(values[i] or 0.0) if i < len(values) else 0.0 for i in range(n)]
+
+    w.add_context_length(int(args.max_position_embeddings))
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_block_count(n)
+    w.add_feed_forward_length(int(args.intermediate_size))
+    w.add_head_count([x[1] for x in layers])
+    w.add_head_count_kv([x[2] for x in layers])
+    w.add_key_length(int(args.head_dim))
+    w.add_value_length(int(args.head_dim))
+    w.add_rope_dimension_count(2 * full[3])
+    w.add_rope_dimension_count_swa(swa[3])
+    w.add_rope_freq_base(full[4])
+    w.add_rope_freq_base_swa(swa[4])
+    w.add_sliding_window(int(args.sliding_window))
+    w.add_sliding_window_pattern([x[0] for x in layers])
+    w.add_layer_norm_rms_eps(float(args.rms_norm_eps))
+    w.add_vocab_size(int(args.vocab_size))
+    w.add_expert_count(int(args.moe_num_experts))
+    w.add_expert_used_count(int(args.moe_top_k))
+    w.add_expert_feed_forward_length(int(args.moe_intermediate_size))
+    w.add_expert_shared_feed_forward_length(int(args.share_expert_dim))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(float(args.moe_router_scaling_factor))
+    w.add_expert_weights_norm(bool(args.norm_expert_weight))
+    w.add_swiglu_clamp_exp(limits(args.swiglu_limits))
+    w.add_swiglu_clamp_shexp(limits(args.swiglu_limits_shared))
 
 
 def _add_gemma4(w, args) -> None:

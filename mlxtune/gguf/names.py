@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "step3p5": Family("step35"),
     "afmoe": Family("afmoe"),
     "mistral4": Family("mistral4"),
     "mimo_v2_flash": Family("mimo2", norm_topk=True),
@@ -235,6 +236,23 @@ def _name_map(arch: str, n_blocks: int):
     return gguf.get_tensor_name_map(_arch_code(arch), n_blocks)
 
 
+# mlx-lm's names -> the published checkpoint's, where llama.cpp's name map knows only those
+_RENAMES = {
+    "step3p5": (
+        (".mlp.gate.gate.", ".moe.gate."),
+        (".mlp.gate.router_bias", ".moe.router_bias"),
+        (".mlp.share_expert.", ".share_expert."),
+    ),
+}
+
+
+def _renamed(hf: str, model_type: str) -> list[str]:
+    out = hf
+    for old, new in _RENAMES.get(model_type, ()):
+        out = out.replace(old, new)
+    return [out] if out != hf else []
+
+
 def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | None:
     """The GGUF tensor name for a Hugging Face/mlx-lm parameter name of a model with
     ``n_blocks`` layers (None: llama.cpp's architecture holds no such tensor)."""
@@ -287,6 +305,7 @@ def gguf_name(hf: str, model_type: str = "llama", n_blocks: int = 1) -> str | No
             f"backbone.{rest}",
             "gpt_neox." + rest.replace("h.", "layers.", 1),
             hf.replace(".gate.gate_proj.", ".gate."),  # Ling's router, as mlx-lm renames it
+            *_renamed(hf, model_type),
         ):
             name = names.get_name(candidate, try_suffixes=(".weight", ".bias"))
             if name is not None:

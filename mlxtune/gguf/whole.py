@@ -279,6 +279,65 @@ def mistral4_config(g: GGUFModelFile, need) -> dict:
     return config
 
 
+def step35_config(g: GGUFModelFile, need) -> dict:
+    """Step 3.5's config from what llama.cpp's step35 reads (the full layers' rotated dims are
+    written doubled: see the export)."""
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    layers = int(need("block_count"))
+    sliding = [bool(x) for x in need("attention.sliding_window_pattern")]
+
+    def per_layer(key):
+        v = need(key)
+        return [int(x) for x in v] if not isinstance(v, int) else [int(v)] * layers
+
+    heads, kv = per_layer("attention.head_count"), per_layer("attention.head_count_kv")
+    head_dim = int(need("attention.key_length"))
+    full = next((i for i, s in enumerate(sliding) if not s), 0)
+    swa = next((i for i, s in enumerate(sliding) if s), 0)
+    rot_full = int(need("rope.dimension_count")) // 2
+    rot_swa = int(g.get("rope.dimension_count_swa", 2 * rot_full))
+    theta_full = float(g.get("rope.freq_base", 10000.0))
+    theta_swa = float(g.get("rope.freq_base_swa", 10000.0))
+    limits, shared_limits = g.get("swiglu_clamp_exp"), g.get("swiglu_clamp_shexp")
+    limits = [0.0] * layers if limits is None else limits
+    shared_limits = [0.0] * layers if shared_limits is None else shared_limits
+    moe = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in g.tensors]
+    return {
+        "model_type": "step3p5",
+        "architectures": [hf_architecture("step3p5")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": layers,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_attention_heads": heads[full],
+        "num_attention_groups": kv[full],
+        "attention_other_setting": {
+            "num_attention_heads": heads[swa],
+            "num_attention_groups": kv[swa],
+        },
+        "head_dim": head_dim,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "partial_rotary_factors": [(rot_swa if s else rot_full) / head_dim for s in sliding],
+        "rope_theta": [theta_swa if s else theta_full for s in sliding],
+        "sliding_window": int(need("attention.sliding_window")),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "use_head_wise_attn_gate": "blk.0.attn_gate.weight" in g.tensors,
+        "moe_num_experts": int(need("expert_count")),
+        "moe_top_k": int(need("expert_used_count")),
+        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "share_expert_dim": int(need("expert_shared_feed_forward_length")),
+        "moe_layers_enum": ",".join(str(i) for i in moe),
+        "moe_router_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "norm_expert_weight": bool(g.get("expert_weights_norm", False)),
+        "swiglu_limits": [float(x) for x in limits],
+        "swiglu_limits_shared": [float(x) for x in shared_limits],
+        "tie_word_embeddings": False,
+    }
+
+
 def mamba_config(g: GGUFModelFile, need) -> dict:
     """Mamba 1's config from what llama.cpp's mamba reads (no attention, no MLP)."""
     embd = g.tensors.get("token_embd.weight")
