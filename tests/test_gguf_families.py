@@ -75,6 +75,19 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    # Llama 4's: chunks of 8192, an RMS epsilon other than its q/k norm's 1e-6 (folded into the
+    # roped layers' q/k rows), Scout's Llama 3 scaling (no blended band) from position 8 on
+    "llama4": {
+        "attention_chunk_size": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8,
+        },
+    },
     # Step 3.5's shape: the sliding layers with heads, a rotated share and a base of their own,
     # clamped SwiGLUs
     "step3p5": {
@@ -142,6 +155,7 @@ FAMILIES = {
 READS_AS = {
     "qwen2_vl": "qwen2",
     "qwen3_vl": "qwen3",
+    "llama4": "llama4",
     "internlm3": "llama",
     "solar_open": "glm4_moe",
     "qwen3_vl_moe": "qwen3_moe",
@@ -338,7 +352,7 @@ def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
         ("hunyuan", "renormalises the top-k"),
         ("llama4_text", "dense model"),
         ("bitnet", "squares a ReLU"),
-        ("llama4", "'llama4' architecture is not one mlxtune writes"),
+        ("llama4", "chunks attention by 8192 tokens"),  # the tiny config's chunk: 4
     ],
 )
 def test_a_family_llama_cpp_runs_otherwise_is_refused_with_the_reason(

@@ -208,7 +208,7 @@ def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> 
 
 
 # a text model mlx-lm builds only inside its multimodal wrapper -> the wrapper's model_type
-WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "llama4": "llama4"}
 
 
 def _fields(config: dict) -> set[str]:
@@ -221,7 +221,12 @@ def _fields(config: dict) -> set[str]:
         # the text model's arguments: in the wrapper's module or the one it builds on
         # (Qwen3.5-MoE's wrapper subclasses Qwen3.5's)
         owners = [importlib.import_module(c.__module__) for c in module.Model.__mro__]
-        text_args = next(m.TextModelArgs for m in owners if hasattr(m, "TextModelArgs"))
+        text_args = next(
+            getattr(m, name)
+            for m in owners
+            for name in ("TextModelArgs", "TextArgs")  # Llama 4's: TextArgs
+            if hasattr(m, name)
+        )
         return args_fields(text_args)
     return args_fields(family_classes(config)[1])
 
@@ -572,6 +577,16 @@ def _falcon_h1(g, config, kv_layers) -> dict:
 
 # model type -> its own settings (what its metadata, tensors and llama.cpp's fixed choices say)
 _FAMILY_SETTINGS = {
+    "llama4": lambda g, config, kv_layers: {
+        "intermediate_size": int(g.get("expert_feed_forward_length")),
+        "intermediate_size_mlp": config["intermediate_size"],
+        "interleave_moe_layer_step": int(g.get("interleave_moe_layer_step", 1)),
+        "num_local_experts": int(g.get("expert_count")),
+        "use_qk_norm": int(g.get("expert_count")) != 128,  # as llama.cpp decides it
+        "attention_chunk_size": 8192,
+        "attention_bias": False,
+        "rope_scaling": config.get("rope_scaling"),
+    },
     "afmoe": _afmoe,
     "exaone_moe": _exaone_moe,
     "plamo": lambda g, config, kv_layers: {

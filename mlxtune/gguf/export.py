@@ -46,6 +46,7 @@ from .names import (
 )
 from .tensors import (
     gemma4_rope_freqs,
+    llama4_qk_scale,
     mla_split,
     permute_qk,
     qkv_split,
@@ -377,6 +378,8 @@ def write_gguf_model(
             a = to_gguf(a, g, family, n_head, n_kv)
             if family.arch == "plamo":
                 a = shared_kv_heads(a, g, n_head, n_kv)
+            if family.arch == "llama4":
+                a = a * llama4_qk_scale(g, model_args(model))
             if family.arch in ("qwen35", "qwen35moe"):
                 a = qwen35_to_gguf(a, g, model_args(model))
             if family.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid", "falcon-h1"):
@@ -474,6 +477,8 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
                 f"{mod_name.rsplit('.', 1)[-1]} out of adapter.targets",
                 where,
             )
+        if arch == "llama4":  # q/k rows scaled for llama.cpp's q/k norm epsilon: B's rows too
+            b = b * llama4_qk_scale(g, model_args(model))
         if arch == "plamo":  # q heads in llama.cpp's order: B's rows (q), A's columns (output)
             a = np.ascontiguousarray(shared_kv_heads(a, g, n_head, n_kv, lora="a"))
             b = shared_kv_heads(b, g, n_head, n_kv, lora="b")

@@ -435,8 +435,33 @@ def _step35(arg, mt: str) -> str | None:
     return None
 
 
+def _llama4_fixed(arg, mt: str) -> str | None:
+    experts = int(arg("num_local_experts"))
+    if int(arg("attention_chunk_size")) != 8192:
+        return "llama.cpp's llama4 chunks attention by 8192 tokens; this model's chunk differs"
+    if bool(arg("use_qk_norm")) != (experts != 128):
+        return (
+            "llama.cpp's llama4 normalises queries and keys exactly when a model has other than "
+            f"128 experts; this model has {experts} and use_qk_norm {bool(arg('use_qk_norm'))}"
+        )
+    tuning = (
+        bool(arg("attn_temperature_tuning", 4)),
+        arg("floor_scale", 8192),
+        arg("attn_scale", 0.1),
+    )
+    if tuning != (True, 8192, 0.1):
+        return (
+            "llama.cpp's llama4 tunes the unroped layers' attention temperature with a floor of "
+            "8192 and a scale of 0.1; this model's differ"
+        )
+    if arg("attention_bias"):
+        return "llama.cpp's llama4 has no bias on the attention output; this model has"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "llama4": _llama4_fixed,
     "step3p5": _step35,
     "afmoe": _afmoe_fixed,
     "mistral4": _mistral4,
@@ -716,6 +741,13 @@ def _afmoe(w, arg, config: dict) -> None:
     w.add_expert_group_used_count(int(arg("topk_group")) if grouped else 1)
 
 
+def _llama4(w, arg, config: dict) -> None:
+    """Llama 4: experts in every interleave_moe_layer_step-th layer beside a shared expert of
+    their width, chunked attention and unroped layers as llama.cpp fixes them."""
+    w.add_expert_feed_forward_length(int(arg("intermediate_size")))
+    w.add_interleave_moe_layer_step(int(arg("interleave_moe_layer_step")))
+
+
 def _minimax(w, arg, config: dict) -> None:
     """MiniMax-M2: every layer's experts as wide as intermediate_size, sigmoid routing with the
     correction bias, renormalised."""
@@ -797,6 +829,7 @@ _EXTRA = {
     "glm4_moe": _glm4_moe,
     "solar_open": _glm4_moe,
     "minimax": _minimax,
+    "llama4": _llama4,
     "afmoe": _afmoe,
     "exaone_moe": _exaone_moe,
     "plamo3": _plamo3,
@@ -1298,7 +1331,7 @@ def add_rope_scaling(w, config: dict) -> np.ndarray | None:
         w.add_rope_scaling_yarn_beta_fast(float(sc.get("beta_fast", 32.0)))
         w.add_rope_scaling_yarn_beta_slow(float(sc.get("beta_slow", 1.0)))
         return None
-    if kind == "llama3" and FAMILIES[config["model_type"]].arch == "llama":
+    if kind == "llama3" and FAMILIES[config["model_type"]].arch in ("llama", "llama4"):
         return llama3_rope_factors(rope_base(config), head_counts(config)[2], sc)
     raise UserInputError(
         f"RoPE scaling {kind!r} of a {config['model_type']} model, as its config sets it, is "
@@ -1315,6 +1348,8 @@ def _ffn_width(model, config: dict) -> int:
         for name, v in tree_flatten(model.parameters()):
             if name.endswith("feed_forward.w1.weight"):
                 return int(v.shape[0])
+    if config["model_type"] == "llama4":  # its dense layers' width (experts: intermediate_size)
+        return int(config["intermediate_size_mlp"])
     if "intermediate_size" not in config and model is not None:  # GPT-2's: 4 x hidden
         mt, layers = config["model_type"], config["num_hidden_layers"]
         for name, v in tree_flatten(model.parameters()):

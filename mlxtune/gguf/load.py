@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,6 +36,7 @@ from .names import ARCHES, FAMILIES, NORM_PLUS_ONE, QKV_LAYOUT, gguf_name
 from .tensors import (
     dequantized,
     gate_up_join,
+    llama4_qk_scale,
     mla_join,
     norm_offset,
     plain_tensor,
@@ -309,6 +311,8 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
         if config["model_type"] in NORM_PLUS_ONE and gname.endswith("norm.weight"):
             a = a - 1.0
         a = a - norm_offset(g.arch, gname)
+        if g.arch == "llama4":
+            a = a / llama4_qk_scale(gname, SimpleNamespace(**config))
         if g.arch == "plamo":
             n_head = config["num_attention_heads"]
             a = shared_kv_heads(a, gname, n_head, n_head // config["n_shared_head"], back=True)

@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "llama4": Family("llama4"),  # Llama 4's language model (mlx-lm's llama4 wrapper)
     "step3p5": Family("step35"),
     "afmoe": Family("afmoe"),
     "mistral4": Family("mistral4"),

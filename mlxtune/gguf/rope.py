@@ -33,8 +33,9 @@ def llama3_rope_factors(base: float, head_dim: int, scaling: dict) -> np.ndarray
     )
     old = float(s["original_max_position_embeddings"])
     wavelen = _wavelengths(base, head_dim)
-    smooth = (old / wavelen - low) / (high - low)
-    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    with np.errstate(divide="ignore", invalid="ignore"):  # low == high: no blended band
+        smooth = (old / wavelen - low) / (high - low)
+        blended = 1.0 / ((1 - smooth) / factor + smooth)
     out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended))
     return out.astype(np.float32)
 
@@ -145,7 +146,7 @@ def rope_settings(g, config: dict, fields: set) -> dict:
             )
     if "rope_freqs.weight" in g.tensors and config["model_type"] != "gemma4_text":
         settings = None
-        if config["model_type"] == "llama" and scaling in (None, "none"):
+        if config["model_type"] in ("llama", "llama4") and scaling in (None, "none"):
             factors = dequantized(g.tensors["rope_freqs.weight"])
             settings = llama3_settings(factors, config["rope_theta"], head_dim)
         if settings is None:

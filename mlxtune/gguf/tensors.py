@@ -149,6 +149,18 @@ def shared_kv_heads(a: np.ndarray, g: str, n_head: int, n_kv: int, back: bool = 
     return a
 
 
+def llama4_qk_scale(g: str, args) -> float:
+    """The factor on a roped Llama 4 layer's q/k rows that makes llama.cpp's q/k norm (at
+    rms_norm_eps) equal mlx-lm's (at 1e-6): RMSNorm_e(c x) = RMSNorm_(e / c^2)(x)."""
+    if args is None or not getattr(args, "use_qk_norm", False):
+        return 1.0
+    if not g.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
+        return 1.0
+    if (int(g.split(".")[1]) + 1) % 4 == 0:  # unroped: no q/k norm
+        return 1.0
+    return float(np.sqrt(float(args.rms_norm_eps) / 1e-6))
+
+
 def to_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> np.ndarray:
     """A parameter (fp32) as llama.cpp's converter stores it under GGUF name ``g``."""
     if family.permuted and g.endswith(("attn_q.weight", "attn_q.bias")):
