@@ -75,6 +75,8 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    # scales other than MiniCPM3-4B's (which llama.cpp fixes): folded into the weights
+    "minicpm3": {"scale_emb": 9.0, "scale_depth": 1.2},
     # Llama 4's: chunks of 8192, an RMS epsilon other than its q/k norm's 1e-6 (folded into the
     # roped layers' q/k rows), Scout's Llama 3 scaling (no blended band) from position 8 on
     "llama4": {
@@ -232,14 +234,15 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
         gguf.TENSOR_NAMES[k].format(bid=i) for k in gguf.MODEL_TENSORS[code] for i in range(layers)
     }
     assert {n.removesuffix(".weight").removesuffix(".bias") for n in t} <= allowed
-    # beyond the parameters: Llama 3's rope divisors, and a tied head written out as a copy of
+    # beyond the parameters: rope divisors (Llama 3's, MiniCPM3's), and a tied head written out as a copy of
     # the embedding where llama.cpp's architecture reads a head of its own
     # (a copy, or scaled by the tied logits' factor: Falcon-H1's)
     tied = False
     if "output.weight" in t and t["output.weight"].shape == t["token_embd.weight"].shape:
         out, embd = t["output.weight"], t["token_embd.weight"]
         tied = np.allclose(out, (out * embd).sum() / (embd * embd).sum() * embd, rtol=1e-5)
-    extra = {"rope_freqs.weight"} | ({"output.weight"} if tied else set())
+    rope = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+    extra = rope | ({"output.weight"} if tied else set())
     # Apertus's xIELU parameters: one value per layer in metadata arrays
     xielu = sum(len(f[k]) for k in f if k.startswith("xielu."))
     assert sum(v.size for n, v in t.items() if n not in extra) + xielu == sum(
@@ -374,23 +377,33 @@ def test_a_family_mlxtune_does_not_write_is_refused_by_name(tmp_path, tokenizer,
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
 
 
-def test_exaone4s_local_and_global_layers_at_64_layers(tmp_path, tokenizer, tokenizer_dir):
-    """EXAONE 4.0 32B's shape: local layers (roped, windowed) and global ones (unroped), which
-    llama.cpp's exaone4 reads at 64 layers; the window shorter than the ids, so it shows."""
-    saved = FAMILIES["exaone4"]
-    FAMILIES["exaone4"] = {
-        "num_hidden_layers": 64,
-        "sliding_window_pattern": "LLLG",
-        "sliding_window": 4,
-    }
+# a family's other shapes, each read back and run in llama.cpp as mlx-lm runs it
+VARIANTS = {
+    # EXAONE 4.0 32B's: local layers (roped, windowed) and global ones (unroped), which
+    # llama.cpp's exaone4 reads at 64 layers; the window shorter than the ids
+    "exaone4-64": (
+        "exaone4",
+        {"num_hidden_layers": 64, "sliding_window_pattern": "LLLG", "sliding_window": 4},
+    ),
+    # a tied MiniCPM3 (mlx-lm leaves its logits unscaled, llama.cpp scales them)
+    "minicpm3-tied": ("minicpm3", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_familys_other_shapes_read_back_and_run_in_llama_cpp(
+    variant, tmp_path, tokenizer, tokenizer_dir
+):
+    name, change = VARIANTS[variant]
+    saved = FAMILIES[name]
+    FAMILIES[name] = {**saved, **change}
     try:
-        model, config = tiny("exaone4", len(tokenizer._tokenizer))
+        model, config = tiny(name, len(tokenizer._tokenizer))
     finally:
-        FAMILIES["exaone4"] = saved
+        FAMILIES[name] = saved
     path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
     want = np.array(model(mx.array([IDS]))[0])
-    back, back_config, _ = load_gguf(path, "float32")
-    assert back_config["sliding_window_pattern"] == "LLLG" * 16
+    back, _, _ = load_gguf(path, "float32")
     np.testing.assert_allclose(np.array(back(mx.array([IDS]))[0]), want, rtol=1e-5, atol=1e-5)
     llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
     llm = llama_cpp.Llama(

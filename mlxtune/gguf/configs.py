@@ -18,6 +18,7 @@ from .whole import (
     mamba2_config,
     mamba_config,
     mimo2_config,
+    minicpm3_config,
     mistral4_config,
     mla_config,
     nemotron_h_config,
@@ -45,6 +46,7 @@ FAMILIES.update({"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_mo
 
 # architectures whose config is built whole (no common attention keys to read)
 _WHOLE = {
+    "minicpm3": minicpm3_config,
     "step35": step35_config,
     "mistral4": mistral4_config,
     "mimo2": mimo2_config,

@@ -45,8 +45,11 @@ from .names import (
     separate_qkv,
 )
 from .tensors import (
+    MINICPM3_FIXED,
     gemma4_rope_freqs,
     llama4_qk_scale,
+    minicpm3_rope_factors,
+    minicpm3_scale,
     mla_split,
     permute_qk,
     qkv_split,
@@ -361,7 +364,7 @@ def write_gguf_model(
     if config["model_type"] == "gemma4_text":
         rope_freqs = gemma4_rope_freqs(model_args(model))
     else:
-        rope_freqs = add_rope_scaling(w, config)
+        rope_freqs = None if family.arch == "minicpm3" else add_rope_scaling(w, config)
     if tokenizer_gguf is not None:
         template = getattr(getattr(tokenizer, "_tokenizer", None), "chat_template", None)
         _copy_tokenizer(w, Path(tokenizer_gguf), template if isinstance(template, str) else None)
@@ -380,6 +383,8 @@ def write_gguf_model(
                 a = shared_kv_heads(a, g, n_head, n_kv)
             if family.arch == "llama4":
                 a = a * llama4_qk_scale(g, model_args(model))
+            if family.arch == "minicpm3":
+                a = a * minicpm3_scale(g, model_args(model), a.shape[0])
             if family.arch in ("qwen35", "qwen35moe"):
                 a = qwen35_to_gguf(a, g, model_args(model))
             if family.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid", "falcon-h1"):
@@ -413,6 +418,17 @@ def write_gguf_model(
         data, raw = _tensor_array(np.array(embed.astype(mx.float32)) * scale, dtype)
         w.add_tensor("output.weight", data, raw_dtype=raw)
         shapes["output.weight"] = embed.shape[::-1]
+    if family.arch == "minicpm3":
+        if "output.weight" not in shapes:  # tied: mlx-lm's logits E h, llama.cpp's scaled
+            embed = next(v for hf, v in held_stacked(model) if names[hf] == "token_embd.weight")
+            scale = float(args.hidden_size) / MINICPM3_FIXED["dim_model_base"]
+            data, raw = _tensor_array(np.array(embed.astype(mx.float32)) * scale, dtype)
+            w.add_tensor("output.weight", data, raw_dtype=raw)
+            shapes["output.weight"] = embed.shape[::-1]
+        factors = minicpm3_rope_factors(args)
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight", factors)
+            shapes[f"rope_factors_{kind}.weight"] = factors.shape
     if family.arch in NEEDS_OUTPUT and "output.weight" not in shapes:
         # a tied model: llama.cpp's architecture reads a head of its own, the embedding's copy
         embed = next(v for hf, v in held_stacked(model) if names[hf] == "token_embd.weight")
@@ -477,6 +493,8 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
                 f"{mod_name.rsplit('.', 1)[-1]} out of adapter.targets",
                 where,
             )
+        if arch == "minicpm3":  # its folded scales, on B's rows
+            b = b * minicpm3_scale(g, model_args(model), b.shape[0])
         if arch == "llama4":  # q/k rows scaled for llama.cpp's q/k norm epsilon: B's rows too
             b = b * llama4_qk_scale(g, model_args(model))
         if arch == "plamo":  # q heads in llama.cpp's order: B's rows (q), A's columns (output)

@@ -459,8 +459,17 @@ def _llama4_fixed(arg, mt: str) -> str | None:
     return None
 
 
+def _minicpm3(arg, mt: str) -> str | None:
+    if arg("attention_bias"):
+        return "llama.cpp's minicpm3 has no attention biases; this model has"
+    if arg("rope_traditional"):
+        return _rotate_half(arg, mt)
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "minicpm3": _minicpm3,
     "llama4": _llama4_fixed,
     "step3p5": _step35,
     "afmoe": _afmoe_fixed,
@@ -862,6 +871,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_mimo2(w, args)
     if mt == "step3p5":
         return _add_step35(w, model)
+    if mt == "minicpm3":
+        return _add_minicpm3(w, args)
     if FAMILIES[mt].arch in ("deepseek2", "mistral4"):
         return _add_mla(w, args, mt)
     if mt == "nemotron_h":
@@ -1221,6 +1232,32 @@ def _add_step35(w, model) -> None:
     w.add_expert_weights_norm(bool(args.norm_expert_weight))
     w.add_swiglu_clamp_exp(limits(args.swiglu_limits))
     w.add_swiglu_clamp_shexp(limits(args.swiglu_limits_shared))
+
+
+def _add_minicpm3(w, args) -> None:
+    """MiniCPM3 as llama.cpp's minicpm3 reads it: latent q and kv projections, the rotary part
+    scaled as mlx-lm's SuScaledRoPE scales it (its scales folded into the weights)."""
+    heads = int(args.num_attention_heads)
+    sc = args.rope_scaling or {}
+    old = int(sc.get("original_max_position_embeddings", 4096))
+    longest = int(args.max_position_embeddings)
+    w.add_context_length(longest)
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_block_count(int(args.num_hidden_layers))
+    w.add_feed_forward_length(int(args.intermediate_size))
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)  # every head its own key and value, as mlx-lm computes
+    w.add_layer_norm_rms_eps(float(args.rms_norm_eps))
+    w.add_vocab_size(int(args.vocab_size))
+    w.add_q_lora_rank(int(args.q_lora_rank))
+    w.add_kv_lora_rank(int(args.kv_lora_rank))
+    w.add_key_length(int(args.qk_nope_head_dim + args.qk_rope_head_dim))
+    w.add_value_length(int(args.hidden_size) // heads)
+    w.add_rope_dimension_count(int(args.qk_rope_head_dim))
+    w.add_rope_freq_base(float(args.rope_theta))
+    w.add_rope_scaling_orig_ctx_len(old)
+    if longest > old:  # mlx-lm's SuScaledRoPE's scale of the rotary part
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(longest / old) / np.log(old))))
 
 
 def _add_gemma4(w, args) -> None:

@@ -37,6 +37,7 @@ from .tensors import (
     dequantized,
     gate_up_join,
     llama4_qk_scale,
+    minicpm3_scale,
     mla_join,
     norm_offset,
     plain_tensor,
@@ -256,7 +257,8 @@ def _check_tensor_names(g: GGUFModelFile, table: dict[str, str], model_type: str
     def first(names: list[str]) -> str:
         return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
-    unknown = sorted(set(g.tensors) - set(table) - {"rope_freqs.weight"})
+    read_as_config = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+    unknown = sorted(set(g.tensors) - set(table) - read_as_config)
     if unknown:
         raise UserInputError(
             f"tensor {first(unknown)} has no place in a {model_type} model", str(g.path)
@@ -311,6 +313,8 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
         if config["model_type"] in NORM_PLUS_ONE and gname.endswith("norm.weight"):
             a = a - 1.0
         a = a - norm_offset(g.arch, gname)
+        if g.arch == "minicpm3":  # its scales and latent norms' epsilon, unfolded
+            a = a / minicpm3_scale(gname, SimpleNamespace(**config), a.shape[0])
         if g.arch == "llama4":
             a = a / llama4_qk_scale(gname, SimpleNamespace(**config))
         if g.arch == "plamo":

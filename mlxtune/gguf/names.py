@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "minicpm3": Family("minicpm3"),
     "llama4": Family("llama4"),  # Llama 4's language model (mlx-lm's llama4 wrapper)
     "step3p5": Family("step35"),
     "afmoe": Family("afmoe"),
@@ -109,6 +110,7 @@ QKV_LAYOUT = {"internlm2": "grouped", "gpt_neox": "per_head"}
 # GGUF adapter there would be ignored): multi-head latent attention's projections
 NO_ADAPTER = {
     "deepseek2": ("attn_q_a", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_kv_b", "output"),
+    "minicpm3": ("attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_kv_b"),
     "mistral4": ("attn_q_a", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_kv_b", "output"),
 }
 # Apertus's xIELU parameters: metadata arrays in llama.cpp (one value per layer), held here

@@ -161,6 +161,38 @@ def llama4_qk_scale(g: str, args) -> float:
     return float(np.sqrt(float(args.rms_norm_eps) / 1e-6))
 
 
+# the scales llama.cpp's minicpm3 graph fixes (MiniCPM3-4B's)
+MINICPM3_FIXED = {"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256}
+
+
+def minicpm3_scale(g: str, args, rows: int) -> np.ndarray | float:
+    """The factor turning MiniCPM3's tensor ``g`` as mlx-lm runs it into what llama.cpp's
+    minicpm3 graph (its scales fixed at MiniCPM3-4B's, its latent q/kv norms at rms_norm_eps
+    where mlx-lm's are at 1e-5) computes alike: per row where it differs between rows."""
+    if g == "token_embd.weight":
+        return float(args.scale_emb) / MINICPM3_FIXED["scale_emb"]
+    if g.endswith(("attn_output.weight", "ffn_down.weight")):
+        return float(args.scale_depth) / MINICPM3_FIXED["scale_depth"]
+    if g == "output.weight":  # mlx-lm's logits: lm_head(h * dim_model_base / hidden)
+        return float(args.dim_model_base) / MINICPM3_FIXED["dim_model_base"]
+    c = float(np.sqrt(float(args.rms_norm_eps) / 1e-5))
+    if g.endswith("attn_q_a.weight"):
+        return c
+    if g.endswith("attn_kv_a_mqa.weight"):  # the latent rows, not the rotary ones
+        out = np.ones((rows, 1), np.float32)
+        out[: int(args.kv_lora_rank)] = c
+        return out
+    return 1.0
+
+
+def minicpm3_rope_factors(args) -> np.ndarray:
+    """mlx-lm's MiniCPM3 always divides by the long factors (llama.cpp picks long or short by
+    the context: both are written as these)."""
+    pairs = int(args.qk_rope_head_dim) // 2
+    long = np.asarray((args.rope_scaling or {}).get("long_factor", 1.0), np.float32)
+    return np.broadcast_to(long.reshape(-1), (pairs,)).astype(np.float32).copy()
+
+
 def to_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> np.ndarray:
     """A parameter (fp32) as llama.cpp's converter stores it under GGUF name ``g``."""
     if family.permuted and g.endswith(("attn_q.weight", "attn_q.bias")):

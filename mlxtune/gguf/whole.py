@@ -1,13 +1,18 @@
 """Configs of the architectures read back whole from their GGUF metadata, without the common
-attention keys: Mamba 2 (no attention), DeepSeek-V3's multi-head latent attention (one latent
-kv head), Nemotron-H (its layer pattern read off the per-layer kv heads and widths)."""
+attention keys: Mamba and Mamba 2 (no attention), multi-head latent attention (DeepSeek, Youtu,
+Mistral 4, MiniCPM3), Nemotron-H (its layer pattern read off the per-layer kv heads and widths),
+and the families whose settings differ per layer or nest (OpenELM, DBRX, MiMo-V2-Flash,
+Step 3.5)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..errors import UserInputError
 from ..models.common import hf_architecture
+from .tensors import dequantized
 
 if TYPE_CHECKING:
     from .load import GGUFModelFile
@@ -334,6 +339,57 @@ def step35_config(g: GGUFModelFile, need) -> dict:
         "norm_expert_weight": bool(g.get("expert_weights_norm", False)),
         "swiglu_limits": [float(x) for x in limits],
         "swiglu_limits_shared": [float(x) for x in shared_limits],
+        "tie_word_embeddings": False,
+    }
+
+
+def minicpm3_config(g: GGUFModelFile, need) -> dict:
+    """MiniCPM3's config from what llama.cpp's minicpm3 reads: its scales fixed at
+    MiniCPM3-4B's (the export folds a model's own into the weights), its rotary factors from
+    the file's tensors."""
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    rope = int(need("rope.dimension_count"))
+    long, short = (
+        g.tensors.get("rope_factors_long.weight"),
+        g.tensors.get("rope_factors_short.weight"),
+    )
+    if long is None or short is None:
+        raise UserInputError("a minicpm3 file without its rope factor tensors", str(g.path))
+    if not np.allclose(dequantized(long), dequantized(short)):
+        raise UserInputError(
+            "this minicpm3 file's long and short rope factors differ, and mlx-lm's MiniCPM3 "
+            "always rotates by the long ones",
+            str(g.path),
+        )
+    return {
+        "model_type": "minicpm3",
+        "architectures": [hf_architecture("minicpm3")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_attention_heads": int(need("attention.head_count")),
+        "num_key_value_heads": int(need("attention.head_count_kv")),
+        "q_lora_rank": int(need("attention.q_lora_rank")),
+        "kv_lora_rank": int(need("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(need("attention.key_length")) - rope,
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g.get("context_length", 4096)),
+        "scale_emb": 12.0,
+        "scale_depth": 1.4,
+        "dim_model_base": 256,
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [float(x) for x in dequantized(long).reshape(-1)],
+            "short_factor": [float(x) for x in dequantized(short).reshape(-1)],
+            "original_max_position_embeddings": int(
+                g.get("rope.scaling.original_context_length", g.get("context_length", 4096))
+            ),
+        },
         "tie_word_embeddings": False,
     }
 
