@@ -75,6 +75,7 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    "kimi_linear": {},
     # scales other than MiniCPM3-4B's (which llama.cpp fixes): folded into the weights
     "minicpm3": {"scale_emb": 9.0, "scale_depth": 1.2},
     # Llama 4's: chunks of 8192, an RMS epsilon other than its q/k norm's 1e-6 (folded into the
@@ -259,7 +260,8 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
     )
     if experts:
         assert f[f"{arch}.expert_count"] == experts
-        assert f[f"{arch}.expert_used_count"] == config["num_experts_per_tok"]
+        used = config.get("num_experts_per_tok") or config.get("num_experts_per_token")
+        assert f[f"{arch}.expert_used_count"] == used
         stacked = [v for n, v in t.items() if "_exps." in n]
         assert stacked and all(v.shape[0] == experts for v in stacked)
     if name == "lfm2":  # conv layers are the ones without kv heads
@@ -322,6 +324,7 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("mimo_v2_flash", {"n_shared_experts": 1}, "no shared experts"),
         ("mistral4", {"rms_norm_eps": 1e-5}, "epsilon of 1e-6"),
         ("afmoe", {"mup_enabled": False}, "scales the embeddings"),
+        ("kimi_linear", {"num_shared_experts": 0}, "adds a shared expert"),
         ("step3p5", {"rope_theta": [500.0, 10000.0, 600.0]}, "per layer type"),
         ("exaone_moe", {"layer_types": ["full_attention"] * 2}, "ropes only its sliding"),
         ("falcon_h1", {"mamba_norm_before_gate": True}, "gates before its SSM norm"),
@@ -416,7 +419,9 @@ def test_a_familys_other_shapes_read_back_and_run_in_llama_cpp(
 
 def adapted(name, vocab):
     """The tiny model with LoRA on every linear layer but a mixture's experts, its B random."""
-    from mlxtune.adapters import LoRALinear, apply_adapters
+    from mlx.utils import tree_unflatten
+
+    from mlxtune.adapters import LoRALinear, LoRASwitchLinear, apply_adapters
 
     model, config = tiny(name, vocab)
     moe = any("switch_mlp" in p or ".experts." in p for p, _ in tree_flatten(model.parameters()))
@@ -432,7 +437,12 @@ def adapted(name, vocab):
     mla = {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
     if "kv_a_proj_with_mqa" in present:
         targets = sorted((set(targets) if moe else present) - mla - {"lm_head"})
+    if name == "kimi_linear":  # llama.cpp applies adapters to its MLPs (and MLA's output) only
+        targets = ["gate_proj", "up_proj", "down_proj"]
     apply_adapters(model, "lora", 4, 8.0, 0.0, targets)
+    experts = [(p, m.linear) for p, m in model.named_modules() if isinstance(m, LoRASwitchLinear)]
+    if experts and name == "kimi_linear":  # the experts' projections share those names
+        model.update_modules(tree_unflatten(experts))
     for _, m in model.named_modules():
         if isinstance(m, LoRALinear):
             m.lora_b = 0.2 * mx.random.normal(m.lora_b.shape)

@@ -294,7 +294,9 @@ def _names(model, config: dict, where: str) -> dict[str, str]:
 
 
 # architectures whose llama.cpp graph needs an output head even when the model ties it
-NEEDS_OUTPUT = ("internlm2", "qwen", "apertus", "dots1", "bailingmoe2", "exaone-moe")
+NEEDS_OUTPUT = (
+    "internlm2", "qwen", "apertus", "dots1", "bailingmoe2", "exaone-moe", "kimi-linear",
+)  # fmt: skip
 
 
 def gate_up_split(g: str, a: np.ndarray):
@@ -387,6 +389,8 @@ def write_gguf_model(
                 a = a * minicpm3_scale(g, model_args(model), a.shape[0])
             if family.arch in ("qwen35", "qwen35moe"):
                 a = qwen35_to_gguf(a, g, model_args(model))
+            if family.arch == "kimi-linear" and g.endswith(".ssm_a"):
+                a = -np.exp(a)  # A as llama.cpp's converter writes it
             if family.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid", "falcon-h1"):
                 a = ssm_to_gguf(a, g, model_args(model), family.arch)
             split = (

@@ -467,8 +467,31 @@ def _minicpm3(arg, mt: str) -> str | None:
     return None
 
 
+def _kimi_linear(arg, mt: str) -> str | None:
+    la = arg("linear_attn_config") or {}
+    if int(la.get("num_heads", 0)) != int(arg("num_attention_heads")):
+        return "llama.cpp's kimi-linear reads one head count for both kinds of layer; this model's differ"
+    if float(arg("rms_norm_eps")) != 1e-6:
+        return (
+            "mlx-lm's Kimi Linear normalises its delta-net's q and k at an epsilon of 1e-6 and "
+            "llama.cpp at rms_norm_eps; this model's differs"
+        )
+    if not arg("moe_renormalize", True) or int(arg("num_experts_per_token", 1)) == 1:
+        return "llama.cpp's kimi-linear renormalises the top-k weights, even one's; this model does not"
+    if int(arg("moe_layer_freq", 1)) != 1:
+        return "llama.cpp's kimi-linear puts experts in every layer after the dense ones; this model does not"
+    if not arg("num_shared_experts"):
+        return (
+            "llama.cpp's kimi-linear adds a shared expert in every MoE layer; this model has none"
+        )
+    if not arg("qk_rope_head_dim"):
+        return "llama.cpp's kimi-linear keeps a rotary part in its latent keys; this model has none"
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "kimi_linear": _kimi_linear,
     "minicpm3": _minicpm3,
     "llama4": _llama4_fixed,
     "step3p5": _step35,
@@ -873,6 +896,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_step35(w, model)
     if mt == "minicpm3":
         return _add_minicpm3(w, args)
+    if mt == "kimi_linear":
+        return _add_kimi_linear(w, args)
     if FAMILIES[mt].arch in ("deepseek2", "mistral4"):
         return _add_mla(w, args, mt)
     if mt == "nemotron_h":
@@ -1258,6 +1283,47 @@ def _add_minicpm3(w, args) -> None:
     w.add_rope_scaling_orig_ctx_len(old)
     if longest > old:  # mlx-lm's SuScaledRoPE's scale of the rotary part
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(longest / old) / np.log(old))))
+
+
+def _add_kimi_linear(w, args) -> None:
+    """Kimi Linear as llama.cpp's kimi-linear reads it: its delta-net (KDA) layers as layers
+    without kv heads, its latent attention (MLA, no RoPE) as one latent kv head, routing with
+    the correction bias and shared experts."""
+    import gguf
+
+    la = args.linear_attn_config
+    kda = {int(i) for i in la["kda_layers"]}
+    layers = int(args.num_hidden_layers)
+    sigmoid = args.moe_router_activation_func == "sigmoid"
+    w.add_context_length(int(args.model_max_length))
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_block_count(layers)
+    w.add_feed_forward_length(int(args.intermediate_size))
+    w.add_head_count(int(args.num_attention_heads))
+    w.add_head_count_kv([0 if i + 1 in kda else 1 for i in range(layers)])
+    w.add_layer_norm_rms_eps(float(args.rms_norm_eps))
+    w.add_vocab_size(int(args.vocab_size))
+    w.add_kv_lora_rank(int(args.kv_lora_rank))
+    w.add_key_length(int(args.kv_lora_rank + args.qk_rope_head_dim))
+    w.add_value_length(int(args.kv_lora_rank))
+    w.add_key_length_mla(int(args.qk_nope_head_dim + args.qk_rope_head_dim))
+    w.add_value_length_mla(int(args.v_head_dim))
+    w.add_rope_dimension_count(int(args.qk_rope_head_dim))
+    w.add_ssm_conv_kernel(int(la["short_conv_kernel_size"]))
+    w.add_kda_head_dim(int(la["head_dim"]))
+    w.add_expert_count(int(args.num_experts))
+    w.add_expert_used_count(int(args.num_experts_per_token))
+    w.add_expert_feed_forward_length(int(args.moe_intermediate_size))
+    w.add_expert_shared_count(int(args.num_shared_experts))
+    w.add_leading_dense_block_count(int(args.first_k_dense_replace))
+    w.add_expert_weights_scale(float(args.routed_scaling_factor))
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    groups, used = int(args.num_expert_group or 1), int(args.topk_group or 1)
+    grouped = args.use_grouped_topk and groups > 1 and used < groups
+    w.add_expert_group_count(groups if grouped else 1)
+    w.add_expert_group_used_count(used if grouped else 1)
 
 
 def _add_gemma4(w, args) -> None:

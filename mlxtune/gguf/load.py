@@ -322,6 +322,10 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
             a = shared_kv_heads(a, gname, n_head, n_head // config["n_shared_head"], back=True)
         if gname.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):  # -> MLX [C, K, 1]
             a = a[..., None]
+        if gname.endswith(("ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight")):
+            a = a.swapaxes(1, 2)  # Kimi Linear's [C, 1, K] -> MLX [C, K, 1]
+        if g.arch == "kimi-linear" and gname.endswith(".ssm_a"):
+            a = np.log(-a)
         weights.append((hf, mx.array(a).astype(target)))
         if kind != "F32":
             done.dequantized[gname] = kind

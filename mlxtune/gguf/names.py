@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "kimi_linear": Family("kimi-linear"),
     "minicpm3": Family("minicpm3"),
     "llama4": Family("llama4"),  # Llama 4's language model (mlx-lm's llama4 wrapper)
     "step3p5": Family("step35"),
@@ -111,6 +112,21 @@ QKV_LAYOUT = {"internlm2": "grouped", "gpt_neox": "per_head"}
 NO_ADAPTER = {
     "deepseek2": ("attn_q_a", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_kv_b", "output"),
     "minicpm3": ("attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_kv_b"),
+    # Kimi Linear: its delta-net's projections and the latent attention's (the delta-net
+    # layers' output too: attn_output is refused in every layer, MLA's honours adapters)
+    "kimi-linear": (
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ssm_f_a",
+        "ssm_f_b",
+        "ssm_beta",
+        "ssm_g_a",
+        "ssm_g_b",
+        "attn_kv_a_mqa",
+        "output",
+    ),  # fmt: skip
     "mistral4": ("attn_q_a", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_kv_b", "output"),
 }
 # Apertus's xIELU parameters: metadata arrays in llama.cpp (one value per layer), held here
@@ -241,6 +257,11 @@ def _name_map(arch: str, n_blocks: int):
 
 # mlx-lm's names -> the published checkpoint's, where llama.cpp's name map knows only those
 _RENAMES = {
+    "kimi_linear": (
+        (".q_conv.conv.", ".q_conv1d."),
+        (".k_conv.conv.", ".k_conv1d."),
+        (".v_conv.conv.", ".v_conv1d."),
+    ),
     "step3p5": (
         (".mlp.gate.gate.", ".moe.gate."),
         (".mlp.gate.router_bias", ".moe.router_bias"),

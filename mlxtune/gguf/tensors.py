@@ -206,6 +206,8 @@ def to_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> np.ndarray
         return a + offset
     if g.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):  # MLX's [C, K, 1] -> [C, K]
         return a.reshape(a.shape[0], a.shape[1])
+    if g.endswith(("ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight")):
+        return a.swapaxes(1, 2)  # Kimi Linear's: MLX's [C, K, 1] -> [C, 1, K]
     return a
 
 

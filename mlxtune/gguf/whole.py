@@ -394,6 +394,59 @@ def minicpm3_config(g: GGUFModelFile, need) -> dict:
     }
 
 
+def kimi_linear_config(g: GGUFModelFile, need) -> dict:
+    """Kimi Linear's config from what llama.cpp's kimi-linear reads: its delta-net layers are
+    the ones without kv heads, the rest latent attention."""
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    layers = int(need("block_count"))
+    kv = need("attention.head_count_kv")
+    kv = [int(x) for x in kv] if not isinstance(kv, int) else [int(kv)] * layers
+    rope = int(need("rope.dimension_count"))
+    heads = int(need("attention.head_count"))
+    gating = int(g.get("expert_gating_func", 2))
+    groups = int(g.get("expert_group_count", 1))
+    return {
+        "model_type": "kimi_linear",
+        "architectures": [hf_architecture("kimi_linear")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": layers,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": int(need("kda.head_dim")),
+        "rope_theta": 10000.0,  # no RoPE: its latent attention's rotary part goes unrotated
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "model_max_length": int(g.get("context_length", 2048)),
+        "linear_attn_config": {
+            "kda_layers": [i + 1 for i in range(layers) if kv[i] == 0],
+            "full_attn_layers": [i + 1 for i in range(layers) if kv[i] > 0],
+            "num_heads": heads,
+            "head_dim": int(need("kda.head_dim")),
+            "short_conv_kernel_size": int(need("ssm.conv_kernel")),
+        },
+        "kv_lora_rank": int(need("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(need("attention.key_length_mla")) - rope,
+        "v_head_dim": int(need("attention.value_length_mla")),
+        "num_experts": int(need("expert_count")),
+        "num_experts_per_token": int(need("expert_used_count")),
+        "moe_intermediate_size": int(need("expert_feed_forward_length")),
+        "num_shared_experts": int(g.get("expert_shared_count", 0)),
+        "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "moe_router_activation_func": "sigmoid" if gating == 2 else "softmax",
+        "moe_renormalize": True,
+        "moe_layer_freq": 1,
+        "use_grouped_topk": groups > 1,
+        "num_expert_group": groups,
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+        "tie_word_embeddings": False,
+    }
+
+
 def mamba_config(g: GGUFModelFile, need) -> dict:
     """Mamba 1's config from what llama.cpp's mamba reads (no attention, no MLP)."""
     embd = g.tensors.get("token_embd.weight")
