@@ -358,6 +358,10 @@ def test_what_llama_cpp_fixes_otherwise_is_refused_by_name(
         ("hunyuan", "renormalises the top-k"),
         ("llama4_text", "dense model"),
         ("bitnet", "squares a ReLU"),
+        ("gemma3n", "sample standard deviation"),
+        ("glm_moe_dsa", "epsilon of 0"),
+        ("plamo2", "clamps the SSM step"),
+        ("rwkv7", "different logits"),
         ("llama4", "chunks attention by 8192 tokens"),  # the tiny config's chunk: 4
     ],
 )
@@ -373,10 +377,10 @@ def test_a_family_llama_cpp_runs_otherwise_is_refused_with_the_reason(
 
 
 def test_a_family_mlxtune_does_not_write_is_refused_by_name(tmp_path, tokenizer, tokenizer_dir):
-    config = tiny_config("plamo2", len(tokenizer._tokenizer))
+    config = tiny_config("nemotron-nas", len(tokenizer._tokenizer))
     model_class, args_class = family_classes(config)
     model = model_class(args_class.from_dict(config))
-    with pytest.raises(UserInputError, match="'plamo2' architecture is not one mlxtune writes"):
+    with pytest.raises(UserInputError, match="'deci' architecture is not one mlxtune writes"):
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
 
 

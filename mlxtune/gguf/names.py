@@ -156,6 +156,26 @@ RUNS_OTHERWISE = {
         "llama.cpp's bitnet gates its MLP with SiLU where BitNet (mlx-lm's, as transformers') "
         "squares a ReLU"
     ),
+    "gemma3n_text": (
+        "llama.cpp's gemma3n cuts its sparse MLP activations at the mean plus a multiple of the "
+        "sample standard deviation, mlx-lm's Gemma 3n at the population one"
+    ),
+    "gemma3n": (  # the multimodal wrapper (its language model: gemma3n_text)
+        "llama.cpp's gemma3n cuts its sparse MLP activations at the mean plus a multiple of the "
+        "sample standard deviation, mlx-lm's Gemma 3n at the population one"
+    ),
+    "glm_moe_dsa": (
+        "llama.cpp's glm-dsa normalises its sparse-attention indexer's keys with an epsilon of "
+        "0 (it reads none), mlx-lm's GLM-5 at 1e-5"
+    ),
+    "plamo2": (
+        "mlx-lm's PLaMo 2 clamps the SSM step to [0.001, 100] and llama.cpp's plamo2 does not "
+        "clamp it"
+    ),
+    "rwkv7": (
+        "llama.cpp's rwkv7 in llama-cpp-python 0.3.36 gives two evaluations of the same tokens "
+        "different logits on this machine, so no export of it can be checked against mlx-lm"
+    ),
     "llama4_text": (
         "llama.cpp's llama4 is Llama 4's mixture of experts; mlx-lm's llama4_text is a dense "
         "model whose unroped layers and query/key norms llama.cpp would place otherwise"
