@@ -75,6 +75,15 @@ FAMILIES = {
     "solar_open": {},
     "minimax": {},
     "gpt2": {},
+    # a no-op attention in layer 0 (written as a linear one of zeros), a no-op MLP (an all-zero
+    # one), a linear attention
+    "nemotron-nas": {
+        "block_configs": [
+            {"attention": {"no_op": True}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"no_op": True}},
+            {"attention": {"replace_with_linear": True}, "ffn": {"ffn_mult": 1.0}},
+        ]
+    },
     "kimi_linear": {},
     # scales other than MiniCPM3-4B's (which llama.cpp fixes): folded into the weights
     "minicpm3": {"scale_emb": 9.0, "scale_depth": 1.2},
@@ -243,7 +252,9 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
         out, embd = t["output.weight"], t["token_embd.weight"]
         tied = np.allclose(out, (out * embd).sum() / (embd * embd).sum() * embd, rtol=1e-5)
     rope = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
-    extra = rope | ({"output.weight"} if tied else set())
+    # and Nemotron-NAS's no-op sublayers, written as constant tensors (zeros behind norms of ones)
+    constant = {n for n, v in t.items() if v.size > 1 and (not v.any() or (v == 1).all())}
+    extra = rope | constant | ({"output.weight"} if tied else set())
     # Apertus's xIELU parameters: one value per layer in metadata arrays
     xielu = sum(len(f[k]) for k in f if k.startswith("xielu."))
     assert sum(v.size for n, v in t.items() if n not in extra) + xielu == sum(
@@ -324,6 +335,11 @@ def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
         ("mimo_v2_flash", {"n_shared_experts": 1}, "no shared experts"),
         ("mistral4", {"rms_norm_eps": 1e-5}, "epsilon of 1e-6"),
         ("afmoe", {"mup_enabled": False}, "scales the embeddings"),
+        (
+            "nemotron-nas",
+            {"block_configs": tiny_config("nemotron-nas")["block_configs"]},
+            "no linear MLP",
+        ),
         ("kimi_linear", {"num_shared_experts": 0}, "adds a shared expert"),
         ("step3p5", {"rope_theta": [500.0, 10000.0, 600.0]}, "per layer type"),
         ("exaone_moe", {"layer_types": ["full_attention"] * 2}, "ropes only its sliding"),
@@ -376,12 +392,39 @@ def test_a_family_llama_cpp_runs_otherwise_is_refused_with_the_reason(
     assert not list(tmp_path.glob("*.gguf"))
 
 
-def test_a_family_mlxtune_does_not_write_is_refused_by_name(tmp_path, tokenizer, tokenizer_dir):
-    config = tiny_config("nemotron-nas", len(tokenizer._tokenizer))
-    model_class, args_class = family_classes(config)
-    model = model_class(args_class.from_dict(config))
-    with pytest.raises(UserInputError, match="'deci' architecture is not one mlxtune writes"):
-        write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+def test_an_architecture_mlxtune_does_not_write_is_refused_by_name():
+    """Every mlx-lm model type with a llama.cpp architecture is written or refused with its
+    reason (test_every_mlx_lm_type_is_written_or_refused); a type of another library that
+    llama.cpp names is refused by name too."""
+    from mlxtune.gguf.export import _arch
+
+    with pytest.raises(UserInputError, match="'bloom' architecture is not one mlxtune writes"):
+        _arch({"model_type": "bloom"})
+
+
+def test_every_mlx_lm_type_llama_cpp_names_is_written_or_refused_with_a_reason():
+    import pkgutil
+
+    import mlx_lm.models
+
+    from mlxtune.gguf.names import FAMILIES as WRITTEN
+    from mlxtune.gguf.names import RUNS_OTHERWISE, llama_cpp_arch
+
+    open_ = []
+    for _, name, _ in pkgutil.iter_modules(mlx_lm.models.__path__):
+        try:
+            config = tiny_config(name)
+        except KeyError:  # a helper module, not a model type
+            continue
+        text = config.get("text_config")
+        model_type = text.get("model_type", name) if isinstance(text, dict) else name
+        if llama_cpp_arch(model_type) is None and llama_cpp_arch(name) is None:
+            continue
+        if not {name, model_type} & (set(WRITTEN) | set(RUNS_OTHERWISE) | {"llama4", "olmo"}):
+            open_.append(name)
+    assert not open_, (
+        f"llama.cpp names an architecture for these, and mlxtune neither writes nor refuses them: {open_}"
+    )
 
 
 # a family's other shapes, each read back and run in llama.cpp as mlx-lm runs it

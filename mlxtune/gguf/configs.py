@@ -15,6 +15,7 @@ from .rope import rope_settings
 from .tensors import dequantized
 from .whole import (
     dbrx_config,
+    deci_config,
     kimi_linear_config,
     mamba2_config,
     mamba_config,
@@ -47,6 +48,7 @@ FAMILIES.update({"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_mo
 
 # architectures whose config is built whole (no common attention keys to read)
 _WHOLE = {
+    "deci": deci_config,
     "kimi-linear": kimi_linear_config,
     "minicpm3": minicpm3_config,
     "step35": step35_config,

@@ -46,6 +46,9 @@ from .names import (
 )
 from .tensors import (
     MINICPM3_FIXED,
+    deci_fillers,
+    deci_layers,
+    deci_qk,
     gemma4_rope_freqs,
     llama4_qk_scale,
     minicpm3_rope_factors,
@@ -373,6 +376,7 @@ def write_gguf_model(
     else:
         _add_tokenizer(w, tokenizer_dir, tokenizer)
     shapes, xielu = {}, {}
+    deci = deci_layers(model) if family.arch == "deci" else []
     for hf, v in held_stacked(model):
         held = np.array(v.astype(mx.float32))
         if ".xielu." in names[hf]:  # Apertus: one value per layer, as metadata
@@ -385,6 +389,8 @@ def write_gguf_model(
                 a = shared_kv_heads(a, g, n_head, n_kv)
             if family.arch == "llama4":
                 a = a * llama4_qk_scale(g, model_args(model))
+            if family.arch == "deci":
+                a = deci_qk(a, g, deci)
             if family.arch == "minicpm3":
                 a = a * minicpm3_scale(g, model_args(model), a.shape[0])
             if family.arch in ("qwen35", "qwen35moe"):
@@ -412,6 +418,13 @@ def write_gguf_model(
             data, raw = _tensor_array(a, kind)
             w.add_tensor(g, data, raw_dtype=raw)
             shapes[g] = a.shape[::-1]
+    if family.arch == "deci":  # no-op sublayers as llama.cpp's deci can hold them
+        no_op = [layer.mlp is None for layer in model.layers]
+        for g, a in deci_fillers(deci, int(model_args(model).hidden_size), no_op):
+            if g not in shapes:
+                data, raw = _tensor_array(a, "f32" if a.ndim == 1 else dtype)
+                w.add_tensor(g, data, raw_dtype=raw)
+                shapes[g] = a.shape[::-1]
     for key, values in xielu.items():
         getattr(w, f"add_xielu_{key}")([values[i] for i in sorted(values)])
     args = model_args(model)
@@ -499,6 +512,8 @@ def write_gguf_adapter(model, config: dict, alpha: float, out: Path, name: str =
             )
         if arch == "minicpm3":  # its folded scales, on B's rows
             b = b * minicpm3_scale(g, model_args(model), b.shape[0])
+        if arch == "deci":  # q/k rows in llama.cpp's rope order, per layer: B's rows too
+            b = deci_qk(b, g, deci_layers(model))
         if arch == "llama4":  # q/k rows scaled for llama.cpp's q/k norm epsilon: B's rows too
             b = b * llama4_qk_scale(g, model_args(model))
         if arch == "plamo":  # q heads in llama.cpp's order: B's rows (q), A's columns (output)

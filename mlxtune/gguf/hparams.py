@@ -11,6 +11,7 @@ from ..errors import UserInputError
 from ..models.configs import rope_base
 from .names import FAMILIES, gguf_name
 from .rope import llama3_rope_factors
+from .tensors import deci_layers
 
 # the common config keys the export reads -> the names older families' configs use instead
 STANDARD_NAMES = {
@@ -489,8 +490,25 @@ def _kimi_linear(arg, mt: str) -> str | None:
     return None
 
 
+def _deci(arg, mt: str) -> str | None:
+    if arg("hidden_act", "silu") != "silu":
+        return f"llama.cpp's deci gates its MLP with SiLU; this model's activation is {arg('hidden_act')}"
+    for i, block in enumerate(arg("block_configs") or []):
+        ffn = block.ffn if hasattr(block, "ffn") else None
+        attn = block.attention if hasattr(block, "attention") else None
+        if ffn is not None and ffn.replace_with_linear:
+            return f"llama.cpp's deci has no linear MLP; layer {i} of this model has one"
+        if attn is not None and attn.replace_with_linear and arg("attention_bias"):
+            return (
+                "llama.cpp's deci applies no bias in a linear attention; this model's "
+                f"layer {i} has one"
+            )
+    return None
+
+
 # model type -> what llama.cpp fixes for its architecture, checked against the model
 _FIXED = {
+    "nemotron-nas": _deci,
     "kimi_linear": _kimi_linear,
     "minicpm3": _minicpm3,
     "llama4": _llama4_fixed,
@@ -898,6 +916,8 @@ def add_hparams(w, config: dict, model=None):
         return _add_minicpm3(w, args)
     if mt == "kimi_linear":
         return _add_kimi_linear(w, args)
+    if mt == "nemotron-nas":
+        return _add_deci(w, model)
     if FAMILIES[mt].arch in ("deepseek2", "mistral4"):
         return _add_mla(w, args, mt)
     if mt == "nemotron_h":
@@ -1324,6 +1344,25 @@ def _add_kimi_linear(w, args) -> None:
     grouped = args.use_grouped_topk and groups > 1 and used < groups
     w.add_expert_group_count(groups if grouped else 1)
     w.add_expert_group_used_count(used if grouped else 1)
+
+
+def _add_deci(w, model) -> None:
+    """Nemotron-NAS as llama.cpp's deci reads it: heads, kv heads and MLP widths per layer (no-op
+    and linear sublayers as tensors.deci_layers writes them)."""
+    args, layers = model.args, deci_layers(model)
+    head_dim = int(args.hidden_size) // int(args.num_attention_heads)
+    w.add_context_length(int(args.max_position_embeddings))
+    w.add_embedding_length(int(args.hidden_size))
+    w.add_block_count(len(layers))
+    w.add_head_count([x[0] for x in layers])
+    w.add_head_count_kv([x[1] for x in layers])
+    w.add_feed_forward_length([x[2] for x in layers])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(args.rope_theta))
+    w.add_layer_norm_rms_eps(float(args.rms_norm_eps))
+    w.add_vocab_size(int(args.vocab_size))
 
 
 def _add_gemma4(w, args) -> None:

@@ -34,6 +34,7 @@ from .configs import WRAPPED, gguf_config
 from .file import GGUFFile, open_gguf
 from .names import ARCHES, FAMILIES, NORM_PLUS_ONE, QKV_LAYOUT, gguf_name
 from .tensors import (
+    deci_qk,
     dequantized,
     gate_up_join,
     llama4_qk_scale,
@@ -224,6 +225,11 @@ def load_gguf(
         qwen35_from_gguf(g, config["text_config"])
     if config["model_type"] in ("deepseek_v2", "youtu_llm"):  # kv_b_proj held whole
         mla_join(g, config)
+    if g.arch == "deci":  # the all-zero MLPs standing for no-op ones: not the model's
+        for i, block in enumerate(config["block_configs"]):
+            if block["ffn"].get("no_op"):
+                for name in ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down"):
+                    g.tensors.pop(f"blk.{i}.{name}.weight", None)
     if g.arch == "apertus":
         xielu_from_gguf(g, config)
     if text_type in QKV_LAYOUT:  # the family holds q/k/v as one projection
@@ -291,6 +297,11 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
     heads = {"attn_q.weight": config.get("num_attention_heads")}
     heads["attn_k.weight"] = config.get("num_key_value_heads")
     heads["attn_q.bias"], heads["attn_k.bias"] = heads["attn_q.weight"], heads["attn_k.weight"]
+    deci = []  # Nemotron-NAS: (heads, kv heads, -) per layer, its q/k rows permuted per layer
+    for block in config.get("block_configs", []) if g.arch == "deci" else []:
+        attn, n = block["attention"], config["num_attention_heads"]
+        kv = n // attn["n_heads_in_group"] if "n_heads_in_group" in attn else 0
+        deci.append((0 if attn.get("no_op") else n, kv, 0))
     weights = []
     for gname, hf in table.items():
         t = g.tensors[gname]
@@ -300,6 +311,10 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
             codes, scales, offsets = _blocks(t, kind)
             if h is not None:
                 codes, scales, offsets = (unpermute_qk(a, h) for a in (codes, scales, offsets))
+            if deci:
+                codes, scales, offsets = (
+                    deci_qk(a, gname, deci, back=True) for a in (codes, scales, offsets)
+                )
             weights += [
                 (hf, mx.array(_pack(codes, quant[mod]))),
                 (f"{mod}.scales", mx.array(scales).astype(target)),
@@ -315,6 +330,8 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
         a = a - norm_offset(g.arch, gname)
         if g.arch == "minicpm3":  # its scales and latent norms' epsilon, unfolded
             a = a / minicpm3_scale(gname, SimpleNamespace(**config), a.shape[0])
+        if g.arch == "deci":
+            a = deci_qk(a, gname, deci, back=True)
         if g.arch == "llama4":
             a = a / llama4_qk_scale(gname, SimpleNamespace(**config))
         if g.arch == "plamo":

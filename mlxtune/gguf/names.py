@@ -73,6 +73,7 @@ FAMILIES = {
     "solar_open": Family("glm4moe", norm_topk=True),  # mlx-lm's glm4_moe model; so the converter
     "phi": Family("phi2"),
     "gpt2": Family("gpt2"),
+    "nemotron-nas": Family("deci"),  # q/k rows permuted per layer (its kv heads differ)
     "kimi_linear": Family("kimi-linear"),
     "minicpm3": Family("minicpm3"),
     "llama4": Family("llama4"),  # Llama 4's language model (mlx-lm's llama4 wrapper)
@@ -277,6 +278,7 @@ def _name_map(arch: str, n_blocks: int):
 
 # mlx-lm's names -> the published checkpoint's, where llama.cpp's name map knows only those
 _RENAMES = {
+    "nemotron-nas": ((".self_attn.linear.", ".self_attn.linear_attn."),),
     "kimi_linear": (
         (".q_conv.conv.", ".q_conv1d."),
         (".k_conv.conv.", ".k_conv1d."),

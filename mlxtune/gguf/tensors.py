@@ -193,6 +193,64 @@ def minicpm3_rope_factors(args) -> np.ndarray:
     return np.broadcast_to(long.reshape(-1), (pairs,)).astype(np.float32).copy()
 
 
+# the width of the all-zero MLP that stands for a NAS layer's no-op MLP in llama.cpp's deci (whose
+# graph would drop the whole layer for a width of 0)
+DECI_NOOP_FFN = 32
+
+
+def deci_layers(model) -> list[tuple[int, int, int]]:
+    """A Nemotron-NAS model's layers as llama.cpp's deci reads them: (heads, kv heads, MLP
+    width) each, off the built layers; a linear attention has heads and no kv heads, a no-op
+    one neither (layer 0's is written as a linear attention of zeros: llama.cpp cannot load a
+    layer 0 without heads); a no-op MLP is an all-zero one DECI_NOOP_FFN wide."""
+    heads, out = int(model.args.num_attention_heads), []
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        if attn is None:
+            h, kv = (heads, 0) if i == 0 else (0, 0)
+        elif hasattr(attn, "linear"):
+            h, kv = heads, 0
+        else:
+            h, kv = heads, int(attn.n_kv_heads)
+        mlp = layer.mlp
+        if mlp is None:
+            width = DECI_NOOP_FFN
+        else:  # a linear MLP (refused for export) counts as hidden wide
+            proj = mlp.gate_proj if hasattr(mlp, "gate_proj") else mlp.linear
+            proj = getattr(proj, "linear", proj)  # under an adapter: its base layer
+            width = int(proj.weight.shape[0])
+        out.append((h, kv, width))
+    return out
+
+
+def deci_qk(a: np.ndarray, g: str, layers: list, back: bool = False) -> np.ndarray:
+    """A Nemotron-NAS q/k projection's rows in llama.cpp's interleaved rope order, by its
+    layer's heads and kv heads (``back``: to rotate-half again)."""
+    if not g.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
+        return a
+    heads, kv, _ = layers[int(g.split(".")[1])]
+    n = heads if ".attn_q." in g else kv
+    return unpermute_qk(a, n) if back else permute_qk(a, n)
+
+
+def deci_fillers(layers: list, hidden: int, no_op_mlp: list) -> list[tuple[str, np.ndarray]]:
+    """The tensors standing for no-op sublayers in llama.cpp's deci: layer 0's attention as a
+    linear one of zeros, a no-op MLP as an all-zero one (each behind a norm of ones)."""
+    out = []
+    for i, (heads, kv, width) in enumerate(layers):
+        if i == 0 and heads and not kv:
+            out += [("blk.0.attn_norm.weight", np.ones(hidden, np.float32))]
+            out += [("blk.0.attn_output.weight", np.zeros((hidden, hidden), np.float32))]
+        if width == DECI_NOOP_FFN and no_op_mlp[i]:
+            out += [(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))]
+            out += [
+                (f"blk.{i}.ffn_{x}.weight", np.zeros((width, hidden), np.float32))
+                for x in ("gate", "up")
+            ]
+            out += [(f"blk.{i}.ffn_down.weight", np.zeros((hidden, width), np.float32))]
+    return out
+
+
 def to_gguf(a: np.ndarray, g: str, family, n_head: int, n_kv: int) -> np.ndarray:
     """A parameter (fp32) as llama.cpp's converter stores it under GGUF name ``g``."""
     if family.permuted and g.endswith(("attn_q.weight", "attn_q.bias")):

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import UserInputError
 from ..models.common import hf_architecture
-from .tensors import dequantized
+from .tensors import DECI_NOOP_FFN, dequantized
 
 if TYPE_CHECKING:
     from .load import GGUFModelFile
@@ -444,6 +444,56 @@ def kimi_linear_config(g: GGUFModelFile, need) -> dict:
         "num_expert_group": groups,
         "topk_group": int(g.get("expert_group_used_count", 1)),
         "tie_word_embeddings": False,
+    }
+
+
+def deci_config(g: GGUFModelFile, need) -> dict:
+    """Nemotron-NAS's config from what llama.cpp's deci reads: per layer, an attention with kv
+    heads, a linear one (heads, no kv heads) or none; an MLP of its width, or none where the
+    export wrote an all-zero one DECI_NOOP_FFN wide."""
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    layers, hidden = int(need("block_count")), int(need("embedding_length"))
+
+    def per_layer(key):
+        v = need(key)
+        return [int(x) for x in v] if not isinstance(v, int) else [int(v)] * layers
+
+    heads, kv, ff = (
+        per_layer(k)
+        for k in ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
+    )
+    n_heads = max(heads)
+    blocks = []
+    for i in range(layers):
+        if heads[i] == 0:
+            attention = {"no_op": True}
+        elif kv[i] == 0:
+            attention = {"replace_with_linear": True}
+        else:
+            attention = {"n_heads_in_group": heads[i] // kv[i]}
+        down = g.tensors.get(f"blk.{i}.ffn_down.weight")
+        if ff[i] == DECI_NOOP_FFN and down is not None and not dequantized(down).any():
+            ffn = {"no_op": True}
+        else:
+            ffn = {"ffn_mult": 3 * ff[i] / (2 * hidden)}  # mlx-lm's width rule, inverted
+        blocks.append({"attention": attention, "ffn": ffn})
+    return {
+        "model_type": "nemotron-nas",
+        "architectures": [hf_architecture("nemotron-nas")],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": n_heads,
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g.get("context_length", 2048)),
+        "block_configs": blocks,
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "mlp_bias": any(n.endswith("ffn_up.bias") for n in g.tensors),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
     }
 
 
