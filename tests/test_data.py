@@ -525,9 +525,9 @@ def test_json_arrays_are_read_as_rows_by_line_and_binary_tables_refused(tmp_path
     with pytest.raises(UserInputError, match="not valid JSON") as e:
         load_split(p, enc, "auto", 64, "truncate", 1)
     assert f"{p}:4" in str(e.value)
-    (tmp_path / "t.parquet").write_bytes(b"PAR1\x00")
-    with pytest.raises(UserInputError, match=r"\.parquet files are not read; write the rows as"):
-        load_split(tmp_path / "t.parquet", enc, "auto", 64, "truncate", 1)
+    (tmp_path / "t.xlsx").write_bytes(b"PK\x03\x04")
+    with pytest.raises(UserInputError, match=r"\.xlsx files are not read; write the rows as"):
+        load_split(tmp_path / "t.xlsx", enc, "auto", 64, "truncate", 1)
 
 
 def test_bad_rows_are_skipped_counted_and_named_up_to_a_share(tmp_path, tokenizer):

@@ -1,13 +1,17 @@
-"""Reading a data file into rows: JSONL (one object a line), a JSON array of objects (.json, as
-Alpaca's data is shipped; a .json file of lines is read as JSONL), CSV and TSV (a header, then
-one row a line), or plain text (.txt: each paragraph, blank-line separated, one ``{"text": ...}``
-row); columns renamed as the recipe maps them; and what happens to a bad row (``BadRows``).
+"""Reading a data source into rows: JSONL (one object a line), a JSON array of objects (.json,
+as Alpaca's data is shipped; a .json file of lines is read as JSONL), CSV and TSV (a header, then
+one row a line), plain text (.txt: each paragraph, blank-line separated, one ``{"text": ...}``
+row), Parquet and Arrow files (how datasets are published: a row is named by its file and its
+index from 1), a glob of such files, or a folder a ``datasets`` ``save_to_disk`` wrote (a
+``DatasetDict``'s split chosen with ``#split``: ``my_data#train``); columns renamed as the
+recipe maps them; and what happens to a bad row (``BadRows``).
 """
 
 from __future__ import annotations
 
 import codecs
 import csv
+import glob
 import json
 from collections import Counter
 from contextlib import contextmanager
@@ -18,8 +22,10 @@ from ..errors import UserInputError
 
 SHOWN = 5
 """Bad rows named one by one in the log (the rest are counted)."""
-BINARY = (".parquet", ".arrow", ".feather", ".xlsx", ".xls", ".gz", ".zip", ".pkl", ".pickle")
+BINARY = (".xlsx", ".xls", ".gz", ".zip", ".pkl", ".pickle")
 """Suffixes of files that are not text rows: refused with a way to convert them."""
+TABLES = (".parquet", ".arrow", ".feather")
+"""Columnar files, read with pyarrow: a row a record."""
 
 
 @dataclass
@@ -88,6 +94,70 @@ def read_rows(
     names a row uses to the ones its format needs (``{"prompt": "question"}``: the file's
     question is the prompt). A bad line is an error naming it, or skipped (``bad``)."""
     bad = bad or BadRows()
+    sources = _sources(path)
+    if sources is not None:  # several files, or a dataset folder: each row named by its file
+        rows = []
+        for label, source in sources:
+            rows += [(f"{label}:{n}", obj) for n, obj in _read_one(source, bad)]
+    else:
+        rows = _read_one(path, bad)
+    if columns:
+        rows = [(n, _renamed(obj, columns, f"{path}:{n}")) for n, obj in rows]
+    if not rows:
+        raise UserInputError("the data file has no examples", str(path))
+    return rows
+
+
+def _sources(path: Path) -> list[tuple[str, Path]] | None:
+    """(label, file) of each file a glob, or a folder ``save_to_disk`` wrote, stands for (None:
+    ``path`` is one file)."""
+    text = str(path)
+    if not path.exists() and any(c in text for c in "*?["):
+        files = sorted(glob.glob(text))
+        if not files:
+            raise UserInputError("no file matches this pattern", text)
+        return [(Path(f).name, Path(f)) for f in files]
+    folder, split = path, None
+    if not path.exists() and "#" in path.name:  # a DatasetDict folder's split
+        name, split = path.name.rsplit("#", 1)
+        folder = path.with_name(name)
+    if not folder.exists():
+        raise UserInputError("data file not found", text)
+    if not folder.is_dir():
+        return None
+    return _saved_dataset(folder, split)
+
+
+def _saved_dataset(folder: Path, split: str | None) -> list[tuple[str, Path]]:
+    """The Arrow files of a folder ``datasets``' ``save_to_disk`` wrote, in order."""
+    where = str(folder)
+    splits = folder / "dataset_dict.json"
+    if splits.exists():
+        names = json.loads(splits.read_text()).get("splits", [])
+        if split is None or split not in names:
+            raise UserInputError(
+                f"this folder holds the splits {', '.join(names)}; name one after a '#' "
+                f"({folder.name}#{names[0] if names else 'train'})",
+                where,
+            )
+        folder = folder / split
+    elif split is not None:
+        raise UserInputError(f"'#{split}' names a split, and this folder holds one dataset", where)
+    state = folder / "state.json"
+    if not state.exists():
+        raise UserInputError(
+            "expected a data file, or a folder a datasets save_to_disk wrote (it has no "
+            "state.json)",
+            str(folder),
+        )
+    files = [f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+    if not files:
+        raise UserInputError("the saved dataset lists no data files (state.json)", str(folder))
+    return [(name, folder / name) for name in files]
+
+
+def _read_one(path: Path, bad: BadRows) -> list[tuple[int, dict]]:
+    """(line or row number, row) of one data file, by its suffix."""
     if not path.exists():
         raise UserInputError("data file not found", str(path))
     if path.is_dir():
@@ -96,22 +166,42 @@ def read_rows(
     if suffix in BINARY:
         raise UserInputError(
             f"{suffix} files are not read; write the rows as JSONL (one JSON object a line), "
-            "JSON, CSV, TSV or text (e.g. pandas: df.to_json(path, orient='records', lines=True))",
+            "JSON, CSV, TSV, text or Parquet (e.g. pandas: df.to_parquet(path))",
             str(path),
         )
+    if suffix in TABLES:
+        return _columnar(path)
     if suffix in (".csv", ".tsv"):
-        rows = _table(path, "\t" if suffix == ".tsv" else ",")
-    elif suffix == ".txt":
-        rows = _paragraphs(path)
-    elif suffix == ".json" and _text_of(path).lstrip().startswith("["):
-        rows = _json_array(path, bad)
-    else:
-        rows = _jsonl(path, bad)
-    if columns:
-        rows = [(n, _renamed(obj, columns, f"{path}:{n}")) for n, obj in rows]
-    if not rows:
-        raise UserInputError("the data file has no examples", str(path))
-    return rows
+        return _table(path, "\t" if suffix == ".tsv" else ",")
+    if suffix == ".txt":
+        return _paragraphs(path)
+    if suffix == ".json" and _text_of(path).lstrip().startswith("["):
+        return _json_array(path, bad)
+    return _jsonl(path, bad)
+
+
+def _columnar(path: Path) -> list[tuple[int, dict]]:
+    """A Parquet or Arrow (IPC file or stream, as ``datasets`` caches and saves them) file's
+    records, numbered from 1; a null field is left out, as a JSON row without it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.suffix.lower() == ".parquet":
+            table = pq.read_table(path)
+        else:
+            try:
+                with pa.memory_map(str(path)) as source:
+                    table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:  # not the file format: the stream format
+                with pa.memory_map(str(path)) as source:
+                    table = pa.ipc.open_stream(source).read_all()
+    except (pa.ArrowException, OSError) as e:
+        raise UserInputError(f"not a readable {path.suffix} file ({e})", str(path)) from None
+    return [
+        (n, {k: v for k, v in record.items() if v is not None})
+        for n, record in enumerate(table.to_pylist(), 1)
+    ]
 
 
 def _renamed(obj: dict, columns: dict[str, str], where: str) -> dict:

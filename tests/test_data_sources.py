@@ -1,0 +1,116 @@
+"""Data as it is published: Parquet and Arrow files (written here by pyarrow), globs of shards,
+and folders ``datasets``' ``save_to_disk`` wrote. Each reads to the rows the same data gives as
+JSONL, with its rows named by file and index."""
+
+import json
+
+import pytest
+
+from mlxtune.data import BadRows, Encoder, load_split, read_rows
+from mlxtune.errors import UserInputError
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+ROWS = [
+    {"prompt": "what is two and two?", "completion": " four"},
+    {"prompt": "name a colour", "completion": " blue", "system": "be brief"},
+    {"prompt": "hello there", "completion": " hi, how can i help"},
+    {
+        "messages": None,  # a column another row fills: null here
+        "prompt": "the quick brown fox",
+        "completion": " jumps over the lazy dog",
+    },
+]
+
+
+def as_jsonl(tmp_path, rows):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in rows))
+    return path
+
+
+def table(rows):
+    keys = sorted({k for r in rows for k in r})
+    return pa.table({k: [r.get(k) for r in rows] for k in keys})
+
+
+def test_a_parquet_file_reads_to_the_rows_jsonl_gives(tmp_path):
+    path = tmp_path / "train.parquet"
+    pq.write_table(table(ROWS), path)
+    want = read_rows(as_jsonl(tmp_path, ROWS))
+    got = read_rows(path)
+    assert got == want  # (number, row): a null field is left out, as JSON would leave it
+    assert "system" not in got[0][1] and got[1][1]["system"] == "be brief"
+
+
+@pytest.mark.parametrize("kind", ["file", "stream", "feather"])
+def test_arrow_files_read_to_the_same_rows(kind, tmp_path):
+    path = tmp_path / ("train.feather" if kind == "feather" else "train.arrow")
+    t = table(ROWS)
+    if kind == "feather":
+        import pyarrow.feather as feather
+
+        feather.write_feather(t, path)
+    else:
+        writer = pa.ipc.new_file if kind == "file" else pa.ipc.new_stream
+        with pa.OSFile(str(path), "wb") as sink, writer(sink, t.schema) as w:
+            w.write_table(t)
+    assert read_rows(path) == read_rows(as_jsonl(tmp_path, ROWS))
+
+
+def test_a_glob_of_shards_reads_them_in_order_each_row_named_by_its_shard(tmp_path):
+    pq.write_table(table(ROWS[2:]), tmp_path / "train-00001.parquet")
+    pq.write_table(table(ROWS[:2]), tmp_path / "train-00000.parquet")
+    rows = read_rows(tmp_path / "train-*.parquet")
+    assert [r for _, r in rows] == [r for _, r in read_rows(as_jsonl(tmp_path, ROWS))]
+    assert [n for n, _ in rows] == [
+        "train-00000.parquet:1", "train-00000.parquet:2",
+        "train-00001.parquet:1", "train-00001.parquet:2",
+    ]  # fmt: skip
+    with pytest.raises(UserInputError, match="no file matches"):
+        read_rows(tmp_path / "valid-*.parquet")
+
+
+def test_a_bad_row_of_a_parquet_file_is_named_by_its_file_and_row(tmp_path, tokenizer):
+    rows = [dict(r) for r in ROWS]
+    rows[2]["completion"] = None  # the third row has no completion
+    path = tmp_path / "train.parquet"
+    pq.write_table(table(rows), path)
+    with pytest.raises(UserInputError) as e:
+        load_split(path, Encoder(tokenizer), "completion", 64, "truncate", 1)
+    assert e.value.where == f"{path}:3"
+    bad = BadRows(skip=True, max_fraction=0.5)
+    ds = load_split(path, Encoder(tokenizer), "completion", 64, "truncate", 1, bad=bad)
+    assert len(ds.examples) == 3 and bad.seen[0][0] == f"{path}:3"
+
+
+def test_a_saved_dataset_and_a_split_of_a_saved_dataset_dict(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    want = [r for _, r in read_rows(as_jsonl(tmp_path, ROWS))]
+    clean = [{k: v for k, v in r.items() if v is not None} for r in ROWS]
+    keys = sorted({k for r in clean for k in r})
+    full = {k: [r.get(k) for r in clean] for k in keys}
+    ds = datasets.Dataset.from_dict(full)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    assert [r for _, r in read_rows(tmp_path / "saved")] == want
+
+    dd = datasets.DatasetDict({"train": ds, "test": datasets.Dataset.from_dict(full).select([0])})
+    dd.save_to_disk(str(tmp_path / "dict"))
+    assert [r for _, r in read_rows(tmp_path / "dict#train")] == want
+    assert [r for _, r in read_rows(tmp_path / "dict#test")] == want[:1]
+    with pytest.raises(UserInputError, match="holds the splits train, test; name one after a '#'"):
+        read_rows(tmp_path / "dict")
+    with pytest.raises(UserInputError, match="holds the splits"):
+        read_rows(tmp_path / "dict#validation")
+    with pytest.raises(UserInputError, match="names a split, and this folder holds one dataset"):
+        read_rows(tmp_path / "saved#train")
+
+
+def test_a_folder_that_is_not_a_saved_dataset_is_refused(tmp_path):
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(UserInputError, match="save_to_disk wrote"):
+        read_rows(tmp_path / "folder")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(UserInputError, match="not a readable .parquet file"):
+        read_rows(tmp_path / "broken.parquet")
