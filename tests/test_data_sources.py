@@ -26,7 +26,9 @@ ROWS = [
 
 def as_jsonl(tmp_path, rows):
     path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in rows))
+    path.write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in rows)
+    )
     return path
 
 
@@ -114,3 +116,38 @@ def test_a_folder_that_is_not_a_saved_dataset_is_refused(tmp_path):
     (tmp_path / "broken.parquet").write_bytes(b"not parquet")
     with pytest.raises(UserInputError, match="not a readable .parquet file"):
         read_rows(tmp_path / "broken.parquet")
+
+
+def test_a_run_from_parquet_shards_and_a_saved_dataset_trains_as_from_jsonl(
+    tmp_path, data_dir, llama_dir
+):
+    """The same rows as Parquet shards (train) and a saved DatasetDict's split (valid): the run's
+    losses equal the JSONL run's, step for step."""
+    from conftest import tiny_recipe
+    from test_resume import rows as metrics
+    from test_resume import trainer
+
+    datasets = pytest.importorskip("datasets")
+    train = [r for _, r in read_rows(data_dir / "train.jsonl")]
+    valid = [r for _, r in read_rows(data_dir / "valid.jsonl")]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pq.write_table(table(train[:50]), shards / "train-00000-of-00002.parquet")
+    pq.write_table(table(train[50:]), shards / "train-00001-of-00002.parquet")
+    keys = sorted({k for r in valid for k in r})
+    saved = datasets.DatasetDict(
+        {"validation": datasets.Dataset.from_dict({k: [r.get(k) for r in valid] for k in keys})}
+    )
+    saved.save_to_disk(str(tmp_path / "saved"))
+
+    train_cfg = {"batch_size": 8, "max_steps": 4, "log_every": 1, "progress": False, "seed": 3}
+    want = tiny_recipe(data_dir, llama_dir, train=train_cfg, eval={"every": 2})
+    trainer(want, tmp_path / "jsonl").run()
+    got = tiny_recipe(data_dir, llama_dir, train=train_cfg, eval={"every": 2})
+    got["data"]["train"] = str(shards / "train-*.parquet")
+    got["data"]["valid"] = str(tmp_path / "saved#validation")
+    trainer(got, tmp_path / "parquet").run()
+    a, b = metrics(tmp_path / "jsonl"), metrics(tmp_path / "parquet")
+    for key in ("loss", "eval_loss"):
+        assert [r[key] for r in a if key in r] == [r[key] for r in b if key in r]
+    assert any("eval_loss" in r for r in b)
