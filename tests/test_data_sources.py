@@ -123,9 +123,10 @@ def test_a_run_from_parquet_shards_and_a_saved_dataset_trains_as_from_jsonl(
 ):
     """The same rows as Parquet shards (train) and a saved DatasetDict's split (valid): the run's
     losses equal the JSONL run's, step for step."""
-    from conftest import tiny_recipe
     from test_resume import rows as metrics
     from test_resume import trainer
+
+    from conftest import tiny_recipe
 
     datasets = pytest.importorskip("datasets")
     train = [r for _, r in read_rows(data_dir / "train.jsonl")]

@@ -438,6 +438,11 @@ def _model_data_inert(r: Recipe, inert) -> None:
         inert(("data.train_on_eos",), "data.add_eos is false")
     if d.bad_rows == "error":
         inert(("data.max_bad_fraction",), "data.bad_rows is error")
+    if d.format not in ("auto", "chat", "sharegpt", "preference"):
+        inert(
+            ("data.chat_template_kwargs",),
+            f"data.format is {d.format}: no chat template renders it",
+        )
 
 
 def _optimizer_inert(r: Recipe, inert) -> None:

@@ -106,6 +106,9 @@ class DataConfig:
     """Example format: text, completion, instruction, chat, sharegpt, tokens, preference (pairs, for
     objective.type dpo, orpo, cpo or reward), or one registered with
     ``mlxtune.data.register_format``; "auto" detects it from the keys of the first example."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Arguments the chat template reads, for every chat example ({enable_thinking: false} for
+    Qwen3's); a row's tools column reaches the template as its tools argument."""
     columns: dict | None = None
     """Fields under other names: {prompt: question, completion: answer} reads a row's question
     as the prompt and its answer as the completion (CSV/TSV columns, or JSONL keys)."""

@@ -115,9 +115,16 @@ class Encoder:
     format gives its pieces, and each kind of piece is tokenized and masked here."""
 
     def __init__(
-        self, tokenizer, mask_prompt: bool = True, add_eos: bool = True, train_on_eos: bool = True
+        self,
+        tokenizer,
+        mask_prompt: bool = True,
+        add_eos: bool = True,
+        train_on_eos: bool = True,
+        template_kwargs: dict | None = None,
     ):
         self.tok = tokenizer
+        # arguments the chat template reads (data.chat_template_kwargs: enable_thinking, ...)
+        self.template_kwargs = dict(template_kwargs or {})
         self.mask_prompt = mask_prompt
         self.add_eos = add_eos
         self.train_on_eos = train_on_eos
@@ -207,12 +214,20 @@ class Encoder:
                 where,
             )
 
-        def render(messages, gen=False, tokenize=True):
+        extra = dict(self.template_kwargs)
+        if piece.tools:
+            extra["tools"] = piece.tools
+
+        def render(messages, gen=False, tokenize=True, **kwargs):
             if not messages:
                 return [] if tokenize else ""
             try:
                 out = tmpl.apply_chat_template(
-                    messages, tokenize=tokenize, add_generation_prompt=gen, return_dict=False
+                    messages,
+                    tokenize=tokenize,
+                    add_generation_prompt=gen,
+                    return_dict=False,
+                    **{**extra, **kwargs},
                 )
             except Exception as e:  # jinja raises for conversations a template refuses
                 raise UserInputError(
@@ -221,6 +236,12 @@ class Encoder:
             return list(out) if tokenize else out
 
         ids = render(msgs)
+        if piece.tools and ids == render(msgs, tools=None):
+            raise UserInputError(
+                "the row has tools, and the chat template does not show them to the model (it "
+                "renders the conversation alike without them); use a template that renders tools",
+                where,
+            )
         mask = [0] * len(ids) if self.mask_prompt else [0] + [1] * (len(ids) - 1)
         if self.mask_prompt:
             for i, m in enumerate(msgs):

@@ -23,6 +23,7 @@ Adding a format is one call, e.g. for rows ``{"question": ..., "answer": ...}``:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Union
@@ -62,6 +63,8 @@ class Chat:
 
     messages: list
     first_trained: int = 0
+    tools: list | None = None
+    """The functions the conversation may call (JSON schemas), shown to the chat template."""
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
@@ -69,8 +72,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "fu
 
 
 def check_messages(messages: list, where: str) -> None:
-    """Refuse a message that is not a string ``role`` (one of ``CHAT_ROLES``) and ``content``."""
+    """Refuse a message that is not a string ``role`` (one of ``CHAT_ROLES``) and ``content``
+    (an assistant turn that calls tools may have none: it is taken as empty)."""
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("content") is None and m.get("tool_calls"):
+            m["content"] = ""
         if (
             not isinstance(m, dict)
             or not isinstance(m.get("role"), str)
@@ -221,7 +227,52 @@ def _instruction(obj: dict, where: str) -> PromptAnswer:
 
 
 def _chat(obj: dict, where: str) -> Chat:
-    return Chat(field(obj, "messages", where, list))
+    messages = field(obj, "messages", where, list)
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("tool_calls") is not None:
+            m["tool_calls"] = _tool_calls(m["tool_calls"], f"{where} (messages[{i}])")
+    return Chat(messages, tools=_tools(obj.get("tools"), where))
+
+
+def _json_or(value, where: str, what: str):
+    """``value``, or the JSON a string holds (datasets often store these columns as strings)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise UserInputError(f"{what} is a string but not JSON ({e.msg})", where) from None
+    return value
+
+
+def _tools(value, where: str) -> list | None:
+    """A row's ``tools``: a list of function schemas (or a JSON string of one)."""
+    if value is None:
+        return None
+    tools = _json_or(value, where, "tools")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise UserInputError("tools must be a list of objects (function schemas)", where)
+    return tools or None
+
+
+def _tool_calls(value, where: str) -> list:
+    """An assistant turn's ``tool_calls``, each call's arguments as an object: given as a JSON
+    string (OpenAI's form) or as an object, templates then render them alike."""
+    calls = _json_or(value, where, "tool_calls")
+    if not isinstance(calls, list):
+        raise UserInputError("tool_calls must be a list", where)
+    out = []
+    for call in calls:
+        if not isinstance(call, dict):
+            raise UserInputError("each tool call is an object", where)
+        call = dict(call)
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            args = _json_or(fn["arguments"], where, "a tool call's arguments")
+            if not isinstance(args, dict):
+                raise UserInputError("a tool call's arguments must be an object", where)
+            call["function"] = {**fn, "arguments": args}
+        out.append(call)
+    return out
 
 
 SHAREGPT_ROLES = {
