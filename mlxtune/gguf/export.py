@@ -25,14 +25,8 @@ from mlx.utils import tree_flatten
 from ..adapters import DoRALinear, LoRALinear, LoRASwitchLinear
 from ..errors import UserInputError
 from .file import open_gguf
-from .hparams import (
-    add_hparams,
-    add_rope_scaling,
-    head_counts,
-    model_args,
-    refusal,
-    standard_config,
-)
+from .fixed import model_args, refusal
+from .hparams import add_hparams, add_rope_scaling, head_counts, standard_config
 from .names import (
     DTYPES,
     FAMILIES,
