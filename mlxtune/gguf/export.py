@@ -320,6 +320,46 @@ def qkv_pieces(g: str, a: np.ndarray, model_type: str, n_head: int, n_kv: int):
     return [(g.replace("attn_qkv", f"attn_{x}"), part) for x, part in pieces]
 
 
+def _family_tensor(a: np.ndarray, g: str, family, args, n_head: int, n_kv: int, deci) -> np.ndarray:
+    """A parameter (fp32) in llama.cpp's convention for ``g``, the family's own rewrites
+    included (head orders, folded scales, SSM parameters)."""
+    a = to_gguf(a, g, family, n_head, n_kv)
+    if family.arch == "plamo":
+        a = shared_kv_heads(a, g, n_head, n_kv)
+    if family.arch == "llama4":
+        a = a * llama4_qk_scale(g, args)
+    if family.arch == "deci":
+        a = deci_qk(a, g, deci)
+    if family.arch == "minicpm3":
+        a = a * minicpm3_scale(g, args, a.shape[0])
+    if family.arch in ("qwen35", "qwen35moe"):
+        a = qwen35_to_gguf(a, g, args)
+    if family.arch == "kimi-linear" and g.endswith(".ssm_a"):
+        a = -np.exp(a)  # A as llama.cpp's converter writes it
+    if family.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid", "falcon-h1"):
+        a = ssm_to_gguf(a, g, args, family.arch)
+    return a
+
+
+def _split_tensor(a: np.ndarray, g: str, family, args):
+    """The tensors llama.cpp's converter splits ``g`` into ([(name, array)]), or None."""
+    split = qwen3_next_split(a, g, args) if family.arch == "qwen3next" else None
+    split = gate_up_split(g, a) or split  # gate rows, then up rows
+    if family.arch == "deepseek2":  # a whole kv_b_proj: per-head key and value parts
+        split = mla_split(a, g, args) or split
+    return split
+
+
+def _tied_head_scale(family, args) -> float | None:
+    """The factor on the embedding that makes a tied model's head where llama.cpp's
+    architecture reads one of its own (None: it reads the embedding as mlx-lm does)."""
+    if family.arch == "falcon-h1":  # mlx-lm scales the tied logits at run time
+        return float(args.lm_head_multiplier) / float(args.embedding_multiplier)
+    if family.arch == "minicpm3":  # mlx-lm's tied logits are unscaled, llama.cpp's scaled
+        return float(args.hidden_size) / MINICPM3_FIXED["dim_model_base"]
+    return 1.0 if family.arch in NEEDS_OUTPUT else None
+
+
 def write_gguf_model(
     model,
     config: dict,
@@ -369,8 +409,14 @@ def write_gguf_model(
         _copy_tokenizer(w, Path(tokenizer_gguf), template if isinstance(template, str) else None)
     else:
         _add_tokenizer(w, tokenizer_dir, tokenizer)
-    shapes, xielu = {}, {}
+    shapes, xielu, args = {}, {}, model_args(model)
     deci = deci_layers(model) if family.arch == "deci" else []
+
+    def put(g: str, a: np.ndarray, kind: str = dtype) -> None:
+        data, raw = _tensor_array(np.ascontiguousarray(a, dtype=np.float32), kind)
+        w.add_tensor(g, data, raw_dtype=raw)
+        shapes[g] = a.shape[::-1]
+
     for hf, v in held_stacked(model):
         held = np.array(v.astype(mx.float32))
         if ".xielu." in names[hf]:  # Apertus: one value per layer, as metadata
@@ -378,74 +424,26 @@ def write_gguf_model(
             xielu.setdefault(key, {})[int(block)] = float(held.reshape(-1)[0])
             continue
         for g, a in qkv_pieces(names[hf], held, config["model_type"], n_head, n_kv):
-            a = to_gguf(a, g, family, n_head, n_kv)
-            if family.arch == "plamo":
-                a = shared_kv_heads(a, g, n_head, n_kv)
-            if family.arch == "llama4":
-                a = a * llama4_qk_scale(g, model_args(model))
-            if family.arch == "deci":
-                a = deci_qk(a, g, deci)
-            if family.arch == "minicpm3":
-                a = a * minicpm3_scale(g, model_args(model), a.shape[0])
-            if family.arch in ("qwen35", "qwen35moe"):
-                a = qwen35_to_gguf(a, g, model_args(model))
-            if family.arch == "kimi-linear" and g.endswith(".ssm_a"):
-                a = -np.exp(a)  # A as llama.cpp's converter writes it
-            if family.arch in ("mamba", "mamba2", "nemotron_h_moe", "granitehybrid", "falcon-h1"):
-                a = ssm_to_gguf(a, g, model_args(model), family.arch)
-            split = (
-                qwen3_next_split(a, g, model_args(model)) if family.arch == "qwen3next" else None
-            )
-            split = gate_up_split(g, a) or split  # gate rows, then up rows
-            if family.arch == "deepseek2":  # a whole kv_b_proj: per-head key and value parts
-                split = mla_split(a, g, model_args(model)) or split
-            if split is not None:
-                for g2, a2 in split:
-                    data, raw = _tensor_array(np.ascontiguousarray(a2, dtype=np.float32), dtype)
-                    w.add_tensor(g2, data, raw_dtype=raw)
-                    shapes[g2] = a2.shape[::-1]
-                continue
-            a = np.ascontiguousarray(a, dtype=np.float32)
+            a = _family_tensor(a, g, family, args, n_head, n_kv, deci)
+            split = _split_tensor(a, g, family, args)
             # routers and short convolutions stay f32, as llama.cpp's converter keeps them
             f32 = ("ffn_gate_inp.weight", "shortconv.conv.weight", "attn_sinks.weight")
-            kind = "f32" if g.endswith(f32) else dtype
-            data, raw = _tensor_array(a, kind)
-            w.add_tensor(g, data, raw_dtype=raw)
-            shapes[g] = a.shape[::-1]
+            for g2, a2 in split if split is not None else [(g, a)]:
+                put(g2, a2, "f32" if split is None and g2.endswith(f32) else dtype)
     if family.arch == "deci":  # no-op sublayers as llama.cpp's deci can hold them
         no_op = [layer.mlp is None for layer in model.layers]
-        for g, a in deci_fillers(deci, int(model_args(model).hidden_size), no_op):
+        for g, a in deci_fillers(deci, int(args.hidden_size), no_op):
             if g not in shapes:
-                data, raw = _tensor_array(a, "f32" if a.ndim == 1 else dtype)
-                w.add_tensor(g, data, raw_dtype=raw)
-                shapes[g] = a.shape[::-1]
+                put(g, a, "f32" if a.ndim == 1 else dtype)
     for key, values in xielu.items():
         getattr(w, f"add_xielu_{key}")([values[i] for i in sorted(values)])
-    args = model_args(model)
-    if family.arch == "falcon-h1" and "output.weight" not in shapes:
-        # a tied Falcon-H1: mlx-lm scales the embedding's logits at run time, llama.cpp does not
+    scale = _tied_head_scale(family, args)
+    if scale is not None and "output.weight" not in shapes:
         embed = next(v for hf, v in held_stacked(model) if names[hf] == "token_embd.weight")
-        scale = float(args.lm_head_multiplier) / float(args.embedding_multiplier)
-        data, raw = _tensor_array(np.array(embed.astype(mx.float32)) * scale, dtype)
-        w.add_tensor("output.weight", data, raw_dtype=raw)
-        shapes["output.weight"] = embed.shape[::-1]
-    if family.arch == "minicpm3":
-        if "output.weight" not in shapes:  # tied: mlx-lm's logits E h, llama.cpp's scaled
-            embed = next(v for hf, v in held_stacked(model) if names[hf] == "token_embd.weight")
-            scale = float(args.hidden_size) / MINICPM3_FIXED["dim_model_base"]
-            data, raw = _tensor_array(np.array(embed.astype(mx.float32)) * scale, dtype)
-            w.add_tensor("output.weight", data, raw_dtype=raw)
-            shapes["output.weight"] = embed.shape[::-1]
-        factors = minicpm3_rope_factors(args)
+        put("output.weight", np.array(embed.astype(mx.float32)) * scale)
+    if family.arch == "minicpm3":  # mlx-lm rotates by the long factors whatever the length
         for kind in ("long", "short"):
-            w.add_tensor(f"rope_factors_{kind}.weight", factors)
-            shapes[f"rope_factors_{kind}.weight"] = factors.shape
-    if family.arch in NEEDS_OUTPUT and "output.weight" not in shapes:
-        # a tied model: llama.cpp's architecture reads a head of its own, the embedding's copy
-        embed = next(v for hf, v in held_stacked(model) if names[hf] == "token_embd.weight")
-        data, raw = _tensor_array(np.array(embed.astype(mx.float32)), dtype)
-        w.add_tensor("output.weight", data, raw_dtype=raw)
-        shapes["output.weight"] = embed.shape[::-1]
+            put(f"rope_factors_{kind}.weight", minicpm3_rope_factors(args), "f32")
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
         shapes["rope_freqs.weight"] = rope_freqs.shape
