@@ -3,6 +3,7 @@ and folders ``datasets``' ``save_to_disk`` wrote. Each reads to the rows the sam
 JSONL, with its rows named by file and index."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +153,36 @@ def test_a_run_from_parquet_shards_and_a_saved_dataset_trains_as_from_jsonl(
     for key in ("loss", "eval_loss"):
         assert [r[key] for r in a if key in r] == [r[key] for r in b if key in r]
     assert any("eval_loss" in r for r in b)
+
+
+def test_a_hub_dataset_id_reads_from_the_local_cache_offline(tmp_path, monkeypatch):
+    """hf:ORG/NAME[@REVISION][#SPLIT]: the repository as the Hugging Face cache holds it (no
+    network here: offline), each split read by datasets."""
+    pytest.importorskip("datasets")
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "datasets--acme--chats"
+    (repo / "snapshots" / sha / "data").mkdir(parents=True)
+    pq.write_table(
+        table(ROWS).slice(0, 3), repo / "snapshots" / sha / "data" / "train-00000-of-00001.parquet"
+    )
+    pq.write_table(
+        table(ROWS).slice(3), repo / "snapshots" / sha / "data" / "test-00000-of-00001.parquet"
+    )
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    want = [r for _, r in read_rows(as_jsonl(tmp_path, ROWS))]
+
+    rows = read_rows(Path("hf:acme/chats"))
+    assert [r for _, r in rows] == want[:3] and [n for n, _ in rows] == ["1", "2", "3"]
+    assert [r for _, r in read_rows(Path("hf:acme/chats#test"))] == want[3:]
+    assert [r for _, r in read_rows(Path(f"hf:acme/chats@{sha}#train[:2]"))] == want[:2]
+    with pytest.raises(UserInputError, match="neither in the local Hugging Face cache"):
+        read_rows(Path("hf:acme/missing"))
+    with pytest.raises(UserInputError, match="cannot read the dataset"):
+        read_rows(Path("hf:acme/chats#validation"))

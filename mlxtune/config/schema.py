@@ -447,6 +447,8 @@ class Recipe:
         """A path from the recipe, relative to the recipe file's folder."""
         if p is None:
             return None
+        if p.startswith("hf:"):  # a Hub dataset, not a path
+            return Path(p)
         path = Path(p).expanduser()
         if not path.is_absolute() and self.source:
             path = Path(self.source).parent / path

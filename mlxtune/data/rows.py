@@ -94,8 +94,11 @@ def read_rows(
     names a row uses to the ones its format needs (``{"prompt": "question"}``: the file's
     question is the prompt). A bad line is an error naming it, or skipped (``bad``)."""
     bad = bad or BadRows()
-    sources = _sources(path)
-    if sources is not None:  # several files, or a dataset folder: each row named by its file
+    hub = str(path).startswith("hf:")  # a Hub dataset's rows, not files
+    sources = None if hub else _sources(path)
+    if hub:
+        rows = _hub_rows(str(path))
+    elif sources is not None:  # several files, or a dataset folder: each row named by its file
         rows = []
         for label, source in sources:
             rows += [(f"{label}:{n}", obj) for n, obj in _read_one(source, bad)]
@@ -126,6 +129,36 @@ def _sources(path: Path) -> list[tuple[str, Path]] | None:
     if not folder.is_dir():
         return None
     return _saved_dataset(folder, split)
+
+
+def _hub_rows(source: str) -> list[tuple[str, dict]]:
+    """``hf:ORG/NAME[@REVISION][:SUBSET][#SPLIT]``: a dataset repository of the Hugging Face Hub,
+    from the local cache (downloaded first where the network and HF_HUB_OFFLINE allow), its
+    split (train by default; a slice as datasets writes it, ``train[:1000]``) read by
+    ``datasets``, each row numbered from 1 (a null field left out)."""
+    import datasets
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    spec, _, split = source.removeprefix("hf:").partition("#")
+    spec, _, subset = spec.partition(":")
+    repo, _, revision = spec.partition("@")
+    try:
+        folder = snapshot_download(repo, repo_type="dataset", revision=revision or None)
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise UserInputError(
+            f"the dataset {repo!r} is neither in the local Hugging Face cache nor reachable "
+            f"({type(e).__name__})",
+            source,
+        ) from None
+    try:
+        ds = datasets.load_dataset(folder, subset or None, split=split or "train")
+    except (ValueError, FileNotFoundError) as e:
+        raise UserInputError(f"cannot read the dataset: {e}", source) from None
+    return [
+        (str(n), {k: v for k, v in record.items() if v is not None})
+        for n, record in enumerate(ds.to_list(), 1)
+    ]
 
 
 def _saved_dataset(folder: Path, split: str | None) -> list[tuple[str, Path]]:
