@@ -154,3 +154,26 @@ def test_chat_template_kwargs_without_a_chat_format_are_named_as_inert(tmp_path)
         tmp_path, ["data.format=completion", "data.chat_template_kwargs={enable_thinking: false}"]
     )
     assert [k for k, _ in R.inert_keys(r)] == ["data.chat_template_kwargs"]
+
+
+def test_chat_template_kwargs_reach_preference_and_prompt_rows(tok):
+    """DPO's pairs and GRPO's prompts render through the template with the same arguments."""
+    from mlxtune.data.formats import Pair
+    from mlxtune.data.preference import PairEncoder
+    from mlxtune.data.prompts import PromptEncoder
+
+    prompt = [{"role": "user", "content": "hello"}]
+    pair = Pair(
+        prompt,
+        [{"role": "assistant", "content": "hi there"}],
+        [{"role": "assistant", "content": "go away"}],
+    )
+    plain = PairEncoder(tok).encode(pair, "f:1")
+    off = PairEncoder(tok, template_kwargs={"enable_thinking": False}).encode(pair, "f:1")
+    assert "<think>" in off.prompt and "<think>" not in plain.prompt
+    _, text, _ = PromptEncoder(tok, template_kwargs={"enable_thinking": False}).prompt(
+        prompt, "f:2"
+    )
+    assert text.endswith("<think>\n\n</think>\n\n")
+    _, text, _ = PromptEncoder(tok).prompt(prompt, "f:2")
+    assert "<think>" not in text

@@ -60,8 +60,14 @@ class PairEncoder:
     """Turns one preference row into a ``PairExample``: each completion after its prompt, the
     completion's tokens (and EOS for text, by the data's EOS rules) the targets."""
 
-    def __init__(self, tokenizer, add_eos: bool = True, train_on_eos: bool = True):
-        self.encoder = Encoder(tokenizer, True, add_eos, train_on_eos)
+    def __init__(
+        self,
+        tokenizer,
+        add_eos: bool = True,
+        train_on_eos: bool = True,
+        template_kwargs: dict | None = None,
+    ):
+        self.encoder = Encoder(tokenizer, True, add_eos, train_on_eos, template_kwargs)
 
     def _sequence(self, prompt, completion, key: str, where: str) -> Example:
         if isinstance(completion, str):

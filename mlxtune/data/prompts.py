@@ -47,9 +47,11 @@ class PromptEncoder:
     """Encodes prompt rows for one tokenizer: strings as written, messages through the chat
     template with the generation prompt."""
 
-    def __init__(self, tokenizer, add_eos: bool = True):
+    def __init__(self, tokenizer, add_eos: bool = True, template_kwargs: dict | None = None):
         self.tok = tokenizer
         self.add_eos = add_eos
+        # arguments the chat template reads (data.chat_template_kwargs: enable_thinking, ...)
+        self.template_kwargs = dict(template_kwargs or {})
         self.eos = tokenizer.eos_token_id
 
     def _template(self, where: str):
@@ -65,7 +67,11 @@ class PromptEncoder:
     def _render(self, messages: list, where: str, gen: bool, tokenize: bool = True):
         try:
             out = self._template(where).apply_chat_template(
-                messages, tokenize=tokenize, add_generation_prompt=gen, return_dict=False
+                messages,
+                tokenize=tokenize,
+                add_generation_prompt=gen,
+                return_dict=False,
+                **self.template_kwargs,
             )
         except UserInputError:
             raise

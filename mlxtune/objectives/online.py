@@ -179,7 +179,7 @@ class OnPolicy(Objective):
     def datasets(cls, recipe, tokenizer):
         """(train, valid, test) prompt rows; valid is split off train when not named."""
         r, d, cfg = recipe, recipe.data, recipe.objective
-        enc = PromptEncoder(tokenizer, d.add_eos)
+        enc = PromptEncoder(tokenizer, d.add_eos, d.chat_template_kwargs)
 
         def load(path):
             return load_prompts(

@@ -148,7 +148,7 @@ class Preference(Objective):
     def datasets(cls, recipe, tokenizer):
         """(train, valid, test) preference pairs, as the data section says."""
         r, d = recipe, recipe.data
-        enc = PairEncoder(tokenizer, d.add_eos, d.train_on_eos)
+        enc = PairEncoder(tokenizer, d.add_eos, d.train_on_eos, d.chat_template_kwargs)
 
         def load(path):
             return load_pairs(
