@@ -126,9 +126,9 @@ def add_granite_hybrid(w, arg) -> None:
         w.add_expert_shared_feed_forward_length(int(arg("shared_intermediate_size")))
 
 
-def add_mamba2(w, args) -> None:
-    """Mamba 2 as llama.cpp's mamba2 reads it (no attention: zero heads, no MLP)."""
-    w.add_context_length(int(getattr(args, "max_position_embeddings", None) or 2**20))
+def _add_ssm(w, args, context: int, heads: int, rms_eps: float) -> None:
+    """A Mamba model's keys as llama.cpp reads them (no attention: zero heads, no MLP)."""
+    w.add_context_length(int(context))
     w.add_embedding_length(int(args.hidden_size))
     w.add_feed_forward_length(0)
     w.add_head_count(0)
@@ -136,26 +136,22 @@ def add_mamba2(w, args) -> None:
     w.add_ssm_conv_kernel(int(args.conv_kernel))
     w.add_ssm_inner_size(int(args.intermediate_size))
     w.add_ssm_state_size(int(args.state_size))
-    w.add_ssm_time_step_rank(int(args.num_heads))
-    w.add_ssm_group_count(int(args.n_groups))
-    w.add_layer_norm_rms_eps(float(args.layer_norm_epsilon))
+    w.add_ssm_time_step_rank(int(heads))
+    w.add_layer_norm_rms_eps(float(rms_eps))
     w.add_vocab_size(int(args.vocab_size))
+
+
+def add_mamba2(w, args) -> None:
+    """Mamba 2 as llama.cpp's mamba2 reads it: its heads and groups."""
+    context = getattr(args, "max_position_embeddings", None) or 2**20
+    _add_ssm(w, args, context, args.num_heads, args.layer_norm_epsilon)
+    w.add_ssm_group_count(int(args.n_groups))
 
 
 def add_mamba(w, args) -> None:
     """Mamba 1 as llama.cpp's mamba reads it; mlx-lm's norms keep MLX's default epsilon."""
-    w.add_context_length(2**20)
-    w.add_embedding_length(int(args.hidden_size))
-    w.add_feed_forward_length(0)
-    w.add_head_count(0)
-    w.add_block_count(int(args.num_hidden_layers))
-    w.add_ssm_conv_kernel(int(args.conv_kernel))
-    w.add_ssm_inner_size(int(args.intermediate_size))
-    w.add_ssm_state_size(int(args.state_size))
-    w.add_ssm_time_step_rank(int(args.time_step_rank))
+    _add_ssm(w, args, 2**20, args.time_step_rank, 1e-5)
     w.add_ssm_dt_b_c_rms(bool(args.use_bcdt_rms))
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(int(args.vocab_size))
 
 
 def add_openelm(w, model) -> None:
