@@ -339,8 +339,12 @@ def active_weights_per_token(base: Path, mean_len: float) -> float:
 
 
 def run_mlxtune(
-    base, data, kind, cfg, run_dir, rank, lr, packing="off", attention="auto", bucket=16
-) -> dict:
+    base, data, kind, cfg, run_dir, rank, lr, packing="off", attention="auto", bucket=16,
+    train_extra: dict | None = None, split: bool = True, examples_only: bool = False,
+) -> dict:  # fmt: skip
+    """mlxtune's run of the workload: tokens/s, peak GB, the examples (and the step split unless
+    ``split`` is false). ``train_extra`` adds keys to the recipe's train section;
+    ``examples_only`` returns the encoded examples without training."""
     from mlxtune import Trainer, recipe_from_dict
     from mlxtune.console import Console
 
@@ -368,6 +372,7 @@ def run_mlxtune(
             "max_steps": cfg["steps"],
             "log_every": cfg["report"],
             "progress": False,
+            **(train_extra or {}),
         },
         "eval": {"every": None, "max_batches": 1},
         "checkpoints": {"save_final": False, "save_best": False},
@@ -380,6 +385,8 @@ def run_mlxtune(
     examples = probe.train_set.examples
     mean_len = sum(len(e.ids) for e in examples) / len(examples)
     del probe
+    if examples_only:
+        return {"examples": examples}
     packed = kind == "chat-mixed" and packing == "pack"
     if packed:  # rows of CHAT_MAX tokens holding about as many examples per step as mlx-lm's batch
         recipe["data"].update(packing="pack")
@@ -403,7 +410,8 @@ def run_mlxtune(
     }
     if packed:
         out["packing_utilization"] = sum(r["packing_utilization"] for r in steady) / len(steady)
-    out["step_split_s"] = step_split(trainer)
+    if split:
+        out["step_split_s"] = step_split(trainer)
     del trainer
     gc.collect()
     mx.clear_cache()
@@ -477,7 +485,13 @@ class _RawRows:
         return (e.ids, e.mask.index(1))
 
 
-def run_mlx_lm(base, examples, cfg, steps, rank, lr, sorted_batches=False) -> dict:
+def run_mlx_lm(
+    base, examples, cfg, steps, rank, lr, sorted_batches=False, grad_checkpoint=False,
+    max_seq_length=None,
+) -> dict:  # fmt: skip
+    """mlx-lm's run of the same examples: tokens/s and peak GB. ``grad_checkpoint`` is
+    mlx_lm.lora's --grad-checkpoint; ``max_seq_length`` its --max-seq-length (default: the
+    longest chat, CHAT_MAX, plus one)."""
     from mlx_lm.tuner.callbacks import TrainingCallback
     from mlx_lm.tuner.datasets import CacheDataset
     from mlx_lm.tuner.trainer import TrainingArgs, train
@@ -521,8 +535,9 @@ def run_mlx_lm(base, examples, cfg, steps, rank, lr, sorted_batches=False) -> di
         steps_per_report=cfg["report"],
         steps_per_eval=10**9,
         steps_per_save=10**9,
-        max_seq_length=CHAT_MAX + 1,
+        max_seq_length=max_seq_length or CHAT_MAX + 1,
         adapter_file=str(Path(tempfile.mkdtemp()) / "a.safetensors"),
+        grad_checkpoint=grad_checkpoint,
     )
     gc.collect()
     mx.clear_cache()

@@ -19,7 +19,12 @@ import pytest
 
 from mlxtune import kernels
 from mlxtune.kernels.flash import attention_reference
-from mlxtune.kernels.fused import EmulatedLauncher, make_attention, make_linear_cross_entropy
+from mlxtune.kernels.fused import (
+    EmulatedLauncher,
+    make_attention,
+    make_linear_cross_entropy,
+    mlx_wins,
+)
 from mlxtune.kernels.reference import linear_cross_entropy_reference
 from mlxtune.metal_kernels import (
     ATTN_DKV,
@@ -207,6 +212,71 @@ def test_attention_tier_bf16_and_unsupported_head_size():
     out = tier(q, k, v, 0.4, True, None)
     assert launcher.launches == {}
     assert rel(out, attention_reference(q, k, v, 0.4, True, None)) < 1e-6
+
+
+# ------------------------------------------------------------------- shapes MLX does better
+
+
+def test_cuda_hands_the_measured_attention_shapes_to_mlx():
+    """On CUDA, 16-bit attention without segments, head dim a multiple of 8 up to 128 and T a
+    multiple of 128 runs MLX's fused attention (the kernels launch nothing); any other shape
+    runs the kernels. Both agree with the reference."""
+    launcher = EmulatedLauncher(backend="cuda")
+    tier = make_attention(launcher)
+
+    def check(q, k, v, seg, launched, tol):
+        launcher.launches.clear()
+        out = tier(q, k, v, 0.3, True, seg).astype(mx.float32)
+        ref = attention_reference(q, k, v, 0.3, True, seg).astype(mx.float32)
+        assert rel(out, ref) < tol
+        assert bool(launcher.launches) == launched
+
+    q, k, v, _ = qkv(b=1, hq=4, hkv=2, t=128, d=64, dtype=mx.bfloat16)
+    check(q, k, v, None, False, 1e-2)
+    seg = mx.array((np.arange(128)[None, :] // 50).astype(np.int32))
+    check(q, k, v, seg, True, 1e-2)  # packed rows: not measured, the kernels
+    check(*qkv(b=1, hq=4, hkv=2, t=120, d=64, dtype=mx.bfloat16)[:3], None, True, 1e-2)
+    check(*qkv(b=1, hq=4, hkv=2, t=128, d=136, dtype=mx.bfloat16)[:3], None, True, 1e-2)
+    check(*qkv(b=1, hq=4, hkv=2, t=128, d=60, dtype=mx.bfloat16)[:3], None, True, 1e-2)
+    check(*qkv(b=1, hq=4, hkv=2, t=128, d=64)[:3], None, True, 1e-5)  # fp32: the kernels
+    # the gradient of the handed-over shape is MLX's, and right
+    ct = mx.random.normal((1, 4, 128, 64), key=mx.random.key(9))
+
+    def f(tier_fn):
+        return lambda q, k, v: (tier_fn(q, k, v, 0.3, True, None).astype(mx.float32) * ct).sum()
+
+    _, got = mx.value_and_grad(f(tier), argnums=(0, 1, 2))(q, k, v)
+    _, want = mx.value_and_grad(f(attention_reference), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want, strict=True):
+        assert rel(a.astype(mx.float32), b.astype(mx.float32)) < 2e-2
+    # another backend keeps the kernels for the same shape
+    other = EmulatedLauncher()
+    make_attention(other)(q, k, v, 0.3, True, None)
+    assert other.launches
+
+
+def test_cuda_builds_the_logits_while_they_stay_small():
+    """On CUDA the loss builds the logits while N x V is at most 2**28, else runs the kernels."""
+    launcher = EmulatedLauncher(backend="cuda")
+    tier = make_linear_cross_entropy(launcher)
+    h, w, t = lce_inputs(n=37, d=16, v=300, seed=4)
+
+    def ours(h, w):
+        return tier(h, w, t, IGNORE, 0.1, 4.0)[0].sum()
+
+    def ref(h, w):
+        return linear_cross_entropy_reference(h, w, t, IGNORE, 0.1, 4.0)[0].sum()
+
+    loss, (gh, gw) = mx.value_and_grad(ours, argnums=(0, 1))(h, w)
+    want, (rh, rw) = mx.value_and_grad(ref, argnums=(0, 1))(h, w)
+    assert launcher.launches == {}
+    assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item())
+    assert rel(gh, rh) < 1e-6 and rel(gw, rw) < 1e-6
+    tier(h, w, t, IGNORE, 0.0, None, chunk=128)  # an explicit chunk runs the kernels
+    assert launcher.launches == {"lce_forward": 3}
+    assert mlx_wins("cuda", "linear_cross_entropy", 4096, 65536)  # 2**28: still built
+    assert not mlx_wins("cuda", "linear_cross_entropy", 4096, 65537)
+    assert not mlx_wins("metal", "linear_cross_entropy", 16, 16)  # not measured there
 
 
 # ------------------------------------------------------------------- the emulator can fail

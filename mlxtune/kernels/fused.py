@@ -18,6 +18,9 @@ multiple of 4, or above 256) go to the chunked tier.
 Each tier is built from a *launcher*, the function that runs a kernel: ``mx.fast.metal_kernel``
 or ``mx.fast.cuda_kernel`` on a GPU, or the CPU emulator (``metal_kernels.emulate``) in tests, so
 the code below is the same whichever runs the kernels.
+
+Where MLX's own operation was measured to beat the kernels on a backend, the tier hands those
+shapes to it (``MLX_WINS``), as it hands head sizes the kernels do not take to the chunked tier.
 """
 
 from __future__ import annotations
@@ -40,12 +43,48 @@ from ..metal_kernels import (
     source,
 )
 from .chunked import backward_over_chunks, chunk_size, chunk_starts, token_losses
-from .flash import attention_chunked
+from .flash import attention_chunked, attention_native
+from .reference import linear_cross_entropy_reference
 
 # Threads per group of the cross-entropy kernels (a multiple of 32).
 LCE_THREADS = 256
 
-# launch(kernel, inputs, output_shapes, groups (x, y), threads per group, consts) -> outputs
+# Where MLX's own operation beats the kernels, by backend: measured with bench/kernels.py --gpu
+# (bf16, compiled forward+backward with respect to every input, median of three; peak memory
+# with no memory limit set) on an NVIDIA H200 under MLX 0.32.4's CUDA backend, 2026-11-26.
+# bench/device/README.md has every row of that run. Shapes not listed keep the kernels.
+#
+# | backend | operation | shapes handed to MLX | MLX's operation | MLX / the kernels, measured |
+# | --- | --- | --- | --- | --- |
+# | cuda | attention | no segments; bf16 or fp16; head dim a multiple of 8, at most 128; T a multiple of 128 | mx.fast.scaled_dot_product_attention (cuDNN's fused forward and backward) | B=1 Hq=32 Hkv=8 D=128 causal: T=2048 1.0 ms, 160 MB / 61 ms, 210 MB; T=8192 6.9 ms, 640 MB / 832 ms, 841 MB |
+# | cuda | linear_cross_entropy | N x V at most 2**28 (1 GiB of fp32 logits) | the logits built (the reference form) | N=4096 V=32768 D=2048: 4.0 ms, 2.3 GB / 19.8 ms, 2.7 GB (at N=4096 V=152064: 17 ms, 10.6 GB / 125 ms, 4.5 GB: the kernels kept) |
+#
+# The conditions on attention are those under which MLX's CUDA backend runs cuDNN both ways: it
+# takes 16-bit inputs and head sizes up to 128 in steps of 8, and its backward falls back to the
+# full [T, T] scores when T is not a multiple of 128. Packed rows (segments) and head dim 64 were
+# not timed (the run's budget ran out): they keep the kernels until measured.
+MLX_WINS = {
+    "cuda": {
+        "attention": lambda q, segment_ids: (
+            segment_ids is None
+            and q.dtype in (mx.bfloat16, mx.float16)
+            and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 128
+            and q.shape[2] % 128 == 0
+        ),
+        "linear_cross_entropy": lambda n, v: n * v <= 1 << 28,
+    },
+}
+
+
+def mlx_wins(backend: str, op: str, *shape) -> bool:
+    """Whether ``MLX_WINS`` hands this call of ``op`` on ``backend`` to MLX's own operation."""
+    rule = MLX_WINS.get(backend, {}).get(op)
+    return rule is not None and bool(rule(*shape))
+
+
+# launch(kernel, inputs, output_shapes, groups (x, y), threads per group, consts) -> outputs;
+# a launcher also names the backend it runs on, ``launch.backend`` (see MLX_WINS)
 Launcher = Callable[[Kernel, list, list, tuple, int, dict], list]
 
 
@@ -84,10 +123,12 @@ class FastLauncher:
 
 class EmulatedLauncher:
     """Runs kernels on the CPU emulator: for tests. Not traceable by ``mx.compile`` (it reads
-    its inputs on the host). ``launches`` counts the kernels run, by name."""
+    its inputs on the host). ``launches`` counts the kernels run, by name. ``backend`` is the
+    backend it stands in for ("emulate": none, so ``MLX_WINS`` hands nothing to MLX)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, backend: str = "emulate"):
         self.seed = seed
+        self.backend = backend
         self.launches: dict[str, int] = {}
 
     def __call__(self, kernel, inputs, outputs, groups, threads, consts):
@@ -103,7 +144,9 @@ class EmulatedLauncher:
 
 
 def make_linear_cross_entropy(launch: Launcher):
-    """The linear_cross_entropy tier whose per-chunk work runs through ``launch``."""
+    """The linear_cross_entropy tier whose per-chunk work runs through ``launch`` (and whose
+    ``backend`` picks the shapes ``MLX_WINS`` hands to the logits built whole; an explicit
+    ``chunk`` always runs the kernels)."""
 
     def linear_cross_entropy_fused(
         hidden,
@@ -116,6 +159,10 @@ def make_linear_cross_entropy(launch: Launcher):
         weight_grad=True,
     ):
         n, v = hidden.shape[0], weight.shape[0]
+        if chunk is None and mlx_wins(launch.backend, "linear_cross_entropy", n, v):
+            return linear_cross_entropy_reference(
+                hidden, weight, targets, ignore_index, label_smoothing, softcap
+            )
         c = chunk or chunk_size(n, v)
         valid = targets != ignore_index
         safe = mx.where(valid, targets, 0).astype(mx.int32)
@@ -180,13 +227,16 @@ def attention_supported(head_dim: int) -> bool:
 
 
 def make_attention(launch: Launcher):
-    """The attention tier whose kernels run through ``launch``."""
+    """The attention tier whose kernels run through ``launch`` (and whose ``backend`` picks the
+    shapes ``MLX_WINS`` hands to MLX's fused attention)."""
 
     def attention_fused(q, k, v, scale, causal=True, segment_ids=None):
         b, hq, t, d = q.shape
         hkv = k.shape[1]
         if not attention_supported(d):
             return attention_chunked(q, k, v, scale, causal, segment_ids)
+        if mlx_wins(launch.backend, "attention", q, segment_ids):
+            return attention_native(q, k, v, scale, causal, segment_ids)
         seg = (
             mx.zeros((1,), dtype=mx.int32) if segment_ids is None else segment_ids.astype(mx.int32)
         )
