@@ -106,6 +106,10 @@ def test_wrong_type_names_key_and_line(tmp_path):
         ("train.early_stopping.min_delta=-0.1", "train.early_stopping.min_delta"),
         ("train.early_stopping.metric=loss", "train.early_stopping.metric"),
         ("train.early_stopping.mode=up", "train.early_stopping.mode"),
+        ("data.valid_size=0", "data.valid_size"),
+        ("data.valid_size=1.0", "data.valid_size"),
+        ("data.test_size=-3", "data.test_size"),
+        ("data.test_size=true", "data.test_size"),
     ],
 )
 def test_impossible_values_are_refused_naming_the_key(tmp_path, override, key):
@@ -120,6 +124,7 @@ def test_impossible_values_are_refused_naming_the_key(tmp_path, override, key):
     [
         (["checkpoints.save_best=false", "checkpoints.load_best_at_end=true"], "load_best_at_end"),
         (["eval.every=null", "train.early_stopping.patience=3"], "train.early_stopping.patience"),
+        (["data.valid_fraction=0.1", "data.valid_size=20"], "data.valid_size"),
     ],
 )
 def test_settings_that_need_another_are_refused_naming_the_key(tmp_path, overrides, key):
@@ -489,6 +494,22 @@ SCRATCH = {
             {"data": {"valid": "valid.jsonl", "valid_fraction": 0.2}},
             {"data.valid_fraction": "data.valid is given"},
         ),
+        (
+            {
+                "data": {
+                    "valid": "valid.jsonl",
+                    "test": "test.jsonl",
+                    "valid_size": 9,
+                    "test_size": 0.1,
+                }
+            },
+            {"data.valid_size": "data.valid is given", "data.test_size": "data.test is given"},
+        ),
+        (
+            {"data": {"valid": "valid.jsonl", "split_seed": 4}},
+            {"data.split_seed": "nothing is held out"},
+        ),
+        ({"data": {"valid": "valid.jsonl", "test_size": 5, "split_seed": 4}}, {}),
         (
             {"model": {"dequantize": True}},
             {"model.dequantize": "it applies to a GGUF base"},

@@ -149,6 +149,19 @@ def check_data(r: Recipe, v: Fails) -> None:
     if d.min_length < 0:
         v.fail("data.min_length", f"must be 0 or more, got {d.min_length}")
     _in_range(v, "data.valid_fraction", d.valid_fraction, 0.0, 1.0)
+    for key in ("valid_size", "test_size"):
+        size = getattr(d, key)
+        if size is None:
+            continue
+        if isinstance(size, bool) or not (
+            (isinstance(size, int) and size >= 1) or (isinstance(size, float) and 0 < size < 1)
+        ):
+            v.fail(
+                f"data.{key}",
+                f"a fraction between 0 and 1 (0.05) or a number of examples (200), got {size!r}",
+            )
+    if d.valid_size is not None and "data.valid_fraction" in r.explicit:
+        v.fail("data.valid_size", "give data.valid_size or data.valid_fraction, not both")
     _in_range(v, "data.max_bad_fraction", d.max_bad_fraction, 0.0, 1.0)
     for want, have in (d.columns or {}).items():
         if not isinstance(want, str) or not isinstance(have, str):
@@ -424,7 +437,11 @@ def _model_data_inert(r: Recipe, inert) -> None:
 
     d = r.data
     if d.valid is not None:
-        inert(("data.valid_fraction",), "data.valid is given")
+        inert(("data.valid_fraction", "data.valid_size"), "data.valid is given")
+    if d.test is not None:
+        inert(("data.test_size",), "data.test is given")
+    if d.valid is not None and (d.test is not None or d.test_size is None):
+        inert(("data.split_seed",), "nothing is held out of the training data")
     if d.packing != "off":
         # pad_to_multiple still shapes the evaluation batches, which are never packed
         inert(("data.bucket_size",), f"data.packing is {d.packing}")

@@ -131,6 +131,15 @@ class DataConfig:
     """Append the end-of-sequence token, which the model learns to produce."""
     valid_fraction: float = 0.05
     """Share of the training file held out for validation when no valid file is given."""
+    valid_size: int | float | None = None
+    """Held out of the training data for validation when no data.valid is given, instead of
+    valid_fraction: a fraction below 1 (0.05) or a number of examples (200)."""
+    test_size: int | float | None = None
+    """Held out of the training data for the test metric (eval.exact_match) when no data.test is
+    given: a fraction below 1 or a number of examples, drawn with the validation set from the
+    whole data; null: the test set is the validation set."""
+    split_seed: int | None = None
+    """Seed of the held-out draws; null: train.seed."""
     bucket_size: int = 16
     """Batches are formed from groups of bucket_size x batch_size examples sorted by length,
     which keeps padding small; 1 turns bucketing off."""

@@ -21,8 +21,10 @@ from .encode import (
     Encoder,
     Example,
     SplitStats,
+    held_out,
     load_split,
     split_off,
+    split_sets,
 )
 from .formats import (
     ALPACA_PROMPT,
@@ -73,7 +75,9 @@ __all__ = [
     "read_positions",
     "register_format",
     "split_batch",
+    "held_out",
     "split_off",
+    "split_sets",
     "stream_rows",
     "unregister_format",
 ]

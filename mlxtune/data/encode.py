@@ -325,24 +325,67 @@ def load_split(
 
 def split_off(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     """Hold out a fraction of a dataset (at least one example) as a validation set."""
+    train, valid, _ = split_sets(ds, fraction, None, seed)
+    return train, valid
+
+
+def held_out_count(n: int, size: float | int) -> int:
+    """Examples that ``size`` holds out of ``n``: a fraction below 1 (rounded, at least one), or
+    a count."""
+    if isinstance(size, float) and size < 1:
+        return max(1, min(int(round(n * size)), n - 1))
+    return int(size)
+
+
+def split_sets(
+    ds: Dataset, valid_size: float | int | None, test_size: float | int | None, seed: int
+) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    """(train, valid, test) carved out of one data set by one seeded permutation: the first
+    ``valid_size`` examples of it validate, the next ``test_size`` test (each a fraction of the
+    whole below 1, or a count; None holds none out), the rest train, each in file order. At least
+    one example is left to train on."""
     n = len(ds.examples)
-    if n < 2:
+    sizes = [held_out_count(n, s) if s is not None else 0 for s in (valid_size, test_size)]
+    names = " and ".join(w for w, s in zip(("validation", "test"), sizes, strict=True) if s)
+    if sum(sizes) >= n:
+        give = " and ".join(k for k, s in zip(("data.valid", "data.test"), sizes, strict=True) if s)
         raise UserInputError(
-            "too few examples to hold out a validation set; give data.valid", ds.path
+            f"{n} example{'s' if n != 1 else ''} cannot give {sum(sizes)} for {names} and "
+            f"keep one to train on; give {give} or hold out fewer",
+            ds.path,
         )
-    k = min(max(1, int(round(n * fraction))), n - 1)
     order = np.random.default_rng(seed).permutation(n)
-    valid = [ds.examples[i] for i in sorted(order[:k])]
-    train = [ds.examples[i] for i in sorted(order[k:])]
+    cuts = [0, sizes[0], sizes[0] + sizes[1]]
+    valid = [ds.examples[i] for i in sorted(order[cuts[0] : cuts[1]])]
+    test = [ds.examples[i] for i in sorted(order[cuts[1] : cuts[2]])]
+    train = [ds.examples[i] for i in sorted(order[cuts[2] :])]
     # The training split keeps what happened to the whole file (truncated, dropped).
     file_counts = {
         f: getattr(ds.stats, f)
         for f in ("truncated", "dropped_too_long", "dropped_too_short", "dropped_no_targets")
     }
     train_stats = dataclasses.replace(_stats_of(train), **file_counts)
-    return Dataset(train, train_stats, ds.path), Dataset(
-        valid, _stats_of(valid), ds.path + " (held out)"
+
+    def held(examples, what):
+        return Dataset(examples, _stats_of(examples), f"{ds.path} ({what})")
+
+    return (
+        Dataset(train, train_stats, ds.path),
+        held(valid, "held out") if sizes[0] else None,
+        held(test, "held out for test") if sizes[1] else None,
     )
+
+
+def held_out(ds: Dataset, data, seed: int, valid_given: bool, test_given: bool):
+    """What the data section holds out of the training set ``ds``: (train, valid or None,
+    test or None) by data.valid_size (else valid_fraction) unless a valid file is given, and
+    data.test_size unless a test file is given; data.split_seed, else ``seed``, draws them."""
+    valid_size = None if valid_given else (data.valid_size or data.valid_fraction)
+    test_size = None if test_given else data.test_size
+    if valid_size is None and test_size is None:
+        return ds, None, None
+    seed = data.split_seed if data.split_seed is not None else seed
+    return split_sets(ds, valid_size, test_size, seed)
 
 
 def _stats_of(examples: list[Example]) -> SplitStats:

@@ -24,10 +24,10 @@ from ..data import (
     Batch,
     Dataset,
     Encoder,
+    held_out,
     load_split,
     read_positions,
     split_batch,
-    split_off,
 )
 from ..errors import UserInputError
 from ..kernels import linear_cross_entropy
@@ -126,14 +126,17 @@ class Objective:
 
         # a token stream is cut into rows, not truncated per document
         train = load(d.train, 1 << 62 if d.packing == "stream" else d.max_length)
-        if d.valid:
+        train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
+        if d.packing == "stream":  # evaluation reads one document a row, up to max_length
+            for e in [
+                *(valid.examples if valid is not None else ()),
+                *(test.examples if test is not None else ()),
+            ]:
+                e.ids, e.mask = e.ids[: d.max_length], e.mask[: d.max_length]
+        if valid is None:
             valid = load(d.valid, d.max_length)
-        else:
-            train, valid = split_off(train, d.valid_fraction, r.train.seed)
-            if d.packing == "stream":  # evaluation reads one document a row, up to max_length
-                for e in valid.examples:
-                    e.ids, e.mask = e.ids[: d.max_length], e.mask[: d.max_length]
-        test = load(d.test, d.max_length) if d.test else valid
+        if test is None:
+            test = load(d.test, d.max_length) if d.test else valid
         if r.eval.exact_match and not any(e.prompt_ids for e in test.examples):
             raise UserInputError(
                 "eval.exact_match needs completion, instruction or chat data", "eval.exact_match"

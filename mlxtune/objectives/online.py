@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ObjectiveConfig
-from ..data import BadRows, read_positions, split_off
+from ..data import BadRows, held_out, read_positions
 from ..data.prompts import PromptEncoder, PromptExample, load_prompts
 from ..distributed import current
 from ..errors import UserInputError
@@ -193,10 +193,11 @@ class OnPolicy(Objective):
             )
 
         train = load(d.train)
-        valid = load(d.valid) if d.valid else None
+        train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
         if valid is None:
-            train, valid = split_off(train, d.valid_fraction, r.train.seed)
-        test = load(d.test) if d.test else valid
+            valid = load(d.valid)
+        if test is None:
+            test = load(d.test) if d.test else valid
         for ds in (train, valid, test):
             ds.stats.noun = "prompts"
         return train, valid, test

@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import ObjectiveConfig
-from ..data import BadRows, read_positions, split_off
+from ..data import BadRows, held_out, read_positions
 from ..data.preference import (
     PairBatch,
     PairEncoder,
@@ -163,12 +163,15 @@ class Preference(Objective):
             )
 
         train = load(d.train)
-        if d.valid:
+        train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
+        if valid is not None or test is not None:
+            train, valid, test = (
+                None if x is None else renumbered(x) for x in (train, valid, test)
+            )
+        if valid is None:
             valid = load(d.valid)
-        else:
-            train, valid = split_off(train, d.valid_fraction, r.train.seed)
-            train, valid = renumbered(train), renumbered(valid)
-        test = load(d.test) if d.test else valid
+        if test is None:
+            test = load(d.test) if d.test else valid
         for ds in (train, valid, test):
             ds.stats.noun = "pairs"
         return train, valid, test
