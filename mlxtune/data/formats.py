@@ -108,6 +108,8 @@ class Pair:
     prompt: str | list
     chosen: str | list
     rejected: str | list
+    tools: list | None = None
+    """The functions the conversation may call (chat pairs), shown to the chat template."""
 
 
 Piece = Union[Text, PromptAnswer, Chat, Tokens, Pair]
@@ -212,7 +214,17 @@ def _text(obj: dict, where: str) -> Text:
     return Text(field(obj, "text", where))
 
 
-def _completion(obj: dict, where: str) -> PromptAnswer:
+def _completion(obj: dict, where: str) -> PromptAnswer | Chat:
+    """A prompt and its completion: two strings, or (conversational, as TRL writes it) the
+    prompt's messages and the completion's, which train as a chat on the completion's turns."""
+    prompt, completion = obj.get("prompt"), obj.get("completion")
+    if isinstance(prompt, list) or isinstance(completion, list):
+        prompt = field(obj, "prompt", where, list)
+        completion = field(obj, "completion", where, list)
+        if not completion:
+            raise UserInputError("'completion' holds no messages", where)
+        chat = _chat({**obj, "messages": [*prompt, *completion]}, where)
+        return Chat(chat.messages, first_trained=len(prompt), tools=chat.tools)
     return PromptAnswer(field(obj, "prompt", where), field(obj, "completion", where))
 
 
@@ -227,11 +239,16 @@ def _instruction(obj: dict, where: str) -> PromptAnswer:
 
 
 def _chat(obj: dict, where: str) -> Chat:
-    messages = field(obj, "messages", where, list)
+    messages = _calls_as_objects(field(obj, "messages", where, list), where)
+    return Chat(messages, tools=read_tools(obj.get("tools"), where))
+
+
+def _calls_as_objects(messages: list, where: str) -> list:
+    """``messages`` with each assistant turn's ``tool_calls`` read (see ``_tool_calls``)."""
     for i, m in enumerate(messages):
         if isinstance(m, dict) and m.get("tool_calls") is not None:
             m["tool_calls"] = _tool_calls(m["tool_calls"], f"{where} (messages[{i}])")
-    return Chat(messages, tools=_tools(obj.get("tools"), where))
+    return messages
 
 
 def _json_or(value, where: str, what: str):
@@ -244,7 +261,7 @@ def _json_or(value, where: str, what: str):
     return value
 
 
-def _tools(value, where: str) -> list | None:
+def read_tools(value, where: str) -> list | None:
     """A row's ``tools``: a list of function schemas (or a JSON string of one)."""
     if value is None:
         return None
@@ -336,6 +353,20 @@ def _preference(obj: dict, where: str) -> Pair:
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         if not prompt:
             raise UserInputError("the two conversations share no prompt messages", where)
+    elif isinstance(chosen, str) and isinstance(rejected, str):
+        # the implicit prompt of plain text: the text both share, cut at its last whitespace,
+        # which starts the completions (a word both begin alike stays whole in them)
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        cut = max(chosen.rfind(c, 0, n) for c in " \n\t")
+        if n == min(len(chosen), len(rejected)) or cut <= 0:
+            raise UserInputError(
+                "no 'prompt', and chosen and rejected share no words to take as one "
+                "(or one is the other's beginning)",
+                where,
+            )
+        prompt, chosen, rejected = chosen[:cut], chosen[cut:], rejected[cut:]
     else:
         raise UserInputError("missing field 'prompt'", where)
     kinds = {type(v) for v in (prompt, chosen, rejected)}
@@ -344,7 +375,14 @@ def _preference(obj: dict, where: str) -> Pair:
             "'prompt', 'chosen' and 'rejected' must all be strings or all be message lists",
             where,
         )
-    return Pair(prompt, chosen, rejected)
+    tools = read_tools(obj.get("tools"), where)
+    if isinstance(prompt, list):
+        prompt, chosen, rejected = (_calls_as_objects(m, where) for m in (prompt, chosen, rejected))
+    elif tools:
+        raise UserInputError(
+            "the row has tools, which only a conversation (messages) shows the model", where
+        )
+    return Pair(prompt, chosen, rejected, tools)
 
 
 # Registration order is the order error messages list them in; priority, the order detection

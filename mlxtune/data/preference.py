@@ -69,7 +69,7 @@ class PairEncoder:
     ):
         self.encoder = Encoder(tokenizer, True, add_eos, train_on_eos, template_kwargs)
 
-    def _sequence(self, prompt, completion, key: str, where: str) -> Example:
+    def _sequence(self, prompt, completion, key: str, where: str, tools=None) -> Example:
         if isinstance(completion, str):
             if not completion.strip():
                 raise UserInputError(f"the {key!r} completion is empty", where)
@@ -83,11 +83,13 @@ class PairEncoder:
             raise UserInputError(
                 f"the {key!r} completion has no non-empty assistant message", where
             )
-        return self.encoder.encode_piece(Chat(list(prompt) + list(completion), len(prompt)), where)
+        return self.encoder.encode_piece(
+            Chat(list(prompt) + list(completion), len(prompt), tools), where
+        )
 
     def encode(self, pair: Pair, where: str) -> PairExample:
-        c = self._sequence(pair.prompt, pair.chosen, "chosen", where)
-        r = self._sequence(pair.prompt, pair.rejected, "rejected", where)
+        c = self._sequence(pair.prompt, pair.chosen, "chosen", where, pair.tools)
+        r = self._sequence(pair.prompt, pair.rejected, "rejected", where, pair.tools)
         for key, ex in (("chosen", c), ("rejected", r)):
             if ex.n_targets == 0:
                 raise UserInputError(f"the {key!r} completion has no tokens to score", where)

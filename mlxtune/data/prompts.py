@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import UserInputError
 from .encode import Dataset, Example, SplitStats, _common_prefix
-from .formats import check_messages
+from .formats import check_messages, read_tools
 from .rows import BadRows
 
 OFFLINE_KEYS = ("responses", "rewards")
@@ -64,10 +64,11 @@ class PromptEncoder:
             )
         return tmpl
 
-    def _render(self, messages: list, where: str, gen: bool, tokenize: bool = True):
+    def _render(self, messages: list, where: str, gen: bool, tokenize: bool = True, tools=None):
         try:
             out = self._template(where).apply_chat_template(
                 messages,
+                tools=tools,
                 tokenize=tokenize,
                 add_generation_prompt=gen,
                 return_dict=False,
@@ -81,24 +82,37 @@ class PromptEncoder:
             ) from None
         return list(out) if tokenize else out
 
-    def prompt(self, value, where: str) -> tuple[list[int], str, str]:
-        """(ids, the text the model reads, the prompt as rows show it)."""
+    def prompt(self, value, where: str, tools: list | None = None) -> tuple[list[int], str, str]:
+        """(ids, the text the model reads, the prompt as rows show it). ``tools`` (the row's
+        function schemas) reach the chat template; a template that does not show them, or a
+        prompt given as a string, is refused."""
         if isinstance(value, str):
             if not value:
                 raise UserInputError("'prompt' is empty", where)
+            if tools:
+                raise UserInputError(
+                    "the row has tools, which only a prompt given as messages shows the model",
+                    where,
+                )
             return list(self.tok.encode(value)), value, value
         if isinstance(value, list) and value:
             check_messages(value, where)
             users = [m for m in value if m["role"] == "user"]
             shown = (users or value)[-1]["content"]
-            return (
-                self._render(value, where, gen=True),
-                self._render(value, where, gen=True, tokenize=False),
-                shown,
-            )
+            ids = self._render(value, where, gen=True, tools=tools)
+            if tools and ids == self._render(value, where, gen=True):
+                raise UserInputError(
+                    "the row has tools, and the chat template does not show them to the model "
+                    "(it renders the prompt alike without them); use a template that renders "
+                    "tools",
+                    where,
+                )
+            return ids, self._render(value, where, gen=True, tokenize=False, tools=tools), shown
         raise UserInputError("'prompt' must be a string or a list of role/content messages", where)
 
-    def response(self, prompt_value, prompt_ids: list[int], text: str, where: str) -> list[int]:
+    def response(
+        self, prompt_value, prompt_ids: list[int], text: str, where: str, tools=None
+    ) -> list[int]:
         """A given completion's token ids after its prompt, ending with EOS (a string prompt:
         ``data.add_eos``; messages: the template's end of the assistant turn)."""
         if isinstance(prompt_value, str):
@@ -108,7 +122,7 @@ class PromptEncoder:
                 out.append(self.eos)
         else:
             turn = [*prompt_value, {"role": "assistant", "content": text}]
-            ids = self._render(turn, where, gen=False)
+            ids = self._render(turn, where, gen=False, tools=tools)
             out = ids[_common_prefix(prompt_ids, ids) :]
         if not out:
             raise UserInputError("a response encodes to no tokens", where)
@@ -150,7 +164,8 @@ def load_prompts(
                     "generate from: every row of a file is one kind",
                     where,
                 )
-            ids, text, shown = enc.prompt(obj["prompt"], where)
+            tools = read_tools(obj.get("tools"), where)
+            ids, text, shown = enc.prompt(obj["prompt"], where, tools)
             if len(ids) > max_prompt:
                 if overlong == "drop":
                     stats.dropped_too_long += 1
@@ -174,7 +189,7 @@ def load_prompts(
                 where=where,
             )
             if offline:
-                _offline(ex, obj, enc, max_completion, where)
+                _offline(ex, obj, enc, max_completion, where, tools)
             out.append(ex)
             stats.tokens += len(ids)
     bad.finish(stats, path)
@@ -187,7 +202,9 @@ def load_prompts(
     return Dataset(out, stats, str(path))
 
 
-def _offline(ex: PromptExample, obj: dict, enc: PromptEncoder, limit: int, where: str) -> None:
+def _offline(
+    ex: PromptExample, obj: dict, enc: PromptEncoder, limit: int, where: str, tools=None
+) -> None:
     texts, rewards = obj["responses"], obj["rewards"]
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise UserInputError("'responses' must be a non-empty list of strings", where)
@@ -201,7 +218,7 @@ def _offline(ex: PromptExample, obj: dict, enc: PromptEncoder, limit: int, where
         )
     ex.responses, ex.ended = [], []
     for t in texts:
-        ids = enc.response(obj["prompt"], ex.prompt_ids, t, where)
+        ids = enc.response(obj["prompt"], ex.prompt_ids, t, where, tools)
         ex.ended.append(len(ids) <= limit)
         ex.responses.append(ids[:limit])
     ex.response_texts = list(texts)

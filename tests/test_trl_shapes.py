@@ -1,0 +1,148 @@
+"""Every dataset shape TRL documents reads without conversion: conversational prompt-completion
+(trained on the completion's turns only), and preference pairs whose prompt is implicit, in
+messages or in plain text."""
+
+import json
+
+import pytest
+from test_tool_calls import QWEN_STYLE, TOOLS, conversation, spans
+
+from mlxtune.data import Encoder
+from mlxtune.data.formats import get_format
+from mlxtune.errors import UserInputError
+
+
+@pytest.fixture
+def tok(tokenizer_dir):
+    from mlxtune.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir, chat_template=QWEN_STYLE)
+
+
+def test_conversational_prompt_completion_trains_on_the_completion_turns_only(tok):
+    prior = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello friend"}]
+    user = [{"role": "user", "content": "name a colour"}]
+    answer = [{"role": "assistant", "content": "blue"}]
+    enc = Encoder(tok)
+    ex = enc.encode({"prompt": prior + user, "completion": answer}, "completion", "f:1")
+    # the context is the whole conversation as the template renders it
+    want = tok._tokenizer.apply_chat_template(
+        prior + user + answer, tokenize=True, return_dict=False
+    )
+    assert ex.ids == list(want)
+    assert len(spans(tok, ex)) == 1  # one trained run: the completion's turn
+    trained = "".join(spans(tok, ex))
+    assert "blue" in trained and "friend" not in trained  # the prompt's assistant turn: context
+    # the same messages as a chat row train every assistant turn
+    whole = enc.encode({"messages": prior + user + answer}, "chat", "f:2")
+    assert whole.ids == ex.ids and "friend" in "".join(spans(tok, whole))
+
+
+def test_a_conversational_completion_keeps_the_rows_tools(tok):
+    msgs = conversation({"city": "paris"})
+    ex = Encoder(tok).encode(
+        {"prompt": msgs[:1], "completion": msgs[1:], "tools": TOOLS}, "completion", "f:1"
+    )
+    chat = Encoder(tok).encode({"messages": msgs, "tools": TOOLS}, "chat", "f:2")
+    assert (ex.ids, ex.mask) == (chat.ids, chat.mask)
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": [{"role": "user", "content": "x"}], "completion": []}, "holds no messages"),
+        ({"prompt": [{"role": "user", "content": "x"}], "completion": "y"}, "must be a list"),
+    ],
+)
+def test_bad_conversational_completions_are_named(tok, row, message):
+    with pytest.raises(UserInputError, match=f"f:3.*{message}"):
+        Encoder(tok).encode(row, "completion", "f:3")
+
+
+def pair(row):
+    return get_format("preference").pieces(row, "f:1")
+
+
+def test_a_text_pair_without_a_prompt_takes_the_words_both_share():
+    p = pair({"chosen": "Q: the sky is A: blue", "rejected": "Q: the sky is A: green"})
+    assert (p.prompt, p.chosen, p.rejected) == ("Q: the sky is A:", " blue", " green")
+    # a word both completions begin alike stays whole in them
+    p = pair({"chosen": "reverse ab = ba", "rejected": "reverse ab = bb"})
+    assert (p.prompt, p.chosen, p.rejected) == ("reverse ab =", " ba", " bb")
+    explicit = pair({"prompt": "reverse ab =", "chosen": " ba", "rejected": " bb"})
+    assert explicit == p
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"chosen": "blue", "rejected": "black"},  # no whole word shared
+        {"chosen": "the sky", "rejected": "the sky is blue"},  # one begins the other
+        {"chosen": "same text", "rejected": "same text"},
+    ],
+)
+def test_a_text_pair_with_no_prompt_to_take_is_refused(row):
+    with pytest.raises(UserInputError, match="f:1: no 'prompt', and chosen and rejected share"):
+        pair(row)
+
+
+# ------------------------------------------------------------------ tools in pairs and prompts
+
+
+def test_a_chat_pairs_tools_reach_the_template_for_both_completions(tok):
+    from mlxtune.data.preference import PairEncoder
+
+    msgs = conversation(json.dumps({"city": "paris"}))  # arguments as OpenAI's JSON string
+    row = {
+        "prompt": msgs[:3],
+        "chosen": msgs[3:],
+        "rejected": [{"role": "assistant", "content": "no idea"}],
+        "tools": TOOLS,
+    }
+    ex = PairEncoder(tok).encode(pair(row), "f:1")
+    # the chosen conversation as transformers renders it, the tools shown, the call's
+    # arguments an object
+    want = tok._tokenizer.apply_chat_template(
+        conversation({"city": "paris"}), tools=TOOLS, tokenize=True, return_dict=False
+    )
+    assert ex.ids == list(want)
+    assert tok.decode(ex.rejected_ids).count("get") == tok.decode(ex.ids).count("get")
+    trained = tok.decode([t for t, m in zip(ex.ids, ex.mask, strict=True) if m])
+    assert "raining" in trained and "paris" not in trained  # the call is in the prompt
+    with pytest.raises(UserInputError, match="f:1: the row has tools, which only a conversation"):
+        pair({"prompt": "q", "chosen": " a", "rejected": " b", "tools": TOOLS})
+
+
+def test_a_prompts_tools_reach_the_template_and_a_string_prompt_refuses_them(tok):
+    from mlxtune.data.prompts import PromptEncoder
+
+    user = [{"role": "user", "content": "is it raining in paris?"}]
+    enc = PromptEncoder(tok)
+    ids, text, shown = enc.prompt(user, "f:1", TOOLS)
+    want = tok._tokenizer.apply_chat_template(
+        user, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert ids == list(want) and "get_weather" in text and shown == user[0]["content"]
+    assert len(ids) > len(enc.prompt(user, "f:1")[0])
+    with pytest.raises(UserInputError, match="f:2: the row has tools, which only a prompt"):
+        enc.prompt("is it raining?", "f:2", TOOLS)
+
+
+def test_a_prompt_file_with_tools_through_a_template_that_hides_them_is_refused(
+    tokenizer_dir, tmp_path
+):
+    from test_tool_calls import NO_TOOLS
+
+    from mlxtune.data.prompts import PromptEncoder, load_prompts
+    from mlxtune.tokenizer import load_tokenizer
+
+    rows = [{"prompt": [{"role": "user", "content": "rain?"}], "tools": json.dumps(TOOLS)}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ok = load_prompts(
+        path, PromptEncoder(load_tokenizer(tokenizer_dir, QWEN_STYLE)), 512, 8, "drop"
+    )
+    assert "get_weather" in ok.examples[0].prompt
+    hidden = PromptEncoder(load_tokenizer(tokenizer_dir, chat_template=NO_TOOLS))
+    with pytest.raises(UserInputError, match=r"p.jsonl:1: the row has tools, and the chat"):
+        load_prompts(path, hidden, 512, 8, "drop")
