@@ -182,6 +182,15 @@ def test_a_hub_dataset_id_reads_from_the_local_cache_offline(tmp_path, monkeypat
     assert [r for _, r in rows] == want[:3] and [n for n, _ in rows] == ["1", "2", "3"]
     assert [r for _, r in read_rows(Path("hf:acme/chats#test"))] == want[3:]
     assert [r for _, r in read_rows(Path(f"hf:acme/chats@{sha}#train[:2]"))] == want[:2]
+    # data_files: the repository's files to read (they make the train split)
+    picked = read_rows(Path("hf:acme/chats?data_files=data/test-*.parquet"))
+    assert [r for _, r in picked] == want[3:]
+    both = read_rows(Path("hf:acme/chats?data_files=data/test-*,data/train-*#train[:2]"))
+    assert [r for _, r in both] == [want[3], want[0]]
+    with pytest.raises(UserInputError, match="no file of the dataset matches data_files x/"):
+        read_rows(Path("hf:acme/chats?data_files=x/*.parquet"))
+    with pytest.raises(UserInputError, match="the one option of a hub dataset is"):
+        read_rows(Path("hf:acme/chats?files=data/*"))
     with pytest.raises(UserInputError, match="neither in the local Hugging Face cache"):
         read_rows(Path("hf:acme/missing"))
     with pytest.raises(UserInputError, match="cannot read the dataset"):

@@ -270,7 +270,9 @@ def test_packing_is_refused_in_ppos_words(tmp_path, llama_dir, prompts, capsys):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
     assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "data.packing" in err and "objective.type ppo trains on generated completions" in err, err
+    assert "data.packing" in err and "objective.type ppo trains on generated completions" in err, (
+        err
+    )
 
 
 def test_offline_rows_are_refused(tmp_path, llama_dir, capsys):

@@ -132,27 +132,46 @@ def _sources(path: Path) -> list[tuple[str, Path]] | None:
 
 
 def _hub_rows(source: str) -> list[tuple[str, dict]]:
-    """``hf:ORG/NAME[@REVISION][:SUBSET][#SPLIT]``: a dataset repository of the Hugging Face Hub,
-    from the local cache (downloaded first where the network and HF_HUB_OFFLINE allow), its
-    split (train by default; a slice as datasets writes it, ``train[:1000]``) read by
-    ``datasets``, each row numbered from 1 (a null field left out)."""
+    """``hf:ORG/NAME[@REVISION][:SUBSET][?data_files=GLOB[,GLOB...]][#SPLIT]``: a dataset
+    repository of the Hugging Face Hub, from the local cache (downloaded first where the network
+    and HF_HUB_OFFLINE allow; with data_files, only those files), its split (train by default; a
+    slice as datasets writes it, ``train[:1000]``) read by ``datasets``, each row numbered from 1
+    (a null field left out). data_files picks the repository's files to read, as
+    ``datasets.load_dataset(data_files=...)`` does (they make the train split)."""
     import datasets
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     spec, _, split = source.removeprefix("hf:").partition("#")
+    spec, _, query = spec.partition("?")
+    files = None
+    if query:
+        key, _, value = query.partition("=")
+        if key != "data_files" or not value:
+            raise UserInputError(
+                f"'?{query}': the one option of a hub dataset is ?data_files=GLOB[,GLOB...]",
+                source,
+            )
+        files = [f for f in value.split(",") if f]
     spec, _, subset = spec.partition(":")
     repo, _, revision = spec.partition("@")
     try:
-        folder = snapshot_download(repo, repo_type="dataset", revision=revision or None)
+        folder = snapshot_download(
+            repo,
+            repo_type="dataset",
+            revision=revision or None,
+            allow_patterns=[*files, "*.md", "*.json", "*.yaml"] if files else None,
+        )
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         raise UserInputError(
             f"the dataset {repo!r} is neither in the local Hugging Face cache nor reachable "
             f"({type(e).__name__})",
             source,
         ) from None
+    if files and not any(glob.glob(str(Path(folder) / f), recursive=True) for f in files):
+        raise UserInputError(f"no file of the dataset matches data_files {','.join(files)}", source)
     try:
-        ds = datasets.load_dataset(folder, subset or None, split=split or "train")
+        ds = datasets.load_dataset(folder, subset or None, data_files=files, split=split or "train")
     except (ValueError, FileNotFoundError) as e:
         raise UserInputError(f"cannot read the dataset: {e}", source) from None
     return [
