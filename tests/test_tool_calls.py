@@ -151,9 +151,22 @@ def test_chat_template_kwargs_without_a_chat_format_are_named_as_inert(tmp_path)
     r = load_minimal(tmp_path, ["data.chat_template_kwargs={enable_thinking: false}"])
     assert R.inert_keys(r) == [] and r.data.chat_template_kwargs == {"enable_thinking": False}
     r = load_minimal(
+        tmp_path,
+        [
+            "data.format=instruction",
+            "data.chat_template_kwargs={enable_thinking: false}",
+            "data.train_on_reasoning=false",
+        ],
+    )
+    keys = [k for k, _ in R.inert_keys(r)]
+    assert keys == ["data.chat_template_kwargs", "data.train_on_reasoning"]
+    # completion rows may be conversations (TRL's conversational prompt-completion)
+    r = load_minimal(
         tmp_path, ["data.format=completion", "data.chat_template_kwargs={enable_thinking: false}"]
     )
-    assert [k for k, _ in R.inert_keys(r)] == ["data.chat_template_kwargs"]
+    assert R.inert_keys(r) == []
+    r = load_minimal(tmp_path, ["objective.type=grpo", "data.train_on_reasoning=false"])
+    assert "data.train_on_reasoning" in [k for k, _ in R.inert_keys(r)]
 
 
 def test_chat_template_kwargs_reach_preference_and_prompt_rows(tok):

@@ -455,9 +455,9 @@ def _model_data_inert(r: Recipe, inert) -> None:
         inert(("data.train_on_eos",), "data.add_eos is false")
     if d.bad_rows == "error":
         inert(("data.max_bad_fraction",), "data.bad_rows is error")
-    if d.format not in ("auto", "chat", "sharegpt", "preference"):
+    if d.format not in ("auto", "chat", "sharegpt", "preference", "completion"):
         inert(
-            ("data.chat_template_kwargs",),
+            ("data.chat_template_kwargs", "data.train_on_reasoning"),
             f"data.format is {d.format}: no chat template renders it",
         )
 
@@ -520,7 +520,10 @@ def _objective_inert(r: Recipe, inert) -> None:
         inert(("data.train_on_eos", "kernels.loss"), why)
     if kind in ("grpo", "ppo", "online_dpo"):
         why = f"objective.type {kind} trains on completions"
-        inert(("data.mask_prompt", "data.train_on_eos"), f"{why} (EOS included), never prompts")
+        inert(
+            ("data.mask_prompt", "data.train_on_eos", "data.train_on_reasoning"),
+            f"{why} (EOS included), never prompts",
+        )
         inert(("train.label_smoothing",), f"{why} weighted by their advantages")
         drawn = f"objective.type {kind} batches prompts as drawn"
         inert(("data.bucket_size", "data.min_length"), drawn)

@@ -109,6 +109,10 @@ class DataConfig:
     chat_template_kwargs: dict = field(default_factory=dict)
     """Arguments the chat template reads, for every chat example ({enable_thinking: false} for
     Qwen3's); a row's tools column reaches the template as its tools argument."""
+    train_on_reasoning: bool = True
+    """Chat data whose assistant turns carry reasoning (a reasoning_content or thinking field,
+    shown by the chat template): train on it with the answer, or (false) keep it as context
+    only, the answer after it trained on."""
     columns: dict | None = None
     """Fields under other names: {prompt: question, completion: answer} reads a row's question
     as the prompt and its answer as the completion (CSV/TSV columns, or JSONL keys)."""

@@ -121,10 +121,13 @@ class Encoder:
         add_eos: bool = True,
         train_on_eos: bool = True,
         template_kwargs: dict | None = None,
+        train_on_reasoning: bool = True,
     ):
         self.tok = tokenizer
         # arguments the chat template reads (data.chat_template_kwargs: enable_thinking, ...)
         self.template_kwargs = dict(template_kwargs or {})
+        # false: an assistant turn's reasoning (reasoning_content / thinking) is context only
+        self.train_on_reasoning = train_on_reasoning
         self.mask_prompt = mask_prompt
         self.add_eos = add_eos
         self.train_on_eos = train_on_eos
@@ -205,6 +208,7 @@ class Encoder:
     def _chat(self, piece: Chat, where: str) -> Example:
         msgs = piece.messages
         check_messages(msgs, where)
+        msgs, reasoning = with_reasoning(msgs, where)
         if not any(m["role"] == "assistant" for m in msgs[piece.first_trained :]):
             raise UserInputError("the conversation has no assistant turn to train on", where)
         tmpl = self.tok._tokenizer if hasattr(self.tok, "_tokenizer") else self.tok
@@ -242,6 +246,14 @@ class Encoder:
                 "renders the conversation alike without them); use a template that renders tools",
                 where,
             )
+        plain = [{k: v for k, v in m.items() if k not in REASONING_KEYS} for m in msgs]
+        if reasoning and ids == render(plain):
+            raise UserInputError(
+                "the row's assistant turns carry reasoning (reasoning_content or thinking), and "
+                "the chat template does not show it (it renders the conversation alike without "
+                "it); use a template that renders reasoning, or put it in the content",
+                where,
+            )
         mask = [0] * len(ids) if self.mask_prompt else [0] + [1] * (len(ids) - 1)
         if self.mask_prompt:
             for i, m in enumerate(msgs):
@@ -251,6 +263,13 @@ class Encoder:
                 end = _common_prefix(render(msgs[: i + 1]), ids)
                 for j in range(max(start, 1), end):
                     mask[j] = 1
+        if not self.train_on_reasoning:
+            for i in reasoning:
+                # the turn up to its content: the template's opening and the reasoning
+                start = _common_prefix(render(msgs[:i], gen=True), ids)
+                thought = _common_prefix(render([*msgs[:i], {**msgs[i], "content": ""}]), ids)
+                for j in range(start, thought):
+                    mask[j] = 0
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         before = msgs[:last]
         # Shown as the prompt: what the user last said before the answer (no system prompt, no
@@ -265,6 +284,33 @@ class Encoder:
             prompt_ids=render(before, gen=True) or None,
             display=shown,
         )
+
+
+REASONING_KEYS = ("reasoning_content", "thinking")
+"""The fields an assistant message may carry its reasoning in (chat templates read one or the
+other: Qwen3's and DeepSeek's reasoning_content, others thinking)."""
+
+
+def with_reasoning(messages: list, where: str) -> tuple[list, list[int]]:
+    """(messages, the indices of assistant turns with reasoning): each such turn's reasoning
+    under both REASONING_KEYS, so that a template reading either shows it."""
+    out, found = list(messages), []
+    for i, m in enumerate(messages):
+        given = [k for k in REASONING_KEYS if m.get(k) is not None]
+        if not given:
+            continue
+        value = m[given[0]]
+        if not isinstance(value, str):
+            raise UserInputError(f"{given[0]} must be a string", f"{where} (messages[{i}])")
+        if m["role"] != "assistant":
+            raise UserInputError(
+                f"{given[0]} belongs to an assistant turn, not a {m['role']!r} one",
+                f"{where} (messages[{i}])",
+            )
+        if value.strip():
+            out[i] = {**m, **dict.fromkeys(REASONING_KEYS, value)}
+            found.append(i)
+    return out, found
 
 
 def fitted(ex: Example, max_length: int, overlong: str, min_length: int, stats) -> bool:

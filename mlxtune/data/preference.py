@@ -66,8 +66,11 @@ class PairEncoder:
         add_eos: bool = True,
         train_on_eos: bool = True,
         template_kwargs: dict | None = None,
+        train_on_reasoning: bool = True,
     ):
-        self.encoder = Encoder(tokenizer, True, add_eos, train_on_eos, template_kwargs)
+        self.encoder = Encoder(
+            tokenizer, True, add_eos, train_on_eos, template_kwargs, train_on_reasoning
+        )
 
     def _sequence(self, prompt, completion, key: str, where: str, tools=None) -> Example:
         if isinstance(completion, str):

@@ -110,7 +110,14 @@ class Objective:
         registered data formats, encoded and masked as the data section says; valid is split
         off train when no file is named, and test is valid unless named."""
         r, d = recipe, recipe.data
-        enc = Encoder(tokenizer, d.mask_prompt, d.add_eos, d.train_on_eos, d.chat_template_kwargs)
+        enc = Encoder(
+            tokenizer,
+            d.mask_prompt,
+            d.add_eos,
+            d.train_on_eos,
+            d.chat_template_kwargs,
+            d.train_on_reasoning,
+        )
 
         def load(path, max_length):
             return load_split(

@@ -148,7 +148,9 @@ class Preference(Objective):
     def datasets(cls, recipe, tokenizer):
         """(train, valid, test) preference pairs, as the data section says."""
         r, d = recipe, recipe.data
-        enc = PairEncoder(tokenizer, d.add_eos, d.train_on_eos, d.chat_template_kwargs)
+        enc = PairEncoder(
+            tokenizer, d.add_eos, d.train_on_eos, d.chat_template_kwargs, d.train_on_reasoning
+        )
 
         def load(path):
             return load_pairs(
