@@ -9,6 +9,7 @@ counts iff ``mask[j]``; padding is never a target, so it never enters the loss.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,7 +256,13 @@ class Encoder:
                 where,
             )
         mask = [0] * len(ids) if self.mask_prompt else [0] + [1] * (len(ids) - 1)
-        if self.mask_prompt:
+        marked = self.mask_prompt and marked_assistant_mask(tmpl, msgs, ids, extra)
+        if marked:
+            # the template marks what the assistant says ({% generation %}): those tokens, from
+            # the first trained turn on
+            first = _common_prefix(render(msgs[: piece.first_trained], gen=True), ids)
+            mask = [int(m and j >= max(first, 1)) for j, m in enumerate(marked)]
+        elif self.mask_prompt:
             for i, m in enumerate(msgs):
                 if m["role"] != "assistant" or i < piece.first_trained:
                     continue
@@ -284,6 +291,31 @@ class Encoder:
             prompt_ids=render(before, gen=True) or None,
             display=shown,
         )
+
+
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""How a chat template marks what the assistant says (transformers' {% generation %} block)."""
+
+
+def marked_assistant_mask(tmpl, messages: list, ids: list[int], kwargs: dict) -> list[int] | None:
+    """The assistant mask a chat template marks with {% generation %} blocks (transformers'
+    return_assistant_tokens_mask), when it has them and renders ``ids`` alike; else None (the
+    tokens of each assistant turn are then found by rendering the conversation's prefixes)."""
+    if not GENERATION_BLOCK.search(getattr(tmpl, "chat_template", None) or ""):
+        return None
+    try:
+        out = tmpl.apply_chat_template(
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **kwargs,
+        )
+    except ValueError:  # a tokenizer without offsets (not a fast one) cannot map the blocks
+        return None
+    if list(out["input_ids"]) != ids:
+        return None
+    return [int(m) for m in out["assistant_masks"]]
 
 
 REASONING_KEYS = ("reasoning_content", "thinking")
