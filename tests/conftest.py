@@ -314,3 +314,9 @@ def same_rows(a, b, rel=1e-5, abs=1e-7):
                 assert x[k] == pytest.approx(y[k], rel=rel, abs=abs), (k, x, y)
             else:
                 assert x[k] == y[k], (k, x, y)
+
+
+@pytest.fixture(autouse=True)
+def _own_data_cache(tmp_path_factory, monkeypatch):
+    """Each test its own data cache (MLXTUNE_CACHE): no test reads another's encoded data."""
+    monkeypatch.setenv("MLXTUNE_CACHE", str(tmp_path_factory.mktemp("cache")))

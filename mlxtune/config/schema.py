@@ -116,6 +116,10 @@ class DataConfig:
     columns: dict | None = None
     """Fields under other names: {prompt: question, completion: answer} reads a row's question
     as the prompt and its answer as the completion (CSV/TSV columns, or JSONL keys)."""
+    cache: bool = True
+    """Keep each split's encoded examples on disk ($MLXTUNE_CACHE, default ~/.cache/mlxtune),
+    keyed by the data's content, the tokenizer and these settings: a second run and every
+    resume skip tokenization."""
     bad_rows: Literal["error", "skip"] = "error"
     """A bad row (not JSON, a missing or wrong field, ...): an error naming its line, or skipped,
     counted by reason and named in the log (the first few)."""

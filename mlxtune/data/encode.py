@@ -75,6 +75,8 @@ class SplitStats:
     """Bad rows skipped (data.bad_rows: skip)."""
     skipped_rows: list[str] = field(default_factory=list)
     """Log lines naming them (``BadRows.report``)."""
+    cached: bool = False
+    """Read from the data cache (encoded by an earlier run) rather than encoded now."""
 
     def line(self) -> str:
         parts = [
@@ -88,7 +90,7 @@ class SplitStats:
                 parts.append(
                     f"{n} {name.replace('_', ' ')}" + (" (bad)" if name == "skipped" else "")
                 )
-        return ", ".join(parts)
+        return ", ".join(parts) + ("; encoded before, read from the cache" if self.cached else "")
 
 
 @dataclass

@@ -398,3 +398,10 @@ for _fmt in (
 ):
     register_format(_fmt)
 del _fmt
+_BUILT_IN = dict(_REGISTRY)
+
+
+def only_built_in_formats() -> bool:
+    """Whether every registered format is one of mlxtune's own, unchanged: what a format
+    registered by a program does cannot be told from its name, so its data is never cached."""
+    return _REGISTRY == _BUILT_IN

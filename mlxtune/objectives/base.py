@@ -24,11 +24,13 @@ from ..data import (
     Batch,
     Dataset,
     Encoder,
+    Example,
     held_out,
     load_split,
     read_positions,
     split_batch,
 )
+from ..data.cache import cached_split
 from ..errors import UserInputError
 from ..kernels import linear_cross_entropy
 from ..models import LMParts, packing_refusal, segments
@@ -120,16 +122,20 @@ class Objective:
         )
 
         def load(path, max_length):
-            return load_split(
-                r.resolve_path(path),
-                enc,
-                d.format,
-                max_length,
-                d.overlong,
-                d.min_length,
-                d.columns,
-                BadRows(d.bad_rows == "skip", d.max_bad_fraction),
-            )
+            def build():
+                return load_split(
+                    r.resolve_path(path),
+                    enc,
+                    d.format,
+                    max_length,
+                    d.overlong,
+                    d.min_length,
+                    d.columns,
+                    BadRows(d.bad_rows == "skip", d.max_bad_fraction),
+                )
+
+            source = r.resolve_path(path)
+            return cached_split(source, d, tokenizer, enc, build, (Example,), max_length=max_length)
 
         # a token stream is cut into rows, not truncated per document
         train = load(d.train, 1 << 62 if d.packing == "stream" else d.max_length)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..config import ObjectiveConfig
 from ..data import BadRows, held_out, read_positions
+from ..data.cache import cached_split
 from ..data.prompts import PromptEncoder, PromptExample, load_prompts
 from ..distributed import current
 from ..errors import UserInputError
@@ -182,15 +183,20 @@ class OnPolicy(Objective):
         enc = PromptEncoder(tokenizer, d.add_eos, d.chat_template_kwargs)
 
         def load(path):
-            return load_prompts(
-                r.resolve_path(path),
-                enc,
-                d.max_length,
-                cfg.max_completion_length,
-                d.overlong,
-                d.columns,
-                BadRows(d.bad_rows == "skip", d.max_bad_fraction),
-            )
+            def build():
+                return load_prompts(
+                    r.resolve_path(path),
+                    enc,
+                    d.max_length,
+                    cfg.max_completion_length,
+                    d.overlong,
+                    d.columns,
+                    BadRows(d.bad_rows == "skip", d.max_bad_fraction),
+                )
+
+            source = r.resolve_path(path)
+            lengths = {"max_length": d.max_length, "completion": cfg.max_completion_length}
+            return cached_split(source, d, tokenizer, enc, build, (PromptExample,), **lengths)
 
         train = load(d.train)
         train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))

@@ -30,9 +30,11 @@ import numpy as np
 
 from ..config import ObjectiveConfig
 from ..data import BadRows, held_out, read_positions
+from ..data.cache import cached_split
 from ..data.preference import (
     PairBatch,
     PairEncoder,
+    PairExample,
     empty_pair_batch,
     iterate_pairs,
     load_pairs,
@@ -153,15 +155,21 @@ class Preference(Objective):
         )
 
         def load(path):
-            return load_pairs(
-                r.resolve_path(path),
-                enc,
-                d.format,
-                d.max_length,
-                d.overlong,
-                d.min_length,
-                d.columns,
-                BadRows(d.bad_rows == "skip", d.max_bad_fraction),
+            def build():
+                return load_pairs(
+                    r.resolve_path(path),
+                    enc,
+                    d.format,
+                    d.max_length,
+                    d.overlong,
+                    d.min_length,
+                    d.columns,
+                    BadRows(d.bad_rows == "skip", d.max_bad_fraction),
+                )
+
+            source = r.resolve_path(path)
+            return cached_split(
+                source, d, tokenizer, enc, build, (PairExample,), max_length=d.max_length
             )
 
         train = load(d.train)
