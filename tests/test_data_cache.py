@@ -178,3 +178,12 @@ def test_a_resumed_run_reads_its_splits_from_the_cache(tmp_path, data_dir, llama
     encodes["n"] = 0
     resumed = trainer(r, tmp_path / "run", resume="latest")
     assert encodes["n"] == 0 and resumed.train_set.stats.cached
+
+
+def test_a_split_held_out_of_cached_data_says_so(tmp_path, data_dir, llama_dir, encodes):
+    r = tiny_recipe(data_dir, llama_dir)
+    r["data"].pop("valid")
+    trainer(r, tmp_path / "a")
+    again = trainer(r, tmp_path / "b")
+    assert again.train_set.stats.cached and again.valid_set.stats.cached
+    assert "read from the cache" in again.train_set.stats.line()

@@ -242,7 +242,31 @@ class Encoder:
                 ) from None
             return list(out) if tokenize else out
 
-        ids = render(msgs)
+        # the conversation's first n messages (with the generation prompt or not), rendered and
+        # tokenized once each: as apply_chat_template tokenizes a rendering (no special tokens
+        # added), where the tokenizer can be called so
+        texts: dict[tuple[int, bool], str] = {}
+        tokens: dict[tuple[int, bool], list[int]] = {}
+        direct = callable(tmpl) and hasattr(tmpl, "backend_tokenizer")
+
+        def text_of(n: int, gen: bool) -> str:
+            if (n, gen) not in texts:
+                texts[n, gen] = render(msgs[:n], gen=gen, tokenize=False)
+            return texts[n, gen]
+
+        def ids_of(n: int, gen: bool = False) -> list[int]:
+            if (n, gen) not in tokens:
+                if not n:
+                    tokens[n, gen] = []
+                elif direct:
+                    tokens[n, gen] = list(
+                        tmpl(text_of(n, gen), add_special_tokens=False)["input_ids"]
+                    )
+                else:
+                    tokens[n, gen] = render(msgs[:n], gen=gen)
+            return tokens[n, gen]
+
+        ids = ids_of(len(msgs))
         if piece.tools and ids == render(msgs, tools=None):
             raise UserInputError(
                 "the row has tools, and the chat template does not show them to the model (it "
@@ -262,20 +286,20 @@ class Encoder:
         if marked:
             # the template marks what the assistant says ({% generation %}): those tokens, from
             # the first trained turn on
-            first = _common_prefix(render(msgs[: piece.first_trained], gen=True), ids)
+            first = _common_prefix(ids_of(piece.first_trained, True), ids)
             mask = [int(m and j >= max(first, 1)) for j, m in enumerate(marked)]
         elif self.mask_prompt:
             for i, m in enumerate(msgs):
                 if m["role"] != "assistant" or i < piece.first_trained:
                     continue
-                start = _common_prefix(render(msgs[:i], gen=True), ids)
-                end = _common_prefix(render(msgs[: i + 1]), ids)
+                start = _common_prefix(ids_of(i, True), ids)
+                end = _common_prefix(ids_of(i + 1), ids)
                 for j in range(max(start, 1), end):
                     mask[j] = 1
         if not self.train_on_reasoning:
             for i in reasoning:
                 # the turn up to its content: the template's opening and the reasoning
-                start = _common_prefix(render(msgs[:i], gen=True), ids)
+                start = _common_prefix(ids_of(i, True), ids)
                 thought = _common_prefix(render([*msgs[:i], {**msgs[i], "content": ""}]), ids)
                 for j in range(start, thought):
                     mask[j] = 0
@@ -288,9 +312,9 @@ class Encoder:
         return Example(
             ids,
             mask,
-            prompt=render(before, gen=True, tokenize=False),
+            prompt=text_of(last, True) if before else "",
             answer=msgs[last]["content"],
-            prompt_ids=render(before, gen=True) or None,
+            prompt_ids=ids_of(last, True) or None,
             display=shown,
         )
 
@@ -444,10 +468,11 @@ def split_sets(
         f: getattr(ds.stats, f)
         for f in ("truncated", "dropped_too_long", "dropped_too_short", "dropped_no_targets")
     }
-    train_stats = dataclasses.replace(_stats_of(train), **file_counts)
+    train_stats = dataclasses.replace(_stats_of(train), **file_counts, cached=ds.stats.cached)
 
     def held(examples, what):
-        return Dataset(examples, _stats_of(examples), f"{ds.path} ({what})")
+        stats = dataclasses.replace(_stats_of(examples), cached=ds.stats.cached)
+        return Dataset(examples, stats, f"{ds.path} ({what})")
 
     return (
         Dataset(train, train_stats, ds.path),
