@@ -8,6 +8,7 @@ counts iff ``mask[j]``; padding is never a target, so it never enters the loss.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -247,7 +248,10 @@ class Encoder:
         # added), where the tokenizer can be called so
         texts: dict[tuple[int, bool], str] = {}
         tokens: dict[tuple[int, bool], list[int]] = {}
-        direct = callable(tmpl) and hasattr(tmpl, "backend_tokenizer")
+        # a fast tokenizer's own (Rust) tokenizer: what apply_chat_template's tokenizing calls,
+        # without the Python around it
+        backend = getattr(tmpl, "backend_tokenizer", None)
+        direct = backend is not None
 
         def text_of(n: int, gen: bool) -> str:
             if (n, gen) not in texts:
@@ -259,14 +263,31 @@ class Encoder:
                 if not n:
                     tokens[n, gen] = []
                 elif direct:
-                    tokens[n, gen] = list(
-                        tmpl(text_of(n, gen), add_special_tokens=False)["input_ids"]
-                    )
+                    tokens[n, gen] = backend.encode(text_of(n, gen), add_special_tokens=False).ids
                 else:
                     tokens[n, gen] = render(msgs[:n], gen=gen)
             return tokens[n, gen]
 
-        ids = ids_of(len(msgs))
+        # The whole conversation is tokenized once with character offsets: where a prefix's
+        # rendering begins the whole one (as templates render), the tokens it shares are those
+        # ending within it, and no second tokenization is needed.
+        whole = len(msgs)
+        if direct:
+            full = text_of(whole, False)
+            out = backend.encode(full, add_special_tokens=False)
+            ids = tokens[whole, False] = out.ids
+            ends = [end for _, end in out.offsets]
+        else:
+            ids = ids_of(whole)
+
+        def shared(n: int, gen: bool = False) -> int:
+            """How many leading tokens of ``ids`` the first n messages' rendering holds."""
+            if n == whole and not gen:
+                return len(ids)
+            if direct and full.startswith(text_of(n, gen)):
+                return bisect.bisect_right(ends, len(text_of(n, gen)))
+            return _common_prefix(ids_of(n, gen), ids)
+
         if piece.tools and ids == render(msgs, tools=None):
             raise UserInputError(
                 "the row has tools, and the chat template does not show them to the model (it "
@@ -286,20 +307,19 @@ class Encoder:
         if marked:
             # the template marks what the assistant says ({% generation %}): those tokens, from
             # the first trained turn on
-            first = _common_prefix(ids_of(piece.first_trained, True), ids)
+            first = shared(piece.first_trained, True)
             mask = [int(m and j >= max(first, 1)) for j, m in enumerate(marked)]
         elif self.mask_prompt:
             for i, m in enumerate(msgs):
                 if m["role"] != "assistant" or i < piece.first_trained:
                     continue
-                start = _common_prefix(ids_of(i, True), ids)
-                end = _common_prefix(ids_of(i + 1), ids)
+                start, end = shared(i, True), shared(i + 1)
                 for j in range(max(start, 1), end):
                     mask[j] = 1
         if not self.train_on_reasoning:
             for i in reasoning:
                 # the turn up to its content: the template's opening and the reasoning
-                start = _common_prefix(ids_of(i, True), ids)
+                start = shared(i, True)
                 thought = _common_prefix(render([*msgs[:i], {**msgs[i], "content": ""}]), ids)
                 for j in range(start, thought):
                     mask[j] = 0
