@@ -146,3 +146,57 @@ def test_a_prompt_file_with_tools_through_a_template_that_hides_them_is_refused(
     hidden = PromptEncoder(load_tokenizer(tokenizer_dir, chat_template=NO_TOOLS))
     with pytest.raises(UserInputError, match=r"p.jsonl:1: the row has tools, and the chat"):
         load_prompts(path, hidden, 512, 8, "drop")
+
+
+# ------------------------------------------------------------------ the README's examples
+
+TOOLS_AND_REASONING = (
+    "{%- if tools %}<|im_start|>system\n# Tools{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}"
+    "</tool_call>{% endfor %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def readme_block(title, lang):
+    from conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    return text.split(title, 1)[1].split(f"```{lang}\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_shapes_each_read_as_it_says(tokenizer_dir):
+    """Every row of the README's "Shapes, one example each" encodes, as the format it names."""
+    from mlxtune.data.formats import detect_format
+    from mlxtune.data.preference import PairEncoder
+    from mlxtune.data.prompts import PromptEncoder
+    from mlxtune.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir, chat_template=TOOLS_AND_REASONING)
+    rows = [json.loads(line) for line in readme_block("### Shapes, one example each", "json")
+            .splitlines()]  # fmt: skip
+    names = [detect_format(r, "README") if "answer" not in r else "prompt" for r in rows]
+    assert names == [
+        "text", "completion", "completion", "instruction", "chat", "chat", "chat", "sharegpt",
+        "tokens", "preference", "preference", "preference", "prompt",
+    ]  # fmt: skip
+    for row, name in zip(rows, names, strict=True):
+        if name == "preference":
+            ex = PairEncoder(tok).encode(get_format(name).pieces(row, "README"), "README")
+            assert ex.n_targets and ex.rejected_targets
+        elif name == "prompt":
+            ids, _, shown = PromptEncoder(tok).prompt(row["prompt"], "README")
+            assert ids and shown == "What is 2 + 2?"
+        else:
+            assert Encoder(tok).encode(row, name, "README").n_targets
+
+
+def test_the_readmes_sources_are_recipe_data_sections():
+    import yaml
+
+    for line in readme_block("### Sources, one example each", "yaml").splitlines():
+        data = yaml.safe_load(line)["data"]
+        assert isinstance(data["train"], str)
