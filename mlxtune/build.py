@@ -19,6 +19,7 @@ from . import kernels
 from .adapters import apply_adapters, lora_scale
 from .config import Recipe
 from .data import BadRows, read_rows
+from .data.encode import reporting
 from .errors import UserInputError
 from .export import TrainedModel, adapter_settings, import_adapter
 from .gguf.tokenizer import write_tokenizer_from_gguf
@@ -282,8 +283,11 @@ def bad_rows(recipe: Recipe) -> BadRows:
     return BadRows(d.bad_rows == "skip", d.max_bad_fraction)
 
 
-def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool, log) -> Built:
-    """Everything a recipe names, in the order each needs the one before."""
+def build(
+    recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool, log, progress=None
+) -> Built:
+    """Everything a recipe names, in the order each needs the one before. ``progress(label,
+    done, total)`` hears how encoding the data goes (a console's progress bar)."""
     r = recipe
     d = r.data  # the data's errors come first
     train_rows = read_rows(r.resolve_path(d.train), d.columns, bad_rows(r))
@@ -305,7 +309,8 @@ def build(recipe: Recipe, run_dir: RunDir, tiers: dict[str, str], resuming: bool
             )
         context = int(config.get("max_position_embeddings") or 1 << 20)
         r.data.max_length = context
-    train, valid, test = objective_class(r).datasets(r, tokenizer)
+    with reporting(progress):
+        train, valid, test = objective_class(r).datasets(r, tokenizer)
     if context is not None:
         r.data.max_length = max(len(e.ids) for ds in (train, valid, test) for e in ds.examples)
     for ds in {id(ds): ds for ds in (train, valid, test)}.values():

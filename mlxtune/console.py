@@ -27,6 +27,7 @@ class Console:
         self._bar_shown = False
         self._total = 0
         self._t0 = 0.0
+        self._rows_t0 = 0.0
 
     def _print(self, text: str):
         if self.quiet:
@@ -58,6 +59,30 @@ class Console:
         self.stream.write(
             f"\r\033[K[{bar}] {step}/{self._total} {100 * step / max(self._total, 1):3.0f}%  "
             f"loss {loss:.4f}  elapsed {_fmt_time(elapsed)}  ETA {_fmt_time(eta)}"
+        )
+        self.stream.flush()
+        self._bar_shown = True
+
+    def rows(self, label: str, done: int, total: int):
+        """A progress bar of work over rows (encoding a split), on a terminal only; cleared once
+        ``done`` reaches ``total``."""
+        if not self.progress or self.quiet:
+            return
+        if done >= total:
+            if self._bar_shown:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+                self._bar_shown = False
+            return
+        if done == 0:
+            self._rows_t0 = time.perf_counter()
+        elapsed = time.perf_counter() - self._rows_t0
+        eta = elapsed / done * (total - done) if done else math.inf
+        width = 30
+        bar = "#" * int(width * done / total) + "." * (width - int(width * done / total))
+        self.stream.write(
+            f"\r\033[K[{bar}] {label}: {done:,}/{total:,} rows  elapsed {_fmt_time(elapsed)}  "
+            f"ETA {_fmt_time(eta)}"
         )
         self.stream.flush()
         self._bar_shown = True

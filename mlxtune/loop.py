@@ -139,7 +139,7 @@ class Trainer:
             self.log(note)
         self.tiers = kernel_tiers(r, self.log)
         self.built: Built = build(
-            r, self.run_dir, self.tiers, self.resume_from is not None, self.log
+            r, self.run_dir, self.tiers, self.resume_from is not None, self.log, self.console.rows
         )
         if "peft" in r.export.formats and (why := peft_refusal(self.model)) is not None:
             raise UserInputError(why, "export.formats")  # before training, not after it

@@ -187,3 +187,27 @@ def test_a_split_held_out_of_cached_data_says_so(tmp_path, data_dir, llama_dir, 
     again = trainer(r, tmp_path / "b")
     assert again.train_set.stats.cached and again.valid_set.stats.cached
     assert "read from the cache" in again.train_set.stats.line()
+
+
+def test_encoding_shows_a_progress_bar_on_a_terminal_only(tmp_path, data_dir, llama_dir):
+    import io
+
+    from mlxtune import Trainer, recipe_from_dict
+    from mlxtune.console import Console
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    r = tiny_recipe(data_dir, llama_dir)
+    r["train"]["progress"] = True
+    shown, hidden = Terminal(), io.StringIO()
+    Trainer(recipe_from_dict(r), run_dir=tmp_path / "a", console=Console(stream=shown))
+    bars = [b for b in shown.getvalue().split("\r") if "encoding train.jsonl" in b]
+    assert bars
+    assert f"/{len((data_dir / 'train.jsonl').read_text().splitlines()):,} rows" in bars[-1]
+    # a log file (no terminal) gets no bar
+    r2 = tiny_recipe(data_dir, llama_dir, data={**r["data"], "cache": False})
+    r2["train"]["progress"] = True
+    Trainer(recipe_from_dict(r2), run_dir=tmp_path / "b", console=Console(stream=hidden))
+    assert "encoding" not in hidden.getvalue()

@@ -9,6 +9,8 @@ counts iff ``mask[j]``; padding is never a target, so it never enters the loss.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -104,6 +106,35 @@ class Dataset:
 
     def __len__(self):
         return len(self.examples)
+
+
+_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("data_progress", default=None)
+
+
+@contextlib.contextmanager
+def reporting(progress):
+    """Within it, encoding a split reports ``progress(label, rows done, rows)`` as it goes (a
+    console's progress bar); None reports nothing."""
+    token = _PROGRESS.set(progress)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
+def tracked(rows: list, label: str):
+    """``rows``, reporting the progress of a loop over them (about 200 times, and at the end)."""
+    progress = _PROGRESS.get()
+    if progress is None:
+        yield from rows
+        return
+    n = len(rows)
+    every = max(1, n // 200)
+    for i, row in enumerate(rows):
+        if i % every == 0:
+            progress(label, i, n)
+        yield row
+    progress(label, n, n)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -429,7 +460,7 @@ def load_split(
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
     out = []
-    for n, obj in rows:
+    for n, obj in tracked(rows, f"encoding {Path(path).name}"):
         with bad.row():
             ex = encoder.encode(obj, fmt, f"{path}:{n}")
             if fitted(ex, max_length, overlong, min_length, stats):

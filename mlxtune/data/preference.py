@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from ..errors import UserInputError
 from .batching import Batch, batch_order, eval_order, read_positions
-from .encode import Dataset, Encoder, Example, SplitStats
+from .encode import Dataset, Encoder, Example, SplitStats, tracked
 from .formats import Chat, Pair, PromptAnswer, detect_format, get_format
 from .packing import packed_epoch
 from .rows import BadRows
@@ -132,7 +133,7 @@ def load_pairs(
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
     out: list[PairExample] = []
-    for n, obj in rows:
+    for n, obj in tracked(rows, f"encoding {Path(path).name}"):
         with bad.row():
             where = f"{path}:{n}"
             piece = get_format(fmt).pieces(obj, where)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserInputError
-from .encode import Dataset, Example, SplitStats, _common_prefix
+from .encode import Dataset, Example, SplitStats, _common_prefix, tracked
 from .formats import check_messages, read_tools
 from .rows import BadRows
 
@@ -147,7 +147,7 @@ def load_prompts(
     offline = any(k in rows[0][1] for k in OFFLINE_KEYS)
     stats = SplitStats(examples=len(rows), noun="prompts")
     out: list[PromptExample] = []
-    for n, obj in rows:
+    for n, obj in tracked(rows, f"encoding {Path(path).name}"):
         with bad.row():
             where = f"{path}:{n}"
             if "prompt" not in obj:
