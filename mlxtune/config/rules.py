@@ -163,6 +163,8 @@ def check_data(r: Recipe, v: Fails) -> None:
     if d.valid_size is not None and "data.valid_fraction" in r.explicit:
         v.fail("data.valid_size", "give data.valid_size or data.valid_fraction, not both")
     _in_range(v, "data.max_bad_fraction", d.max_bad_fraction, 0.0, 1.0)
+    if d.num_proc != "auto" and d.num_proc < 1:
+        v.fail("data.num_proc", f"must be auto or 1 or more, got {d.num_proc}")
     for want, have in (d.columns or {}).items():
         if not isinstance(want, str) or not isinstance(have, str):
             v.fail("data.columns", f"maps a field name to a column name, got {want!r}: {have!r}")

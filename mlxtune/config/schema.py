@@ -116,6 +116,9 @@ class DataConfig:
     columns: dict | None = None
     """Fields under other names: {prompt: question, completion: answer} reads a row's question
     as the prompt and its answer as the completion (CSV/TSV columns, or JSONL keys)."""
+    num_proc: int | Literal["auto"] = "auto"
+    """Processes that encode a split: auto uses every core (up to 8) for a split of 20,000 rows
+    or more, one below."""
     cache: bool = True
     """Keep each split's encoded examples on disk ($MLXTUNE_CACHE, default ~/.cache/mlxtune),
     keyed by the data's content, the tokenizer and these settings: a second run and every

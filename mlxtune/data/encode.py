@@ -12,7 +12,10 @@ import bisect
 import contextlib
 import contextvars
 import dataclasses
+import multiprocessing
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from .formats import (
     check_messages,
     detect_format,
     get_format,
+    only_built_in_formats,
 )
 from .rows import BadRows
 
@@ -441,6 +445,68 @@ def fitted(ex: Example, max_length: int, overlong: str, min_length: int, stats) 
     return True
 
 
+PARALLEL_ROWS = 20_000
+"""Rows from which a split is encoded by several processes (``data.num_proc: auto``)."""
+_CHUNK_ROWS = 2_000
+
+_WORKER: dict = {}
+
+
+def workers_for(rows: int, num_proc: int | str) -> int:
+    """Processes to encode ``rows`` rows with: ``num_proc``, or (auto) every core up to 8 from
+    PARALLEL_ROWS rows on (one below). Data in a format a program registered is encoded here
+    (another process does not know the format)."""
+    if not only_built_in_formats():
+        return 1
+    if num_proc == "auto":
+        return min(os.cpu_count() or 1, 8) if rows >= PARALLEL_ROWS else 1
+    return max(1, int(num_proc))
+
+
+def _start_worker(encoder) -> None:
+    _WORKER["encoder"] = encoder  # the parent's own Encoder, as multiprocessing hands it over
+
+
+def _encode_rows(job):
+    """In a worker: each row encoded, or the error it gave as (message, where)."""
+    fmt, path, rows = job
+    encoder = _WORKER["encoder"]
+    out = []
+    for n, obj in rows:
+        try:
+            out.append(encoder.encode(obj, fmt, f"{path}:{n}"))
+        except UserInputError as e:
+            out.append((e.message, e.where))
+    return out
+
+
+def encoded(encoder: Encoder, rows: list, fmt: str, path, workers: int = 1):
+    """(row number, Example or the UserInputError its row gave), in file order: encoded here, or
+    by ``workers`` processes (spawned, as macOS needs), each given the encoder and chunks of
+    rows."""
+    label = f"encoding {Path(path).name}"
+    if workers <= 1:
+        for n, obj in tracked(rows, label):
+            try:
+                yield n, encoder.encode(obj, fmt, f"{path}:{n}")
+            except UserInputError as e:
+                yield n, e
+        return
+    chunks = [rows[i : i + _CHUNK_ROWS] for i in range(0, len(rows), _CHUNK_ROWS)]
+    jobs = [(fmt, str(path), chunk) for chunk in chunks]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(encoder,)
+    ) as pool:
+        for chunk, results in zip(
+            chunks, tracked(pool.map(_encode_rows, jobs), label), strict=True
+        ):
+            for (n, _), result in zip(chunk, results, strict=True):
+                if isinstance(result, tuple):
+                    result = UserInputError(*result)
+                yield n, result
+
+
 def load_split(
     path: Path,
     encoder: Encoder,
@@ -450,19 +516,22 @@ def load_split(
     min_length: int,
     columns: dict[str, str] | None = None,
     bad: BadRows | None = None,
+    num_proc: int | str = 1,
 ) -> Dataset:
     """A JSONL file's examples in format ``fmt`` ("auto": detected from the first row), too
     long ones truncated or dropped (``overlong``), too short and untrained ones dropped, each
-    counted in the split's stats. No example left is an error naming the file."""
+    counted in the split's stats. No example left is an error naming the file. ``num_proc``
+    processes encode it (``workers_for``)."""
     bad = bad or BadRows()
     rows = bad.read(path, columns)
     if fmt == "auto":
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
     out = []
-    for n, obj in tracked(rows, f"encoding {Path(path).name}"):
+    for _, ex in encoded(encoder, rows, fmt, path, workers_for(len(rows), num_proc)):
         with bad.row():
-            ex = encoder.encode(obj, fmt, f"{path}:{n}")
+            if isinstance(ex, UserInputError):
+                raise ex
             if fitted(ex, max_length, overlong, min_length, stats):
                 out.append(ex)
                 stats.tokens += len(ex.ids)

@@ -132,6 +132,7 @@ class Objective:
                     d.min_length,
                     d.columns,
                     BadRows(d.bad_rows == "skip", d.max_bad_fraction),
+                    d.num_proc,
                 )
 
             source = r.resolve_path(path)
