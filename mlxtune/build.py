@@ -19,7 +19,7 @@ from . import kernels
 from .adapters import apply_adapters, lora_scale
 from .config import Recipe
 from .data import BadRows, read_rows
-from .data.encode import reporting
+from .data.parallel import reporting
 from .errors import UserInputError
 from .export import TrainedModel, adapter_settings, import_adapter
 from .gguf.tokenizer import write_tokenizer_from_gguf

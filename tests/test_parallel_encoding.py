@@ -7,7 +7,7 @@ import pytest
 from test_tool_calls import QWEN_STYLE
 
 from mlxtune.data import BadRows, Encoder, load_split
-from mlxtune.data import encode as E
+from mlxtune.data import parallel as E
 from mlxtune.errors import UserInputError
 
 
@@ -48,7 +48,12 @@ def test_two_processes_encode_what_one_does(tmp_path, enc, monkeypatch):
     def load(num_proc):
         return load_split(path, enc, "auto", 512, "truncate", 2, None, BadRows(True, 0.5), num_proc)
 
-    one, two = load(1), load(2)
+    seen = []
+    one = load(1)
+    with E.reporting(lambda *a: seen.append(a)):
+        two = load(2)
+    assert seen[0] == ("encoding chat.jsonl", 0, 40) and seen[-1] == ("encoding chat.jsonl", 40, 40)
+    assert len(seen) == 1 + 5  # one report a chunk of 9 rows
     assert [(e.ids, e.mask, e.prompt, e.prompt_ids, e.answer) for e in two.examples] == [
         (e.ids, e.mask, e.prompt, e.prompt_ids, e.answer) for e in one.examples
     ]

@@ -8,20 +8,14 @@ counts iff ``mask[j]``; padding is never a target, so it never enters the loss.
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import contextvars
 import dataclasses
-import multiprocessing
-import os
-import re
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import UserInputError
+from .chat import REASONING_KEYS, Rendering, common_prefix, marked_assistant_mask, with_reasoning
 from .formats import (
     Chat,
     Pair,
@@ -31,8 +25,8 @@ from .formats import (
     check_messages,
     detect_format,
     get_format,
-    only_built_in_formats,
 )
+from .parallel import encoded, workers_for
 from .rows import BadRows
 
 
@@ -112,43 +106,6 @@ class Dataset:
         return len(self.examples)
 
 
-_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("data_progress", default=None)
-
-
-@contextlib.contextmanager
-def reporting(progress):
-    """Within it, encoding a split reports ``progress(label, rows done, rows)`` as it goes (a
-    console's progress bar); None reports nothing."""
-    token = _PROGRESS.set(progress)
-    try:
-        yield
-    finally:
-        _PROGRESS.reset(token)
-
-
-def tracked(rows: list, label: str):
-    """``rows``, reporting the progress of a loop over them (about 200 times, and at the end)."""
-    progress = _PROGRESS.get()
-    if progress is None:
-        yield from rows
-        return
-    n = len(rows)
-    every = max(1, n // 200)
-    for i, row in enumerate(rows):
-        if i % every == 0:
-            progress(label, i, n)
-        yield row
-    progress(label, n, n)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class Encoder:
     """Turns one JSON object into an Example, for one tokenizer and data config: the object's
     format gives its pieces, and each kind of piece is tokenized and masked here."""
@@ -222,7 +179,7 @@ class Encoder:
         prompt, answer = piece.prompt, piece.answer
         p_ids = self._encode(prompt)
         ids = self._encode(prompt + answer)
-        start = _common_prefix(p_ids, ids) if self.mask_prompt else 1
+        start = common_prefix(p_ids, ids) if self.mask_prompt else 1
         mask = self._targets(ids, start)
         display = prompt if piece.display is None else piece.display
         return Example(
@@ -260,68 +217,8 @@ class Encoder:
         extra = dict(self.template_kwargs)
         if piece.tools:
             extra["tools"] = piece.tools
-
-        def render(messages, gen=False, tokenize=True, **kwargs):
-            if not messages:
-                return [] if tokenize else ""
-            try:
-                out = tmpl.apply_chat_template(
-                    messages,
-                    tokenize=tokenize,
-                    add_generation_prompt=gen,
-                    return_dict=False,
-                    **{**extra, **kwargs},
-                )
-            except Exception as e:  # jinja raises for conversations a template refuses
-                raise UserInputError(
-                    f"the chat template refused this conversation: {e}", where
-                ) from None
-            return list(out) if tokenize else out
-
-        # the conversation's first n messages (with the generation prompt or not), rendered and
-        # tokenized once each: as apply_chat_template tokenizes a rendering (no special tokens
-        # added), where the tokenizer can be called so
-        texts: dict[tuple[int, bool], str] = {}
-        tokens: dict[tuple[int, bool], list[int]] = {}
-        # a fast tokenizer's own (Rust) tokenizer: what apply_chat_template's tokenizing calls,
-        # without the Python around it
-        backend = getattr(tmpl, "backend_tokenizer", None)
-        direct = backend is not None
-
-        def text_of(n: int, gen: bool) -> str:
-            if (n, gen) not in texts:
-                texts[n, gen] = render(msgs[:n], gen=gen, tokenize=False)
-            return texts[n, gen]
-
-        def ids_of(n: int, gen: bool = False) -> list[int]:
-            if (n, gen) not in tokens:
-                if not n:
-                    tokens[n, gen] = []
-                elif direct:
-                    tokens[n, gen] = backend.encode(text_of(n, gen), add_special_tokens=False).ids
-                else:
-                    tokens[n, gen] = render(msgs[:n], gen=gen)
-            return tokens[n, gen]
-
-        # The whole conversation is tokenized once with character offsets: where a prefix's
-        # rendering begins the whole one (as templates render), the tokens it shares are those
-        # ending within it, and no second tokenization is needed.
-        whole = len(msgs)
-        if direct:
-            full = text_of(whole, False)
-            out = backend.encode(full, add_special_tokens=False)
-            ids = tokens[whole, False] = out.ids
-            ends = [end for _, end in out.offsets]
-        else:
-            ids = ids_of(whole)
-
-        def shared(n: int, gen: bool = False) -> int:
-            """How many leading tokens of ``ids`` the first n messages' rendering holds."""
-            if n == whole and not gen:
-                return len(ids)
-            if direct and full.startswith(text_of(n, gen)):
-                return bisect.bisect_right(ends, len(text_of(n, gen)))
-            return _common_prefix(ids_of(n, gen), ids)
+        conv = Rendering(tmpl, msgs, extra, where)
+        ids, shared, render = conv.ids, conv.shared, conv.render
 
         if piece.tools and ids == render(msgs, tools=None):
             raise UserInputError(
@@ -355,7 +252,7 @@ class Encoder:
             for i in reasoning:
                 # the turn up to its content: the template's opening and the reasoning
                 start = shared(i, True)
-                thought = _common_prefix(render([*msgs[:i], {**msgs[i], "content": ""}]), ids)
+                thought = common_prefix(render([*msgs[:i], {**msgs[i], "content": ""}]), ids)
                 for j in range(start, thought):
                     mask[j] = 0
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
@@ -367,63 +264,11 @@ class Encoder:
         return Example(
             ids,
             mask,
-            prompt=text_of(last, True) if before else "",
+            prompt=conv.text(last, True) if before else "",
             answer=msgs[last]["content"],
-            prompt_ids=ids_of(last, True) or None,
+            prompt_ids=conv.tokens(last, True) or None,
             display=shown,
         )
-
-
-GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
-"""How a chat template marks what the assistant says (transformers' {% generation %} block)."""
-
-
-def marked_assistant_mask(tmpl, messages: list, ids: list[int], kwargs: dict) -> list[int] | None:
-    """The assistant mask a chat template marks with {% generation %} blocks (transformers'
-    return_assistant_tokens_mask), when it has them and renders ``ids`` alike; else None (the
-    tokens of each assistant turn are then found by rendering the conversation's prefixes)."""
-    if not GENERATION_BLOCK.search(getattr(tmpl, "chat_template", None) or ""):
-        return None
-    try:
-        out = tmpl.apply_chat_template(
-            messages,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            **kwargs,
-        )
-    except ValueError:  # a tokenizer without offsets (not a fast one) cannot map the blocks
-        return None
-    if list(out["input_ids"]) != ids:
-        return None
-    return [int(m) for m in out["assistant_masks"]]
-
-
-REASONING_KEYS = ("reasoning_content", "thinking")
-"""The fields an assistant message may carry its reasoning in (chat templates read one or the
-other: Qwen3's and DeepSeek's reasoning_content, others thinking)."""
-
-
-def with_reasoning(messages: list, where: str) -> tuple[list, list[int]]:
-    """(messages, the indices of assistant turns with reasoning): each such turn's reasoning
-    under both REASONING_KEYS, so that a template reading either shows it."""
-    out, found = list(messages), []
-    for i, m in enumerate(messages):
-        given = [k for k in REASONING_KEYS if m.get(k) is not None]
-        if not given:
-            continue
-        value = m[given[0]]
-        if not isinstance(value, str):
-            raise UserInputError(f"{given[0]} must be a string", f"{where} (messages[{i}])")
-        if m["role"] != "assistant":
-            raise UserInputError(
-                f"{given[0]} belongs to an assistant turn, not a {m['role']!r} one",
-                f"{where} (messages[{i}])",
-            )
-        if value.strip():
-            out[i] = {**m, **dict.fromkeys(REASONING_KEYS, value)}
-            found.append(i)
-    return out, found
 
 
 def fitted(ex: Example, max_length: int, overlong: str, min_length: int, stats) -> bool:
@@ -443,68 +288,6 @@ def fitted(ex: Example, max_length: int, overlong: str, min_length: int, stats) 
         stats.dropped_no_targets += 1
         return False
     return True
-
-
-PARALLEL_ROWS = 20_000
-"""Rows from which a split is encoded by several processes (``data.num_proc: auto``)."""
-_CHUNK_ROWS = 2_000
-
-_WORKER: dict = {}
-
-
-def workers_for(rows: int, num_proc: int | str) -> int:
-    """Processes to encode ``rows`` rows with: ``num_proc``, or (auto) every core up to 8 from
-    PARALLEL_ROWS rows on (one below). Data in a format a program registered is encoded here
-    (another process does not know the format)."""
-    if not only_built_in_formats():
-        return 1
-    if num_proc == "auto":
-        return min(os.cpu_count() or 1, 8) if rows >= PARALLEL_ROWS else 1
-    return max(1, int(num_proc))
-
-
-def _start_worker(encoder) -> None:
-    _WORKER["encoder"] = encoder  # the parent's own Encoder, as multiprocessing hands it over
-
-
-def _encode_rows(job):
-    """In a worker: each row encoded, or the error it gave as (message, where)."""
-    fmt, path, rows = job
-    encoder = _WORKER["encoder"]
-    out = []
-    for n, obj in rows:
-        try:
-            out.append(encoder.encode(obj, fmt, f"{path}:{n}"))
-        except UserInputError as e:
-            out.append((e.message, e.where))
-    return out
-
-
-def encoded(encoder: Encoder, rows: list, fmt: str, path, workers: int = 1):
-    """(row number, Example or the UserInputError its row gave), in file order: encoded here, or
-    by ``workers`` processes (spawned, as macOS needs), each given the encoder and chunks of
-    rows."""
-    label = f"encoding {Path(path).name}"
-    if workers <= 1:
-        for n, obj in tracked(rows, label):
-            try:
-                yield n, encoder.encode(obj, fmt, f"{path}:{n}")
-            except UserInputError as e:
-                yield n, e
-        return
-    chunks = [rows[i : i + _CHUNK_ROWS] for i in range(0, len(rows), _CHUNK_ROWS)]
-    jobs = [(fmt, str(path), chunk) for chunk in chunks]
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_start_worker, initargs=(encoder,)
-    ) as pool:
-        for chunk, results in zip(
-            chunks, tracked(pool.map(_encode_rows, jobs), label), strict=True
-        ):
-            for (n, _), result in zip(chunk, results, strict=True):
-                if isinstance(result, tuple):
-                    result = UserInputError(*result)
-                yield n, result
 
 
 def load_split(

@@ -22,9 +22,10 @@ import numpy as np
 
 from ..errors import UserInputError
 from .batching import Batch, batch_order, eval_order, read_positions
-from .encode import Dataset, Encoder, Example, SplitStats, tracked
+from .encode import Dataset, Encoder, Example, SplitStats
 from .formats import Chat, Pair, PromptAnswer, detect_format, get_format
 from .packing import packed_epoch
+from .parallel import tracked
 from .rows import BadRows
 
 NO_SEQUENCE = -1

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserInputError
-from .encode import Dataset, Example, SplitStats, _common_prefix, tracked
+from .chat import common_prefix
+from .encode import Dataset, Example, SplitStats
 from .formats import check_messages, read_tools
+from .parallel import tracked
 from .rows import BadRows
 
 OFFLINE_KEYS = ("responses", "rewards")
@@ -117,13 +119,13 @@ class PromptEncoder:
         ``data.add_eos``; messages: the template's end of the assistant turn)."""
         if isinstance(prompt_value, str):
             ids = list(self.tok.encode(prompt_value + text))
-            out = ids[_common_prefix(prompt_ids, ids) :]
+            out = ids[common_prefix(prompt_ids, ids) :]
             if self.add_eos and self.eos is not None:
                 out.append(self.eos)
         else:
             turn = [*prompt_value, {"role": "assistant", "content": text}]
             ids = self._render(turn, where, gen=False, tools=tools)
-            out = ids[_common_prefix(prompt_ids, ids) :]
+            out = ids[common_prefix(prompt_ids, ids) :]
         if not out:
             raise UserInputError("a response encodes to no tokens", where)
         return out
