@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -122,21 +123,10 @@ class Objective:
         )
 
         def load(path, max_length):
-            def build():
-                return load_split(
-                    r.resolve_path(path),
-                    enc,
-                    d.format,
-                    max_length,
-                    d.overlong,
-                    d.min_length,
-                    d.columns,
-                    BadRows(d.bad_rows == "skip", d.max_bad_fraction),
-                    d.num_proc,
-                )
-
-            source = r.resolve_path(path)
-            return cached_split(source, d, tokenizer, enc, build, (Example,), max_length=max_length)
+            source, bad = r.resolve_path(path), BadRows(d.bad_rows == "skip", d.max_bad_fraction)
+            limits = (max_length, d.overlong, d.min_length)
+            build = partial(load_split, source, enc, d.format, *limits, d.columns, bad, d.num_proc)
+            return cached_split(source, d, tokenizer, enc, build, (Example,), limits=limits)
 
         # a token stream is cut into rows, not truncated per document
         train = load(d.train, 1 << 62 if d.packing == "stream" else d.max_length)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import mlx.core as mx
@@ -183,20 +184,10 @@ class OnPolicy(Objective):
         enc = PromptEncoder(tokenizer, d.add_eos, d.chat_template_kwargs)
 
         def load(path):
-            def build():
-                return load_prompts(
-                    r.resolve_path(path),
-                    enc,
-                    d.max_length,
-                    cfg.max_completion_length,
-                    d.overlong,
-                    d.columns,
-                    BadRows(d.bad_rows == "skip", d.max_bad_fraction),
-                )
-
-            source = r.resolve_path(path)
-            lengths = {"max_length": d.max_length, "completion": cfg.max_completion_length}
-            return cached_split(source, d, tokenizer, enc, build, (PromptExample,), **lengths)
+            source, limits = r.resolve_path(path), (d.max_length, cfg.max_completion_length)
+            bad = BadRows(d.bad_rows == "skip", d.max_bad_fraction)
+            build = partial(load_prompts, source, enc, *limits, d.overlong, d.columns, bad)
+            return cached_split(source, d, tokenizer, enc, build, (PromptExample,), limits=limits)
 
         train = load(d.train)
         train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))

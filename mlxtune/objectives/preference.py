@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import mlx.core as mx
@@ -155,22 +156,10 @@ class Preference(Objective):
         )
 
         def load(path):
-            def build():
-                return load_pairs(
-                    r.resolve_path(path),
-                    enc,
-                    d.format,
-                    d.max_length,
-                    d.overlong,
-                    d.min_length,
-                    d.columns,
-                    BadRows(d.bad_rows == "skip", d.max_bad_fraction),
-                )
-
-            source = r.resolve_path(path)
-            return cached_split(
-                source, d, tokenizer, enc, build, (PairExample,), max_length=d.max_length
-            )
+            source, bad = r.resolve_path(path), BadRows(d.bad_rows == "skip", d.max_bad_fraction)
+            limits = (d.max_length, d.overlong, d.min_length)
+            build = partial(load_pairs, source, enc, d.format, *limits, d.columns, bad)
+            return cached_split(source, d, tokenizer, enc, build, (PairExample,), limits=limits)
 
         train = load(d.train)
         train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
