@@ -111,7 +111,7 @@ def recipe(work: Path, model: Path, data: Path, steps: int) -> dict:
         "data": {"train": str(data), "max_length": 2048, "overlong": "truncate"},
         "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
         "train": {"batch_size": 8, "max_steps": steps, "log_every": 1, "progress": False},
-        "eval": {"every": None},
+        "eval": {"every": None, "max_batches": 1},
         "checkpoints": {"every": 1, "save_final": False, "save_best": False},
         "memory": {"check": "off"},
     }

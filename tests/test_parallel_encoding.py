@@ -2,6 +2,8 @@
 the same order, the same bad rows named, the same stats."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from test_tool_calls import QWEN_STYLE
@@ -68,3 +70,29 @@ def test_auto_uses_several_processes_only_for_large_splits(monkeypatch):
     assert E.workers_for(E.PARALLEL_ROWS - 1, "auto") == 1
     assert E.workers_for(E.PARALLEL_ROWS, "auto") == 8
     assert E.workers_for(10, 3) == 3
+
+
+def test_a_script_with_no_main_guard_encodes_in_several_processes(tmp_path, tokenizer_dir):
+    """Workers start from a fresh interpreter: a script that encodes at its top level (no
+    ``if __name__ == "__main__":``) does not run again in them, and finishes."""
+    import subprocess
+    import sys
+
+    path = write(tmp_path, rows(30))
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from pathlib import Path\n"
+        "from test_tool_calls import QWEN_STYLE\n"
+        "from mlxtune.data import Encoder, load_split\n"
+        "from mlxtune.tokenizer import load_tokenizer\n"
+        f"tok = load_tokenizer({str(tokenizer_dir)!r}, chat_template=QWEN_STYLE)\n"
+        f"ds = load_split(Path({str(path)!r}), Encoder(tok), 'auto', 512, 'truncate', 2, num_proc=2)\n"
+        "print('encoded', len(ds.examples))\n"
+    )
+    tests = str(Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": tests},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "encoded 30"

@@ -6,6 +6,8 @@ import contextlib
 import contextvars
 import multiprocessing
 import os
+import sys
+import types
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -76,6 +78,21 @@ def _encode_rows(job):
     return out
 
 
+@contextlib.contextmanager
+def _bare_main():
+    """A spawned process rebuilds the program's ``__main__`` by running its file again: a
+    script that trains at its top level, with no ``if __name__ == "__main__":`` guard, would
+    start training again in every worker (and its first worker would never start). The workers
+    need nothing of it, so while they start, ``__main__`` is an empty module."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 def encoded(encoder, rows: list, fmt: str, path, workers: int = 1):
     """(row number, Example or the UserInputError its row gave), in file order: encoded here, or
     by ``workers`` processes (spawned, as macOS needs), each given the encoder and chunks of
@@ -97,7 +114,9 @@ def encoded(encoder, rows: list, fmt: str, path, workers: int = 1):
     with ProcessPoolExecutor(
         workers, mp_context=context, initializer=_start_worker, initargs=(encoder,)
     ) as pool:
-        for chunk, results in zip(chunks, pool.map(_encode_rows, jobs), strict=True):
+        with _bare_main():  # the workers start as the jobs are handed out
+            futures = [pool.submit(_encode_rows, job) for job in jobs]
+        for chunk, results in zip(chunks, (f.result() for f in futures), strict=True):
             for (n, _), result in zip(chunk, results, strict=True):
                 if isinstance(result, tuple):
                     result = UserInputError(*result)
