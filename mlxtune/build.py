@@ -289,11 +289,20 @@ def build(
     """Everything a recipe names, in the order each needs the one before. ``progress(label,
     done, total)`` hears how encoding the data goes (a console's progress bar)."""
     r = recipe
-    d = r.data  # the data's errors come first
-    train_rows = read_rows(r.resolve_path(d.train), d.columns, bad_rows(r))
+    d = r.data
+    # The data's errors come before the model loads: a tokenizer trained on the data reads its
+    # rows first; any other tokenizer loads first, and the data is encoded (or read from the
+    # cache, which then reads no row) before the model, unless max_length: auto waits for the
+    # model's context.
+    training = r.tokenizer.train is not None and not resuming
+    train_rows = read_rows(r.resolve_path(d.train), d.columns, bad_rows(r)) if training else []
     base = Path(r.source).parent if r.source else None
     model_dir = resolve_model_path(r.model.path, base) if r.model.path else None
     tokenizer, tokenizer_dir = tokenizer_for(r, run_dir, model_dir, train_rows, resuming, log)
+    sets = None
+    if d.max_length != "auto":
+        with reporting(progress):
+            sets = objective_class(r).datasets(r, tokenizer)
     model, config = model_for(r, tokenizer, tokenizer_dir, model_dir, log)
     lm = lm_parts(model)
     info = adapt(r, model, lm, log)
@@ -309,8 +318,9 @@ def build(
             )
         context = int(config.get("max_position_embeddings") or 1 << 20)
         r.data.max_length = context
-    with reporting(progress):
-        train, valid, test = objective_class(r).datasets(r, tokenizer)
+        with reporting(progress):
+            sets = objective_class(r).datasets(r, tokenizer)
+    train, valid, test = sets
     if context is not None:
         r.data.max_length = max(len(e.ids) for ds in (train, valid, test) for e in ds.examples)
     for ds in {id(ds): ds for ds in (train, valid, test)}.values():
