@@ -23,7 +23,6 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -226,15 +225,17 @@ def load(folder: Path, kinds: tuple[type, ...]) -> Dataset | None:
     columns: dict[str, list] = dict(meta["fields"])
     for name in meta["arrays"]:
         values, lengths = arrays[f"{name}.values"], arrays[f"{name}.lengths"]
-        ends = np.cumsum(np.maximum(lengths, 0))
-        flat = values.tolist()
-        out: list[Any] = []
-        start = 0
-        for length, end in zip(lengths.tolist(), ends.tolist(), strict=True):
-            out.append(None if length < 0 else flat[start:end])
-            start = end
-        columns[name] = out
-    examples = [kind(**{k: v[i] for k, v in columns.items()}) for i in range(n)]
+        ends = np.cumsum(np.maximum(lengths, 0)).tolist()
+        starts = [0, *ends[:-1]]
+        # each example's slice of the array made a list on its own: no copy of the whole
+        columns[name] = [
+            None if length < 0 else values[a:b].tolist()
+            for length, a, b in zip(lengths.tolist(), starts, ends, strict=True)
+        ]
+    names, rows = list(columns), zip(*columns.values(), strict=True)
+    examples = [kind(**dict(zip(names, row, strict=True))) for row in rows]
+    if len(examples) != n:
+        return None
     return Dataset(examples, SplitStats(**{**meta["stats"], "cached": True}), meta["path"])
 
 
