@@ -263,9 +263,11 @@ def cached(
             if ds.examples:
                 save(folder, ds)
     if world is not None and world.size > 1:
-        world.barrier()  # rank 0 has stored it (or failed: then everyone builds)
+        world.barrier()  # rank 0 has stored it (a rank 0 that failed ends the run)
     if not main:
-        ds = load(folder, kinds) or build()
+        ds = load(folder, kinds)
+        if ds is None:  # not on this rank's disk
+            ds = build()
     return ds
 
 
