@@ -51,7 +51,7 @@ def resolve(trainer, optimizer_for) -> dict[str, str]:
     chosen = {}
     if context:
         shape, chosen["data.max_length"] = _fit_length(trainer, shape, budget, auto_gc, context)
-    most = max(1, min(LARGEST, len(trainer.train_set)))
+    most = LARGEST if trainer.streamed else max(1, min(LARGEST, len(trainer.train_set)))
     sizes = [1 << i for i in range(most.bit_length()) if 1 << i <= most] if auto_batch else [1]
     given = 1 if auto_batch else t.batch_size
     layers = [0, shape.layers] if auto_gc else [shape.checkpointed]

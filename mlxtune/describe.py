@@ -4,6 +4,8 @@ console prints."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from .memory import GB
@@ -14,18 +16,25 @@ def derived(trainer) -> dict:
     t, b = trainer.recipe.train, trainer.built
     train = trainer.train_set
     packed = trainer.recipe.data.packing != "off"
-    rows = trainer.batches_per_epoch * t.batch_size if packed else len(train)
+    per_epoch = trainer.batches_per_epoch  # None: a stream, not known before it is read
+    if trainer.streamed:  # counted over its first window
+        d = trainer.recipe.data
+        capacity = d.pack_length or d.max_length
+        rows = math.ceil(train.stats.tokens / capacity) if packed else len(train.examples)
+    else:
+        rows = per_epoch * t.batch_size if packed else len(train)
     mean_targets = train.stats.target_tokens / max(rows, 1)  # per row
+    epochs = None if per_epoch is None else trainer.total_steps * t.grad_accumulation / per_epoch
     return {
         "effective_steps": trainer.total_steps,
-        "epochs": round(trainer.total_steps * t.grad_accumulation / trainer.batches_per_epoch, 4),
-        "batches_per_epoch": trainer.batches_per_epoch,
+        "epochs": None if epochs is None else round(epochs, 4),
+        "batches_per_epoch": per_epoch,
         "examples_per_step": t.batch_size * t.grad_accumulation,
         "tokens_per_step": round(mean_targets * t.batch_size * t.grad_accumulation, 1),
         "trainable_parameters": b.trainable,
         "total_parameters": b.total_params,
         "trainable_percent": round(100 * b.trainable / max(b.total_params, 1), 4),
-        "train_examples": len(train),
+        "train_examples": None if trainer.streamed else len(train),
         "valid_examples": len(trainer.valid_set),
         "train_data": train.stats.line(),
         "valid_data": trainer.valid_set.stats.line(),
@@ -78,8 +87,9 @@ def header(trainer) -> list[str]:
         f"({d['trainable_percent']:.2f}%){adapted}",
         f"data     train {d['train_data']}",
         f"         valid {d['valid_data']}",
-        f"train    {d['effective_steps']} steps ({d['epochs']} epochs), "
-        f"{trainer.objective.per_step(d['examples_per_step'])}, "
+        f"train    {d['effective_steps']} steps "
+        + ("(streamed), " if d["epochs"] is None else f"({d['epochs']} epochs), ")
+        + f"{trainer.objective.per_step(d['examples_per_step'])}, "
         f"{r.optimizer.name} lr {r.optimizer.lr:g} {r.schedule.name}"
         + ("" if objective == "sft" else f", objective {objective}"),
         f"backend  {d['device']}, BLAS: {d['blas']}",

@@ -162,6 +162,8 @@ class Trainer:
             src, which, steps = self._source, self.resume_from, self.total_steps
             state = restore(src, which, r, self.engine, self.log, self.world.main, steps)
             self.position, self.resumed = state.position, True
+        if self.streamed:
+            self.train_set.resume(self.position.data_stream)
         self._write_resolved()
         held, self._held_logs = self._held_logs, None
         for line in held:
@@ -171,6 +173,10 @@ class Trainer:
     model = property(lambda self: self.built.components.model)
     tokenizer = property(lambda self: self.built.components.tokenizer)
     train_set = property(lambda self: self.built.components.train_set)
+    streamed = property(
+        lambda self: getattr(self.train_set, "streamed", False),
+        doc="The training set is read as a stream (data.streaming).",
+    )
     valid_set = property(lambda self: self.built.components.valid_set)
     test_set = property(lambda self: self.built.components.test_set)
     pad_id = property(lambda self: self.built.components.pad_id)
@@ -248,6 +254,8 @@ class Trainer:
             for rep in self._reporters:
                 rep.close(failed)
             self._reporters = []
+            if self.streamed:
+                self.train_set.close()
 
     def _run(self) -> dict:
         r, pos = self.recipe, self.position
@@ -284,6 +292,8 @@ class Trainer:
                 if epoch_now != pos.data_epoch:
                     pos.data_epoch, pos.data_batch = epoch_now, 0
                 pos.data_batch += 1
+                if self.streamed:
+                    pos.data_stream = self.train_set.state.to_json()
                 micro.append(batch)
             # The step is queued, not waited for: its results are read at log steps (and
             # wherever the loop needs them), so the host prepares the next batch meanwhile.
@@ -319,6 +329,8 @@ class Trainer:
 
     def _epoch(self) -> float:
         pos = self.position
+        if self.streamed:  # the share of the source the epoch has read
+            return pos.data_epoch + (self.train_set.fraction() or 0.0)
         if self.recipe.data.packing == "off":
             return pos.examples_seen / len(self.train_set)
         # rows per epoch vary a little with each epoch's packing

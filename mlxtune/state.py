@@ -52,6 +52,9 @@ class LoopPosition:
     """The epoch of the data order the next batch comes from, and how many of its batches
     were taken."""
     data_batch: int = 0
+    data_stream: dict | None = None
+    """A streamed training set (data.streaming): where the next batch comes from in it
+    (``StreamState.to_json``)."""
     tokens_seen: int = 0
     """Counted tokens of the applied steps."""
     examples_seen: int = 0

@@ -185,6 +185,45 @@ def check_data(r: Recipe, v: Fails) -> None:
         v.fail("data.max_length", "stream rows (max_length long) need at least 2 tokens")
     if d.packing != "off" and r.kernels.attention == "off":
         v.fail("data.packing", "packed rows need mlxtune's attention (kernels.attention not off)")
+    if d.streaming:
+        _check_streaming(r, v)
+    elif "data.stream_window" in r.explicit:
+        _positive(v, "data.stream_window", d.stream_window)
+
+
+def _check_streaming(r: Recipe, v: Fails) -> None:
+    """data.streaming: what a stream of unknown length needs."""
+    d = r.data
+    _positive(v, "data.stream_window", d.stream_window)
+    if r.objective.type != "sft":
+        v.fail(
+            "data.streaming",
+            f"streams SFT data (text, completion or chat rows), not objective.type "
+            f"{r.objective.type}'s",
+        )
+    if r.train.max_steps is None:
+        v.fail(
+            "data.streaming",
+            "a stream's length is unknown until it is read: give train.max_steps, not epochs",
+        )
+    if d.max_length == "auto":
+        v.fail("data.max_length", "auto reads every example first; a stream needs a number")
+    if r.tokenizer.train is not None:
+        v.fail("data.streaming", "tokenizer.train reads all the data first; give a tokenizer")
+    for key in ("valid_size", "test_size"):
+        size = getattr(d, key)
+        if isinstance(size, float):
+            v.fail(
+                f"data.{key}",
+                f"a stream's size is unknown, so a fraction ({size}) of it cannot be held out; "
+                "give a number of rows (its first rows are held out)",
+            )
+    if d.valid is None and d.valid_size is None:
+        v.fail(
+            "data.streaming",
+            "a stream's size is unknown, so data.valid_fraction cannot hold a share of it out: "
+            "give data.valid, or data.valid_size as a number of rows (the stream's first rows)",
+        )
 
 
 def check_adapter(r: Recipe, v: Fails) -> None:
@@ -444,6 +483,10 @@ def _model_data_inert(r: Recipe, inert) -> None:
         inert(("data.test_size",), "data.test is given")
     if d.valid is not None and (d.test is not None or d.test_size is None):
         inert(("data.split_seed",), "nothing is held out of the training data")
+    elif d.streaming:
+        inert(("data.split_seed",), "a stream holds out its first rows, not drawn ones")
+    if not d.streaming:
+        inert(("data.stream_window",), "data.streaming is false")
     if d.packing != "off":
         # pad_to_multiple still shapes the evaluation batches, which are never packed
         inert(("data.bucket_size",), f"data.packing is {d.packing}")

@@ -123,6 +123,17 @@ class DataConfig:
     """Keep each split's encoded examples on disk ($MLXTUNE_CACHE, default ~/.cache/mlxtune),
     keyed by the data's content, the tokenizer and these settings: a second run and every
     resume skip tokenization."""
+    streaming: bool = False
+    """Read the training data as a stream, a window of stream_window rows at a time, encoded
+    as training goes, for data larger than memory (SFT: text, completion or chat rows;
+    JSONL, text, CSV/TSV, Parquet, Arrow, a glob or saved dataset of them, or hf:): each
+    window's examples are shuffled and batched, and a checkpoint records the place in the
+    stream, so a resumed run trains on the batches an uninterrupted one would. Needs
+    train.max_steps, and data.valid or a number of rows for data.valid_size (the first rows are
+    held out). Not cached."""
+    stream_window: int = 10000
+    """Rows a window of the stream holds: its examples are shuffled and batched together (a
+    larger window mixes more, and holds more in memory)."""
     bad_rows: Literal["error", "skip"] = "error"
     """A bad row (not JSON, a missing or wrong field, ...): an error naming its line, or skipped,
     counted by reason and named in the log (the first few)."""

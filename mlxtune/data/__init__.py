@@ -4,7 +4,8 @@
 - ``rows``: reading a data file (JSONL, CSV/TSV, text) into rows, and skipping bad ones;
 - ``encode``: tokenizing and masking (``Encoder``), splits and their stats;
 - ``batching``: padded, length-bucketed batches in a seeded, resumable order;
-- ``packing``: several examples to a row, with segment ids.
+- ``packing``: several examples to a row, with segment ids;
+- ``stream``: a training set read, encoded and batched a window at a time (data.streaming).
 """
 
 from .batching import (
@@ -21,6 +22,7 @@ from .encode import (
     Encoder,
     Example,
     SplitStats,
+    encode_rows,
     held_out,
     load_split,
     split_off,
@@ -43,22 +45,27 @@ from .formats import (
 )
 from .packing import iterate_packed, make_packed_batch, pack_rows, packed_epoch, stream_rows
 from .rows import BadRows, read_rows
+from .stream import Cursor, StreamedSet, StreamState, read_stream, stream_files
 
 __all__ = [
     "ALPACA_PROMPT",
     "ALPACA_PROMPT_INPUT",
     "Batch",
     "Chat",
+    "Cursor",
     "DataFormat",
     "Dataset",
     "Encoder",
     "Example",
     "PromptAnswer",
     "SplitStats",
+    "StreamState",
+    "StreamedSet",
     "Text",
     "Tokens",
     "batch_order",
     "detect_format",
+    "encode_rows",
     "eval_batches",
     "field",
     "format_names",
@@ -73,11 +80,13 @@ __all__ = [
     "read_rows",
     "BadRows",
     "read_positions",
+    "read_stream",
     "register_format",
     "split_batch",
     "held_out",
     "split_off",
     "split_sets",
+    "stream_files",
     "stream_rows",
     "unregister_format",
 ]

@@ -74,12 +74,18 @@ def make_batch(examples: list[Example], pad_id: int, multiple: int) -> Batch:
 
 
 def batch_order(
-    lengths: list[int], batch_size: int, epoch: int, seed: int, bucket_size: int
+    lengths: list[int],
+    batch_size: int,
+    epoch: int,
+    seed: int,
+    bucket_size: int,
+    key: list[int] | None = None,
 ) -> list[list[int]]:
     """Batches of example indices for one epoch: shuffled from (seed, epoch), sorted by length
     within buckets of bucket_size batches so padding stays small, batch order shuffled again.
-    A last partial batch is kept."""
-    rng = np.random.default_rng([seed, epoch])
+    A last partial batch is kept. ``key``: the draws come from it instead (a streamed window's
+    seed, epoch and number)."""
+    rng = np.random.default_rng(key if key is not None else [seed, epoch])
     order = rng.permutation(len(lengths))
     batches = []
     span = batch_size * bucket_size

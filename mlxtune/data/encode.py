@@ -78,6 +78,9 @@ class SplitStats:
     """Log lines naming them (``BadRows.report``)."""
     cached: bool = False
     """Read from the data cache (encoded by an earlier run) rather than encoded now."""
+    window: int = 0
+    """Streamed (data.streaming): the rows of a window, and these counts are the first
+    window's."""
 
     def line(self) -> str:
         parts = [
@@ -91,6 +94,8 @@ class SplitStats:
                 parts.append(
                     f"{n} {name.replace('_', ' ')}" + (" (bad)" if name == "skipped" else "")
                 )
+        if self.window:
+            parts.append(f"streamed {self.window:,} rows a window, counted in the first")
         return ", ".join(parts) + ("; encoded before, read from the cache" if self.cached else "")
 
 
@@ -307,11 +312,30 @@ def load_split(
     processes encode it (``workers_for``)."""
     bad = bad or BadRows()
     rows = bad.read(path, columns)
+    limits = (max_length, overlong, min_length)
+    return encode_rows(rows, path, encoder, fmt, limits, bad, workers_for(len(rows), num_proc))
+
+
+def encode_rows(
+    rows: list,
+    path,
+    encoder: Encoder,
+    fmt: str,
+    limits: tuple,
+    bad: BadRows,
+    workers: int = 1,
+    pool=None,
+    allow_empty: bool = False,
+) -> Dataset:
+    """``load_split`` of rows read already: (row number, object) each, named ``path:number``;
+    ``limits`` is (max_length, overlong, min_length). ``pool``: processes started already
+    (``encoded``). ``allow_empty``: no example left is no error (a window of a stream)."""
+    max_length, overlong, min_length = limits
     if fmt == "auto":
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
     out = []
-    for _, ex in encoded(encoder, rows, fmt, path, workers_for(len(rows), num_proc)):
+    for _, ex in encoded(encoder, rows, fmt, path, workers, pool):
         with bad.row():
             if isinstance(ex, UserInputError):
                 raise ex
@@ -321,7 +345,7 @@ def load_split(
                 stats.target_tokens += ex.n_targets
     bad.finish(stats, path)
     stats.kept = len(out)
-    if not out:
+    if not out and not allow_empty:
         raise UserInputError(
             f"no example is left to train on ({stats.line()}; {stats.examples} read): check data.max_length, "
             "data.min_length and the prompt masking",

@@ -81,11 +81,17 @@ def stream_rows(examples: list[Example], capacity: int, order: np.ndarray) -> li
 
 
 def packed_epoch(
-    ds: Dataset, mode: str, capacity: int, seed: int, epoch: int, sizes: list[int] | None = None
+    ds: Dataset,
+    mode: str,
+    capacity: int,
+    seed: int,
+    epoch: int,
+    sizes: list[int] | None = None,
+    key: list[int] | None = None,
 ) -> list[list[Example]]:
-    """One epoch's packed rows (shuffled from the seed and epoch); ``sizes``: the room each
-    example takes in a row (default its tokens)."""
-    rng = np.random.default_rng([seed, epoch, 1])
+    """One epoch's packed rows (shuffled from the seed and epoch, or from ``key``); ``sizes``:
+    the room each example takes in a row (default its tokens)."""
+    rng = np.random.default_rng(key if key is not None else [seed, epoch, 1])
     order = rng.permutation(len(ds.examples))
     if mode == "stream":
         rows = stream_rows(ds.examples, capacity, order)

@@ -93,12 +93,21 @@ def _bare_main():
             sys.modules["__main__"] = main
 
 
-def encoded(encoder, rows: list, fmt: str, path, workers: int = 1):
+def encoder_pool(encoder, workers: int) -> ProcessPoolExecutor:
+    """``workers`` processes (spawned, as macOS needs) that encode with ``encoder``: started as
+    the first jobs are handed out (``encoded``), ended by ``shutdown()``."""
+    context = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(encoder,)
+    )
+
+
+def encoded(encoder, rows: list, fmt: str, path, workers: int = 1, pool=None):
     """(row number, Example or the UserInputError its row gave), in file order: encoded here, or
-    by ``workers`` processes (spawned, as macOS needs), each given the encoder and chunks of
-    rows."""
+    by ``workers`` processes (``encoder_pool``, or ``pool`` when given: kept for the next call),
+    each given chunks of rows."""
     label = f"encoding {Path(path).name}"
-    if workers <= 1:
+    if workers <= 1 and pool is None:
         for n, obj in tracked(rows, label):
             try:
                 yield n, encoder.encode(obj, fmt, f"{path}:{n}")
@@ -107,13 +116,12 @@ def encoded(encoder, rows: list, fmt: str, path, workers: int = 1):
         return
     chunks = [rows[i : i + _CHUNK_ROWS] for i in range(0, len(rows), _CHUNK_ROWS)]
     jobs = [(fmt, str(path), chunk) for chunk in chunks]
-    context = multiprocessing.get_context("spawn")
     progress = _PROGRESS.get() or (lambda *_: None)
     progress(label, 0, len(rows))
     done = 0
-    with ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_start_worker, initargs=(encoder,)
-    ) as pool:
+    with (
+        contextlib.nullcontext(pool) if pool is not None else encoder_pool(encoder, workers) as pool
+    ):
         with _bare_main():  # the workers start as the jobs are handed out
             futures = [pool.submit(_encode_rows, job) for job in jobs]
         for chunk, results in zip(chunks, (f.result() for f in futures), strict=True):

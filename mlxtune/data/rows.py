@@ -132,12 +132,21 @@ def _sources(path: Path) -> list[tuple[str, Path]] | None:
 
 
 def _hub_rows(source: str) -> list[tuple[str, dict]]:
+    """The rows of a Hub dataset (``hub_dataset``), each numbered from 1 (a null field left
+    out)."""
+    return [
+        (str(n), {k: v for k, v in record.items() if v is not None})
+        for n, record in enumerate(hub_dataset(source).to_list(), 1)
+    ]
+
+
+def hub_dataset(source: str, streaming: bool = False):
     """``hf:ORG/NAME[@REVISION][:SUBSET][?data_files=GLOB[,GLOB...]][#SPLIT]``: a dataset
     repository of the Hugging Face Hub, from the local cache (downloaded first where the network
     and HF_HUB_OFFLINE allow; with data_files, only those files), its split (train by default; a
-    slice as datasets writes it, ``train[:1000]``) read by ``datasets``, each row numbered from 1
-    (a null field left out). data_files picks the repository's files to read, as
-    ``datasets.load_dataset(data_files=...)`` does (they make the train split)."""
+    slice as datasets writes it, ``train[:1000]``) read by ``datasets`` (``streaming``: as an
+    ``IterableDataset``, read as it is iterated). data_files picks the repository's files to
+    read, as ``datasets.load_dataset(data_files=...)`` does (they make the train split)."""
     import datasets
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -171,13 +180,11 @@ def _hub_rows(source: str) -> list[tuple[str, dict]]:
     if files and not any(glob.glob(str(Path(folder) / f), recursive=True) for f in files):
         raise UserInputError(f"no file of the dataset matches data_files {','.join(files)}", source)
     try:
-        ds = datasets.load_dataset(folder, subset or None, data_files=files, split=split or "train")
+        return datasets.load_dataset(
+            folder, subset or None, data_files=files, split=split or "train", streaming=streaming
+        )
     except (ValueError, FileNotFoundError) as e:
         raise UserInputError(f"cannot read the dataset: {e}", source) from None
-    return [
-        (str(n), {k: v for k, v in record.items() if v is not None})
-        for n, record in enumerate(ds.to_list(), 1)
-    ]
 
 
 def _saved_dataset(folder: Path, split: str | None) -> list[tuple[str, Path]]:

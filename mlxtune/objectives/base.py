@@ -26,6 +26,8 @@ from ..data import (
     Dataset,
     Encoder,
     Example,
+    StreamedSet,
+    encode_rows,
     held_out,
     load_split,
     read_positions,
@@ -129,8 +131,12 @@ class Objective:
             return cached_split(source, d, tokenizer, enc, build, (Example,), limits=limits)
 
         # a token stream is cut into rows, not truncated per document
-        train = load(d.train, 1 << 62 if d.packing == "stream" else d.max_length)
-        train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
+        longest = 1 << 62 if d.packing == "stream" else d.max_length
+        if d.streaming:
+            train, valid, test = cls._streamed(recipe, enc, longest)
+        else:
+            train = load(d.train, longest)
+            train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
         if d.packing == "stream":  # evaluation reads one document a row, up to max_length
             for e in [
                 *(valid.examples if valid is not None else ()),
@@ -146,6 +152,40 @@ class Objective:
                 "eval.exact_match needs completion, instruction or chat data", "eval.exact_match"
             )
         return train, valid, test
+
+    @classmethod
+    def _streamed(cls, recipe: Recipe, enc: Encoder, longest: int):
+        """data.streaming: (the ``StreamedSet``, valid and test held out of its first rows, or
+        None where a file gives them)."""
+        d = recipe.data
+        limits = (longest, d.overlong, d.min_length)
+        train = StreamedSet(
+            str(recipe.resolve_path(d.train)),
+            enc,
+            d.format,
+            limits,
+            d.columns,
+            (d.bad_rows == "skip", d.max_bad_fraction),
+            d.num_proc,
+            d.stream_window,
+        )
+        counts = [d.valid_size or 0 if d.valid is None else 0]
+        counts.append(d.test_size or 0 if d.test is None else 0)
+        held = train.hold_out(counts) if any(counts) else [[], []]
+        sets = []
+        for rows, what in zip(held, ("held out", "held out for test"), strict=True):
+            if not rows:
+                sets.append(None)
+                continue
+            bad = BadRows(d.bad_rows == "skip", d.max_bad_fraction)
+            bad.rows = len(rows)
+            where = f"{train.path} ({what})"
+            limits = (d.max_length, d.overlong, d.min_length)
+            ds = encode_rows(rows, train.path, enc, d.format, limits, bad)
+            ds.path = where
+            sets.append(ds)
+        train.read_first()  # its errors come before the model loads
+        return train, sets[0], sets[1]
 
     @classmethod
     def extend(cls, recipe: Recipe, model: nn.Module, log) -> None:
@@ -223,7 +263,9 @@ class Objective:
         ``start_epoch``."""
         raise NotImplementedError(f"{type(self).__name__} must define batches()")
 
-    def batches_per_epoch(self) -> int:
+    def batches_per_epoch(self) -> int | None:
+        """Batches in a pass over the training set (None: a stream, not known before it is
+        read)."""
         raise NotImplementedError(f"{type(self).__name__} must define batches_per_epoch()")
 
     def arrays(self, batch: Batch) -> dict[str, np.ndarray]:
@@ -255,6 +297,8 @@ class Objective:
         r = self.recipe
         if r.data.packing != "off":  # packed rows are all pack_length long
             return r.train.batch_size, (r.data.pack_length or r.data.max_length) - 1
+        if r.data.streaming:  # a later window may hold an example as long as max_length
+            return r.train.batch_size, read_positions(r.data.max_length, r.data.pad_to_multiple)
         longest = max((len(e.ids) for e in self.components.train_set.examples), default=2)
         return r.train.batch_size, read_positions(longest, r.data.pad_to_multiple)
 

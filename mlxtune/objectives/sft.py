@@ -80,6 +80,17 @@ class SFT(Objective):
 
     def batches(self, start_epoch: int = 0, skip: int = 0):
         r, t, c = self.recipe, self.recipe.train, self.components
+        if getattr(c.train_set, "streamed", False):  # from where its state says
+            return c.train_set.batches(
+                t.batch_size,
+                c.pad_id,
+                r.data.pad_to_multiple,
+                t.seed,
+                r.data.bucket_size,
+                self.packing,
+                self.pack_length,
+                r.data.mask_boundary_loss,
+            )
         if self.packing != "off":
             return iterate_packed(
                 c.train_set,
@@ -108,12 +119,16 @@ class SFT(Objective):
         if self.packing == "off":
             return super().per_step(n)
         c = self.components
+        if getattr(c.train_set, "streamed", False):
+            return f"{n} packed rows/step"
         rows = packed_epoch(c.train_set, self.packing, self.pack_length, self.recipe.train.seed, 0)
         per_row = len(c.train_set) / max(len(rows), 1)
         return f"{n} packed rows/step (about {n * per_row:.0f} examples)"
 
-    def batches_per_epoch(self) -> int:
+    def batches_per_epoch(self) -> int | None:
         t, c = self.recipe.train, self.components
+        if getattr(c.train_set, "streamed", False):
+            return None  # known once the stream has been read
         if self.packing != "off":
             rows = packed_epoch(c.train_set, self.packing, self.pack_length, t.seed, 0)
             return math.ceil(len(rows) / t.batch_size)
