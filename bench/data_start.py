@@ -14,6 +14,9 @@ of work (imports done) until the first batch of 8 is in hand:
 - mlxtune cold: an empty data cache (``$MLXTUNE_CACHE``), so every row is read and encoded;
 - mlxtune warm: a second run on the same file (the cache is hit);
 - mlxtune resume: ``--resume`` of a run that saved a checkpoint after one step;
+- mlxtune stream: ``data.streaming`` (windows of 10,000 rows; the first 100 validate), which
+  encodes the first window only before the first batch; and its ``--resume`` after one step,
+  which seeks to the window's start in the file;
 - mlx-lm: its loader as ``mlx_lm.lora`` uses it (ChatDataset in a CacheDataset, the assistant
   turn trained on) and ``iterate_batches``. It encodes a row the first time a batch needs it, so
   its first batch comes after reading the file and encoding 8 rows; the rest it encodes during
@@ -104,8 +107,8 @@ def build_model(work: Path, tok_dir: Path) -> Path:
     return out
 
 
-def recipe(work: Path, model: Path, data: Path, steps: int) -> dict:
-    return {
+def recipe(work: Path, model: Path, data: Path, steps: int, streaming: bool = False) -> dict:
+    out = {
         "name": "data-start",
         "model": {"path": str(model)},
         "data": {"train": str(data), "max_length": 2048, "overlong": "truncate"},
@@ -115,6 +118,9 @@ def recipe(work: Path, model: Path, data: Path, steps: int) -> dict:
         "checkpoints": {"every": 1, "save_final": False, "save_best": False},
         "memory": {"check": "off"},
     }
+    if streaming:
+        out["data"].update({"streaming": True, "stream_window": 10_000, "valid_size": 100})
+    return out
 
 
 # ------------------------------------------------------------------ one measurement a process
@@ -126,23 +132,24 @@ def one(kind: str, work: Path, data: Path, model: Path, tok_dir: Path) -> dict:
         from mlxtune import Trainer, recipe_from_dict
         from mlxtune.console import Console
 
-        run_dir = work / "run"
-        if kind == "mlxtune-cold":
-            t = Trainer(recipe_from_dict(recipe(work, model, data, 1)), run_dir=run_dir,
-                        console=Console(quiet=True))  # fmt: skip
+        stream = kind.startswith("mlxtune-stream")
+        run_dir = work / ("stream-run" if stream else "run")
+        if kind in ("mlxtune-cold", "mlxtune-stream"):
+            r = recipe(work, model, data, 1, stream)
+            t = Trainer(recipe_from_dict(r), run_dir=run_dir, console=Console(quiet=True))
             next(t.batches())
             ready = time.perf_counter() - t0
             t.run()  # one step and its checkpoint, for the resume
         else:
-            resume = "latest" if kind == "mlxtune-resume" else None
-            r = recipe(work, model, data, 2)
+            resume = "latest" if kind.endswith("-resume") else None
+            r = recipe(work, model, data, 2, stream)
             where = run_dir if resume else work / "again"
             t = Trainer(recipe_from_dict(r), run_dir=where, console=Console(quiet=True),
                         resume=resume)  # fmt: skip
             next(t.batches())
             ready = time.perf_counter() - t0
         cached = t.train_set.stats.cached
-        n = len(t.train_set.examples)
+        n = len(t.train_set.examples)  # streamed: the first window's
     else:
         from mlx_lm.tuner.datasets import CacheDataset, ChatDataset
         from mlx_lm.tuner.trainer import iterate_batches
@@ -190,7 +197,9 @@ def main(argv=None):
               f"{time.perf_counter() - t:.0f} s", file=sys.stderr)  # fmt: skip
         env = {**os.environ, "MLXTUNE_CACHE": str(work / "cache")}
         results = []
-        for kind in ("mlxtune-cold", "mlxtune-warm", "mlxtune-resume", "mlx-lm", "mlx-lm-all"):
+        kinds = ("mlxtune-cold", "mlxtune-warm", "mlxtune-resume", "mlxtune-stream",
+                 "mlxtune-stream-resume", "mlx-lm", "mlx-lm-all")  # fmt: skip
+        for kind in kinds:
             proc = subprocess.run(
                 [sys.executable, __file__, "--one", kind, "--work", str(work)],
                 env=env, capture_output=True, text=True,
@@ -199,7 +208,7 @@ def main(argv=None):
                 raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             results.append(r)
-            print(f"  {kind:15} {r['seconds']:8.2f} s  peak {r['peak_mb']:8.1f} MB  "
+            print(f"  {kind:21} {r['seconds']:8.2f} s  peak {r['peak_mb']:8.1f} MB  "
                   f"{r['rows']:,} rows{' (cache hit)' if r['cached'] else ''}",
                   file=sys.stderr, flush=True)  # fmt: skip
     by = {r["kind"]: r for r in results}
@@ -208,6 +217,9 @@ def main(argv=None):
         "cold / mlx-lm all rows": by["mlxtune-cold"]["seconds"] / by["mlx-lm-all"]["seconds"],
         "warm / cold": by["mlxtune-warm"]["seconds"] / by["mlxtune-cold"]["seconds"],
         "resume / cold": by["mlxtune-resume"]["seconds"] / by["mlxtune-cold"]["seconds"],
+        "stream / cold": by["mlxtune-stream"]["seconds"] / by["mlxtune-cold"]["seconds"],
+        "stream resume / cold": by["mlxtune-stream-resume"]["seconds"]
+        / by["mlxtune-cold"]["seconds"],
     }
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}", file=sys.stderr)

@@ -129,7 +129,7 @@ def _cut(ds, m: int, overlong: str) -> None:
     """The examples of ``ds`` longer than ``m`` tokens cut to it (or dropped: ``overlong``);
     the split's counts follow."""
     st = ds.stats
-    ds.examples[:] = [e for e in ds.examples if fitted(e, m, overlong, 0, st)]
+    ds.examples = [e for e in ds.examples if fitted(e, m, overlong, 0, st)]
     st.kept = len(ds.examples)
     st.tokens = sum(len(e.ids) for e in ds.examples)
     st.target_tokens = sum(e.n_targets for e in ds.examples)

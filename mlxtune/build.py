@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from . import kernels
 from .adapters import apply_adapters, lora_scale
 from .config import Recipe
-from .data import BadRows, read_rows
+from .data import BadRows, lengths_of, read_rows
 from .data.parallel import reporting
 from .errors import UserInputError
 from .export import TrainedModel, adapter_settings, import_adapter
@@ -322,7 +322,7 @@ def build(
             sets = objective_class(r).datasets(r, tokenizer)
     train, valid, test = sets
     if context is not None:
-        r.data.max_length = max(len(e.ids) for ds in (train, valid, test) for e in ds.examples)
+        r.data.max_length = max(max(lengths_of(ds.examples)) for ds in (train, valid, test))
     for ds in {id(ds): ds for ds in (train, valid, test)}.values():
         for line in ds.stats.skipped_rows:  # data.bad_rows: skip
             log(f"{ds.path}: {line}" if not line.startswith(" ") else line)

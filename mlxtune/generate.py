@@ -5,6 +5,7 @@ greedy or sampled (temperature, top-k, top-p, min-p) with a key of each row's ow
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from collections import deque
 from dataclasses import dataclass
@@ -429,7 +430,7 @@ def sample(model: nn.Module, tokenizer, cfg, valid_set, step: int) -> list[dict]
         shown = texts = list(cfg.prompts)
         ids = [list(tokenizer.encode(p)) for p in texts]
     else:
-        chosen = [e for e in valid_set.examples if e.prompt_ids][: cfg.count]
+        chosen = list(itertools.islice((e for e in valid_set.examples if e.prompt_ids), cfg.count))
         shown = [e.shown_prompt for e in chosen]
         texts, ids = [e.prompt for e in chosen], [e.prompt_ids for e in chosen]
     if not ids:

@@ -5,6 +5,7 @@ to save and resume; none of them knows about the loop."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import shutil
 import tempfile
@@ -500,7 +501,7 @@ class Trainer:
 
     def _exact_match(self, when: str, step: int) -> float:
         n = self.recipe.eval.exact_match
-        examples = [e for e in self.test_set.examples if e.prompt_ids][:n]
+        examples = list(itertools.islice((e for e in self.test_set.examples if e.prompt_ids), n))
         acc, rows = exact_match(
             self.model, self.tokenizer, examples, self.recipe.eval.max_new_tokens
         )

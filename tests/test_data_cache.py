@@ -105,9 +105,48 @@ def test_entries_round_trip_every_kind_of_example(tmp_path):
         ds = Dataset(ex, stats, "data.jsonl")
         cache.save(tmp_path / str(i), ds)
         back = cache.load(tmp_path / str(i), kinds)
-        assert back.examples == ex and back.path == "data.jsonl"
+        assert list(back.examples) == ex and back.path == "data.jsonl"
         assert back.stats.truncated == 1 and back.stats.skipped_rows == ["l"]
     assert [type(b) for b in back.examples[0].ended] == [bool, bool]  # bools stay bools
+
+
+def test_cached_examples_are_columns_built_as_they_are_read(tmp_path):
+    """SFT examples come back as an ExampleTable: each read builds the example from its slices;
+    lengths, target counts, picks and slices without building any, equal to the lists'."""
+    import random
+
+    from mlxtune.data.encode import ExampleTable, split_sets
+
+    rng = random.Random(0)
+    examples = []
+    for i in range(40):
+        n = rng.randint(2, 9)
+        ids = [rng.randrange(1000) for _ in range(n)]
+        mask = [rng.randint(0, 1) for _ in range(n)]
+        mask[-1] = 1
+        with_prompt = i % 3 == 0
+        examples.append(
+            Example(ids, mask, "p" if with_prompt else None, None, ids[:1] if with_prompt else None)
+        )
+    stats = SplitStats(examples=40, kept=40)
+    cache.save(tmp_path / "e", Dataset(examples, stats, "d.jsonl"))
+    back = cache.load(tmp_path / "e", (Example,))
+    table = back.examples
+    assert isinstance(table, ExampleTable) and len(table) == 40
+    assert table[5] == examples[5] and table[-1] == examples[-1]
+    assert table[5] is not table[5]  # built on each read
+    assert table.lengths().tolist() == [len(e.ids) for e in examples]
+    assert table.target_counts().tolist() == [sum(e.mask[1:]) for e in examples]
+    picked = table.take([7, 3, 30])
+    assert list(picked) == [examples[7], examples[3], examples[30]]
+    assert picked.target_counts().tolist() == [sum(examples[i].mask[1:]) for i in (7, 3, 30)]
+    assert list(table[10:14]) == examples[10:14] and list(picked[1:]) == [examples[3], examples[30]]
+    whole = Dataset(examples, stats, "d.jsonl")
+    for a, b in zip(
+        split_sets(back, 0.2, 3, seed=4), split_sets(whole, 0.2, 3, seed=4), strict=True
+    ):
+        assert list(a.examples) == list(b.examples)
+        assert (a.stats.tokens, a.stats.target_tokens) == (b.stats.tokens, b.stats.target_tokens)
 
 
 def test_a_broken_entry_is_rebuilt_not_an_error(tmp_path, data_dir, llama_dir, encodes):
@@ -151,7 +190,7 @@ def test_rank_zero_builds_the_entry_and_the_others_read_it(tmp_path):
     got = cache.cached(str(data), tok, {"s": 2}, build("rank 0"), kinds, world=main)
     again = cache.cached(str(data), tok, {"s": 2}, build("rank 1"), kinds, world=Rank(1))
     assert built == ["rank 1 alone", "rank 0"] and main.barriers == 1
-    assert again.examples == got.examples and again.stats.cached
+    assert list(again.examples) == list(got.examples) and again.stats.cached
 
 
 class _Tok:

@@ -225,6 +225,20 @@ def test_packed_rows_and_accumulation_stay_exact(runs, tmp_path):
 
 
 @pytest.mark.slow  # suite time: the default run stays under 10 minutes
+def test_a_streamed_training_set_trains_as_one(runs, tmp_path):
+    """data.streaming: every rank reads the same windows and takes its share of each batch."""
+    r = dict(runs["recipe"])
+    r["data"] = {**r["data"], "streaming": True, "stream_window": 40}
+    r["train"] = {**r["train"], "max_steps": 6}
+    r["checkpoints"] = {"every": 3, "save_final": False, "save_best": False}
+    one, two, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, p.stdout + p.stderr
+    same(rows(one), rows(two))
+    state = json.loads((two / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    assert state["resume"]["data_stream"]["epoch"] == 0
+
+
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_a_non_finite_step_on_one_rank_is_skipped_by_all(runs, tmp_path):
     r = dict(runs["recipe"], precision={"nonfinite": "skip", "max_skipped": 2})
     path = tmp_path / "skip.yaml"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .encode import Dataset, Example
+from .encode import Dataset, Example, lengths_of
 
 
 @dataclass
@@ -111,7 +111,7 @@ def iterate_batches(
     """Endless (epoch, batch) stream over the training set, from batch ``skip`` of epoch
     ``start_epoch`` (each epoch's order depends only on the seed and the epoch: a resumed run
     sees the batches an uninterrupted one would)."""
-    lengths = [len(e.ids) for e in ds.examples]
+    lengths = lengths_of(ds.examples)
     epoch = start_epoch
     while True:
         order = batch_order(lengths, batch_size, epoch, seed, bucket_size)
@@ -137,7 +137,7 @@ def eval_batches(
     ds: Dataset, batch_size: int, pad_id: int, multiple: int, max_batches: int | None = None
 ):
     """Fixed, length-sorted batches over a whole split (deterministic)."""
-    lengths = [len(e.ids) for e in ds.examples]
+    lengths = lengths_of(ds.examples)
     return [
         make_batch([ds.examples[i] for i in idx], pad_id, multiple)
         for idx in eval_order(lengths, batch_size, max_batches)

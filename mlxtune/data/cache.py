@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import distributed
-from .encode import Dataset, SplitStats
+from .encode import Dataset, Example, ExampleTable, SplitStats
 from .formats import only_built_in_formats
 
 FORMAT = 1  # the layout of an entry
@@ -168,10 +168,16 @@ def save(folder: Path, ds: Dataset) -> None:
     from safetensors.numpy import save_file
 
     examples = ds.examples
-    kind = type(examples[0]) if examples else None
+    kind = type(examples[0]) if len(examples) else None
     names = [f.name for f in dataclasses.fields(kind)] if kind else []
     arrays: dict[str, np.ndarray] = {}
     other: dict[str, list] = {}
+    if isinstance(examples, ExampleTable):  # its columns as they are
+        ints, other = examples.flat()
+        for name, (values, lengths) in ints.items():
+            arrays[f"{name}.values"] = np.ascontiguousarray(values, dtype=np.int32)
+            arrays[f"{name}.lengths"] = np.ascontiguousarray(lengths, dtype=np.int64)
+        names = []
     for name in names:
         if _int_lists(examples, name):
             values = [getattr(e, name) for e in examples]
@@ -223,17 +229,16 @@ def load(folder: Path, kinds: tuple[type, ...]) -> Dataset | None:
     kind = classes[meta["class"]]
     n = meta["stats"]["kept"]
     columns: dict[str, list] = dict(meta["fields"])
+    spans = {}
     for name in meta["arrays"]:
         values, lengths = arrays[f"{name}.values"], arrays[f"{name}.lengths"]
-        ends = np.cumsum(np.maximum(lengths, 0)).tolist()
-        starts = [0, *ends[:-1]]
-        # each example's slice of the array made a list on its own: no copy of the whole
-        columns[name] = [
-            None if length < 0 else values[a:b].tolist()
-            for length, a, b in zip(lengths.tolist(), starts, ends, strict=True)
-        ]
-    names, rows = list(columns), zip(*columns.values(), strict=True)
-    examples = [kind(**dict(zip(names, row, strict=True))) for row in rows]
+        ends = np.cumsum(np.maximum(lengths, 0))
+        spans[name] = (values, ends - np.maximum(lengths, 0), lengths)
+    if kind is Example and "ids" in spans and "mask" in spans:
+        # kept as columns: an example is built when a batch reads it
+        examples = ExampleTable(kind, columns, spans)
+    else:
+        examples = list(ExampleTable(kind, columns, spans))
     if len(examples) != n:
         return None
     return Dataset(examples, SplitStats(**{**meta["stats"], "cached": True}), meta["path"])
@@ -260,7 +265,7 @@ def cached(
         ds = load(folder, kinds)
         if ds is None:
             ds = build()
-            if ds.examples:
+            if len(ds.examples):
                 save(folder, ds)
     if world is not None and world.size > 1:
         world.barrier()  # rank 0 has stored it (a rank 0 that failed ends the run)

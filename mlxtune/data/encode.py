@@ -9,6 +9,8 @@ counts iff ``mask[j]``; padding is never a target, so it never enters the loss.
 from __future__ import annotations
 
 import dataclasses
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +60,142 @@ class Example:
         return int(sum(self.mask[1:]))
 
 
+class ExampleTable(Sequence):
+    """Examples kept as columns: each integer-list field (``ids``, ``mask``, ``prompt_ids``) as
+    one flat int32 array with each example's start and length, the other fields as lists. An
+    example is built when it is read (``table[i]``: a new object each time, its lists made from
+    its slices), so a large data set read from the cache neither waits for every example to be
+    built nor holds a Python int per token. ``lengths()`` and ``target_counts()`` give what
+    batching and the stats need without building any."""
+
+    def __init__(
+        self,
+        kind: type,
+        columns: dict[str, list],
+        arrays: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        index: np.ndarray | None = None,
+        _shared: dict | None = None,
+    ):
+        self.kind, self.columns, self.arrays = kind, columns, arrays
+        """``arrays``: field -> (values, starts, lengths; -1 for None)."""
+        self._shared = {} if _shared is None else _shared  # per-column figures, worked out once
+        n = len(next(iter(arrays.values()))[1]) if arrays else len(next(iter(columns.values()), []))
+        self.index = np.arange(n) if index is None else np.asarray(index, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.take(self.index[i], absolute=True)
+        j = int(self.index[i])
+        fields = {name: col[j] for name, col in self.columns.items()}
+        for name, (values, starts, lengths) in self.arrays.items():
+            n, a = int(lengths[j]), int(starts[j])
+            fields[name] = None if n < 0 else values[a : a + n].tolist()
+        return self.kind(**fields)
+
+    def take(self, positions, absolute: bool = False) -> ExampleTable:
+        """The examples at ``positions`` (of this table; ``absolute``: of the columns), as a
+        table sharing these columns."""
+        idx = np.asarray(positions, dtype=np.int64)
+        index = idx if absolute else self.index[idx]
+        return ExampleTable(self.kind, self.columns, self.arrays, index, self._shared)
+
+    def flat(self) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, list]]:
+        """The examples in order as ({field: (values, lengths)}, {field: list}): what an entry
+        of the data cache stores."""
+        whole = np.array_equal(self.index, np.arange(len(self.index)))
+        ints = {}
+        for name, (values, starts, lengths) in self.arrays.items():
+            if whole:
+                n = np.maximum(lengths, 0)
+                ints[name] = (values[: int(n.sum())], lengths)
+                continue
+            ls, st = lengths[self.index], starts[self.index]
+            parts = [
+                values[a : a + n]
+                for a, n in zip(st.tolist(), np.maximum(ls, 0).tolist(), strict=True)
+            ]
+            ints[name] = (np.concatenate(parts) if parts else values[:0], ls)
+        other = {
+            k: col if whole else [col[j] for j in self.index.tolist()]
+            for k, col in self.columns.items()
+        }
+        return ints, other
+
+    def lengths(self) -> np.ndarray:
+        """Each example's tokens (``len(ids)``)."""
+        return self.arrays["ids"][2][self.index]
+
+    def target_counts(self) -> np.ndarray:
+        """Each example's targets (``n_targets``: its mask after the first token)."""
+        if "targets" not in self._shared:
+            values, starts, lengths = self.arrays["mask"]
+            sums = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+            n = np.maximum(lengths, 0)
+            first = np.where(n > 0, values[np.minimum(starts, max(len(values) - 1, 0))], 0)
+            self._shared["targets"] = sums[starts + n] - sums[starts] - first
+        return self._shared["targets"][self.index]
+
+
+class TableBuilder:
+    """An ``ExampleTable`` built one example at a time: each integer-list field appended to one
+    compact int32 buffer, so that a large split never holds a Python int per token."""
+
+    INTS = ("ids", "mask", "prompt_ids")
+
+    def __init__(self):
+        self.values = {k: array("i") for k in self.INTS}
+        self.lengths = {k: array("q") for k in self.INTS}
+        self.other: dict[str, list] = {
+            f.name: [] for f in dataclasses.fields(Example) if f.name not in self.INTS
+        }
+
+    def add(self, e: Example) -> None:
+        for k in self.INTS:
+            v = getattr(e, k)
+            self.lengths[k].append(-1 if v is None else len(v))
+            if v:
+                self.values[k].extend(v)
+        for k, col in self.other.items():
+            col.append(getattr(e, k))
+
+    def __len__(self) -> int:
+        return len(self.lengths["ids"])
+
+    def table(self) -> ExampleTable:
+        spans = {}
+        for k in self.INTS:
+            values = (
+                np.frombuffer(self.values[k], dtype=np.int32)
+                if self.values[k]
+                else np.zeros(0, np.int32)
+            )
+            lengths = (
+                np.frombuffer(self.lengths[k], dtype=np.int64)
+                if self.lengths[k]
+                else np.zeros(0, np.int64)
+            )
+            n = np.maximum(lengths, 0)
+            spans[k] = (values, np.cumsum(n) - n, lengths)
+        return ExampleTable(Example, self.other, spans)
+
+
+def lengths_of(examples) -> list[int]:
+    """``len(e.ids)`` of each example (an ``ExampleTable``'s without building them)."""
+    if isinstance(examples, ExampleTable):
+        return examples.lengths().tolist()
+    return [len(e.ids) for e in examples]
+
+
+def picked(examples, positions) -> Sequence:
+    """The examples at ``positions``, in that order (an ``ExampleTable``'s as a table)."""
+    if isinstance(examples, ExampleTable):
+        return examples.take(positions)
+    return [examples[i] for i in positions]
+
+
 @dataclass
 class SplitStats:
     """What happened to one split's examples on the way to batches."""
@@ -103,7 +241,8 @@ class SplitStats:
 class Dataset:
     """A split's examples, what happened on the way (``stats``) and the file they came from."""
 
-    examples: list[Example]
+    examples: Sequence[Example]
+    """A list, or an ``ExampleTable`` (read from the cache)."""
     stats: SplitStats = field(default_factory=SplitStats)
     path: str = ""
 
@@ -334,24 +473,24 @@ def encode_rows(
     if fmt == "auto":
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
-    out = []
+    out = TableBuilder()
     for _, ex in encoded(encoder, rows, fmt, path, workers, pool):
         with bad.row():
             if isinstance(ex, UserInputError):
                 raise ex
             if fitted(ex, max_length, overlong, min_length, stats):
-                out.append(ex)
+                out.add(ex)
                 stats.tokens += len(ex.ids)
                 stats.target_tokens += ex.n_targets
     bad.finish(stats, path)
     stats.kept = len(out)
-    if not out and not allow_empty:
+    if not len(out) and not allow_empty:
         raise UserInputError(
             f"no example is left to train on ({stats.line()}; {stats.examples} read): check data.max_length, "
             "data.min_length and the prompt masking",
             str(path),
         )
-    return Dataset(out, stats, str(path))
+    return Dataset(out.table(), stats, str(path))
 
 
 def split_off(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -387,9 +526,9 @@ def split_sets(
         )
     order = np.random.default_rng(seed).permutation(n)
     cuts = [0, sizes[0], sizes[0] + sizes[1]]
-    valid = [ds.examples[i] for i in sorted(order[cuts[0] : cuts[1]])]
-    test = [ds.examples[i] for i in sorted(order[cuts[1] : cuts[2]])]
-    train = [ds.examples[i] for i in sorted(order[cuts[2] :])]
+    valid = picked(ds.examples, sorted(order[cuts[0] : cuts[1]]))
+    test = picked(ds.examples, sorted(order[cuts[1] : cuts[2]]))
+    train = picked(ds.examples, sorted(order[cuts[2] :]))
     # The training split keeps what happened to the whole file (truncated, dropped).
     file_counts = {
         f: getattr(ds.stats, f)
@@ -420,8 +559,12 @@ def held_out(ds: Dataset, data, seed: int, valid_given: bool, test_given: bool):
     return split_sets(ds, valid_size, test_size, seed)
 
 
-def _stats_of(examples: list[Example]) -> SplitStats:
+def _stats_of(examples) -> SplitStats:
     s = SplitStats(examples=len(examples), kept=len(examples))
-    s.tokens = sum(len(e.ids) for e in examples)
-    s.target_tokens = sum(e.n_targets for e in examples)
+    if isinstance(examples, ExampleTable):
+        s.tokens = int(examples.lengths().sum())
+        s.target_tokens = int(examples.target_counts().sum())
+    else:
+        s.tokens = sum(len(e.ids) for e in examples)
+        s.target_tokens = sum(e.n_targets for e in examples)
     return s

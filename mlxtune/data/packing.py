@@ -11,7 +11,7 @@ import bisect
 import numpy as np
 
 from .batching import Batch
-from .encode import Dataset, Example
+from .encode import Dataset, Example, lengths_of
 
 
 def pack_rows(lengths: list[int], capacity: int, order: np.ndarray) -> list[list[int]]:
@@ -96,7 +96,7 @@ def packed_epoch(
     if mode == "stream":
         rows = stream_rows(ds.examples, capacity, order)
     else:
-        lengths = sizes if sizes is not None else [len(e.ids) for e in ds.examples]
+        lengths = sizes if sizes is not None else lengths_of(ds.examples)
         rows = [[ds.examples[i] for i in r] for r in pack_rows(lengths, capacity, order)]
     return [rows[i] for i in rng.permutation(len(rows))]
 

@@ -9,6 +9,7 @@ the loop never knows which loss it runs. A new objective is a subclass registere
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from ..data import (
     StreamedSet,
     encode_rows,
     held_out,
+    lengths_of,
     load_split,
     read_positions,
     split_batch,
@@ -138,11 +140,11 @@ class Objective:
             train = load(d.train, longest)
             train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
         if d.packing == "stream":  # evaluation reads one document a row, up to max_length
-            for e in [
-                *(valid.examples if valid is not None else ()),
-                *(test.examples if test is not None else ()),
-            ]:
-                e.ids, e.mask = e.ids[: d.max_length], e.mask[: d.max_length]
+            for ds in {id(x): x for x in (valid, test) if x is not None}.values():
+                ds.examples = [
+                    dataclasses.replace(e, ids=e.ids[: d.max_length], mask=e.mask[: d.max_length])
+                    for e in ds.examples
+                ]
         if valid is None:
             valid = load(d.valid, d.max_length)
         if test is None:
@@ -299,7 +301,7 @@ class Objective:
             return r.train.batch_size, (r.data.pack_length or r.data.max_length) - 1
         if r.data.streaming:  # a later window may hold an example as long as max_length
             return r.train.batch_size, read_positions(r.data.max_length, r.data.pad_to_multiple)
-        longest = max((len(e.ids) for e in self.components.train_set.examples), default=2)
+        longest = max(lengths_of(self.components.train_set.examples), default=2)
         return r.train.batch_size, read_positions(longest, r.data.pad_to_multiple)
 
     def generation_layout(self) -> tuple[int, int] | None:
