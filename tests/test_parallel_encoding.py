@@ -96,3 +96,56 @@ def test_a_script_with_no_main_guard_encodes_in_several_processes(tmp_path, toke
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "encoded 30"
+
+
+def test_preference_pairs_and_prompts_encode_alike_in_two_processes(
+    tmp_path, tokenizer_dir, monkeypatch
+):
+    """load_pairs and load_prompts hand rows to processes as load_split does: the same pairs,
+    prompts (offline responses too), bad rows and stats as one process."""
+    from mlxtune.data.preference import PairEncoder, load_pairs
+    from mlxtune.data.prompts import PromptEncoder, load_prompts
+    from mlxtune.tokenizer import load_tokenizer
+
+    monkeypatch.setattr(E, "_CHUNK_ROWS", 7)
+    tok = load_tokenizer(tokenizer_dir, chat_template=QWEN_STYLE)
+    pairs = [
+        {"prompt": f"pick {i}", "chosen": f" {i}", "rejected": f" {i + 1}" + " and more" * (i % 4)}
+        for i in range(30)
+    ]
+    pairs[4] = {"prompt": "no pair here", "chosen": " x"}  # bad: no rejected
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in pairs))
+
+    def load_p(num_proc):
+        return load_pairs(
+            path, PairEncoder(tok), "auto", 12, "drop", 2, None, BadRows(True, 0.5), num_proc
+        )
+
+    one, two = load_p(1), load_p(2)
+    fields = lambda d: [
+        (e.ids, e.mask, e.rejected_ids, e.rejected_mask, e.index) for e in d.examples
+    ]  # noqa: E731
+    assert fields(two) == fields(one) and one.stats == two.stats
+    assert one.stats.skipped == 1 and one.stats.dropped_too_long > 0  # long ones dropped alike
+
+    prompts = [
+        {"prompt": [{"role": "user", "content": f"count to {i}" + " more" * (i % 5)}],
+         "responses": [f"{i}", "no"], "rewards": [1.0, 0.0], "answer": i}
+        for i in range(25)
+    ]  # fmt: skip
+    prompts[9] = {"prompt": "text", "responses": ["a"]}  # bad: no rewards
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in prompts))
+
+    def load_q(num_proc):
+        enc = PromptEncoder(tok)
+        return load_prompts(path, enc, 24, 4, "truncate", None, BadRows(True, 0.5), num_proc)
+
+    one, two = load_q(1), load_q(2)
+    fields = lambda d: [  # noqa: E731
+        (e.ids, e.prompt, e.answer, e.fields, e.where, e.responses, e.ended, e.rewards)
+        for e in d.examples
+    ]
+    assert fields(two) == fields(one) and one.stats == two.stats
+    assert one.stats.skipped == 1 and one.stats.truncated > 0 and len(one.examples) == 24

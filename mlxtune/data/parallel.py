@@ -9,6 +9,7 @@ import os
 import sys
 import types
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserInputError
@@ -65,8 +66,16 @@ def _start_worker(encoder) -> None:
     _WORKER["encoder"] = encoder  # the parent's own Encoder, as multiprocessing hands it over
 
 
+@dataclass(frozen=True)
+class _Failed:
+    """A row's UserInputError, as a worker sends it back."""
+
+    message: str
+    where: str | None
+
+
 def _encode_rows(job):
-    """In a worker: each row encoded, or the error it gave as (message, where)."""
+    """In a worker: each row encoded, or the error it gave (``_Failed``)."""
     fmt, path, rows = job
     encoder = _WORKER["encoder"]
     out = []
@@ -74,7 +83,7 @@ def _encode_rows(job):
         try:
             out.append(encoder.encode(obj, fmt, f"{path}:{n}"))
         except UserInputError as e:
-            out.append((e.message, e.where))
+            out.append(_Failed(e.message, e.where))
     return out
 
 
@@ -103,7 +112,8 @@ def encoder_pool(encoder, workers: int) -> ProcessPoolExecutor:
 
 
 def encoded(encoder, rows: list, fmt: str, path, workers: int = 1, pool=None):
-    """(row number, Example or the UserInputError its row gave), in file order: encoded here, or
+    """(row number, what ``encoder.encode(row, fmt, where)`` gave: an Example, or the
+    UserInputError it raised), in file order: encoded here, or
     by ``workers`` processes (``encoder_pool``, or ``pool`` when given: kept for the next call),
     each given chunks of rows."""
     label = f"encoding {Path(path).name}"
@@ -126,8 +136,8 @@ def encoded(encoder, rows: list, fmt: str, path, workers: int = 1, pool=None):
             futures = [pool.submit(_encode_rows, job) for job in jobs]
         for chunk, results in zip(chunks, (f.result() for f in futures), strict=True):
             for (n, _), result in zip(chunk, results, strict=True):
-                if isinstance(result, tuple):
-                    result = UserInputError(*result)
+                if isinstance(result, _Failed):
+                    result = UserInputError(result.message, result.where)
                 yield n, result
             done += len(chunk)
             progress(label, done, len(rows))

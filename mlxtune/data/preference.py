@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -25,7 +24,7 @@ from .batching import Batch, batch_order, eval_order, read_positions
 from .encode import Dataset, Encoder, Example, SplitStats
 from .formats import Chat, Pair, PromptAnswer, detect_format, get_format
 from .packing import packed_epoch
-from .parallel import tracked
+from .parallel import encoded, workers_for
 from .rows import BadRows
 
 NO_SEQUENCE = -1
@@ -115,6 +114,24 @@ def _prompt_length(mask: list[int]) -> int:
     return next((i for i, m in enumerate(mask) if m), len(mask))
 
 
+@dataclass
+class PairRows:
+    """Encodes one preference row to its ``PairExample``, here or in an encoding process
+    (``parallel.encoded`` hands it to each)."""
+
+    encoder: PairEncoder
+
+    def encode(self, obj: dict, fmt: str, where: str) -> PairExample:
+        piece = get_format(fmt).pieces(obj, where)
+        if not isinstance(piece, Pair):
+            raise UserInputError(
+                f'preference objectives train on pairs ({{"prompt", "chosen", "rejected"}}); '
+                f"this row is {fmt!r} data",
+                where,
+            )
+        return self.encoder.encode(piece, where)
+
+
 def load_pairs(
     path,
     encoder: PairEncoder,
@@ -124,27 +141,24 @@ def load_pairs(
     min_length: int,
     columns: dict[str, str] | None = None,
     bad: BadRows | None = None,
+    num_proc: int | str = 1,
 ) -> Dataset:
     """A JSONL file's preference pairs. A sequence longer than ``max_length`` has its
     completion cut at the end (``overlong: truncate``) or its pair dropped (``drop``); a prompt
-    that leaves no room for a completion token is an error naming the line."""
+    that leaves no room for a completion token is an error naming the line. ``num_proc``
+    processes encode it (``workers_for``)."""
     bad = bad or BadRows()
     rows = bad.read(path, columns)
     if fmt == "auto":
         fmt = detect_format(rows[0][1], f"{path}:{rows[0][0]}")
     stats = SplitStats(examples=len(rows))
     out: list[PairExample] = []
-    for n, obj in tracked(rows, f"encoding {Path(path).name}"):
+    workers = workers_for(len(rows), num_proc)
+    for n, ex in encoded(PairRows(encoder), rows, fmt, path, workers):
         with bad.row():
             where = f"{path}:{n}"
-            piece = get_format(fmt).pieces(obj, where)
-            if not isinstance(piece, Pair):
-                raise UserInputError(
-                    f'preference objectives train on pairs ({{"prompt", "chosen", "rejected"}}); '
-                    f"this row is {fmt!r} data",
-                    where,
-                )
-            ex = encoder.encode(piece, where)
+            if isinstance(ex, UserInputError):
+                raise ex
             if ex.longest > max_length:
                 prompt = max(_prompt_length(ex.mask), _prompt_length(ex.rejected_mask))
                 if prompt >= max_length:

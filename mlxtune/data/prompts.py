@@ -19,7 +19,7 @@ from ..errors import UserInputError
 from .chat import common_prefix
 from .encode import Dataset, Example, SplitStats
 from .formats import check_messages, read_tools
-from .parallel import tracked
+from .parallel import encoded, workers_for
 from .rows import BadRows
 
 OFFLINE_KEYS = ("responses", "rewards")
@@ -131,6 +131,58 @@ class PromptEncoder:
         return out
 
 
+@dataclass
+class PromptRows:
+    """Encodes one prompt row to its ``PromptExample`` (None: dropped as too long), here or in
+    an encoding process (``parallel.encoded`` hands it to each)."""
+
+    enc: PromptEncoder
+    offline: bool
+    max_prompt: int
+    max_completion: int
+    overlong: str
+
+    def encode(self, obj: dict, fmt: str, where: str) -> tuple[PromptExample | None, bool]:
+        """(the example or None where it is dropped, whether its prompt was cut)."""
+        if "prompt" not in obj:
+            raise UserInputError(
+                f"a prompt row needs a 'prompt' (keys here: {', '.join(map(str, obj)) or 'none'})",
+                where,
+            )
+        offline = self.offline
+        has = [k for k in OFFLINE_KEYS if k in obj]
+        if offline and len(has) < 2 or not offline and has:
+            raise UserInputError(
+                "offline rows (the file's first row is one) need both 'responses' and 'rewards'"
+                if offline
+                else "this row gives responses, but the file's first row is a prompt to "
+                "generate from: every row of a file is one kind",
+                where,
+            )
+        tools = read_tools(obj.get("tools"), where)
+        ids, text, shown = self.enc.prompt(obj["prompt"], where, tools)
+        cut = len(ids) > self.max_prompt
+        if cut:
+            if self.overlong == "drop":
+                return None, True
+            ids = ids[-self.max_prompt :]
+        answer = obj.get("answer")
+        fields = {k: v for k, v in obj.items() if k not in ("prompt", *OFFLINE_KEYS)}
+        ex = PromptExample(
+            list(ids),
+            [0] * len(ids),
+            prompt=text,
+            answer=answer if isinstance(answer, str) else None if answer is None else str(answer),
+            prompt_ids=list(ids),
+            display=shown,
+            fields=fields,
+            where=where,
+        )
+        if offline:
+            _offline(ex, obj, self.enc, self.max_completion, where, tools)
+        return ex, cut
+
+
 def load_prompts(
     path: Path,
     enc: PromptEncoder,
@@ -139,61 +191,30 @@ def load_prompts(
     overlong: str,
     columns: dict[str, str] | None = None,
     bad: BadRows | None = None,
+    num_proc: int | str = 1,
 ) -> Dataset:
     """A JSONL file of prompt rows (all online or all offline, as the first row is). A prompt
     longer than ``max_prompt`` tokens keeps its last ``max_prompt`` tokens (``overlong:
     truncate``, as chat prompts keep their latest turns) or is dropped; offline responses are cut
-    at ``max_completion`` tokens (a cut one did not end)."""
+    at ``max_completion`` tokens (a cut one did not end). ``num_proc`` processes encode it
+    (``workers_for``)."""
     bad = bad or BadRows()
     rows = bad.read(path, columns)
     offline = any(k in rows[0][1] for k in OFFLINE_KEYS)
     stats = SplitStats(examples=len(rows), noun="prompts")
     out: list[PromptExample] = []
-    for n, obj in tracked(rows, f"encoding {Path(path).name}"):
+    row = PromptRows(enc, offline, max_prompt, max_completion, overlong)
+    for _, got in encoded(row, rows, "prompt", path, workers_for(len(rows), num_proc)):
         with bad.row():
-            where = f"{path}:{n}"
-            if "prompt" not in obj:
-                raise UserInputError(
-                    f"a prompt row needs a 'prompt' (keys here: {', '.join(map(str, obj)) or 'none'})",
-                    where,
-                )
-            has = [k for k in OFFLINE_KEYS if k in obj]
-            if offline and len(has) < 2 or not offline and has:
-                raise UserInputError(
-                    "offline rows (the file's first row is one) need both 'responses' and 'rewards'"
-                    if offline
-                    else "this row gives responses, but the file's first row is a prompt to "
-                    "generate from: every row of a file is one kind",
-                    where,
-                )
-            tools = read_tools(obj.get("tools"), where)
-            ids, text, shown = enc.prompt(obj["prompt"], where, tools)
-            if len(ids) > max_prompt:
-                if overlong == "drop":
-                    stats.dropped_too_long += 1
-                    continue
-                ids = ids[-max_prompt:]
-                stats.truncated += 1
-            answer = obj.get("answer")
-            fields = {k: v for k, v in obj.items() if k not in ("prompt", *OFFLINE_KEYS)}
-            ex = PromptExample(
-                list(ids),
-                [0] * len(ids),
-                prompt=text,
-                answer=answer
-                if isinstance(answer, str)
-                else None
-                if answer is None
-                else str(answer),
-                prompt_ids=list(ids),
-                display=shown,
-                fields=fields,
-                where=where,
-            )
-            if offline:
-                _offline(ex, obj, enc, max_completion, where, tools)
+            if isinstance(got, UserInputError):
+                raise got
+            ex, cut = got
+            if ex is None:
+                stats.dropped_too_long += 1
+                continue
+            stats.truncated += cut
             out.append(ex)
-            stats.tokens += len(ids)
+            stats.tokens += len(ex.ids)
     bad.finish(stats, path)
     stats.kept = len(out)
     if not out:

@@ -186,7 +186,9 @@ class OnPolicy(Objective):
         def load(path):
             source, limits = r.resolve_path(path), (d.max_length, cfg.max_completion_length)
             bad = BadRows(d.bad_rows == "skip", d.max_bad_fraction)
-            build = partial(load_prompts, source, enc, *limits, d.overlong, d.columns, bad)
+            build = partial(
+                load_prompts, source, enc, *limits, d.overlong, d.columns, bad, d.num_proc
+            )
             return cached_split(source, d, tokenizer, enc, build, (PromptExample,), limits=limits)
 
         train = load(d.train)

@@ -158,7 +158,7 @@ class Preference(Objective):
         def load(path):
             source, bad = r.resolve_path(path), BadRows(d.bad_rows == "skip", d.max_bad_fraction)
             limits = (d.max_length, d.overlong, d.min_length)
-            build = partial(load_pairs, source, enc, d.format, *limits, d.columns, bad)
+            build = partial(load_pairs, source, enc, d.format, *limits, d.columns, bad, d.num_proc)
             return cached_split(source, d, tokenizer, enc, build, (PairExample,), limits=limits)
 
         train = load(d.train)
