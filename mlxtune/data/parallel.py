@@ -134,7 +134,9 @@ def encoded(encoder, rows: list, fmt: str, path, workers: int = 1, pool=None):
     ):
         with _bare_main():  # the workers start as the jobs are handed out
             futures = [pool.submit(_encode_rows, job) for job in jobs]
-        for chunk, results in zip(chunks, (f.result() for f in futures), strict=True):
+        for i, chunk in enumerate(chunks):
+            results = futures[i].result()
+            futures[i] = None  # a chunk's examples live no longer than the caller keeps them
             for (n, _), result in zip(chunk, results, strict=True):
                 if isinstance(result, _Failed):
                     result = UserInputError(result.message, result.where)
