@@ -70,7 +70,7 @@ class Trainer:
         self._reporters: list = []
         """Where the records also go (``report``; rank 0)."""
         self._meter = StepMeter()
-        self._signals = Signals(self._on_signal, enabled=not dry_run)
+        self._signals = Signals(self._on_signal, not dry_run, self._lost_at_once)
         self._held_logs: list[str] | None = []  # log lines wait until the input is accepted
         self._tmp = None
         if dry_run or not self.world.main:  # a scratch run directory, removed at the end
@@ -213,6 +213,23 @@ class Trainer:
         self.console.info(
             f"{name}: finishing this step, then saving a checkpoint (again to stop at once)"
         )
+
+    def _resume_command(self) -> str:
+        r = self.recipe
+        return f"mlxtune run {r.source or 'RECIPE.yaml'} --run-dir {self.run_dir.path} --resume"
+
+    def _lost_at_once(self) -> str:
+        """What a stop at once (a second signal inside a long step) says, and logs: the step it
+        broke into, what is lost, how to go on."""
+        step = self.position.step
+        line = (
+            f"stopped at once by a second signal while step {step + 1} ran: the steps after "
+            f"the last checkpoint ({last_saved(self.run_dir)}) are lost, the checkpoint is "
+            f"intact. Resume with: {self._resume_command()}"
+        )
+        if self.world.main:
+            self.run_dir.log(line)
+        return line
 
     def _take_control(self) -> set[str]:
         """Requests from RUN_DIR/control/ (the dashboard's keys); pause waits here for resume."""
@@ -370,7 +387,7 @@ class Trainer:
                 self._checkpoint(name)
             self.world.barrier()  # no rank leaves before rank 0 has saved
             self.console.end_progress()
-            how = f"mlxtune run {r.source or 'RECIPE.yaml'} --run-dir {self.run_dir.path} --resume"
+            how = self._resume_command()
             self.log(f"{interrupted} at step {step}: saved checkpoints/{name}")
             raise Interrupted(
                 f"interrupted ({interrupted}) after step {step}; checkpoint "
