@@ -25,6 +25,7 @@ What each rank does:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -94,12 +95,187 @@ class World:
         return f"rank {self.rank} of {self.size} ({self.backend or 'single process'})"
 
 
-@contextlib.contextmanager
-def collectives(world: World):
-    """Around waiting for work that holds collectives: when one fails because a rank is gone,
-    PeerLost says so (with what to do next) instead of MLX's bare error."""
+TIMEOUT_FLOOR_S = 300.0
+"""``distributed.timeout_s: auto`` never waits less than this on the other ranks."""
+TIMEOUT_STEPS = 20
+"""... and waits this many times the longest wait seen so far (a step, an evaluation)."""
+BEAT_S = 1.0
+"""How often a rank's watchdog marks it alive (``heartbeats``)."""
+STALE_S = 15.0
+"""A rank not marked alive for this long is frozen, asleep or gone."""
+HEARTBEATS = "MLXTUNE_HEARTBEATS"
+"""A folder every rank of a run on one machine can write: each marks it alive there."""
+
+
+def heartbeats_folder() -> Path | None:
+    """Where this run's ranks mark themselves alive: ``$MLXTUNE_HEARTBEATS`` (set by
+    ``mlxtune run --nproc``), or, when every address in the ring's hostfile is this machine's
+    loopback, a folder of the temporary directory named after the hostfile's text and the
+    launcher's process (the same for every rank of one launch); None for ranks on several
+    machines."""
+    if os.environ.get(HEARTBEATS):
+        return Path(os.environ[HEARTBEATS])
+    path = os.environ.get("MLX_HOSTFILE")
     try:
-        yield
+        text = Path(path).read_text() if path else ""
+        hosts = json.loads(text) if text.strip() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(hosts, list) or not hosts:
+        return None
+    addresses = [a for h in hosts for a in (h if isinstance(h, list) else [h])]
+    if not all(isinstance(a, str) and a.rsplit(":", 1)[0] in LOOPBACK for a in addresses):
+        return None
+    key = hashlib.sha1(f"{text}:{os.getppid()}".encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"mlxtune-beats-{key}"
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def silence(
+    waited: float, limit: float, beats: dict[int, float] | None, now: float, me: int, size: int
+) -> tuple[bool, list[int]]:
+    """Whether a rank that has waited ``waited`` s on the others should give up, and which
+    ranks went silent: with ``beats`` (each rank's last mark of life, as ``now`` counts), a
+    rank unmarked for ``STALE_S`` is silent and is given up on once the wait is that long too;
+    ranks all alive are waited for up to 4 x ``limit`` (a slow rank, or rank 0 writing a large
+    checkpoint). Without beats (ranks on several machines), the wait ends at ``limit``, and
+    every other rank is a suspect, as is every rank when none is stale."""
+    others = [r for r in range(size) if r != me]
+    if beats is not None:
+        # a rank with no mark yet (still setting up) is no suspect by its beats
+        stale = [r for r in others if r in beats and now - beats[r] > STALE_S]
+        if stale and waited > STALE_S:
+            return True, stale
+        return waited > 4 * limit, others
+    return waited > limit, others
+
+
+class Watchdog:
+    """Ends this rank when it waits on the others for longer than it should.
+
+    A peer that froze (SIGSTOP, a laptop asleep) or dropped off the network without closing its
+    sockets never fails a collective: it is only never answered, and the main thread, inside
+    MLX's evaluation, cannot be interrupted. So the main thread marks each wait on collectives
+    (``waiting``), and this thread (MLX evaluates without the GIL) checks it once a second: when
+    ``silence`` says so, it writes one line (which rank went silent, at which step, the resume
+    command: ``context()``) to stderr, calls ``on_fire(line)`` (rank 0 logs it), and ends the
+    process with exit code 1. Only waits are timed, so a rank busy with its own work (rank 0
+    writing a checkpoint) never fires; its peers waiting meanwhile see it alive. On one machine
+    each rank also marks itself alive in ``folder`` once a second (``heartbeats_folder``)."""
+
+    def __init__(self, world: World, timeout: float | str, context, on_fire=None, folder=None):
+        self.world, self.timeout = world, timeout
+        self.context, self.on_fire = context, on_fire
+        self.folder = folder
+        self.longest = 0.0
+        """The longest wait that ended (``auto`` scales from it)."""
+        self._since: float | None = None
+        self._what = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def limit(self) -> float:
+        """How long a wait may last before the others are given up on."""
+        if self.timeout == "auto":
+            return max(TIMEOUT_FLOOR_S, TIMEOUT_STEPS * self.longest)
+        return float(self.timeout)
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        """Around the main thread's wait on work that holds collectives."""
+        if self._since is not None:  # nested: the outer wait counts
+            yield
+            return
+        self._since, self._what = time.monotonic(), what
+        try:
+            yield
+        finally:
+            self.longest = max(self.longest, time.monotonic() - self._since)
+            self._since = None
+
+    def _beat_path(self, rank: int) -> Path:
+        return self.folder / f"rank-{rank}"
+
+    def _beats(self) -> dict[int, float] | None:
+        if self.folder is None:
+            return None
+        out, now_wall, now = {}, time.time(), time.monotonic()
+        for r in range(self.world.size):
+            try:
+                out[r] = now - (now_wall - self._beat_path(r).stat().st_mtime)
+            except OSError:
+                continue
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            if self.folder is not None:
+                try:
+                    self._beat_path(self.world.rank).touch()
+                except OSError:
+                    self.folder = None  # no shared folder after all: time the waits alone
+            since = self._since
+            if since is None:
+                continue
+            now = time.monotonic()
+            fire, who = silence(
+                now - since, self.limit, self._beats(), now, self.world.rank, self.world.size
+            )
+            if fire and self._since == since:
+                self._fire(now - since, who)
+
+    def _fire(self, waited: float, who: list[int]) -> None:
+        step, checkpoint, resume = self.context()
+        names = ", ".join(f"rank {r}" for r in who)
+        line = (
+            f"rank {self.world.rank}: no answer from {names} for {waited:.0f} s at step {step} "
+            f"(waiting on {self._what}): it froze, slept or lost its link. The last checkpoint "
+            f"({checkpoint}) is intact; continue with: {resume}"
+        )
+        try:
+            if self.on_fire is not None:
+                self.on_fire(line)
+            os.write(2, f"mlxtune: {line}\n".encode())
+        finally:
+            os._exit(1)
+
+    def __enter__(self) -> Watchdog:
+        global _WATCHDOG
+        if self.folder is not None:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._beat_path(self.world.rank).touch()
+            except OSError:
+                self.folder = None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="mlxtune-watchdog", daemon=True)
+        self._thread.start()
+        _WATCHDOG = self
+        return self
+
+    def __exit__(self, *exc):
+        global _WATCHDOG
+        _WATCHDOG = None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+_WATCHDOG: Watchdog | None = None
+
+
+@contextlib.contextmanager
+def collectives(world: World, what: str = "the other ranks"):
+    """Around waiting for work that holds collectives: when one fails because a rank is gone,
+    PeerLost says so (with what to do next) instead of MLX's bare error; a running
+    ``Watchdog`` times the wait (``what`` names it)."""
+    watch = _WATCHDOG if world.size > 1 else None
+    try:
+        with watch.waiting(what) if watch is not None else contextlib.nullcontext():
+            yield
     except RuntimeError as e:
         text = str(e)
         if world.size == 1 or not _LOST.search(text.lower()):
@@ -193,7 +369,7 @@ def launch_local(n: int, command: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mlxtune-ranks-") as tmp:
         hostfile = Path(tmp) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(n)]))
-        env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
+        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), HEARTBEATS: str(Path(tmp) / "beats")}
         env.update(blas_threads(n))
         procs: list[subprocess.Popen] = []
         with _forwarding_sigterm(procs):
@@ -222,18 +398,28 @@ def _wait_for(procs: list[subprocess.Popen]) -> list[int]:
             stopping = time.monotonic()
             for p in procs:
                 if p.poll() is None:
-                    p.terminate()
+                    _stop(p)
         elif stopping is not None and time.monotonic() - stopping > 60:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
 
 
+def _stop(p: subprocess.Popen) -> None:
+    """Ask a rank to stop (SIGTERM), continuing it first in case it was stopped (SIGSTOP: a
+    stopped process would keep the signal pending)."""
+    try:
+        p.send_signal(signal.SIGCONT)
+        p.terminate()
+    except ProcessLookupError:
+        pass
+
+
 def _end(procs: list[subprocess.Popen]) -> None:
     """No rank outlives its launcher: the live ones are stopped, then killed."""
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            _stop(p)
     deadline = time.monotonic() + 30
     for p in procs:
         try:

@@ -218,6 +218,22 @@ class Trainer:
         r = self.recipe
         return f"mlxtune run {r.source or 'RECIPE.yaml'} --run-dir {self.run_dir.path} --resume"
 
+    def _watchdog(self):
+        """The data-parallel ranks' watchdog (``distributed.Watchdog``), or nothing alone."""
+        timeout = self.recipe.distributed.timeout_s
+        if self.world.size == 1 or timeout is None or self.dry_run:
+            return contextlib.nullcontext()
+
+        def context():
+            return self.position.step, last_saved(self.run_dir), self._resume_command()
+
+        def on_fire(line: str):
+            if self.world.main:
+                self.run_dir.log(line)
+
+        folder = distributed.heartbeats_folder()
+        return distributed.Watchdog(self.world, timeout, context, on_fire, folder)
+
     def _lost_at_once(self) -> str:
         """What a stop at once (a second signal inside a long step) says, and logs: the step it
         broke into, what is lost, how to go on."""
@@ -260,7 +276,7 @@ class Trainer:
                 at = self.position.step if self.resumed else None
                 yaml_text = dump_yaml(r.to_dict())
                 self._reporters = open_reporters(r, self.run_dir.path, yaml_text, at)
-            with self._signals:
+            with self._signals, self._watchdog():
                 if self.tiers["attention"] == "off":
                     out = self._run()
                 else:

@@ -7,6 +7,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import mlxtune
@@ -15,12 +16,15 @@ from mlxtune.errors import Interrupted
 
 
 class Act(mlxtune.Callback):
-    def __init__(self, rank, sigint_at, die_at):
+    def __init__(self, rank, sigint_at, die_at, sleep_at=None, sleep_s=0.0):
         self.rank, self.sigint_at, self.die_at = rank, sigint_at, die_at
+        self.sleep_at, self.sleep_s = sleep_at, sleep_s
 
     def on_step(self, trainer, event):
         if trainer.world.rank != self.rank:
             return
+        if event.step == self.sleep_at:
+            time.sleep(self.sleep_s)  # slow, and alive
         if event.step == self.sigint_at:
             os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C in this rank's terminal
         if event.step == self.die_at:
@@ -53,6 +57,8 @@ def main():
     ap.add_argument("--die-at", type=int)
     ap.add_argument("--oom-at", type=int, help="the rank's Nth forward+backward runs out of memory")
     ap.add_argument("--nan-at", type=int, help="the rank's forward is NaN in this step only")
+    ap.add_argument("--sleep-at", type=int, help="the rank sleeps --sleep-s after this step")
+    ap.add_argument("--sleep-s", type=float, default=0.0)
     a = ap.parse_args()
     # mlx.launch stops the other ranks (SIGTERM) as soon as one exits non-zero: a rank that has
     # already left the training loop must still get to write its exit code (the trainer has its
@@ -64,7 +70,7 @@ def main():
             mlxtune.load_recipe(a.recipe),
             run_dir=a.run_dir,
             resume="latest" if a.resume else None,
-            callbacks=[Act(a.rank, a.sigint_at, a.die_at)],
+            callbacks=[Act(a.rank, a.sigint_at, a.die_at, a.sleep_at, a.sleep_s)],
         )
         if a.nan_at and trainer.world.rank == a.rank:
             trainer.callbacks.append(Poison(a.nan_at - 1, a.nan_at))

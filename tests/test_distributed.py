@@ -152,6 +152,77 @@ def test_a_dead_rank_ends_the_others_with_a_message(runs, tmp_path):
     assert not (run_dir / "checkpoints" / "step-000006").exists()
 
 
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of a child of ``launcher`` started as ``rank`` (MLX_RANK in its environment)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == launcher and f"MLX_RANK={rank}".encode() in env:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="finds the rank's process in /proc")
+def test_a_frozen_rank_ends_the_others_naming_it(runs, tmp_path):
+    """A rank stopped (SIGSTOP: a machine that froze or slept, its sockets open) fails no
+    collective; the others see it no longer alive and end, naming it, the step and the resume
+    command, with the last checkpoint intact."""
+    import os
+    import signal
+
+    r = dict(runs["recipe"])
+    r["train"] = {**r["train"], "max_steps": 400}
+    r["distributed"] = {"timeout_s": 3600}  # not the wait's limit: rank 1 is seen frozen
+    path = write(tmp_path, r)
+    run_dir = tmp_path / "frozen"
+    cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(path), "--run-dir", str(run_dir)]
+    p = subprocess.Popen(
+        [*cmd, "--nproc", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "step-000004").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()
+            time.sleep(0.2)
+        pid = _rank_pid(p.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, _ = p.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, out
+    assert "rank 0: no answer from rank 1 for" in out, out
+    assert "it froze, slept or lost its link" in out
+    assert f"continue with: mlxtune run {path} --run-dir {run_dir} --resume" in out
+    assert took < 60, took  # seen frozen after 15 s, not after the hour
+    saved = sorted((run_dir / "checkpoints").glob("step-*"))
+    assert saved and verify(saved[-1]) is None
+    assert "no answer from rank 1" in (run_dir / "log.txt").read_text()
+
+
+def test_a_slow_rank_that_is_alive_is_waited_for(runs, tmp_path):
+    """Rank 1 sleeps 8 s after step 3 (alive: its watchdog marks it so); with a 3 s limit rank
+    0 waits for it all the same (up to 4 x the limit for a rank seen alive)."""
+    r = dict(runs["recipe"])
+    r["distributed"] = {"timeout_s": 3}
+    r["train"] = {**r["train"], "max_steps": 5}
+    path = write(tmp_path, r)
+    codes, out, took = launch(
+        tmp_path, path, tmp_path / "slow", "--sleep-at", "3", "--sleep-s", "8"
+    )
+    assert codes == {0: 0, 1: 0}, out
+    assert "no answer" not in out and took > 8
+
+
 @pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_a_rank_out_of_memory_splits_every_rank(runs, tmp_path):
     run_dir = tmp_path / "oom"

@@ -79,3 +79,38 @@ def test_a_second_signal_inside_a_long_evaluation_stops_at_once(tmp_path, data_d
     assert "stopped at once" in (run / "log.txt").read_text()
     assert verify(run / "checkpoints" / "step-000002") is None  # intact
     assert took < 60, took
+
+
+def test_when_a_waiting_rank_gives_up_on_the_others():
+    """``silence``: with marks of life, a rank unmarked for STALE_S is given up on once the
+    wait is as long; ranks seen alive are waited for up to 4 x the limit; without marks the
+    limit decides, every other rank a suspect."""
+    from mlxtune.distributed import STALE_S, silence
+
+    now = 1000.0
+    alive = {0: now - 0.5, 1: now - 0.5, 2: now - 1.0}
+    frozen = {**alive, 2: now - STALE_S - 1}
+    assert silence(STALE_S + 1, 300, frozen, now, 0, 3) == (True, [2])
+    assert silence(STALE_S - 1, 300, frozen, now, 0, 3) == (False, [1, 2])  # not yet
+    assert silence(1000, 300, alive, now, 0, 3) == (False, [1, 2])  # alive: waited for
+    assert silence(1201, 300, alive, now, 0, 3) == (True, [1, 2])  # but not forever
+    missing = {0: now, 1: now}  # rank 2 has not marked itself yet (still setting up)
+    assert silence(60, 300, missing, now, 0, 3)[0] is False
+    assert silence(299, 300, None, now, 1, 2) == (False, [0])
+    assert silence(301, 300, None, now, 1, 2) == (True, [0])
+
+
+def test_auto_waits_twenty_times_the_longest_wait_and_at_least_five_minutes():
+    from mlxtune.distributed import TIMEOUT_FLOOR_S, Watchdog, World
+
+    w = Watchdog(World(0, 2), "auto", context=lambda: (0, "", ""))
+    assert w.limit == TIMEOUT_FLOOR_S == 300
+    w.longest = 40.0
+    assert w.limit == 800
+    assert Watchdog(World(0, 2), 12, context=None).limit == 12
+    w.longest = 0.0
+    with w.waiting("a step"):
+        with w.waiting("nested"):  # the outer wait is the one timed
+            time.sleep(0.05)
+        time.sleep(0.05)
+    assert 0.1 <= w.longest < 1.0

@@ -67,6 +67,7 @@ def check_values(r: Recipe, v: Fails) -> None:
     check_samples(r, v)
     check_precision(r, v)
     check_memory(r, v)
+    check_distributed(r, v)
     check_checkpoints(r, v)
     check_export(r, v)
     check_report(r, v)
@@ -383,6 +384,13 @@ def check_precision(r: Recipe, v: Fails) -> None:
             "precision.min_scale", f"must not exceed init_scale ({p.init_scale}), got {p.min_scale}"
         )
     _positive(v, "precision.max_skipped", p.max_skipped)
+
+
+def check_distributed(r: Recipe, v: Fails) -> None:
+    """distributed: the wait on the other ranks."""
+    t = r.distributed.timeout_s
+    if t not in ("auto", None) and (isinstance(t, bool) or t <= 0):
+        v.fail("distributed.timeout_s", f"auto, null or a number of seconds above 0, got {t!r}")
 
 
 def check_memory(r: Recipe, v: Fails) -> None:

@@ -391,6 +391,19 @@ class MemoryConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Data-parallel runs (``mlxtune run --nproc N``, ``mlx.launch``)."""
+
+    timeout_s: float | Literal["auto"] | None = "auto"
+    """How long a rank waits on the others before it gives up on them: a rank that froze, slept
+    or dropped off the network without closing its link never fails a collective. Every live
+    rank then exits (code 1) naming the silent rank, the step and the resume command; the last
+    checkpoint is intact. auto: 20 x the longest wait so far, at least 300 s (ranks on one
+    machine also see one another alive, and give up on a frozen one after 15 s); null: wait
+    forever."""
+
+
+@dataclass
 class ObjectiveConfig:
     """What the model learns from the data."""
 
@@ -455,6 +468,8 @@ class Recipe:
     """Mixed precision and non-finite steps."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Memory planning and out-of-memory fallback."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Data-parallel runs: how long a rank waits on the others."""
     objective: ObjectiveConfig = field(default_factory=SFTConfig)
     """The training objective and its settings."""
     report: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
