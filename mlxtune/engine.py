@@ -30,7 +30,7 @@ from .distributed import World, collectives
 from .errors import TrainingError, UserInputError
 from .export import load_trainable_weights, read_trainable
 from .kernels import forward_only
-from .memory import is_out_of_memory
+from .memory import is_out_of_memory, resource_limit_note
 from .models import dropout_key, has_embedding_noise
 from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
 from .state import EngineState
@@ -360,6 +360,8 @@ class Engine:
                         "model.dtype: bfloat16"
                     ) from None
                 self.split *= 2
+                if (note := resource_limit_note(e)) is not None:
+                    log(f"WARNING: step {step}: {note}")
                 t, per = self.train, math.ceil(rows / self.split)
                 if o.micro_key is not None:
                     log(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import _blas, autosize, describe, distributed, stopping
+from . import _blas, autosize, describe, distributed, memory, stopping
 from .build import Built, build, kernel_tiers, optimizer_for
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
 from .checkpoint import best_checkpoint, last_saved, named, prune, restore, save
@@ -70,6 +70,9 @@ class Trainer:
         self._reporters: list = []
         """Where the records also go (``report``; rank 0)."""
         self._meter = StepMeter()
+        self._active: list[tuple[int, float]] = []
+        """(step, active memory) at each checkpoint: memory that creeps is warned of once."""
+        self._warned_creep = False
         self._signals = Signals(self._on_signal, not dry_run, self._lost_at_once)
         self._held_logs: list[str] | None = []  # log lines wait until the input is accepted
         self._tmp = None
@@ -139,6 +142,13 @@ class Trainer:
         for note in inert_notes(r):  # keys the recipe sets that these settings never read
             self.log(note)
         self.tiers = kernel_tiers(r, self.log)
+        wired = memory.wired_limit(mx.device_info(), mx.metal.is_available())
+        if wired is not None:
+            mx.set_wired_limit(wired)
+            self.log(
+                f"memory: wired limit {wired / memory.GB:.1f} GB (Metal's recommended working "
+                "set: the weights and the step's buffers stay resident)"
+            )
         self.built: Built = build(
             r, self.run_dir, self.tiers, self.resume_from is not None, self.log, self.console.rows
         )
@@ -284,6 +294,10 @@ class Trainer:
                         out = self._run()
             failed = False
             return out
+        except RuntimeError as e:
+            if (note := memory.resource_limit_note(e)) is None:
+                raise
+            raise TrainingError(f"{e}: {note}") from None
         finally:
             for rep in self._reporters:
                 rep.close(failed)
@@ -350,6 +364,11 @@ class Trainer:
             log_now = pos.step % t.log_every == 0 or pos.step == self.total_steps
             if log_now or self._meter.first_step is None:  # the first step is timed alone
                 self._read_steps()
+            m = self.recipe.memory  # after the read: the step's freed buffers are cached now
+            if memory.should_clear_cache(
+                pos.step, mx.get_cache_memory(), m.clear_cache_every, m.clear_cache_gb
+            ):
+                mx.clear_cache()
             now = time.perf_counter()
             event = StepEvent(pos.step, epoch, now - last_event, record, self._read_steps)
             last_event = now
@@ -600,6 +619,11 @@ class Trainer:
             self.run_dir, name, self.trained, self.recipe, self.engine, state, self.last_loss, extra
         )
         self.log(f"saved checkpoint checkpoints/{name} at step {self.position.step}")
+        self._active.append((self.position.step, mx.get_active_memory()))
+        warning = memory.creeping(self._active) if not self._warned_creep else None
+        if warning:
+            self._warned_creep = True
+            self.log(f"WARNING: {warning}")
         if prune_after:
             prune(self.run_dir, self.recipe.checkpoints.keep_last)
 

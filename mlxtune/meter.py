@@ -106,6 +106,10 @@ class StepMeter:
             "tokens_per_sec": w.timed_n / w.time,
             "step_time_s": w.time / w.steps,
             "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            # what the arrays hold now, and the cache of freed buffers MLX keeps for reuse:
+            # growth across rows that the peak does not show
+            "active_memory_gb": mx.get_active_memory() / 1e9,
+            "cache_memory_gb": mx.get_cache_memory() / 1e9,
             "time": time.time(),
         }
         row.update({k: v / w.n if w.n else None for k, v in w.metrics.items()})

@@ -114,3 +114,107 @@ def test_auto_waits_twenty_times_the_longest_wait_and_at_least_five_minutes():
             time.sleep(0.05)
         time.sleep(0.05)
     assert 0.1 <= w.longest < 1.0
+
+
+def test_memory_policy_decisions():
+    """The wired limit (Metal only, its recommended working set), when the cache is freed, the
+    warning for memory that creeps, and what Metal's resource limit is said to mean."""
+    from mlxtune.memory import GB, creeping, resource_limit_note, should_clear_cache, wired_limit
+
+    info = {"max_recommended_working_set_size": 22 * 2**30, "memory_size": 32 * 2**30}
+    assert wired_limit(info, metal=True) == 22 * 2**30
+    assert wired_limit(info, metal=False) is None and wired_limit({}, metal=True) is None
+    assert [should_clear_cache(s, 0, 3, None) for s in range(1, 7)] == [0, 0, 1, 0, 0, 1]
+    assert should_clear_cache(1, 2.1 * GB, None, 2.0) and not should_clear_cache(
+        1, 1.9 * GB, None, 2.0
+    )
+    assert not should_clear_cache(5, 10 * GB, None, None)
+    flat = [(100 * i, 1.00 * GB) for i in range(1, 6)]
+    assert creeping(flat) is None
+    rising = [(100, 1.0 * GB), (200, 1.03 * GB), (300, 1.06 * GB), (400, 1.1 * GB)]
+    msg = creeping(rising)
+    assert "1.00 -> 1.10 GB from step 100 to 400 (+10%)" in msg
+    assert creeping(rising[:3]) is None  # too few samples
+    assert creeping([(1, 1.0 * GB), (2, 1.01 * GB), (3, 1.02 * GB), (4, 1.03 * GB)]) is None  # +3%
+    assert creeping([*rising[:3], (400, 1.05 * GB)]) is None  # not rising at each
+    metal = RuntimeError("[metal::malloc] Resource limit (499000) exceeded.")
+    assert "number of live buffers" in resource_limit_note(metal)
+    assert resource_limit_note(RuntimeError("[metal::malloc] Unable to allocate 4 GB")) is None
+
+
+def test_rows_show_active_and_cache_memory_and_the_cache_is_freed_as_asked(
+    tmp_path, data_dir, llama_dir
+):
+    """Run for real on the CPU: each metrics row carries active and cache memory; with
+    memory.clear_cache_every: 2 the cache is empty after every second step (freed after the
+    step's results are read: a few bytes released since), and holds the step's freed buffers
+    after the others and in a run without it."""
+    import json
+
+    import mlx.core as mx
+
+    import mlxtune
+    from mlxtune import Trainer, recipe_from_dict
+    from mlxtune.console import Console
+
+    seen = {}
+
+    class Cache(mlxtune.Callback):
+        def on_step(self, trainer, event):
+            seen[event.step] = mx.get_cache_memory()
+
+    def run(name, memory):
+        r = tiny_recipe(
+            data_dir,
+            llama_dir,
+            train={"batch_size": 8, "max_steps": 6, "log_every": 1, "progress": False},
+            memory=memory,
+        )
+        seen.clear()
+        t = Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True),
+                    callbacks=[Cache()])  # fmt: skip
+        t.run()
+        return dict(seen), [
+            json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    cleared, rows = run("cleared", {"clear_cache_every": 2})
+    steps = [r for r in rows if "loss" in r]
+    assert all(r["active_memory_gb"] > 0 and r["cache_memory_gb"] >= 0 for r in steps)
+    # freed: a few bytes released since (a scalar), against the step's buffers otherwise
+    held = min(cleared[s] for s in (1, 3, 5))
+    assert all(cleared[s] < held / 100 for s in (2, 4, 6)), cleared
+    kept, _ = run("kept", {})
+    assert all(kept[s] > held / 2 for s in range(1, 7)), kept
+
+
+def test_memory_that_creeps_across_checkpoints_is_warned_of_once(tmp_path, data_dir, llama_dir):
+    """A callback that keeps 4 MB of arrays a step (a leak a long run meets): active memory
+    grows at each checkpoint, and the log warns once, naming the growth."""
+    import mlx.core as mx
+
+    import mlxtune
+    from mlxtune import Trainer, recipe_from_dict
+    from mlxtune.console import Console
+
+    kept = []
+
+    class Leak(mlxtune.Callback):
+        def on_step(self, trainer, event):
+            kept.append(mx.ones((1 << 20,), dtype=mx.float32) * event.step)
+            mx.eval(kept[-1])
+
+    r = tiny_recipe(
+        data_dir,
+        llama_dir,
+        train={"batch_size": 8, "max_steps": 8, "log_every": 4, "progress": False},
+        checkpoints={"every": 1, "keep_last": 2},
+    )
+    Trainer(recipe_from_dict(r), run_dir=tmp_path / "run", console=Console(quiet=True),
+            callbacks=[Leak()]).run()  # fmt: skip
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert log.count("WARNING: active memory grew at each of the last 4 checkpoints") == 1
+    r["checkpoints"]["every"] = 1
+    kept.clear()
+    Trainer(recipe_from_dict(r), run_dir=tmp_path / "clean", console=Console(quiet=True)).run()
+    assert "active memory grew" not in (tmp_path / "clean" / "log.txt").read_text()

@@ -123,9 +123,10 @@ def test_preference_pairs_and_prompts_encode_alike_in_two_processes(
         )
 
     one, two = load_p(1), load_p(2)
-    fields = lambda d: [
-        (e.ids, e.mask, e.rejected_ids, e.rejected_mask, e.index) for e in d.examples
-    ]  # noqa: E731
+
+    def fields(d):
+        return [(e.ids, e.mask, e.rejected_ids, e.rejected_mask, e.index) for e in d.examples]
+
     assert fields(two) == fields(one) and one.stats == two.stats
     assert one.stats.skipped == 1 and one.stats.dropped_too_long > 0  # long ones dropped alike
 
@@ -143,9 +144,12 @@ def test_preference_pairs_and_prompts_encode_alike_in_two_processes(
         return load_prompts(path, enc, 24, 4, "truncate", None, BadRows(True, 0.5), num_proc)
 
     one, two = load_q(1), load_q(2)
-    fields = lambda d: [  # noqa: E731
-        (e.ids, e.prompt, e.answer, e.fields, e.where, e.responses, e.ended, e.rewards)
-        for e in d.examples
-    ]
+
+    def fields(d):  # noqa: F811 - the prompts' fields
+        return [
+            (e.ids, e.prompt, e.answer, e.fields, e.where, e.responses, e.ended, e.rewards)
+            for e in d.examples
+        ]
+
     assert fields(two) == fields(one) and one.stats == two.stats
     assert one.stats.skipped == 1 and one.stats.truncated > 0 and len(one.examples) == 24

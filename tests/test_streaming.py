@@ -80,7 +80,9 @@ def test_parquet_arrow_globs_and_saved_datasets_stream_from_any_row(tmp_path):
                 w.write_batch(b)
     assert _rows_of(tmp_path / "d.arrow") == _whole(tmp_path / "d.arrow")
     for i in range(3):
-        write_jsonl(tmp_path / "parts" / f"part-{i}.jsonl", [{"text": f"{i}-{j}"} for j in range(3)])
+        write_jsonl(
+            tmp_path / "parts" / f"part-{i}.jsonl", [{"text": f"{i}-{j}"} for j in range(3)]
+        )
     glob = tmp_path / "parts" / "part-*.jsonl"
     assert _rows_of(glob) == _whole(glob)
     assert _rows_of(glob)[3][0] == "part-1.jsonl:1"
@@ -102,7 +104,9 @@ def test_a_json_array_and_binary_files_are_refused_for_streaming(tmp_path):
 
 def _stream(source, tokenizer, window, **kw):
     enc = Encoder(tokenizer)
-    return StreamedSet(str(source), enc, "auto", (48, "truncate", 2), None, (False, 0.05), 1, window)
+    return StreamedSet(
+        str(source), enc, "auto", (48, "truncate", 2), None, (False, 0.05), 1, window
+    )
 
 
 def _take(stream, n, **kw):
@@ -219,7 +223,9 @@ def test_a_streamed_run_killed_and_resumed_equals_the_uninterrupted_run(
         ).run()
     Trainer(recipe_from_dict(r), run_dir=tmp_path / "cut", console=quiet, resume="latest").run()
     assert _metrics(tmp_path / "cut") == want
-    state = json.loads((tmp_path / "cut" / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    state = json.loads(
+        (tmp_path / "cut" / "checkpoints" / "step-000006" / "trainer_state.json").read_text()
+    )
     assert state["resume"]["data_stream"]["cursor"][0] == 0
     derived = json.loads((tmp_path / "whole" / "config_resolved.json").read_text())["derived"]
     assert "streamed 20 rows a window" in derived["train_data"]

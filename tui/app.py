@@ -239,7 +239,14 @@ class WatchApp(App):
         self.query_one("#gnorm", Plot).show(gn, gtitle)
         self.query_one("#stats", Static).update(
             f"tokens/s {_metric(last, 'tokens_per_sec', ',.0f')} · step {_metric(last, 'step_time_s', '.3f')} s · "
-            f"peak memory {_metric(last, 'peak_memory_gb', '.2f')} GB · grad norm {_metric(last, 'grad_norm', '.3f')}"
+            f"peak memory {_metric(last, 'peak_memory_gb', '.2f')} GB"
+            + (
+                f" (active {_metric(last, 'active_memory_gb', '.2f')}, cache "
+                f"{_metric(last, 'cache_memory_gb', '.2f')})"
+                if last and "active_memory_gb" in last
+                else ""
+            )
+            + f" · grad norm {_metric(last, 'grad_norm', '.3f')}"
             + (f" · {d.bad_lines} malformed lines skipped" if d.bad_lines else "")
         )
         if d.samples:

@@ -396,6 +396,8 @@ def check_distributed(r: Recipe, v: Fails) -> None:
 def check_memory(r: Recipe, v: Fails) -> None:
     """memory: the limit, when given, is positive."""
     _positive(v, "memory.limit_gb", r.memory.limit_gb, allow_none=True)
+    _positive(v, "memory.clear_cache_every", r.memory.clear_cache_every, allow_none=True)
+    _positive(v, "memory.clear_cache_gb", r.memory.clear_cache_gb, allow_none=True)
 
 
 def check_checkpoints(r: Recipe, v: Fails) -> None:

@@ -388,6 +388,12 @@ class MemoryConfig:
     oom_fallback: bool = True
     """On an out-of-memory failure mid-run: halve the micro-batch and double grad_accumulation
     (the same examples per step), say so, and retry the step."""
+    clear_cache_every: int | None = None
+    """Free MLX's cache of released buffers every N steps (mx.clear_cache); null: never on a
+    schedule. On a long Metal run the cache counts towards the limit on live buffers."""
+    clear_cache_gb: float | None = None
+    """Free MLX's buffer cache after a step where it holds more than this many GB; null: no
+    threshold."""
 
 
 @dataclass
