@@ -63,7 +63,10 @@ def _forward(h, w, t, valid, c, label_smoothing, softcap):
     state = mx.stack([mx.full((n,), -math.inf), mx.zeros((n,)), mx.zeros((n,))], axis=-1)
     starts = chunk_starts(v, c)
     for k, start in enumerate(range(0, v, c)):
-        z = _logits(h, w[start : start + c], softcap)
+        # chunk k's logits only once chunk k-1 is folded into the state: evaluated eagerly (not
+        # compiled), MLX's scheduler would otherwise build every chunk's logits at once
+        after = mx.depends(h, state) if start else h
+        z = _logits(after, w[start : start + c], softcap)
         width = z.shape[1]
         local = t - starts[k]
         inside = (local >= 0) & (local < width) & valid
