@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import re
 import shutil
 import tempfile
 import time
@@ -244,6 +245,40 @@ class Trainer:
         folder = distributed.heartbeats_folder()
         return distributed.Watchdog(self.world, timeout, context, on_fire, folder)
 
+    def _write_failed(self, what: str, e: BaseException) -> str:
+        """The one line a run that could not write ``what`` ends with: why, what is intact, how
+        to go on."""
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        try:
+            left = shutil.disk_usage(self.run_dir.path).free
+            free = (
+                f"; {left / 1e9:.2f} GB free there"
+                if left > 1e9
+                else f"; {left / 1e6:.1f} MB free there"
+            )
+        except OSError:
+            free = ""
+        return (
+            f"could not write {what} at step {self.position.step} ({why}{free}): the last "
+            f"checkpoint ({last_saved(self.run_dir)}) is intact (a checkpoint is written aside "
+            "and renamed whole). Free space or make the folder writable, then continue with: "
+            f"{self._resume_command()}"
+        )
+
+    @contextlib.contextmanager
+    def _writing(self, what: str):
+        """Around writing ``what`` into the run directory: a failed write (a full disk, a
+        read-only folder; MLX's writer says ``[write] Unable to write``) ends the run with
+        ``_write_failed``'s line."""
+        try:
+            yield
+        except OSError as e:
+            raise TrainingError(self._write_failed(what, e)) from None
+        except RuntimeError as e:
+            if not _WRITE_FAILED.search(str(e)):
+                raise
+            raise TrainingError(self._write_failed(what, e)) from None
+
     def _lost_at_once(self) -> str:
         """What a stop at once (a second signal inside a long step) says, and logs: the step it
         broke into, what is lost, how to go on."""
@@ -298,6 +333,9 @@ class Trainer:
             if (note := memory.resource_limit_note(e)) is None:
                 raise
             raise TrainingError(f"{e}: {note}") from None
+        except OSError as e:  # a write failed: the disk is full, the folder read-only
+            what = Path(e.filename).name if e.filename else "the run directory"
+            raise TrainingError(self._write_failed(what, e)) from None
         finally:
             for rep in self._reporters:
                 rep.close(failed)
@@ -615,9 +653,17 @@ class Trainer:
         if not self.world.main:  # rank 0 writes the run's checkpoints
             return
         state = TrainState(self.position, self.engine.host_state())
-        save(
-            self.run_dir, name, self.trained, self.recipe, self.engine, state, self.last_loss, extra
-        )
+        with self._writing(f"checkpoints/{name}"):
+            save(
+                self.run_dir,
+                name,
+                self.trained,
+                self.recipe,
+                self.engine,
+                state,
+                self.last_loss,
+                extra,
+            )
         self.log(f"saved checkpoint checkpoints/{name} at step {self.position.step}")
         self._active.append((self.position.step, mx.get_active_memory()))
         warning = memory.creeping(self._active) if not self._warned_creep else None
@@ -635,7 +681,7 @@ class Trainer:
 
     def _export_formats(self, fmts):
         for fmt in fmts:
-            with self.run_dir.staged("export", fmt) as tmp:
+            with self._writing(f"export/{fmt}"), self.run_dir.staged("export", fmt) as tmp:
                 note = export(
                     self.trained, fmt, tmp, self.recipe.model.dtype if fmt == "fused" else None
                 )
@@ -666,5 +712,8 @@ class Trainer:
     def _print_header(self):
         self.console.header(describe.header(self))
 
+
+_WRITE_FAILED = re.compile(r"\[(write|save\w*)\]|unable to write|no space left", re.IGNORECASE)
+"""What MLX's writers say when a write fails."""
 
 __all__ = ["Trainer", "Callback", "StepEvent"]

@@ -218,3 +218,145 @@ def test_memory_that_creeps_across_checkpoints_is_warned_of_once(tmp_path, data_
     kept.clear()
     Trainer(recipe_from_dict(r), run_dir=tmp_path / "clean", console=Console(quiet=True)).run()
     assert "active memory grew" not in (tmp_path / "clean" / "log.txt").read_text()
+
+
+def _disk_recipe(tmp_path, data_dir, llama_dir):
+    r = tiny_recipe(
+        data_dir,
+        llama_dir,
+        train={"batch_size": 8, "max_steps": 6, "log_every": 1, "progress": False},
+        checkpoints={"every": 2, "keep_last": 3, "save_best": False},
+    )
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(r))
+    return r, path
+
+
+def _after_a_failed_write(run, path, err, what):
+    """What a run that could not write leaves: one line saying what, why, what is intact and
+    how to go on; the step-2 checkpoint valid; no half-written folder; and it resumes."""
+    from mlxtune.cli import main
+
+    lines = [x for x in err.splitlines() if x.startswith("mlxtune:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"could not write {what} at step 4 (" in lines[0]
+    assert "the last checkpoint (checkpoints/step-000002) is intact" in lines[0]
+    assert f"continue with: mlxtune run {path} --run-dir {run} --resume" in lines[0]
+    assert verify(run / "checkpoints" / "step-000002") is None
+    assert not (run / "checkpoints" / "step-000004").exists()
+    assert not [p for p in run.rglob("*.tmp")]  # nothing half-written left behind
+    assert main(["run", str(path), "--run-dir", str(run), "--resume"]) == 0
+    assert verify(run / "checkpoints" / "final") is None
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_with_one_line(
+    tmp_path, data_dir, llama_dir, capsys, monkeypatch
+):
+    """The write fails part-way (injected: no space left while the checkpoint's checksums are
+    written, after its weights were)."""
+    import errno
+
+    import mlxtune.checkpoint as ck
+    from mlxtune.cli import main
+
+    _, path = _disk_recipe(tmp_path, data_dir, llama_dir)
+    run = tmp_path / "run"
+    real = ck.write_checksums
+
+    def full(folder):
+        if "step-000004" in str(folder):
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder / "checksums.json"))
+        return real(folder)
+
+    monkeypatch.setattr(ck, "write_checksums", full)
+    assert main(["run", str(path), "--run-dir", str(run)]) == 1
+    monkeypatch.setattr(ck, "write_checksums", real)
+    _after_a_failed_write(run, path, capsys.readouterr().err, "checkpoints/step-000004")
+
+
+def test_a_full_disk_ends_the_run_with_one_line(tmp_path, data_dir, llama_dir):
+    """On a real 4 MB filesystem (tmpfs, where this machine lets the test mount one): after
+    step 2's checkpoint the disk fills up but for 12 KB, enough for the log and metrics lines
+    and not for step 4's checkpoint, which MLX's writer fails to write."""
+    import os
+    import shutil
+
+    import pytest
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+    ):
+        pytest.skip("cannot mount a small filesystem here")
+    try:
+        _, path = _disk_recipe(tmp_path, data_dir, llama_dir)
+        run = disk / "run"
+        script = tmp_path / "fill.py"
+        script.write_text(FILL.format(disk=str(disk)))
+        p = subprocess.run(
+            [sys.executable, str(script), str(path), str(run)],
+            capture_output=True, text=True, timeout=300, cwd=REPO,
+        )  # fmt: skip
+        assert p.returncode == 1, p.stdout + p.stderr
+        (disk / "filler").unlink()
+        _after_a_failed_write(run, path, p.stderr, "checkpoints/step-000004")
+        assert shutil.disk_usage(disk).free > 0
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+FILL = """
+import os, sys
+import mlxtune
+from mlxtune.cli import main
+
+
+class Fill(mlxtune.Callback):
+    def on_step(self, trainer, event):
+        if event.step == 3:
+            free = os.statvfs({disk!r})
+            with open(os.path.join({disk!r}, "filler"), "wb") as f:
+                f.write(b"0" * max(0, free.f_bavail * free.f_frsize - 12 * 1024))
+
+
+real = mlxtune.Trainer.__init__
+
+
+def with_fill(self, *a, **kw):
+    real(self, *a, **kw)
+    self.callbacks.append(Fill())
+
+
+mlxtune.Trainer.__init__ = with_fill  # the class the CLI builds
+sys.exit(main(["run", sys.argv[1], "--run-dir", sys.argv[2]]))
+"""
+
+
+def test_an_export_that_cannot_be_written_keeps_the_final_checkpoint(
+    tmp_path, data_dir, llama_dir, capsys, monkeypatch
+):
+    import errno
+
+    import mlxtune.loop as loop
+    from mlxtune.cli import main
+
+    r, path = _disk_recipe(tmp_path, data_dir, llama_dir)
+    r["export"] = {"formats": ["mlx-lm"]}
+    path.write_text(yaml.safe_dump(r))
+    run = tmp_path / "run"
+
+    def full(trained, fmt, folder, dtype):
+        (folder / "adapters.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loop, "export", full)
+    assert main(["run", str(path), "--run-dir", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert "could not write export/mlx-lm at step 6 (No space left on device" in err
+    assert "the last checkpoint (checkpoints/step-000006) is intact" in err
+    assert verify(run / "checkpoints" / "final") is None
+    assert not (run / "export" / "mlx-lm").exists() and not list(run.rglob("*.tmp"))
