@@ -1,6 +1,8 @@
 """attention: each tier against a naive MLX reference built from mx.softmax, in values and
 gradients: causal and not, GQA, packed segments, sizes that are not multiples of the block."""
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -157,8 +159,51 @@ def test_chunked_backward_memory_grows_linearly_not_quadratically(monkeypatch):
     assert flash.uses_fused(1, 4, 512)
     fused = peak("chunked", 512)
     monkeypatch.setattr(flash, "FUSED_SCORES", 0)  # tiles at every size
+    monkeypatch.setattr(flash, "TILE_SCORES", 4 * 64 * 64)  # 64-key blocks: T x block grows
     tiles = {t: peak("chunked", t) for t in (512, 1024)}
     assert ref[1024] > 3 * ref[512]  # the [T, T] scores
     assert tiles[1024] < 2.5 * tiles[512]
     assert tiles[1024] < 0.3 * ref[1024]
     assert fused > 0.5 * ref[512] and tiles[512] < 0.5 * fused
+
+
+def test_blocks_grow_with_the_row_so_the_graph_stays_small():
+    """The chunked tier's blocks: multiples of 64 up to the row, a tile's scores within
+    TILE_SCORES while that keeps a row to MAX_BLOCKS blocks, and never more blocks than that:
+    the unrolled tiles a layer compiles stay bounded as T grows (at 9 heads, 7 blocks at
+    T=2048... 32 at 32k, against 512 of 64 keys)."""
+    for b, hq in ((1, 9), (1, 32), (4, 8), (8, 32)):
+        for t in (100, 2048, 4096, 8192, 16384, 32768, 65536):
+            blk = flash.block_for(b, hq, t)
+            n = -(-t // blk)
+            assert blk % flash.BLOCK == 0 and blk <= -(-t // 64) * 64
+            assert n <= flash.MAX_BLOCKS, (b, hq, t, blk)
+            fewest = math.ceil(math.ceil(t / flash.MAX_BLOCKS) / 64) * 64  # t / MAX_BLOCKS
+            # a tile over the budget only where the block is the least, or keeps the count
+            assert b * hq * blk * blk <= flash.TILE_SCORES or blk in (flash.BLOCK, fewest)
+    assert flash.block_for(1, 9, 4096) == 320 and flash.block_for(1, 9, 32768) == 1024
+
+
+def test_chunked_attention_with_grown_blocks_matches_the_reference(monkeypatch):
+    """Tiles of grown blocks (T=1100 at 2 heads: 704-key blocks, a ragged last one), values and
+    gradients against the naive form, causal and packed."""
+    b, hq, hkv, t, d = 1, 2, 1, 1100, 16
+    monkeypatch.setattr(flash, "FUSED_SCORES", 0)  # tiles, not the scores built whole
+    assert flash.block_for(b, hq, t) == 704
+    q, k, v = qkv(b=b, hq=hq, hkv=hkv, t=t, d=d, seed=11)
+    seg = mx.array(np.repeat(np.arange(1, 4), [400, 500, 200])[None].astype(np.int32))
+    for segments in (None, seg):
+
+        def loss(impl, segments=segments):
+            def f(q, k, v):
+                out = attention(q, k, v, scale=0.25, segment_ids=segments, impl=impl)
+                return (out * out).sum()
+
+            return mx.value_and_grad(f, argnums=(0, 1, 2))
+
+        want = loss("reference")(q, k, v)
+        got = loss("chunked")(q, k, v)
+        assert abs(got[0].item() - want[0].item()) <= 1e-4 * abs(want[0].item())
+        for a, r in zip(got[1], want[1], strict=True):
+            a, r = np.array(a), np.array(r)
+            assert np.abs(a - r).max() <= 1e-4 * np.abs(r).max()

@@ -329,7 +329,14 @@ def test_named_family_resumes_exactly(name, tmp_path, data_dir, family_dir):
     )
 
     def rows(d):
-        skip = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time"}
+        skip = {
+            "tokens_per_sec",
+            "step_time_s",
+            "peak_memory_gb",
+            "active_memory_gb",
+            "cache_memory_gb",
+            "time",
+        }
         lines = (d / "metrics.jsonl").read_text().splitlines()
         return [
             {k: v for k, v in json.loads(x).items() if k not in skip and "compile" not in k}

@@ -26,6 +26,8 @@ TIMING = {
     "tokens_per_sec",
     "step_time_s",
     "peak_memory_gb",
+    "active_memory_gb",
+    "cache_memory_gb",
     "time",
     "first_step_compile_time_s",
     "generation_s",

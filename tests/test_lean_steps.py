@@ -12,7 +12,15 @@ from mlxtune.console import Console
 from mlxtune.errors import TrainingError
 
 VALUES = ("loss", "grad_norm", "lr", "tokens_seen")
-TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
+TIMING = {
+    "tokens_per_sec",
+    "step_time_s",
+    "peak_memory_gb",
+    "active_memory_gb",
+    "cache_memory_gb",
+    "time",
+    "first_step_compile_time_s",
+}
 
 
 def make(data_dir, model_dir, run_dir, callbacks=(), **sections):

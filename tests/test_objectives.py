@@ -20,7 +20,15 @@ from mlxtune.console import Console
 from mlxtune.data import make_batch
 from mlxtune.objectives import SFT, register, unregister
 
-TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
+TIMING = {
+    "tokens_per_sec",
+    "step_time_s",
+    "peak_memory_gb",
+    "active_memory_gb",
+    "cache_memory_gb",
+    "time",
+    "first_step_compile_time_s",
+}
 
 
 # ------------------------------------------------------------------ the objective (~35 lines)

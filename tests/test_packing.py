@@ -168,6 +168,8 @@ def test_a_packed_run_learns_reports_utilization_and_resumes_exactly(
             "tokens_per_sec",
             "step_time_s",
             "peak_memory_gb",
+            "active_memory_gb",
+            "cache_memory_gb",
             "time",
             "first_step_compile_time_s",
         }

@@ -22,7 +22,15 @@ from mlxtune.console import Console
 from mlxtune.data.preference import make_packed_pair_batch, make_pair_batch
 from mlxtune.models import kernel_attention
 
-TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
+TIMING = {
+    "tokens_per_sec",
+    "step_time_s",
+    "peak_memory_gb",
+    "active_memory_gb",
+    "cache_memory_gb",
+    "time",
+    "first_step_compile_time_s",
+}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CHAT = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

@@ -15,7 +15,14 @@ from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.report import scalars
 
-TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "first_step_compile_time_s"}
+TIMING = {
+    "tokens_per_sec",
+    "step_time_s",
+    "peak_memory_gb",
+    "active_memory_gb",
+    "cache_memory_gb",
+    "first_step_compile_time_s",
+}
 
 
 def recipe(data_dir, llama_dir, report):

@@ -14,7 +14,15 @@ from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
 
-TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
+TIMING = {
+    "tokens_per_sec",
+    "step_time_s",
+    "peak_memory_gb",
+    "active_memory_gb",
+    "cache_memory_gb",
+    "time",
+    "first_step_compile_time_s",
+}
 
 
 LORA = {"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj"]}

@@ -24,7 +24,15 @@ from mlxtune.data import (
 )
 from mlxtune.errors import UserInputError
 
-TIMING = {"tokens_per_sec", "step_time_s", "peak_memory_gb", "time", "first_step_compile_time_s"}
+TIMING = {
+    "tokens_per_sec",
+    "step_time_s",
+    "peak_memory_gb",
+    "active_memory_gb",
+    "cache_memory_gb",
+    "time",
+    "first_step_compile_time_s",
+}
 
 
 def _rows_of(source):

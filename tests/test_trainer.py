@@ -25,6 +25,8 @@ METRIC_KEYS = {
     "tokens_per_sec",
     "step_time_s",
     "peak_memory_gb",
+    "active_memory_gb",
+    "cache_memory_gb",
     "time",
 }
 

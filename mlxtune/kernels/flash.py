@@ -21,9 +21,28 @@ from . import cpu
 # sees at least one key (itself, under causal masking or within its segment).
 MASKED = -1e30
 
-# Keys per block of the chunked tier. MLX keeps a few tiles in flight; at B=1, 8 heads, T=2048,
-# Dh=64 the compiled forward+backward peaks at 83 MB against the naive path's 434 MB (0.19x).
+# Keys per block of the chunked tier, at the least. MLX keeps a few tiles in flight; at B=1, 8
+# heads, T=2048, Dh=64 the compiled forward+backward with 64-key blocks peaks at 83 MB against
+# the naive path's 434 MB (0.19x).
 BLOCK = 64
+
+# The tiles are unrolled into the graph, about (T / block)^2 / 2 of them forward and backward in
+# every layer, so a fixed block makes the compiled step grow with the layers x T^2: SmolLM2's 30
+# layers at T=4096 spent minutes compiling 64-key tiles. So blocks grow with the row: a tile
+# holds up to TILE_SCORES score elements (B x Hq x block x block; 4 MB in fp32), and a row is
+# cut into at most MAX_BLOCKS blocks once that allows (attention memory then grows as T x block).
+TILE_SCORES = 1 << 20
+MAX_BLOCKS = 32
+
+
+def block_for(b: int, hq: int, t: int) -> int:
+    """Keys per block for rows of ``t`` tokens at ``b`` x ``hq`` heads: a multiple of BLOCK, as
+    large as TILE_SCORES allows and at least t / MAX_BLOCKS, at most the row."""
+    by_memory = int((TILE_SCORES / max(b * hq, 1)) ** 0.5) // BLOCK * BLOCK
+    by_count = -(-t // MAX_BLOCKS)
+    blk = max(BLOCK, by_memory, -(-by_count // BLOCK) * BLOCK)
+    return min(blk, -(-t // BLOCK) * BLOCK)
+
 
 # Up to this many score elements (B x Hq x T x T; 64 MB in fp32), the chunked tier builds the
 # scores instead of tiling them: MLX's fused attention on a GPU, and on the CPU cpu.attention,
@@ -161,7 +180,8 @@ def _tiles_backward(q, k, v, d_out, out, lse, scale, causal, segment_ids, blocks
 
 
 def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None):
-    """FlashAttention-2 forward and backward over [block x block] tiles, in MLX ops. Under causal
+    """FlashAttention-2 forward and backward over [block x block] tiles (``block_for`` sizes them
+    unless ``block`` is given), in MLX ops. Under causal
     masking the tiles above the diagonal are never computed: about half the work (and half the
     exponentials, which bound the CPU) of the full scores. Short rows, whose scores hold at most
     FUSED_SCORES elements, go to MLX's fused attention instead (``cpu.attention`` on the CPU),
@@ -172,7 +192,7 @@ def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None)
             # the same probabilities with a vectorised exp, the causal upper blocks left out
             return cpu.attention(q, k, v, scale, causal, segment_ids)
         return attention_native(q, k, v, scale, causal, segment_ids)
-    blk = block or BLOCK
+    blk = block or block_for(b, hq, t)
     blocks = [(s0, min(s0 + blk, t)) for s0 in range(0, t, blk)]
 
     @mx.custom_function
