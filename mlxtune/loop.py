@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import re
 import shutil
 import tempfile
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import _blas, autosize, describe, distributed, memory, stopping
+from . import _blas, autosize, describe, distributed, failures, memory, stopping
 from .build import Built, build, kernel_tiers, optimizer_for
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
 from .checkpoint import best_checkpoint, last_saved, named, prune, restore, save
@@ -226,8 +225,7 @@ class Trainer:
         )
 
     def _resume_command(self) -> str:
-        r = self.recipe
-        return f"mlxtune run {r.source or 'RECIPE.yaml'} --run-dir {self.run_dir.path} --resume"
+        return failures.resume_command(self.recipe.source, self.run_dir.path)
 
     def _watchdog(self):
         """The data-parallel ranks' watchdog (``distributed.Watchdog``), or nothing alone."""
@@ -246,48 +244,18 @@ class Trainer:
         return distributed.Watchdog(self.world, timeout, context, on_fire, folder)
 
     def _write_failed(self, what: str, e: BaseException) -> str:
-        """The one line a run that could not write ``what`` ends with: why, what is intact, how
-        to go on."""
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        try:
-            left = shutil.disk_usage(self.run_dir.path).free
-            free = (
-                f"; {left / 1e9:.2f} GB free there"
-                if left > 1e9
-                else f"; {left / 1e6:.1f} MB free there"
-            )
-        except OSError:
-            free = ""
-        return (
-            f"could not write {what} at step {self.position.step} ({why}{free}): the last "
-            f"checkpoint ({last_saved(self.run_dir)}) is intact (a checkpoint is written aside "
-            "and renamed whole). Free space or make the folder writable, then continue with: "
-            f"{self._resume_command()}"
-        )
+        """The one line a run that could not write ``what`` ends with."""
+        last, go_on = last_saved(self.run_dir), self._resume_command()
+        return failures.write_failed(what, e, self.position.step, self.run_dir.path, last, go_on)
 
-    @contextlib.contextmanager
     def _writing(self, what: str):
-        """Around writing ``what`` into the run directory: a failed write (a full disk, a
-        read-only folder; MLX's writer says ``[write] Unable to write``) ends the run with
-        ``_write_failed``'s line."""
-        try:
-            yield
-        except OSError as e:
-            raise TrainingError(self._write_failed(what, e)) from None
-        except RuntimeError as e:
-            if not _WRITE_FAILED.search(str(e)):
-                raise
-            raise TrainingError(self._write_failed(what, e)) from None
+        """Around writing ``what`` into the run directory (``failures.writing``)."""
+        return failures.writing(what, self._write_failed)
 
     def _lost_at_once(self) -> str:
-        """What a stop at once (a second signal inside a long step) says, and logs: the step it
-        broke into, what is lost, how to go on."""
-        step = self.position.step
-        line = (
-            f"stopped at once by a second signal while step {step + 1} ran: the steps after "
-            f"the last checkpoint ({last_saved(self.run_dir)}) are lost, the checkpoint is "
-            f"intact. Resume with: {self._resume_command()}"
-        )
+        """What a stop at once (a second signal inside a long step) says, and logs."""
+        last = last_saved(self.run_dir)
+        line = failures.lost_at_once(self.position.step, last, self._resume_command())
         if self.world.main:
             self.run_dir.log(line)
         return line
@@ -712,8 +680,5 @@ class Trainer:
     def _print_header(self):
         self.console.header(describe.header(self))
 
-
-_WRITE_FAILED = re.compile(r"\[(write|save\w*)\]|unable to write|no space left", re.IGNORECASE)
-"""What MLX's writers say when a write fails."""
 
 __all__ = ["Trainer", "Callback", "StepEvent"]

@@ -205,6 +205,21 @@ def peak_memory_mb(fn, *args) -> float:
     return (mx.get_peak_memory() - base) / 1e6
 
 
+TIMING = frozenset(
+    {
+        "tokens_per_sec",
+        "step_time_s",
+        "peak_memory_gb",
+        "active_memory_gb",
+        "cache_memory_gb",
+        "time",
+        "first_step_compile_time_s",
+    }
+)
+"""Metrics-row keys that differ between two runs of the same steps (times, memory): left out
+where rows are compared."""
+
+
 def tiny_recipe(data_dir: Path, model_dir: Path | None = None, **sections) -> dict:
     """A recipe dict for a short run on tiny data; sections override whole keys."""
     recipe = {

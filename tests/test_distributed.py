@@ -11,21 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, same_rows, tiny_recipe
+from conftest import REPO, TIMING, same_rows, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.checkpoint import verify
 from mlxtune.console import Console
 from mlxtune.distributed import free_ports
 
-TIMING = {
-    "tokens_per_sec",
-    "step_time_s",
-    "peak_memory_gb",
-    "active_memory_gb",
-    "cache_memory_gb",
-    "time",
-    "first_step_compile_time_s",
-}
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 WORKER = Path(__file__).with_name("dp_worker.py")
 

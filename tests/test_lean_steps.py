@@ -6,21 +6,12 @@ import json
 
 import pytest
 
-from conftest import Poison, tiny_recipe
+from conftest import TIMING, Poison, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
 from mlxtune.console import Console
 from mlxtune.errors import TrainingError
 
 VALUES = ("loss", "grad_norm", "lr", "tokens_seen")
-TIMING = {
-    "tokens_per_sec",
-    "step_time_s",
-    "peak_memory_gb",
-    "active_memory_gb",
-    "cache_memory_gb",
-    "time",
-    "first_step_compile_time_s",
-}
 
 
 def make(data_dir, model_dir, run_dir, callbacks=(), **sections):

@@ -12,23 +12,13 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, make_crash, tiny_recipe
+from conftest import REPO, TIMING, make_crash, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.config import ObjectiveConfig
 from mlxtune.console import Console
 from mlxtune.data import make_batch
 from mlxtune.objectives import SFT, register, unregister
-
-TIMING = {
-    "tokens_per_sec",
-    "step_time_s",
-    "peak_memory_gb",
-    "active_memory_gb",
-    "cache_memory_gb",
-    "time",
-    "first_step_compile_time_s",
-}
 
 
 # ------------------------------------------------------------------ the objective (~35 lines)

@@ -9,22 +9,12 @@ import pytest
 from mlx.utils import tree_flatten
 
 import conftest
-from conftest import make_crash, tiny_recipe
+from conftest import TIMING, make_crash, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
 from mlxtune.checkpoint import verify
 from mlxtune.console import Console
 from mlxtune.errors import TrainingError
 from mlxtune.precision import update_scale
-
-TIMING = {
-    "tokens_per_sec",
-    "step_time_s",
-    "peak_memory_gb",
-    "active_memory_gb",
-    "cache_memory_gb",
-    "time",
-    "first_step_compile_time_s",
-}
 
 
 def trainer(data_dir, model_dir, run_dir, dtype="float32", callbacks=(), resume=None, **sections):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import REPO, make_crash, same_rows, shipped_recipe, write_jsonl
+from conftest import REPO, TIMING, make_crash, same_rows, shipped_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
@@ -22,15 +22,6 @@ from mlxtune.console import Console
 from mlxtune.data.preference import make_packed_pair_batch, make_pair_batch
 from mlxtune.models import kernel_attention
 
-TIMING = {
-    "tokens_per_sec",
-    "step_time_s",
-    "peak_memory_gb",
-    "active_memory_gb",
-    "cache_memory_gb",
-    "time",
-    "first_step_compile_time_s",
-}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CHAT = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

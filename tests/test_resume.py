@@ -7,23 +7,12 @@ import mlx.core as mx
 import pytest
 import yaml
 
-from conftest import make_crash, tiny_recipe
+from conftest import TIMING, make_crash, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
 from mlxtune.checkpoint import write_checksums
 from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
-
-TIMING = {
-    "tokens_per_sec",
-    "step_time_s",
-    "peak_memory_gb",
-    "active_memory_gb",
-    "cache_memory_gb",
-    "time",
-    "first_step_compile_time_s",
-}
-
 
 LORA = {"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj"]}
 

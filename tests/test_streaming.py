@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import make_crash, reverse_rows, tiny_recipe, write_jsonl
+from conftest import TIMING, make_crash, reverse_rows, tiny_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
@@ -23,16 +23,6 @@ from mlxtune.data import (
     stream_files,
 )
 from mlxtune.errors import UserInputError
-
-TIMING = {
-    "tokens_per_sec",
-    "step_time_s",
-    "peak_memory_gb",
-    "active_memory_gb",
-    "cache_memory_gb",
-    "time",
-    "first_step_compile_time_s",
-}
 
 
 def _rows_of(source):
