@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import csv
 import dataclasses
+import functools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -289,7 +290,9 @@ def read_fraction(files, c: Cursor) -> float | None:
     return (c.file + min(1.0, c.offset / max(total, 1))) / len(files)
 
 
+@functools.lru_cache(maxsize=64)
 def _table_length(path: Path) -> int:
+    """A table file's rows (read once: the fraction is asked for at every step)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -311,7 +314,6 @@ class _Window:
     last: bool
     """The source ended within it (or right after it)."""
     stats: SplitStats
-    rows: int
 
 
 class StreamedSet:
@@ -347,8 +349,11 @@ class StreamedSet:
         self._first: tuple[Cursor, _Window] | None = None
         self._stats: SplitStats | None = None
 
-    def __len__(self):  # pragma: no cover - guarded by ``streamed`` where it matters
+    def __len__(self):
         raise TypeError("a streamed training set has no length until it is read")
+
+    def __bool__(self) -> bool:
+        return True
 
     # ---------------------------------------------------------------- held out, first look
     def hold_out(self, counts: list[int]) -> list[list[tuple[str, dict]]]:
@@ -433,7 +438,7 @@ class StreamedSet:
             bad.check(bad.rows, self.path)
             if first:
                 raise UserInputError("the stream has no rows to train on", self.path)
-            return _Window([], end, True, stats, bad.rows)
+            return _Window([], end, True, stats)
         if self.fmt == "auto":
             self.fmt = detect_format(rows[0][1], f"{self.path}:{rows[0][0]}")
         workers = workers_for(len(rows), self.num_proc)
@@ -451,7 +456,7 @@ class StreamedSet:
             allow_empty=not first,
         )
         ds.stats.window = self.size
-        return _Window(ds.examples, end, last, ds.stats, bad.rows)
+        return _Window(ds.examples, end, last, ds.stats)
 
     def _window(self, cursor: Cursor) -> _Window:
         """The window from ``cursor``: encoded ahead, or now; the next one starts encoding."""
