@@ -208,6 +208,7 @@ def test_a_frozen_rank_ends_the_others_naming_it(runs, tmp_path):
     assert "no answer from rank 1" in (run_dir / "log.txt").read_text()
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_a_slow_rank_that_is_alive_is_waited_for(runs, tmp_path):
     """Rank 1 sleeps 8 s after step 3 (alive: its watchdog marks it so); with a 3 s limit rank
     0 waits for it all the same (up to 4 x the limit for a rank seen alive)."""
