@@ -220,6 +220,28 @@ TIMING = frozenset(
 where rows are compared."""
 
 
+def offline_hub(tmp_path: Path, monkeypatch, repo: str, tables: dict) -> str:
+    """A dataset repository ``repo`` ("org/name") in a Hugging Face cache under ``tmp_path``,
+    read offline: ``tables`` maps each file's path in the repository to a pyarrow table,
+    written as Parquet. Returns the snapshot's revision."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    folder = tmp_path / "hub" / f"datasets--{repo.replace('/', '--')}"
+    for name, table in tables.items():
+        path = folder / "snapshots" / sha / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, path)
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(sha)
+    return sha
+
+
 def tiny_recipe(data_dir: Path, model_dir: Path | None = None, **sections) -> dict:
     """A recipe dict for a short run on tiny data; sections override whole keys."""
     recipe = {

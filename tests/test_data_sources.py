@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import offline_hub
 from mlxtune.data import BadRows, Encoder, load_split, read_rows
 from mlxtune.errors import UserInputError
 
@@ -159,23 +160,15 @@ def test_a_hub_dataset_id_reads_from_the_local_cache_offline(tmp_path, monkeypat
     """hf:ORG/NAME[@REVISION][#SPLIT]: the repository as the Hugging Face cache holds it (no
     network here: offline), each split read by datasets."""
     pytest.importorskip("datasets")
-    import datasets.config
-    import huggingface_hub.constants as hub
-
-    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
-    sha = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "datasets--acme--chats"
-    (repo / "snapshots" / sha / "data").mkdir(parents=True)
-    pq.write_table(
-        table(ROWS).slice(0, 3), repo / "snapshots" / sha / "data" / "train-00000-of-00001.parquet"
+    sha = offline_hub(
+        tmp_path,
+        monkeypatch,
+        "acme/chats",
+        {
+            "data/train-00000-of-00001.parquet": table(ROWS).slice(0, 3),
+            "data/test-00000-of-00001.parquet": table(ROWS).slice(3),
+        },
     )
-    pq.write_table(
-        table(ROWS).slice(3), repo / "snapshots" / sha / "data" / "test-00000-of-00001.parquet"
-    )
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(sha)
     want = [r for _, r in read_rows(as_jsonl(tmp_path, ROWS))]
 
     rows = read_rows(Path("hf:acme/chats"))

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm_archs import ARCHS, EXTRA_ARCHS, NOT_MODELS, tiny_config
 from test_interop import interop
 
-from conftest import tiny_recipe, write_jsonl
+from conftest import TIMING, tiny_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import apply_adapters
 from mlxtune.errors import UserInputError
@@ -329,14 +329,7 @@ def test_named_family_resumes_exactly(name, tmp_path, data_dir, family_dir):
     )
 
     def rows(d):
-        skip = {
-            "tokens_per_sec",
-            "step_time_s",
-            "peak_memory_gb",
-            "active_memory_gb",
-            "cache_memory_gb",
-            "time",
-        }
+        skip = TIMING
         lines = (d / "metrics.jsonl").read_text().splitlines()
         return [
             {k: v for k, v in json.loads(x).items() if k not in skip and "compile" not in k}

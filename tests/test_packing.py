@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import make_crash, tiny_recipe
+from conftest import TIMING, make_crash, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.console import Console
 from mlxtune.data import (
@@ -164,15 +164,7 @@ def test_a_packed_run_learns_reports_utilization_and_resumes_exactly(
     r = packed_recipe(data_dir, llama_dir, mode)
 
     def rows(d):
-        skip = {
-            "tokens_per_sec",
-            "step_time_s",
-            "peak_memory_gb",
-            "active_memory_gb",
-            "cache_memory_gb",
-            "time",
-            "first_step_compile_time_s",
-        }
+        skip = TIMING
         return [
             {k: v for k, v in json.loads(x).items() if k not in skip}
             for x in (d / "metrics.jsonl").read_text().splitlines()

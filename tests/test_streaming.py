@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import TIMING, make_crash, reverse_rows, tiny_recipe, write_jsonl
+from conftest import TIMING, make_crash, offline_hub, reverse_rows, tiny_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
@@ -282,23 +282,14 @@ def test_bad_rows_skipped_count_against_the_share_window_by_window(tmp_path, tok
 
 def test_a_hub_dataset_streams_from_the_local_cache_from_any_row(tmp_path, monkeypatch):
     pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
     pytest.importorskip("datasets")
-    import datasets.config
-    import huggingface_hub.constants as hub
-
-    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
-    sha = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "datasets--acme--corpus"
-    (repo / "snapshots" / sha / "data").mkdir(parents=True)
+    tables = {}
     for i in range(2):
         texts = [f"shard {i} document {j}" if j != 2 else None for j in range(4)]
-        t = pa.table({"text": texts, "id": list(range(4))})
-        pq.write_table(t, repo / "snapshots" / sha / "data" / f"train-0000{i}-of-00002.parquet")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(sha)
+        tables[f"data/train-0000{i}-of-00002.parquet"] = pa.table(
+            {"text": texts, "id": list(range(4))}
+        )
+    offline_hub(tmp_path, monkeypatch, "acme/corpus", tables)
     source = "hf:acme/corpus"
     assert stream_files(source) is None  # read through datasets, row by row
     got = _rows_of(source)
