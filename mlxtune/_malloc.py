@@ -11,6 +11,10 @@ buffers up to that size come from the heap and are reused once freed. The proces
 its peak heap in use after a step instead of returning it (MLX's own memory figures are
 unchanged). Opt out with ``MLXTUNE_MALLOC=system``. Runs once, at ``import mlxtune``; elsewhere
 (macOS, musl) it does nothing.
+
+What evaluation, samples and checkpoints free between steps is kept too, and a long run's RSS
+would climb with the heap's high-water mark and its fragments; ``trim`` hands free heap pages
+back after that work (the next step faults its own few MB in again).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ _M_MMAP_THRESHOLD = -3
 KEEP = 1 << 30
 
 STATUS: str | None = None
+_LIBC = None
 
 
 def setup_malloc() -> str:
@@ -41,9 +46,18 @@ def setup_malloc() -> str:
             ok = libc.mallopt(_M_MMAP_THRESHOLD, KEEP) and libc.mallopt(_M_TRIM_THRESHOLD, KEEP)
         except (OSError, AttributeError):
             ok = False
+        if ok:
+            global _LIBC
+            _LIBC = libc
         STATUS = (
             "glibc malloc keeps freed buffers up to 1 GiB (MLXTUNE_MALLOC=system to opt out)"
             if ok
             else "system allocator (glibc's mallopt not available)"
         )
     return STATUS
+
+
+def trim() -> bool:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``) where
+    ``setup_malloc`` kept them; whether any were given back."""
+    return bool(_LIBC is not None and _LIBC.malloc_trim(0))

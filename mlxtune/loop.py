@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import _blas, autosize, describe, distributed, failures, memory, stopping
+from . import _blas, _malloc, autosize, describe, distributed, failures, memory, stopping
 from .build import Built, build, kernel_tiers, optimizer_for
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
 from .checkpoint import best_checkpoint, last_saved, named, prune, restore, save
@@ -418,6 +418,8 @@ class Trainer:
         if do_save:
             self._save = False
             self._checkpoint(f"step-{step:06d}")
+        if do_eval or do_samples or do_save:
+            _malloc.trim()  # what that work freed goes back: RSS stays the steps' own
         if self._stop:
             if not self._stopped_early:  # that one said why already
                 self.log(f"stop requested: stopping after step {step}")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_attention import naive, qkv, segments
 
+from conftest import peak_memory_mb
 from mlxtune.kernels import attention, cpu, flash
 
 
@@ -275,3 +276,52 @@ def test_kernel_attention_nests_and_restores_after_errors(llama_dir):
             raise ValueError("a failing step")
         assert (llama_module.scaled_dot_product_attention, llama_module.swiglu) == patched
     assert llama_module.scaled_dot_product_attention is sdpa and llama_module.swiglu is swiglu
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_trim_gives_freed_heap_pages_back():
+    """A freed 64 MiB buffer stays in the process (setup_malloc keeps it in the heap) until
+    _malloc.trim hands its pages back: the process's resident memory, read from /proc, drops by
+    about that much."""
+    code = """if True:
+        import ctypes, os
+        import mlxtune, mlxtune._malloc as m
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype = ctypes.c_void_p
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        p = libc.malloc(64 << 20)
+        ctypes.memset(p, 1, 64 << 20)
+        libc.free(ctypes.c_void_p(p))
+        kept = rss()
+        given = m.trim()
+        print(given, (kept - rss()) >> 20)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    given, dropped_mib = out.stdout.split()
+    assert given == "True"
+    assert int(dropped_mib) >= 56, out.stdout
+
+
+def test_compiled_attention_backward_keeps_no_probabilities_per_layer():
+    """Compiled, the backward's recomputed probabilities are not merged with the forward's (which
+    would keep every layer's until its backward): a stack of layers grows by far less than one
+    layer's probabilities per layer added."""
+    b, h, t, d = 1, 4, 512, 32
+
+    def stack(layers):
+        def loss(ws, x):
+            for w in ws:
+                q = (x @ w).reshape(b, t, h, d).transpose(0, 2, 1, 3)
+                o = cpu.attention(q, q, q, d**-0.5)
+                x = x + o.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+            return (x * x).sum()
+
+        ws = [mx.random.normal((h * d, h * d), key=mx.random.key(i)) * 0.05 for i in range(layers)]
+        x = mx.random.normal((b, t, h * d), key=mx.random.key(99))
+        mx.eval(ws, x)
+        return peak_memory_mb(mx.compile(mx.grad(loss)), ws, x)
+
+    probabilities_mb = b * h * t * t * 4 / 1e6  # one layer's, fp32 (4.2 MB)
+    per_layer = (stack(5) - stack(1)) / 4
+    assert per_layer < probabilities_mb / 2, (per_layer, probabilities_mb)

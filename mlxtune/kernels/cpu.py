@@ -214,7 +214,9 @@ def attention(q, k, v, scale, causal=True, segment_ids=None):
 
     @attn.vjp
     def attn_vjp(primals, cotangent, output):
-        q, k, v = primals
+        # from inputs that wait for the cotangent: else a compiled step merges the probabilities
+        # recomputed here with the forward's identical ones, and keeps every layer's
+        q, k, v = mx.depends(list(primals), [cotangent])
         qs, kf, vf = grouped(q) * scale, grouped(k), grouped(v)
         go = grouped(cotangent)
         delta = (go * grouped(output)).sum(axis=-1, keepdims=True)  # rowsum(dO * O)
