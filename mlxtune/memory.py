@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .adapters import LoRALinear
 from .errors import UserInputError
 from .kernels.chunked import CHUNK_ELEMENTS
 from .kernels.flash import uses_fused
@@ -156,22 +157,27 @@ class Shape:
     generation_rows: int = 0  # rows generated at once while training (RL), their KV caches
     generation_length: int = 0  # ... of this capacity (positions)
     micro_key: str | None = None  # the key that sets rows a pass (RL), else train.batch_size
+    trained_inputs: int | None = None  # elements a token of a layer's trained linear inputs
+    fused_score_arrays: int = 4  # [T, T] arrays a fused attention's backward holds at once
 
 
 def estimate(s: Shape) -> dict[str, float]:
     """Peak bytes by component, and ``total``."""
     tokens = s.batch * s.length
-    # what the backward pass needs: norm inputs, q/k/v and the attention output, gate and up;
-    # the inputs of trained linear layers on top (all of them in full fine-tuning)
-    per_token_layer = 2 * s.hidden + 2 * s.q_dim + s.kv_dim + 2 * s.intermediate
-    if s.full:
+    # what the backward pass needs: norm inputs, q/k/v (after RoPE) and the attention output,
+    # and four of the MLP's width (gate, up and two of SwiGLU's intermediates: what a compiled
+    # step was measured to keep); the inputs of trained linear layers on top
+    per_token_layer = 2 * s.hidden + 2 * s.q_dim + s.kv_dim + 4 * s.intermediate
+    if s.trained_inputs is not None:
+        per_token_layer += s.trained_inputs
+    elif s.full:
         per_token_layer += 2 * s.hidden + s.q_dim + s.intermediate
-    else:
-        per_token_layer += 2 * s.hidden
+    else:  # LoRA on q_proj and v_proj: their shared input
+        per_token_layer += s.hidden
     # a checkpointed layer keeps only its input; one of them at a time recomputes the rest
     kept = s.layers - s.checkpointed
     again = 1 if s.checkpointed else 0
-    in_flight = 2 + (1 if s.reference_forward else 0)  # + a layer of the reference's forward
+    in_flight = 1 + (1 if s.reference_forward else 0)  # + a layer of the reference's forward
     acts = tokens * per_token_layer * s.act_bytes * (kept + again + in_flight)
     acts += tokens * s.hidden * s.act_bytes * s.checkpointed
     acts += tokens * 4 * s.hidden * s.act_bytes  # embeddings, final norm, their gradients
@@ -179,8 +185,9 @@ def estimate(s: Shape) -> dict[str, float]:
         acts += s.batch * s.heads * s.length * s.length * 4 * (2 * (kept + again) + 3)
     elif s.chunked_attention and uses_fused(s.batch, s.heads, s.length):
         # MLX's fused attention: one layer's scores at a time, in its backward (scores,
-        # probabilities and their gradients)
-        acts += s.batch * s.heads * s.length * s.length * 4 * 4
+        # probabilities and their gradients); on the CPU, whose backward goes by query blocks,
+        # about two such arrays (measured)
+        acts += s.batch * s.heads * s.length * s.length * 4 * s.fused_score_arrays
     if s.logits_full:
         logits = tokens * s.vocab * (4 * 3 + s.act_bytes)
     else:
@@ -237,6 +244,32 @@ def active_intermediate(cfg: dict, hidden: int) -> int:
     return max(dense, k * expert + shared)
 
 
+# linear layers that read one input: the attention's projections read the attention norm's
+# output, the MLP's gate and up the MLP norm's
+_SHARED_INPUT = {
+    "q_proj": "attention",
+    "k_proj": "attention",
+    "v_proj": "attention",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+}
+
+
+def trained_inputs(block: nn.Module) -> int:
+    """Elements per token of the inputs a transformer block keeps for its trained linear
+    layers (adapters, or weights that train): an input several of them read counts once."""
+    seen = {}
+    for name, m in block.named_modules():
+        if isinstance(m, LoRALinear):
+            dims = m.lora_a.shape[-1] if m.lora_a.ndim == 3 else m.lora_a.shape[0]
+        elif isinstance(m, nn.Linear) and "weight" in m.trainable_parameters():
+            dims = m.weight.shape[-1]
+        else:
+            continue
+        seen[_SHARED_INPUT.get(name.rsplit(".", 1)[-1], name)] = int(dims)
+    return sum(seen.values())
+
+
 def shape_of(trainer) -> Shape:
     """The Shape of a built Trainer's run (its model, data and recipe)."""
     r = trainer.recipe
@@ -253,6 +286,7 @@ def shape_of(trainer) -> Shape:
     reference = trainer.objective.reference_memory()
     generating = trainer.objective.generation_layout() or (0, 0)
     layers = int(cfg.get("num_hidden_layers") or 0)
+    blocks = getattr(model, "layers", None)
     modules = [m for _, m in model.named_modules()]
     quantized = any(is_quantized(m) for m in modules)
     quantizable = (
@@ -303,6 +337,8 @@ def shape_of(trainer) -> Shape:
         generation_rows=generating[0],
         generation_length=generating[1],
         micro_key=trainer.objective.micro_key,
+        trained_inputs=trained_inputs(blocks[0]) if blocks else None,
+        fused_score_arrays=2 if mx.default_device() == mx.cpu else 4,
     )
 
 
@@ -359,6 +395,7 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
                 trainable_16bit=0,
                 masters=False,
                 full=False,
+                trained_inputs=s.hidden,
             ),
         )
     return out
