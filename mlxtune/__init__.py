@@ -7,11 +7,14 @@ summary = mlxtune.Trainer(recipe, run_dir="runs/demo").run()
 
 from ._blas import setup_blas as _setup_blas
 from ._malloc import setup_malloc as _setup_malloc
+from ._schedule import setup_schedule as _setup_schedule
 
 # Must run before mlx.core is first imported (see _blas.py).
 _setup_blas()
 # Before MLX allocates: freed buffers stay in the process (see _malloc.py).
 _setup_malloc()
+# Before MLX first evaluates: it reads its evaluation width once (see _schedule.py).
+_setup_schedule()
 
 from .config import Recipe, load_recipe, recipe_from_dict  # noqa: E402
 from .errors import MlxtuneError, TrainingError, UserInputError  # noqa: E402

@@ -11,7 +11,7 @@ import time
 
 import click
 
-from . import __version__, _blas, _malloc, distributed
+from . import __version__, _blas, _malloc, _schedule, distributed
 from .config import inert_notes, load_recipe
 from .errors import Interrupted, TrainingError, UserInputError
 
@@ -440,6 +440,7 @@ def doctor(install_blas):
     click.echo(f"backend   {backend} (default device {mx.default_device()})")
     click.echo(f"BLAS      {status.name}: {status.note}")
     click.echo(f"malloc    {_malloc.setup_malloc()}")
+    click.echo(f"schedule  {_schedule.setup_schedule()}")
     click.echo(f"matmul    {_matmul_gflops():.1f} GFLOP/s (fp32, 512x512)")
     click.echo(f"memory    {mem:.1f} GB" if mem else "memory    unknown")
     have = [name for name, ok in distributed.backends().items() if ok]

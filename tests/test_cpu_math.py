@@ -234,6 +234,26 @@ def test_malloc_keeps_large_buffers_in_the_heap():
     assert run({"MLXTUNE_MALLOC": "system"}) == "False system allocator (MLXTUNE_MALLOC=system)"
 
 
+def test_the_cpu_evaluates_depth_first_unless_told_otherwise():
+    """``import mlxtune`` on MLX's CPU backend sets MLX's evaluation width to 1 (what it does
+    to a checkpointed step's peak: tests/test_memory.py); a width set outside is kept."""
+    import os
+
+    code = "import os, mlxtune, mlxtune._schedule as s; print(os.environ[s.VARIABLE], s.STATUS)"
+
+    def run(width):
+        env = {k: v for k, v in os.environ.items() if k != "MLX_BFS_MAX_WIDTH"}
+        if width is not None:
+            env["MLX_BFS_MAX_WIDTH"] = width
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+        )
+        return out.stdout.strip()
+
+    assert run(None) == "1 MLX_BFS_MAX_WIDTH=1: depth-first evaluation on the CPU"
+    assert run("7") == "7 MLX_BFS_MAX_WIDTH=7 (set outside mlxtune)"
+
+
 def test_logsumexp_and_dispatch(monkeypatch):
     z = 6 * mx.random.normal((33, 1000), key=mx.random.key(13))
     got = mx.compile(cpu.logsumexp)(z)
