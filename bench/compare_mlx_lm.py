@@ -341,10 +341,12 @@ def active_weights_per_token(base: Path, mean_len: float) -> float:
 def run_mlxtune(
     base, data, kind, cfg, run_dir, rank, lr, packing="off", attention="auto", bucket=16,
     train_extra: dict | None = None, split: bool = True, examples_only: bool = False,
+    targets=("q_proj", "v_proj"),
 ) -> dict:  # fmt: skip
-    """mlxtune's run of the workload: tokens/s, peak GB, the examples (and the step split unless
-    ``split`` is false). ``train_extra`` adds keys to the recipe's train section;
-    ``examples_only`` returns the encoded examples without training."""
+    """mlxtune's run of the workload: tokens/s, peak GB, the examples, the metrics rows (and the
+    step split unless ``split`` is false). ``train_extra`` adds keys to the recipe's train
+    section; ``examples_only`` returns the encoded examples without training; ``targets``: the
+    LoRA layers (names in a block, as mlxtune's adapter.targets)."""
     from mlxtune import Trainer, recipe_from_dict
     from mlxtune.console import Console
 
@@ -363,7 +365,7 @@ def run_mlxtune(
             "type": "lora",
             "rank": rank,
             "alpha": 2.0 * rank,
-            "targets": ["q_proj", "v_proj"],
+            "targets": list(targets),
         },
         "optimizer": {"name": "adam", "lr": lr, "grad_clip": None, "bias_correction": False},
         "schedule": {"name": "constant"},
@@ -407,6 +409,7 @@ def run_mlxtune(
         "rows_per_step": trainer.recipe.train.batch_size,
         "examples": examples,
         "mean_len": mean_len,
+        "rows": rows,
     }
     if packed:
         out["packing_utilization"] = sum(r["packing_utilization"] for r in steady) / len(steady)
@@ -485,13 +488,20 @@ class _RawRows:
         return (e.ids, e.mask.index(1))
 
 
+# mlx-lm's LoRA keys (paths in a llama block) for mlxtune's target names
+MLX_LM_KEYS = {
+    **{n: f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{n: f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")},
+}
+
+
 def run_mlx_lm(
     base, examples, cfg, steps, rank, lr, sorted_batches=False, grad_checkpoint=False,
-    max_seq_length=None,
+    max_seq_length=None, targets=("q_proj", "v_proj"),
 ) -> dict:  # fmt: skip
-    """mlx-lm's run of the same examples: tokens/s and peak GB. ``grad_checkpoint`` is
-    mlx_lm.lora's --grad-checkpoint; ``max_seq_length`` its --max-seq-length (default: the
-    longest chat, CHAT_MAX, plus one)."""
+    """mlx-lm's run of the same examples: tokens/s, peak GB and its loss reports. ``grad_checkpoint``
+    is mlx_lm.lora's --grad-checkpoint; ``max_seq_length`` its --max-seq-length (default: the
+    longest chat, CHAT_MAX, plus one); ``targets``: the LoRA layers, by their names in a block."""
     from mlx_lm.tuner.callbacks import TrainingCallback
     from mlx_lm.tuner.datasets import CacheDataset
     from mlx_lm.tuner.trainer import TrainingArgs, train
@@ -507,7 +517,7 @@ def run_mlx_lm(
             "rank": rank,
             "scale": 2.0,
             "dropout": 0.0,
-            "keys": ["self_attn.q_proj", "self_attn.v_proj"],
+            "keys": [MLX_LM_KEYS[t] for t in targets],
         },
     )
     # The same encoded examples as mlxtune: (tokens, index of the first target).
@@ -553,7 +563,11 @@ def run_mlx_lm(
     del model
     gc.collect()
     mx.clear_cache()
-    return {"tokens_per_sec": sum(t for t, _ in valid) / sum(s for _, s in valid), "peak_gb": peak}
+    return {
+        "tokens_per_sec": sum(t for t, _ in valid) / sum(s for _, s in valid),
+        "peak_gb": peak,
+        "rows": rec.rows,
+    }
 
 
 def one(
