@@ -11,7 +11,7 @@ from dataclasses import replace
 from .data.encode import fitted
 from .engine import Engine
 from .errors import UserInputError
-from .memory import GB, device_budget, estimate, shape_of
+from .memory import GB, device_budget, estimate, longest_that_fits, shape_of
 from .models import checkpoint_layers
 
 MARGIN = 0.9
@@ -92,24 +92,28 @@ def resolve(trainer, optimizer_for) -> dict[str, str]:
 
 
 def _fit_length(trainer, shape, budget: float, auto_gc: bool, context: int):
-    """data.max_length: auto, read up to ``context``: the longest example when one example a
-    step fits the budget (checkpointing too when that is automatic), else the longest of its
-    halvings (down to 64) that does, the datasets cut to it as ``data.overlong`` says.
+    """data.max_length: auto, read up to ``context``: the longest example when a step of the
+    recipe's batch (one example when the batch is automatic too) fits the budget (checkpointing
+    too when that is automatic), else the longest length
+    that does (halvings, then bisected to 64 tokens; at least 64), the datasets cut to it as
+    ``data.overlong`` says.
     (the shape at that length, why)."""
     r = trainer.recipe
     longest = r.data.max_length
     ck = shape.layers if auto_gc else shape.checkpointed
-    per = shape.rows_per_example
+    examples = shape.batch // shape.rows_per_example  # the recipe's batch (1 when automatic)
 
     def fits(length: int) -> bool:
-        s = replace(shape, batch=per, length=length - 1, checkpointed=ck)
+        s = replace(shape, length=length - 1, checkpointed=ck)
         return estimate(s)["total"] <= MARGIN * budget
 
     if fits(longest):
         return shape, f"{longest} (the longest example; the model reads {context})"
-    m = longest
-    while not fits(m) and m // 2 >= 64:
-        m //= 2
+    m = longest_that_fits(longest, fits)
+    if m is None:  # nothing fits: the shortest halving, which the memory plan then weighs
+        m = longest
+        while m // 2 >= 64:
+            m //= 2
     datasets = {id(d): d for d in (trainer.train_set, trainer.valid_set, trainer.test_set)}
     for ds in datasets.values():
         _cut(ds, m, r.data.overlong)
@@ -120,7 +124,8 @@ def _fit_length(trainer, shape, budget: float, auto_gc: bool, context: int):
             "data.max_length",
         )
     return shape_of(trainer), (
-        f"{m} (the longest example, {longest}, does not fit one a step in {MARGIN:.0%} of "
+        f"{m} (the longest that fits to 64 tokens: the longest example, {longest}, does not fit "
+        f"{examples} a step in {MARGIN:.0%} of "
         f"{budget / GB:.2f} GB; longer ones {'dropped' if r.data.overlong == 'drop' else 'cut'})"
     )
 

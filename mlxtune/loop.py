@@ -561,7 +561,9 @@ class Trainer:
 
     def _exact_match(self, when: str, step: int) -> float:
         n = self.recipe.eval.exact_match
-        examples = list(itertools.islice((e for e in self.test_set.examples if e.prompt_ids), n))
+        # (a KTO example's completion that is marked undesirable is no answer to match)
+        wanted = (e for e in self.test_set.examples if e.prompt_ids and getattr(e, "label", True))
+        examples = list(itertools.islice(wanted, n))
         acc, rows = exact_match(
             self.model, self.tokenizer, examples, self.recipe.eval.max_new_tokens
         )

@@ -354,7 +354,7 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
         return False
 
     _smaller_batches(s, fits)
-    _shorter_rows(s, recipe.data.packing, fits)
+    _shorter_rows(s, recipe.data.packing, fits, budget)
     if s.attention_scores:
         fits(
             "kernels.attention: chunked (keeps no scores)",
@@ -425,23 +425,42 @@ def _smaller_batches(s: Shape, fits) -> None:
             return
 
 
-def _shorter_rows(s: Shape, packing: str, fits) -> None:
-    """The longest halved row length that ``fits``, as the data keys that set it."""
-    length = s.length
-    while length > 64:
-        length //= 2
-        if packing == "off":
-            change = f"data.max_length: {length + 1} (longer examples are cut)"
-        elif packing == "stream":
-            change = f"data.pack_length: {length + 1} (shorter rows of the stream)"
-        else:  # an example packs whole: each of its sequences at most its share of a row
-            most = (length + 1) // s.sequences_per_example
-            change = (
-                f"data.pack_length: {length + 1} with data.max_length at most {most} "
-                "(longer examples are cut)"
-            )
-        if fits(change, replace(s, length=length)):
-            return
+def longest_that_fits(length: int, ok, floor: int = 64, step: int = 64) -> int | None:
+    """The longest length under ``length`` for which ``ok(length)`` holds (a peak that grows
+    with the length): halvings first, then the gap above the first that fits bisected down to
+    ``step``. None when not even the halving nearest ``floor`` (at least it) fits."""
+    hi, lo = length, length // 2
+    while lo >= floor and not ok(lo):
+        hi, lo = lo, lo // 2
+    if lo < floor:
+        return None
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _shorter_rows(s: Shape, packing: str, fits, budget: float) -> None:
+    """The longest row length that fits (to 64 tokens; at least 32), as the data keys that
+    set it."""
+    length = longest_that_fits(
+        s.length, lambda n: estimate(replace(s, length=n))["total"] <= budget, floor=32
+    )
+    if length is None:
+        return
+    if packing == "off":
+        change = f"data.max_length: {length + 1} (the longest that fits; longer examples are cut)"
+    elif packing == "stream":
+        change = f"data.pack_length: {length + 1} (shorter rows of the stream)"
+    else:  # an example packs whole: each of its sequences at most its share of a row
+        most = (length + 1) // s.sequences_per_example
+        change = (
+            f"data.pack_length: {length + 1} with data.max_length at most {most} "
+            "(longer examples are cut)"
+        )
+    fits(change, replace(s, length=length))
 
 
 def plan(shape: Shape, recipe, log) -> dict[str, float]:

@@ -98,6 +98,11 @@ def test_each_cpo_loss_is_its_formula_in_values_and_gradients(
         c > r for c, r in zip(chosen, rejected, strict=True)
     )
     assert ("nll_loss" in metrics) == (o.cpo_alpha > 0)
+    # logps/*: the log-probs the loss compares, averaged over the answer's tokens under simpo
+    # and ipo (as TRL's CPOTrainer reports them), so the name means one thing
+    for k, i in (("logps/chosen", 0), ("logps/rejected", 1)):
+        want_logps = sum(p[i] / n[i] if norm else p[i] for p, n in zip(pol, lens, strict=True))
+        assert metrics[k].item() == pytest.approx(want_logps, rel=1e-4, abs=1e-5), k
 
     def naive(model):  # the formula in MLX over full logits
         total = 0.0

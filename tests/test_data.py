@@ -318,6 +318,7 @@ BUILT_IN_FORMATS = (
     "sharegpt",
     "tokens",
     "preference",
+    "unpaired",
 )
 
 
@@ -404,7 +405,7 @@ def test_a_row_of_no_known_format_names_file_line_and_the_formats(tmp_path, toke
     assert str(e.value).endswith(
         f"{p}:2: cannot tell the format from keys ['bar', 'foo']: expected text, "
         "prompt+completion, instruction+output, messages, conversations, input_ids, "
-        "chosen+rejected, or question+answer"
+        "chosen+rejected, prompt+completion+label, or question+answer"
     )
     # Without it, the built-in formats alone, as before.
     unregister_format("qa")
@@ -415,8 +416,8 @@ def test_a_row_of_no_known_format_names_file_line_and_the_formats(tmp_path, toke
         register_format(qa_format)
     assert str(e.value).endswith(
         f"{p}:2: cannot tell the format from keys ['bar', 'foo']: expected text, "
-        "prompt+completion, instruction+output, messages, conversations, input_ids, or "
-        "chosen+rejected"
+        "prompt+completion, instruction+output, messages, conversations, input_ids, "
+        "chosen+rejected, or prompt+completion+label"
     )
 
 

@@ -393,6 +393,30 @@ def test_preference_pairs_train_as_one(runs, tmp_path):
         same(rows(one), got, abs=2e-5)
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
+def test_kto_feedback_trains_as_one(runs, tmp_path):
+    """KTO: the reference point and the class means summed over the ranks' shares of each
+    batch, so two processes log what one does."""
+    from test_kto import feedback_rows
+
+    from conftest import write_jsonl
+
+    data = tmp_path / "feedback"
+    write_jsonl(data / "train.jsonl", feedback_rows(40, 1))
+    write_jsonl(data / "valid.jsonl", feedback_rows(9, 2))
+    r = dict(runs["recipe"])
+    r["data"] = {"train": str(data / "train.jsonl"), "valid": str(data / "valid.jsonl")}
+    r["objective"] = {"type": "kto", "beta": 0.5}
+    r["train"] = {**r["train"], "batch_size": 6, "max_steps": 4}
+    r["eval"] = {"every": 2}
+    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
+    one, two, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = rows(two)
+    assert any("kl" in x for x in got) and got[0]["world_size"] == 2
+    same(rows(one), got, abs=2e-5)
+
+
 def prompt_runs(runs, tmp_path, objective: dict, batch_size: int):
     """``objective`` on prompt rows (rewards with spread on a random model's completions), 4
     steps, in one process and under ``--nproc 2``: (the two-process run, its rows; the one

@@ -429,6 +429,12 @@ class SFTConfig(ObjectiveConfig):
 
     type: str = "sft"
     """This objective."""
+    loss: Literal["ce", "dft"] = "ce"
+    """ce: the summed next-token cross-entropy over the target tokens; dft: dynamic fine-tuning
+    (Wu et al., 2025), each target token's cross-entropy scaled by its probability under the
+    model, held constant (no gradient flows through the scale), so tokens the model finds
+    unlikely pull less. With dft the metrics rows log ``nll``, the plain cross-entropy, beside
+    the loss, and evaluation reports the plain cross-entropy (its perplexity a perplexity)."""
     router_aux_loss_coef: float = 0.0
     """Mixture-of-experts models: weight of the routers' load-balancing loss (Switch
     Transformer's, as transformers computes it for Mixtral and Qwen-MoE: the number of experts

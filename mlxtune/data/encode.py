@@ -20,6 +20,7 @@ from ..errors import UserInputError
 from .chat import REASONING_KEYS, Rendering, common_prefix, marked_assistant_mask, with_reasoning
 from .formats import (
     Chat,
+    Labeled,
     Pair,
     PromptAnswer,
     Text,
@@ -304,7 +305,13 @@ class Encoder:
         if isinstance(piece, Pair):
             raise UserInputError(
                 "this is a preference pair (prompt, chosen, rejected): it trains with "
-                "objective.type dpo, orpo, cpo or reward",
+                "objective.type dpo, orpo, cpo or reward (or kto with objective.unpair: true)",
+                where,
+            )
+        if isinstance(piece, Labeled):
+            raise UserInputError(
+                "this is unpaired feedback (prompt, completion, label): it trains with "
+                "objective.type kto",
                 where,
             )
         for kind in type(piece).__mro__:  # a subclass of a piece encodes as that piece

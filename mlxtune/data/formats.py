@@ -9,7 +9,8 @@ it), and a function that turns one row into *pieces* the encoder knows how to to
   (samples and exact-match rows show the last user message as the prompt; ShareGPT's
   ``conversations`` become messages too);
 - ``Tokens``: token ids already, with an optional 0/1 mask;
-- ``Pair``: a prompt with a preferred and a rejected completion (the preference objectives').
+- ``Pair``: a prompt with a preferred and a rejected completion (the preference objectives');
+- ``Labeled``: a prompt and one completion marked desirable or not (KTO's unpaired feedback).
 
 Adding a format is one call, e.g. for rows ``{"question": ..., "answer": ...}``::
 
@@ -112,7 +113,19 @@ class Pair:
     """The functions the conversation may call (chat pairs), shown to the chat template."""
 
 
-Piece = Union[Text, PromptAnswer, Chat, Tokens, Pair]
+@dataclass(frozen=True)
+class Labeled:
+    """A prompt and one completion of it, ``label`` true when the completion is desirable (a
+    thumbs-up) and false when not: unpaired feedback, which ``objective.type: kto`` trains on.
+    Strings, or message lists as in ``Pair``."""
+
+    prompt: str | list
+    completion: str | list
+    label: bool
+    tools: list | None = None
+
+
+Piece = Union[Text, PromptAnswer, Chat, Tokens, Pair, Labeled]
 
 
 # --------------------------------------------------------------------------------------- formats
@@ -385,6 +398,31 @@ def _preference(obj: dict, where: str) -> Pair:
     return Pair(prompt, chosen, rejected, tools)
 
 
+def _unpaired(obj: dict, where: str) -> Labeled:
+    label = field(obj, "label", where, bool)
+    prompt, completion = obj.get("prompt"), obj.get("completion")
+    for key, v in (("prompt", prompt), ("completion", completion)):
+        if key not in obj:
+            raise UserInputError(f"missing field {key!r}", where)
+        if not isinstance(v, (str, list)):
+            raise UserInputError(
+                f"field {key!r} must be a string or a list of messages, got {type(v).__name__}",
+                where,
+            )
+    if type(prompt) is not type(completion):
+        raise UserInputError(
+            "'prompt' and 'completion' must both be strings or both be message lists", where
+        )
+    tools = read_tools(obj.get("tools"), where)
+    if isinstance(prompt, list):
+        prompt, completion = (_calls_as_objects(m, where) for m in (prompt, completion))
+    elif tools:
+        raise UserInputError(
+            "the row has tools, which only a conversation (messages) shows the model", where
+        )
+    return Labeled(prompt, completion, label, tools)
+
+
 # Registration order is the order error messages list them in; priority, the order detection
 # tries them in (a row with "messages" is chat whatever else it has).
 for _fmt in (
@@ -395,6 +433,7 @@ for _fmt in (
     DataFormat("sharegpt", ("conversations",), _sharegpt, priority=45),
     DataFormat("tokens", ("input_ids",), _tokens, alternatives=(("tokens",),), priority=40),
     DataFormat("preference", ("chosen", "rejected"), _preference, priority=60),
+    DataFormat("unpaired", ("prompt", "completion", "label"), _unpaired, priority=65),
 ):
     register_format(_fmt)
 del _fmt

@@ -109,7 +109,7 @@ class PairEncoder:
         )
 
 
-def _prompt_length(mask: list[int]) -> int:
+def prompt_length(mask: list[int]) -> int:
     """Tokens before the first target."""
     return next((i for i, m in enumerate(mask) if m), len(mask))
 
@@ -160,7 +160,7 @@ def load_pairs(
             if isinstance(ex, UserInputError):
                 raise ex
             if ex.longest > max_length:
-                prompt = max(_prompt_length(ex.mask), _prompt_length(ex.rejected_mask))
+                prompt = max(prompt_length(ex.mask), prompt_length(ex.rejected_mask))
                 if prompt >= max_length:
                     raise UserInputError(
                         f"the prompt alone is {prompt} tokens, and data.max_length ({max_length}) "

@@ -17,6 +17,7 @@ from ..errors import UserInputError
 from .base import Components, Objective, Usage, target_rows
 from .cpo import CPO
 from .grpo import GRPO, RolloutBatch
+from .kto import KTO
 from .online_dpo import OnlineDPO
 from .ppo import PPO
 from .preference import DPO, ORPO, Preference, Reward
@@ -61,7 +62,7 @@ def objective_class(recipe) -> type[Objective]:
     return OBJECTIVES[name]
 
 
-for _cls in (SFT, DPO, ORPO, CPO, Reward, GRPO, PPO, OnlineDPO):
+for _cls in (SFT, DPO, ORPO, CPO, Reward, KTO, GRPO, PPO, OnlineDPO):
     register(_cls)
 del _cls
 
@@ -70,6 +71,7 @@ __all__ = [
     "CPO",
     "DPO",
     "GRPO",
+    "KTO",
     "ORPO",
     "OnlineDPO",
     "PPO",

@@ -83,8 +83,10 @@ class CPO(Preference):
             losses = mx.maximum(1 - beta * z, 0)
         else:  # ipo
             losses = mx.square(z - 1 / (2 * beta))
+        # logps/*: the log-probs the loss compares (averaged over the completion's tokens under
+        # simpo and ipo), as TRL's CPOTrainer reports them
         metrics = pair_metrics(
-            beta * logps[:, 0], beta * logps[:, 1], summed[:, 0], summed[:, 1], valid
+            beta * logps[:, 0], beta * logps[:, 1], logps[:, 0], logps[:, 1], valid
         )
         if cfg.cpo_alpha:
             nll = -summed[:, 0] / lengths[:, 0]

@@ -30,6 +30,13 @@ class SFT(Objective):
         self.pack_length = d.pack_length or d.max_length
         if self.packing != "off":
             self.refuse_packing_the_model_cannot_keep_apart()
+        self.dft = getattr(self.config, "loss", "ce") == "dft"
+        if self.dft and recipe.train.label_smoothing:
+            raise UserInputError(
+                "dft scales each token's cross-entropy by the token's probability; a smoothed "
+                "cross-entropy is no log-probability: use one or the other",
+                "train.label_smoothing",
+            )
         self.aux_coef = getattr(self.config, "router_aux_loss_coef", 0.0)
         if self.aux_coef:
             self.routers = router_paths(components.model)
@@ -54,18 +61,28 @@ class SFT(Objective):
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
         smoothing = self.recipe.train.label_smoothing
         if not self.aux_coef:
-            loss, n = self.token_losses(batch, label_smoothing=smoothing)
-            return loss, n, {}
+            return self._cross_entropy(model, batch, smoothing)
         with router_logits(model, self.routers) as logits:
             h = self.hidden(batch)
-        loss, n = self.token_losses(batch, label_smoothing=smoothing, hidden=h)
+        loss, n, metrics = self._cross_entropy(model, batch, smoothing, hidden=h)
         aux = load_balancing_loss(logits, self.top_k, batch["read"][:, :-1])
         # the step divides by the token count: the mean cross-entropy + coef x aux; evaluation
         # (the model in eval mode) keeps the cross-entropy alone, its perplexity a perplexity
         weighted = aux * n.astype(mx.float32)
         if model.training:
             loss = loss + self.aux_coef * weighted
-        return loss, n, {"router_aux_loss": weighted}
+        return loss, n, {**metrics, "router_aux_loss": weighted}
+
+    def _cross_entropy(self, model, batch, smoothing, hidden=None):
+        """(loss sum, target count, metrics): the summed cross-entropy, or with ``loss: dft``
+        while training each token's scaled by its detached probability, with the plain sum
+        logged as ``nll`` (evaluation keeps the plain sum)."""
+        if not (self.dft and model.training):
+            loss, n = self.token_losses(batch, label_smoothing=smoothing, hidden=hidden)
+            return loss, n, {}
+        per, n = self.token_losses(batch, reduction="none", hidden=hidden)
+        p = mx.stop_gradient(mx.exp(-per))  # off-target positions: loss 0, so they add 0
+        return mx.sum(p * per), n, {"nll": mx.stop_gradient(mx.sum(per))}
 
     def sampled_loss(self, model: nn.Module, batch: dict[str, mx.array]):
         """Cross-entropy at the target positions against next tokens drawn from the model's

@@ -53,6 +53,9 @@ def main():
     preferences(HERE / "prefs", train, held)
     # quickstart-grpo: the same words as prompts to complete, rewarded for copying the word
     copy_prompts(HERE / "copy-prompts", train, held)
+    # quickstart-kto: the same words as unpaired feedback, one completion a word (the copy a
+    # thumbs-up, the reversal a thumbs-down); test holds the copies (exact match checks them)
+    feedback(HERE / "feedback", train, held, random.Random(11))
     # ... and the supervised data behind the adapter those pairs start from
     # (recipes/models/reverse-tiny-mixed): the copy task's words, copied half the time
     mixed(HERE / "copy-or-reverse", [w for w in copy_train if w not in held], random.Random(8))
@@ -99,6 +102,20 @@ def preferences(folder, train, held):
             folder / f"{name}.jsonl",
             [{"prompt": f"copy {w} =", "chosen": f" {w}", "rejected": f" {w[::-1]}"} for w in ws],
         )
+
+
+def feedback(folder, train, held, rng):
+    """train/valid/test.jsonl of {"prompt": "copy word =", "completion": " word" or " drow",
+    "label": true or false}: each word once, its copy desirable (55% of the words) or its
+    reversal undesirable; test holds only copies, of words the other splits never show."""
+    folder.mkdir(exist_ok=True)
+
+    def row(w, good):
+        return {"prompt": f"copy {w} =", "completion": f" {w if good else w[::-1]}", "label": good}
+
+    write(folder / "train.jsonl", [row(w, rng.random() < 0.55) for w in train])
+    write(folder / "valid.jsonl", [row(w, rng.random() < 0.55) for w in held[:100]])
+    write(folder / "test.jsonl", [row(w, True) for w in held[100:300]])
 
 
 def copy_prompts(folder, train, held):

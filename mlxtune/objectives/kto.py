@@ -1,0 +1,190 @@
+"""KTO (Ethayarajh et al., 2024), as TRL's KTOTrainer computes it: unpaired feedback, each
+completion desirable or not, trained against a reference policy.
+
+With ``r`` an example's log-ratio log pi(y|x) - log ref(y|x) (summed over the completion's
+tokens) and ``z0`` the reference point, the batch's mean log-ratio on mismatched
+prompt/completion pairs (``data.feedback``), held constant and clamped at 0:
+
+- ``kto``: ``desirable_weight x (1 - sigmoid(beta (r - z0)))`` for a desirable completion,
+  ``undesirable_weight x (1 - sigmoid(beta (z0 - r)))`` for an undesirable one;
+- ``apo_zero_unpaired``: ``1 - sigmoid(beta r)`` and ``sigmoid(beta r)`` (no reference point).
+
+The loss is the mean over the step's examples. ``z0`` is estimated on each micro-batch, its
+sum and count added up over the ranks of a data-parallel run. The reference is DPO's (``auto``,
+``copy``, ``precomputed``); a precomputed one holds both sequences' log-probs of each example.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..config import ObjectiveConfig
+from ..data import BadRows, held_out
+from ..data.cache import cached_split
+from ..data.feedback import FeedbackExample, load_feedback
+from ..data.preference import PairBatch, PairEncoder, renumbered
+from ..distributed import current
+from .preference import DPO
+
+
+@dataclass
+class KTOConfig(ObjectiveConfig):
+    """Kahneman-Tversky optimisation: unpaired completions labelled desirable or not, against
+    a reference policy."""
+
+    type: str = "kto"
+    """This objective."""
+    beta: float = 0.1
+    """How far the policy may move from the reference: the scale of the implicit rewards."""
+    loss: Literal["kto", "apo_zero_unpaired"] = "kto"
+    """kto: each completion's log-ratio to the reference against the KL reference point;
+    apo_zero_unpaired: desirable completions' likelihood raised and undesirable ones' lowered,
+    each against zero (no reference point)."""
+    desirable_weight: float = 1.0
+    """Weight of a desirable completion's loss."""
+    undesirable_weight: float = 1.0
+    """Weight of an undesirable completion's loss. With unbalanced data, the run warns unless
+    desirable_weight x desirable examples / (undesirable_weight x undesirable examples) lies
+    in [1, 4/3], as the KTO paper recommends, saying which weights would."""
+    reference: Literal["auto", "copy", "precomputed"] = "auto"
+    """As DPO's: auto (the base with adapters off; full fine-tuning: copy), copy, or
+    precomputed (both log-probs of every example, computed once before training)."""
+    unpair: bool = False
+    """Train on preference data (prompt, chosen, rejected): each pair becomes two examples, the
+    chosen completion desirable and the rejected one undesirable."""
+
+    def checks(self) -> tuple:
+        return (
+            (self.beta > 0, "beta", "greater than 0"),
+            (self.desirable_weight > 0, "desirable_weight", "greater than 0"),
+            (self.undesirable_weight > 0, "undesirable_weight", "greater than 0"),
+        )
+
+
+def class_balance_advice(desirable: int, undesirable: int, dw: float, uw: float) -> str | None:
+    """A warning when dw x desirable / (uw x undesirable) is outside [1, 4/3] (the KTO paper's
+    recommended range), naming the desirable_weight or undesirable_weight range that would put
+    it inside; None when it is inside, or when one class is absent."""
+    if not desirable or not undesirable:
+        return None
+    ratio = dw * desirable / (uw * undesirable)
+    if 1.0 <= ratio <= 4.0 / 3.0:
+        return None
+    d_lo, d_hi = uw * undesirable / desirable, 4.0 / 3.0 * uw * undesirable / desirable
+    u_lo, u_hi = 0.75 * dw * desirable / undesirable, dw * desirable / undesirable
+    return (
+        f"{desirable} desirable and {undesirable} undesirable examples with desirable_weight "
+        f"{dw:g} and undesirable_weight {uw:g} weigh the classes {ratio:.2f} : 1; the KTO paper "
+        f"recommends 1 to 4/3: set objective.desirable_weight in [{d_lo:.3g}, {d_hi:.3g}] or "
+        f"objective.undesirable_weight in [{u_lo:.3g}, {u_hi:.3g}] (one of them)"
+    )
+
+
+class KTO(DPO):
+    """KTO on unpaired feedback; counts examples. A batch is a batch of pairs whose second
+    sequence is the example's mismatched one (``data.feedback``)."""
+
+    name = "kto"
+    Config = KTOConfig
+    noun = "examples"
+
+    @classmethod
+    def datasets(cls, recipe, tokenizer):
+        """(train, valid, test) feedback examples, as the data section says."""
+        r, d = recipe, recipe.data
+        unpair = bool(getattr(r.objective, "unpair", False))
+        enc = PairEncoder(
+            tokenizer, d.add_eos, d.train_on_eos, d.chat_template_kwargs, d.train_on_reasoning
+        )
+
+        def load(path):
+            source, bad = r.resolve_path(path), BadRows(d.bad_rows == "skip", d.max_bad_fraction)
+            limits = (d.max_length, d.overlong, d.min_length)
+            build = partial(load_feedback, source, enc, d.format, *limits, d.columns, bad, unpair)
+            return cached_split(
+                source, d, tokenizer, enc, build, (FeedbackExample,), limits=limits, kto=unpair
+            )
+
+        train = load(d.train)
+        train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
+        if valid is not None or test is not None:
+            train, valid, test = (
+                None if x is None else renumbered(x) for x in (train, valid, test)
+            )
+        if valid is None:
+            valid = load(d.valid)
+        if test is None:
+            test = load(d.test) if d.test else valid
+        for ds in (train, valid, test):
+            ds.stats.noun = "examples"
+        return train, valid, test
+
+    def prepare(self, run_dir, source, log) -> None:
+        labels = [e.label for e in self.components.train_set.examples]
+        cfg = self.config
+        advice = class_balance_advice(
+            sum(labels), len(labels) - sum(labels), cfg.desirable_weight, cfg.undesirable_weight
+        )
+        if advice:
+            log(f"WARNING: {advice}")
+        super().prepare(run_dir, source, log)
+
+    def arrays(self, batch: PairBatch) -> dict[str, np.ndarray]:
+        out = super().arrays(batch)
+        ds = self.components.train_set if batch.split == "train" else self.components.valid_set
+        out["label"] = np.array(
+            [ds.examples[i].label if i >= 0 else False for i in batch.pairs], np.float32
+        )
+        return out
+
+    def loss(self, model: nn.Module, batch: dict[str, mx.array]):
+        cfg = self.config
+        valid, label = batch["valid"], batch["label"]
+        policy = self.sequence_logps(batch)  # [slots, 2]: the completion, the mismatched one
+        ref = self.reference_logps(model, batch)
+        ratio = policy[:, 0] - ref[:, 0]
+        good_w, bad_w = label * valid, (1 - label) * valid
+        # the reference point: the mismatched pairs' mean log-ratio; with the examples of each
+        # class, summed over the ranks' shares of the batch (not in evaluation: each rank's
+        # batches are its own there)
+        kl_sum = mx.sum(mx.stop_gradient(policy[:, 1] - ref[:, 1]) * valid)
+        n = mx.sum(valid)
+        sums = mx.stack([kl_sum, n, mx.sum(good_w), mx.sum(bad_w)])
+        world = current()
+        if world.size > 1 and model.training:
+            sums = world.all_sum(sums)
+        z0 = mx.maximum(sums[0] / mx.maximum(sums[1], 1.0), 0.0)
+        beta = cfg.beta
+        if cfg.loss == "kto":
+            good = 1 - mx.sigmoid(beta * (ratio - z0))
+            bad = 1 - mx.sigmoid(beta * (z0 - ratio))
+        else:  # apo_zero_unpaired
+            good = 1 - mx.sigmoid(beta * ratio)
+            bad = mx.sigmoid(beta * ratio)
+        losses = label * cfg.desirable_weight * good + (1 - label) * cfg.undesirable_weight * bad
+        metrics = {"kl": z0 * n}
+        rewards = mx.stop_gradient(beta * ratio)
+        logps = mx.stop_gradient(policy[:, 0])
+        # each class's mean, as sums that a row's division by the examples turns into it:
+        # exactly over one micro-batch and the ranks' shares of it
+        for cls, w, total in (("chosen", good_w, sums[2]), ("rejected", bad_w, sums[3])):
+            share = sums[1] / mx.maximum(total, 1.0)
+            metrics[f"rewards/{cls}"] = mx.sum(rewards * w) * share
+            metrics[f"logps/{cls}"] = mx.sum(logps * w) * share
+        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        return mx.sum(losses * valid), n.astype(mx.int32), metrics
+
+    def eval_metrics(self, loss_sum: float, count: int, metrics: dict[str, float]) -> dict:
+        n = max(count, 1)
+        out = {"eval_loss": loss_sum / n, "eval_examples": count}
+        out.update({f"eval_{k}": v / n for k, v in metrics.items()})
+        return out
+
+
+__all__ = ["KTO", "KTOConfig", "class_balance_advice"]

@@ -1,0 +1,312 @@
+"""KTO on unpaired feedback: each example's mismatched sequence; both losses against their
+formulas over full logits (float64 values, MLX gradients), the KL reference point by hand;
+precomputed references, exact resume; preference data unpaired on request; the class-balance
+warning; bad input; and learning on the shipped quickstart-kto task."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import yaml
+from mlx.utils import tree_flatten
+
+from conftest import TIMING, make_crash, same_rows, shipped_recipe, write_jsonl
+from mlxtune import Trainer, recipe_from_dict
+from mlxtune.adapters import LoRALinear
+from mlxtune.cli import main
+from mlxtune.console import Console
+from mlxtune.objectives.kto import class_balance_advice
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def feedback_rows(n, seed=0):
+    """ "reverse w =" answered with the reversal (desirable) or the word (undesirable)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        w = "".join(rng.choice(list(LETTERS), rng.integers(3, 8)))
+        good = bool(i % 2 == 0 or rng.random() < 0.3)
+        out.append(
+            {"prompt": f"reverse {w} =", "completion": f" {w[::-1] if good else w}", "label": good}
+        )
+    return out
+
+
+@pytest.fixture
+def feedback(tmp_path):
+    d = tmp_path / "feedback"
+    write_jsonl(d / "train.jsonl", feedback_rows(48, 1))
+    write_jsonl(d / "valid.jsonl", feedback_rows(10, 2))
+    return d
+
+
+def recipe(data, model_dir, objective=None, **over):
+    r = {
+        "name": "kto",
+        "model": {"path": str(model_dir)},
+        "data": {
+            "train": str(data / "train.jsonl"),
+            "valid": str(data / "valid.jsonl"),
+            "max_length": 48,
+        },
+        "objective": objective or {"type": "kto", "beta": 0.5},
+        "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
+        "optimizer": {"lr": 1e-2},
+        "train": {"batch_size": 6, "max_steps": 6, "log_every": 1, "progress": False, "seed": 3},
+        "eval": {"every": 3},
+    }
+    r.update(over)
+    return r
+
+
+def build(r, tmp_path, name="run", **kw):
+    return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True), **kw)
+
+
+def rows(run_dir):
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
+    return out
+
+
+def shake_adapters(model, seed=0):
+    rng = np.random.default_rng(seed)
+    for _, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
+
+
+def naive_logp(model, ids, mask) -> float:
+    """log p(completion | prompt) in float64 from the model's full logits."""
+    logits = np.array(model(mx.array([ids[:-1]]))[0], dtype=np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return sum(logp[j, ids[j + 1]] for j in range(len(ids) - 1) if mask[j + 1])
+
+
+def mx_logp(model, ids, mask):
+    logits = model(mx.array([ids[:-1]]))[0].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
+    return mx.sum(picked * mx.array(mask[1:], dtype=mx.float32))
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def test_each_example_borrows_the_next_other_prompts_completion(tmp_path, llama_dir, tokenizer):
+    """The KL sequence is the example's prompt and the completion of the next row (wrapping)
+    whose prompt differs; both score only their completion."""
+    d = tmp_path / "d"
+    data = [
+        {"prompt": "reverse ab =", "completion": " ba", "label": True},
+        {"prompt": "reverse ab =", "completion": " ab", "label": False},  # same prompt: skipped
+        {"prompt": "reverse cde =", "completion": " edc", "label": True},
+        {"prompt": "reverse fg =", "completion": " fg", "label": False},
+    ]
+    write_jsonl(d / "train.jsonl", data)
+    write_jsonl(d / "valid.jsonl", data)
+    t = build(recipe(d, llama_dir), tmp_path)
+    ex = t.train_set.examples
+    partners = [2, 2, 3, 0]
+    for e, row, j in zip(ex, data, partners, strict=True):
+        assert e.label is row["label"]
+        want = tokenizer.encode(row["prompt"] + data[j]["completion"])
+        assert e.rejected_ids[: len(want)] == want
+        prompt = len(tokenizer.encode(row["prompt"]))
+        assert e.rejected_mask[:prompt] == [0] * prompt and sum(e.rejected_mask) > 0
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [
+        {"type": "kto", "beta": 0.5},
+        {"type": "kto", "beta": 0.3, "desirable_weight": 1.3, "undesirable_weight": 0.7},
+        {"type": "kto", "beta": 0.4, "loss": "apo_zero_unpaired"},
+    ],
+    ids=["kto", "kto-weights", "apo-zero-unpaired"],
+)
+def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, feedback, objective):
+    from mlx_lm import load
+
+    t = build(recipe(feedback, llama_dir, objective), tmp_path)
+    shake_adapters(t.model)
+    base, _ = load(str(llama_dir))  # the reference (auto: adapters off), loaded on its own
+    obj, o = t.objective, t.recipe.objective
+    batch = next(obj.batches())[1]
+    arrays = t.engine.arrays(batch)
+    exs = [t.train_set.examples[i] for i in batch.pairs if i >= 0]
+    pol = np.array([naive_logp(t.model, e.ids, e.mask) for e in exs])
+    ref = np.array([naive_logp(base, e.ids, e.mask) for e in exs])
+    pol_kl = np.array([naive_logp(t.model, e.rejected_ids, e.rejected_mask) for e in exs])
+    ref_kl = np.array([naive_logp(base, e.rejected_ids, e.rejected_mask) for e in exs])
+    label = np.array([e.label for e in exs], dtype=np.float64)
+    assert 0 < label.sum() < len(exs)  # both classes in the batch
+    z0 = float(max((pol_kl - ref_kl).mean(), 0.0))
+    r = pol - ref
+    b, dw, uw = o.beta, o.desirable_weight, o.undesirable_weight
+    if o.loss == "kto":
+        want = label * dw * (1 - sigmoid(b * (r - z0))) + (1 - label) * uw * (
+            1 - sigmoid(b * (z0 - r))
+        )
+    else:
+        want = label * dw * (1 - sigmoid(b * r)) + (1 - label) * uw * sigmoid(b * r)
+    loss, count, metrics = obj.loss(t.model, arrays)
+    assert count.item() == len(exs) == obj.count(batch)
+    assert loss.item() == pytest.approx(want.sum(), rel=2e-5, abs=1e-5)
+    assert metrics["kl"].item() / len(exs) == pytest.approx(z0, rel=1e-4, abs=1e-5)
+    good, bad = label > 0, label == 0
+    assert metrics["rewards/chosen"].item() / len(exs) == pytest.approx(
+        (b * r[good]).mean(), rel=1e-4, abs=1e-5
+    )
+    assert metrics["logps/rejected"].item() / len(exs) == pytest.approx(
+        pol[bad].mean(), rel=1e-4, abs=1e-5
+    )
+
+    def naive(model):  # the formula in MLX over full logits; the reference and z0 constants
+        total = 0.0
+        for e, rc, y in zip(exs, ref, label, strict=True):
+            ratio = mx_logp(model, e.ids, e.mask) - rc
+            if o.loss == "kto":
+                term = (
+                    dw * (1 - mx.sigmoid(b * (ratio - z0)))
+                    if y
+                    else uw * (1 - mx.sigmoid(b * (z0 - ratio)))
+                )
+            else:
+                term = dw * (1 - mx.sigmoid(b * ratio)) if y else uw * mx.sigmoid(b * ratio)
+            total = total + term
+        return total
+
+    _, want_g = nn.value_and_grad(t.model, naive)(t.model)
+    _, got_g = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0])(t.model)
+    want_g, got_g = dict(tree_flatten(want_g)), dict(tree_flatten(got_g))
+    assert want_g.keys() == got_g.keys() and want_g
+    for k in want_g:
+        np.testing.assert_allclose(
+            np.array(got_g[k]), np.array(want_g[k]), rtol=2e-4, atol=2e-6, err_msg=k
+        )
+
+
+def test_the_reference_point_is_clamped_at_zero(tmp_path, llama_dir, feedback):
+    """With the policy equal to the reference the mismatched log-ratios are 0, and a policy
+    that finds the mismatched completions less likely than the reference gives z0 = 0 too."""
+    t = build(recipe(feedback, llama_dir), tmp_path)
+    arrays = t.engine.arrays(next(t.objective.batches())[1])
+    _, _, metrics = t.objective.loss(t.model, arrays)  # adapters at zero: the reference
+    assert metrics["kl"].item() == pytest.approx(0.0, abs=1e-4)
+    for _, m in t.model.named_modules():  # push every logit scale far: mismatches unlikely
+        if isinstance(m, LoRALinear):
+            m.lora_b = mx.full(m.lora_b.shape, 0.5)
+    assert t.objective.loss(t.model, arrays)[2]["kl"].item() >= 0.0
+
+
+def test_precomputed_trains_as_auto_and_both_resume_exactly(tmp_path, llama_dir, feedback):
+    auto = recipe(feedback, llama_dir, {"type": "kto"}, checkpoints={"every": 2})
+    pre = recipe(
+        feedback, llama_dir, {"type": "kto", "reference": "precomputed"}, checkpoints={"every": 2}
+    )
+    build(auto, tmp_path, "auto").run()
+    build(pre, tmp_path, "pre").run()
+    a, p = rows(tmp_path / "auto"), rows(tmp_path / "pre")
+    same_rows(a, p, rel=1e-4, abs=1e-5)
+    assert {"kl", "rewards/chosen", "rewards/margins", "logps/rejected"} <= a[1].keys()
+    evals = [x for x in a if "eval_loss" in x]
+    assert evals and all({"eval_kl", "eval_examples"} <= x.keys() for x in evals)
+    for r, whole in ((auto, a), (pre, p)):
+        name = f"crash-{r['objective'].get('reference', 'auto')}"
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            build(r, tmp_path, name, callbacks=[make_crash(4)]).run()
+        build(r, tmp_path, name, resume="latest").run()
+        same_rows(rows(tmp_path / name), whole, rel=0, abs=0)
+
+
+def test_preference_pairs_train_when_unpaired_and_are_refused_otherwise(
+    tmp_path, llama_dir, capsys
+):
+    d = tmp_path / "pairs"
+    pairs = [
+        {"prompt": f"reverse {w} =", "chosen": f" {w[::-1]}", "rejected": f" {w}"}
+        for w in ("abc", "defg", "hij", "klmno", "pqr", "stu")
+    ]
+    write_jsonl(d / "train.jsonl", pairs)
+    write_jsonl(d / "valid.jsonl", pairs[:2])
+    t = build(recipe(d, llama_dir, {"type": "kto", "unpair": True}), tmp_path)
+    ex = t.train_set.examples
+    assert len(ex) == 12 and [e.label for e in ex] == [True, False] * 6
+    assert ex[0].answer == pairs[0]["chosen"] and ex[1].answer == pairs[0]["rejected"]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe(d, llama_dir, {"type": "kto"})))
+    assert main(["run", str(path), "--run-dir", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "train.jsonl:1" in err and "objective.unpair: true" in err and "Traceback" not in err
+
+
+def test_unbalanced_classes_are_warned_of_with_the_weights_that_would_do():
+    assert class_balance_advice(50, 50, 1.0, 1.0) is None  # 1 : 1
+    assert class_balance_advice(60, 50, 1.0, 1.0) is None  # 1.2 : 1
+    advice = class_balance_advice(100, 20, 1.0, 1.0)  # 5 : 1
+    assert advice is not None and "5.00 : 1" in advice
+    # the desirable weight it names puts the ratio at the range's ends
+    assert "desirable_weight in [0.2, 0.267]" in advice
+    assert "undesirable_weight in [3.75, 5]" in advice
+    assert class_balance_advice(100, 20, 0.25, 1.0) is None  # 1.25 : 1
+    assert class_balance_advice(10, 0, 1.0, 1.0) is None  # one class: nothing to weigh
+
+
+def test_a_run_logs_the_class_balance_warning(tmp_path, llama_dir):
+    d = tmp_path / "skewed"
+    skewed = [dict(r, label=True) for r in feedback_rows(20, 4)]
+    skewed[0]["label"] = False
+    write_jsonl(d / "train.jsonl", skewed)
+    write_jsonl(d / "valid.jsonl", skewed[:4])
+    build(recipe(d, llama_dir, train={"max_steps": 1, "progress": False}), tmp_path).run()
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "WARNING: 19 desirable and 1 undesirable examples" in log
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "a", "completion": " b", "label": "yes"}, "field 'label' must be a bool"),
+        ({"prompt": "a", "completion": ["x"], "label": True}, "both be strings"),
+        ({"text": "hello"}, "missing field 'label'"),
+    ],
+    ids=["label", "mixed", "text"],
+)
+def test_bad_feedback_names_the_line_and_exits_2(
+    tmp_path, llama_dir, feedback, capsys, row, message
+):
+    bad = feedback_rows(4) + [row]
+    write_jsonl(tmp_path / "bad.jsonl", bad)
+    r = recipe(feedback, llama_dir)
+    r["data"]["train"] = str(tmp_path / "bad.jsonl")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(r))
+    assert main(["run", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:5" in err and message in err and "Traceback" not in err
+
+
+def test_sft_refuses_feedback(tmp_path, llama_dir, feedback, capsys):
+    r = recipe(feedback, llama_dir, {"type": "sft"})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(r))
+    assert main(["run", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "objective.type kto" in capsys.readouterr().err
+
+
+def test_the_quickstart_learns_to_copy(tmp_path):
+    r = shipped_recipe("quickstart-kto.yaml")
+    r["samples"] = {"every": None}
+    s = Trainer(recipe_from_dict(r), run_dir=tmp_path / "run", console=Console(quiet=True)).run()
+    assert s["exact_match_before"] <= 0.4 and s["exact_match_after"] >= 0.9
+    evals = [x for x in rows(tmp_path / "run") if "eval_rewards/margins" in x]
+    assert evals[-1]["eval_rewards/margins"] > 0
