@@ -234,9 +234,10 @@ def test_malloc_keeps_large_buffers_in_the_heap():
     assert run({"MLXTUNE_MALLOC": "system"}) == "False system allocator (MLXTUNE_MALLOC=system)"
 
 
-def test_the_cpu_evaluates_depth_first_unless_told_otherwise():
-    """``import mlxtune`` on MLX's CPU backend sets MLX's evaluation width to 1 (what it does
-    to a checkpointed step's peak: tests/test_memory.py); a width set outside is kept."""
+def test_the_cpu_evaluates_nearly_depth_first_unless_told_otherwise():
+    """``import mlxtune`` on MLX's CPU backend sets MLX's evaluation width to 4 (what it does
+    to a checkpointed step's peak: tests/test_memory.py; to the chunked loss called eagerly:
+    tests/test_kernels.py); a width set outside is kept."""
     import os
 
     code = "import os, mlxtune, mlxtune._schedule as s; print(os.environ[s.VARIABLE], s.STATUS)"
@@ -250,7 +251,7 @@ def test_the_cpu_evaluates_depth_first_unless_told_otherwise():
         )
         return out.stdout.strip()
 
-    assert run(None) == "1 MLX_BFS_MAX_WIDTH=1: depth-first evaluation on the CPU"
+    assert run(None) == "4 MLX_BFS_MAX_WIDTH=4: near depth-first evaluation on the CPU"
     assert run("7") == "7 MLX_BFS_MAX_WIDTH=7 (set outside mlxtune)"
 
 

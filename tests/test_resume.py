@@ -94,7 +94,11 @@ def test_a_checkpoint_whose_recipe_predates_a_schema_section_resumes(tmp_path, r
     crashed(r, tmp_path / "cut", at=7)
     ckpt = tmp_path / "cut" / "checkpoints" / "step-000006"
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["recipe"].pop("objective") == {"type": "sft", "router_aux_loss_coef": 0.0}
+    assert state["recipe"].pop("objective") == {
+        "type": "sft",
+        "loss": "ce",
+        "router_aux_loss_coef": 0.0,
+    }
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     (ckpt / "checksums.json").unlink()
     write_checksums(ckpt)

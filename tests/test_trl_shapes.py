@@ -170,7 +170,7 @@ def readme_block(title, lang):
 
 def test_the_readmes_shapes_each_read_as_it_says(tokenizer_dir):
     """Every row of the README's "Shapes, one example each" encodes, as the format it names."""
-    from mlxtune.data.formats import detect_format
+    from mlxtune.data.formats import Pair, detect_format
     from mlxtune.data.preference import PairEncoder
     from mlxtune.data.prompts import PromptEncoder
     from mlxtune.tokenizer import load_tokenizer
@@ -181,12 +181,16 @@ def test_the_readmes_shapes_each_read_as_it_says(tokenizer_dir):
     names = [detect_format(r, "README") if "answer" not in r else "prompt" for r in rows]
     assert names == [
         "text", "completion", "completion", "instruction", "chat", "chat", "chat", "sharegpt",
-        "tokens", "preference", "preference", "preference", "prompt",
+        "tokens", "preference", "preference", "preference", "unpaired", "prompt",
     ]  # fmt: skip
     for row, name in zip(rows, names, strict=True):
         if name == "preference":
             ex = PairEncoder(tok).encode(get_format(name).pieces(row, "README"), "README")
             assert ex.n_targets and ex.rejected_targets
+        elif name == "unpaired":  # KTO's: a completion and its label
+            piece = get_format(name).pieces(row, "README")
+            pair = Pair(piece.prompt, piece.completion, piece.completion)
+            assert piece.label is False and PairEncoder(tok).encode(pair, "README").n_targets
         elif name == "prompt":
             ids, _, shown = PromptEncoder(tok).prompt(row["prompt"], "README")
             assert ids and shown == "What is 2 + 2?"
