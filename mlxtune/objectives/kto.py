@@ -25,10 +25,10 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import ObjectiveConfig
-from ..data import BadRows, held_out
+from ..data import BadRows
 from ..data.cache import cached_split
 from ..data.feedback import FeedbackExample, load_feedback
-from ..data.preference import PairBatch, PairEncoder, renumbered
+from ..data.preference import PairBatch, PairEncoder
 from ..distributed import current
 from .preference import DPO
 
@@ -95,35 +95,14 @@ class KTO(DPO):
     noun = "examples"
 
     @classmethod
-    def datasets(cls, recipe, tokenizer):
-        """(train, valid, test) feedback examples, as the data section says."""
-        r, d = recipe, recipe.data
-        unpair = bool(getattr(r.objective, "unpair", False))
-        enc = PairEncoder(
-            tokenizer, d.add_eos, d.train_on_eos, d.chat_template_kwargs, d.train_on_reasoning
+    def load_split(cls, recipe, tokenizer, enc: PairEncoder, source, bad: BadRows):
+        """One file's feedback examples (cached); preference pairs too with ``unpair``."""
+        d, unpair = recipe.data, bool(getattr(recipe.objective, "unpair", False))
+        limits = (d.max_length, d.overlong, d.min_length)
+        build = partial(load_feedback, source, enc, d.format, *limits, d.columns, bad, unpair)
+        return cached_split(
+            source, d, tokenizer, enc, build, (FeedbackExample,), limits=limits, kto=unpair
         )
-
-        def load(path):
-            source, bad = r.resolve_path(path), BadRows(d.bad_rows == "skip", d.max_bad_fraction)
-            limits = (d.max_length, d.overlong, d.min_length)
-            build = partial(load_feedback, source, enc, d.format, *limits, d.columns, bad, unpair)
-            return cached_split(
-                source, d, tokenizer, enc, build, (FeedbackExample,), limits=limits, kto=unpair
-            )
-
-        train = load(d.train)
-        train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
-        if valid is not None or test is not None:
-            train, valid, test = (
-                None if x is None else renumbered(x) for x in (train, valid, test)
-            )
-        if valid is None:
-            valid = load(d.valid)
-        if test is None:
-            test = load(d.test) if d.test else valid
-        for ds in (train, valid, test):
-            ds.stats.noun = "examples"
-        return train, valid, test
 
     def prepare(self, run_dir, source, log) -> None:
         labels = [e.label for e in self.components.train_set.examples]

@@ -148,8 +148,16 @@ class Preference(Objective):
 
     # ---------------------------------------------------------------------- data
     @classmethod
+    def load_split(cls, recipe, tokenizer, enc: PairEncoder, source, bad: BadRows):
+        """One file's examples (cached): preference pairs here; KTO reads its feedback."""
+        d = recipe.data
+        limits = (d.max_length, d.overlong, d.min_length)
+        build = partial(load_pairs, source, enc, d.format, *limits, d.columns, bad, d.num_proc)
+        return cached_split(source, d, tokenizer, enc, build, (PairExample,), limits=limits)
+
+    @classmethod
     def datasets(cls, recipe, tokenizer):
-        """(train, valid, test) preference pairs, as the data section says."""
+        """(train, valid, test) as the data section says (``load_split`` reads each file)."""
         r, d = recipe, recipe.data
         enc = PairEncoder(
             tokenizer, d.add_eos, d.train_on_eos, d.chat_template_kwargs, d.train_on_reasoning
@@ -157,9 +165,7 @@ class Preference(Objective):
 
         def load(path):
             source, bad = r.resolve_path(path), BadRows(d.bad_rows == "skip", d.max_bad_fraction)
-            limits = (d.max_length, d.overlong, d.min_length)
-            build = partial(load_pairs, source, enc, d.format, *limits, d.columns, bad, d.num_proc)
-            return cached_split(source, d, tokenizer, enc, build, (PairExample,), limits=limits)
+            return cls.load_split(r, tokenizer, enc, source, bad)
 
         train = load(d.train)
         train, valid, test = held_out(train, d, r.train.seed, bool(d.valid), bool(d.test))
@@ -172,7 +178,7 @@ class Preference(Objective):
         if test is None:
             test = load(d.test) if d.test else valid
         for ds in (train, valid, test):
-            ds.stats.noun = "pairs"
+            ds.stats.noun = cls.noun
         return train, valid, test
 
     def batches(self, start_epoch: int = 0, skip: int = 0):
