@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..errors import UserInputError
 from .encode import Dataset, SplitStats
 from .formats import Labeled, Pair, detect_format, get_format
-from .preference import PairEncoder, PairExample, prompt_length
+from .preference import PairEncoder, PairExample, fit_to_length, keep
 from .rows import BadRows
 
 
@@ -103,29 +103,10 @@ def load_feedback(
                 rejected_mask=ex.rejected_mask,
                 label=item.label,
             )
-            if ex.longest > max_length:
-                prompt = max(prompt_length(ex.mask), prompt_length(ex.rejected_mask))
-                if prompt >= max_length:
-                    raise UserInputError(
-                        f"the prompt alone is {prompt} tokens, and data.max_length ({max_length}) "
-                        "leaves no room for a completion",
-                        where,
-                    )
-                if overlong == "drop" and len(ex.ids) > max_length:
-                    stats.dropped_too_long += 1
-                    continue
-                # the KL sequence is an estimate's sample: cut it to fit whatever overlong says
-                ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
-                ex.rejected_ids = ex.rejected_ids[:max_length]
-                ex.rejected_mask = ex.rejected_mask[:max_length]
-                stats.truncated += 1
-            if len(ex.ids) < min_length:
-                stats.dropped_too_short += 1
-                continue
-            ex.index = len(out)
-            out.append(ex)
-            stats.tokens += ex.size
-            stats.target_tokens += ex.n_targets + ex.rejected_targets
+            # (the KL sequence is an estimate's sample: only the example's own decides a drop)
+            drop = overlong == "drop" and len(ex.ids) > max_length
+            if fit_to_length(ex, max_length, drop, where, stats):
+                keep(ex, out, stats, len(ex.ids) >= min_length)
     bad.finish(stats, path)
     stats.kept = len(out)
     if not out:

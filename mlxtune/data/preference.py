@@ -132,6 +132,39 @@ class PairRows:
         return self.encoder.encode(piece, where)
 
 
+def fit_to_length(ex: PairExample, max_length: int, drop: bool, where: str, stats) -> bool:
+    """A pair whose longer sequence is over ``max_length``: False when ``drop`` (counted), else
+    both cut at the end (their completions'); a prompt that leaves no room is an error."""
+    if ex.longest <= max_length:
+        return True
+    prompt = max(prompt_length(ex.mask), prompt_length(ex.rejected_mask))
+    if prompt >= max_length:
+        raise UserInputError(
+            f"the prompt alone is {prompt} tokens, and data.max_length ({max_length}) "
+            "leaves no room for a completion",
+            where,
+        )
+    if drop:
+        stats.dropped_too_long += 1
+        return False
+    ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
+    ex.rejected_ids = ex.rejected_ids[:max_length]
+    ex.rejected_mask = ex.rejected_mask[:max_length]
+    stats.truncated += 1
+    return True
+
+
+def keep(ex: PairExample, out: list, stats, long_enough: bool) -> None:
+    """``ex`` numbered and kept in ``out`` with its tokens counted, unless too short."""
+    if not long_enough:
+        stats.dropped_too_short += 1
+        return
+    ex.index = len(out)
+    out.append(ex)
+    stats.tokens += ex.size
+    stats.target_tokens += ex.n_targets + ex.rejected_targets
+
+
 def load_pairs(
     path,
     encoder: PairEncoder,
@@ -159,28 +192,8 @@ def load_pairs(
             where = f"{path}:{n}"
             if isinstance(ex, UserInputError):
                 raise ex
-            if ex.longest > max_length:
-                prompt = max(prompt_length(ex.mask), prompt_length(ex.rejected_mask))
-                if prompt >= max_length:
-                    raise UserInputError(
-                        f"the prompt alone is {prompt} tokens, and data.max_length ({max_length}) "
-                        "leaves no room for a completion",
-                        where,
-                    )
-                if overlong == "drop":
-                    stats.dropped_too_long += 1
-                    continue
-                ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]
-                ex.rejected_ids = ex.rejected_ids[:max_length]
-                ex.rejected_mask = ex.rejected_mask[:max_length]
-                stats.truncated += 1
-            if min(len(ex.ids), len(ex.rejected_ids)) < min_length:
-                stats.dropped_too_short += 1
-                continue
-            ex.index = len(out)
-            out.append(ex)
-            stats.tokens += ex.size
-            stats.target_tokens += ex.n_targets + ex.rejected_targets
+            if fit_to_length(ex, max_length, overlong == "drop", where, stats):
+                keep(ex, out, stats, min(len(ex.ids), len(ex.rejected_ids)) >= min_length)
     bad.finish(stats, path)
     stats.kept = len(out)
     if not out:
