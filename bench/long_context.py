@@ -17,7 +17,9 @@ time (with compiling), the second's, MLX's peak memory and the process's maximum
   RSS within the budget; the parent polls the child's RSS and ends it as soon as it goes over,
   so a peer that would take the whole machine is stopped there (the CPU backend's memory is the
   process's). --rung-timeout-s ends a rung that runs longer (its T is then neither fitting nor
-  not: the longest found is a lower bound, and the output says so).
+  not: the longest found is a lower bound, and the output says so). Budgets run largest first,
+  and a rung already run answers a smaller budget again without running: a finished one by its
+  maximum RSS, one ended over a larger budget as not fitting.
 
 Settings: mlxtune at its defaults, mlxtune with train.grad_checkpointing, mlx-lm at its defaults,
 and mlx-lm with --grad-checkpoint (mlx_lm.lora's). The summary gives, per budget, each trainer's
@@ -164,16 +166,29 @@ def rung(name: str, t: int, base: Path, tmp: Path, args, budget_gb: float, steps
 def fits(r: dict, budget_gb: float) -> bool | None:
     """True within the budget, False over it or failed, None when stopped by the time limit."""
     if r.get("stopped", "").startswith("still running"):
-        return None
+        return False if r["max_rss_seen_gb"] > budget_gb else None
     return "error" not in r and "stopped" not in r and r["max_rss_gb"] <= budget_gb
 
 
-def ladder(name: str, budget_gb: float, base: Path, tmp: Path, args, say) -> dict:
-    """The longest T within the budget: doubling from --start, then bisecting."""
+def ladder(name: str, budget_gb: float, base: Path, tmp: Path, args, say, memo: dict) -> dict:
+    """The longest T within the budget: doubling from --start, then bisecting.
+
+    ``memo`` keeps every rung already run for this setting, by T: one that finished answers
+    any budget (its maximum RSS is known), and one ended over a larger budget answers a smaller
+    one (so the budgets run largest first, and a smaller budget mostly reuses their rungs)."""
     tried, lo, hi, bound = [], None, None, False
+
+    def run(t):
+        r = memo.get((name, t))
+        if r is None or ("stopped" in r and r.get("budget_gb", 0) < budget_gb):
+            r = {**rung(name, t, base, tmp, args, budget_gb, args.ladder_steps),
+                 "budget_gb": budget_gb}  # fmt: skip
+            memo[(name, t)] = r
+        return r
+
     t = args.start
     while t <= args.stop:
-        r = rung(name, t, base, tmp, args, budget_gb, args.ladder_steps)
+        r = run(t)
         tried.append(r)
         ok = fits(r, budget_gb)
         say(name, f"{budget_gb:g} GB", r)
@@ -186,7 +201,7 @@ def ladder(name: str, budget_gb: float, base: Path, tmp: Path, args, say) -> dic
         lo, t = t, t * 2
     while lo is not None and hi is not None and hi - lo > args.resolution:
         t = (lo + hi) // 2 // 64 * 64
-        r = rung(name, t, base, tmp, args, budget_gb, args.ladder_steps)
+        r = run(t)
         tried.append(r)
         ok = fits(r, budget_gb)
         say(name, f"{budget_gb:g} GB", r)
@@ -194,6 +209,7 @@ def ladder(name: str, budget_gb: float, base: Path, tmp: Path, args, say) -> dic
             bound = True
             break
         lo, hi = (t, hi) if ok else (lo, t)
+    bound = bound or (lo is not None and hi is None)  # fitted up to --stop
     return {"longest": lo, "lower_bound": bound, "first_over": hi, "rungs": tried}
 
 
@@ -253,8 +269,10 @@ def main(argv=None):
                 r = rung(name, t, base, tmp, args, args.step_limit_gb, args.steps)
                 steps[name].append(r)
                 say(name, "steps", r)
-        for b in args.budgets_gb:
-            budgets[f"{b:g}"] = {n: ladder(n, b, base, tmp, args, say) for n in args.settings}
+        memo: dict = {}
+        for b in sorted(args.budgets_gb, reverse=True):  # largest first: see ladder()
+            budgets[f"{b:g}"] = {n: ladder(n, b, base, tmp, args, say, memo)
+                                 for n in args.settings}  # fmt: skip
 
     # the summary: the steady step's ratio per length, and each trainer's best per budget
     ratios = {}
@@ -288,7 +306,7 @@ def main(argv=None):
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)  # fmt: skip
     for b, row in best.items():
         for trainer, v in row.items():
-            more = " (a lower bound: a rung ran out of time)" if v["lower_bound"] else ""
+            more = " (a lower bound: --stop, or a rung ran out of time)" if v["lower_bound"] else ""
             print(f"  {b} GB: {trainer} trains {v['longest']} tokens ({v['setting']}){more}",
                   file=sys.stderr)  # fmt: skip
     for k, v in ratios.items():
