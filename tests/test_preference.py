@@ -128,11 +128,19 @@ def dpo_formula(kind, beta, eps, pc, pr, rc, rr, nc, nr, rpo=0.0):
     return loss + rpo * nll
 
 
-def orpo_formula(beta, pc, pr, nc, nr):
-    """ORPO (Hong et al.): mean NLL of the chosen + beta * -log sigmoid(log odds ratio)."""
+def orpo_formula(beta, pc, pr, nc, nr, nll=None):
+    """ORPO (Hong et al.): mean NLL of the chosen + beta * -log sigmoid(log odds ratio);
+    ``nll``: another NLL term (TRL's, over whole sequences)."""
     ac, ar = pc / nc, pr / nr
     log_odds = (ac - ar) - (np.log1p(-np.exp(ac)) - np.log1p(-np.exp(ar)))
-    return -ac - beta * logsig(log_odds)
+    return (-ac if nll is None else nll) - beta * logsig(log_odds)
+
+
+def whole_nll(model, pairs, logp) -> tuple:
+    """TRL's ORPO NLL: -(log-prob of every token of the chosen sequences after their first) /
+    (how many there are), the prompt included."""
+    got = [logp(model, p.ids, [1] * len(p.ids)) for p in pairs]
+    return -sum(got) / sum(len(p.ids) - 1 for p in pairs)
 
 
 def same_gradients(model, naive, loss):
@@ -242,6 +250,7 @@ def test_sft_refuses_pairs_and_preference_objectives_refuse_other_data(
         {"type": "dpo", "beta": 0.2, "loss": "ipo"},
         {"type": "dpo", "beta": 0.5, "rpo_alpha": 0.7},
         {"type": "orpo", "beta": 0.4},
+        {"type": "orpo", "beta": 0.4, "nll_over": "sequence"},
     ],
     ids=lambda o: "-".join(str(v) for v in o.values()),
 )
@@ -271,7 +280,8 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
             for pp, rr, nn_ in zip(pol, ref, lens, strict=True)
         ]
     else:
-        want = [orpo_formula(o.beta, *pp, *nn_) for pp, nn_ in zip(pol, lens, strict=True)]
+        nll = whole_nll(t.model, pairs, naive_logp) if o.nll_over == "sequence" else None
+        want = [orpo_formula(o.beta, *pp, *nn_, nll) for pp, nn_ in zip(pol, lens, strict=True)]
     loss, count, metrics = obj.loss(t.model, arrays)
     assert count.item() == len(pairs) == obj.count(batch)
     assert loss.item() == pytest.approx(sum(want), rel=2e-5, abs=1e-5)
@@ -291,7 +301,7 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
         ar = np.array([p[1] / n[1] for p, n in zip(pol, lens, strict=True)])
         odds = (ac - ar) - (np.log1p(-np.exp(ac)) - np.log1p(-np.exp(ar)))
         for k, v in (
-            ("nll_loss", -ac),
+            ("nll_loss", -ac if nll is None else np.full(len(ac), nll)),
             ("log_odds_chosen", odds),
             ("log_odds_ratio", logsig(odds)),
             ("rewards/chosen", o.beta * ac),
@@ -307,7 +317,8 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
             if o.type == "orpo":
                 ac, ar = pc / nc, pr / nr
                 odds = (ac - ar) - (mx.log(-mx.expm1(ac)) - mx.log(-mx.expm1(ar)))
-                total = total - ac + o.beta * mx.logaddexp(0.0, -odds)
+                nll = whole_nll(model, pairs, mx_logp) if o.nll_over == "sequence" else -ac
+                total = total + nll + o.beta * mx.logaddexp(0.0, -odds)
                 continue
             if o.loss == "ipo":
                 pc, pr, rc, rr = pc / nc, pr / nr, rc / nc, rr / nr
@@ -352,6 +363,25 @@ def test_padding_prompt_positions_and_packing_change_nothing(tmp_path, llama_dir
         for p in examples
     ]
     np.testing.assert_allclose(alone, naive, rtol=1e-5, atol=1e-4)
+
+
+def test_orpo_whole_sequence_nll_is_the_same_padded_or_packed(tmp_path, llama_dir, prefs):
+    """nll_over: sequence scores the chosen sequences' prompts too, never a token across a
+    packed row's segments or the padding: padded, packed and the formula agree."""
+    r = recipe(prefs, llama_dir, {"type": "orpo", "beta": 0.4, "nll_over": "sequence"})
+    t = build(r, tmp_path)
+    shake_adapters(t.model)
+    obj, ex = t.objective, t.train_set.examples[:5]
+    with kernel_attention(t.model, t.tiers["attention"]):
+        got = []
+        for batch in (
+            make_pair_batch(ex, 0, 8),
+            make_pair_batch(ex, 7, 64),
+            make_packed_pair_batch([ex[:2], ex[2:]], 3, 200),
+        ):
+            metrics = obj.loss(t.model, t.engine.arrays(batch))[2]
+            got.append(metrics["nll_loss"].item() / len(ex))
+    assert got == pytest.approx([whole_nll(t.model, ex, naive_logp)] * 3, rel=1e-5)
 
 
 @pytest.mark.parametrize("packed", [False, True])

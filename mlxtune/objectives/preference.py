@@ -47,7 +47,7 @@ from ..data.preference import (
 from ..errors import UserInputError
 from ..kernels import forward_only
 from ..models import add_reward_head, kernel_attention, segments
-from .base import Objective, Usage
+from .base import Objective, Usage, target_rows
 from .reference import ReferencePolicy, reference_kind
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -99,6 +99,11 @@ class ORPOConfig(ObjectiveConfig):
     """This objective."""
     beta: float = 0.1
     """Weight of the odds-ratio term beside the chosen completion's NLL."""
+    nll_over: Literal["completion", "sequence"] = "completion"
+    """The NLL term. completion: each pair's chosen completion, its mean over the completion's
+    tokens (the paper's SFT term; the prompt is not trained on, as in SFT); sequence: every token
+    of the chosen sequences, prompt included, averaged over the batch's tokens (as TRL's
+    ORPOTrainer computes it; a micro-batch of a split step averages over its own tokens)."""
 
     def checks(self) -> tuple:
         return ((self.beta > 0, "beta", "greater than 0"),)
@@ -250,10 +255,12 @@ class Preference(Objective):
         return len(batch.tokens) if batch.packed else len(batch.tokens) // 2
 
     # ---------------------------------------------------------------------- log-probs
-    def sequence_logps(self, batch: dict[str, mx.array]) -> mx.array:
+    def sequence_logps(self, batch: dict[str, mx.array], tok: mx.array | None = None) -> mx.array:
         """[slots, 2]: each pair's chosen and rejected completion log-probs, summed over the
-        completion's tokens (the prompt and padding add nothing)."""
-        tok, _ = self.token_losses(batch, reduction="none")
+        completion's tokens (the prompt and padding add nothing). ``tok``: the batch's per-token
+        losses where the caller has them already."""
+        if tok is None:
+            tok, _ = self.token_losses(batch, reduction="none")
         slots = batch["valid"].shape[0]
         seq = batch["seq"].reshape(-1)
         sums = mx.zeros((2 * slots + 1,), mx.float32).at[seq].add(-tok.reshape(-1))
@@ -412,15 +419,41 @@ class ORPO(Preference):
     name = "orpo"
     Config = ORPOConfig
 
+    def arrays(self, batch: PairBatch) -> dict[str, np.ndarray]:
+        """With ``nll_over: sequence``, the loss kernel also scores every token of the chosen
+        sequences (``whole``: where it counts toward the NLL), beside the completions."""
+        out = super().arrays(batch)
+        if self.config.nll_over != "sequence":
+            return out
+        seq = batch.seq
+        # position t reads token t + 1 of the same sequence, the sequence's first token excluded
+        inside = (seq[:, 1:] >= 0) & (seq[:, 1:] == seq[:, :-1])
+        whole = inside & (seq[:, 1:] % 2 == 0)
+        mask = np.zeros_like(batch.mask)
+        mask[:, 1:] = (batch.mask[:, 1:] > 0) | whole
+        out["mask"] = mask
+        out.pop("rows", None)
+        rows = target_rows(mask)
+        if rows is not None:
+            out["rows"] = rows
+        out["whole"] = whole.astype(np.float32)
+        return out
+
     def loss(self, model: nn.Module, batch: dict[str, mx.array]):
         valid = batch["valid"]
-        mean = self.sequence_logps(batch) / batch["lengths"]
+        tok, _ = self.token_losses(batch, reduction="none")
+        mean = self.sequence_logps(batch, tok) / batch["lengths"]
         # log(1 - p) from log p, kept finite where p rounds to 1
         log_not = mx.log(-mx.expm1(mx.minimum(mean, -1e-7)))
         log_odds = (mean[:, 0] - mean[:, 1]) - (log_not[:, 0] - log_not[:, 1])
         ratio = nn.log_sigmoid(log_odds)
-        nll = -mean[:, 0]
         beta = self.config.beta
+        if self.config.nll_over == "sequence":  # the batch's token mean, once a pair
+            whole = batch["whole"]
+            per_token = mx.sum(tok * whole) / mx.maximum(mx.sum(whole), 1.0)
+            nll = mx.broadcast_to(per_token, valid.shape)
+        else:
+            nll = -mean[:, 0]
         losses = nll - beta * ratio
         metrics = pair_metrics(beta * mean[:, 0], beta * mean[:, 1], mean[:, 0], mean[:, 1], valid)
         metrics["nll_loss"] = mx.sum(mx.stop_gradient(nll) * valid)
