@@ -153,6 +153,7 @@ class Shape:
     sequences_per_example: int = 1  # sequences an example packs as (2: pairs)
     reference_forward: bool = False  # a forward without backward a step (DPO's reference)
     reference_bytes: int = 0  # weights kept for the reference (a copy of the trainable ones)
+    objective_bytes: int = 0  # what the objective's loss holds besides (distillation's logits)
     drawn_logits: bool = False  # a curvature pass draws labels from whole logits (sophia)
     generation_rows: int = 0  # rows generated at once while training (RL), their KV caches
     generation_length: int = 0  # ... of this capacity (positions)
@@ -210,7 +211,7 @@ def estimate(s: Shape) -> dict[str, float]:
             2 * s.trainable_bytes + 4 * s.trainable + (4 * s.trainable if s.accumulation > 1 else 0)
         ),
         "activations": float(acts),
-        "logits": float(logits),
+        "logits": float(logits + s.objective_bytes),
     }
     step = out["gradients"] + out["activations"] + out["logits"]
     held = out["weights"] + out["masters"] + out["optimizer"]
@@ -334,6 +335,7 @@ def shape_of(trainer) -> Shape:
         sequences_per_example=trainer.objective.sequences_per_example,
         reference_forward=reference["forward"],
         reference_bytes=reference["bytes"],
+        objective_bytes=reference.get("step_bytes", 0),
         generation_rows=generating[0],
         generation_length=generating[1],
         micro_key=trainer.objective.micro_key,

@@ -16,6 +16,7 @@ from ..config import register_objective_config, unregister_objective_config
 from ..errors import UserInputError
 from .base import Components, Objective, Usage, target_rows
 from .cpo import CPO
+from .distill import Distill
 from .grpo import GRPO, RolloutBatch
 from .kto import KTO
 from .online_dpo import OnlineDPO
@@ -62,13 +63,14 @@ def objective_class(recipe) -> type[Objective]:
     return OBJECTIVES[name]
 
 
-for _cls in (SFT, DPO, ORPO, CPO, Reward, KTO, GRPO, PPO, OnlineDPO):
+for _cls in (SFT, DPO, ORPO, CPO, Reward, KTO, Distill, GRPO, PPO, OnlineDPO):
     register(_cls)
 del _cls
 
 __all__ = [
     "Components",
     "CPO",
+    "Distill",
     "DPO",
     "GRPO",
     "KTO",

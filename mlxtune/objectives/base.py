@@ -310,8 +310,9 @@ class Objective:
         return None
 
     def reference_memory(self) -> dict:
-        """What a reference policy adds to a step: ``forward`` (one more forward pass, without
-        its backward) and ``bytes`` (weights kept for it)."""
+        """What a reference policy (or a teacher) adds to a step: ``forward`` (one more forward
+        pass, without its backward), ``bytes`` (weights kept for it) and, optionally,
+        ``step_bytes`` (what the loss holds while a step runs besides the loss kernel's)."""
         return {"forward": False, "bytes": 0}
 
     def units(self, batch: Batch) -> int:
