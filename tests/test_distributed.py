@@ -417,6 +417,32 @@ def test_kto_feedback_trains_as_one(runs, tmp_path):
     same(rows(one), got, abs=2e-5)
 
 
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
+@pytest.mark.parametrize(
+    "objective",
+    [
+        {"mode": "offline", "top_k": 4, "teacher_logits": "precomputed"},
+        {"mode": "gkd", "lmbda": 0.5, "seq_kd": True, "max_completion_length": 6},
+    ],
+    ids=["offline-precomputed", "gkd-drawn"],
+)
+def test_distillation_trains_as_one(runs, tmp_path, model_dir_factory, objective):
+    """Distillation: the teacher's top-k read by each rank's rows, and completions drawn by
+    the student and the teacher (every rank draws the batch, from the same keys), so two
+    processes log what one does."""
+    r = dict(runs["recipe"])
+    teacher = model_dir_factory("llama", intermediate_size=96)
+    r["objective"] = {"type": "distill", "teacher": str(teacher), **objective}
+    r["train"] = {**r["train"], "batch_size": 6, "max_steps": 4}
+    r["eval"] = {"every": 2}
+    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
+    one, two, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = rows(two)
+    assert got[0]["world_size"] == 2
+    same(rows(one), got, abs=2e-5)
+
+
 def prompt_runs(runs, tmp_path, objective: dict, batch_size: int):
     """``objective`` on prompt rows (rewards with spread on a random model's completions), 4
     steps, in one process and under ``--nproc 2``: (the two-process run, its rows; the one

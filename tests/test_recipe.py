@@ -307,6 +307,7 @@ def test_every_shipped_recipe_loads_with_its_objective_and_no_inert_keys(path):
         "quickstart-ppo.yaml": "ppo",
         "quickstart-online-dpo.yaml": "online_dpo",
         "quickstart-kto.yaml": "kto",
+        "quickstart-distill.yaml": "distill",
     }
     assert r.objective.type == kinds.get(path.name, "sft")
     assert R.inert_keys(r) == []
@@ -364,7 +365,8 @@ def test_an_unknown_objective_type_lists_the_registered_ones(tmp_path, weighted)
     assert f"{p}:9: objective.type: unknown objective 'test-weigted'" in msg
     assert (
         "did you mean 'test-weighted'" in msg
-        and "registered: sft, dpo, orpo, cpo, reward, kto, grpo, ppo, online_dpo, test-weighted" in msg
+        and "registered: sft, dpo, orpo, cpo, reward, kto, distill, grpo, ppo, online_dpo, test-weighted"
+        in msg
     )
     assert main(["validate", str(p)]) == 2
 
@@ -374,7 +376,7 @@ def test_an_objective_unregistered_again_is_unknown(tmp_path, weighted):
     try:
         with pytest.raises(
             UserInputError,
-            match=r"unknown objective .*\(registered: sft, dpo, orpo, cpo, reward, kto, grpo, ppo, online_dpo\)",
+            match=r"unknown objective .*\(registered: sft, dpo, orpo, cpo, reward, kto, distill, grpo, ppo, online_dpo\)",
         ):
             R.load_recipe(write(tmp_path, WEIGHTED))
     finally:

@@ -113,21 +113,6 @@ class DistillConfig(ObjectiveConfig):
         )
 
 
-# the keys each mode reads, beside teacher, teacher_bits, teacher_dtype and mode
-_READS = {
-    "offline": {"teacher_logits", "top_k", "alpha", "temperature"},
-    "gkd": {
-        "temperature",
-        "beta",
-        "lmbda",
-        "seq_kd",
-        "max_completion_length",
-        "generation_temperature",
-    },  # fmt: skip
-    "on_policy": {"max_completion_length", "generation_temperature"},
-}
-
-
 def completions_read(cfg: DistillConfig) -> bool:
     """Whether the data's completions are trained on (else prompts are all it needs)."""
     if cfg.mode == "offline":
@@ -298,18 +283,6 @@ class Distill(SFT):
             )
         else:
             self._table = self._teacher_table(run_dir, source, log)
-        unread = sorted(
-            k
-            for k in DistillConfig.__dataclass_fields__
-            if f"objective.{k}" in self.recipe.explicit
-            and k
-            not in _READS[cfg.mode] | {"type", "mode", "teacher", "teacher_bits", "teacher_dtype"}
-        )
-        if unread:
-            log(
-                f"note: {', '.join('objective.' + k for k in unread)} "
-                f"{'has' if len(unread) == 1 else 'have'} no effect with mode {cfg.mode}"
-            )
 
     def _source(self, g: int) -> str:
         """Where batch ``g``'s completions come from."""

@@ -37,6 +37,9 @@ def main():
     train = words(rng, 6000, exclude=held)
     # quickstart: reverse a word (the model is trained from scratch)
     task(HERE / "reverse", train, held, "reverse", lambda w: w[::-1])
+    # quickstart-distill: the same prompts without their answers' tokens (the teacher, the
+    # reverse model, shows the student what to answer); answers only for exact match
+    prompts_only(HERE / "reverse-prompts", train[:3000], held, "reverse", lambda w: w[::-1])
     # quickstart-lora: a new task for the reverse model: copy the word unchanged
     rng = random.Random(99)
     held = words(rng, 400)
@@ -124,6 +127,16 @@ def copy_prompts(folder, train, held):
     folder.mkdir(exist_ok=True)
     for name, ws in (("train", train), ("valid", held[:100]), ("test", held[100:300])):
         write(folder / f"{name}.jsonl", [{"prompt": f"copy {w} =", "answer": w} for w in ws])
+
+
+def prompts_only(folder, train, held, verb, answer):
+    """train/valid/test.jsonl of {"prompt": "VERB word =", "answer": "ANSWER"}: the prompts of
+    ``task``'s splits, valid and test the same held-out words."""
+    folder.mkdir(exist_ok=True)
+    for name, ws in (("train", train), ("valid", held[:100]), ("test", held[200:])):
+        write(
+            folder / f"{name}.jsonl", [{"prompt": f"{verb} {w} =", "answer": answer(w)} for w in ws]
+        )
 
 
 def mixed(folder, train, rng):
