@@ -239,9 +239,11 @@ def run_mlxtune_dpo(
     samples: int = 0,
     timeout: float | None = None,
     verbose: bool = False,
+    objective: dict | None = None,
 ) -> dict:
     """Train mlxtune's DPO (LoRA on q_proj/v_proj of every block) in a child process; return
-    its figures, named as ``run_mlx_lm_lora_dpo``'s.
+    its figures, named as ``run_mlx_lm_lora_dpo``'s. ``objective``: another objective section
+    on the same pairs instead (bench/compare_kto.py's KTO, ``unpair: true``).
 
     ``train_rows``/``valid_rows``: prompt/chosen/rejected strings, handed to mlxtune as chat
     messages (``as_chat``); the validation pairs are only read by the run's final evaluation
@@ -265,6 +267,7 @@ def run_mlxtune_dpo(
         dtype=dtype,
         seed=int(seed),
         samples=int(samples),
+        objective=objective,
     )
     if len(spec["rows"]) < spec["batch_size"]:
         raise ValueError(f"{len(spec['rows'])} rows is fewer than one batch of {batch_size}")
@@ -534,7 +537,8 @@ def _mlxtune_worker(spec_path: str) -> None:
             "valid": str(files["valid"]),
             "max_length": spec["max_length"],
         },
-        "objective": {
+        "objective": spec.get("objective")
+        or {
             "type": "dpo",
             "beta": spec["beta"],
             "loss": "sigmoid",

@@ -13,6 +13,7 @@ import click
 
 from . import __version__, _blas, _malloc, _schedule, distributed
 from .config import inert_notes, load_recipe
+from .config.reference import recipe_reference, sections
 from .errors import Interrupted, TrainingError, UserInputError
 
 
@@ -126,6 +127,31 @@ def validate(recipe, overrides):
             click.echo(f"{key}: auto -> {why}")
     for note in inert_notes(r):
         click.echo(note)
+
+
+@cli.command()
+@click.argument("section", required=False)
+@click.option(
+    "--write",
+    "write_to",
+    type=click.Path(dir_okay=False),
+    help="Write the reference to this file (docs/recipe.md) instead of printing it.",
+)
+def keys(section, write_to):
+    """Every recipe key (or SECTION's) with its type, default and meaning, as Markdown: the
+    schema's own docstrings, which docs/recipe.md is written from."""
+    try:
+        text = recipe_reference(section)
+    except KeyError:
+        raise UserInputError(
+            f"no section {section!r}; the sections: {', '.join(sections())}", "SECTION"
+        ) from None
+    if write_to:
+        with open(write_to, "w") as f:
+            f.write(text)
+        click.echo(f"wrote {write_to}")
+    else:
+        click.echo(text, nl=False)
 
 
 @cli.command("export")

@@ -314,6 +314,28 @@ def test_on_policy_loss_is_the_reverse_kl_on_the_students_own_tokens(
     same_gradients(t.model, naive, lambda m: obj.loss(m, arrays)[0])
 
 
+def test_a_teacher_quantized_as_it_loads_is_held_quantized_and_counted_so(
+    tmp_path, llama_dir, model_dir_factory, data_dir, capsys
+):
+    from mlxtune.models import is_quantized
+
+    wide = model_dir_factory("llama", hidden_size=64, intermediate_size=128)
+    plans = {}
+    for bits in (None, 4):
+        r = recipe(data_dir, llama_dir, wide, {"teacher_bits": bits})
+        t = build(r, tmp_path, f"bits-{bits}")
+        quantized = [n for n, m in t.objective.teacher.named_modules() if is_quantized(m)]
+        assert bool(quantized) == (bits is not None)
+        plans[bits] = estimate(shape_of(t))["weights"]
+        loss, count, _ = t.objective.loss(t.model, t.engine.arrays(next(t.objective.batches())[1]))
+        assert np.isfinite(loss.item()) and count.item() > 0
+    assert plans[4] < plans[None]  # the 4-bit teacher's weights, not its fp32 ones
+    code, out = run_cli(
+        tmp_path, recipe(data_dir, llama_dir, llama_dir, {"teacher_bits": 4}), capsys
+    )
+    assert code == 2 and "objective.teacher_bits" in out.err  # hidden 32: no group of 64
+
+
 # ------------------------------------------------------------------------ runs
 def test_precomputed_top_k_trains_as_the_live_teacher_and_resumes_exactly(
     tmp_path, llama_dir, teacher_dir, data_dir

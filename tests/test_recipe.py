@@ -9,6 +9,7 @@ import yaml
 from conftest import MINIMAL_RECIPE, REPO, tiny_recipe
 from mlxtune import config as R
 from mlxtune.cli import main
+from mlxtune.config.reference import recipe_reference
 from mlxtune.errors import UserInputError
 
 SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
@@ -800,3 +801,23 @@ def test_validate_refuses_an_objectives_bad_values_at_their_line(
         i for i, x in enumerate(p.read_text().splitlines(), 1) if x.strip().startswith(key[10:])
     )
     assert f"{p}:{line}: {key}: {message}" in err, err
+
+
+def test_docs_recipe_md_is_the_schema_written_out_and_keys_prints_a_section(capsys):
+    text = recipe_reference()
+    page = (REPO / "docs" / "recipe.md").read_text()
+    assert page == text, "docs/recipe.md is stale: run mlxtune keys --write docs/recipe.md"
+    # every section's keys with their docstrings, every registered objective's too
+    for section, cls in (("data", R.DataConfig), ("train", R.TrainConfig)):
+        for key, doc in R.field_docs(cls).items():
+            assert f"| `{section}.{key}` |" in text and doc.replace("|", "\\|") in text
+    for kind, cls in R.OBJECTIVE_CONFIGS.items():
+        assert f"## `objective.type: {kind}`" in text
+        for key in R.field_docs(cls):
+            assert f"| `objective.{key}` |" in text
+    assert main(["keys", "data"]) == 0
+    out = capsys.readouterr().out
+    assert "`data.max_length`" in out and "`model.path`" not in out
+    assert main(["keys", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no section 'nope'" in err and "data" in err and "Traceback" not in err

@@ -175,7 +175,13 @@ def load_teacher(recipe, tokenizer, student_vocab: int, log):
         raise UserInputError(f"cannot load the teacher {path}: {e}", "objective.teacher") from e
     _same_vocabulary(path, config, tokenizer, student_vocab)
     if cfg.teacher_bits is not None:
-        quantize_model(model, cfg.teacher_bits, 64)
+        q = quantize_model(model, cfg.teacher_bits, 64)
+        if not q["layers"] and not q["already"]:
+            raise UserInputError(
+                "no layer of the teacher has an input size that is a multiple of 64 (the "
+                "quantization group): it cannot be quantized; set teacher_bits: null",
+                "objective.teacher_bits",
+            )
     model.freeze()
     model.eval()
     size = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
