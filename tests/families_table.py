@@ -1,10 +1,10 @@
-"""The README's table of model families, read off tiny models of every mlx-lm model type
+"""The table of model families in docs/models.md, read off tiny models of every mlx-lm model type
 (tests/mlx_lm_archs.py) by the code that trains them: whether mlxtune trains the family (else
 why not), whether packed rows are allowed (else why not), how much of its attention runs in
 mlxtune's kernels, and whether GGUF files of it are read and written.
 
     python tests/families_table.py          # print the table
-    python tests/families_table.py --write  # put it into README.md (tests check it is current)
+    python tests/families_table.py --write  # put it into docs/models.md (tests check it is current)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parent / "README.md"
+PAGE = HERE.parent / "docs" / "models.md"
 START, END = "<!-- families:start -->", "<!-- families:end -->"
 VOCAB = 64
 
@@ -118,7 +118,7 @@ def _mlx_lm_version() -> str:
 
 
 def readme_block() -> str:
-    text = README.read_text()
+    text = PAGE.read_text()
     return text[text.index(START) : text.index(END) + len(END)]
 
 
@@ -132,7 +132,7 @@ def all_supports() -> list[dict]:
 if __name__ == "__main__":
     new = block(all_supports())
     if "--write" in sys.argv:
-        text = README.read_text()
-        README.write_text(text.replace(readme_block(), new))
+        text = PAGE.read_text()
+        PAGE.write_text(text.replace(readme_block(), new))
     else:
         print(new)

@@ -142,7 +142,7 @@ def test_every_mlx_lm_model_type_trains_or_is_refused_by_name():
 
 
 def test_the_readmes_family_table_is_current():
-    """The README's table is what tests/families_table.py reads off the models now."""
+    """The table in docs/models.md is what tests/families_table.py reads off the models now."""
     from families_table import all_supports, block, readme_block
 
     assert readme_block() == block(all_supports()), "run: python tests/families_table.py --write"

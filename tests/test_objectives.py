@@ -140,8 +140,8 @@ def test_it_trains_logs_its_metric_and_resumes_exactly(
     assert rows(tmp_path / "cut") == want
 
 
-def test_the_readme_objective_trains(tmp_path, data_dir, llama_dir):
-    readme = (REPO / "README.md").read_text()
+def test_the_documented_objective_trains(tmp_path, data_dir, llama_dir):
+    readme = (REPO / "docs" / "library.md").read_text()
     code = readme.split("<!-- objective-example -->", 1)[1].split("```python\n", 1)[1]
     module = tmp_path / "readme_objective.py"  # a module, as a user writes one
     module.write_text(code.split("```", 1)[0])

@@ -148,7 +148,7 @@ def test_a_prompt_file_with_tools_through_a_template_that_hides_them_is_refused(
         load_prompts(path, hidden, 512, 8, "drop")
 
 
-# ------------------------------------------------------------------ the README's examples
+# ------------------------------------------------------------------ the examples in docs/data.md
 
 TOOLS_AND_REASONING = (
     "{%- if tools %}<|im_start|>system\n# Tools{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
@@ -164,12 +164,12 @@ TOOLS_AND_REASONING = (
 def readme_block(title, lang):
     from conftest import REPO
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "data.md").read_text()
     return text.split(title, 1)[1].split(f"```{lang}\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_readmes_shapes_each_read_as_it_says(tokenizer_dir):
-    """Every row of the README's "Shapes, one example each" encodes, as the format it names."""
+    """Every row of docs/data.md's "Shapes, one example each" encodes, as the format it names."""
     from mlxtune.data.formats import Pair, detect_format
     from mlxtune.data.preference import PairEncoder
     from mlxtune.data.prompts import PromptEncoder

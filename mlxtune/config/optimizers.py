@@ -45,7 +45,7 @@ class MuonConfig:
     adapters: bool = True
     """LoRA's A and B under Muon too (each orthogonalised as the [out, in] matrix it acts as);
     false trains them with AdamW, which makes a LoRA run's Muon an AdamW run. Measured on
-    quickstart-lora: both reach the target in the same steps (README's optimizer table)."""
+    quickstart-lora: both reach the target in the same steps (the optimizer table in docs/recipes.md)."""
 
 
 @dataclass

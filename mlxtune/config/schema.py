@@ -198,7 +198,7 @@ class AdapterConfig:
     use_rslora, the GGUF adapter's alpha)."""
     lora_plus_ratio: float | None = None
     """LoRA+: B's learning rate is this multiple of A's (and of the recipe's lr); null: the
-    same. 16 is LoRA+'s suggestion; measured on quickstart-lora in the README."""
+    same. 16 is LoRA+'s suggestion; measured on quickstart-lora in docs/recipes.md."""
     dropout: float = 0.0
     """Dropout on the LoRA input."""
     targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
