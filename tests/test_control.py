@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
-from mlxtune.control import request, take_requests
+from mlxtune.loop.control import request, take_requests
 
 
 def test_requests_are_taken_once(tmp_path):

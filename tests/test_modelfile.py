@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mlxtune.modelfile import modelfile
+from mlxtune.export.modelfile import modelfile
 from mlxtune.tokenizer import load_tokenizer
 
 CHATML_WITH_DEFAULT_SYSTEM = (

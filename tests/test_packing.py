@@ -208,7 +208,7 @@ def test_epochs_count_packed_rows(tmp_path, data_dir, llama_dir):
     assert batches == (rows + 1) // 2  # two rows a batch, the last may hold one
     assert tr.total_steps == batches < len(lengths) // 2
     # the header says rows, and the examples they hold on average (counted above)
-    from mlxtune.describe import header
+    from mlxtune.loop.describe import header
 
     line = next(x for x in header(tr) if x.startswith("train"))
     per_step = tr.recipe.train.batch_size * tr.recipe.train.grad_accumulation

@@ -13,7 +13,7 @@ from conftest import TIMING, make_crash, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
-from mlxtune.report import scalars
+from mlxtune.loop.report import scalars
 
 TIMING = TIMING - {"time"}
 

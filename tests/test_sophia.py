@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from conftest import tiny_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
-from mlxtune.callbacks import FunctionCallback
+from mlxtune.loop.callbacks import FunctionCallback
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
 

@@ -1,7 +1,7 @@
 """mlxtune watch: a Textual dashboard over a run directory.
 
 It reads only the run directory (tui/rundata.py) and steers the trainer only through
-RUN_DIR/control/ (mlxtune.control), so it works the same on a running or a finished run, in
+RUN_DIR/control/ (mlxtune.loop.control), so it works the same on a running or a finished run, in
 another terminal or in the same process, and closing it (ctrl+q) leaves training running.
 """
 
@@ -17,7 +17,7 @@ from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Log, Static
 
-from mlxtune.control import request
+from mlxtune.loop.control import request
 
 from .plot import Plot
 from .rundata import RunData, ema

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from mlxtune.console import Console
-from mlxtune.control import request
+from mlxtune.loop.control import request
 from mlxtune.loop import Trainer
 from mlxtune.rundir import run_dir_for
 

@@ -8,9 +8,9 @@ a rule that involves two sections lives with the key it blames.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any, NoReturn, Protocol
 
-from .. import report
 from ..data import format_names
 from ..precision import scaling_mode
 from ..rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
@@ -415,13 +415,27 @@ def check_export(r: Recipe, v: Fails) -> None:
             v.fail("export.formats", f"{fmt} adapters need adapter.type lora or dora; use fused")
 
 
+REPORTER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""The module each reporter needs, from the extra of its name."""
+
+
+def install_command(name: str) -> str:
+    """How to install what reporter ``name`` needs."""
+    return f"pip install 'mlxtune[{name}]'"
+
+
+def reporter_missing(name: str) -> bool:
+    """Whether the package a reporter needs is missing (checked without importing it)."""
+    return importlib.util.find_spec(REPORTER_MODULES[name]) is None
+
+
 def check_report(r: Recipe, v: Fails) -> None:
     """report: each reporter once, and installed."""
     if len(set(r.report)) != len(r.report):
         v.fail("report", f"names a reporter twice: {r.report}")
     for name in dict.fromkeys(r.report):
-        if report.not_installed(name):
-            v.fail("report", f"{name} is not installed: {report.install_command(name)}")
+        if reporter_missing(name):
+            v.fail("report", f"{name} is not installed: {install_command(name)}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,24 +14,25 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import _blas, _malloc, autosize, describe, distributed, failures, memory, stopping
-from .build import Built, build, kernel_tiers, optimizer_for
+from .. import _blas, _malloc, distributed, failures, memory
+from ..build import Built, build, kernel_tiers, optimizer_for
+from ..checkpoint import best_checkpoint, last_saved, named, prune, restore, save
+from ..config import Recipe, dump_yaml, inert_notes
+from ..console import Console
+from ..engine import Engine
+from ..errors import Interrupted, TrainingError, UserInputError
+from ..export import TrainedModel, export, peft_refusal
+from ..generate import exact_match, sample
+from ..memory import plan, shape_of
+from ..models import kernel_attention, value_head_aside
+from ..objectives import build_objective
+from ..rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
+from ..state import LoopPosition, TrainState
+from . import autosize, describe, stopping
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
-from .checkpoint import best_checkpoint, last_saved, named, prune, restore, save
-from .config import Recipe, dump_yaml, inert_notes
-from .console import Console
 from .control import Signals, take_requests
-from .engine import Engine
-from .errors import Interrupted, TrainingError, UserInputError
-from .export import TrainedModel, export, peft_refusal
-from .generate import exact_match, sample
-from .memory import plan, shape_of
 from .meter import StepMeter, merge_host
-from .models import kernel_attention, value_head_aside
-from .objectives import build_objective
 from .report import open_reporters
-from .rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
-from .state import LoopPosition, TrainState
 
 
 class Trainer:
@@ -685,4 +686,4 @@ class Trainer:
         self.console.header(describe.header(self))
 
 
-__all__ = ["Trainer", "Callback", "StepEvent"]
+__all__ = ["Trainer"]

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .data.encode import fitted
-from .engine import Engine
-from .errors import UserInputError
-from .memory import GB, device_budget, estimate, longest_that_fits, shape_of
-from .models import checkpoint_layers
+from ..data.encode import fitted
+from ..engine import Engine
+from ..errors import UserInputError
+from ..memory import GB, device_budget, estimate, longest_that_fits, shape_of
+from ..models import checkpoint_layers
 
 MARGIN = 0.9
 """The share of the budget an automatic size may plan to use."""

@@ -8,7 +8,7 @@ import math
 
 import mlx.core as mx
 
-from .memory import GB
+from ..memory import GB
 
 
 def derived(trainer) -> dict:

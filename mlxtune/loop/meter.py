@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..errors import TrainingError
+from ..state import LoopPosition, Window
 from .callbacks import StepRecord
-from .errors import TrainingError
-from .state import LoopPosition, Window
 
 
 @dataclass(eq=False)

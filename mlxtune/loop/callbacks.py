@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:  # annotations only: the loop imports this module
-    from .engine import StepResult
-    from .loop import Trainer
+    from ..engine import StepResult
+    from ..loop import Trainer
 
 
 @dataclass(eq=False)

@@ -18,7 +18,6 @@ rank 0 of a data-parallel run reports. A resumed run goes on with the same recor
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -26,25 +25,13 @@ import string
 import time
 from pathlib import Path
 
-from .errors import UserInputError
+from ..errors import UserInputError
 
 NAMES = ("tensorboard", "wandb")
 """What ``report`` may list."""
 
 ID_CHARS = string.ascii_lowercase + string.digits
 """What a W&B run id is made of."""
-
-EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}
-"""The module each reporter needs, from the extra of its name."""
-
-
-def install_command(name: str) -> str:
-    return f"pip install 'mlxtune[{name}]'"
-
-
-def not_installed(name: str) -> bool:
-    """Whether the package a reporter needs is missing (checked without importing it)."""
-    return importlib.util.find_spec(EXTRAS[name]) is None
 
 
 def scalars(row: dict) -> dict[str, float]:

@@ -1,0 +1,133 @@
+"""Export a trained model to the formats other tools load, and import adapters back.
+
+- ``mlx-lm``: adapter_config.json + adapters.safetensors (mlx-lm's names: lora_a [in, r],
+  lora_b [r, out], an absolute scale), loaded by ``mlx_lm.load(base, adapter_path=...)``.
+- ``peft``: adapter_config.json (r, lora_alpha, target_modules, base_model_name_or_path) +
+  adapter_model.safetensors (``base_model.model.<module>.lora_A.weight`` [r, in] and
+  ``lora_B.weight`` [out, r]; DoRA magnitudes as ``lora_magnitude_vector``), as PEFT saves.
+- ``fused``: the base with the adapters merged in, Hugging Face layout.
+
+A reward model's score head goes with every format: ``fused`` writes Hugging Face's
+``*ForSequenceClassification`` layout (``score.weight``, one label), ``peft`` a ``SEQ_CLS``
+adapter with ``score`` among its ``modules_to_save``, and the others ``reward_head.safetensors``
+(``score.weight`` [1, hidden]) beside their files.
+
+A checkpoint is self-describing (trainer_state.json names the base model, its config, the
+tokenizer and the adapter), so ``load_trained`` rebuilds the trained model from it alone.
+
+Modules: ``weights`` (a trained model as exports read it; adapters imported back), ``mlx_lm``,
+``peft``, ``fused``, ``modelfile`` (Ollama); the GGUF writers are ``mlxtune.gguf.export``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..adapters import lora_scale
+from ..errors import UserInputError
+from ..gguf.export import write_gguf_adapter, write_gguf_model
+from ..models import DTYPES, is_gguf, reward_head_aside
+from .fused import dequantize, fuse, write_fused
+from .mlx_lm import mlx_lm_config, write_gguf_base, write_mlx_lm, write_reward_head
+from .modelfile import modelfile
+from .peft import peft_refusal, peft_weights, write_peft
+from .weights import (
+    REWARD_HEAD_FILE,
+    VALUE_HEAD_FILE,
+    TrainedModel,
+    adapter_modules,
+    adapter_settings,
+    import_adapter,
+    load_trainable_weights,
+    read_adapter,
+    read_trainable,
+)
+
+FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter")
+
+
+def export(
+    t: TrainedModel,
+    fmt: str,
+    out: Path,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    group_size: int = 64,
+):
+    """Write format ``fmt`` into the (existing, empty) folder ``out``; returns a note for the
+    user, or None."""
+    if quantize is not None and fmt != "fused":
+        raise UserInputError(
+            "--quantize applies to fused exports (gguf has --dtype q8_0)", "export"
+        )
+    if fmt == "mlx-lm":
+        if t.adapter["type"] == "full":
+            raise UserInputError(
+                "mlx-lm adapters hold LoRA/DoRA weights; a full fine-tune exports as fused",
+                "export",
+            )
+        write_mlx_lm(t, out)
+    elif fmt == "peft":
+        write_peft(t, out)
+    elif fmt == "fused":
+        if dtype is not None and dtype not in DTYPES:
+            raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
+        return write_fused(t, out, dtype, quantize, group_size)
+    elif fmt == "gguf":
+        # a GGUF base names the file after itself, without its .gguf
+        name = (
+            (Path(t.base_dir).stem if Path(t.base_dir).is_file() else Path(t.base_dir).name)
+            if t.base_dir
+            else "model"
+        )
+        model, config = dequantize(fuse(t.model), t.model_config)
+        source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
+        with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
+            path = write_gguf_model(
+                model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source
+            )
+        write_reward_head(t.model, out)
+        text = modelfile(t.tokenizer, f"./{path.name}", base_dir=t.base_dir)
+        (out / "Modelfile").write_text(text)
+    elif fmt == "gguf-adapter":
+        if t.adapter["type"] != "lora":
+            raise UserInputError(
+                "gguf-adapter holds LoRA weights; export a full or DoRA run as gguf", "export"
+            )
+        # the file's alpha is read as alpha / rank: rsLoRA's scale goes in as scale x rank
+        a = t.adapter
+        alpha = lora_scale(a["alpha"], a["rank"], a.get("rslora", False)) * a["rank"]
+        path = write_gguf_adapter(t.model, t.model_config, alpha, out)
+        write_reward_head(t.model, out)
+        if t.base_dir:  # Ollama runs the adapter over the base it was trained on
+            base = str(Path(t.base_dir).resolve())
+            text = modelfile(t.tokenizer, base, f"./{path.name}", base_dir=t.base_dir)
+            (out / "Modelfile").write_text(text)
+    else:
+        raise UserInputError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}", "export")
+
+
+__all__ = [
+    "FORMATS",
+    "REWARD_HEAD_FILE",
+    "TrainedModel",
+    "VALUE_HEAD_FILE",
+    "adapter_modules",
+    "adapter_settings",
+    "dequantize",
+    "export",
+    "fuse",
+    "import_adapter",
+    "load_trainable_weights",
+    "mlx_lm_config",
+    "modelfile",
+    "peft_refusal",
+    "peft_weights",
+    "read_adapter",
+    "read_trainable",
+    "write_fused",
+    "write_gguf_base",
+    "write_mlx_lm",
+    "write_peft",
+    "write_reward_head",
+]

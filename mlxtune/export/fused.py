@@ -1,0 +1,85 @@
+"""The ``fused`` format: the base with the adapters merged in, Hugging Face layout (de-quantized,
+or MLX-quantized on request)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from ..errors import UserInputError
+from ..models import (
+    cast_floats,
+    hf_architecture,
+    is_quantized,
+    quantize_model,
+    reward_head,
+    reward_head_aside,
+    save_model,
+)
+from .weights import TrainedModel, adapter_modules
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Merge every LoRA/DoRA layer into a plain Linear, in place; returns the model."""
+    fused = [(n, m.fused()) for n, m in adapter_modules(model)]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    return model
+
+
+def dequantize(model: nn.Module, config: dict) -> tuple[nn.Module, dict]:
+    """Every quantized layer back to a dense one, and the config without quantization."""
+    from mlx_lm.utils import dequantize_model
+
+    if not any(is_quantized(m) for _, m in model.named_modules()):
+        return model, config
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    return dequantize_model(model), config
+
+
+def write_fused(
+    t: TrainedModel,
+    out: Path,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    group_size: int = 64,
+):
+    """The model with its adapters merged in; de-quantized when the base was quantized, and
+    quantized again (``quantize`` bits, affine, per group of ``group_size``) when asked.
+    Returns a note when the weights could not be written in the published layout."""
+    model, config = dequantize(fuse(t.model), t.model_config)
+    if dtype is not None:
+        cast_floats(model, dtype)
+    if quantize is not None:
+        try:  # the same quantization as QLoRA's (layers whose size does not fit stay dense)
+            with reward_head_aside(model):  # a reward model's score head stays dense
+                quantize_model(model, quantize, group_size)
+        except UserInputError as e:
+            raise UserInputError(e.message, "--quantize") from None
+        config = {**config, "quantization": {"group_size": group_size, "bits": quantize}}
+        dtype = None
+    if reward_head(model) is not None:  # Hugging Face's sequence classifier, one label
+        arch = hf_architecture(config.get("model_type", "")) or "ForCausalLM"
+        config = {
+            **config,
+            "architectures": [arch.replace("ForCausalLM", "ForSequenceClassification")],
+            "id2label": {"0": "LABEL_0"},
+            "label2id": {"LABEL_0": 0},
+            # the classifier reads the last token that is not padding: the score is the EOS's,
+            # so EOS must not count as padding
+            "pad_token_id": (
+                None
+                if config.get("pad_token_id") == config.get("eos_token_id")
+                else config.get("pad_token_id")
+            ),
+        }
+    _, published = save_model(model, config, out, t.tokenizer, t.tokenizer_dir, dtype)
+    if published or quantize is not None:  # MLX's quantized layout is mlx-lm's alone anyway
+        return None
+    return (
+        f"{config.get('model_type')}: the fused weights keep mlx-lm's layout (stacked experts, "
+        "MLX conv weights), which mlx-lm loads; no rewrite into the published layout reads "
+        "back through this family's sanitize, so transformers may not read them"
+    )

@@ -1,0 +1,96 @@
+"""The ``peft`` format: adapter_config.json (r, lora_alpha, target_modules,
+base_model_name_or_path) + adapter_model.safetensors (``base_model.model.<module>.lora_A.weight``
+[r, in] and ``lora_B.weight`` [out, r]; DoRA magnitudes as ``lora_magnitude_vector``), as PEFT
+saves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..adapters import DoRALinear, LoRASwitchLinear
+from ..errors import UserInputError
+from ..models import (
+    reward_head,
+)
+from ..models.layout import published_names
+from .weights import TrainedModel, adapter_modules
+
+
+def _plain_weights(model: nn.Module) -> dict[str, mx.array]:
+    """The model's weights as its base holds them: each adapter's base weight at its path."""
+    wrapped = {name for name, _ in adapter_modules(model)}
+    out = {}
+    for k, v in tree_flatten(model.parameters()):
+        module, _, leaf = k.rpartition(".")
+        if module in wrapped:
+            continue  # lora_a, lora_b, a DoRA magnitude
+        parent, _, inner = module.rpartition(".")
+        out[f"{parent}.{leaf}" if inner == "linear" and parent in wrapped else k] = v
+    return out
+
+
+def peft_weights(model: nn.Module) -> dict[str, mx.array]:
+    """PEFT's tensors, under the module names of the published layout (what transformers
+    builds): the same as mlx-lm's wherever a family keeps them."""
+    names = published_names(model, _plain_weights(model))
+    out = {}
+    for name, m in adapter_modules(model):
+        key = f"base_model.model.{names.get(f'{name}.weight', f'{name}.weight')[: -len('.weight')]}"
+        out[f"{key}.lora_A.weight"] = mx.contiguous(m.lora_a.T)
+        out[f"{key}.lora_B.weight"] = mx.contiguous(m.lora_b.T)
+        if isinstance(m, DoRALinear):
+            out[f"{key}.lora_magnitude_vector"] = m.m
+    return out
+
+
+def peft_refusal(model: nn.Module) -> str | None:
+    """Why the model's adapters have no PEFT form (None when they have one)."""
+    experts = [n for n, m in adapter_modules(model) if isinstance(m, LoRASwitchLinear)]
+    if experts:
+        return (
+            f"{experts[0]} is a mixture's experts, which mlx-lm stacks in one layer and PEFT "
+            "names one by one (or not at all): export mlx-lm (the adapter) or fused instead, "
+            "or leave the experts out of adapter.targets"
+        )
+    return None
+
+
+def write_peft(t: TrainedModel, out: Path, base_name: str | None = None):
+    a = t.adapter
+    if a["type"] == "full":
+        raise UserInputError(
+            "PEFT adapters hold LoRA/DoRA weights; a full fine-tune exports as fused", "export"
+        )
+    why = peft_refusal(t.model)
+    if why is not None:
+        raise UserInputError(why, "export")
+    weights = peft_weights(t.model)
+    head = reward_head(t.model)
+    if head is not None:  # PEFT keeps a sequence classifier's head whole (modules_to_save)
+        weights["base_model.model.score.weight"] = head.weight
+    mx.save_safetensors(str(out / "adapter_model.safetensors"), weights, metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM" if head is None else "SEQ_CLS",
+        "base_model_name_or_path": base_name or (str(t.base_dir) if t.base_dir else None),
+        "r": a["rank"],
+        "lora_alpha": a["alpha"],
+        "use_rslora": a.get("rslora", False),
+        "lora_dropout": a.get("dropout", 0.0),
+        "target_modules": sorted(
+            {k.split(".lora_A.")[0].rsplit(".", 1)[-1] for k in weights if ".lora_A." in k}
+        ),
+        "layers_to_transform": sorted(a["layers"]),
+        "use_dora": a["type"] == "dora",
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    if head is not None:
+        config["modules_to_save"] = ["score"]
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,21 @@
+"""The training loop and what it keeps beside it.
+
+- ``trainer``: ``Trainer``, the one loop: build, train, evaluate, checkpoint, export.
+- ``callbacks``: what callbacks see (``Callback``, ``StepEvent``).
+- ``meter``: the metrics window and a step's record.
+- ``control``: signals and the dashboard's requests (``RUN_DIR/control/``).
+- ``stopping``: early stopping.
+- ``autosize``: the automatic batch size, context length and gradient checkpointing.
+- ``describe``: what a built run says about itself (derived figures, the header).
+- ``report``: TensorBoard and Weights & Biases.
+
+Nothing below the loop imports it: build, the objective, the engine and checkpoints are handed
+a logger, not the Trainer.
+"""
+
+from __future__ import annotations
+
+from .callbacks import Callback, StepEvent
+from .trainer import Trainer
+
+__all__ = ["Callback", "StepEvent", "Trainer"]
