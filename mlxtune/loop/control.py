@@ -158,3 +158,20 @@ class Signals:
 
     def __exit__(self, *exc):
         self._restore()
+
+
+def agree_after_step(world, asked: set[str], save: bool, stop: bool, interrupted: str | None):
+    """What every rank of a data-parallel run does after a step: rank 0's control requests
+    (``asked``), and the save, stop and signal of any rank, in one small all-reduce:
+    ``(asked, save, stop, interrupted)``."""
+    flags = (
+        "eval" in asked,
+        "sample" in asked,
+        save,
+        stop,
+        interrupted == "SIGINT",
+        interrupted not in (None, "SIGINT"),
+    )
+    got = [v > 0 for v in world.agree([float(f) for f in flags])]
+    asked = {k for k, on in zip(("eval", "sample"), got[:2], strict=True) if on}
+    return asked, got[2], got[3], "SIGINT" if got[4] else "SIGTERM" if got[5] else None

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -16,23 +15,26 @@ import mlx.core as mx
 
 from .. import _blas, _malloc, distributed, failures, memory
 from ..build import Built, build, kernel_tiers, optimizer_for
-from ..checkpoint import best_checkpoint, last_saved, named, prune, restore, save
+from ..checkpoint import last_saved, prune, restore, save
 from ..config import Recipe, dump_yaml, inert_notes
 from ..console import Console
 from ..engine import Engine
 from ..errors import Interrupted, TrainingError, UserInputError
-from ..export import TrainedModel, export, peft_refusal
+from ..export import TrainedModel, peft_refusal
 from ..generate import exact_match, sample
 from ..memory import plan, shape_of
-from ..models import kernel_attention, value_head_aside
+from ..models import kernel_attention
 from ..objectives import build_objective
-from ..rundir import RunDir, holds_a_run, removed_if_refused, run_dir_for
+from ..rundir import RunDir, removed_if_refused, run_dir_for
 from ..state import LoopPosition, TrainState
 from . import autosize, describe, stopping
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
-from .control import Signals, take_requests
+from .control import Signals, agree_after_step, take_requests
+from .ending import dry_run, export_all, restore_best
+from .ending import summary as ending_summary
 from .meter import StepMeter, merge_host
-from .report import open_reporters
+from .records import Records
+from .setup import all_ranks_set_up, run_folders, watchdog
 
 
 class Trainer:
@@ -68,8 +70,6 @@ class Trainer:
         self._stopped_early = False
         self._last_eval: tuple[int, dict] | None = None
         """The latest evaluation: (step, metrics)."""
-        self._reporters: list = []
-        """Where the records also go (``report``; rank 0)."""
         self._meter = StepMeter()
         self._active: list[tuple[int, float]] = []
         """(step, active memory) at each checkpoint: memory that creeps is warned of once."""
@@ -86,55 +86,15 @@ class Trainer:
         new_run = not dry_run and resume is None and self.world.main
         path = run_dir_for(recipe, run_dir) if new_run else None
         # refused input (here or on another rank) leaves no run folder behind
-        with removed_if_refused(path), self._all_ranks_set_up():
-            if dry_run:
-                self.run_dir = RunDir(self._tmp.name, create=True)
-            elif resume is not None:
-                path = Path(run_dir or recipe.run_dir or "")
-                if not run_dir and not recipe.run_dir:
-                    raise UserInputError(
-                        "--resume needs the run's directory (--run-dir)", "--resume"
-                    )
-                if not holds_a_run(path):
-                    raise UserInputError("no run to resume here", str(path))
-                if resume != "latest":
-                    named(path, resume)  # before anything is loaded or logged
-                self._source = RunDir(path, create=False)
-                self.run_dir = self._source if self.world.main else self._scratch(path)
-            elif new_run:
-                self.run_dir = RunDir(path)
-            else:
-                self.run_dir = RunDir(self._tmp.name, create=True)
-            self._set_up()
-
-    @contextlib.contextmanager
-    def _all_ranks_set_up(self):
-        """Every rank builds the run; none goes on to train unless all of them could (a rank
-        that refused the input would leave the others waiting on it for ever)."""
-        if self.world.size == 1:
-            yield
-            return
-        try:
-            yield
-        except BaseException as e:
-            with contextlib.suppress(Exception):  # (bad input, failed)
-                self.world.agree([float(isinstance(e, UserInputError)), 1.0])
-            raise
-        refused, failed = self.world.agree([0.0, 0.0])
-        if refused > 0:
-            raise UserInputError(
-                "another rank refused this run (its message says why)", f"rank {self.world.rank}"
+        with removed_if_refused(path), all_ranks_set_up(self.world):
+            scratch = self._tmp.name if self._tmp is not None else None
+            where = path if new_run else run_dir
+            self.run_dir, self._source = run_folders(
+                recipe, where, resume, dry_run, self.world, scratch
             )
-        if failed > 0:
-            raise TrainingError("another rank could not set up this run (its message says why)")
-
-    def _scratch(self, path: Path) -> RunDir:
-        """A rank other than 0 builds in its scratch folder; what building reads from the run
-        (its trained or GGUF tokenizer) is copied there first."""
-        scratch = RunDir(self._tmp.name, create=True)
-        if (path / "tokenizer").is_dir():
-            shutil.copytree(path / "tokenizer", scratch.path / "tokenizer")
-        return scratch
+            self.records = Records(self.run_dir, self.console)
+            """Where the metrics rows and samples go: the run directory and the reporters."""
+            self._set_up()
 
     def _set_up(self):
         r = self.recipe
@@ -233,16 +193,11 @@ class Trainer:
         timeout = self.recipe.distributed.timeout_s
         if self.world.size == 1 or timeout is None or self.dry_run:
             return contextlib.nullcontext()
+        return watchdog(self.world, timeout, self.run_dir, self._watch_context)
 
-        def context():
-            return self.position.step, last_saved(self.run_dir), self._resume_command()
-
-        def on_fire(line: str):
-            if self.world.main:
-                self.run_dir.log(line)
-
-        folder = distributed.heartbeats_folder()
-        return distributed.Watchdog(self.world, timeout, context, on_fire, folder)
+    def _watch_context(self):
+        """What the watchdog's line says: the step, the last checkpoint, the command."""
+        return self.position.step, last_saved(self.run_dir), self._resume_command()
 
     def _write_failed(self, what: str, e: BaseException) -> str:
         """The one line a run that could not write ``what`` ends with."""
@@ -286,10 +241,8 @@ class Trainer:
         """
         r, failed = self.recipe, True
         try:
-            if r.report and self.world.main and not self.dry_run:
-                at = self.position.step if self.resumed else None
-                yaml_text = dump_yaml(r.to_dict())
-                self._reporters = open_reporters(r, self.run_dir.path, yaml_text, at)
+            if self.world.main and not self.dry_run:
+                self.records.open(r, self.position.step if self.resumed else None)
             with self._signals, self._watchdog():
                 if self.tiers["attention"] == "off":
                     out = self._run()
@@ -306,9 +259,7 @@ class Trainer:
             what = Path(e.filename).name if e.filename else "the run directory"
             raise TrainingError(self._write_failed(what, e)) from None
         finally:
-            for rep in self._reporters:
-                rep.close(failed)
-            self._reporters = []
+            self.records.close(failed)
             if self.streamed:
                 self.train_set.close()
 
@@ -320,7 +271,10 @@ class Trainer:
         self.model.train()
         batches = self.batches(pos.data_epoch, pos.data_batch)
         if self.dry_run:
-            return self._dry_run(batches)
+            out = {**dry_run(r, self.objective, self.engine, self.world, batches), **self.derived()}
+            self.console.dry_run(out)
+            self._tmp.cleanup()
+            return out
         before = (
             self._exact_match("untrained", 0)
             if r.eval.exact_match and not self.resumed and self.world.main
@@ -402,8 +356,10 @@ class Trainer:
         r, step = self.recipe, self.position.step
         asked = self._take_control() if self.world.main else set()
         interrupted = self._signals.caught  # read once: a signal may arrive meanwhile
-        if self.world.size > 1:
-            asked, interrupted = self._agree(asked, interrupted)
+        if self.world.size > 1:  # rank 0's requests; any rank's save, stop and signals
+            asked, self._save, self._stop, interrupted = agree_after_step(
+                self.world, asked, self._save, self._stop, interrupted
+            )
         last = step == self.total_steps
         do_eval = "eval" in asked or (r.eval.every and step % r.eval.every == 0 and not last)
         do_samples = "sample" in asked or (
@@ -441,22 +397,6 @@ class Trainer:
             self._meter.mark = time.perf_counter()
         return False
 
-    def _agree(self, asked: set[str], interrupted: str | None) -> tuple[set[str], str | None]:
-        """What every rank does after this step: rank 0's control requests, and the stop, save
-        and signals of any rank (one small all-reduce)."""
-        flags = (
-            "eval" in asked,
-            "sample" in asked,
-            self._save,
-            self._stop,
-            interrupted == "SIGINT",
-            interrupted not in (None, "SIGINT"),
-        )
-        got = [v > 0 for v in self.world.agree([float(f) for f in flags])]
-        asked = {k for k, on in zip(("eval", "sample"), got[:2], strict=True) if on}
-        self._save, self._stop = got[2], got[3]
-        return asked, "SIGINT" if got[4] else "SIGTERM" if got[5] else None
-
     def _read_steps(self):
         """Wait for the queued steps (one wait for all of them) and account for each."""
         with distributed.collectives(self.world):
@@ -473,14 +413,16 @@ class Trainer:
         row = self._meter.row(self.position, self.engine, epoch, record, packed)
         if self.world.size > 1:
             row["world_size"] = self.world.size
-        self._record(row)
+        self.records.row(row)
         self.console.log_step(row, self.total_steps)
 
     def _finish(self, train_time: float, before: float | None) -> dict:
         r, pos, meter = self.recipe, self.position, self._meter
         seen = self._last_eval  # early stopping evaluated this step already
         final_eval = seen[1] if seen and seen[0] == pos.step else self._evaluate(pos.step)
-        best = self._restore_best() if r.checkpoints.load_best_at_end else None
+        best = None
+        if r.checkpoints.load_best_at_end:
+            best = restore_best(self.run_dir, self.engine, pos.step, self._last_eval[1], self.log)
         if best is not None:
             final_eval = best
         main = self.world.main  # the other ranks of a data-parallel run write nothing
@@ -490,50 +432,16 @@ class Trainer:
             self._checkpoint("final", prune_after=False)
         after = self._exact_match("trained", pos.step) if r.eval.exact_match and main else None
         if main:
-            self._export()
-        summary = {
-            "steps": pos.step,
-            "train_time_s": round(train_time, 2),
-            "final_loss": pos.last_loss,
-            "final_eval_loss": final_eval["eval_loss"],
-            "best_eval_loss": pos.best_eval,
-            "stopped_early": self._stopped_early,
-            "mean_step_time_s": meter.mean_step_time(),
-            "first_step_compile_time_s": meter.first_step,
-            "tokens_seen": pos.tokens_seen,
-            "peak_memory_gb": mx.get_peak_memory() / 1e9,
-            "run_dir": str(self.run_dir.path),
-        }
-        if before is not None:
-            summary["exact_match_before"], summary["exact_match_after"] = before, after
-        if "eval_reward" in final_eval:  # a reinforcement-learning objective's held-out reward
-            if self._start_eval is not None:
-                summary["eval_reward_at_start"] = self._start_eval["eval_reward"]
-            summary["final_eval_reward"] = final_eval["eval_reward"]
+            export_all(r, self.model, self.trained, self.run_dir, self._writing, self.log)
+        summary = ending_summary(
+            pos, meter, self.run_dir, train_time, final_eval, stopped_early=self._stopped_early,
+            before=before, after=after, start_eval=self._start_eval,
+        )  # fmt: skip
         self.run_dir.write_json("summary.json", summary)
         self.console.summary(summary)
         for cb in self.callbacks:
             cb.on_train_end(self, summary)
         return summary
-
-    def _dry_run(self, batches) -> dict:
-        t0 = time.perf_counter()
-        micro = [next(batches)[1] for _ in range(self.recipe.train.grad_accumulation)]
-        total = sum(self.objective.count(b) for b in micro)
-        res = self.engine.step(self.engine.micro_batches(micro), total)
-        with distributed.collectives(self.world):
-            mx.eval(res.loss_sum, res.count, res.norm)
-        out = {
-            "dry_run": True,
-            "first_step_compile_time_s": round(time.perf_counter() - t0, 3),
-            "loss": res.loss_sum.item() / max(res.count.item(), 1),
-            "grad_norm": res.norm.item(),
-            "peak_memory_gb": mx.get_peak_memory() / 1e9,
-            **self.derived(),
-        }
-        self.console.dry_run(out)
-        self._tmp.cleanup()
-        return out
 
     # ---------------------------------------------------------------- evaluation, samples
     def evaluate(self) -> dict:
@@ -549,13 +457,13 @@ class Trainer:
         m = self.evaluate()
         self._last_eval = (step, m)
         row = {"step": step, **m, "time": time.time()}
-        self._record(row)
+        self.records.row(row)
         self.console.log_eval(row)
         better = self._watch(m)
         self.position.best_eval = min(self.position.best_eval, m["eval_loss"])
         if better and self.recipe.checkpoints.save_best:
             self._checkpoint("best", m, prune_after=False)
-        self._record_samples(step, self.objective.eval_samples if self.world.main else [], True)
+        self.records.samples(step, self.objective.eval_samples if self.world.main else [], True)
         for cb in self.callbacks:
             cb.on_eval(self, row)
         return m
@@ -570,7 +478,7 @@ class Trainer:
         )
         key = f"exact_match_{'before' if when == 'untrained' else 'after'}"
         row = {"step": step, key: acc, "exact_match_examples": len(examples), "time": time.time()}
-        self._record(row)
+        self.records.row(row)
         self.run_dir.write_json(f"exact_match_{when}.json", rows)
         self.console.info(
             f"exact match ({when}): {100 * acc:.1f}% of {len(examples)} held-out examples"
@@ -581,26 +489,7 @@ class Trainer:
         if not self.world.main:
             return
         drawn = sample(self.model, self.tokenizer, self.recipe.samples, self.valid_set, step)
-        self._record_samples(step, drawn)
-
-    def _record(self, row: dict) -> None:
-        """A metrics row: into metrics.jsonl, and to the recipe's reporters."""
-        self.run_dir.append_jsonl("metrics.jsonl", row)
-        for rep in self._reporters:
-            rep.row(row)
-
-    def _record_samples(self, step: int, drawn: list[dict], evaluated: bool = False) -> None:
-        """Samples: into samples.jsonl (``eval`` marks an evaluation's), to the reporters, and
-        the first on the console."""
-        for s in drawn:
-            mark = {"eval": True} if evaluated else {}
-            self.run_dir.append_jsonl(
-                "samples.jsonl", {"step": step, **mark, **s, "time": time.time()}
-            )
-        for rep in self._reporters if drawn else ():
-            rep.samples(step, drawn)
-        if drawn:
-            self.console.sample(step, drawn[0]["prompt"], drawn[0]["completion"])
+        self.records.samples(step, drawn)
 
     def _watch(self, m: dict) -> bool:
         """``stopping.watch`` on this evaluation (a stop it asks for ends the run here)."""
@@ -609,16 +498,6 @@ class Trainer:
             self.log(stop)
             self._stop = self._stopped_early = True
         return better
-
-    def _restore_best(self) -> dict | None:
-        """Put the best checkpoint's weights back (checkpoints.load_best_at_end); its
-        evaluation, or None when the model in memory is the best already or there is none."""
-        best, info = best_checkpoint(self.run_dir)
-        if best is None or info["step"] == self.position.step:
-            return None
-        self.engine.load_weights(best)
-        self.log(f"restored the best checkpoint's weights (step {info['step']})")
-        return {k: info[k] for k in self._last_eval[1] if k in info}
 
     # ---------------------------------------------------------------- checkpoints, export
     def _checkpoint(self, name: str, extra: dict | None = None, prune_after: bool = True):
@@ -645,22 +524,6 @@ class Trainer:
             self.log(f"WARNING: {warning}")
         if prune_after:
             prune(self.run_dir, self.recipe.checkpoints.keep_last)
-
-    def _export(self):
-        # fused and gguf last: they merge the adapters into the model in place
-        fmts = sorted(self.recipe.export.formats, key=lambda f: f in ("fused", "gguf"))
-        with value_head_aside(self.model):  # a PPO run's critic is no part of the policy
-            self._export_formats(fmts)
-
-    def _export_formats(self, fmts):
-        for fmt in fmts:
-            with self._writing(f"export/{fmt}"), self.run_dir.staged("export", fmt) as tmp:
-                note = export(
-                    self.trained, fmt, tmp, self.recipe.model.dtype if fmt == "fused" else None
-                )
-            self.log(f"exported {fmt} to {self.run_dir.path / 'export' / fmt}")
-            if note:
-                self.log(note)
 
     # ---------------------------------------------------------------- output
     def log(self, message: str):
