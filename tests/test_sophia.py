@@ -10,9 +10,9 @@ from mlx.utils import tree_flatten
 
 from conftest import tiny_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
-from mlxtune.loop.callbacks import FunctionCallback
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
+from mlxtune.loop.callbacks import FunctionCallback
 
 
 def trainer(tmp_path, data_dir, model_dir, **over):

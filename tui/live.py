@@ -13,8 +13,8 @@ import threading
 from pathlib import Path
 
 from mlxtune.console import Console
-from mlxtune.loop.control import request
 from mlxtune.loop import Trainer
+from mlxtune.loop.control import request
 from mlxtune.rundir import run_dir_for
 
 from .app import WatchApp
