@@ -111,10 +111,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -124,11 +122,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from compare_preference import _process_setup, _steady, words  # noqa: E402
+import harness  # noqa: E402
+from compare_preference import _steady, words  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
-RESULT_TAG = "MLX_LM_LORA_RESULT "
-MLXTUNE_TAG = "MLXTUNE_RESULT "
+RESULT_TAG, MLXTUNE_TAG = harness.RESULT_TAG, harness.MLXTUNE_TAG
 FULL_STEPS, QUICK_STEPS = 20, 8
 SYSTEM = "you are a terse assistant"  # the tiny tokenizer's alphabet only
 ANSWER_LETTERS = 13
@@ -151,25 +149,7 @@ def reward(prompts, completions, completion_ids=None, answer=None, **_):
 
 
 def _in_child(flag: str, spec: dict, tag: str, what: str, timeout, verbose) -> dict:
-    """Run this script with ``flag SPEC.json`` in a new Python process (a temporary folder as its
-    ``work_dir``) and return the JSON of its ``tag`` line (compare_preference's, for this file)."""
-    with tempfile.TemporaryDirectory(prefix="compare-grpo-worker-") as tmp:
-        spec = dict(spec, work_dir=tmp)
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), flag, str(spec_path)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    if verbose:
-        sys.stderr.write(proc.stderr)
-    for line in proc.stdout.splitlines():
-        if line.startswith(tag):
-            return json.loads(line[len(tag) :])
-    tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
-    raise RuntimeError(f"{what} worker failed (exit {proc.returncode}):\n{tail}")
+    return harness.in_child(SCRIPT, flag, spec, tag, what, timeout, verbose)
 
 
 def _spec(model_dir, rows, **kw) -> dict:
@@ -291,28 +271,8 @@ def _timing(shapes: list, step_s: list[float], gen_s: list[float], tokens: list[
     return out
 
 
-def cpu_mark() -> tuple[float, float, float] | None:
-    """(the machine's busy CPU seconds, this process's CPU seconds, the wall clock), for
-    ``other_cores``; None where /proc/stat cannot be read."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    t = os.times()
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.perf_counter()
-
-
-def other_cores(a, b) -> float | None:
-    """Cores' worth of CPU the rest of the machine used, on average, between two ``cpu_mark``s
-    (0 on a quiet machine; the timing is only comparable between runs with little of it)."""
-    if a is None or b is None or b[2] <= a[2]:
-        return None
-    return round(max(0.0, (b[0] - a[0]) - (b[1] - a[1])) / (b[2] - a[2]), 2)
-
-
 def _peer_worker(spec_path: str) -> None:
-    setup = _process_setup()  # before mlx.core is imported
+    setup = harness.process_setup()  # before mlx.core is imported
 
     import gc
 
@@ -321,8 +281,6 @@ def _peer_worker(spec_path: str) -> None:
     import mlx_lm_lora
     import numpy as np
     from mlx.utils import tree_flatten
-    from mlx_lm.tuner.callbacks import TrainingCallback
-    from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load
     from mlx_lm_lora.chat_template import ensure_chat_template
     from mlx_lm_lora.trainer import grpo_trainer
@@ -338,19 +296,7 @@ def _peer_worker(spec_path: str) -> None:
     if spec["reference"] == "copy":  # train.load_reference_model: for GRPO whatever the beta
         ref_model, _ = load(spec["model_dir"])
         ref_model.freeze()
-    model.freeze()
-    keys = sorted(
-        k
-        for k, _ in model.layers[0].named_modules()
-        if k.rsplit(".", 1)[-1] in ("q_proj", "v_proj")
-    )
-    if not keys:
-        raise SystemExit("no q_proj/v_proj modules in the model's blocks")
-    linear_to_lora_layers(
-        model,
-        spec["layers"],
-        {"rank": spec["rank"], "scale": spec["scale"], "dropout": 0.0, "keys": keys},
-    )
+    keys = harness.peer_lora(model, spec)
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     ref_weights = sum(v.nbytes for _, v in tree_flatten(ref_model.parameters())) if ref_model else 0
@@ -383,14 +329,7 @@ def _peer_worker(spec_path: str) -> None:
     grpo_trainer.generate_grpo = timed_generate
     grpo_trainer._prepare_grpo_inputs = recording_prepare
 
-    class Record(TrainingCallback):
-        def __init__(self):
-            self.rows: list[dict] = []
-
-        def on_train_loss_report(self, info):
-            self.rows.append(dict(info))
-
-    rec = Record()
+    rec = harness.report_recorder()
     args = grpo_trainer.GRPOTrainingArgs(
         batch_size=spec["batch_size"],
         iters=spec["steps"],
@@ -417,7 +356,7 @@ def _peer_worker(spec_path: str) -> None:
 
     gc.collect()
     mx.clear_cache()
-    cpu0 = cpu_mark()
+    cpu0 = harness.cpu_mark()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     # train_grpo prints a report a step (tqdm.write, to stdout): keep stdout for the result line.
@@ -440,7 +379,7 @@ def _peer_worker(spec_path: str) -> None:
         sys.stdout = real_stdout
     wall = time.perf_counter() - t0
     peak = mx.get_peak_memory() / 1e9
-    other = other_cores(cpu0, cpu_mark())
+    other = harness.other_cores(cpu0, harness.cpu_mark())
 
     n = spec["steps"]
     if len(rec.rows) != n or len(steps) != n:
@@ -499,74 +438,28 @@ def _peer_worker(spec_path: str) -> None:
 
 
 def _mlxtune_worker(spec_path: str) -> None:
-    import mlxtune  # first: its OpenBLAS and malloc set-up, before mlx.core loads
+    harness.process_setup()  # first: mlxtune's OpenBLAS and malloc set-up, before mlx.core loads
 
     # isort: split
-    import gc
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from mlxtune import Trainer, recipe_from_dict
-    from mlxtune.console import Console
 
     spec = json.loads(Path(spec_path).read_text())
-    work = Path(spec["work_dir"])
-    files = {}
-    for name, rows in (("train", spec["rows"]), ("valid", spec["valid_rows"])):
-        files[name] = work / f"{name}.jsonl"
-        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
     b, g, m = spec["batch_size"], spec["group"], spec["max_completion"]
-    recipe = {
-        "name": "bench-grpo",
-        "model": {"path": spec["model_dir"], "dtype": spec["dtype"]},
-        "data": {
-            "train": str(files["train"]),
-            "valid": str(files["valid"]),
-            "max_length": spec["max_length"],  # a prompt's tokens, for GRPO
-        },
-        "objective": {
-            "type": "grpo",
-            "num_generations": g,
-            "max_completion_length": m,
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "epsilon": 0.2,
-            "beta": spec["beta"],
-            "loss": "grpo",  # mlx-lm-lora's default normalisation
-            "rewards": [{"function": f"{SCRIPT}:reward"}],
-            "micro_batch_size": spec["micro"],
-        },
-        "adapter": {
-            "type": "lora",
-            "rank": spec["rank"],
-            "alpha": spec["scale"] * spec["rank"],  # LoRA's scale is alpha / rank
-            "dropout": 0.0,
-            "targets": ["q_proj", "v_proj"],
-        },
-        # mlx's Adam (what mlx-lm-lora trains with) has no bias correction
-        "optimizer": {
-            "name": "adam",
-            "lr": spec["lr"],
-            "grad_clip": None,
-            "bias_correction": False,
-        },
-        "schedule": {"name": "constant"},
-        "train": {
-            "batch_size": b,
-            "max_steps": spec["steps"],
-            "log_every": 1,  # a metrics row a step: its step_time_s is that step's wall time
-            "progress": False,
-            "seed": spec["seed"],
-        },
-        "eval": {"every": None, "max_batches": 1},
-        "checkpoints": {"save_final": False, "save_best": False},
-        "memory": {"check": "off"},
+    objective = {
+        "type": "grpo",
+        "num_generations": g,
+        "max_completion_length": m,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "epsilon": 0.2,
+        "beta": spec["beta"],
+        "loss": "grpo",  # mlx-lm-lora's default normalisation
+        "rewards": [{"function": f"{SCRIPT}:reward"}],
+        "micro_batch_size": spec["micro"],
     }
-    t0 = time.perf_counter()
-    trainer = Trainer(recipe_from_dict(recipe), run_dir=work / "run", console=Console(quiet=True))
-    setup_s = time.perf_counter() - t0
+    # data.max_length: a prompt's tokens, for GRPO
+    recipe = harness.lora_adam_recipe("bench-grpo", spec, objective)
+    trainer, setup_s = harness.quiet_trainer(recipe, spec)
 
     # Every step's micro-batches as the arrays its compiled step takes (the B x G rows, padded,
     # in the objective's training passes).
@@ -587,16 +480,12 @@ def _mlxtune_worker(spec_path: str) -> None:
     engine.arrays, engine.step_or_fall_back = recording_arrays, recording_step
 
     ds = trainer.train_set.examples
-    weights = sum(v.nbytes for _, v in tree_flatten(trainer.model.parameters()))
-    trainable = sum(v.size for _, v in tree_flatten(trainer.model.trainable_parameters()))
-    gc.collect()
-    mx.clear_cache()
-    cpu0 = cpu_mark()
-    mx.reset_peak_memory()  # the loop resets it again right before its first step
+    harness.start_timing()
+    cpu0 = harness.cpu_mark()
     t0 = time.perf_counter()
     summary = trainer.run()
     wall = time.perf_counter() - t0
-    other = other_cores(cpu0, cpu_mark())
+    other = harness.other_cores(cpu0, harness.cpu_mark())
     engine.arrays, engine.step_or_fall_back = arrays_of, step_of
     n = spec["steps"]
     shapes = [tuple(s) for s in steps]
@@ -607,14 +496,10 @@ def _mlxtune_worker(spec_path: str) -> None:
     step_s = [r["step_time_s"] for r in rows]
     gen_s = [r["generation_s"] for r in rows]
     tokens = [round(r["completion_length"] * b * g) for r in rows]
-    result = {"trainer": f"mlxtune {getattr(mlxtune, '__version__', '')}".strip()}
+    result = harness.mlxtune_figures(trainer, rows, summary)
     result.update(_timing(shapes, step_s, gen_s, tokens))
-    peak = max(r["peak_memory_gb"] for r in rows)
-    estimate = {k: round(v / 1e9, 4) for k, v in getattr(trainer, "memory_estimate", {}).items()}
-    sys.stderr.write((trainer.run_dir.path / "log.txt").read_text())  # shown with --verbose
     result.update(
         {
-            "peak_memory_gb": peak,
             "steps": n,
             "step_seconds": [round(s, 4) for s in step_s],
             "generation_seconds": [round(s, 4) for s in gen_s],
@@ -638,17 +523,9 @@ def _mlxtune_worker(spec_path: str) -> None:
             "batch_size_prompts": b,
             "group": g,
             "reference": "adapters off" if spec["beta"] > 0 else "none (beta 0)",
-            "kernels": dict(trainer.tiers),
-            "trainable_params": int(trainable),
             "prompts": len(ds),
             "mean_prompt_tokens": sum(len(e.prompt_ids) for e in ds) / len(ds),
             "eos_ids": sorted(int(i) for i in trainer.objective.eos),
-            "weights_gb": weights / 1e9,
-            "memory_estimate_gb": estimate,
-            "summary_peak_memory_gb": summary.get("peak_memory_gb"),
-            "mlx": mx.__version__,
-            "device": str(mx.default_device()),
-            "blas": getattr(trainer.blas, "note", None),
             "samples": [list(map(int, e.prompt_ids)) for e in ds[: spec.get("samples", 0)]],
         }
     )
@@ -725,25 +602,12 @@ def check_prompts(ours: list, peer: list) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, not {FULL_STEPS}")
-    ap.add_argument("--peer-only", action="store_true", help="run mlx-lm-lora's side alone")
-    ap.add_argument("--mlxtune-only", action="store_true", help="run mlxtune's side alone")
-    ap.add_argument("--peer-worker", metavar="SPEC", help=argparse.SUPPRESS)
-    ap.add_argument("--mlxtune-worker", metavar="SPEC", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", type=Path, help="an HF-layout model (default: the tiny llama)")
-    ap.add_argument("--vocab", type=int, default=32768, help="the tiny llama's vocabulary")
+    harness.add_arguments(ap, FULL_STEPS, QUICK_STEPS)
     ap.add_argument("--prompts", type=int, default=64, help="training prompts")
     ap.add_argument("--prompt-chars", type=int, default=64, help="characters a user prompt")
     ap.add_argument("--batch", type=int, default=4, help="prompts a step")
     ap.add_argument("--group", type=int, default=8, help="completions a prompt (G)")
     ap.add_argument("--max-completion", type=int, default=32, help="tokens a completion (M)")
-    ap.add_argument("--steps", type=int, help=f"default {FULL_STEPS} ({QUICK_STEPS} with --quick)")
-    ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--scale", type=float, default=2.0)
-    ap.add_argument(
-        "--layers", type=int, default=-1, help="mlx-lm-lora: LoRA on the last N blocks (-1: all)"
-    )
-    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--beta", type=float, default=0.0, help="KL weight (0: no reference pass)")
     ap.add_argument("--max-length", type=int, default=1024, help="tokens a prompt at most")
     ap.add_argument(
@@ -759,20 +623,10 @@ def main(argv=None) -> None:
         help="also run mlxtune with objective.micro_batch_size N (completions a training pass)",
     )
     ap.add_argument("--check", type=int, default=4, help="prompts whose tokens are compared")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--verbose", action="store_true", help="show the workers' own logs")
     args = ap.parse_args(argv)
 
-    if args.peer_worker:
-        _peer_worker(args.peer_worker)
+    if harness.worker_or_checked(ap, args, _peer_worker, _mlxtune_worker, FULL_STEPS, QUICK_STEPS):
         return
-    if args.mlxtune_worker:
-        _mlxtune_worker(args.mlxtune_worker)
-        return
-    if args.peer_only and args.mlxtune_only:
-        ap.error("--peer-only and --mlxtune-only: pick one")
-    if args.steps is None:
-        args.steps = QUICK_STEPS if args.quick else FULL_STEPS
     if args.beta > 0 and args.reference == "none":
         ap.error("--beta > 0 needs mlx-lm-lora's reference: --reference copy")
 

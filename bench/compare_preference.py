@@ -117,16 +117,19 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import harness  # noqa: E402
+
 REPO = HERE.parent
-RESULT_TAG = "MLX_LM_LORA_RESULT "
-MLXTUNE_TAG = "MLXTUNE_RESULT "
+RESULT_TAG, MLXTUNE_TAG = harness.RESULT_TAG, harness.MLXTUNE_TAG
 FULL_STEPS, QUICK_STEPS = 40, 12
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -186,25 +189,7 @@ def run_mlx_lm_lora_dpo(
 
 
 def _in_child(flag: str, spec: dict, tag: str, what: str, timeout, verbose) -> dict:
-    """Run this script with ``flag SPEC.json`` in a new Python process (a temporary folder as
-    its ``work_dir``) and return the JSON of its ``tag`` line."""
-    with tempfile.TemporaryDirectory(prefix="compare-preference-worker-") as tmp:
-        spec = dict(spec, work_dir=tmp)
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), flag, str(spec_path)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    if verbose:
-        sys.stderr.write(proc.stderr)
-    for line in proc.stdout.splitlines():
-        if line.startswith(tag):
-            return json.loads(line[len(tag) :])
-    tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
-    raise RuntimeError(f"{what} worker failed (exit {proc.returncode}):\n{tail}")
+    return harness.in_child(__file__, flag, spec, tag, what, timeout, verbose)
 
 
 def as_chat(row: dict) -> dict:
@@ -277,16 +262,8 @@ def run_mlxtune_dpo(
 # --------------------------------------------------------------------------- the child process
 
 
-def _process_setup() -> str:
-    """mlxtune's import-time set-up (OpenBLAS for MLX's CPU backend, malloc thresholds), the
-    same for the peer as for mlxtune: importing mlxtune runs it, before mlx.core loads."""
-    import mlxtune  # noqa: F401
-
-    return "mlxtune's import-time set-up (OpenBLAS, malloc thresholds)"
-
-
 def _worker(spec_path: str) -> None:
-    setup = _process_setup()  # before mlx.core is imported
+    setup = harness.process_setup()  # before mlx.core is imported
 
     import gc
 
@@ -295,8 +272,6 @@ def _worker(spec_path: str) -> None:
     import mlx_lm_lora
     import numpy as np
     from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.tuner.callbacks import TrainingCallback
-    from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load
     from mlx_lm_lora.chat_template import ensure_chat_template
     from mlx_lm_lora.trainer import dpo_trainer
@@ -336,19 +311,7 @@ def _worker(spec_path: str) -> None:
     else:
         ref_model = None
 
-    model.freeze()
-    keys = sorted(
-        k
-        for k, _ in model.layers[0].named_modules()
-        if k.rsplit(".", 1)[-1] in ("q_proj", "v_proj")
-    )
-    if not keys:
-        raise SystemExit("no q_proj/v_proj modules in the model's blocks")
-    linear_to_lora_layers(
-        model,
-        spec["layers"],
-        {"rank": spec["rank"], "scale": spec["scale"], "dropout": 0.0, "keys": keys},
-    )
+    keys = harness.peer_lora(model, spec)
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     ref_weights = (
@@ -376,14 +339,7 @@ def _worker(spec_path: str) -> None:
 
     dpo_trainer.iterate_dpo_batches = recording_iterate
 
-    class Record(TrainingCallback):
-        def __init__(self):
-            self.rows: list[dict] = []
-
-        def on_train_loss_report(self, info):
-            self.rows.append(dict(info))
-
-    rec = Record()
+    rec = harness.report_recorder()
     args = dpo_trainer.DPOTrainingArgs(
         batch_size=spec["batch_size"],
         iters=spec["steps"],
@@ -511,68 +467,20 @@ def _steady(shapes: list, step_s: list[float], batch: int) -> dict:
 
 
 def _mlxtune_worker(spec_path: str) -> None:
-    import mlxtune  # first: its OpenBLAS and malloc set-up, before mlx.core loads
+    harness.process_setup()  # first: mlxtune's OpenBLAS and malloc set-up, before mlx.core loads
 
     # isort: split
-    import gc
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from mlxtune import Trainer, recipe_from_dict
-    from mlxtune.console import Console
 
     spec = json.loads(Path(spec_path).read_text())
-    work = Path(spec["work_dir"])
-    files = {}
-    for name, rows in (("train", spec["rows"]), ("valid", spec["valid_rows"])):
-        files[name] = work / f"{name}.jsonl"
-        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
     b = spec["batch_size"]
-    recipe = {
-        "name": "bench-dpo",
-        "model": {"path": spec["model_dir"], "dtype": spec["dtype"]},
-        "data": {
-            "train": str(files["train"]),
-            "valid": str(files["valid"]),
-            "max_length": spec["max_length"],
-        },
-        "objective": spec.get("objective")
-        or {
-            "type": "dpo",
-            "beta": spec["beta"],
-            "loss": "sigmoid",
-            "reference": spec["reference"],
-        },
-        "adapter": {
-            "type": "lora",
-            "rank": spec["rank"],
-            "alpha": spec["scale"] * spec["rank"],  # LoRA's scale is alpha / rank
-            "dropout": 0.0,
-            "targets": ["q_proj", "v_proj"],
-        },
-        # mlx's Adam (what mlx-lm-lora trains with) has no bias correction
-        "optimizer": {
-            "name": "adam",
-            "lr": spec["lr"],
-            "grad_clip": None,
-            "bias_correction": False,
-        },
-        "schedule": {"name": "constant"},
-        "train": {
-            "batch_size": b,
-            "max_steps": spec["steps"],
-            "log_every": 1,  # a metrics row a step: its step_time_s is that step's wall time
-            "progress": False,
-            "seed": spec["seed"],
-        },
-        "eval": {"every": None, "max_batches": 1},
-        "checkpoints": {"save_final": False, "save_best": False},
-        "memory": {"check": "off"},
+    objective = spec.get("objective") or {
+        "type": "dpo",
+        "beta": spec["beta"],
+        "loss": "sigmoid",
+        "reference": spec["reference"],
     }
-    t0 = time.perf_counter()
-    trainer = Trainer(recipe_from_dict(recipe), run_dir=work / "run", console=Console(quiet=True))
-    setup_s = time.perf_counter() - t0  # loading, and for precomputed the reference pass
+    recipe = harness.lora_adam_recipe("bench-dpo", spec, objective)
+    trainer, setup_s = harness.quiet_trainer(recipe, spec)  # for precomputed: its reference pass
 
     # Every step's batch, as the arrays its compiled step takes: the engine turns each batch into
     # them once a step (one micro-batch: no accumulation, no out-of-memory split here).
@@ -594,11 +502,7 @@ def _mlxtune_worker(spec_path: str) -> None:
     engine.arrays = recording_arrays
 
     ds = trainer.train_set.examples
-    weights = sum(v.nbytes for _, v in tree_flatten(trainer.model.parameters()))
-    trainable = sum(v.size for _, v in tree_flatten(trainer.model.trainable_parameters()))
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()  # the loop resets it again right before its first step
+    harness.start_timing()
     t0 = time.perf_counter()
     summary = trainer.run()
     wall = time.perf_counter() - t0
@@ -611,16 +515,10 @@ def _mlxtune_worker(spec_path: str) -> None:
     if any(s["pairs"] != b for s in steps):
         raise SystemExit(f"a step without {b} pairs: {[s['pairs'] for s in steps]}")
     step_s = [r["step_time_s"] for r in rows]
-    result = {"trainer": f"mlxtune {getattr(mlxtune, '__version__', '')}".strip()}
+    result = harness.mlxtune_figures(trainer, rows, summary)
     result.update(_steady([s["shape"] for s in steps], step_s, b))
-    # the training peak: the loop resets it before its first step; the last row is read after
-    # the last step (before the final evaluation)
-    peak = max(r["peak_memory_gb"] for r in rows)
-    estimate = {k: round(v / 1e9, 4) for k, v in getattr(trainer, "memory_estimate", {}).items()}
-    sys.stderr.write((trainer.run_dir.path / "log.txt").read_text())  # shown with --verbose
     result.update(
         {
-            "peak_memory_gb": peak,
             "steps": spec["steps"],
             "step_seconds": [round(s, 4) for s in step_s],
             "batch_lengths": [s["length"] for s in steps],
@@ -631,18 +529,10 @@ def _mlxtune_worker(spec_path: str) -> None:
             "first_step_s": rows[0].get("first_step_compile_time_s"),
             "batch_size_pairs": b,
             "reference": spec["reference"],
-            "reference_resolved": trainer.objective.reference,
-            "kernels": dict(trainer.tiers),
-            "trainable_params": int(trainable),
+            "reference_resolved": getattr(trainer.objective, "reference", None),
             "pairs": len(ds),
             "mean_chosen_tokens": sum(len(e.ids) for e in ds) / len(ds),
             "mean_rejected_tokens": sum(len(e.rejected_ids) for e in ds) / len(ds),
-            "weights_gb": weights / 1e9,
-            "memory_estimate_gb": estimate,
-            "summary_peak_memory_gb": summary.get("peak_memory_gb"),
-            "mlx": mx.__version__,
-            "device": str(mx.default_device()),
-            "blas": getattr(trainer.blas, "note", None),
             "samples": [
                 {
                     "chosen": list(map(int, e.ids)),
@@ -724,22 +614,9 @@ def dpo_flops_per_pair(vocab: int, tokens_per_pair: float, reference_pass: bool)
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, not {FULL_STEPS}")
-    ap.add_argument("--peer-only", action="store_true", help="run mlx-lm-lora's side alone")
-    ap.add_argument("--mlxtune-only", action="store_true", help="run mlxtune's side alone")
-    ap.add_argument("--peer-worker", metavar="SPEC", help=argparse.SUPPRESS)
-    ap.add_argument("--mlxtune-worker", metavar="SPEC", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", type=Path, help="an HF-layout model (default: the tiny llama)")
-    ap.add_argument("--vocab", type=int, default=32768, help="the tiny llama's vocabulary")
+    harness.add_arguments(ap, FULL_STEPS, QUICK_STEPS)
     ap.add_argument("--pairs", type=int, default=64, help="training pairs")
     ap.add_argument("--batch", type=int, default=4, help="pairs a step")
-    ap.add_argument("--steps", type=int, help=f"default {FULL_STEPS} ({QUICK_STEPS} with --quick)")
-    ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--scale", type=float, default=2.0)
-    ap.add_argument(
-        "--layers", type=int, default=-1, help="mlx-lm-lora: LoRA on the last N blocks (-1: all)"
-    )
-    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument(
@@ -760,20 +637,10 @@ def main(argv=None) -> None:
         help="leave out the extra mlxtune row with reference: precomputed",
     )
     ap.add_argument("--check", type=int, default=4, help="pairs whose tokens are compared")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--verbose", action="store_true", help="show the workers' own logs")
     args = ap.parse_args(argv)
 
-    if args.peer_worker:
-        _worker(args.peer_worker)
+    if harness.worker_or_checked(ap, args, _worker, _mlxtune_worker, FULL_STEPS, QUICK_STEPS):
         return
-    if args.mlxtune_worker:
-        _mlxtune_worker(args.mlxtune_worker)
-        return
-    if args.peer_only and args.mlxtune_only:
-        ap.error("--peer-only and --mlxtune-only: pick one")
-    if args.steps is None:
-        args.steps = QUICK_STEPS if args.quick else FULL_STEPS
 
     sys.path.insert(0, str(HERE))
     import compare_mlx_lm  # noqa: E402  (the tiny llama, the matmul peak, FLOPs a token)
