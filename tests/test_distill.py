@@ -330,10 +330,33 @@ def test_a_teacher_quantized_as_it_loads_is_held_quantized_and_counted_so(
         loss, count, _ = t.objective.loss(t.model, t.engine.arrays(next(t.objective.batches())[1]))
         assert np.isfinite(loss.item()) and count.item() > 0
     assert plans[4] < plans[None]  # the 4-bit teacher's weights, not its fp32 ones
-    code, out = run_cli(
-        tmp_path, recipe(data_dir, llama_dir, llama_dir, {"teacher_bits": 4}), capsys
-    )
-    assert code == 2 and "objective.teacher_bits" in out.err  # hidden 32: no group of 64
+    # hidden 32, MLP 96, vocabulary 60: no input a multiple of the group of 64
+    narrow = model_dir_factory("llama", intermediate_size=96)
+    code, out = run_cli(tmp_path, recipe(data_dir, llama_dir, narrow, {"teacher_bits": 4}), capsys)
+    assert code == 2 and "objective.teacher_bits" in out.err
+
+
+def test_a_gguf_teacher_teaches_as_its_folder_does(tmp_path, llama_dir, teacher_dir, data_dir):
+    """The teacher read from a GGUF file (weights, config and tokenizer from the file) gives the
+    loss the same teacher gives from its folder."""
+    import json as _json
+
+    from mlx_lm import load
+
+    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.tokenizer import load_tokenizer
+
+    model, _ = load(str(teacher_dir))
+    config = _json.loads((teacher_dir / "config.json").read_text())
+    tok = load_tokenizer(teacher_dir)
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf_model(model, config, tok, teacher_dir, tmp_path / "gguf", "f32", "teacher")
+    losses = []
+    for teacher in (teacher_dir, path):
+        t = build(recipe(data_dir, llama_dir, teacher, {"top_k": 5}), tmp_path, teacher.name)
+        batch = next(t.objective.batches())[1]
+        losses.append(t.objective.loss(t.model, t.engine.arrays(batch))[0].item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
 # ------------------------------------------------------------------------ runs

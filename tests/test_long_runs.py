@@ -341,7 +341,7 @@ def test_an_export_that_cannot_be_written_keeps_the_final_checkpoint(
 ):
     import errno
 
-    import mlxtune.loop as loop
+    import mlxtune.loop.ending as ending
     from mlxtune.cli import main
 
     r, path = _disk_recipe(tmp_path, data_dir, llama_dir)
@@ -353,7 +353,7 @@ def test_an_export_that_cannot_be_written_keeps_the_final_checkpoint(
         (folder / "adapters.safetensors").write_bytes(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loop, "export", full)
+    monkeypatch.setattr(ending, "export", full)
     assert main(["run", str(path), "--run-dir", str(run)]) == 1
     err = capsys.readouterr().err
     assert "could not write export/mlx-lm at step 6 (No space left on device" in err

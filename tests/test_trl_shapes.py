@@ -176,7 +176,7 @@ def test_the_readmes_shapes_each_read_as_it_says(tokenizer_dir):
     from mlxtune.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir, chat_template=TOOLS_AND_REASONING)
-    rows = [json.loads(line) for line in readme_block("### Shapes, one example each", "json")
+    rows = [json.loads(line) for line in readme_block("## Shapes, one example each", "json")
             .splitlines()]  # fmt: skip
     names = [detect_format(r, "README") if "answer" not in r else "prompt" for r in rows]
     assert names == [
@@ -201,6 +201,6 @@ def test_the_readmes_shapes_each_read_as_it_says(tokenizer_dir):
 def test_the_readmes_sources_are_recipe_data_sections():
     import yaml
 
-    for line in readme_block("### Sources, one example each", "yaml").splitlines():
+    for line in readme_block("## Sources, one example each", "yaml").splitlines():
         data = yaml.safe_load(line)["data"]
         assert isinstance(data["train"], str)
