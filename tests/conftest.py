@@ -336,6 +336,51 @@ def measured_peak(trainer, batch=None) -> float:
     return mx.get_peak_memory()
 
 
+def build_run(r: dict, tmp_path: Path, name: str = "run", **kw):
+    """A quiet Trainer of recipe dict ``r`` in ``tmp_path / name`` (``kw``: resume, callbacks)."""
+    from mlxtune import Trainer, recipe_from_dict
+    from mlxtune.console import Console
+
+    return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True), **kw)
+
+
+def run_rows(run_dir: Path) -> list[dict]:
+    """A run's metrics rows without their timings."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
+    return out
+
+
+def shake_adapters(model, seed: int = 0) -> None:
+    """Random LoRA B matrices, so that a LoRA model differs from its base."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxtune.adapters import LoRALinear
+
+    rng = np.random.default_rng(seed)
+    for _, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
+
+
+def same_gradients(model, naive, loss) -> None:
+    """The gradients of ``loss(model)`` equal those of the ``naive`` formula, weight by weight."""
+    import mlx.nn as nn
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    _, want = nn.value_and_grad(model, naive)(model)
+    _, got = nn.value_and_grad(model, loss)(model)
+    want, got = dict(tree_flatten(want)), dict(tree_flatten(got))
+    assert want.keys() == got.keys() and want
+    for k in want:
+        np.testing.assert_allclose(
+            np.array(got[k]), np.array(want[k]), rtol=2e-4, atol=2e-6, err_msg=k
+        )
+
+
 def same_rows(a, b, rel=1e-5, abs=1e-7):
     """Metrics rows equal: counts exactly, floats within ``rel``/``abs`` (fp32 round-off); a
     data-parallel run's ``world_size`` is left out."""

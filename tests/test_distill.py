@@ -6,10 +6,7 @@ teacher; refusals; and learning on the shipped quickstart-distill task."""
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 import yaml
@@ -17,16 +14,18 @@ from mlx.utils import tree_flatten
 
 from conftest import (
     REPO,
-    TIMING,
     make_crash,
     reverse_rows,
+    same_gradients,
     same_rows,
+    shake_adapters,
     shipped_recipe,
     tiny_arch,
     write_jsonl,
 )
+from conftest import build_run as build
+from conftest import run_rows as rows
 from mlxtune import Trainer, recipe_from_dict
-from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.memory import estimate, shape_of
@@ -70,24 +69,6 @@ def recipe(data_dir, student, teacher, objective, **over):
     return r
 
 
-def build(r, tmp_path, name="run", **kw):
-    return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True), **kw)
-
-
-def rows(run_dir):
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
-    return out
-
-
-def shake_adapters(model, seed=0):
-    rng = np.random.default_rng(seed)
-    for _, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
-
-
 def log_softmax64(z):
     z = z - z.max(-1, keepdims=True)
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
@@ -104,17 +85,6 @@ def targets_of(batch):
 
 def logits64(model, batch):
     return np.array(model(mx.array(batch.tokens[:, :-1])).astype(mx.float32), dtype=np.float64)
-
-
-def same_gradients(model, naive, loss):
-    _, want = nn.value_and_grad(model, naive)(model)
-    _, got = nn.value_and_grad(model, loss)(model)
-    want, got = dict(tree_flatten(want)), dict(tree_flatten(got))
-    assert want.keys() == got.keys() and want
-    for k in want:
-        np.testing.assert_allclose(
-            np.array(got[k]), np.array(want[k]), rtol=2e-4, atol=2e-6, err_msg=k
-        )
 
 
 # ------------------------------------------------------------------------ the divergences

@@ -17,6 +17,7 @@ import yaml
 from mlx.utils import tree_flatten
 
 from conftest import REPO, TIMING, make_crash, prompt_rows, same_rows, shipped_recipe, write_jsonl
+from conftest import build_run as build
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
@@ -49,10 +50,6 @@ def recipe(prompts, model_dir, objective=None, **over):
     }
     r.update(over)
     return r
-
-
-def build(r, tmp_path, name="run", **kw):
-    return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True), **kw)
 
 
 def rows(run_dir):

@@ -5,8 +5,6 @@ warning; bad input; and learning on the shipped quickstart-kto task."""
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -14,7 +12,9 @@ import pytest
 import yaml
 from mlx.utils import tree_flatten
 
-from conftest import TIMING, make_crash, same_rows, shipped_recipe, write_jsonl
+from conftest import build_run as build
+from conftest import make_crash, same_rows, shake_adapters, shipped_recipe, write_jsonl
+from conftest import run_rows as rows
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
@@ -62,24 +62,6 @@ def recipe(data, model_dir, objective=None, **over):
     }
     r.update(over)
     return r
-
-
-def build(r, tmp_path, name="run", **kw):
-    return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True), **kw)
-
-
-def rows(run_dir):
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
-    return out
-
-
-def shake_adapters(model, seed=0):
-    rng = np.random.default_rng(seed)
-    for _, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
 
 
 def naive_logp(model, ids, mask) -> float:

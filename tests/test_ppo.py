@@ -19,6 +19,7 @@ from test_grpo import completions, rows, token_logps
 from test_preference import pair_rows, shake_adapters
 
 from conftest import REPO, make_crash, same_rows, shipped_recipe, write_jsonl
+from conftest import build_run as build
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
@@ -52,10 +53,6 @@ def recipe(prompts, model_dir, objective=None, **over):
     }
     r.update(over)
     return r
-
-
-def build(r, tmp_path, name="run", **kw):
-    return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True), **kw)
 
 
 def shake_value_head(model, seed=1):

@@ -14,9 +14,18 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import REPO, TIMING, make_crash, same_rows, shipped_recipe, write_jsonl
+from conftest import (
+    REPO,
+    make_crash,
+    same_gradients,
+    same_rows,
+    shake_adapters,
+    shipped_recipe,
+    write_jsonl,
+)
+from conftest import build_run as build
+from conftest import run_rows as rows
 from mlxtune import Trainer, recipe_from_dict
-from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.data.preference import make_packed_pair_batch, make_pair_batch
@@ -66,27 +75,8 @@ def recipe(prefs, model_dir, objective=None, **over):
     return r
 
 
-def build(r, tmp_path, name="run"):
-    return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True))
-
-
-def rows(run_dir):
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
-    return out
-
-
 def same(a, b, rel=1e-5, abs=1e-6):
     same_rows(a, b, rel, abs)
-
-
-def shake_adapters(model, seed=0):
-    """Random LoRA B matrices, so that the policy differs from the base."""
-    rng = np.random.default_rng(seed)
-    for _, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
 
 
 # ------------------------------------------------------------------------ naive references
@@ -141,18 +131,6 @@ def whole_nll(model, pairs, logp) -> tuple:
     (how many there are), the prompt included."""
     got = [logp(model, p.ids, [1] * len(p.ids)) for p in pairs]
     return -sum(got) / sum(len(p.ids) - 1 for p in pairs)
-
-
-def same_gradients(model, naive, loss):
-    """The gradients of ``loss(model)`` equal those of the ``naive`` formula, weight by weight."""
-    _, want = nn.value_and_grad(model, naive)(model)
-    _, got = nn.value_and_grad(model, loss)(model)
-    want, got = dict(tree_flatten(want)), dict(tree_flatten(got))
-    assert want.keys() == got.keys() and want
-    for k in want:
-        np.testing.assert_allclose(
-            np.array(got[k]), np.array(want[k]), rtol=2e-4, atol=2e-6, err_msg=k
-        )
 
 
 def batch_pairs(trainer, batch):

@@ -589,8 +589,6 @@ def _objective_inert(r: Recipe, inert) -> None:
         inert(("data.train_on_eos", "kernels.loss"), why)
     if kind == "distill":
         _distill_inert(r, inert)
-    if kind == "distill":
-        _distill_inert(r, inert)
     if kind in ("grpo", "ppo", "online_dpo"):
         why = f"objective.type {kind} trains on completions"
         inert(
@@ -606,31 +604,6 @@ def _objective_inert(r: Recipe, inert) -> None:
             inert(("objective.reference",), f"objective.{weight} is 0 (no KL term)")
         if kind == "ppo" and o.kl_target is None:
             inert(("objective.kl_horizon",), "objective.kl_target is not set (a fixed kl_coef)")
-
-
-DISTILL_KEYS = {
-    "offline": ("teacher_logits", "top_k", "alpha", "temperature"),
-    "gkd": (
-        "temperature",
-        "beta",
-        "lmbda",
-        "seq_kd",
-        "max_completion_length",
-        "generation_temperature",
-    ),  # fmt: skip
-    "on_policy": ("max_completion_length", "generation_temperature"),
-}
-"""The keys of ``objective.type: distill`` each mode reads, beside the teacher's."""
-
-
-def _distill_inert(r: Recipe, inert) -> None:
-    o = r.objective
-    every = {k for keys in DISTILL_KEYS.values() for k in keys}
-    unread = sorted(every - set(DISTILL_KEYS[o.mode]))
-    inert(tuple(f"objective.{k}" for k in unread), f"objective.mode is {o.mode}")
-    inert(("train.label_smoothing",), "distillation matches the teacher's distributions")
-    if o.mode != "offline":
-        inert(("data.mask_prompt",), f"mode {o.mode} trains on completions only")
 
 
 DISTILL_KEYS = {
