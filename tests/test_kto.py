@@ -285,6 +285,7 @@ def test_sft_refuses_feedback(tmp_path, llama_dir, feedback, capsys):
     assert "objective.type kto" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # about 40 s: the default suite stays under 10 minutes
 def test_the_quickstart_learns_to_copy(tmp_path):
     r = shipped_recipe("quickstart-kto.yaml")
     r["samples"] = {"every": None}
