@@ -5,6 +5,7 @@ them), ``load`` reads YAML and overrides and checks types, ``rules`` refuses imp
 combinations and names keys that have no effect (``inert_keys``).
 """
 
+from .inert import inert_keys, inert_notes
 from .load import (
     apply_overrides,
     dump_yaml,
@@ -13,7 +14,7 @@ from .load import (
     parse_yaml,
     recipe_from_dict,
 )
-from .rules import check_values, inert_keys, inert_notes
+from .rules import check_values
 from .schema import (
     OBJECTIVE_CONFIGS,
     AdapterConfig,
