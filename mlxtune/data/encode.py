@@ -489,15 +489,29 @@ def encode_rows(
                 out.add(ex)
                 stats.tokens += len(ex.ids)
                 stats.target_tokens += ex.n_targets
+    check = "data.max_length, data.min_length and the prompt masking"
+    return finished_split(out.table(), stats, bad, path, "example", check, allow_empty)
+
+
+def finished_split(
+    examples,
+    stats: SplitStats,
+    bad: BadRows,
+    path,
+    noun: str = "example",
+    check: str = "data.max_length and data.min_length",
+    allow_empty: bool = False,
+) -> Dataset:
+    """A split once every row is read: the bad rows' verdict, the count kept, and the error
+    naming ``check`` when no ``noun`` is left (unless ``allow_empty``)."""
     bad.finish(stats, path)
-    stats.kept = len(out)
-    if not len(out) and not allow_empty:
+    stats.kept = len(examples)
+    if not len(examples) and not allow_empty:
         raise UserInputError(
-            f"no example is left to train on ({stats.line()}; {stats.examples} read): check data.max_length, "
-            "data.min_length and the prompt masking",
+            f"no {noun} is left to train on ({stats.line()}; {stats.examples} read): check {check}",
             str(path),
         )
-    return Dataset(out.table(), stats, str(path))
+    return Dataset(examples, stats, str(path))
 
 
 def split_off(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserInputError
-from .encode import Dataset, SplitStats
+from .encode import Dataset, SplitStats, finished_split
 from .formats import Labeled, Pair, detect_format, get_format
 from .preference import PairEncoder, PairExample, fit_to_length, keep
 from .rows import BadRows
@@ -107,15 +107,7 @@ def load_feedback(
             drop = overlong == "drop" and len(ex.ids) > max_length
             if fit_to_length(ex, max_length, drop, where, stats):
                 keep(ex, out, stats, len(ex.ids) >= min_length)
-    bad.finish(stats, path)
-    stats.kept = len(out)
-    if not out:
-        raise UserInputError(
-            f"no example is left to train on ({stats.line()}; {stats.examples} read): check "
-            "data.max_length and data.min_length",
-            str(path),
-        )
-    return Dataset(out, stats, str(path))
+    return finished_split(out, stats, bad, path, "example")
 
 
 def _partner(items: list[tuple[str, Labeled]], i: int) -> Labeled:

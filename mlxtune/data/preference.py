@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import UserInputError
 from .batching import Batch, batch_order, eval_order, read_positions
-from .encode import Dataset, Encoder, Example, SplitStats
+from .encode import Dataset, Encoder, Example, SplitStats, finished_split
 from .formats import Chat, Pair, PromptAnswer, detect_format, get_format
 from .packing import packed_epoch
 from .parallel import encoded, workers_for
@@ -194,15 +194,7 @@ def load_pairs(
                 raise ex
             if fit_to_length(ex, max_length, overlong == "drop", where, stats):
                 keep(ex, out, stats, min(len(ex.ids), len(ex.rejected_ids)) >= min_length)
-    bad.finish(stats, path)
-    stats.kept = len(out)
-    if not out:
-        raise UserInputError(
-            f"no pair is left to train on ({stats.line()}; {stats.examples} read): check "
-            "data.max_length and data.min_length",
-            str(path),
-        )
-    return Dataset(out, stats, str(path))
+    return finished_split(out, stats, bad, path, "pair")
 
 
 def renumbered(ds: Dataset) -> Dataset:
