@@ -544,7 +544,13 @@ def long_rows(tmp_path_factory, tokenizer, tokenizer_dir):
 
 @pytest.mark.parametrize(
     "t, targets",
-    [(1024, ["all-linear"]), (4096, ["all-linear"]), (8192, ["all-linear"]), (4096, ["q_proj"])],
+    [
+        (1024, ["all-linear"]),
+        (4096, ["all-linear"]),
+        # about 30 s: with -m slow (the default suite stays under 10 minutes)
+        pytest.param(8192, ["all-linear"], marks=pytest.mark.slow),
+        (4096, ["q_proj"]),
+    ],
     ids=["1k", "4k", "8k", "4k-q_proj"],
 )
 def test_the_plan_holds_at_long_context(tmp_path, long_rows, t, targets):
