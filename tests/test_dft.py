@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import tiny_recipe
+from conftest import build_run, make_crash, run_rows, same_rows, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
@@ -97,6 +97,19 @@ def test_a_dft_run_trains_and_logs_the_plain_cross_entropy(tmp_path, data_dir, l
     assert summary["final_eval_loss"] == pytest.approx(
         next(x["eval_loss"] for x in rows if "eval_loss" in x and x["step"] == 12)
     )
+
+
+def test_a_dft_run_resumes_exactly(tmp_path, data_dir, llama_dir):
+    r = tiny_recipe(data_dir, llama_dir, objective={"type": "sft", "loss": "dft"})
+    r["train"].update(max_steps=6, log_every=1)
+    r["checkpoints"] = {"every": 2}
+    build_run(r, tmp_path, "whole").run()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_run(r, tmp_path, "crash", callbacks=[make_crash(3)]).run()
+    build_run(r, tmp_path, "crash", resume="latest").run()
+    whole = run_rows(tmp_path / "whole")
+    assert any("nll" in x for x in whole)
+    same_rows(run_rows(tmp_path / "crash"), whole, rel=0, abs=0)
 
 
 def test_dft_with_label_smoothing_exits_2(tmp_path, data_dir, llama_dir, capsys):

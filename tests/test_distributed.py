@@ -423,8 +423,9 @@ def test_kto_feedback_trains_as_one(runs, tmp_path):
     [
         {"mode": "offline", "top_k": 4, "teacher_logits": "precomputed"},
         {"mode": "gkd", "lmbda": 0.5, "seq_kd": True, "max_completion_length": 6},
+        {"mode": "on_policy", "max_completion_length": 6},
     ],
-    ids=["offline-precomputed", "gkd-drawn"],
+    ids=["offline-precomputed", "gkd-drawn", "on-policy"],
 )
 def test_distillation_trains_as_one(runs, tmp_path, model_dir_factory, objective):
     """Distillation: the teacher's top-k read by each rank's rows, and completions drawn by
@@ -440,6 +441,21 @@ def test_distillation_trains_as_one(runs, tmp_path, model_dir_factory, objective
     assert p.returncode == 0, p.stdout + p.stderr
     got = rows(two)
     assert got[0]["world_size"] == 2
+    same(rows(one), got, abs=2e-5)
+
+
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
+def test_dft_trains_as_one(runs, tmp_path):
+    """DFT: each rank's share of the tokens weighted by their own detached probabilities, summed
+    as one process sums them."""
+    r = dict(runs["recipe"])
+    r["objective"] = {"type": "sft", "loss": "dft"}
+    r["train"] = {**r["train"], "max_steps": 4}
+    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
+    one, two, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = rows(two)
+    assert any("nll" in x for x in got) and got[0]["world_size"] == 2
     same(rows(one), got, abs=2e-5)
 
 
