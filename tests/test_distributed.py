@@ -393,6 +393,22 @@ def test_preference_pairs_train_as_one(runs, tmp_path):
         same(rows(one), got, abs=2e-5)
 
 
+def four_steps_as_one(runs, tmp_path, objective: dict, **train) -> list[dict]:
+    """The runs' recipe with ``objective`` (and ``train`` keys) for 4 steps, evaluated at step 2,
+    nothing saved: in one process and in two, which must log the same rows; the two's rows."""
+    r = dict(runs["recipe"])
+    r["objective"] = objective
+    r["train"] = {**r["train"], **train, "max_steps": 4}
+    r["eval"] = {"every": 2}
+    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
+    one, two, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = rows(two)
+    assert got[0]["world_size"] == 2
+    same(rows(one), got, abs=2e-5)
+    return got
+
+
 @pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_kto_feedback_trains_as_one(runs, tmp_path):
     """KTO: the reference point and the class means summed over the ranks' shares of each
@@ -404,17 +420,10 @@ def test_kto_feedback_trains_as_one(runs, tmp_path):
     data = tmp_path / "feedback"
     write_jsonl(data / "train.jsonl", feedback_rows(40, 1))
     write_jsonl(data / "valid.jsonl", feedback_rows(9, 2))
-    r = dict(runs["recipe"])
-    r["data"] = {"train": str(data / "train.jsonl"), "valid": str(data / "valid.jsonl")}
-    r["objective"] = {"type": "kto", "beta": 0.5}
-    r["train"] = {**r["train"], "batch_size": 6, "max_steps": 4}
-    r["eval"] = {"every": 2}
-    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
-    one, two, p = one_and_two(tmp_path, r)
-    assert p.returncode == 0, p.stdout + p.stderr
-    got = rows(two)
-    assert any("kl" in x for x in got) and got[0]["world_size"] == 2
-    same(rows(one), got, abs=2e-5)
+    files = {"train": str(data / "train.jsonl"), "valid": str(data / "valid.jsonl")}
+    kto = dict(runs, recipe={**runs["recipe"], "data": files})
+    got = four_steps_as_one(kto, tmp_path, {"type": "kto", "beta": 0.5}, batch_size=6)
+    assert any("kl" in x for x in got)
 
 
 @pytest.mark.slow  # suite time: the default run stays under 10 minutes
@@ -431,32 +440,17 @@ def test_distillation_trains_as_one(runs, tmp_path, model_dir_factory, objective
     """Distillation: the teacher's top-k read by each rank's rows, and completions drawn by
     the student and the teacher (every rank draws the batch, from the same keys), so two
     processes log what one does."""
-    r = dict(runs["recipe"])
     teacher = model_dir_factory("llama", intermediate_size=96)
-    r["objective"] = {"type": "distill", "teacher": str(teacher), **objective}
-    r["train"] = {**r["train"], "batch_size": 6, "max_steps": 4}
-    r["eval"] = {"every": 2}
-    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
-    one, two, p = one_and_two(tmp_path, r)
-    assert p.returncode == 0, p.stdout + p.stderr
-    got = rows(two)
-    assert got[0]["world_size"] == 2
-    same(rows(one), got, abs=2e-5)
+    distill = {"type": "distill", "teacher": str(teacher), **objective}
+    four_steps_as_one(runs, tmp_path, distill, batch_size=6)
 
 
 @pytest.mark.slow  # suite time: the default run stays under 10 minutes
 def test_dft_trains_as_one(runs, tmp_path):
     """DFT: each rank's share of the tokens weighted by their own detached probabilities, summed
     as one process sums them."""
-    r = dict(runs["recipe"])
-    r["objective"] = {"type": "sft", "loss": "dft"}
-    r["train"] = {**r["train"], "max_steps": 4}
-    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
-    one, two, p = one_and_two(tmp_path, r)
-    assert p.returncode == 0, p.stdout + p.stderr
-    got = rows(two)
-    assert any("nll" in x for x in got) and got[0]["world_size"] == 2
-    same(rows(one), got, abs=2e-5)
+    got = four_steps_as_one(runs, tmp_path, {"type": "sft", "loss": "dft"})
+    assert any("nll" in x for x in got)
 
 
 def prompt_runs(runs, tmp_path, objective: dict, batch_size: int):
