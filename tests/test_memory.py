@@ -598,6 +598,7 @@ def _plan_and_peak(tmp_path, model, long_rows, t, targets, checkpointing=False, 
     return est, peak
 
 
+@pytest.mark.slow  # about 30 s: the default suite stays under 10 minutes
 def test_checkpointing_keeps_a_long_row_to_about_one_block_and_the_plan_counts_it(
     tmp_path, long_rows
 ):
