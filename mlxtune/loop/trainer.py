@@ -4,37 +4,33 @@ to save and resume; none of them knows about the loop."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import math
 import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-from .. import _blas, _malloc, distributed, failures, memory
-from ..build import Built, build, kernel_tiers, optimizer_for
-from ..checkpoint import last_saved, prune, restore, save
-from ..config import Recipe, dump_yaml, inert_notes
+from .. import _malloc, distributed, memory
+from ..checkpoint import last_saved
+from ..config import Recipe
 from ..console import Console
-from ..engine import Engine
-from ..errors import Interrupted, TrainingError, UserInputError
-from ..export import TrainedModel, peft_refusal
+from ..errors import Interrupted, TrainingError
+from ..export import TrainedModel
 from ..generate import exact_match, sample
-from ..memory import plan, shape_of
 from ..models import kernel_attention
-from ..objectives import build_objective
 from ..rundir import RunDir, removed_if_refused, run_dir_for
-from ..state import LoopPosition, TrainState
-from . import autosize, describe, stopping
+from ..state import LoopPosition
+from . import describe, stopping
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
 from .control import Signals, agree_after_step, take_requests
 from .ending import dry_run, export_all, restore_best
 from .ending import summary as ending_summary
+from .guard import Guard
 from .meter import StepMeter, merge_host
 from .records import Records
-from .setup import all_ranks_set_up, run_folders, watchdog
+from .saving import Saver
+from .setup import all_ranks_set_up, run_folders, set_up
 
 
 class Trainer:
@@ -71,10 +67,10 @@ class Trainer:
         self._last_eval: tuple[int, dict] | None = None
         """The latest evaluation: (step, metrics)."""
         self._meter = StepMeter()
-        self._active: list[tuple[int, float]] = []
-        """(step, active memory) at each checkpoint: memory that creeps is warned of once."""
-        self._warned_creep = False
-        self._signals = Signals(self._on_signal, not dry_run, self._lost_at_once)
+        self.saver = Saver(self)
+        self.guard = Guard(self)
+        """The lines a run that stops short ends with (a failed write, a lost step)."""
+        self._signals = Signals(self._on_signal, not dry_run, self.guard.lost_at_once)
         self._held_logs: list[str] | None = []  # log lines wait until the input is accepted
         self._tmp = None
         if dry_run or not self.world.main:  # a scratch run directory, removed at the end
@@ -94,52 +90,10 @@ class Trainer:
             )
             self.records = Records(self.run_dir, self.console)
             """Where the metrics rows and samples go: the run directory and the reporters."""
-            self._set_up()
-
-    def _set_up(self):
-        r = self.recipe
-        self.blas = _blas.setup_blas()
-        self.log(f"BLAS: {self.blas.note}")
-        for note in inert_notes(r):  # keys the recipe sets that these settings never read
-            self.log(note)
-        self.tiers = kernel_tiers(r, self.log)
-        wired = memory.wired_limit(mx.device_info(), mx.metal.is_available())
-        if wired is not None:
-            mx.set_wired_limit(wired)
-            self.log(
-                f"memory: wired limit {wired / memory.GB:.1f} GB (Metal's recommended working "
-                "set: the weights and the step's buffers stay resident)"
-            )
-        self.built: Built = build(
-            r, self.run_dir, self.tiers, self.resume_from is not None, self.log, self.console.rows
-        )
-        if "peft" in r.export.formats and (why := peft_refusal(self.model)) is not None:
-            raise UserInputError(why, "export.formats")  # before training, not after it
-        self.objective = build_objective(r, self.built.components)
-        self.auto_sizes = autosize.resolve(self, optimizer_for)
-        """What train.batch_size / grad_checkpointing: auto resolved to, and why."""
-        self.batches_per_epoch = self.objective.batches_per_epoch()
-        t = r.train
-        self.total_steps = (
-            t.max_steps
-            if t.max_steps is not None
-            else max(1, math.ceil(t.epochs * self.batches_per_epoch / t.grad_accumulation))
-        )
-        self.optimizer = optimizer_for(r, self.total_steps)
-        self.engine = Engine(self.model, self.optimizer, self.objective, r, self.world)
-        # the plan first: a run it refuses pays for no reference pass
-        self.memory_estimate = plan(shape_of(self), r, self.log)
-        self.objective.prepare(self.run_dir, self._source, self.log)
-        if self.resume_from is not None and not self.dry_run:
-            src, which, steps = self._source, self.resume_from, self.total_steps
-            state = restore(src, which, r, self.engine, self.log, self.world.main, steps)
-            self.position, self.resumed = state.position, True
-        if self.streamed:
-            self.train_set.resume(self.position.data_stream)
-        self._write_resolved()
-        held, self._held_logs = self._held_logs, None
-        for line in held:
-            self.run_dir.log(line)
+            set_up(self, self._source)
+            held, self._held_logs = self._held_logs, None
+            for line in held:  # the input was accepted
+                self.run_dir.log(line)
 
     # ---------------------------------------------------------------- what was built
     model = property(lambda self: self.built.components.model)
@@ -185,37 +139,6 @@ class Trainer:
             f"{name}: finishing this step, then saving a checkpoint (again to stop at once)"
         )
 
-    def _resume_command(self) -> str:
-        return failures.resume_command(self.recipe.source, self.run_dir.path)
-
-    def _watchdog(self):
-        """The data-parallel ranks' watchdog (``distributed.Watchdog``), or nothing alone."""
-        timeout = self.recipe.distributed.timeout_s
-        if self.world.size == 1 or timeout is None or self.dry_run:
-            return contextlib.nullcontext()
-        return watchdog(self.world, timeout, self.run_dir, self._watch_context)
-
-    def _watch_context(self):
-        """What the watchdog's line says: the step, the last checkpoint, the command."""
-        return self.position.step, last_saved(self.run_dir), self._resume_command()
-
-    def _write_failed(self, what: str, e: BaseException) -> str:
-        """The one line a run that could not write ``what`` ends with."""
-        last, go_on = last_saved(self.run_dir), self._resume_command()
-        return failures.write_failed(what, e, self.position.step, self.run_dir.path, last, go_on)
-
-    def _writing(self, what: str):
-        """Around writing ``what`` into the run directory (``failures.writing``)."""
-        return failures.writing(what, self._write_failed)
-
-    def _lost_at_once(self) -> str:
-        """What a stop at once (a second signal inside a long step) says, and logs."""
-        last = last_saved(self.run_dir)
-        line = failures.lost_at_once(self.position.step, last, self._resume_command())
-        if self.world.main:
-            self.run_dir.log(line)
-        return line
-
     def _take_control(self) -> set[str]:
         """Requests from RUN_DIR/control/ (the dashboard's keys); pause waits here for resume."""
         asked = take_requests(self.run_dir.path)
@@ -243,7 +166,7 @@ class Trainer:
         try:
             if self.world.main and not self.dry_run:
                 self.records.open(r, self.position.step if self.resumed else None)
-            with self._signals, self._watchdog():
+            with self._signals, self.guard.watchdog():
                 if self.tiers["attention"] == "off":
                     out = self._run()
                 else:
@@ -257,7 +180,7 @@ class Trainer:
             raise TrainingError(f"{e}: {note}") from None
         except OSError as e:  # a write failed: the disk is full, the folder read-only
             what = Path(e.filename).name if e.filename else "the run directory"
-            raise TrainingError(self._write_failed(what, e)) from None
+            raise TrainingError(self.guard.write_failed(what, e)) from None
         finally:
             self.records.close(failed)
             if self.streamed:
@@ -387,7 +310,7 @@ class Trainer:
                 self._checkpoint(name)
             self.world.barrier()  # no rank leaves before rank 0 has saved
             self.console.end_progress()
-            how = self._resume_command()
+            how = self.guard.resume_command()
             self.log(f"{interrupted} at step {step}: saved checkpoints/{name}")
             raise Interrupted(
                 f"interrupted ({interrupted}) after step {step}; checkpoint "
@@ -432,7 +355,7 @@ class Trainer:
             self._checkpoint("final", prune_after=False)
         after = self._exact_match("trained", pos.step) if r.eval.exact_match and main else None
         if main:
-            export_all(r, self.model, self.trained, self.run_dir, self._writing, self.log)
+            export_all(r, self.model, self.trained, self.run_dir, self.guard.writing, self.log)
         summary = ending_summary(
             pos, meter, self.run_dir, train_time, final_eval, stopped_early=self._stopped_early,
             before=before, after=after, start_eval=self._start_eval,
@@ -502,28 +425,7 @@ class Trainer:
     # ---------------------------------------------------------------- checkpoints, export
     def _checkpoint(self, name: str, extra: dict | None = None, prune_after: bool = True):
         self._read_steps()
-        if not self.world.main:  # rank 0 writes the run's checkpoints
-            return
-        state = TrainState(self.position, self.engine.host_state())
-        with self._writing(f"checkpoints/{name}"):
-            save(
-                self.run_dir,
-                name,
-                self.trained,
-                self.recipe,
-                self.engine,
-                state,
-                self.last_loss,
-                extra,
-            )
-        self.log(f"saved checkpoint checkpoints/{name} at step {self.position.step}")
-        self._active.append((self.position.step, mx.get_active_memory()))
-        warning = memory.creeping(self._active) if not self._warned_creep else None
-        if warning:
-            self._warned_creep = True
-            self.log(f"WARNING: {warning}")
-        if prune_after:
-            prune(self.run_dir, self.recipe.checkpoints.keep_last)
+        self.saver.save(name, extra, prune_after)
 
     # ---------------------------------------------------------------- output
     def log(self, message: str):
@@ -540,10 +442,6 @@ class Trainer:
     def derived(self) -> dict:
         """What the recipe works out to: steps, epochs, sizes, data, device."""
         return describe.derived(self)
-
-    def _write_resolved(self):
-        self.run_dir.write_text("recipe.yaml", dump_yaml(self.recipe.to_dict()))
-        self.run_dir.write_json("config_resolved.json", describe.resolved(self))
 
     def _print_header(self):
         self.console.header(describe.header(self))

@@ -1,0 +1,40 @@
+"""The trainer's checkpoints: rank 0 saves the run's full state (``checkpoint.save``), logs it,
+warns once when the active memory creeps up from one checkpoint to the next, and keeps the
+newest ``checkpoints.keep_last``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import memory
+from ..checkpoint import prune, save
+from ..state import TrainState
+
+
+class Saver:
+    """Saves ``trainer``'s checkpoints; its steps must have been read (``_read_steps``)."""
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+        self._active: list[tuple[int, float]] = []
+        """(step, active memory) at each checkpoint: memory that creeps is warned of once."""
+        self._warned_creep = False
+
+    def save(self, name: str, extra: dict | None = None, prune_after: bool = True) -> None:
+        t = self._trainer
+        if not t.world.main:  # rank 0 writes the run's checkpoints
+            return
+        state = TrainState(t.position, t.engine.host_state())
+        with t.guard.writing(f"checkpoints/{name}"):
+            save(t.run_dir, name, t.trained, t.recipe, t.engine, state, t.last_loss, extra)
+        t.log(f"saved checkpoint checkpoints/{name} at step {t.position.step}")
+        self._active.append((t.position.step, mx.get_active_memory()))
+        warning = memory.creeping(self._active) if not self._warned_creep else None
+        if warning:
+            self._warned_creep = True
+            t.log(f"WARNING: {warning}")
+        if prune_after:
+            prune(t.run_dir, t.recipe.checkpoints.keep_last)
+
+
+__all__ = ["Saver"]
