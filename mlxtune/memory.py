@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from .adapters import LoRALinear
 from .errors import UserInputError
 from .kernels.chunked import CHUNK_ELEMENTS
-from .kernels.flash import uses_fused
+from .kernels.flash import block_for, uses_fused
 from .models import checkpointed_layers, is_quantized
 
 GB = 1e9
@@ -162,6 +162,12 @@ class Shape:
     fused_score_arrays: int = 4  # [T, T] arrays a fused attention's backward holds at once
 
 
+# [block, T] arrays the chunked attention's slabs add to a step's peak: a layer's attention
+# alone holds several (scores, probabilities, their gradient), but in a compiled step they
+# overlap the layer's other buffers; one, measured on the CPU (4 heads, T=4096, checkpointed)
+SLAB_ARRAYS = 1
+
+
 def estimate(s: Shape) -> dict[str, float]:
     """Peak bytes by component, and ``total``."""
     tokens = s.batch * s.length
@@ -189,6 +195,9 @@ def estimate(s: Shape) -> dict[str, float]:
         # probabilities and their gradients); on the CPU, whose backward goes by query blocks,
         # about two such arrays (measured)
         acts += s.batch * s.heads * s.length * s.length * 4 * s.fused_score_arrays
+    elif s.chunked_attention:  # one slab at a time (see SLAB_ARRAYS)
+        slab = s.batch * s.heads * block_for(s.batch, s.heads, s.length) * s.length * 4
+        acts += slab * SLAB_ARRAYS
     if s.logits_full:
         logits = tokens * s.vocab * (4 * 3 + s.act_bytes)
     else:

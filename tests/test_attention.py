@@ -1,7 +1,8 @@
 """attention: each tier against a naive MLX reference built from mx.softmax, in values and
 gradients: causal and not, GQA, packed segments, sizes that are not multiples of the block."""
 
-import math
+import ctypes
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -158,8 +159,8 @@ def test_chunked_backward_memory_grows_linearly_not_quadratically(monkeypatch):
     # its backward, as the reference does
     assert flash.uses_fused(1, 4, 512)
     fused = peak("chunked", 512)
-    monkeypatch.setattr(flash, "FUSED_SCORES", 0)  # tiles at every size
-    monkeypatch.setattr(flash, "TILE_SCORES", 4 * 64 * 64)  # 64-key blocks: T x block grows
+    monkeypatch.setattr(flash, "FUSED_SCORES", 0)  # slabs at every size
+    monkeypatch.setattr(flash, "SLAB_AREA", 4 * 64 * 64)  # 64-query slabs: T x block grows
     tiles = {t: peak("chunked", t) for t in (512, 1024)}
     assert ref[1024] > 3 * ref[512]  # the [T, T] scores
     assert tiles[1024] < 2.5 * tiles[512]
@@ -167,29 +168,58 @@ def test_chunked_backward_memory_grows_linearly_not_quadratically(monkeypatch):
     assert fused > 0.5 * ref[512] and tiles[512] < 0.5 * fused
 
 
-def test_blocks_grow_with_the_row_so_the_graph_stays_small():
-    """The chunked tier's blocks: multiples of 64 up to the row, a tile's scores within
-    TILE_SCORES while that keeps a row to MAX_BLOCKS blocks, and never more blocks than that:
-    the unrolled tiles a layer compiles stay bounded as T grows (at 9 heads, 7 blocks at
-    T=2048... 32 at 32k, against 512 of 64 keys)."""
-    for b, hq in ((1, 9), (1, 32), (4, 8), (8, 32)):
+def test_slabs_are_sized_by_the_heads_not_the_row():
+    """Queries per slab: a multiple of 64 near sqrt(SLAB_AREA / (B x Hq)), whatever T is, and no
+    more than the row (rounded up to 64)."""
+    for b, hq in ((1, 9), (1, 32), (4, 8), (8, 32), (1, 1)):
+        want = (flash.SLAB_AREA / (b * hq)) ** 0.5
         for t in (100, 2048, 4096, 8192, 16384, 32768, 65536):
             blk = flash.block_for(b, hq, t)
-            n = -(-t // blk)
-            assert blk % flash.BLOCK == 0 and blk <= -(-t // 64) * 64
-            assert n <= flash.MAX_BLOCKS, (b, hq, t, blk)
-            fewest = math.ceil(math.ceil(t / flash.MAX_BLOCKS) / 64) * 64  # t / MAX_BLOCKS
-            # a tile over the budget only where the block is the least, or keeps the count
-            assert b * hq * blk * blk <= flash.TILE_SCORES or blk in (flash.BLOCK, fewest)
-    assert flash.block_for(1, 9, 4096) == 320 and flash.block_for(1, 9, 32768) == 1024
+            assert blk % flash.BLOCK == 0 and flash.BLOCK <= blk <= -(-t // 64) * 64
+            if blk < -(-t // 64) * 64 and blk > flash.BLOCK:  # neither bound: the nearest
+                assert abs(blk - want) <= flash.BLOCK / 2, (b, hq, t, blk)
+    assert flash.block_for(1, 9, 4096) == flash.block_for(1, 9, 32768) == 128
+
+
+def _heap_bytes() -> int:
+    """glibc's bytes in use (mallinfo2), where MLX's graph nodes live."""
+
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Info
+    return libc.mallinfo2().uordblks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads glibc's mallinfo2")
+def test_the_graph_of_a_layer_grows_with_the_row_not_its_square(monkeypatch):
+    """The chunked tier unrolls its slabs into the step's graph, which MLX holds beside the
+    arrays while a step runs (as the compiled tape, and again as the call's arrays). Built, not
+    run, at 4 heads: the backward graph of a row 4x as long takes about 4x the memory (square
+    tiles took 16x: 4 GB at SmolLM2's 8k rows)."""
+    monkeypatch.setattr(flash, "FUSED_SCORES", 0)
+
+    def graph_bytes(t):
+        q, k, v = qkv(b=1, hq=4, hkv=2, t=t, d=8, seed=12)
+        mx.eval(q, k, v)
+        f = lambda q, k, v: attention(q, k, v, scale=0.3, impl="chunked").sum()  # noqa: E731
+        before = _heap_bytes()
+        held = mx.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)  # noqa: F841 (the graph)
+        return _heap_bytes() - before
+
+    assert flash.block_for(1, 4, 8192) == 192
+    small, large = graph_bytes(2048), graph_bytes(8192)
+    assert small > 0 and large < 6 * small, (small, large)
 
 
 def test_chunked_attention_with_grown_blocks_matches_the_reference(monkeypatch):
-    """Tiles of grown blocks (T=1100 at 2 heads: 704-key blocks, a ragged last one), values and
-    gradients against the naive form, causal and packed."""
+    """Slabs of the blocks block_for sizes (T=1100 at 2 heads: 256 queries, a ragged last one),
+    values and gradients against the naive form, causal and packed."""
     b, hq, hkv, t, d = 1, 2, 1, 1100, 16
-    monkeypatch.setattr(flash, "FUSED_SCORES", 0)  # tiles, not the scores built whole
-    assert flash.block_for(b, hq, t) == 704
+    monkeypatch.setattr(flash, "FUSED_SCORES", 0)  # slabs, not the scores built whole
+    assert flash.block_for(b, hq, t) == 256
     q, k, v = qkv(b=b, hq=hq, hkv=hkv, t=t, d=d, seed=11)
     seg = mx.array(np.repeat(np.arange(1, 4), [400, 500, 200])[None].astype(np.int32))
     for segments in (None, seg):

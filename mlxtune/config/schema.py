@@ -340,7 +340,7 @@ class KernelsConfig:
     or the GPU kernels, "metal" or "cuda" (where MLX has that backend)."""
     attention: Literal["auto", "reference", "chunked", "metal", "cuda", "off"] = "auto"
     """attention tier in training: "auto" (MLXTUNE_KERNELS, else the best for the device),
-    "reference", "chunked" (tiles that never build the [T, T] scores; MLX's fused attention for
+    "reference", "chunked" (slabs of queries that never build the [T, T] scores; MLX's fused attention for
     short rows), "metal" or "cuda" (GPU kernels), or
     "off" (mlx-lm's own attention)."""
 

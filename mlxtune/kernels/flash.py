@@ -5,10 +5,12 @@ FUSED_SCORES).
 Shapes: q [B, Hq, T, Dh], k and v [B, Hkv, T, Dh] with Hq a multiple of Hkv (grouped-query
 attention); segment_ids [B, T] keeps packed sequences from attending to each other.
 
-The chunked forward streams over key blocks with an online softmax and saves the per-row
-logsumexp; the backward recomputes each block's probabilities from it (D = rowsum(dO * O),
-dS = P * (dP - D)) and never holds more than one [T, block] tile per head. As in the chunked
-cross-entropy, ``mx.depends`` chains the blocks so that MLX does not run them all at once.
+The chunked tier goes by slabs: a block of queries against every key it may see (under causal
+masking, the keys up to the block's last query). The forward takes each slab's softmax whole and
+saves the per-row logsumexp; the backward recomputes each slab's probabilities from it
+(D = rowsum(dO * O), dS = P * (dP - D)). No more than a slab's [block, T] scores per head exist
+at once: as in the chunked cross-entropy, ``mx.depends`` chains the slabs so that MLX does not
+run them all at once.
 """
 
 from __future__ import annotations
@@ -21,27 +23,25 @@ from . import cpu
 # sees at least one key (itself, under causal masking or within its segment).
 MASKED = -1e30
 
-# Keys per block of the chunked tier, at the least. MLX keeps a few tiles in flight; at B=1, 8
-# heads, T=2048, Dh=64 the compiled forward+backward with 64-key blocks peaks at 83 MB against
-# the naive path's 434 MB (0.19x).
+# Queries per slab, at the least and in multiples.
 BLOCK = 64
 
-# The tiles are unrolled into the graph, about (T / block)^2 / 2 of them forward and backward in
-# every layer, so a fixed block makes the compiled step grow with the layers x T^2: SmolLM2's 30
-# layers at T=4096 spent minutes compiling 64-key tiles. So blocks grow with the row: a tile
-# holds up to TILE_SCORES score elements (B x Hq x block x block; 4 MB in fp32), and a row is
-# cut into at most MAX_BLOCKS blocks once that allows (attention memory then grows as T x block).
-TILE_SCORES = 1 << 20
-MAX_BLOCKS = 32
+# The slabs are unrolled into the compiled step, a few dozen operations each forward and
+# backward in every layer, and MLX holds that graph twice while a step runs (the compiled tape,
+# and the arrays of the call replaying it): at SmolLM2's 30 layers about 0.12 MB a slab a layer.
+# Square tiles of a fixed size made that graph grow as T^2 (351 tiles a layer at T=8192, some
+# 4 GB of process memory beside MLX's 2.2 GB). A slab spans the row, so a layer holds T / block
+# of them, and the block trades the graph (fewer, larger slabs) against the slab's scores
+# (B x Hq x block x T): both are least near block^2 = SLAB_AREA / (B x Hq), whatever T is
+# (128 queries at B=1 and 9 heads, 64 at 32 heads).
+SLAB_AREA = 1 << 17
 
 
 def block_for(b: int, hq: int, t: int) -> int:
-    """Keys per block for rows of ``t`` tokens at ``b`` x ``hq`` heads: a multiple of BLOCK, as
-    large as TILE_SCORES allows and at least t / MAX_BLOCKS, at most the row."""
-    by_memory = int((TILE_SCORES / max(b * hq, 1)) ** 0.5) // BLOCK * BLOCK
-    by_count = -(-t // MAX_BLOCKS)
-    blk = max(BLOCK, by_memory, -(-by_count // BLOCK) * BLOCK)
-    return min(blk, -(-t // BLOCK) * BLOCK)
+    """Queries per slab for rows of ``t`` tokens at ``b`` x ``hq`` heads: the multiple of BLOCK
+    nearest sqrt(SLAB_AREA / (b x hq)), at least BLOCK, at most the row (rounded up)."""
+    best = round((SLAB_AREA / max(b * hq, 1)) ** 0.5 / BLOCK) * BLOCK
+    return min(max(BLOCK, best), -(-t // BLOCK) * BLOCK)
 
 
 # Up to this many score elements (B x Hq x T x T; 64 MB in fp32), the chunked tier builds the
@@ -108,82 +108,92 @@ def uses_fused(b: int, hq: int, t: int) -> bool:
     return b * hq * t * t <= FUSED_SCORES
 
 
-def _tiles_forward(q, k, v, scale, causal, segment_ids, blocks):
-    """Online-softmax forward over query x key tiles: (out, logsumexp per query row)."""
-    hkv = k.shape[1]
+def _pieces(q0: int, q1: int, t: int, causal: bool, segment_ids):
+    """The keys a slab of queries [q0, q1) sees, as (k0, k1, mask) pieces: under causal masking
+    without segments, the keys before the slab unmasked and the diagonal block masked (a mask
+    over the whole slab costs a pass as long as the exponential's); else one masked piece."""
+    end = q1 if causal else t
+    if causal and segment_ids is None and q0 > 0:
+        return [(0, q0, None), (q0, q1, _mask(q0, q1, q0, q1, True, None))]
+    return [(0, end, _mask(q0, q1, 0, end, causal, segment_ids))]
+
+
+def _slabs_forward(q, k, v, scale, causal, segment_ids, blocks):
+    """Each query block's softmax over the keys it may see: (out, logsumexp per query row)."""
+    hkv, t = k.shape[1], k.shape[2]
     qg = _group(q, hkv).astype(mx.float32)
     kf = k[:, :, None].astype(mx.float32)
     vf = v[:, :, None].astype(mx.float32)
     outs, lses = [], []
-    last = []  # what the next tile waits for, so that MLX runs the tiles one after another
+    last = []  # what the next slab waits for, so that MLX runs the slabs one after another
     for q0, q1 in blocks:
-        qb = qg[..., q0:q1, :]
-        m = mx.full(qb.shape[:-1], MASKED)
-        l = mx.zeros(qb.shape[:-1])  # noqa: E741
-        acc = mx.zeros(qb.shape)
-        for k0, k1 in blocks:
-            if causal and k0 >= q1:
-                continue  # above the diagonal: never computed
-            after = mx.depends(qb, last) if last else qb
-            s = _scores(after, kf[..., k0:k1, :], scale, _mask(q0, q1, k0, k1, causal, segment_ids))
-            m_new = mx.maximum(m, s.max(axis=-1))
-            p = cpu.exp_of_nonpositive(s - m_new[..., None])
-            alpha = cpu.exp_of_nonpositive(m - m_new)
-            l = alpha * l + p.sum(axis=-1)  # noqa: E741
-            acc = alpha[..., None] * acc + p @ vf[..., k0:k1, :]
-            m = m_new
-            last = [acc, l, m]
-        outs.append(acc / l[..., None])
-        lses.append(m + mx.log(l))
+        qb = mx.depends(qg[..., q0:q1, :], last) if last else qg[..., q0:q1, :]
+        pieces = _pieces(q0, q1, t, causal, segment_ids)
+        scores = [_scores(qb, kf[..., k0:k1, :], scale, mask) for k0, k1, mask in pieces]
+        m = scores[0].max(axis=-1)
+        for s in scores[1:]:
+            m = mx.maximum(m, s.max(axis=-1))
+        l = out = None  # noqa: E741
+        for s, (k0, k1, _) in zip(scores, pieces, strict=True):
+            p = cpu.exp_of_nonpositive(s - m[..., None])
+            o = p @ vf[..., k0:k1, :]
+            l = p.sum(axis=-1) if l is None else l + p.sum(axis=-1)  # noqa: E741
+            out = o if out is None else out + o
+        out = out / l[..., None]
+        lse = m + mx.log(l)
+        outs.append(out)
+        lses.append(lse)
+        last = [out, lse]
     out = mx.concatenate(outs, axis=-2).reshape(q.shape).astype(q.dtype)
     return out, mx.concatenate(lses, axis=-1)
 
 
-def _tiles_backward(q, k, v, d_out, out, lse, scale, causal, segment_ids, blocks):
-    """FlashAttention-2 backward over the same tiles, recomputing each tile's probabilities from
-    the saved logsumexp: (dq, dk, dv)."""
-    hkv = k.shape[1]
+def _padded(x, k0: int, k1: int, t: int):
+    """A [B, Hkv, k1 - k0, D] gradient of keys [k0, k1) as the row's [B, Hkv, t, D]."""
+    if k0 == 0 and k1 == t:
+        return x
+    return mx.pad(x, [(0, 0), (0, 0), (k0, t - k1), (0, 0)])
+
+
+def _slabs_backward(q, k, v, d_out, out, lse, scale, causal, segment_ids, blocks):
+    """The backward over the same slabs, recomputing each slab's probabilities from the saved
+    logsumexp: (dq, dk, dv). A slab's key and value gradients reach its keys only, and are
+    added into the row's padded."""
+    hkv, t = k.shape[1], k.shape[2]
     d_out = _group(d_out, hkv).astype(mx.float32)
     qg = _group(q, hkv).astype(mx.float32)
     kf = k[:, :, None].astype(mx.float32)
     vf = v[:, :, None].astype(mx.float32)
     delta = (d_out * _group(out, hkv).astype(mx.float32)).sum(axis=-1)  # D = rowsum(dO * O)
-    dq = [None] * len(blocks)
-    dks, dvs = [], []
+    dqs = []
+    dk = dv = None
     last = []
-    for k0, k1 in blocks:
-        kb, vb = kf[..., k0:k1, :], vf[..., k0:k1, :]
-        dk = dv = None
-        for i, (q0, q1) in enumerate(blocks):
-            if causal and k0 >= q1:
-                continue  # above the diagonal: nothing to do
-            qb = qg[..., q0:q1, :]
-            after = mx.depends(qb, last) if last else qb
-            s = _scores(after, kb, scale, _mask(q0, q1, k0, k1, causal, segment_ids))
-            p = cpu.exp_of_nonpositive(s - lse[..., q0:q1, None])
-            dob = d_out[..., q0:q1, :]
+    for q0, q1 in blocks:
+        qb = mx.depends(qg[..., q0:q1, :], last) if last else qg[..., q0:q1, :]
+        dob = d_out[..., q0:q1, :]
+        dq = None
+        for k0, k1, mask in _pieces(q0, q1, t, causal, segment_ids):
+            kb, vb = kf[..., k0:k1, :], vf[..., k0:k1, :]
+            p = cpu.exp_of_nonpositive(_scores(qb, kb, scale, mask) - lse[..., q0:q1, None])
             dp = dob @ vb.swapaxes(-1, -2)
             ds = p * (dp - delta[..., q0:q1, None]) * scale
-            dq[i] = ds @ kb if dq[i] is None else dq[i] + ds @ kb
+            dq = ds @ kb if dq is None else dq + ds @ kb
             # sum over the query heads of each group: [B, Hkv, G, q, k] -> [B, Hkv, k, D]
-            dk_t = (ds.swapaxes(-1, -2) @ qb).sum(axis=2)
-            dv_t = (p.swapaxes(-1, -2) @ dob).sum(axis=2)
-            dk = dk_t if dk is None else dk + dk_t
-            dv = dv_t if dv is None else dv + dv_t
-            last = [dq[i], dk, dv]
-        dks.append(dk)
-        dvs.append(dv)
-    dq = mx.concatenate(dq, axis=-2).reshape(q.shape).astype(q.dtype)
-    dk = mx.concatenate(dks, axis=2).astype(k.dtype)
-    dv = mx.concatenate(dvs, axis=2).astype(v.dtype)
-    return dq, dk, dv
+            dk_s = _padded((ds.swapaxes(-1, -2) @ qb).sum(axis=2), k0, k1, t)
+            dv_s = _padded((p.swapaxes(-1, -2) @ dob).sum(axis=2), k0, k1, t)
+            dk = dk_s if dk is None else dk + dk_s
+            dv = dv_s if dv is None else dv + dv_s
+        dqs.append(dq)
+        last = [dq, dk, dv]
+    dq = mx.concatenate(dqs, axis=-2).reshape(q.shape).astype(q.dtype)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None):
-    """FlashAttention-2 forward and backward over [block x block] tiles (``block_for`` sizes them
-    unless ``block`` is given), in MLX ops. Under causal
-    masking the tiles above the diagonal are never computed: about half the work (and half the
-    exponentials, which bound the CPU) of the full scores. Short rows, whose scores hold at most
+    """Attention's forward and backward by slabs of ``block`` queries against the keys they see
+    (``block_for`` sizes them unless ``block`` is given), in MLX ops. Under causal masking a
+    slab ends at its last query: about half the work (and half the exponentials, which bound the
+    CPU) of the full scores. Short rows, whose scores hold at most
     FUSED_SCORES elements, go to MLX's fused attention instead (``cpu.attention`` on the CPU),
     unless ``block`` is given."""
     b, hq, t, d = q.shape
@@ -197,12 +207,12 @@ def attention_chunked(q, k, v, scale, causal=True, segment_ids=None, block=None)
 
     @mx.custom_function
     def attn(q, k, v):
-        return _tiles_forward(q, k, v, scale, causal, segment_ids, blocks)
+        return _slabs_forward(q, k, v, scale, causal, segment_ids, blocks)
 
     @attn.vjp
     def attn_vjp(primals, cotangents, outputs):
         out, lse = outputs
-        return _tiles_backward(
+        return _slabs_backward(
             *primals, cotangents[0], out, lse, scale, causal, segment_ids, blocks
         )
 
