@@ -92,7 +92,7 @@ def test_the_plan_counts_what_the_resolved_tiers_build(tmp_path, wide, monkeypat
 
     from mlxtune.kernels import flash
 
-    tiles = estimate(replace(a, chunked_attention=False))["activations"]
+    tiles = estimate(replace(a, chunked_attention=False))["activations"]  # no attention term
     assert flash.uses_fused(a.batch, a.heads, a.length)
     # four fp32 [batch, heads, T, T] arrays (two on the CPU, whose backward goes by query
     # blocks), with the shapes of this run written out: batch 8, 4 heads, and every row cut to
@@ -101,8 +101,11 @@ def test_the_plan_counts_what_the_resolved_tiers_build(tmp_path, wide, monkeypat
     arrays = 2 if mx.default_device() == mx.cpu else 4
     assert max(len(e.ids) for e in chunked.train_set.examples) == 160
     assert estimate(a)["activations"] - tiles == arrays * (batch * heads * t * t) * 4
+    # longer rows go by slabs, one at a time: one fp32 [block, T] slab a head, 64 queries at 8
+    # rows of 4 heads
     monkeypatch.setattr(flash, "FUSED_SCORES", 0)
-    assert estimate(a)["activations"] == tiles
+    assert flash.block_for(batch, heads, t) == 64
+    assert estimate(a)["activations"] - tiles == batch * heads * 64 * t * 4
 
 
 def test_a_run_over_the_limit_is_refused_with_changes_that_fit(tmp_path, wide, capsys):
