@@ -360,6 +360,20 @@ def _tied_head_scale(family, args) -> float | None:
     return 1.0 if family.arch in NEEDS_OUTPUT else None
 
 
+def _refuse_what_llama_cpp_reads_otherwise(model, config: dict, head_dim: int, where: str):
+    """A model llama.cpp would run differently from mlx-lm is refused (``UserInputError``)."""
+    scalar = getattr(model_args(model), "query_pre_attn_scalar", None)
+    if config["model_type"] == "gemma2" and scalar is not None and scalar != head_dim:
+        raise UserInputError(
+            f"llama.cpp scales gemma2 queries by 1/sqrt(head_dim); this model's query_pre_attn_scalar "
+            f"is {scalar:g}, not head_dim {head_dim}",
+            where,
+        )
+    why = refusal(model, config)
+    if why is not None:
+        raise UserInputError(why, where)
+
+
 def write_gguf_model(
     model,
     config: dict,
@@ -384,16 +398,7 @@ def write_gguf_model(
     arch, _ = _arch(config)
     family = FAMILIES[config["model_type"]]
     n_head, n_kv, head_dim = head_counts(config)
-    scalar = getattr(model_args(model), "query_pre_attn_scalar", None)
-    if config["model_type"] == "gemma2" and scalar is not None and scalar != head_dim:
-        raise UserInputError(
-            f"llama.cpp scales gemma2 queries by 1/sqrt(head_dim); this model's query_pre_attn_scalar "
-            f"is {scalar:g}, not head_dim {head_dim}",
-            where,
-        )
-    why = refusal(model, config)
-    if why is not None:
-        raise UserInputError(why, where)
+    _refuse_what_llama_cpp_reads_otherwise(model, config, head_dim, where)
     names = _names(model, config, where)
     path = out / f"{name}-{dtype}.gguf"
     w = gguf.GGUFWriter(str(path), arch)

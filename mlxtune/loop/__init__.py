@@ -8,6 +8,11 @@
 - ``autosize``: the automatic batch size, context length and gradient checkpointing.
 - ``describe``: what a built run says about itself (derived figures, the header).
 - ``report``: TensorBoard and Weights & Biases.
+- ``setup``: the run's folders and ``set_up`` (what the recipe names, built onto the trainer).
+- ``guard``: the lines a run that stops short ends with (failed write, lost step, watchdog).
+- ``saving``: checkpoints, with the warning for memory that creeps.
+- ``ending``: the best model restored, the exports, the summary, a dry run.
+- ``records``: where metrics rows and samples go.
 
 Nothing below the loop imports it: build, the objective, the engine and checkpoints are handed
 a logger, not the Trainer.
