@@ -280,12 +280,19 @@ class Engine:
 
     def _parallel_step(self, micro_batches: list, inv: mx.array) -> StepResult:
         """This rank's gradients, then (once every rank has its own, or ran out of memory,
-        which the ranks agree on) their sum over ranks and the update."""
+        which the ranks agree on) their sum over ranks and the update.
+
+        All of it is a wait on the others (``collectives``): queuing work (``mx.async_eval``)
+        blocks too once MLX has enough tasks in flight, and the last step's all-reduce, still
+        queued, is one of them; a peer that froze would otherwise hold this rank unseen."""
+        with collectives(self.world):
+            return self._parallel_step_waited(micro_batches, inv)
+
+    def _parallel_step_waited(self, micro_batches: list, inv: mx.array) -> StepResult:
         failed = None
         try:
             loss_sum, count_sum, metric_sums, acc = self._accumulate(micro_batches, inv)
-            with collectives(self.world):  # where the last step's all-reduce shows a lost rank
-                mx.eval(acc, loss_sum, count_sum, metric_sums)
+            mx.eval(acc, loss_sum, count_sum, metric_sums)
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
