@@ -5,6 +5,7 @@ recipe key; none of them knows about the loop."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .gguf.tokenizer import write_tokenizer_from_gguf
 from .memory import GB
 from .models import (
     LMParts,
+    VisionLM,
     add_embedding_noise,
     build_model,
     cast_floats,
@@ -33,9 +35,12 @@ from .models import (
     count_parameters,
     dequantize_for_training,
     is_gguf,
+    is_vision_config,
     lm_parts,
     load_gguf,
+    load_image_tokens,
     load_model,
+    load_vision_model,
     module_at,
     quantize_model,
     resolve_model_path,
@@ -185,7 +190,51 @@ def tokenizer_for(
         tokenizer = load_tokenizer(folder, trust_remote_code=r.model.trust_remote_code)
     if r.tokenizer.chat_template is not None:
         tokenizer._tokenizer.chat_template = r.tokenizer.chat_template
+    config = vision_config(model_dir)
+    if config is not None:  # a vision model's images are tokens too: its processor says how many
+        tokenizer.image_tokens = load_image_tokens(model_dir, config)
     return tokenizer, folder
+
+
+def refuse_what_vision_models_do_not_do(recipe: Recipe) -> None:
+    """The settings a vision-language model does not train with (yet), each refused at its
+    key: objectives other than SFT, a token stream cut into rows (an example's images cannot be
+    cut), and generating answers to prompts (samples, exact match)."""
+    r = recipe
+    if r.objective.type != "sft":
+        raise UserInputError(
+            f"{r.objective.type} does not train vision-language models yet; use sft",
+            "objective.type",
+        )
+    if r.data.packing == "stream":
+        raise UserInputError(
+            "a stream cuts examples across rows, and an example's image tokens cannot be cut "
+            "from their image; use packing: pack (whole examples) or off",
+            "data.packing",
+        )
+    if r.samples.every:
+        raise UserInputError(
+            "samples generate answers, which vision-language models do not do in mlxtune yet; "
+            "leave samples.every unset",
+            "samples.every",
+        )
+    if r.eval.exact_match:
+        raise UserInputError(
+            "exact match generates answers, which vision-language models do not do in mlxtune "
+            "yet; set eval.exact_match: 0",
+            "eval.exact_match",
+        )
+
+
+def vision_config(model_dir: Path | None) -> dict | None:
+    """The config.json of a vision-language model folder; None for anything else."""
+    if model_dir is None or not model_dir.is_dir():
+        return None
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):  # the model's loading says what is wrong with it
+        return None
+    return config if isinstance(config, dict) and is_vision_config(config) else None
 
 
 def model_for(
@@ -203,6 +252,12 @@ def model_for(
         keep = r.adapter.type in ("lora", "dora") and not r.model.dequantize
         model, config, done = load_gguf(model_dir, r.model.dtype, keep_quantized=keep)
         log(f"loaded {model_dir} (GGUF, {config['model_type']}): {done.summary(r.model.dtype)}")
+    elif (config := vision_config(model_dir)) is not None:
+        model = load_vision_model(model_dir, config, r.model.dtype, r.model.trust_remote_code)
+        log(
+            f"loaded {model_dir} ({config['model_type']}, vision-language: its vision tower "
+            "frozen, run outside the compiled step)"
+        )
     else:
         model, config = load_model(model_dir, r.model.dtype, r.model.trust_remote_code)
         log(f"loaded {model_dir}")
@@ -253,6 +308,8 @@ def adapt(recipe: Recipe, model: nn.Module, lm: LMParts, log) -> dict:
     r, a = recipe, recipe.adapter
     mx.random.seed(r.train.seed)
     info = apply_adapters(model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers, a.rslora)
+    if isinstance(model, VisionLM):  # full fine-tuning too trains the language model alone
+        model.freeze_tower()
     if a.init_from is not None:
         import_adapter(model, r.resolve_path(a.init_from))
         log(f"adapter weights from {a.init_from}")
@@ -304,6 +361,8 @@ def build(
         with reporting(progress):
             sets = objective_class(r).datasets(r, tokenizer)
     model, config = model_for(r, tokenizer, tokenizer_dir, model_dir, log)
+    if isinstance(model, VisionLM):
+        refuse_what_vision_models_do_not_do(r)
     lm = lm_parts(model)
     info = adapt(r, model, lm, log)
     objective_class(r).extend(r, model, log)

@@ -26,10 +26,14 @@ from .config import OBJECTIVE_CONFIGS, Recipe
 from .errors import UserInputError
 from .export import TrainedModel, load_trainable_weights, read_trainable, write_mlx_lm
 from .models import (
+    VisionLM,
     add_reward_head,
     build_model,
+    check_model_dir,
     has_reward_head,
+    is_vision_config,
     load_model,
+    load_vision_model,
     quantize_model,
     without_value_head,
 )
@@ -365,6 +369,8 @@ def base_model(state: dict) -> tuple[nn.Module, dict]:
     if base is None:
         cfg = state["model_config"]
         return build_model(cfg, cfg["vocab_size"], state.get("dtype", "float32"))
+    if base.is_dir() and is_vision_config(config := check_model_dir(base, trust)):
+        return load_vision_model(base, config, state.get("dtype", "float32"), trust), config
     keep = state["adapter"]["type"] in ("lora", "dora") and not saved.get("dequantize", False)
     model, config = load_model(base, state.get("dtype", "float32"), trust, keep)
     q = saved.get("quantize")
@@ -394,6 +400,8 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
         a.get("layers"),
         a.get("rslora", False),
     )
+    if isinstance(model, VisionLM):  # as it trained: its tower frozen
+        model.freeze_tower()
     weights = without_value_head(read_trainable(ckpt))  # a policy needs no critic
     if has_reward_head(weights):  # a reward model
         add_reward_head(model, int(config["hidden_size"]))

@@ -159,7 +159,7 @@ def keys(section, write_to):
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["mlx-lm", "peft", "fused", "gguf", "gguf-adapter"]),
+    type=click.Choice(["mlx-lm", "peft", "fused", "gguf", "gguf-adapter", "mlx-vlm"]),
     required=True,
     help="What to write.",
 )
@@ -478,6 +478,7 @@ def doctor(install_blas):
     for pkg in (
         "mlx",
         "mlx-lm",
+        "mlx-vlm",
         "numpy",
         "transformers",
         "sentencepiece",

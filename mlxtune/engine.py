@@ -31,7 +31,7 @@ from .errors import TrainingError, UserInputError
 from .export import load_trainable_weights, read_trainable
 from .kernels import forward_only
 from .memory import is_out_of_memory, resource_limit_note
-from .models import dropout_key, has_embedding_noise
+from .models import VisionLM, dropout_key, has_embedding_noise
 from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
 from .state import EngineState
 
@@ -228,7 +228,10 @@ class Engine:
 
     def arrays(self, batch) -> dict[str, mx.array]:
         """The objective's batch as the device arrays a step takes."""
-        return {k: mx.array(v) for k, v in self.objective.arrays(batch).items()}
+        out = {k: mx.array(v) for k, v in self.objective.arrays(batch).items()}
+        if isinstance(self.model, VisionLM):  # its images through the frozen tower, here
+            out = self.model.prepare(out)
+        return out
 
     def grad_step(self, arrays: dict[str, mx.array], inv_count: mx.array):
         """Forward and backward over one micro-batch (as ``arrays`` gives it): (loss sum,

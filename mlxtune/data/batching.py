@@ -23,6 +23,9 @@ class Batch:
     """Each row's length before padding (a packed row: its tokens, all segments together)."""
     segments: np.ndarray | None = None
     """[B, L] packed rows: 1, 2, ... for each example in the row, 0 for padding."""
+    images: tuple[tuple[str, ...], ...] | None = None
+    """Each row's image files, in the order of their tokens (a vision model's batch), or None
+    when no row has any."""
 
     @property
     def n_tokens(self) -> int:
@@ -51,6 +54,7 @@ def split_batch(b: Batch, parts: int) -> list[Batch]:
                 int(b.mask[s : s + size, 1:].sum()),
                 b.lengths[s : s + size],
                 seg,
+                None if b.images is None else b.images[s : s + size],
             )
         )
     return out
@@ -70,7 +74,12 @@ def make_batch(examples: list[Example], pad_id: int, multiple: int) -> Batch:
     for i, e in enumerate(examples):
         tokens[i, : len(e.ids)] = e.ids
         mask[i, : len(e.mask)] = e.mask
-    return Batch(tokens, mask, int(mask[:, 1:].sum()), tuple(len(e.ids) for e in examples))
+    images = None
+    if any(getattr(e, "images", None) for e in examples):
+        images = tuple(tuple(e.images or ()) for e in examples)
+    return Batch(
+        tokens, mask, int(mask[:, 1:].sum()), tuple(len(e.ids) for e in examples), images=images
+    )
 
 
 def batch_order(

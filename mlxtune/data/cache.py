@@ -290,7 +290,9 @@ def cached_split(
         "bad_rows": [data.bad_rows, data.max_bad_fraction],
         **more,
     }
-    enabled = data.cache and only_built_in_formats()
+    # a vision model's examples hang on its image files too (their sizes set the tokens):
+    # encoded afresh each run, never cached
+    enabled = data.cache and only_built_in_formats() and getattr(encoder, "images", None) is None
     return cached(str(path), tokenizer, settings, build, kinds, enabled, distributed.current())
 
 

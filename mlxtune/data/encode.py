@@ -50,6 +50,9 @@ class Example:
     """The prompt as samples and exact-match rows show it: the last user message for chat
     data, the prompt for completion data, the instruction (and its input) for instruction
     data. Only for showing: generation reads ``prompt_ids``."""
+    images: tuple[str, ...] | None = None
+    """The image files the example shows (a vision model's chat), in the order of their
+    tokens; None for text."""
 
     @property
     def shown_prompt(self) -> str:
@@ -263,8 +266,12 @@ class Encoder:
         train_on_eos: bool = True,
         template_kwargs: dict | None = None,
         train_on_reasoning: bool = True,
+        images=None,
     ):
         self.tok = tokenizer
+        # a vision model's image processor (models.vision.ImageTokens): how many tokens an
+        # image takes; None for a text model, which refuses rows with images
+        self.images = images
         # arguments the chat template reads (data.chat_template_kwargs: enable_thinking, ...)
         self.template_kwargs = dict(template_kwargs or {})
         # false: an assistant turn's reasoning (reasoning_content / thinking) is context only
@@ -355,6 +362,10 @@ class Encoder:
     def _chat(self, piece: Chat, where: str) -> Example:
         msgs = piece.messages
         check_messages(msgs, where)
+        if piece.images and self.images is None:
+            raise UserInputError(
+                "the row shows images, and the model is no vision-language model", where
+            )
         msgs, reasoning = with_reasoning(msgs, where)
         if not any(m["role"] == "assistant" for m in msgs[piece.first_trained :]):
             raise UserInputError("the conversation has no assistant turn to train on", where)
@@ -411,23 +422,53 @@ class Encoder:
         # Shown as the prompt: what the user last said before the answer (no system prompt, no
         # template markers); a conversation with no user turn there shows its last message.
         users = [m for m in before if m["role"] == "user"]
-        shown = (users or before)[-1]["content"] if before else None
+        shown = content_text((users or before)[-1]["content"]) if before else None
+        prompt_ids = conv.tokens(last, True) or None
+        paths = None
+        if piece.images:
+            paths = tuple(str(image_path(p, where)) for p in piece.images)
+            counts = self.images.counts([Path(p) for p in paths], where)
+            ids, mask = self.images.expand(ids, mask, counts, where)
+            if prompt_ids:
+                k = sum(1 for i in prompt_ids if i == self.images.token_id)
+                blank = [0] * len(prompt_ids)
+                prompt_ids = self.images.expand(prompt_ids, blank, counts[:k], where)[0]
         return Example(
             ids,
             mask,
             prompt=conv.text(last, True) if before else "",
-            answer=msgs[last]["content"],
-            prompt_ids=conv.tokens(last, True) or None,
+            answer=content_text(msgs[last]["content"]),
+            prompt_ids=prompt_ids,
             display=shown,
+            images=paths,
         )
+
+
+def content_text(content) -> str:
+    """A message's content as text: a string as it is, a list of parts as its text with each
+    image shown as ``[image]``."""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] if p["type"] == "text" else "[image]" for p in content)
+
+
+def image_path(path: str, where: str) -> Path:
+    """An image's file: a relative path is relative to the data file the row is in (``where``
+    is ``FILE:LINE``)."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    source = Path(where.rsplit(":", 1)[0])
+    return (source.parent if source.is_file() else Path.cwd()) / p
 
 
 def fitted(ex: Example, max_length: int, overlong: str, min_length: int, stats) -> bool:
     """Whether ``ex`` stays in its split: longer than ``max_length`` it is cut to it
     (``overlong: truncate``) or dropped; shorter than ``min_length``, or left with no target, it
-    is dropped. Each counted in ``stats``."""
+    is dropped. Each counted in ``stats``. An example with images is never cut (its image
+    tokens must all stay with their image): too long, it is dropped."""
     if len(ex.ids) > max_length:
-        if overlong == "drop":
+        if overlong == "drop" or getattr(ex, "images", None):
             stats.dropped_too_long += 1
             return False
         ex.ids, ex.mask = ex.ids[:max_length], ex.mask[:max_length]

@@ -66,6 +66,9 @@ class Chat:
     first_trained: int = 0
     tools: list | None = None
     """The functions the conversation may call (JSON schemas), shown to the chat template."""
+    images: tuple[str, ...] = ()
+    """The image files the conversation shows, in order (each an ``{"type": "image"}`` part of
+    a message's content): paths as the row gives them, relative to its data file."""
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
@@ -81,7 +84,7 @@ def check_messages(messages: list, where: str) -> None:
         if (
             not isinstance(m, dict)
             or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
+            or not isinstance(m.get("content"), str | list)
         ):
             raise UserInputError("each message needs a string 'role' and 'content'", where)
         if m["role"] not in CHAT_ROLES:
@@ -237,7 +240,7 @@ def _completion(obj: dict, where: str) -> PromptAnswer | Chat:
         if not completion:
             raise UserInputError("'completion' holds no messages", where)
         chat = _chat({**obj, "messages": [*prompt, *completion]}, where)
-        return Chat(chat.messages, first_trained=len(prompt), tools=chat.tools)
+        return Chat(chat.messages, first_trained=len(prompt), tools=chat.tools, images=chat.images)
     return PromptAnswer(field(obj, "prompt", where), field(obj, "completion", where))
 
 
@@ -253,7 +256,84 @@ def _instruction(obj: dict, where: str) -> PromptAnswer:
 
 def _chat(obj: dict, where: str) -> Chat:
     messages = _calls_as_objects(field(obj, "messages", where, list), where)
-    return Chat(messages, tools=read_tools(obj.get("tools"), where))
+    messages, images = with_images(messages, obj.get("images", obj.get("image")), where)
+    return Chat(messages, tools=read_tools(obj.get("tools"), where), images=images)
+
+
+def with_images(messages: list, column, where: str) -> tuple[list, tuple[str, ...]]:
+    """A conversation's images, and its messages as chat templates read them.
+
+    Images come as content parts, ``{"type": "image", "image": PATH}`` (or ``"path"``), or as
+    an ``images`` column beside the messages (a list of paths, or one), which fills the
+    conversation's bare ``{"type": "image"}`` parts in order or, when it has none, is shown at
+    the start of the first user turn (as vision datasets that keep images in a column mean).
+    A message's text parts are joined into one string where it holds no image."""
+    if column is not None and not isinstance(column, list):
+        column = [column]
+    if column is not None and not all(isinstance(p, str) and p for p in column):
+        raise UserInputError("'images' must be a list of image paths", where)
+    named, bare, out = [], 0, []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        at = f"{where} (messages[{i}])"
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image":
+                path = part.get("image", part.get("path"))
+                if path is None:
+                    bare += 1
+                elif isinstance(path, str) and path:
+                    named.append(path)
+                else:
+                    raise UserInputError("an image part's 'image' is a file path", at)
+                parts.append({"type": "image"})
+            else:
+                raise UserInputError(
+                    "a message's content is a string, or a list of parts "
+                    '{"type": "text", "text": ...} and {"type": "image", "image": PATH}',
+                    at,
+                )
+        if all(p["type"] == "text" for p in parts):
+            out.append({**m, "content": "".join(p["text"] for p in parts)})
+        else:
+            out.append({**m, "content": parts})
+    if named and (bare or column):
+        raise UserInputError(
+            "give every image as a path in its content part, or every one in the 'images' "
+            "column, not both",
+            where,
+        )
+    if named:
+        return out, tuple(named)
+    if column is None:
+        if bare:
+            raise UserInputError(
+                f"the conversation shows {bare} image(s) and names no file: give each image "
+                "part an 'image' path, or the row an 'images' column",
+                where,
+            )
+        return out, ()
+    if bare and bare != len(column):
+        raise UserInputError(
+            f"the conversation shows {bare} image(s) and the 'images' column names {len(column)}",
+            where,
+        )
+    if not bare and column:
+        first = next((i for i, m in enumerate(out) if m.get("role") == "user"), None)
+        if first is None:
+            raise UserInputError("the row has images and no user turn to show them in", where)
+        m = out[first]
+        text = m["content"] if isinstance(m["content"], str) else None
+        parts = [{"type": "image"} for _ in column]
+        parts += [{"type": "text", "text": text}] if text is not None else m["content"]
+        out[first] = {**m, "content": parts}
+    return out, tuple(column)
 
 
 def _calls_as_objects(messages: list, where: str) -> list:

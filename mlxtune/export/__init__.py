@@ -6,6 +6,8 @@
   adapter_model.safetensors (``base_model.model.<module>.lora_A.weight`` [r, in] and
   ``lora_B.weight`` [out, r]; DoRA magnitudes as ``lora_magnitude_vector``), as PEFT saves.
 - ``fused``: the base with the adapters merged in, Hugging Face layout.
+- ``mlx-vlm``: a vision-language run's adapters as mlx-vlm loads them
+  (``mlx_vlm.load(base, adapter_path=...)``); the one format such a run exports to yet.
 
 A reward model's score head goes with every format: ``fused`` writes Hugging Face's
 ``*ForSequenceClassification`` layout (``score.weight``, one label), ``peft`` a ``SEQ_CLS``
@@ -26,9 +28,10 @@ from pathlib import Path
 from ..adapters import lora_scale
 from ..errors import UserInputError
 from ..gguf.export import write_gguf_adapter, write_gguf_model
-from ..models import DTYPES, is_gguf, reward_head_aside
+from ..models import DTYPES, VisionLM, is_gguf, reward_head_aside
 from .fused import dequantize, fuse, write_fused
 from .mlx_lm import mlx_lm_config, write_gguf_base, write_mlx_lm, write_reward_head
+from .mlx_vlm import write_mlx_vlm
 from .modelfile import modelfile
 from .peft import peft_refusal, peft_weights, write_peft
 from .weights import (
@@ -43,7 +46,7 @@ from .weights import (
     read_trainable,
 )
 
-FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter")
+FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter", "mlx-vlm")
 
 
 def export(
@@ -60,7 +63,15 @@ def export(
         raise UserInputError(
             "--quantize applies to fused exports (gguf has --dtype q8_0)", "export"
         )
-    if fmt == "mlx-lm":
+    if isinstance(t.model, VisionLM) and fmt != "mlx-vlm":
+        raise UserInputError(
+            f"a vision-language run exports as mlx-vlm adapters (--format mlx-vlm); {fmt} "
+            "exports of vision-language models are not written yet",
+            "export",
+        )
+    if fmt == "mlx-vlm":
+        write_mlx_vlm(t, out)
+    elif fmt == "mlx-lm":
         if t.adapter["type"] == "full":
             raise UserInputError(
                 "mlx-lm adapters hold LoRA/DoRA weights; a full fine-tune exports as fused",
@@ -128,6 +139,7 @@ __all__ = [
     "write_fused",
     "write_gguf_base",
     "write_mlx_lm",
+    "write_mlx_vlm",
     "write_peft",
     "write_reward_head",
 ]

@@ -36,8 +36,26 @@ from .quantize import (
     is_quantized,
     quantize_model,
 )
+from .vision import (
+    VISION_FAMILIES,
+    ImageTokens,
+    VisionLM,
+    images,
+    is_vision_config,
+    load_image_tokens,
+    load_vision_model,
+    step_images,
+)
 
 __all__ = [
+    "VISION_FAMILIES",
+    "ImageTokens",
+    "VisionLM",
+    "images",
+    "is_vision_config",
+    "load_image_tokens",
+    "load_vision_model",
+    "step_images",
     "DTYPES",
     "HF_ARCHITECTURES",
     "PICKLED",

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -38,7 +39,7 @@ from ..data import (
 from ..data.cache import cached_split
 from ..errors import UserInputError
 from ..kernels import linear_cross_entropy
-from ..models import LMParts, packing_refusal, segments
+from ..models import LMParts, images, packing_refusal, segments, step_images
 
 IGNORE = -100
 
@@ -124,6 +125,7 @@ class Objective:
             d.train_on_eos,
             d.chat_template_kwargs,
             d.train_on_reasoning,
+            images=getattr(tokenizer, "image_tokens", None),
         )
 
         def load(path, max_length):
@@ -217,7 +219,7 @@ class Objective:
         rows (``batch["segments"]``) keep attention within each example."""
         tokens = batch["tokens"]
         seg = batch.get("segments")
-        with segments(None if seg is None else seg[:, :-1]):
+        with segments(None if seg is None else seg[:, :-1]), images(step_images(batch, -1)):
             return self.components.lm.hidden(tokens[:, :-1])
 
     def token_losses(
@@ -275,6 +277,9 @@ class Objective:
         out = {"tokens": batch.tokens, "mask": batch.mask}
         if batch.segments is not None:
             out["segments"] = batch.segments
+        if batch.images is not None:  # a vision model's: what its tower and forward read
+            files = [[Path(p) for p in row] for row in batch.images]
+            out.update(self.components.model.batch_arrays(batch.tokens, files))
         rows = target_rows(batch.mask)
         if rows is not None:
             out["rows"] = rows

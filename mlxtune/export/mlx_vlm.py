@@ -1,0 +1,53 @@
+"""The ``mlx-vlm`` format: a vision-language run's adapters as mlx-vlm reads them, loaded by
+``mlx_vlm.load(base, adapter_path=...)``: adapters.safetensors (each adapted layer's ``lora_a``
+[in, r] and ``lora_b`` [r, out], DoRA's magnitude ``m``, under the layer's path in mlx-vlm's
+model) and adapter_config.json (``fine_tune_type``, ``lora_parameters``: rank, absolute scale,
+dropout, and the adapted layers' paths as ``keys``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..adapters import LoRALinear, lora_scale
+from ..errors import UserInputError
+from ..models import VisionLM
+from .weights import TrainedModel
+
+PREFIX = "vlm."
+"""Where a VisionLM holds mlx-vlm's model: its paths there, less this, are mlx-vlm's."""
+
+
+def write_mlx_vlm(t: TrainedModel, out: Path) -> None:
+    if not isinstance(t.model, VisionLM):
+        raise UserInputError(
+            "mlx-vlm adapters are for vision-language models; this run's exports as mlx-lm",
+            "export",
+        )
+    a = t.adapter
+    if a["type"] == "full":
+        raise UserInputError(
+            "mlx-vlm adapters hold LoRA/DoRA weights; this run trained every weight", "export"
+        )
+    weights = {
+        k.removeprefix(PREFIX): v for k, v in tree_flatten(t.model.trainable_parameters())
+    }
+    keys = sorted(
+        n.removeprefix(PREFIX) for n, m in t.model.named_modules() if isinstance(m, LoRALinear)
+    )
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    config = {
+        "fine_tune_type": a["type"],
+        "num_layers": len(t.model.layers) - min(a["layers"]),
+        "lora_parameters": {
+            "rank": a["rank"],
+            "scale": lora_scale(a["alpha"], a["rank"], a.get("rslora", False)),
+            "dropout": a.get("dropout", 0.0),
+            "keys": keys,
+        },
+        "base_model": str(t.base_dir) if t.base_dir else None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))

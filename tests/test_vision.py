@@ -1,0 +1,344 @@
+"""Vision-language models: the forward against mlx-vlm's own, image chats encoded and masked,
+bad image rows, and a run that trains on images."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from PIL import Image
+
+from conftest import (
+    build_run,
+    build_vision_dir,
+    colour_rows,
+    make_crash,
+    run_rows,
+    same_rows,
+    shake_adapters,
+    tiny_recipe,
+    write_jsonl,
+)
+from mlxtune.adapters import apply_adapters
+from mlxtune.checkpoint import load_checkpoint
+from mlxtune.data import Encoder, make_batch, make_packed_batch
+from mlxtune.errors import UserInputError
+from mlxtune.export import export
+from mlxtune.models import (
+    images,
+    kernel_attention,
+    lm_parts,
+    load_image_tokens,
+    load_vision_model,
+    step_images,
+)
+from mlxtune.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return build_vision_dir(tmp_path_factory.mktemp("qwen2_vl") / "model")
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory):
+    """Three noise images of different sizes (so different grids)."""
+    folder = tmp_path_factory.mktemp("pictures")
+    rng = np.random.default_rng(0)
+    out = []
+    for i, (h, w) in enumerate([(60, 80), (100, 200), (56, 56)]):
+        p = folder / f"p{i}.png"
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(p)
+        out.append(p)
+    return out
+
+
+def config_of(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def two_rows(model, pictures):
+    """Token rows (two images in the first, one in the second; one image token each, as a
+    chat template writes them) expanded to their images' token counts, right-padded."""
+    it = model.image_tokens
+    counts = it.counts(pictures, "test")
+    t = it.token_id
+    rows = [
+        [257, 10, 11, 259, t, 260, 12, 13, 259, t, 260, 14, 258],
+        [257, 20, 259, t, 260, 21, 22, 23, 24, 258],
+    ]
+    e0 = it.expand(rows[0], [0] * len(rows[0]), counts[:2], "r0")[0]
+    e1 = it.expand(rows[1], [0] * len(rows[1]), counts[2:], "r1")[0]
+    tokens = np.full((2, max(len(e0), len(e1))), 256, np.int64)
+    tokens[0, : len(e0)], tokens[1, : len(e1)] = e0, e1
+    return tokens, [e0, e1], [pictures[:2], pictures[2:]]
+
+
+def mlx_vlm_logits(model, ids, files):
+    """mlx-vlm's own forward of one unpadded row: its processor's pixels, its rotary index
+    and its merge of the image features."""
+    px = model.image_tokens.process(files, "test")
+    lm = model.vlm.language_model
+    lm._position_ids = lm._rope_deltas = None  # mlx-vlm keeps them from the last call
+    return model.vlm(
+        mx.array([ids]),
+        mx.array(px["pixel_values"]),
+        mask=None,
+        image_grid_thw=mx.array(px["image_grid"]),
+    ).logits[0]
+
+
+def our_logits(model, tokens, files):
+    arrays = {k: mx.array(v) for k, v in model.batch_arrays(tokens, files).items()}
+    with images(step_images(model.prepare(arrays))):
+        return model(mx.array(tokens))
+
+
+def test_logits_are_mlx_vlms_own(qwen_dir, pictures):
+    """A padded batch of rows with images of three sizes: each row's logits are those of
+    mlx-vlm's forward of that row alone."""
+    model = load_vision_model(qwen_dir, config_of(qwen_dir), "float32")
+    tokens, rows, files = two_rows(model, pictures)
+    assert [model.image_tokens.counts([p], "t")[0] for p in pictures] == [6, 10, 4]
+    ours = our_logits(model, tokens, files)
+    for b, (ids, fs) in enumerate(zip(rows, files, strict=True)):
+        want = np.array(mlx_vlm_logits(model, ids, fs))
+        got = np.array(ours[b, : len(ids)])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_gradients_are_mlx_vlms_own(qwen_dir, pictures):
+    """LoRA on the language model: the gradients of the next-token loss through mlxtune's
+    forward (features made outside, positions from the host) are those through mlx-vlm's."""
+    model = load_vision_model(qwen_dir, config_of(qwen_dir), "float32")
+    lm_parts(model)  # the head and embedding are found through the wrapper
+    apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
+    shake_adapters(model)
+    tokens, rows, files = two_rows(model, pictures)
+
+    def naive(m):
+        total = 0.0
+        for ids, fs in zip(rows, files, strict=True):
+            logits = mlx_vlm_logits(m, ids[:-1], fs)
+            total = total + nn.losses.cross_entropy(logits, mx.array(ids[1:])).sum()
+        return total
+
+    arrays = {k: mx.array(v) for k, v in model.batch_arrays(tokens, files).items()}
+    prepared = model.prepare(arrays)
+    real = np.zeros(tokens.shape, bool)
+    for b, ids in enumerate(rows):
+        real[b, 1 : len(ids)] = True
+
+    def ours(m):
+        with images(step_images(prepared, -1)):
+            logits = m(mx.array(tokens[:, :-1]))
+        ce = nn.losses.cross_entropy(logits, mx.array(tokens[:, 1:]))
+        return (ce * mx.array(real[:, 1:])).sum()
+
+    _, want = nn.value_and_grad(model, naive)(model)
+    _, got = nn.value_and_grad(model, ours)(model)
+    want, got = dict(tree_flatten(want)), dict(tree_flatten(got))
+    assert want.keys() == got.keys() and len(want) == 28  # A and B of 14 adapted layers
+    for k, w in want.items():
+        w = np.array(w)  # fp32 round-off: relative to the matrix's largest entry
+        np.testing.assert_allclose(np.array(got[k]), w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
+
+
+def encoder(folder: Path) -> Encoder:
+    tok = load_tokenizer(folder)
+    return Encoder(tok, images=load_image_tokens(folder, config_of(folder)))
+
+
+def image_chat(path: str, answer: str = "red") -> dict:
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": path}, {"type": "text", "text": "hue?"}],
+            },
+            {"role": "assistant", "content": answer},
+        ]
+    }
+
+
+def test_an_image_chat_encodes_its_image_tokens_and_trains_on_the_answer(qwen_dir, tmp_path):
+    """A 56 x 84 image (a 4 x 6 grid of 14-pixel patches, merged 2 x 2) is 6 image tokens in
+    place of the template's one; the targets are the answer and its end of turn only."""
+    Image.new("RGB", (56, 84), (200, 0, 0)).save(tmp_path / "a.png")
+    data = write_jsonl(tmp_path / "train.jsonl", [image_chat("a.png")])
+    enc = encoder(qwen_dir)
+    ex = enc.encode(json.loads(data.read_text()), "chat", f"{data}:1")
+    tok = load_tokenizer(qwen_dir)
+    pad = tok._tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    text_before = "<|im_start|>user\n<|vision_start|>"
+    text_after = "<|vision_end|>hue?<|im_end|>\n<|im_start|>assistant\n"
+    want = tok.encode(text_before, add_special_tokens=False) + [pad] * 6
+    want += tok.encode(text_after, add_special_tokens=False)
+    answer = tok.encode("red<|im_end|>", add_special_tokens=False)
+    assert ex.ids[: len(want)] == want
+    assert ex.images == (str(tmp_path / "a.png"),)
+    targets = [i for i, m in zip(ex.ids, ex.mask, strict=True) if m]
+    assert targets[: len(answer)] == answer
+    assert all(m == 0 for m in ex.mask[: len(want)])
+    assert ex.prompt_ids == want
+    assert ex.display == "[image]hue?"
+
+
+def test_an_images_column_fills_the_chats_image_parts(qwen_dir, tmp_path):
+    for name in ("a.png", "b.png"):
+        Image.new("RGB", (56, 56), (0, 0, 200)).save(tmp_path / name)
+    enc = encoder(qwen_dir)
+    where = f"{write_jsonl(tmp_path / 'd.jsonl', [{}])}:1"
+    named = image_chat("a.png")
+    bare = {"images": ["a.png"], "messages": json.loads(json.dumps(named["messages"]))}
+    del bare["messages"][0]["content"][0]["image"]
+    plain = {  # a string content and a column: the images open the first user turn
+        "images": ["a.png"],
+        "messages": [
+            {"role": "user", "content": "hue?"},
+            {"role": "assistant", "content": "red"},
+        ],
+    }
+    a, b, c = (enc.encode(r, "chat", where) for r in (named, bare, plain))
+    assert a.ids == b.ids == c.ids and a.mask == b.mask == c.mask
+    for row, message in [
+        (
+            {**bare, "images": ["a.png", "b.png"]},
+            r"shows 1 image\(s\) and the .images. column names 2",
+        ),
+        ({**named, "images": ["b.png"]}, "not both"),
+        ({"messages": bare["messages"]}, "names no file"),
+    ]:
+        with pytest.raises(UserInputError, match=message) as e:
+            enc.encode(row, "chat", where)
+        assert e.value.where == where
+
+
+def test_a_missing_or_unreadable_image_is_a_bad_row_naming_it(qwen_dir, tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"not a picture")
+    data = write_jsonl(tmp_path / "d.jsonl", [image_chat("gone.png"), image_chat("broken.png")])
+    enc = encoder(qwen_dir)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    with pytest.raises(UserInputError, match="image not found") as e:
+        enc.encode(rows[0], "chat", f"{data}:1")
+    assert str(tmp_path / "gone.png") in e.value.message and e.value.where == f"{data}:1"
+    with pytest.raises(UserInputError, match="cannot read the image") as e:
+        enc.encode(rows[1], "chat", f"{data}:2")
+    assert str(tmp_path / "broken.png") in e.value.message and e.value.where == f"{data}:2"
+
+
+def test_a_text_model_refuses_a_row_with_images(qwen_dir, tmp_path):
+    Image.new("RGB", (56, 56)).save(tmp_path / "a.png")
+    enc = Encoder(load_tokenizer(qwen_dir))
+    with pytest.raises(UserInputError, match="no vision-language model"):
+        enc.encode(image_chat("a.png"), "chat", f"{tmp_path / 'd.jsonl'}:1")
+
+
+def test_a_vision_family_mlxtune_does_not_train_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gemma3", "vision_config": {"model_type": "siglip"}})
+    )
+    with pytest.raises(UserInputError, match="'gemma3' is a vision-language model"):
+        load_image_tokens(tmp_path, config_of(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def colours(qwen_dir, tmp_path_factory):
+    data = tmp_path_factory.mktemp("colours")
+    write_jsonl(data / "train.jsonl", colour_rows(data, "train", 24))
+    write_jsonl(data / "valid.jsonl", colour_rows(data, "valid", 8))
+    return tiny_recipe(
+        data,
+        qwen_dir,
+        adapter={"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]},
+        train={"batch_size": 8, "max_steps": 6, "log_every": 1, "progress": False, "seed": 1},
+        checkpoints={"every": 2},
+    )
+
+
+def test_a_run_on_images_trains_and_resumes_exactly(colours, tmp_path):
+    """SFT with LoRA on the colour-of-an-image task: the loss falls, only the language model
+    trains, and a run that crashed after step 4 and resumed gives the whole run's rows."""
+    whole = build_run(colours, tmp_path, "whole")
+    whole.run()
+    rows = run_rows(tmp_path / "whole")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0]
+    names = [k for k, _ in tree_flatten(whole.model.trainable_parameters())]
+    assert names and all(k.startswith("vlm.language_model.") for k in names)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_run(colours, tmp_path, "crash", callbacks=[make_crash(4)]).run()
+    build_run(colours, tmp_path, "crash", resume="latest").run()
+    same_rows(run_rows(tmp_path / "crash"), rows, rel=0, abs=0)
+
+
+def test_packed_rows_with_images_give_each_examples_loss(colours, tmp_path):
+    """Examples packed into one row keep their images (the row's images are its examples',
+    in order) and their rotary positions run on: the packed loss is the examples' summed
+    loss."""
+    r = json.loads(json.dumps(colours))
+    r["data"].update(packing="pack", pack_length=96)
+    tr = build_run(r, tmp_path)
+    exs = tr.train_set.examples[:4]
+    assert all(e.images for e in exs)
+    packed = make_packed_batch([exs[:2], exs[2:]], tr.pad_id, 96)
+    assert packed.images == (exs[0].images + exs[1].images, exs[2].images + exs[3].images)
+    with kernel_attention(tr.model, "chunked"):
+        loss_p, n_p, _ = tr.objective.loss(tr.model, tr.engine.arrays(packed))
+        alone = make_batch(exs, tr.pad_id, 8)
+        loss_u, n_u, _ = tr.objective.loss(tr.model, tr.engine.arrays(alone))
+    assert n_p.item() == n_u.item() == sum(e.n_targets for e in exs)
+    assert loss_p.item() == pytest.approx(loss_u.item(), rel=1e-5)
+
+
+def test_the_mlx_vlm_export_loads_in_mlx_vlm_with_the_trained_logits(colours, qwen_dir, tmp_path):
+    """The adapters exported as mlx-vlm's, loaded by mlx_vlm.load over the base, give the
+    trained model's logits on an image prompt (mlx-vlm's own LoRA layers and forward)."""
+    from mlx_vlm import load as mlx_vlm_load
+
+    r = json.loads(json.dumps(colours))
+    r["adapter"]["type"] = "dora"
+    build_run(r, tmp_path).run()
+    done = load_checkpoint(tmp_path / "run" / "checkpoints" / "final")
+    trained, out = done.model, tmp_path / "vlm"
+    out.mkdir()
+    export(done, "mlx-vlm", out)
+    theirs, _ = mlx_vlm_load(str(qwen_dir), adapter_path=str(out))
+    pictures = sorted((Path(r["data"]["train"]).parent / "img").glob("*.png"))[:3]
+    tokens, rows, files = two_rows(trained, pictures)
+    ours = our_logits(trained, tokens, files)
+    shown = {"vlm": theirs, "image_tokens": trained.image_tokens}
+    for b, (ids, fs) in enumerate(zip(rows, files, strict=True)):
+        want = np.array(mlx_vlm_logits(SimpleNamespace(**shown), ids, fs))
+        np.testing.assert_allclose(np.array(ours[b, : len(ids)]), want, rtol=1e-4, atol=1e-4)
+    for fmt in ("mlx-lm", "fused", "peft"):
+        with pytest.raises(UserInputError, match="--format mlx-vlm"):
+            export(done, fmt, tmp_path / fmt)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("objective", {"type": "dpo"}),
+        ("data", {"packing": "stream"}),
+        ("samples", {"every": 2}),
+        ("eval", {"every": 3, "exact_match": 4}),
+    ],
+)
+def test_what_vision_models_do_not_train_with_is_refused_at_its_key(colours, tmp_path, key, value):
+    r = json.loads(json.dumps(colours))
+    r[key] = {**r.get(key, {}), **value}
+    if key == "objective":  # preference pairs, so that the data reads and the model loads
+        pairs = [{"prompt": "hue?", "chosen": "red", "rejected": "blue"}] * 8
+        r["data"]["train"] = str(write_jsonl(tmp_path / "pairs.jsonl", pairs))
+        r["data"]["valid"] = r["data"]["train"]
+    where = {"objective": "objective.type", "data": "data.packing"}.get(key, f"{key}.")
+    with pytest.raises(UserInputError) as e:
+        build_run(r, tmp_path).run()
+    assert e.value.where.startswith(where), e.value
