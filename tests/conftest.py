@@ -424,6 +424,33 @@ QWEN_VL_TEMPLATE = (
 )
 
 
+_PATCHES = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+# each family's tower, tiny: two blocks, its output the language model's width (64)
+VISION_TOWERS = {
+    "qwen2_vl": {
+        "model_type": "qwen2_vl",
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": 64,
+        "num_heads": 2,
+        "mlp_ratio": 2,
+        "spatial_patch_size": 14,
+        **_PATCHES,
+    },
+    "qwen2_5_vl": {  # window attention in block 0, full attention in block 1
+        "model_type": "qwen2_5_vl",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+        **_PATCHES,
+    },
+}
+
+
 def build_vision_dir(out: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
     """A tiny random-weight vision-language model folder of an mlx-vlm family, built from
     mlx-vlm's own config classes: config.json, model.safetensors, a byte-level BPE tokenizer
@@ -465,19 +492,7 @@ def build_vision_dir(out: Path, family: str = "qwen2_vl", seed: int = 0) -> Path
         "vision_start_token_id": ids["<|vision_start|>"],
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
-        "vision_config": {
-            "model_type": family,
-            "depth": 2,
-            "embed_dim": 32,
-            "hidden_size": 64,
-            "num_heads": 2,
-            "mlp_ratio": 2,
-            "patch_size": 14,
-            "spatial_patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "in_channels": 3,
-        },
+        "vision_config": VISION_TOWERS[family],
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "preprocessor_config.json").write_text(

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from PIL import Image
 
 from conftest import (
+    VISION_TOWERS,
     build_run,
     build_vision_dir,
     colour_rows,
@@ -44,6 +45,12 @@ from mlxtune.tokenizer import load_tokenizer
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
     return build_vision_dir(tmp_path_factory.mktemp("qwen2_vl") / "model")
+
+
+@pytest.fixture(scope="module", params=sorted(VISION_TOWERS))
+def family_dir(request, tmp_path_factory):
+    """A tiny model of each family mlxtune trains."""
+    return build_vision_dir(tmp_path_factory.mktemp(request.param) / "model", request.param)
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +107,10 @@ def our_logits(model, tokens, files):
         return model(mx.array(tokens))
 
 
-def test_logits_are_mlx_vlms_own(qwen_dir, pictures):
+def test_logits_are_mlx_vlms_own(family_dir, pictures):
     """A padded batch of rows with images of three sizes: each row's logits are those of
     mlx-vlm's forward of that row alone."""
-    model = load_vision_model(qwen_dir, config_of(qwen_dir), "float32")
+    model = load_vision_model(family_dir, config_of(family_dir), "float32")
     tokens, rows, files = two_rows(model, pictures)
     assert [model.image_tokens.counts([p], "t")[0] for p in pictures] == [6, 10, 4]
     ours = our_logits(model, tokens, files)
@@ -113,10 +120,10 @@ def test_logits_are_mlx_vlms_own(qwen_dir, pictures):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_lora_gradients_are_mlx_vlms_own(qwen_dir, pictures):
+def test_lora_gradients_are_mlx_vlms_own(family_dir, pictures):
     """LoRA on the language model: the gradients of the next-token loss through mlxtune's
     forward (features made outside, positions from the host) are those through mlx-vlm's."""
-    model = load_vision_model(qwen_dir, config_of(qwen_dir), "float32")
+    model = load_vision_model(family_dir, config_of(family_dir), "float32")
     lm_parts(model)  # the head and embedding are found through the wrapper
     apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
     shake_adapters(model)
