@@ -198,8 +198,8 @@ def tokenizer_for(
 
 def refuse_what_vision_models_do_not_do(recipe: Recipe) -> None:
     """The settings a vision-language model does not train with (yet), each refused at its
-    key: objectives other than SFT, a token stream cut into rows (an example's images cannot be
-    cut), and generating answers to prompts (samples, exact match)."""
+    key: objectives other than SFT, and a token stream cut into rows (an example's images
+    cannot be cut)."""
     r = recipe
     if r.objective.type != "sft":
         raise UserInputError(
@@ -211,18 +211,6 @@ def refuse_what_vision_models_do_not_do(recipe: Recipe) -> None:
             "a stream cuts examples across rows, and an example's image tokens cannot be cut "
             "from their image; use packing: pack (whole examples) or off",
             "data.packing",
-        )
-    if r.samples.every:
-        raise UserInputError(
-            "samples generate answers, which vision-language models do not do in mlxtune yet; "
-            "leave samples.every unset",
-            "samples.every",
-        )
-    if r.eval.exact_match:
-        raise UserInputError(
-            "exact match generates answers, which vision-language models do not do in mlxtune "
-            "yet; set eval.exact_match: 0",
-            "eval.exact_match",
         )
 
 

@@ -22,7 +22,8 @@ from .errors import UserInputError
 from .export import adapter_modules, adapter_settings, import_adapter
 from .gguf.tokenizer import write_tokenizer_from_gguf
 from .kernels.cpu import exp_of_nonpositive, materialized
-from .models import is_gguf, load_model, resolve_model_path
+from .models import VisionLM, is_gguf, load_model, resolve_model_path
+from .models import images as image_inputs
 from .tokenizer import load_tokenizer
 
 
@@ -135,6 +136,7 @@ def generate_ids(
     stop: StopStrings | None = None,
     on_token=None,
     on_logits=None,
+    images: list | None = None,
 ) -> list[list[int]]:
     """New token ids (without the prompt, EOS left out) of ``group`` completions of each prompt,
     prompt-major. Prompts of any lengths decode together, left-padded in one batched KV cache;
@@ -144,7 +146,9 @@ def generate_ids(
     token that completes one of its strings (that token kept). ``on_token(row, token)`` hears
     each new token as it is drawn (streaming). ``on_logits(rows, logits)`` sees the fp32 logits
     each token is drawn from ([batch rows, vocab]; ``rows[j]`` is batch row j's output row, -1
-    once it has finished; the batch is the call's prompts x ``group`` until rows finish)."""
+    once it has finished; the batch is the call's prompts x ``group`` until rows finish).
+    ``images``: a vision model's prompts' image files (a list of paths a prompt), which its
+    image tokens show."""
     s = sampling or Sampling(temperature=temperature)
     keys = keys if keys is not None else row_keys(seed, len(prompts), group)
     was_training = model.training
@@ -164,7 +168,8 @@ def generate_ids(
                 see = lambda rs, z, base=base: on_logits(  # noqa: E731
                     [r + base if r >= 0 else r for r in rs], z
                 )
-            out += decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see)
+            shown = None if images is None else images[at : at + step]
+            out += decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see, shown)
     finally:
         model.train(was_training)
     return out
@@ -198,13 +203,25 @@ def _batch_cache(model, pad: list[int]) -> list:
 
 
 def _decode_own_caches(
-    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None, on_logits=None
+    model,
+    prompts,
+    max_new_tokens,
+    eos,
+    s,
+    group,
+    keys,
+    stop=None,
+    on_token=None,
+    on_logits=None,
+    images=None,
 ) -> list[list[int]]:
     """``_decode`` for models whose caches are not plain KV caches (sliding windows, conv or
     SSM state): prompts of one length at a time, unpadded (padding would flow into a recurrent
     state), each prompt's ``group`` rows read it in one batch, in the model's own caches
     (``make_cache``), one uncompiled step a token. Rows draw from the same keys as ``_decode``
     gives them, so a row's tokens do not depend on which path decodes it."""
+    if images is not None:
+        raise ValueError("image prompts decode in plain KV caches (_decode)")
     new: list[list[int]] = [[] for _ in range(len(prompts) * group)]
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -246,17 +263,29 @@ class FixedKVCache:
     the same shapes. The interface mlx-lm's attention layers call (``offset``,
     ``update_and_fetch``, ``make_mask``)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, idx: mx.array, left: mx.array):
+    def __init__(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        idx: mx.array,
+        left: mx.array,
+        shift: mx.array | None = None,
+    ):
         self.keys, self.values = keys, values
         self.idx = idx
         """[1] int32: the next position to write."""
         self.left = left
         """[B] int32: each row's left padding."""
+        self.shift = shift
+        """[B] int32 or None: each row's rotary shift (a vision model's prompt, whose image
+        tokens take fewer positions than tokens)."""
 
     @property
     def offset(self) -> mx.array:
-        """Each row's position (what RoPE reads): positions written less its padding."""
-        return self.idx - self.left
+        """Each row's position (what RoPE reads): positions written less its padding (plus its
+        shift)."""
+        at = self.idx - self.left
+        return at if self.shift is None else at + self.shift
 
     def update_and_fetch(self, keys, values):
         self.keys = mx.slice_update(self.keys, keys, self.idx, axes=(2,))
@@ -285,8 +314,8 @@ def _decode_step(model):
     steps = model.__dict__.get("_mlxtune_steps")
     if steps is None:
 
-        def step(tokens, ks, vs, idx, left):
-            caches = [FixedKVCache(k, v, idx, left) for k, v in zip(ks, vs, strict=True)]
+        def step(tokens, ks, vs, idx, left, shift):
+            caches = [FixedKVCache(k, v, idx, left, shift) for k, v in zip(ks, vs, strict=True)]
             logits = model(tokens[:, None], cache=caches)[:, -1, :].astype(mx.float32)
             return logits, [c.keys for c in caches], [c.values for c in caches], idx + 1
 
@@ -304,19 +333,25 @@ def _grow(ks: list, vs: list, to: int) -> tuple[list, list]:
     return [pad(k) for k in ks], [pad(v) for v in vs]
 
 
-def _prefill(model, prompts, group: int):
+def _prefill(model, prompts, group: int, images=None):
     """The prompts read left-padded into mlx-lm's batched cache, each once (all but the last
     position through the backbone alone: their cache, none of their [B, T, vocab] logits), then
     tiled ``group`` times: (the last position's fp32 logits, the caches' keys and values in
-    fixed-capacity buffers, each row's left padding, the buffers' capacity)."""
+    fixed-capacity buffers, each row's left padding, each row's rotary shift, the buffers'
+    capacity). A vision model's prompts read their ``images`` (the prompts' files) whole."""
     width = max(len(p) for p in prompts)
     pad = [width - len(p) for p in prompts]
     cache = _batch_cache(model, pad)
     x = mx.array([[0] * k + p for k, p in zip(pad, prompts, strict=True)])
+    shown, shift = None, [0] * len(prompts)
+    if images is not None and isinstance(model, VisionLM):
+        files = [[Path(f) for f in row] for row in images]
+        shown, shift = model.prompt_arrays(prompts, files)
     if width > 1 and hasattr(model, "model"):
         model.model(x[:, :-1], cache=cache)
         x = x[:, -1:]
-    logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
+    with image_inputs(shown):
+        logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
     rows = mx.repeat(mx.arange(len(prompts)), group)
     if group > 1:  # each prompt's rows share what it read
         for c in cache:
@@ -326,18 +361,29 @@ def _prefill(model, prompts, group: int):
     ks, vs = _grow(
         [c.keys[..., :width, :] for c in cache], [c.values[..., :width, :] for c in cache], cap
     )
-    return logits, ks, vs, mx.array(pad, dtype=mx.int32)[rows], cap
+    left, shift = mx.array(pad, dtype=mx.int32)[rows], mx.array(shift, dtype=mx.int32)[rows]
+    return logits, ks, vs, left, shift, cap
 
 
 def _decode(
-    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None, on_logits=None
+    model,
+    prompts,
+    max_new_tokens,
+    eos,
+    s,
+    group,
+    keys,
+    stop=None,
+    on_token=None,
+    on_logits=None,
+    images=None,
 ) -> list[list[int]]:
     """One batch of prompts: read left-padded into one cache, the cache and the last logits
     tiled ``group`` times, then one compiled step a token for every row (fixed-capacity caches
     grown ``BLOCK`` positions at a time), the device up to ``AHEAD`` steps ahead of the host that
     reads the tokens. Rows that finish stay in the batch until half of it has, then the batch is
     cut to the next power of two that holds the rows still going."""
-    logits, ks, vs, left, cap = _prefill(model, prompts, group)
+    logits, ks, vs, left, shift, cap = _prefill(model, prompts, group, images)
     pos = max(len(p) for p in prompts)  # positions written
     idx = mx.array([pos], dtype=mx.int32)
     slots = list(range(len(prompts) * group))  # each batch row's output row; -1: a filler
@@ -357,7 +403,7 @@ def _decode(
             # the caches go in with no other reference left, so the step writes into them in
             # place (a buffer still referenced would be copied whole, every layer, every step)
             caches, ks, vs = (ks, vs), None, None
-            z, ks, vs, idx = step(tokens, *caches, idx, left)
+            z, ks, vs, idx = step(tokens, *caches, idx, left, shift)
             del caches
             tokens, keys = _draw(z, keys, s)
             mx.async_eval(tokens, keys, ks, vs, idx)
@@ -379,7 +425,7 @@ def _decode(
             fill = [j for j, r in enumerate(slots) if r < 0 or done[r]][: size - len(going)]
             take = sorted(going + fill)
             sel = mx.array(take)
-            tokens, keys, left = tokens[sel], keys[sel], left[sel]
+            tokens, keys, left, shift = tokens[sel], keys[sel], left[sel], shift[sel]
             ks, vs = [k[sel] for k in ks], [v[sel] for v in vs]
             kept = set(going)
             slots = [slots[j] if j in kept else -1 for j in take]
@@ -401,7 +447,9 @@ def exact_match(model, tokenizer, examples, max_new_tokens: int) -> tuple[float,
     a row per example: ``prompt`` (as a person reads it: the last user message for chat data),
     ``prompt_text`` (the whole prompt the model read), ``answer``, ``reference``, ``correct``."""
     ids = [e.prompt_ids for e in examples]
-    new = generate_ids(model, ids, max_new_tokens, eos_ids(tokenizer))
+    new = generate_ids(
+        model, ids, max_new_tokens, eos_ids(tokenizer), images=shown_images(examples)
+    )
     answers = [decode_answer(tokenizer, n) for n in new]
     rows = []
     hits = 0
@@ -415,6 +463,7 @@ def exact_match(model, tokenizer, examples, max_new_tokens: int) -> tuple[float,
                 "answer": a,
                 "reference": e.answer,
                 "correct": ok,
+                **({"images": list(e.images)} if getattr(e, "images", None) else {}),
             }
         )
     return hits / max(len(examples), 1), rows
@@ -426,6 +475,7 @@ def sample(model: nn.Module, tokenizer, cfg, valid_set, step: int) -> list[dict]
     with the step as seed. Each is ``{"prompt", "prompt_text", "completion"}``: ``prompt`` as
     a person reads it (a recipe prompt as written; for chat data the last user message),
     ``prompt_text`` the whole text the model read (chat template included)."""
+    pictures = None
     if cfg.prompts:
         shown = texts = list(cfg.prompts)
         ids = [list(tokenizer.encode(p)) for p in texts]
@@ -433,14 +483,28 @@ def sample(model: nn.Module, tokenizer, cfg, valid_set, step: int) -> list[dict]
         chosen = list(itertools.islice((e for e in valid_set.examples if e.prompt_ids), cfg.count))
         shown = [e.shown_prompt for e in chosen]
         texts, ids = [e.prompt for e in chosen], [e.prompt_ids for e in chosen]
+        pictures = shown_images(chosen)
     if not ids:
         return []
     eos = eos_ids(tokenizer)
-    new = generate_ids(model, ids, cfg.max_new_tokens, eos, cfg.temperature, seed=step)
-    return [
+    new = generate_ids(
+        model, ids, cfg.max_new_tokens, eos, cfg.temperature, seed=step, images=pictures
+    )
+    rows = [
         {"prompt": p, "prompt_text": t, "completion": decode_answer(tokenizer, n)}
         for p, t, n in zip(shown, texts, new, strict=True)
     ]
+    for row, files in zip(rows, pictures or (), strict=False):
+        if files:  # which picture the prompt showed (the dashboard names it)
+            row["images"] = list(files)
+    return rows
+
+
+def shown_images(examples) -> list | None:
+    """The examples' image files, a tuple each (a vision model's prompts), or None when none
+    shows any."""
+    files = [getattr(e, "images", None) or () for e in examples]
+    return files if any(files) else None
 
 
 def tokenizer_of(path: Path):

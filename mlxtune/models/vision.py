@@ -301,20 +301,49 @@ class VisionLM(nn.Module):
         out["features"] = self.features(arrays["pixel_values"], np.array(arrays["image_grid"]))
         return out
 
+    def prompt_arrays(
+        self, prompts: list[list[int]], files: list[list[Path]], where: str = "prompts"
+    ) -> tuple[dict[str, mx.array], list[int]]:
+        """What ``images`` takes for prompts read left-padded in one batch (each row's
+        positions those of its prompt alone), and each row's rotary shift: how far its next
+        position is from its length (image tokens take fewer positions than tokens), which the
+        decode steps add to the cache's offset."""
+        width = max(len(p) for p in prompts)
+        tokens = np.array([[0] * (width - len(p)) + list(p) for p in prompts], np.int64)
+        arrays = self.batch_arrays(tokens, files, where)
+        it, shift = self.image_tokens, []
+        grids = arrays["image_grid"]
+        at = 0
+        for b, p in enumerate(prompts):
+            n = len(files[b])
+            pos = mrope_positions(np.array(p), grids[at : at + n], it.token_id, it.merge)
+            at += n
+            arrays["positions"][:, b, :] = 0
+            arrays["positions"][:, b, width - len(p) :] = pos
+            shift.append(int(pos.max()) + 1 - len(p) if len(p) else 0)
+        prepared = self.prepare({k: mx.array(v) for k, v in arrays.items()})
+        return step_images(prepared), shift
+
     def __call__(self, inputs: mx.array, cache=None):
         lm = self.vlm.language_model
         h = lm.model.embed_tokens(inputs)
         got = _IMAGES.get()
+        b, t = inputs.shape
         if got is not None:
             index = got["image_index"]
             rows = got["features"][mx.maximum(index, 0)].astype(h.dtype)
             h = mx.where((index >= 0)[..., None], rows, h)
             positions = got["positions"]
-        else:
-            start = 0 if not cache or cache[0] is None else int(cache[0].offset)
-            b, t = inputs.shape
-            positions = mx.broadcast_to(mx.arange(start, start + t), (3, b, t))
-        return lm(inputs, inputs_embeds=h, mask=None, cache=cache, position_ids=positions).logits
+        else:  # text: each row's positions from its cache's (a batched cache's: per row)
+            offset = 0 if not cache or cache[0] is None else cache[0].offset
+            offset = mx.array(offset).reshape(-1, 1) if not isinstance(offset, int) else offset
+            positions = mx.broadcast_to(offset + mx.arange(t)[None, :], (3, b, t))
+        # the language model's backbone and head, without its own call's position bookkeeping
+        # (which reads the cache's offsets back to the host: no compiled decode step could)
+        out = lm.model(inputs, inputs_embeds=h, cache=cache, position_ids=positions)
+        if lm.args.tie_word_embeddings:
+            return lm.model.embed_tokens.as_linear(out)
+        return lm.lm_head(out)
 
 
 def load_vision_model(
