@@ -32,9 +32,7 @@ def write_mlx_vlm(t: TrainedModel, out: Path) -> None:
         raise UserInputError(
             "mlx-vlm adapters hold LoRA/DoRA weights; this run trained every weight", "export"
         )
-    weights = {
-        k.removeprefix(PREFIX): v for k, v in tree_flatten(t.model.trainable_parameters())
-    }
+    weights = {k.removeprefix(PREFIX): v for k, v in tree_flatten(t.model.trainable_parameters())}
     keys = sorted(
         n.removeprefix(PREFIX) for n, m in t.model.named_modules() if isinstance(m, LoRALinear)
     )
