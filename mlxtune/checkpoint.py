@@ -413,5 +413,7 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
         if tok_dir is not None
         else None
     )
+    if isinstance(model, VisionLM) and tokenizer is not None:  # its data's images read as trained
+        tokenizer.image_tokens = model.image_tokens
     model.eval()
     return TrainedModel(model, tokenizer, config, a, base, tok_dir)

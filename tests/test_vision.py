@@ -30,6 +30,7 @@ from mlxtune.adapters import apply_adapters
 from mlxtune.checkpoint import load_checkpoint
 from mlxtune.data import Encoder, make_batch, make_packed_batch
 from mlxtune.errors import UserInputError
+from mlxtune.evaluate import evaluate_run
 from mlxtune.export import export
 from mlxtune.generate import generate_ids
 from mlxtune.models import (
@@ -366,3 +367,22 @@ def test_what_vision_models_do_not_train_with_is_refused_at_its_key(colours, tmp
     with pytest.raises(UserInputError) as e:
         build_run(r, tmp_path).run()
     assert e.value.where.startswith(where), e.value
+
+
+def test_eval_compares_the_trained_model_with_its_base_on_image_prompts(colours, tmp_path):
+    """``mlxtune eval RUN --base`` reads the run's image data for both models: the trained one's
+    validation loss is the run's own final evaluation, and its greedy answers are those the
+    run's exact match gave."""
+    r = json.loads(json.dumps(colours))
+    r["eval"] = {"every": 6, "exact_match": 4}
+    build_run(r, tmp_path).run()
+    rows = run_rows(tmp_path / "run")
+    out = evaluate_run(tmp_path / "run", base=True)
+    trained, base = out["models"]["trained"], out["models"]["base"]
+    last = [x for x in rows if "eval_loss" in x][-1]
+    assert trained["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5)
+    assert base["eval_loss"] > trained["eval_loss"]
+    assert trained["exact_match_examples"] == 4 and len(out["answers"]) == 3
+    before = next(x["exact_match_before"] for x in rows if "exact_match_before" in x)
+    after = next(x["exact_match_after"] for x in rows if "exact_match_after" in x)
+    assert (base["exact_match"], trained["exact_match"]) == (before, after)
