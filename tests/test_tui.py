@@ -135,6 +135,27 @@ def test_the_samples_panel_shows_old_rows_and_new_ones_as_written(tmp_path):
     assert new == "sample @ 30: 'what is [/INST] [b]?' → 'a tag'"
 
 
+def test_the_samples_panel_names_an_image_prompts_pictures(tmp_path):
+    run = recorded_run(tmp_path / "run")
+    row = {
+        "step": 40,
+        "prompt": "[image]colour?",
+        "prompt_text": "...",
+        "completion": "red",
+        "images": [str(tmp_path / "img" / "valid3.png")],
+    }
+    with open(run / "samples.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+    async def drive():
+        app = WatchApp(run, read_only=True, poll_s=0.05)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            return str(app.query_one("#sample", Static).render())
+
+    assert asyncio.run(drive()) == "sample @ 40: '[image]colour?' → 'red' (images: valid3.png)"
+
+
 def test_keys_send_requests_to_the_trainer(tmp_path):
     run = recorded_run(tmp_path / "run")
 

@@ -253,8 +253,11 @@ class WatchApp(App):
             # "prompt" is the prompt as a person reads it (the user's message for chat data);
             # rows from before prompt_text existed hold the whole prompt there, shown as is.
             s = d.samples[-1]
+            # an image prompt names its pictures (the prompt shows each as [image])
+            shown = ", ".join(Path(str(p)).name for p in s.get("images") or ())
             self.query_one("#sample", Static).update(
                 f"sample @ {s.get('step')}: {s.get('prompt', '')!r} → {s.get('completion', '')!r}"
+                + (f" (images: {shown})" if shown else "")
             )
         else:
             self.query_one("#sample", Static).update("no sample yet")
