@@ -44,6 +44,7 @@ from .models import (
     module_at,
     quantize_model,
     resolve_model_path,
+    write_vision_base,
 )
 from .objectives import Components, objective_class
 from .optim import build_optimizer, make_schedule
@@ -214,6 +215,25 @@ def refuse_what_vision_models_do_not_do(recipe: Recipe) -> None:
         )
 
 
+def vision_base(recipe: Recipe, run_dir: RunDir, tokenizer, tokenizer_dir, resuming: bool, log):
+    """A vision-language model built from ``model.arch``: written into the run directory as
+    its base model (``base/``, as mlx-vlm loads a folder) and trained from there like a
+    downloaded one; a resumed run reads it back."""
+    r = recipe
+    if tokenizer_dir is None or r.tokenizer.train is not None:
+        raise UserInputError(
+            "a vision model built from model.arch needs a tokenizer folder with its image tokens "
+            "and image processor (tokenizer.path)",
+            "tokenizer.path",
+        )
+    out = run_dir.inside("base")
+    if resuming and (out / "model.safetensors").exists():
+        return out
+    write_vision_base(r.model.arch, tokenizer, Path(tokenizer_dir), out, r.model.seed)
+    log(f"built a new {r.model.arch['model_type']} model from model.arch into {out}")
+    return out
+
+
 def vision_config(model_dir: Path | None) -> dict | None:
     """The config.json of a vision-language model folder; None for anything else."""
     if model_dir is None or not model_dir.is_dir():
@@ -232,7 +252,7 @@ def model_for(
     the recipe asks; its vocabulary must hold the tokenizer's."""
     r = recipe
     vocab = len(tokenizer._tokenizer)
-    if r.model.arch is not None:
+    if r.model.arch is not None and not is_vision_config(r.model.arch):
         special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         model, config = build_model(r.model.arch, vocab, r.model.dtype, r.model.seed, special)
         log(f"built a new {config['model_type']} model from model.arch")
@@ -344,6 +364,9 @@ def build(
     base = Path(r.source).parent if r.source else None
     model_dir = resolve_model_path(r.model.path, base) if r.model.path else None
     tokenizer, tokenizer_dir = tokenizer_for(r, run_dir, model_dir, train_rows, resuming, log)
+    if r.model.arch is not None and is_vision_config(r.model.arch):
+        model_dir = vision_base(r, run_dir, tokenizer, tokenizer_dir, resuming, log)
+        tokenizer.image_tokens = load_image_tokens(model_dir, vision_config(model_dir))
     sets = None
     if d.max_length != "auto":
         with reporting(progress):

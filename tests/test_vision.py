@@ -386,3 +386,47 @@ def test_eval_compares_the_trained_model_with_its_base_on_image_prompts(colours,
     before = next(x["exact_match_before"] for x in rows if "exact_match_before" in x)
     after = next(x["exact_match_after"] for x in rows if "exact_match_after" in x)
     assert (base["exact_match"], trained["exact_match"]) == (before, after)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def quickstart(tmp_path, *overrides):
+    from mlxtune import Trainer, load_recipe
+    from mlxtune.console import Console
+
+    r = load_recipe(REPO / "recipes" / "quickstart-vision.yaml", list(overrides))
+    tr = Trainer(r, run_dir=tmp_path / "run", console=Console(quiet=True))
+    summary = tr.run()
+    return summary, [row for row in tr.run_dir.read_jsonl("metrics.jsonl") if "loss" in row]
+
+
+def test_the_vision_quickstart_builds_its_base_learns_and_exports_for_mlx_vlm(tmp_path):
+    """A short cut of recipes/quickstart-vision.yaml: the model built from model.arch is
+    written as the run's base, the loss falls, and the fused export loads in mlx-vlm with the
+    trained model's logits on image prompts."""
+    from mlx_vlm import load as mlx_vlm_load
+
+    summary, rows = quickstart(
+        tmp_path, "train.max_steps=40", "eval.exact_match=0", "eval.every=null",
+        "samples.every=null",
+    )  # fmt: skip
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    run = tmp_path / "run"
+    assert (run / "base" / "model.safetensors").exists()
+    trained = load_checkpoint(run / "checkpoints" / "final").model
+    theirs, _ = mlx_vlm_load(str(run / "export" / "fused"))
+    pictures = sorted((REPO / "recipes" / "data" / "colours" / "img").glob("test-*.png"))[:3]
+    tokens, rows, files = two_rows(trained, pictures)
+    ours = our_logits(trained, tokens, files)
+    shown = SimpleNamespace(vlm=theirs, image_tokens=trained.image_tokens)
+    for b, (ids, fs) in enumerate(zip(rows, files, strict=True)):
+        want = np.array(mlx_vlm_logits(shown, ids, fs))
+        np.testing.assert_allclose(np.array(ours[b, : len(ids)]), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_vision_quickstart_reaches_its_targets(tmp_path):
+    summary, rows = quickstart(tmp_path)
+    assert summary["exact_match_before"] <= 0.05 and summary["exact_match_after"] >= 0.9
+    assert summary["train_time_s"] < 120

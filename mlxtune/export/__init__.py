@@ -7,7 +7,8 @@
   ``lora_B.weight`` [out, r]; DoRA magnitudes as ``lora_magnitude_vector``), as PEFT saves.
 - ``fused``: the base with the adapters merged in, Hugging Face layout.
 - ``mlx-vlm``: a vision-language run's adapters as mlx-vlm loads them
-  (``mlx_vlm.load(base, adapter_path=...)``); the one format such a run exports to yet.
+  (``mlx_vlm.load(base, adapter_path=...)``); such a run's ``fused`` export is a folder
+  mlx-vlm loads (its names, its image processor), the two formats it exports to yet.
 
 A reward model's score head goes with every format: ``fused`` writes Hugging Face's
 ``*ForSequenceClassification`` layout (``score.weight``, one label), ``peft`` a ``SEQ_CLS``
@@ -31,7 +32,7 @@ from ..gguf.export import write_gguf_adapter, write_gguf_model
 from ..models import DTYPES, VisionLM, is_gguf, reward_head_aside
 from .fused import dequantize, fuse, write_fused
 from .mlx_lm import mlx_lm_config, write_gguf_base, write_mlx_lm, write_reward_head
-from .mlx_vlm import write_mlx_vlm
+from .mlx_vlm import write_mlx_vlm, write_vision_fused
 from .modelfile import modelfile
 from .peft import peft_refusal, peft_weights, write_peft
 from .weights import (
@@ -63,13 +64,19 @@ def export(
         raise UserInputError(
             "--quantize applies to fused exports (gguf has --dtype q8_0)", "export"
         )
-    if isinstance(t.model, VisionLM) and fmt != "mlx-vlm":
+    if isinstance(t.model, VisionLM) and fmt not in ("mlx-vlm", "fused"):
         raise UserInputError(
-            f"a vision-language run exports as mlx-vlm adapters (--format mlx-vlm); {fmt} "
-            "exports of vision-language models are not written yet",
+            f"a vision-language run exports as mlx-vlm adapters (--format mlx-vlm) or a fused "
+            f"model; {fmt} exports of vision-language models are not written yet",
             "export",
         )
-    if fmt == "mlx-vlm":
+    if isinstance(t.model, VisionLM) and fmt == "fused":
+        if quantize is not None:
+            raise UserInputError("--quantize is for text models' fused exports", "--quantize")
+        if dtype is not None and dtype not in DTYPES:
+            raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
+        write_vision_fused(t, out, dtype)
+    elif fmt == "mlx-vlm":
         write_mlx_vlm(t, out)
     elif fmt == "mlx-lm":
         if t.adapter["type"] == "full":
@@ -140,6 +147,7 @@ __all__ = [
     "write_gguf_base",
     "write_mlx_lm",
     "write_mlx_vlm",
+    "write_vision_fused",
     "write_peft",
     "write_reward_head",
 ]

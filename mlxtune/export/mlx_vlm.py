@@ -1,8 +1,14 @@
-"""The ``mlx-vlm`` format: a vision-language run's adapters as mlx-vlm reads them, loaded by
-``mlx_vlm.load(base, adapter_path=...)``: adapters.safetensors (each adapted layer's ``lora_a``
-[in, r] and ``lora_b`` [r, out], DoRA's magnitude ``m``, under the layer's path in mlx-vlm's
-model) and adapter_config.json (``fine_tune_type``, ``lora_parameters``: rank, absolute scale,
-dropout, and the adapted layers' paths as ``keys``)."""
+"""A vision-language run's exports, as mlx-vlm reads them.
+
+- ``mlx-vlm``: the adapters, loaded by ``mlx_vlm.load(base, adapter_path=...)``:
+  adapters.safetensors (each adapted layer's ``lora_a`` [in, r] and ``lora_b`` [r, out], DoRA's
+  magnitude ``m``, under the layer's path in mlx-vlm's model) and adapter_config.json
+  (``fine_tune_type``, ``lora_parameters``: rank, absolute scale, dropout, and the adapted
+  layers' paths as ``keys``).
+- ``fused``: the whole model with its adapters merged in (or fully trained), as a model folder
+  ``mlx_vlm.load(folder)`` reads: config.json, model.safetensors in mlx-vlm's names, the
+  tokenizer and the image processor's preprocessor_config.json.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ from mlx.utils import tree_flatten
 
 from ..adapters import LoRALinear, lora_scale
 from ..errors import UserInputError
-from ..models import VisionLM
+from ..models import VisionLM, cast_floats
+from .fused import fuse
 from .weights import TrainedModel
 
 PREFIX = "vlm."
@@ -49,3 +56,15 @@ def write_mlx_vlm(t: TrainedModel, out: Path) -> None:
         "base_model": str(t.base_dir) if t.base_dir else None,
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_vision_fused(t: TrainedModel, out: Path, dtype: str | None = None) -> None:
+    model = fuse(t.model)
+    if dtype is not None:
+        cast_floats(model, dtype)
+    weights = {k.removeprefix(PREFIX): v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(t.model_config, indent=2))
+    t.tokenizer._tokenizer.save_pretrained(str(out))
+    source = Path(t.base_dir) / "preprocessor_config.json"
+    (out / "preprocessor_config.json").write_bytes(source.read_bytes())

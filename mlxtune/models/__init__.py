@@ -45,6 +45,7 @@ from .vision import (
     load_image_tokens,
     load_vision_model,
     step_images,
+    write_vision_base,
 )
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
     "load_image_tokens",
     "load_vision_model",
     "step_images",
+    "write_vision_base",
+    "write_vision_base",
     "DTYPES",
     "HF_ARCHITECTURES",
     "PICKLED",

@@ -22,6 +22,7 @@ tower, projector, language model) and its image processor. mlxtune wraps the mod
 from __future__ import annotations
 
 import contextvars
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
 from .common import cast_floats
@@ -52,6 +54,9 @@ class VisionFamily:
     """The config key of the token id each image's features take the place of."""
     merge_key: str = "spatial_merge_size"
     """The vision config's key of how many patches a side merge into one token."""
+    special_tokens: tuple[tuple[str, str], ...] = ()
+    """(config key, token) of the family's special tokens: a model built from an architecture
+    takes their ids from its tokenizer."""
 
     def tokens_per_image(self, grid: np.ndarray, merge: int) -> np.ndarray:
         """How many image tokens each image [t, h, w] patch grid becomes."""
@@ -61,8 +66,14 @@ class VisionFamily:
 # Qwen2-VL and Qwen2.5-VL: dynamic resolution (a grid of 14-pixel patches, 2 x 2 merged into a
 # token), one <|image_pad|> token a merged patch, and rotary positions along three axes
 # (time, height, width) for the image tokens.
+_QWEN_TOKENS = (
+    ("image_token_id", "<|image_pad|>"),
+    ("video_token_id", "<|video_pad|>"),
+    ("vision_start_token_id", "<|vision_start|>"),
+)
 VISION_FAMILIES = {
-    name: VisionFamily(name, "image_token_id") for name in ("qwen2_vl", "qwen2_5_vl")
+    name: VisionFamily(name, "image_token_id", special_tokens=_QWEN_TOKENS)
+    for name in ("qwen2_vl", "qwen2_5_vl")
 }
 
 
@@ -344,6 +355,62 @@ class VisionLM(nn.Module):
         if lm.args.tie_word_embeddings:
             return lm.model.embed_tokens.as_linear(out)
         return lm.lm_head(out)
+
+
+def write_vision_base(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, seed: int) -> Path:
+    """A new vision-language model of architecture ``arch`` (its config.json keys, the tower's
+    under ``vision_config``), randomly initialised from ``seed``, written to ``out`` as a model
+    folder mlx-vlm loads: config.json (the special tokens' ids from ``tokenizer``),
+    model.safetensors, and the tokenizer and image processor of ``tokenizer_dir``. It then trains
+    as a downloaded model does (its frozen tower is the one written)."""
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    family = vision_family(arch, "model.arch.model_type")
+    if not (tokenizer_dir / "preprocessor_config.json").exists():
+        raise UserInputError(
+            "a vision model built from model.arch reads images as the tokenizer's folder says: "
+            "put its preprocessor_config.json there",
+            str(tokenizer_dir),
+        )
+    config = json.loads(json.dumps(arch))
+    hf = tokenizer._tokenizer
+    for key, token in family.special_tokens:
+        found = hf.convert_tokens_to_ids(token)
+        if found is None or found == hf.unk_token_id:
+            raise UserInputError(
+                f"the tokenizer has no {token} token, which a {family.name} model's {key} is",
+                "tokenizer.path",
+            )
+        config.setdefault(key, int(found))
+    config.setdefault("vocab_size", len(hf))
+    config.setdefault("eos_token_id", tokenizer.eos_token_id)
+    if config["vocab_size"] < len(hf):
+        raise UserInputError(
+            f"vocab_size {config['vocab_size']} is smaller than the tokenizer's {len(hf)}",
+            "model.arch.vocab_size",
+        )
+    try:
+        module, _ = get_model_and_args(dict(config))
+        given = json.loads(json.dumps(config))
+        model_config = module.ModelConfig.from_dict(given)
+        model_config = update_module_configs(
+            model_config, module, given, ["text", "vision", "perceiver", "projector", "audio"]
+        )
+        mx.random.seed(seed)
+        vlm = module.Model(model_config)
+    except Exception as e:  # the architecture is user input: any failure to build it is bad input
+        raise UserInputError(
+            f"cannot build this architecture: {type(e).__name__}: {e}", "model.arch"
+        ) from None
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(vlm.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
+    hf.save_pretrained(str(out))
+    (out / "preprocessor_config.json").write_bytes(
+        (tokenizer_dir / "preprocessor_config.json").read_bytes()
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def load_vision_model(
