@@ -430,3 +430,37 @@ def test_the_vision_quickstart_reaches_its_targets(tmp_path):
     summary, rows = quickstart(tmp_path)
     assert summary["exact_match_before"] <= 0.05 and summary["exact_match_after"] >= 0.9
     assert summary["train_time_s"] < 120
+
+
+def test_gradient_checkpointing_and_a_quantized_base_train_image_chats(colours, tmp_path):
+    """Checkpointed blocks give the run's rows (the blocks recompute what they gave); a 4-bit
+    base (QLoRA: the tower too) trains, its loss falling."""
+    rows = run_rows(run_of(colours, tmp_path, "plain"))
+    r = json.loads(json.dumps(colours))
+    r["train"]["grad_checkpointing"] = True
+    same_rows(run_rows(run_of(r, tmp_path, "checkpointed")), rows, rel=1e-4, abs=1e-6)
+    r = json.loads(json.dumps(colours))
+    r["model"]["quantize"] = {"bits": 4, "group_size": 32}
+    tr = build_run(r, tmp_path, "qlora")
+    tr.run()
+    quantized = [n for n, m in tr.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert any(".language_model." in n for n in quantized)
+    assert any(".vision_tower." in n for n in quantized)
+    losses = [x["loss"] for x in run_rows(tmp_path / "qlora") if "loss" in x]
+    assert losses[-1] < losses[0]
+
+
+def run_of(r, tmp_path, name):
+    build_run(r, tmp_path, name).run()
+    return tmp_path / name
+
+
+@pytest.mark.slow  # two processes: about a minute
+def test_two_processes_train_image_chats_as_one(colours, tmp_path):
+    from test_distributed import one_and_two
+
+    r = json.loads(json.dumps(colours))
+    r["eval"] = {"every": 3}
+    one, two, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, p.stdout + p.stderr
+    same_rows(run_rows(one), run_rows(two), rel=1e-5, abs=1e-6)
