@@ -100,7 +100,8 @@ def child_mlxtune(spec: dict) -> dict:
         "data": {"train": spec["data"] + "/train.jsonl", "valid": spec["data"] + "/valid.jsonl",
                  "max_length": 128},
         "adapter": {"type": "lora", "rank": 8, "alpha": 16, "targets": ["all-linear"]},
-        "optimizer": {"name": "adam", "lr": spec["lr"], "weight_decay": 0.0, "grad_clip": None},
+        "optimizer": {"name": "adam", "lr": spec["lr"], "weight_decay": 0.0, "grad_clip": None,
+                      "bias_correction": False},  # mlx's Adam, as mlx-vlm runs it
         "schedule": {"name": "constant", "warmup_steps": 0},
         "train": {"batch_size": spec["batch"], "max_steps": spec["steps"],
                   "log_every": spec["steps"] // 3, "progress": False, "seed": 0},
