@@ -344,7 +344,7 @@ def test_the_mlx_vlm_export_loads_in_mlx_vlm_with_the_trained_logits(colours, qw
     for b, (ids, fs) in enumerate(zip(rows, files, strict=True)):
         want = np.array(mlx_vlm_logits(SimpleNamespace(**shown), ids, fs))
         np.testing.assert_allclose(np.array(ours[b, : len(ids)]), want, rtol=1e-4, atol=1e-4)
-    for fmt in ("mlx-lm", "fused", "peft"):
+    for fmt in ("mlx-lm", "peft", "gguf", "gguf-adapter"):
         with pytest.raises(UserInputError, match="--format mlx-vlm"):
             export(done, fmt, tmp_path / fmt)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,7 +23,7 @@ class Batch:
     """Each row's length before padding (a packed row: its tokens, all segments together)."""
     segments: np.ndarray | None = None
     """[B, L] packed rows: 1, 2, ... for each example in the row, 0 for padding."""
-    images: tuple[tuple[str, ...], ...] | None = None
+    images: tuple[tuple[str, ...], ...] | None = field(default=None, kw_only=True)
     """Each row's image files, in the order of their tokens (a vision model's batch), or None
     when no row has any."""
 
@@ -54,7 +54,7 @@ def split_batch(b: Batch, parts: int) -> list[Batch]:
                 int(b.mask[s : s + size, 1:].sum()),
                 b.lengths[s : s + size],
                 seg,
-                None if b.images is None else b.images[s : s + size],
+                images=None if b.images is None else b.images[s : s + size],
             )
         )
     return out

@@ -58,7 +58,7 @@ def make_packed_batch(
     images = None  # a vision model's: each row's images, its examples' in order
     if any(getattr(e, "images", None) for exs in rows for e in exs):
         images = tuple(tuple(p for e in exs for p in (e.images or ())) for exs in rows)
-    return Batch(tokens, mask, int(mask[:, 1:].sum()), tuple(lengths), seg, images)
+    return Batch(tokens, mask, int(mask[:, 1:].sum()), tuple(lengths), seg, images=images)
 
 
 def stream_rows(examples: list[Example], capacity: int, order: np.ndarray) -> list[list[Example]]:
