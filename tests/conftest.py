@@ -404,26 +404,6 @@ def _own_data_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MLXTUNE_CACHE", str(tmp_path_factory.mktemp("cache")))
 
 
-QWEN_VL_SPECIALS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-# Qwen2-VL's chat template, cut down: an image part is <|vision_start|><|image_pad|><|vision_end|>
-QWEN_VL_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 _PATCHES = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
 # each family's tower, tiny: two blocks, its output the language model's width (64)
 VISION_TOWERS = {
@@ -452,29 +432,15 @@ VISION_TOWERS = {
 
 
 def build_vision_dir(out: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
-    """A tiny random-weight vision-language model folder of an mlx-vlm family, built from
-    mlx-vlm's own config classes: config.json, model.safetensors, a byte-level BPE tokenizer
-    with the family's special tokens and chat template, and preprocessor_config.json (14-pixel
-    patches, 2 x 2 merged, images of 56 x 56 to 112 x 112 pixels)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_vlm.utils import get_model_and_args, update_module_configs
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A tiny random-weight vision-language model folder of an mlx-vlm family (built from
+    mlx-vlm's own classes by ``write_vision_base``), with the vision quickstart's tokenizer
+    (byte-level, Qwen2-VL's special tokens and a chat template that shows images) and image
+    processor (14-pixel patches, 2 x 2 merged, images of 56 x 56 to 112 x 112 pixels)."""
+    from mlxtune.models import write_vision_base
+    from mlxtune.tokenizer import load_tokenizer
 
-    out.mkdir(parents=True, exist_ok=True)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(QWEN_VL_SPECIALS))
-    ids = {s: tok.token_to_id(s) for s in QWEN_VL_SPECIALS}
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    fast.chat_template = QWEN_VL_TEMPLATE
-    fast.save_pretrained(out)
-    config = {
+    tok = REPO / "recipes" / "data" / "colours" / "tokenizer"
+    arch = {
         "model_type": family,
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -482,51 +448,13 @@ def build_vision_dir(out: Path, family: str = "qwen2_vl", seed: int = 0) -> Path
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "rms_norm_eps": 1e-6,
-        "vocab_size": len(alphabet) + len(QWEN_VL_SPECIALS),
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         "max_position_embeddings": 4096,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
         "vision_config": VISION_TOWERS[family],
     }
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Qwen2VLImageProcessor",
-                "processor_class": "Qwen2VLProcessor",
-                "min_pixels": 56 * 56,
-                "max_pixels": 112 * 112,
-                "patch_size": 14,
-                "temporal_patch_size": 2,
-                "merge_size": 2,
-                "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                "image_std": [0.26862954, 0.26130258, 0.27577711],
-                "do_resize": True,
-                "do_rescale": True,
-                "do_normalize": True,
-                "do_convert_rgb": True,
-                "rescale_factor": 1 / 255,
-            }
-        )
-    )
-    module, _ = get_model_and_args(dict(config))
-    given = json.loads(json.dumps(config))
-    model_config = module.ModelConfig.from_dict(given)
-    model_config = update_module_configs(
-        model_config, module, given, ["text", "vision", "perceiver", "projector", "audio"]
-    )
-    mx.random.seed(seed)
-    model = module.Model(model_config)
-    mx.save_safetensors(
-        str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), {"format": "mlx"}
-    )
-    return out
+    return write_vision_base(arch, load_tokenizer(tok), tok, out, seed)
 
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}

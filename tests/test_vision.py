@@ -41,6 +41,7 @@ from mlxtune.models import (
     load_vision_model,
     step_images,
 )
+from mlxtune.models.vision import FEATURE_ROWS
 from mlxtune.tokenizer import load_tokenizer
 
 
@@ -464,3 +465,17 @@ def test_two_processes_train_image_chats_as_one(colours, tmp_path):
     one, two, p = one_and_two(tmp_path, r)
     assert p.returncode == 0, p.stdout + p.stderr
     same_rows(run_rows(one), run_rows(two), rel=1e-5, abs=1e-6)
+
+
+def test_batches_whose_images_take_different_token_counts_reach_the_step_in_one_shape(
+    qwen_dir, pictures
+):
+    """The step's image features are padded to a multiple of FEATURE_ROWS rows (no token
+    reads the padding): a 6-token image and a 10-token one compile one step, not two."""
+    model = load_vision_model(qwen_dir, config_of(qwen_dir), "float32")
+    it, shapes = model.image_tokens, set()
+    for p in pictures[:2]:
+        ids = it.expand([257, 259, it.token_id, 260, 10], [0] * 5, it.counts([p], "t"), "t")[0]
+        arrays = model.batch_arrays(np.array([ids]), [[p]])
+        shapes.add(model.prepare({k: mx.array(v) for k, v in arrays.items()})["features"].shape)
+    assert len(shapes) == 1 and next(iter(shapes))[0] % FEATURE_ROWS == 0

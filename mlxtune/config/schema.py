@@ -325,11 +325,9 @@ class ExportConfig:
     formats: list[Literal["mlx-lm", "peft", "fused", "gguf", "gguf-adapter", "mlx-vlm"]] = field(
         default_factory=list
     )
-    """"mlx-lm": an adapter mlx-lm loads; "peft": an adapter PEFT loads; "fused": the model with
-    the adapters merged in, Hugging Face layout (config.json, model.safetensors, tokenizer; a
-    vision-language model's as mlx-vlm loads it); "gguf": the fused model for llama.cpp (f16);
-    "gguf-adapter": a LoRA adapter for llama.cpp's --lora; "mlx-vlm": a vision-language model's
-    adapter as mlx-vlm loads it."""
+    """"mlx-lm"/"peft": an adapter mlx-lm/PEFT loads; "fused": the model with the adapters merged
+    in, Hugging Face layout (a vision model's as mlx-vlm loads it); "gguf": the fused model for
+    llama.cpp (f16); "gguf-adapter": a LoRA for llama.cpp's --lora; "mlx-vlm": a vision model's adapter."""
 
 
 @dataclass

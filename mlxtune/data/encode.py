@@ -29,6 +29,7 @@ from .formats import (
     detect_format,
     get_format,
 )
+from .images import content_text, with_images
 from .parallel import encoded, workers_for
 from .rows import BadRows
 
@@ -51,8 +52,7 @@ class Example:
     data, the prompt for completion data, the instruction (and its input) for instruction
     data. Only for showing: generation reads ``prompt_ids``."""
     images: tuple[str, ...] | None = None
-    """The image files the example shows (a vision model's chat), in the order of their
-    tokens; None for text."""
+    """The image files the example shows (a vision chat), in token order; None for text."""
 
     @property
     def shown_prompt(self) -> str:
@@ -362,10 +362,6 @@ class Encoder:
     def _chat(self, piece: Chat, where: str) -> Example:
         msgs = piece.messages
         check_messages(msgs, where)
-        if piece.images and self.images is None:
-            raise UserInputError(
-                "the row shows images, and the model is no vision-language model", where
-            )
         msgs, reasoning = with_reasoning(msgs, where)
         if not any(m["role"] == "assistant" for m in msgs[piece.first_trained :]):
             raise UserInputError("the conversation has no assistant turn to train on", where)
@@ -423,43 +419,15 @@ class Encoder:
         # template markers); a conversation with no user turn there shows its last message.
         users = [m for m in before if m["role"] == "user"]
         shown = content_text((users or before)[-1]["content"]) if before else None
-        prompt_ids = conv.tokens(last, True) or None
-        paths = None
-        if piece.images:
-            paths = tuple(str(image_path(p, where)) for p in piece.images)
-            counts = self.images.counts([Path(p) for p in paths], where)
-            ids, mask = self.images.expand(ids, mask, counts, where)
-            if prompt_ids:
-                k = sum(1 for i in prompt_ids if i == self.images.token_id)
-                blank = [0] * len(prompt_ids)
-                prompt_ids = self.images.expand(prompt_ids, blank, counts[:k], where)[0]
-        return Example(
+        example = Example(
             ids,
             mask,
             prompt=conv.text(last, True) if before else "",
             answer=content_text(msgs[last]["content"]),
-            prompt_ids=prompt_ids,
+            prompt_ids=conv.tokens(last, True) or None,
             display=shown,
-            images=paths,
         )
-
-
-def content_text(content) -> str:
-    """A message's content as text: a string as it is, a list of parts as its text with each
-    image shown as ``[image]``."""
-    if isinstance(content, str):
-        return content
-    return "".join(p["text"] if p["type"] == "text" else "[image]" for p in content)
-
-
-def image_path(path: str, where: str) -> Path:
-    """An image's file: a relative path is relative to the data file the row is in (``where``
-    is ``FILE:LINE``)."""
-    p = Path(path).expanduser()
-    if p.is_absolute():
-        return p
-    source = Path(where.rsplit(":", 1)[0])
-    return (source.parent if source.is_file() else Path.cwd()) / p
+        return with_images(example, piece.images, self.images, where) if piece.images else example
 
 
 def fitted(ex: Example, max_length: int, overlong: str, min_length: int, stats) -> bool:

@@ -18,10 +18,11 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..adapters import LoRALinear, lora_scale
+from ..adapters import LoRALinear
 from ..errors import UserInputError
 from ..models import VisionLM, cast_floats
 from .fused import fuse
+from .mlx_lm import mlx_lm_config
 from .weights import TrainedModel
 
 PREFIX = "vlm."
@@ -40,21 +41,11 @@ def write_mlx_vlm(t: TrainedModel, out: Path) -> None:
             "mlx-vlm adapters hold LoRA/DoRA weights; this run trained every weight", "export"
         )
     weights = {k.removeprefix(PREFIX): v for k, v in tree_flatten(t.model.trainable_parameters())}
-    keys = sorted(
+    config = mlx_lm_config(t)  # mlx-lm's adapter config, the layers named by their full paths
+    config["lora_parameters"]["keys"] = sorted(
         n.removeprefix(PREFIX) for n, m in t.model.named_modules() if isinstance(m, LoRALinear)
     )
     mx.save_safetensors(str(out / "adapters.safetensors"), weights)
-    config = {
-        "fine_tune_type": a["type"],
-        "num_layers": len(t.model.layers) - min(a["layers"]),
-        "lora_parameters": {
-            "rank": a["rank"],
-            "scale": lora_scale(a["alpha"], a["rank"], a.get("rslora", False)),
-            "dropout": a.get("dropout", 0.0),
-            "keys": keys,
-        },
-        "base_model": str(t.base_dir) if t.base_dir else None,
-    }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 

@@ -43,6 +43,8 @@ IMAGE_KEYS = ("image_index", "positions")
 the batch's token axis last: sliced with the tokens."""
 TOWER_KEYS = ("pixel_values", "image_grid")
 """The batch arrays the tower reads before the step (``VisionLM.prepare``)."""
+FEATURE_ROWS = 64
+"""A step's image features come in rows of a multiple of this (see ``VisionLM.prepare``)."""
 
 
 @dataclass(frozen=True)
@@ -309,7 +311,16 @@ class VisionLM(nn.Module):
         if "pixel_values" not in arrays:
             return arrays
         out = {k: v for k, v in arrays.items() if k not in TOWER_KEYS}
-        out["features"] = self.features(arrays["pixel_values"], np.array(arrays["image_grid"]))
+        features = self.features(arrays["pixel_values"], np.array(arrays["image_grid"]))
+        # rows up to a multiple of FEATURE_ROWS (zeros no token reads): batches whose images
+        # take different numbers of tokens reach the compiled step in one shape, one compile
+        n = features.shape[0]
+        pad = -(-n // FEATURE_ROWS) * FEATURE_ROWS - n
+        if pad:
+            features = mx.concatenate(
+                [features, mx.zeros((pad, features.shape[1]), features.dtype)]
+            )
+        out["features"] = features
         return out
 
     def prompt_arrays(
