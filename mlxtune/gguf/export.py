@@ -374,6 +374,16 @@ def _refuse_what_llama_cpp_reads_otherwise(model, config: dict, head_dim: int, w
         raise UserInputError(why, where)
 
 
+def _tokenizer_fields(w, tokenizer, tokenizer_dir: Path | None, tokenizer_gguf: Path | None):
+    """The tokenizer's fields: a GGUF base's copied as they are (with the run's chat template),
+    else written from the tokenizer folder."""
+    if tokenizer_gguf is not None:
+        template = getattr(getattr(tokenizer, "_tokenizer", None), "chat_template", None)
+        _copy_tokenizer(w, Path(tokenizer_gguf), template if isinstance(template, str) else None)
+    else:
+        _add_tokenizer(w, tokenizer_dir, tokenizer)
+
+
 def write_gguf_model(
     model,
     config: dict,
@@ -409,11 +419,7 @@ def write_gguf_model(
         rope_freqs = gemma4_rope_freqs(model_args(model))
     else:
         rope_freqs = None if family.arch == "minicpm3" else add_rope_scaling(w, config)
-    if tokenizer_gguf is not None:
-        template = getattr(getattr(tokenizer, "_tokenizer", None), "chat_template", None)
-        _copy_tokenizer(w, Path(tokenizer_gguf), template if isinstance(template, str) else None)
-    else:
-        _add_tokenizer(w, tokenizer_dir, tokenizer)
+    _tokenizer_fields(w, tokenizer, tokenizer_dir, tokenizer_gguf)
     shapes, xielu, args = {}, {}, model_args(model)
     deci = deci_layers(model) if family.arch == "deci" else []
 
