@@ -4,7 +4,8 @@
     python bench/compare_mlx_vlm.py --steps 30 --hidden 256
 
 Both trainers get the same base (a Qwen2-VL-shaped model built at random by mlxtune's
-``write_vision_base``: hidden --hidden, --layers blocks, a two-block vision tower), the same
+``write_vision_base``: hidden --hidden, --layers blocks, a two-block vision tower, Qwen2-VL's
+151,936-token vocabulary unless --vocab says otherwise; the tokenizer uses its first 263), the same
 chats with images (recipes/data/colours: the colour of a shape, one image a chat), the same LoRA
 (rank 8, scale 2, every linear layer of the language model, the tower frozen), Adam at a
 constant rate without weight decay, batches of --batch and --steps steps; both train the
@@ -35,9 +36,10 @@ COLOURS = REPO / "recipes" / "data" / "colours"
 TAG = "COMPARE_MLX_VLM "
 
 
-def arch(hidden: int, layers: int) -> dict:
+def arch(hidden: int, layers: int, vocab: int) -> dict:
     return {
         "model_type": "qwen2_vl",
+        "vocab_size": vocab,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "intermediate_size": hidden * 11 // 4,
@@ -188,6 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument(
+        "--vocab", type=int, default=151936, help="the model's vocabulary (Qwen2-VL's: 151,936)"
+    )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--child", choices=["mlxtune", "mlx-vlm"], help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
@@ -207,7 +212,11 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         tok_dir = COLOURS / "tokenizer"
         base = write_vision_base(
-            arch(args.hidden, args.layers), load_tokenizer(tok_dir), tok_dir, tmp / "base", 0
+            arch(args.hidden, args.layers, args.vocab),
+            load_tokenizer(tok_dir),
+            tok_dir,
+            tmp / "base",
+            0,
         )
         write_data(tmp / "data")
         spec = {"base": str(base), "data": str(tmp / "data"), "steps": args.steps,
@@ -227,7 +236,8 @@ def main(argv=None) -> int:
         print(f"{k:24}{ours[k]:>12.3f}{peer[k]:>12.3f}")
     for k, v in ratios.items():
         print(f"{k:36} {v:.2f}x")
-    shape = {"hidden": args.hidden, "layers": args.layers, "steps": args.steps, "batch": args.batch}
+    shape = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
+             "steps": args.steps, "batch": args.batch}  # fmt: skip
     print(json.dumps({"model": shape, "mlxtune": ours, "mlx_vlm": peer,
                       "ratios": {k: round(v, 3) for k, v in ratios.items()},
                       "cores": os.cpu_count()}))  # fmt: skip
