@@ -197,14 +197,19 @@ def tokenizer_for(
     return tokenizer, folder
 
 
+VISION_OBJECTIVES = ("sft", "dpo", "orpo", "cpo")
+"""The objectives that train vision-language models (their examples and pairs show images)."""
+
+
 def refuse_what_vision_models_do_not_do(recipe: Recipe) -> None:
     """The settings a vision-language model does not train with (yet), each refused at its
-    key: objectives other than SFT, and a token stream cut into rows (an example's images
-    cannot be cut)."""
+    key: objectives other than SFT and the paired preference ones, and a token stream cut into
+    rows (an example's images cannot be cut)."""
     r = recipe
-    if r.objective.type != "sft":
+    if r.objective.type not in VISION_OBJECTIVES:
         raise UserInputError(
-            f"{r.objective.type} does not train vision-language models yet; use sft",
+            f"{r.objective.type} does not train vision-language models yet; use one of "
+            f"{', '.join(VISION_OBJECTIVES)}",
             "objective.type",
         )
     if r.data.packing == "stream":

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from PIL import Image
 
 from conftest import (
+    COLOURS,
     VISION_TOWERS,
     build_run,
     build_vision_dir,
@@ -353,7 +354,7 @@ def test_the_mlx_vlm_export_loads_in_mlx_vlm_with_the_trained_logits(colours, qw
 @pytest.mark.parametrize(
     "key, value",
     [
-        ("objective", {"type": "dpo"}),
+        ("objective", {"type": "reward"}),
         ("data", {"packing": "stream"}),
     ],
 )
@@ -479,3 +480,72 @@ def test_batches_whose_images_take_different_token_counts_reach_the_step_in_one_
         arrays = model.batch_arrays(np.array([ids]), [[p]])
         shapes.add(model.prepare({k: mx.array(v) for k, v in arrays.items()})["features"].shape)
     assert len(shapes) == 1 and next(iter(shapes))[0] % FEATURE_ROWS == 0
+
+
+def colour_pairs(folder: Path, n: int) -> list[dict]:
+    """Preference rows over the colour chats: the right colour chosen, another rejected, the
+    image in an ``images`` column beside the prompt's bare image part."""
+    out = []
+    for i, row in enumerate(colour_rows(folder, "pairs", n)):
+        question = json.loads(json.dumps(row["messages"][0]))
+        path = question["content"][0].pop("image")
+        right = row["messages"][1]["content"]
+        wrong = sorted(c for c in COLOURS if c != right)[i % 2]
+        out.append(
+            {
+                "images": [path],
+                "prompt": [question],
+                "chosen": [{"role": "assistant", "content": right}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            }
+        )
+    return out
+
+
+def test_dpo_on_image_pairs_is_its_formula_from_mlx_vlms_own_forward(qwen_dir, tmp_path):
+    """A DPO batch of pairs sharing their prompt's image: the loss is the DPO formula of the
+    completions' log-probabilities under the policy and under the base (the adapters off),
+    each from mlx-vlm's whole forward of that sequence with its image."""
+    from test_preference import dpo_formula
+
+    from mlxtune.adapters import adapters_disabled
+
+    write_jsonl(tmp_path / "pairs.jsonl", colour_pairs(tmp_path, 12))
+    r = tiny_recipe(
+        tmp_path,
+        qwen_dir,
+        data={"train": str(tmp_path / "pairs.jsonl"), "max_length": 64, "valid_fraction": 0.25},
+        objective={"type": "dpo", "beta": 0.5},
+        adapter={"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]},
+        train={"batch_size": 4, "max_steps": 2, "progress": False},
+    )
+    t = build_run(r, tmp_path)
+    shake_adapters(t.model)
+    batch = next(t.objective.batches())[1]
+    assert batch.images is not None and len(batch.images) == 2 * len(batch.pairs)
+    pairs = [t.train_set.examples[i] for i in batch.pairs if i >= 0]
+
+    def logp(model, ids, mask, files):
+        z = np.array(mlx_vlm_logits(model, ids[:-1], [Path(f) for f in files]), np.float64)
+        z -= z.max(-1, keepdims=True)
+        lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        return sum(lp[j, ids[j + 1]] for j in range(len(ids) - 1) if mask[j + 1])
+
+    def both(p):
+        return (logp(t.model, p.ids, p.mask, p.images),
+                logp(t.model, p.rejected_ids, p.rejected_mask, p.images))  # fmt: skip
+
+    pol = [both(p) for p in pairs]
+    with adapters_disabled(t.model):
+        ref = [both(p) for p in pairs]
+    want = [
+        dpo_formula("sigmoid", 0.5, 0.0, *pp, *rr, p.n_targets, p.rejected_targets)
+        for pp, rr, p in zip(pol, ref, pairs, strict=True)
+    ]
+    with kernel_attention(t.model, "chunked"):
+        loss, count, _ = t.objective.loss(t.model, t.engine.arrays(batch))
+    assert count.item() == len(pairs)
+    assert loss.item() == pytest.approx(sum(want), rel=1e-4, abs=1e-5)
+    t.run()  # and a DPO run on image pairs goes through, its reference reading the images too
+    rows = [x for x in run_rows(tmp_path / "run") if "loss" in x]
+    assert rows and all(np.isfinite(x["loss"]) for x in rows)

@@ -276,6 +276,14 @@ def cached(
     return ds
 
 
+def reads_images(encoder, depth: int = 3) -> bool:
+    """Whether an encoder (or one it holds: a pair encoder's, a row reader's) reads images."""
+    if getattr(encoder, "images", None) is not None:
+        return True
+    inner = getattr(encoder, "encoder", None)
+    return depth > 0 and inner is not None and reads_images(inner, depth - 1)
+
+
 def cached_split(
     path, data, tokenizer, encoder, build: Callable[[], Dataset], kinds: tuple[type, ...], **more
 ) -> Dataset:
@@ -292,7 +300,7 @@ def cached_split(
     }
     # a vision model's examples hang on its image files too (their sizes set the tokens):
     # encoded afresh each run, never cached
-    enabled = data.cache and only_built_in_formats() and getattr(encoder, "images", None) is None
+    enabled = data.cache and only_built_in_formats() and not reads_images(encoder)
     return cached(str(path), tokenizer, settings, build, kinds, enabled, distributed.current())
 
 

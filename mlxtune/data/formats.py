@@ -114,6 +114,9 @@ class Pair:
     rejected: str | list
     tools: list | None = None
     """The functions the conversation may call (chat pairs), shown to the chat template."""
+    images: tuple[str, ...] = ()
+    """The image files the prompt shows (chat pairs; see ``Chat.images``): both completions
+    answer the same images."""
 
 
 @dataclass(frozen=True)
@@ -256,11 +259,11 @@ def _instruction(obj: dict, where: str) -> PromptAnswer:
 
 def _chat(obj: dict, where: str) -> Chat:
     messages = _calls_as_objects(field(obj, "messages", where, list), where)
-    messages, images = with_images(messages, obj.get("images", obj.get("image")), where)
+    messages, images = chat_images(messages, obj.get("images", obj.get("image")), where)
     return Chat(messages, tools=read_tools(obj.get("tools"), where), images=images)
 
 
-def with_images(messages: list, column, where: str) -> tuple[list, tuple[str, ...]]:
+def chat_images(messages: list, column, where: str) -> tuple[list, tuple[str, ...]]:
     """A conversation's images, and its messages as chat templates read them.
 
     Images come as content parts, ``{"type": "image", "image": PATH}`` (or ``"path"``), or as
@@ -469,13 +472,15 @@ def _preference(obj: dict, where: str) -> Pair:
             where,
         )
     tools = read_tools(obj.get("tools"), where)
+    images = ()
     if isinstance(prompt, list):
         prompt, chosen, rejected = (_calls_as_objects(m, where) for m in (prompt, chosen, rejected))
+        prompt, images = chat_images(prompt, obj.get("images", obj.get("image")), where)
     elif tools:
         raise UserInputError(
             "the row has tools, which only a conversation (messages) shows the model", where
         )
-    return Pair(prompt, chosen, rejected, tools)
+    return Pair(prompt, chosen, rejected, tools, images)
 
 
 def _unpaired(obj: dict, where: str) -> Labeled:

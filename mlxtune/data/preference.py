@@ -68,12 +68,13 @@ class PairEncoder:
         train_on_eos: bool = True,
         template_kwargs: dict | None = None,
         train_on_reasoning: bool = True,
+        images=None,
     ):
         self.encoder = Encoder(
-            tokenizer, True, add_eos, train_on_eos, template_kwargs, train_on_reasoning
+            tokenizer, True, add_eos, train_on_eos, template_kwargs, train_on_reasoning, images
         )
 
-    def _sequence(self, prompt, completion, key: str, where: str, tools=None) -> Example:
+    def _sequence(self, prompt, completion, key: str, where: str, tools=None, images=()) -> Example:
         if isinstance(completion, str):
             if not completion.strip():
                 raise UserInputError(f"the {key!r} completion is empty", where)
@@ -88,12 +89,12 @@ class PairEncoder:
                 f"the {key!r} completion has no non-empty assistant message", where
             )
         return self.encoder.encode_piece(
-            Chat(list(prompt) + list(completion), len(prompt), tools), where
+            Chat(list(prompt) + list(completion), len(prompt), tools, images), where
         )
 
     def encode(self, pair: Pair, where: str) -> PairExample:
-        c = self._sequence(pair.prompt, pair.chosen, "chosen", where, pair.tools)
-        r = self._sequence(pair.prompt, pair.rejected, "rejected", where, pair.tools)
+        c = self._sequence(pair.prompt, pair.chosen, "chosen", where, pair.tools, pair.images)
+        r = self._sequence(pair.prompt, pair.rejected, "rejected", where, pair.tools, pair.images)
         for key, ex in (("chosen", c), ("rejected", r)):
             if ex.n_targets == 0:
                 raise UserInputError(f"the {key!r} completion has no tokens to score", where)
@@ -104,6 +105,7 @@ class PairEncoder:
             answer=c.answer,
             prompt_ids=c.prompt_ids,
             display=c.display,
+            images=c.images,
             rejected_ids=r.ids,
             rejected_mask=r.mask,
         )
@@ -247,9 +249,22 @@ def make_pair_batch(
             seq[r, : len(ids)] = r
             lengths.append(len(ids))
     index = np.array([p.index for p in pairs], dtype=np.int32)
+    images = pair_images([[p] for p in pairs], rows_a_pair=2)
     return PairBatch(
-        tokens, mask, int(mask[:, 1:].sum()), tuple(lengths), None, seq, index, split, False
-    )
+        tokens, mask, int(mask[:, 1:].sum()), tuple(lengths), None, seq, index, split, False,
+        images=images,
+    )  # fmt: skip
+
+
+def pair_images(rows: list[list[PairExample]], rows_a_pair: int = 1) -> tuple | None:
+    """Each row's image files (a vision model's pairs): a row of pairs shows each pair's images
+    for its chosen and again for its rejected sequence; with ``rows_a_pair`` 2 each pair is two
+    rows (its chosen, its rejected), each showing the pair's images once. None without images."""
+    if not any(getattr(p, "images", None) for r in rows for p in r):
+        return None
+    if rows_a_pair == 2:
+        return tuple(tuple(r[0].images or ()) for r in rows for _ in range(2))
+    return tuple(tuple(f for p in r for f in 2 * tuple(p.images or ())) for r in rows)
 
 
 def make_packed_pair_batch(
@@ -281,8 +296,9 @@ def make_packed_pair_batch(
             slot += 1
         lengths.append(at)
     return PairBatch(
-        tokens, mask, int(mask[:, 1:].sum()), tuple(lengths), seg, seq, index, split, True
-    )
+        tokens, mask, int(mask[:, 1:].sum()), tuple(lengths), seg, seq, index, split, True,
+        images=pair_images(rows),
+    )  # fmt: skip
 
 
 def split_pair_batch(b: PairBatch, parts: int) -> list[PairBatch]:
@@ -320,6 +336,7 @@ def split_pair_batch(b: PairBatch, parts: int) -> list[PairBatch]:
                 pairs,
                 b.split,
                 b.packed,
+                images=None if b.images is None else b.images[rows],
             )
         )
     return out

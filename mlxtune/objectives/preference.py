@@ -165,7 +165,12 @@ class Preference(Objective):
         """(train, valid, test) as the data section says (``load_split`` reads each file)."""
         r, d = recipe, recipe.data
         enc = PairEncoder(
-            tokenizer, d.add_eos, d.train_on_eos, d.chat_template_kwargs, d.train_on_reasoning
+            tokenizer,
+            d.add_eos,
+            d.train_on_eos,
+            d.chat_template_kwargs,
+            d.train_on_reasoning,
+            images=getattr(tokenizer, "image_tokens", None),
         )
 
         def load(path):
