@@ -155,6 +155,8 @@ def generate_ids(
     model.eval()
     out: list[list[int]] = []
     decode = _decode if plain_kv_caches(model) else _decode_own_caches
+    if images is not None and decode is not _decode:
+        raise ValueError("image prompts decode in plain KV caches (_decode)")
     try:
         step = max(1, max_batch // group)
         for at in range(0, len(prompts), step):
@@ -168,8 +170,8 @@ def generate_ids(
                 see = lambda rs, z, base=base: on_logits(  # noqa: E731
                     [r + base if r >= 0 else r for r in rs], z
                 )
-            shown = None if images is None else images[at : at + step]
-            out += decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see, shown)
+            shown = {} if images is None else {"images": images[at : at + step]}
+            out += decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see, **shown)
     finally:
         model.train(was_training)
     return out
@@ -203,25 +205,13 @@ def _batch_cache(model, pad: list[int]) -> list:
 
 
 def _decode_own_caches(
-    model,
-    prompts,
-    max_new_tokens,
-    eos,
-    s,
-    group,
-    keys,
-    stop=None,
-    on_token=None,
-    on_logits=None,
-    images=None,
+    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None, on_logits=None
 ) -> list[list[int]]:
     """``_decode`` for models whose caches are not plain KV caches (sliding windows, conv or
     SSM state): prompts of one length at a time, unpadded (padding would flow into a recurrent
     state), each prompt's ``group`` rows read it in one batch, in the model's own caches
     (``make_cache``), one uncompiled step a token. Rows draw from the same keys as ``_decode``
     gives them, so a row's tokens do not depend on which path decodes it."""
-    if images is not None:
-        raise ValueError("image prompts decode in plain KV caches (_decode)")
     new: list[list[int]] = [[] for _ in range(len(prompts) * group)]
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -269,7 +259,7 @@ class FixedKVCache:
         values: mx.array,
         idx: mx.array,
         left: mx.array,
-        shift: mx.array | None = None,
+        shift: mx.array,
     ):
         self.keys, self.values = keys, values
         self.idx = idx
@@ -277,15 +267,14 @@ class FixedKVCache:
         self.left = left
         """[B] int32: each row's left padding."""
         self.shift = shift
-        """[B] int32 or None: each row's rotary shift (a vision model's prompt, whose image
+        """[B] int32: each row's rotary shift (0 but for a vision model's prompt, whose image
         tokens take fewer positions than tokens)."""
 
     @property
     def offset(self) -> mx.array:
-        """Each row's position (what RoPE reads): positions written less its padding (plus its
-        shift)."""
-        at = self.idx - self.left
-        return at if self.shift is None else at + self.shift
+        """Each row's position (what RoPE reads): positions written less its padding, plus its
+        shift."""
+        return self.idx - self.left + self.shift
 
     def update_and_fetch(self, keys, values):
         self.keys = mx.slice_update(self.keys, keys, self.idx, axes=(2,))
