@@ -155,8 +155,6 @@ def generate_ids(
     model.eval()
     out: list[list[int]] = []
     decode = _decode if plain_kv_caches(model) else _decode_own_caches
-    if images is not None and decode is not _decode:
-        raise ValueError("image prompts decode in plain KV caches (_decode)")
     try:
         step = max(1, max_batch // group)
         for at in range(0, len(prompts), step):
@@ -205,22 +203,40 @@ def _batch_cache(model, pad: list[int]) -> list:
 
 
 def _decode_own_caches(
-    model, prompts, max_new_tokens, eos, s, group, keys, stop=None, on_token=None, on_logits=None
+    model,
+    prompts,
+    max_new_tokens,
+    eos,
+    s,
+    group,
+    keys,
+    stop=None,
+    on_token=None,
+    on_logits=None,
+    images=None,
 ) -> list[list[int]]:
     """``_decode`` for models whose caches are not plain KV caches (sliding windows, conv or
     SSM state): prompts of one length at a time, unpadded (padding would flow into a recurrent
     state), each prompt's ``group`` rows read it in one batch, in the model's own caches
     (``make_cache``), one uncompiled step a token. Rows draw from the same keys as ``_decode``
-    gives them, so a row's tokens do not depend on which path decodes it."""
+    gives them, so a row's tokens do not depend on which path decodes it. A vision model's
+    prompts read their ``images`` (the prompts' files)."""
     new: list[list[int]] = [[] for _ in range(len(prompts) * group)]
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)
     for idx in by_length.values():
         rows = [i * group + j for i in idx for j in range(group)]
-        x = mx.array([prompts[i] for i in idx for _ in range(group)])
+        read = [prompts[i] for i in idx for _ in range(group)]
+        shown = None
+        if images is not None and isinstance(model, VisionLM):
+            files = [[Path(f) for f in images[i]] for i in idx for _ in range(group)]
+            shown, shift = model.prompt_arrays(read, files)
+            if any(shift):  # positions the caches' offsets do not give
+                raise ValueError("prompts whose rotary positions shift decode in _decode")
         cache = _own_caches(model)
-        logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
+        with image_inputs(shown):
+            logits = model(mx.array(read), cache=cache)[:, -1, :].astype(mx.float32)
         ks = keys[mx.array(rows)]
         done = [False] * len(rows)
         for t in range(max_new_tokens):

@@ -15,11 +15,7 @@ from mlx.utils import tree_flatten
 from PIL import Image
 
 from conftest import (
-    COLOURS,
-    VISION_TOWERS,
     build_run,
-    build_vision_dir,
-    colour_rows,
     make_crash,
     run_rows,
     same_rows,
@@ -44,6 +40,7 @@ from mlxtune.models import (
 )
 from mlxtune.models.vision import FEATURE_ROWS
 from mlxtune.tokenizer import load_tokenizer
+from vision_models import COLOURS, VISION_ARCHS, build_vision_dir, colour_rows
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +48,7 @@ def qwen_dir(tmp_path_factory):
     return build_vision_dir(tmp_path_factory.mktemp("qwen2_vl") / "model")
 
 
-@pytest.fixture(scope="module", params=sorted(VISION_TOWERS))
+@pytest.fixture(scope="module", params=sorted(VISION_ARCHS))
 def family_dir(request, tmp_path_factory):
     """A tiny model of each family mlxtune trains."""
     return build_vision_dir(tmp_path_factory.mktemp(request.param) / "model", request.param)
@@ -74,35 +71,45 @@ def config_of(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
-def two_rows(model, pictures):
-    """Token rows (two images in the first, one in the second; one image token each, as a
-    chat template writes them) expanded to their images' token counts, right-padded."""
+def two_rows(model, pictures, folder: Path):
+    """Token rows (two images in the first, one in the second; one marker each, as a chat
+    template writes them) expanded as the family's processor expands them, right-padded."""
     it = model.image_tokens
-    counts = it.counts(pictures, "test")
-    t = it.token_id
-    rows = [
-        [257, 10, 11, 259, t, 260, 12, 13, 259, t, 260, 14, 258],
-        [257, 20, 259, t, 260, 21, 22, 23, 24, 258],
-    ]
-    e0 = it.expand(rows[0], [0] * len(rows[0]), counts[:2], "r0")[0]
-    e1 = it.expand(rows[1], [0] * len(rows[1]), counts[2:], "r1")[0]
-    tokens = np.full((2, max(len(e0), len(e1))), 256, np.int64)
+    layouts = it.layouts(pictures, "test")
+    tok = load_tokenizer(folder)
+    m = [it.family.marker_id]
+    if it.family.mrope:  # Qwen's template frames it: <|vision_start|> <|image_pad|> <|vision_end|>
+        m = [259, *m, 260]
+    rows = [[5, 10, 11, *m, 12, 13, *m, 14, 6], [5, 20, *m, 21, 22, 23, 24, 6]]
+    e0 = it.expand(rows[0], [0] * len(rows[0]), layouts[:2], tok, "r0")[0]
+    e1 = it.expand(rows[1], [0] * len(rows[1]), layouts[2:], tok, "r1")[0]
+    tokens = np.full((2, max(len(e0), len(e1))), 7, np.int64)
     tokens[0, : len(e0)], tokens[1, : len(e1)] = e0, e1
     return tokens, [e0, e1], [pictures[:2], pictures[2:]]
 
 
 def mlx_vlm_logits(model, ids, files):
-    """mlx-vlm's own forward of one unpadded row: its processor's pixels, its rotary index
-    and its merge of the image features."""
-    px = model.image_tokens.process(files, "test")
-    lm = model.vlm.language_model
-    lm._position_ids = lm._rope_deltas = None  # mlx-vlm keeps them from the last call
-    return model.vlm(
-        mx.array([ids]),
-        mx.array(px["pixel_values"]),
-        mask=None,
-        image_grid_thw=mx.array(px["image_grid"]),
-    ).logits[0]
+    """mlx-vlm's own forward of one unpadded row: its processor's pixels and its merge of the
+    image features (Qwen2-VL's rotary index its own too)."""
+    it, vlm = model.image_tokens, model.vlm
+    x = mx.array([ids])
+    if it.family.name.startswith("qwen"):
+        px = it.process(files, "test")
+        lm = vlm.language_model
+        lm._position_ids = lm._rope_deltas = None  # mlx-vlm keeps them from the last call
+        return vlm(
+            x, mx.array(px["pixel_values"]), mask=None, image_grid_thw=mx.array(px["image_grid"])
+        ).logits[0]
+    pictures = [Image.open(f).convert("RGB") for f in files]
+    if it.family.name == "gemma3":  # the embeddings as mlx-vlm merges them, its causal LM
+        px = it.processor(images=pictures, return_tensors="np")["pixel_values"]
+        embeds = vlm.get_input_embeddings(x, mx.array(px), mask=mx.ones(x.shape)).inputs_embeds
+        return vlm.language_model(x, inputs_embeds=embeds).logits[0]
+    # Idefics3 / SmolVLM: one sample of all the row's pictures, padding tiles and all
+    out = it.processor(images=[[p] for p in pictures], return_tensors="np")
+    px, pm = (np.asarray(out[k]) for k in ("pixel_values", "pixel_attention_mask"))
+    px, pm = px.reshape(1, -1, *px.shape[2:]), pm.reshape(1, -1, *pm.shape[2:])
+    return vlm(x, mx.array(px), pixel_attention_mask=mx.array(pm)).logits[0]
 
 
 def our_logits(model, tokens, files):
@@ -111,17 +118,31 @@ def our_logits(model, tokens, files):
         return model(mx.array(tokens))
 
 
+# each family's image tokens for the three pictures, by hand. Qwen2-VL: sides rounded to 28
+# within 3136-12544 pixels, 14-pixel patches merged 2 x 2: 60 x 80 -> 56 x 84 (6), 100 x 200 ->
+# 56 x 140 (10), 56 x 56 (4). Gemma 3: 4 each. SmolVLM: the longest side to 112, cut into
+# 56-pixel tiles (2 x 2, 1 x 2, 2 x 2) plus the whole picture, 4 tokens a tile.
+IMAGE_COUNTS = {
+    "qwen2_vl": [6, 10, 4],
+    "qwen2_5_vl": [6, 10, 4],
+    "gemma3": [4, 4, 4],
+    "smolvlm": [20, 12, 20],
+}
+
+
 def test_logits_are_mlx_vlms_own(family_dir, pictures):
     """A padded batch of rows with images of three sizes: each row's logits are those of
     mlx-vlm's forward of that row alone."""
     model = load_vision_model(family_dir, config_of(family_dir), "float32")
-    tokens, rows, files = two_rows(model, pictures)
-    assert [model.image_tokens.counts([p], "t")[0] for p in pictures] == [6, 10, 4]
+    tokens, rows, files = two_rows(model, pictures, family_dir)
+    counts = IMAGE_COUNTS[model.family.name]
+    assert [model.image_tokens.counts([p], "t")[0] for p in pictures] == counts
+    assert int((tokens == model.image_tokens.token_id).sum()) == sum(counts)
     ours = our_logits(model, tokens, files)
     for b, (ids, fs) in enumerate(zip(rows, files, strict=True)):
         want = np.array(mlx_vlm_logits(model, ids, fs))
         got = np.array(ours[b, : len(ids)])
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def test_lora_gradients_are_mlx_vlms_own(family_dir, pictures):
@@ -131,7 +152,7 @@ def test_lora_gradients_are_mlx_vlms_own(family_dir, pictures):
     lm_parts(model)  # the head and embedding are found through the wrapper
     apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
     shake_adapters(model)
-    tokens, rows, files = two_rows(model, pictures)
+    tokens, rows, files = two_rows(model, pictures, family_dir)
 
     def naive(m):
         total = 0.0
@@ -168,7 +189,7 @@ def test_greedy_answers_to_image_prompts_are_mlx_vlms_own(family_dir, pictures):
     model = load_vision_model(family_dir, config_of(family_dir), "float32")
     apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
     shake_adapters(model, seed=3)
-    _, rows, files = two_rows(model, pictures)
+    _, rows, files = two_rows(model, pictures, family_dir)
     prompts = [rows[0][:-1], rows[1][:-2]]
     got = generate_ids(model, prompts, 6, set(), images=files)
     for prompt, fs, ours in zip(prompts, files, got, strict=True):
@@ -271,9 +292,9 @@ def test_a_text_model_refuses_a_row_with_images(qwen_dir, tmp_path):
 
 def test_a_vision_family_mlxtune_does_not_train_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "gemma3", "vision_config": {"model_type": "siglip"}})
+        json.dumps({"model_type": "paligemma", "vision_config": {"model_type": "siglip"}})
     )
-    with pytest.raises(UserInputError, match="'gemma3' is a vision-language model"):
+    with pytest.raises(UserInputError, match="'paligemma' is a vision-language model"):
         load_image_tokens(tmp_path, config_of(tmp_path))
 
 
@@ -340,7 +361,7 @@ def test_the_mlx_vlm_export_loads_in_mlx_vlm_with_the_trained_logits(colours, qw
     export(done, "mlx-vlm", out)
     theirs, _ = mlx_vlm_load(str(qwen_dir), adapter_path=str(out))
     pictures = sorted((Path(r["data"]["train"]).parent / "img").glob("*.png"))[:3]
-    tokens, rows, files = two_rows(trained, pictures)
+    tokens, rows, files = two_rows(trained, pictures, qwen_dir)
     ours = our_logits(trained, tokens, files)
     shown = {"vlm": theirs, "image_tokens": trained.image_tokens}
     for b, (ids, fs) in enumerate(zip(rows, files, strict=True)):
@@ -419,7 +440,7 @@ def test_the_vision_quickstart_builds_its_base_learns_and_exports_for_mlx_vlm(tm
     trained = load_checkpoint(run / "checkpoints" / "final").model
     theirs, _ = mlx_vlm_load(str(run / "export" / "fused"))
     pictures = sorted((REPO / "recipes" / "data" / "colours" / "img").glob("test-*.png"))[:3]
-    tokens, rows, files = two_rows(trained, pictures)
+    tokens, rows, files = two_rows(trained, pictures, run / "base")
     ours = our_logits(trained, tokens, files)
     shown = SimpleNamespace(vlm=theirs, image_tokens=trained.image_tokens)
     for b, (ids, fs) in enumerate(zip(rows, files, strict=True)):
@@ -476,7 +497,8 @@ def test_batches_whose_images_take_different_token_counts_reach_the_step_in_one_
     model = load_vision_model(qwen_dir, config_of(qwen_dir), "float32")
     it, shapes = model.image_tokens, set()
     for p in pictures[:2]:
-        ids = it.expand([257, 259, it.token_id, 260, 10], [0] * 5, it.counts([p], "t"), "t")[0]
+        ids = [257, 259, it.token_id, 260, 10]
+        ids = it.expand(ids, [0] * 5, it.layouts([p], "t"), load_tokenizer(qwen_dir), "t")[0]
         arrays = model.batch_arrays(np.array([ids]), [[p]])
         shapes.add(model.prepare({k: mx.array(v) for k, v in arrays.items()})["features"].shape)
     assert len(shapes) == 1 and next(iter(shapes))[0] % FEATURE_ROWS == 0

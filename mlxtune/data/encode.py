@@ -427,7 +427,9 @@ class Encoder:
             prompt_ids=conv.tokens(last, True) or None,
             display=shown,
         )
-        return with_images(example, piece.images, self.images, where) if piece.images else example
+        if piece.images:
+            return with_images(example, piece.images, self.images, self.tok, where)
+        return example
 
 
 def fitted(ex: Example, max_length: int, overlong: str, min_length: int, stats) -> bool:

@@ -28,19 +28,21 @@ def image_path(path: str, where: str) -> Path:
     return (source.parent if source.is_file() else Path.cwd()) / p
 
 
-def with_images(example, images: tuple[str, ...], tokens, where: str):
-    """``example`` (encoded with one image token an image) showing ``images``: its ids, mask
-    and prompt ids with each image's tokens in full (never targets), and its files. ``tokens``:
-    the vision model's ``models.vision.ImageTokens``; None (a text model) refuses the row."""
+def with_images(example, images: tuple[str, ...], tokens, tokenizer, where: str):
+    """``example`` (encoded with one marker an image, as the chat template writes it) showing
+    ``images``: its ids, mask and prompt ids with each marker expanded to its image's tokens as
+    the family's processor writes them (never targets), and its files. ``tokens``: the vision
+    model's ``models.vision.ImageTokens``; None (a text model) refuses the row."""
     if tokens is None:
         raise UserInputError(
             "the row shows images, and the model is no vision-language model", where
         )
     paths = tuple(str(image_path(p, where)) for p in images)
-    counts = tokens.counts([Path(p) for p in paths], where)
-    ids, mask = tokens.expand(example.ids, example.mask, counts, where)
+    layouts = tokens.layouts([Path(p) for p in paths], where)
+    ids, mask = tokens.expand(example.ids, example.mask, layouts, tokenizer, where)
     prompt_ids = example.prompt_ids
     if prompt_ids:  # the prompt shows the images before the last answer
-        k = sum(1 for i in prompt_ids if i == tokens.token_id)
-        prompt_ids = tokens.expand(prompt_ids, [0] * len(prompt_ids), counts[:k], where)[0]
+        k = sum(1 for i in prompt_ids if i == tokens.family.marker_id)
+        zeros = [0] * len(prompt_ids)
+        prompt_ids = tokens.expand(prompt_ids, zeros, layouts[:k], tokenizer, where)[0]
     return replace(example, ids=ids, mask=mask, prompt_ids=prompt_ids, images=paths)

@@ -37,7 +37,6 @@ from .quantize import (
     quantize_model,
 )
 from .vision import (
-    VISION_FAMILIES,
     ImageTokens,
     VisionLM,
     images,
@@ -47,6 +46,7 @@ from .vision import (
     step_images,
     write_vision_base,
 )
+from .vision_families import VISION_FAMILIES, VisionFamily
 
 __all__ = [
     "VISION_FAMILIES",
@@ -58,7 +58,7 @@ __all__ = [
     "load_vision_model",
     "step_images",
     "write_vision_base",
-    "write_vision_base",
+    "VisionFamily",
     "DTYPES",
     "HF_ARCHITECTURES",
     "PICKLED",

@@ -25,7 +25,6 @@ import contextvars
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,63 +36,19 @@ from mlx.utils import tree_flatten
 from ..errors import UserInputError
 from .common import cast_floats
 from .loading import check_model_dir
+from .vision_families import VisionFamily, vision_family, vision_family_class
 
 IMAGE_KEYS = ("image_index", "positions")
 """The batch arrays a VisionLM's forward reads in the step (besides ``features``), each with
-the batch's token axis last: sliced with the tokens."""
-TOWER_KEYS = ("pixel_values", "image_grid")
-"""The batch arrays the tower reads before the step (``VisionLM.prepare``)."""
+the batch's token axis last: sliced with the tokens. ``positions`` only for a family whose
+rotary positions the host makes (``VisionFamily.mrope``)."""
 FEATURE_ROWS = 64
 """A step's image features come in rows of a multiple of this (see ``VisionLM.prepare``)."""
-
-
-@dataclass(frozen=True)
-class VisionFamily:
-    """What mlxtune needs to know of one mlx-vlm family."""
-
-    name: str
-    image_token_key: str
-    """The config key of the token id each image's features take the place of."""
-    merge_key: str = "spatial_merge_size"
-    """The vision config's key of how many patches a side merge into one token."""
-    special_tokens: tuple[tuple[str, str], ...] = ()
-    """(config key, token) of the family's special tokens: a model built from an architecture
-    takes their ids from its tokenizer."""
-
-    def tokens_per_image(self, grid: np.ndarray, merge: int) -> np.ndarray:
-        """How many image tokens each image [t, h, w] patch grid becomes."""
-        return (grid[:, 0] * grid[:, 1] * grid[:, 2]) // (merge * merge)
-
-
-# Qwen2-VL and Qwen2.5-VL: dynamic resolution (a grid of 14-pixel patches, 2 x 2 merged into a
-# token), one <|image_pad|> token a merged patch, and rotary positions along three axes
-# (time, height, width) for the image tokens.
-_QWEN_TOKENS = (
-    ("image_token_id", "<|image_pad|>"),
-    ("video_token_id", "<|video_pad|>"),
-    ("vision_start_token_id", "<|vision_start|>"),
-)
-VISION_FAMILIES = {
-    name: VisionFamily(name, "image_token_id", special_tokens=_QWEN_TOKENS)
-    for name in ("qwen2_vl", "qwen2_5_vl")
-}
 
 
 def is_vision_config(config: dict) -> bool:
     """Whether a model's config.json is a vision-language model's (it has a vision tower)."""
     return isinstance(config.get("vision_config"), dict)
-
-
-def vision_family(config: dict, where: str) -> VisionFamily:
-    """The config's family, or a UserInputError naming a family mlxtune does not train."""
-    name = config.get("model_type")
-    if name not in VISION_FAMILIES:
-        raise UserInputError(
-            f"model_type {name!r} is a vision-language model that mlxtune does not train yet "
-            f"(it trains {', '.join(sorted(VISION_FAMILIES))})",
-            where,
-        )
-    return VISION_FAMILIES[name]
 
 
 # ---------------------------------------------------------------------- the forward's context
@@ -123,7 +78,8 @@ def step_images(batch: dict, end: int | None = None) -> dict | None:
         return None
     out = {"features": batch["features"]}
     for k in IMAGE_KEYS:
-        out[k] = batch[k][..., :end]
+        if k in batch:
+            out[k] = batch[k][..., :end]
     return out
 
 
@@ -144,50 +100,131 @@ def read_image(path: Path, where: str):
         raise UserInputError(f"cannot read the image {path}: {e}", where) from None
 
 
-class ImageTokens:
-    """A family's image processor, and how many tokens each image takes: what encoding data
-    needs of a vision model before the model loads."""
+def _hf(tokenizer):
+    """The Hugging Face tokenizer inside mlxtune's (or the one given)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
 
-    def __init__(self, family: VisionFamily, processor, config: dict):
+
+class _Codec:
+    """A tokenizer's plain-text encoding and decoding (no special tokens added, none
+    skipped), and the ids of its added tokens: those it splits out of a text before encoding
+    the rest, so that the text between two of them encodes on its own."""
+
+    def __init__(self, tokenizer):
+        hf = _hf(tokenizer)
+        self.hf, self.backend = hf, getattr(hf, "backend_tokenizer", None)
+        self.added = set(getattr(hf, "added_tokens_decoder", {}))
+
+    def encode(self, text: str) -> list[int]:
+        if self.backend is not None:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=False)
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    def name(self, token_id: int) -> str:
+        return self.hf.convert_ids_to_tokens(int(token_id))
+
+
+class ImageTokens:
+    """A family's image processor, and the tokens each image takes: what encoding data needs
+    of a vision model before the model loads."""
+
+    def __init__(self, family: VisionFamily, processor):
         self.family, self.processor = family, processor
-        self.token_id = int(config[family.image_token_key])
-        self.merge = int(config["vision_config"].get(family.merge_key, 1))
+        self.token_id = family.token_id
+        self._expansions: dict = {}
+
+    def processed(self, paths: list[Path], where: str) -> tuple[dict[str, np.ndarray], list]:
+        """The images as the tower reads them, and each one's layout (``VisionFamily``)."""
+        pictures = [read_image(p, where) for p in paths]
+        return self.family.process(self.processor, pictures)
 
     def process(self, paths: list[Path], where: str) -> dict[str, np.ndarray]:
-        """The images as the tower reads them: ``pixel_values`` and ``image_grid``."""
-        pictures = [read_image(p, where) for p in paths]
-        out = self.processor(images=pictures, return_tensors="np")
-        return {
-            "pixel_values": np.asarray(out["pixel_values"], np.float32),
-            "image_grid": np.asarray(out["image_grid_thw"], np.int64),
-        }
+        """The images as the tower reads them."""
+        return self.processed(paths, where)[0]
+
+    def layouts(self, paths: list[Path], where: str) -> list:
+        """Each image's layout: what sets its tokens."""
+        return self.processed(paths, where)[1] if paths else []
 
     def counts(self, paths: list[Path], where: str) -> list[int]:
         """How many image tokens each image becomes."""
-        if not paths:
-            return []
-        grid = self.process(paths, where)["image_grid"]
-        return [int(n) for n in self.family.tokens_per_image(grid, self.merge)]
+        return [self.family.tokens(x) for x in self.layouts(paths, where)]
 
-    def expand(self, ids: list[int], mask: list[int], counts: list[int], where: str):
-        """``ids`` (one image token an image, as the chat template writes it) with each image
-        token repeated as many times as its image takes; the repeats are never targets."""
-        found = sum(1 for i in ids if i == self.token_id)
-        if found != len(counts):
+    def _expansion(self, layout, codec: _Codec) -> list[tuple[int | None, str]]:
+        """One image's expansion as (added token id, "") and (None, plain text) items."""
+        key = (layout, id(codec.hf))
+        if key not in self._expansions:
+            ids = codec.encode(self.family.expansion(layout, codec.name))
+            items: list[tuple[int | None, str]] = []
+            run: list[int] = []
+            for i in [*ids, None]:
+                if (i is None or i in codec.added) and run:
+                    items.append((None, codec.decode(run)))
+                    run = []
+                if i is not None:
+                    items.append((i, "")) if i in codec.added else run.append(i)
+            self._expansions[key] = items
+        return self._expansions[key]
+
+    def expand(self, ids: list[int], mask: list[int], layouts: list, tokenizer, where: str):
+        """``ids`` (one marker an image, as the chat template writes it) with each marker
+        replaced by its image's expansion, as the family's processor replaces it in the
+        rendered text: the plain text the expansion joins on either side is encoded again as
+        one (no added token between), so the tokens are those of the processor's text. The
+        expansion's tokens are never targets, nor is a rejoined text run that held any token
+        that was not one."""
+        marker = self.family.marker_id
+        found = sum(1 for i in ids if i == marker)
+        if found != len(layouts):
             raise UserInputError(
-                f"the row has {len(counts)} image(s) and its chat renders {found} image "
+                f"the row has {len(layouts)} image(s) and its chat renders {found} image "
                 "token(s): each image needs an image part in a message's content",
                 where,
             )
-        out_ids, out_mask, k = [], [], 0
-        for i, m in zip(ids, mask, strict=True):
-            if i == self.token_id:
-                out_ids += [i] * counts[k]
-                out_mask += [0] * counts[k]
-                k += 1
+        codec = _Codec(tokenizer)
+        out_ids: list[int] = []
+        out_mask: list[int] = []
+        run: list = []  # the plain text run being read: (ids, masks) or (None, joined text)
+
+        def flush():
+            if any(part[0] is None for part in run):  # text joined it: encode it again
+                text = "".join(codec.decode(p) if p is not None else t for p, t in run)
+                new = codec.encode(text)
+                kept = [m for p, ms in run if p is not None for m in ms]
+                out_ids.extend(new)
+                out_mask.extend([min(kept, default=0)] * len(new))
             else:
+                for p, ms in run:
+                    out_ids.extend(p)
+                    out_mask.extend(ms)
+            run.clear()
+
+        k = 0
+        for i, m in zip(ids, mask, strict=True):
+            if i == marker:
+                for token, text in self._expansion(layouts[k], codec):
+                    if token is None:
+                        run.append((None, text))
+                    else:
+                        flush()
+                        out_ids.append(token)
+                        out_mask.append(0)
+                k += 1
+            elif i in codec.added:
+                flush()
                 out_ids.append(i)
                 out_mask.append(m)
+            elif run and run[-1][0] is not None:
+                run[-1][0].append(i)
+                run[-1][1].append(m)
+            else:
+                run.append(([i], [m]))
+        flush()
         return out_ids, out_mask
 
 
@@ -208,39 +245,11 @@ def load_image_tokens(model_dir: Path, config: dict) -> ImageTokens:
         from transformers import AutoImageProcessor
 
         processor = AutoImageProcessor.from_pretrained(str(model_dir))
-    return ImageTokens(family, processor, config)
+    family.check_processor(processor, str(model_dir / "preprocessor_config.json"))
+    return ImageTokens(family, processor)
 
 
 # -------------------------------------------------------------------------------------- model
-
-
-def mrope_positions(ids: np.ndarray, grids: np.ndarray, token_id: int, merge: int) -> np.ndarray:
-    """Qwen2-VL's rotary positions [3, T] of one row: a text token's are its index in all three
-    axes (counting an image as far as its largest position), an image's tokens run over
-    (time, height, width) of its merged grid from where the next text token would be."""
-    pos = np.zeros((3, len(ids)), np.int32)
-    nxt = g = i = 0
-    while i < len(ids):
-        if ids[i] != token_id:
-            pos[:, i] = nxt
-            nxt += 1
-            i += 1
-            continue
-        t, h, w = (int(v) for v in grids[g])
-        g += 1
-        gh, gw = h // merge, w // merge
-        n = t * gh * gw
-        block = np.stack(
-            [
-                np.repeat(np.arange(t), gh * gw),
-                np.tile(np.repeat(np.arange(gh), gw), t),
-                np.tile(np.arange(gw), t * gh),
-            ]
-        )
-        pos[:, i : i + n] = block[:, : len(ids) - i] + nxt
-        nxt = int(pos[:, i : i + n].max()) + 1
-        i += n
-    return pos
 
 
 class VisionLM(nn.Module):
@@ -270,48 +279,63 @@ class VisionLM(nn.Module):
         for k in self.tower_names:
             self.vlm[k].freeze()
 
-    def features(self, pixel_values: mx.array, grid: np.ndarray) -> mx.array:
-        """The images' features [N, D] as the language model takes them: the frozen tower and
-        projector, outside any compiled step, no gradient through them."""
-        tower = self.vlm.vision_tower
-        dtype = tower.patch_embed.proj.weight.dtype
-        out = tower(pixel_values.astype(dtype), mx.array(grid), output_hidden_states=False)
-        return mx.stop_gradient(out)
+    def make_cache(self) -> list:
+        """The language model's caches for generation: mlx-lm's plain KV caches where its own
+        are plain ones (so prompts decode left-padded in compiled steps), else its own (sliding
+        windows)."""
+        from mlx_lm.models.cache import KVCache
+        from mlx_vlm.models.cache import KVCache as VlmKVCache
+
+        lm = self.vlm.language_model
+        own = lm.make_cache() if hasattr(lm, "make_cache") else None
+        if own is None or all(type(c) is VlmKVCache for c in own):
+            return [KVCache() for _ in self.layers]
+        return own
+
+    def features(self, arrays: dict[str, mx.array]) -> mx.array:
+        """The images' features [image tokens, D] as the language model takes them: the
+        frozen tower and projector, outside any compiled step, no gradient through them."""
+        return mx.stop_gradient(self.family.features(self.vlm, arrays))
 
     def batch_arrays(
         self, tokens: np.ndarray, paths: list[list[Path]], where: str = "batch"
     ) -> dict[str, np.ndarray]:
-        """A batch's image arrays on the host: what the tower reads (``TOWER_KEYS``) and what
-        the forward reads (``IMAGE_KEYS``), from its [B, L] ids and each row's image files."""
+        """A batch's image arrays on the host: what the tower reads (the family's
+        ``tower_keys``) and what the forward reads (``IMAGE_KEYS``), from its [B, L] ids and
+        each row's image files."""
         flat = [p for row in paths for p in row]
-        it = self.image_tokens
-        px = it.process(flat, where)
-        grid, per_row = px["image_grid"], [len(row) for row in paths]
-        counts = self.family.tokens_per_image(grid, it.merge)
+        it, family = self.image_tokens, self.family
+        px, layouts = it.processed(flat, where)
+        counts = [family.tokens(x) for x in layouts]
         is_image = tokens == it.token_id
-        if int(is_image.sum()) != int(counts.sum()):
+        if int(is_image.sum()) != sum(counts):
             raise UserInputError(
                 f"the batch holds {int(is_image.sum())} image tokens for {len(flat)} image(s) "
-                f"that take {int(counts.sum())}",
+                f"that take {sum(counts)}",
                 where,
             )
         index = np.where(is_image, np.cumsum(is_image.reshape(-1)).reshape(tokens.shape) - 1, -1)
-        starts = np.cumsum([0] + per_row)
-        positions = np.stack(
-            [
-                mrope_positions(tokens[b], grid[starts[b] : starts[b + 1]], it.token_id, it.merge)
-                for b in range(len(tokens))
-            ],
-            axis=1,
-        )
-        return {**px, "image_index": index.astype(np.int32), "positions": positions}
+        out = {**px, "image_index": index.astype(np.int32)}
+        if family.mrope:
+            starts = np.cumsum([0] + [len(row) for row in paths])
+            grids = px["image_grid"]
+            out["positions"] = np.stack(
+                [
+                    family.positions(tokens[b], grids[starts[b] : starts[b + 1]])
+                    for b in range(len(tokens))
+                ],
+                axis=1,
+            )
+        return out
 
     def prepare(self, arrays: dict[str, mx.array]) -> dict[str, mx.array]:
-        """A step's arrays with the images (``TOWER_KEYS``) replaced by their ``features``."""
+        """A step's arrays with the images (the family's ``tower_keys``) replaced by their
+        ``features``."""
         if "pixel_values" not in arrays:
             return arrays
-        out = {k: v for k, v in arrays.items() if k not in TOWER_KEYS}
-        features = self.features(arrays["pixel_values"], np.array(arrays["image_grid"]))
+        keys = self.family.tower_keys
+        out = {k: v for k, v in arrays.items() if k not in keys}
+        features = self.features({k: arrays[k] for k in keys})
         # rows up to a multiple of FEATURE_ROWS (zeros no token reads): batches whose images
         # take different numbers of tokens reach the compiled step in one shape, one compile
         n = features.shape[0]
@@ -328,44 +352,40 @@ class VisionLM(nn.Module):
     ) -> tuple[dict[str, mx.array], list[int]]:
         """What ``images`` takes for prompts read left-padded in one batch (each row's
         positions those of its prompt alone), and each row's rotary shift: how far its next
-        position is from its length (image tokens take fewer positions than tokens), which the
-        decode steps add to the cache's offset."""
+        position is from its length (Qwen2-VL's image tokens take fewer positions than
+        tokens), which the decode steps add to the cache's offset."""
         width = max(len(p) for p in prompts)
         tokens = np.array([[0] * (width - len(p)) + list(p) for p in prompts], np.int64)
         arrays = self.batch_arrays(tokens, files, where)
-        it, shift = self.image_tokens, []
-        grids = arrays["image_grid"]
-        at = 0
-        for b, p in enumerate(prompts):
-            n = len(files[b])
-            pos = mrope_positions(np.array(p), grids[at : at + n], it.token_id, it.merge)
-            at += n
-            arrays["positions"][:, b, :] = 0
-            arrays["positions"][:, b, width - len(p) :] = pos
-            shift.append(int(pos.max()) + 1 - len(p) if len(p) else 0)
+        shift = [0] * len(prompts)
+        if self.family.mrope:
+            grids, at = arrays["image_grid"], 0
+            for b, p in enumerate(prompts):
+                n = len(files[b])
+                pos = self.family.positions(np.array(p), grids[at : at + n])
+                at += n
+                arrays["positions"][:, b, :] = 0
+                arrays["positions"][:, b, width - len(p) :] = pos
+                shift[b] = int(pos.max()) + 1 - len(p) if len(p) else 0
         prepared = self.prepare({k: mx.array(v) for k, v in arrays.items()})
         return step_images(prepared), shift
 
     def __call__(self, inputs: mx.array, cache=None):
         lm = self.vlm.language_model
-        h = lm.model.embed_tokens(inputs)
-        got = _IMAGES.get()
-        b, t = inputs.shape
+        h = self.family.embed_tokens(lm)(inputs)
+        got, positions = _IMAGES.get(), None
         if got is not None:
             index = got["image_index"]
-            rows = got["features"][mx.maximum(index, 0)].astype(h.dtype)
-            h = mx.where((index >= 0)[..., None], rows, h)
-            positions = got["positions"]
-        else:  # text: each row's positions from its cache's (a batched cache's: per row)
+            rows = self.family.embedded(got["features"][mx.maximum(index, 0)], lm)
+            h = mx.where((index >= 0)[..., None], rows.astype(h.dtype), h)
+            positions = got.get("positions")
+        if self.family.mrope and positions is None:
+            # text: each row's positions from its cache's (a batched cache's: per row)
+            b, t = inputs.shape
             offset = 0 if not cache or cache[0] is None else cache[0].offset
             offset = mx.array(offset).reshape(-1, 1) if not isinstance(offset, int) else offset
             positions = mx.broadcast_to(offset + mx.arange(t)[None, :], (3, b, t))
-        # the language model's backbone and head, without its own call's position bookkeeping
-        # (which reads the cache's offsets back to the host: no compiled decode step could)
-        out = lm.model(inputs, inputs_embeds=h, cache=cache, position_ids=positions)
-        if lm.args.tie_word_embeddings:
-            return lm.model.embed_tokens.as_linear(out)
-        return lm.lm_head(out)
+        return self.family.logits(lm, inputs, h, cache, positions)
 
 
 def write_vision_base(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, seed: int) -> Path:
@@ -376,7 +396,7 @@ def write_vision_base(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, see
     as a downloaded model does (its frozen tower is the one written)."""
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-    family = vision_family(arch, "model.arch.model_type")
+    family = vision_family_class(arch, "model.arch.model_type")
     if not (tokenizer_dir / "preprocessor_config.json").exists():
         raise UserInputError(
             "a vision model built from model.arch reads images as the tokenizer's folder says: "
@@ -395,11 +415,13 @@ def write_vision_base(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, see
         config.setdefault(key, int(found))
     config.setdefault("vocab_size", len(hf))
     config.setdefault("eos_token_id", tokenizer.eos_token_id)
-    if config["vocab_size"] < len(hf):
-        raise UserInputError(
-            f"vocab_size {config['vocab_size']} is smaller than the tokenizer's {len(hf)}",
-            "model.arch.vocab_size",
-        )
+    text = config.get("text_config")
+    if isinstance(text, dict):  # a family whose language model's keys sit apart
+        text.setdefault("vocab_size", config["vocab_size"])
+    for where, n in (("model.arch.vocab_size", config["vocab_size"]),
+                     ("model.arch.text_config.vocab_size", (text or {}).get("vocab_size"))):  # fmt: skip
+        if n is not None and n < len(hf):
+            raise UserInputError(f"vocab_size {n} is smaller than the tokenizer's {len(hf)}", where)
     try:
         module, _ = get_model_and_args(dict(config))
         given = json.loads(json.dumps(config))
@@ -415,6 +437,12 @@ def write_vision_base(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, see
         ) from None
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(vlm.parameters()))
+    for k, w in weights.items():
+        # a matrix its class starts constant (Gemma 3's projection: ones, every output the
+        # same sum) is drawn at random: a new model's features then vary along every axis
+        if w.ndim >= 2 and w.size > 1 and bool(mx.all(w == w.reshape(-1)[0])):
+            std = (2.0 / (w.shape[0] + w.shape[-1])) ** 0.5
+            weights[k] = (mx.random.normal(w.shape) * std).astype(w.dtype)
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
     hf.save_pretrained(str(out))
     (out / "preprocessor_config.json").write_bytes(

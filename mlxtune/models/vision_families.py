@@ -1,0 +1,335 @@
+"""The vision-language families mlxtune trains, and what it must know of each.
+
+A family says, for one mlx-vlm model type:
+
+- what its chat template writes for an image (``marker``) and the text its processor puts in
+  that place (``expansion``: the image tokens, with whatever frames them);
+- how its image processor's arrays go through its vision tower and projector to the features
+  that take the image tokens' places (``features``), and how those features enter the language
+  model's input embeddings (``embedded``);
+- how its language model is called on those embeddings (``logits``), with the rotary positions
+  it reads where they are not the tokens' indices (Qwen2-VL's three axes: ``mrope``).
+
+Every other vision-language family is refused by name (``vision_family``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import UserInputError
+
+
+def _float_dtype(module: nn.Module):
+    """The dtype of a module's first floating-point array (a quantized tower's scales)."""
+    for _, v in tree_flatten(module.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return v.dtype
+    return mx.float32
+
+
+class VisionFamily:
+    """One mlx-vlm family. Made from the model's config.json (``config``)."""
+
+    name = ""
+    image_token_key = "image_token_id"
+    """The config key of the token id each image's features take the place of."""
+    special_tokens: tuple[tuple[str, str], ...] = ()
+    """(config key, token) of the family's special tokens: a model built from an architecture
+    takes their ids from its tokenizer."""
+    tower_keys: tuple[str, ...] = ("pixel_values",)
+    """The processor's arrays the tower reads (``VisionLM.prepare``)."""
+    mrope = False
+    """Whether the language model rotates by positions along three axes that the host makes
+    (``positions``); otherwise by each token's index, as a text model does."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.token_id = int(config[self.image_token_key])
+
+    def check_processor(self, processor, where: str) -> None:
+        """Refuse a processor setting the family's path does not follow."""
+
+    def process(self, processor, pictures: list) -> tuple[dict[str, np.ndarray], list]:
+        """The pictures as the tower reads them, and each picture's layout (what sets its
+        tokens: ``tokens`` and ``expansion`` read it)."""
+        raise NotImplementedError
+
+    def tokens(self, layout) -> int:
+        """How many image tokens a picture of this layout takes."""
+        raise NotImplementedError
+
+    @property
+    def marker_id(self) -> int:
+        """The token the chat template writes for one image."""
+        return self.token_id
+
+    def expansion(self, layout, names) -> str:
+        """The text that takes the marker's place for one picture of this layout (``names``:
+        a token id's text)."""
+        return names(self.token_id) * self.tokens(layout)
+
+    def features(self, vlm: nn.Module, arrays: dict[str, mx.array]) -> mx.array:
+        """The pictures' features [image tokens, hidden], in the order of their tokens."""
+        raise NotImplementedError
+
+    def embedded(self, features: mx.array, lm: nn.Module) -> mx.array:
+        """The rows the image tokens' input embeddings take (before what the language model
+        does to every input embedding)."""
+        return features
+
+    def embed_tokens(self, lm: nn.Module) -> nn.Module:
+        return lm.model.embed_tokens
+
+    def logits(self, lm: nn.Module, inputs, h, cache, positions) -> mx.array:
+        """The language model's logits for input embeddings ``h``."""
+        out = lm(inputs, inputs_embeds=h, cache=cache)
+        return getattr(out, "logits", out)
+
+
+# ------------------------------------------------------------------------ Qwen2-VL, Qwen2.5-VL
+
+
+def mrope_positions(ids: np.ndarray, grids: np.ndarray, token_id: int, merge: int) -> np.ndarray:
+    """Qwen2-VL's rotary positions [3, T] of one row: a text token's are its index in all three
+    axes (counting an image as far as its largest position), an image's tokens run over
+    (time, height, width) of its merged grid from where the next text token would be."""
+    pos = np.zeros((3, len(ids)), np.int32)
+    nxt = g = i = 0
+    while i < len(ids):
+        if ids[i] != token_id:
+            pos[:, i] = nxt
+            nxt += 1
+            i += 1
+            continue
+        t, h, w = (int(v) for v in grids[g])
+        g += 1
+        gh, gw = h // merge, w // merge
+        n = t * gh * gw
+        block = np.stack(
+            [
+                np.repeat(np.arange(t), gh * gw),
+                np.tile(np.repeat(np.arange(gh), gw), t),
+                np.tile(np.arange(gw), t * gh),
+            ]
+        )
+        pos[:, i : i + n] = block[:, : len(ids) - i] + nxt
+        nxt = int(pos[:, i : i + n].max()) + 1
+        i += n
+    return pos
+
+
+class Qwen2VL(VisionFamily):
+    """Dynamic resolution: a grid of 14-pixel patches, 2 x 2 merged into a token, one
+    <|image_pad|> token a merged patch, and rotary positions along (time, height, width) for
+    the image tokens."""
+
+    name = "qwen2_vl"
+    special_tokens = (
+        ("image_token_id", "<|image_pad|>"),
+        ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+    )
+    tower_keys = ("pixel_values", "image_grid")
+    mrope = True
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.merge = int(config["vision_config"].get("spatial_merge_size", 1))
+
+    def process(self, processor, pictures):
+        out = processor(images=pictures, return_tensors="np")
+        grid = np.asarray(out["image_grid_thw"], np.int64)
+        arrays = {"pixel_values": np.asarray(out["pixel_values"], np.float32), "image_grid": grid}
+        return arrays, [int(n) for n in (grid.prod(axis=1) // (self.merge * self.merge))]
+
+    def tokens(self, layout) -> int:
+        return layout
+
+    def features(self, vlm, arrays):
+        tower = vlm.vision_tower
+        px = arrays["pixel_values"].astype(_float_dtype(tower))
+        return tower(px, arrays["image_grid"], output_hidden_states=False)
+
+    def positions(self, ids: np.ndarray, grids: np.ndarray) -> np.ndarray:
+        """Row ``ids``'s rotary positions [3, T], its images' grids ``grids``."""
+        return mrope_positions(ids, grids, self.token_id, self.merge)
+
+    def logits(self, lm, inputs, h, cache, positions):
+        # the backbone and head, without the language model's own position bookkeeping
+        # (which reads the cache's offsets back to the host: no compiled decode step could)
+        out = lm.model(inputs, inputs_embeds=h, cache=cache, position_ids=positions)
+        if lm.args.tie_word_embeddings:
+            return lm.model.embed_tokens.as_linear(out)
+        return lm.lm_head(out)
+
+
+class Qwen25VL(Qwen2VL):
+    name = "qwen2_5_vl"
+
+
+# ------------------------------------------------------------------------------------ Gemma 3
+
+
+class Gemma3(VisionFamily):
+    """A fixed-size image (its processor resizes every picture to the tower's square) becomes
+    ``mm_tokens_per_image`` <image_soft_token>s, framed as its processor writes them:
+    "\\n\\n<start_of_image>" + tokens + "<end_of_image>\\n\\n" where the template wrote
+    <start_of_image>. The language model scales every input embedding by sqrt(hidden), and
+    the image features enter unscaled (as transformers' Gemma 3 places them)."""
+
+    name = "gemma3"
+    image_token_key = "image_token_index"
+    special_tokens = (
+        ("image_token_index", "<image_soft_token>"),
+        ("boi_token_index", "<start_of_image>"),
+        ("eoi_token_index", "<end_of_image>"),
+    )
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        text = config.get("text_config") or {}
+        self.per_image = int(
+            text.get("mm_tokens_per_image", config.get("mm_tokens_per_image", 256))
+        )
+        self.boi, self.eoi = int(config["boi_token_index"]), int(config["eoi_token_index"])
+
+    def check_processor(self, processor, where):
+        if getattr(processor, "do_pan_and_scan", False):
+            raise UserInputError(
+                "do_pan_and_scan (crops of a picture as more images) is not read by mlxtune's "
+                "Gemma 3 path: set it false in preprocessor_config.json",
+                where,
+            )
+
+    def process(self, processor, pictures):
+        out = processor(images=pictures, return_tensors="np")
+        return {"pixel_values": np.asarray(out["pixel_values"], np.float32)}, [
+            self.per_image
+        ] * len(pictures)
+
+    def tokens(self, layout) -> int:
+        return layout
+
+    @property
+    def marker_id(self) -> int:
+        return self.boi
+
+    def expansion(self, layout, names) -> str:
+        soft = names(self.token_id) * layout
+        return f"\n\n{names(self.boi)}{soft}{names(self.eoi)}\n\n"
+
+    def features(self, vlm, arrays):
+        px = arrays["pixel_values"].transpose(0, 2, 3, 1).astype(_float_dtype(vlm.vision_tower))
+        hidden = vlm.vision_tower(px, output_hidden_states=True)[0]
+        out = vlm.multi_modal_projector(hidden)
+        return out.reshape(-1, out.shape[-1])
+
+    def embedded(self, features, lm):
+        # the language model multiplies every input embedding by its bfloat16 sqrt(hidden):
+        # divided by the same number here, the image rows reach the first block as they are
+        scale = mx.array(lm.config.hidden_size**0.5, mx.bfloat16)
+        return features / scale.astype(features.dtype)
+
+
+# ------------------------------------------------------------------------ Idefics3, SmolVLM
+
+
+class Idefics3(VisionFamily):
+    """A picture is cut into tiles of the tower's size (rows x cols, by its processor) plus the
+    whole picture shrunk to one tile; each tile's patches are pixel-shuffled into
+    ``image_seq_len`` <image> tokens, framed by <fake_token_around_image>, a <row_r_col_c> tag
+    a tile and <global-img> for the whole, as its processor writes them."""
+
+    name = "idefics3"
+    special_tokens = (("image_token_id", "<image>"),)
+    tower_keys = ("pixel_values", "pixel_attention_mask")
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        vision = config["vision_config"]
+        side = int(vision.get("image_size", 384)) // int(vision.get("patch_size", 14))
+        self.per_tile = side * side // int(config.get("scale_factor", 2)) ** 2
+
+    def process(self, processor, pictures):
+        out = processor(
+            images=[[p] for p in pictures], return_tensors="np", return_row_col_info=True
+        )
+        layouts = [(int(r[0]), int(c[0])) for r, c in zip(out["rows"], out["cols"], strict=True)]
+        tiles = np.array([r * c + 1 if r or c else 1 for r, c in layouts], np.int32)
+        px = np.asarray(out["pixel_values"], np.float32)
+        mask = np.asarray(out["pixel_attention_mask"], bool)
+        # each picture's tiles, in the order of their tokens (the padding tiles left out)
+        keep = np.concatenate([i * px.shape[1] + np.arange(n) for i, n in enumerate(tiles)])
+        return {
+            "pixel_values": px.reshape(-1, *px.shape[2:])[keep],
+            "pixel_attention_mask": mask.reshape(-1, *mask.shape[2:])[keep],
+        }, layouts
+
+    def tokens(self, layout) -> int:
+        rows, cols = layout
+        return (rows * cols + 1 if rows or cols else 1) * self.per_tile
+
+    def expansion(self, layout, names) -> str:
+        image, fake = names(self.token_id) * self.per_tile, "<fake_token_around_image>"
+        rows, cols = layout
+        whole = f"{fake}<global-img>{image}{fake}"
+        if not rows and not cols:
+            return whole
+        text = ""
+        for r in range(rows):
+            text += "".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols))
+            text += "\n"
+        return f"{text}\n{whole}"
+
+    def features(self, vlm, arrays):
+        px = arrays["pixel_values"]
+        patch = vlm.config.vision_config.patch_size
+        mask = arrays["pixel_attention_mask"]
+        n, h, w = mask.shape
+        ph, pw = h // patch, w // patch
+        cells = mask[:, : ph * patch, : pw * patch].reshape(n, ph, patch, pw, patch)
+        patches = cells.transpose(0, 1, 3, 2, 4).sum(axis=(-1, -2)) > 0
+        tower = vlm.vision_model
+        x = px.transpose(0, 2, 3, 1).astype(_float_dtype(tower))
+        hidden = tower(x, patch_attention_mask=patches, output_hidden_states=True)[0]
+        out = vlm.connector(hidden.astype(x.dtype))
+        return out.reshape(-1, out.shape[-1])
+
+    def embed_tokens(self, lm):
+        return lm.embed_tokens
+
+
+class SmolVLM(Idefics3):
+    name = "smolvlm"
+
+
+VISION_FAMILIES: dict[str, type[VisionFamily]] = {
+    f.name: f for f in (Qwen2VL, Qwen25VL, Gemma3, Idefics3, SmolVLM)
+}
+
+
+def vision_family_class(config: dict, where: str) -> type[VisionFamily]:
+    """The config's family, or a UserInputError naming a family mlxtune does not train."""
+    name = config.get("model_type")
+    if name not in VISION_FAMILIES:
+        raise UserInputError(
+            f"model_type {name!r} is a vision-language model that mlxtune does not train yet "
+            f"(it trains {', '.join(sorted(VISION_FAMILIES))})",
+            where,
+        )
+    return VISION_FAMILIES[name]
+
+
+def vision_family(config: dict, where: str) -> VisionFamily:
+    """The config's family, made from it (a UserInputError for one mlxtune does not train)."""
+    name = vision_family_class(config, where).name
+    try:
+        return VISION_FAMILIES[name](config)
+    except KeyError as e:
+        raise UserInputError(f"a {name} config needs the key {e}", where) from None
+    except (TypeError, ValueError) as e:
+        raise UserInputError(f"a {name} config has a bad value: {e}", where) from None
