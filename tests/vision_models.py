@@ -106,8 +106,15 @@ _CONTENT = (  # a message's content, a string or parts; IMAGE: what the template
 # a chat template showing an image as the family's does, and an image processor config
 FAMILY_TOKENIZERS = {
     "gemma3": {
-        "specials": ["<pad>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-                     "<end_of_image>", "<image_soft_token>"],  # fmt: skip
+        "specials": [
+            "<pad>",
+            "<eos>",
+            "<start_of_turn>",
+            "<end_of_turn>",
+            "<start_of_image>",
+            "<end_of_image>",
+            "<image_soft_token>",
+        ],  # fmt: skip
         "eos": "<end_of_turn>",
         "pad": "<pad>",
         "template": (
@@ -128,9 +135,15 @@ FAMILY_TOKENIZERS = {
         },
     },
     "smolvlm": {
-        "specials": ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<image>",
-                     "<fake_token_around_image>", "<global-img>"]
-                    + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)],  # fmt: skip
+        "specials": [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<end_of_utterance>",
+            "<image>",
+            "<fake_token_around_image>",
+            "<global-img>",
+        ]
+        + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)],  # fmt: skip
         "eos": "<end_of_utterance>",
         "pad": "<|endoftext|>",
         "template": (
@@ -173,7 +186,9 @@ def family_tokenizer(out: Path, family: str) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(spec["specials"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=spec["eos"], pad_token=spec["pad"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=spec["eos"], pad_token=spec["pad"]
+    )
     fast.chat_template = spec["template"]
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)
