@@ -31,6 +31,7 @@ from mlxtune.evaluate import evaluate_run
 from mlxtune.export import export
 from mlxtune.generate import generate_ids
 from mlxtune.models import (
+    VISION_FAMILIES,
     images,
     kernel_attention,
     lm_parts,
@@ -121,12 +122,13 @@ def our_logits(model, tokens, files):
 # each family's image tokens for the three pictures, by hand. Qwen2-VL: sides rounded to 28
 # within 3136-12544 pixels, 14-pixel patches merged 2 x 2: 60 x 80 -> 56 x 84 (6), 100 x 200 ->
 # 56 x 140 (10), 56 x 56 (4). Gemma 3: 4 each. SmolVLM: the longest side to 112, cut into
-# 56-pixel tiles (2 x 2, 1 x 2, 2 x 2) plus the whole picture, 4 tokens a tile.
+# 56-pixel tiles (2 x 2, 1 x 2, 2 x 2) plus the whole picture, 4 tokens a tile (and Idefics3).
 IMAGE_COUNTS = {
     "qwen2_vl": [6, 10, 4],
     "qwen2_5_vl": [6, 10, 4],
     "gemma3": [4, 4, 4],
     "smolvlm": [20, 12, 20],
+    "idefics3": [20, 12, 20],
 }
 
 
@@ -184,8 +186,9 @@ def test_lora_gradients_are_mlx_vlms_own(family_dir, pictures):
 
 def test_greedy_answers_to_image_prompts_are_mlx_vlms_own(family_dir, pictures):
     """Prompts of different lengths with images (left-padded in one batch, decoded in
-    compiled steps from the cache, each row's rotary positions shifted as its images say)
-    give the tokens a greedy loop of mlx-vlm's whole forward gives, prompt by prompt."""
+    compiled steps from the cache, each row's rotary positions shifted as its images say;
+    Gemma 3's sliding window in its own caches, prompt by prompt) give the tokens a greedy
+    loop of mlx-vlm's whole forward gives, prompt by prompt."""
     model = load_vision_model(family_dir, config_of(family_dir), "float32")
     apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
     shake_adapters(model, seed=3)
@@ -283,6 +286,44 @@ def test_a_missing_or_unreadable_image_is_a_bad_row_naming_it(qwen_dir, tmp_path
     assert str(tmp_path / "broken.png") in e.value.message and e.value.where == f"{data}:2"
 
 
+def processor_text(family: str) -> tuple[str, str]:
+    """(what the family's chat template writes for an image, the text its processor puts
+    there) for an 84 x 56 picture, from the processors' own formulas: Gemma 3 frames its 4
+    soft tokens with newlines; SmolVLM's picture goes to 112 x 75, two rows and two columns
+    of 56-pixel tiles, each tile's 4 tokens after its tag, then the whole picture's."""
+    if family == "gemma3":
+        soft = "<image_soft_token>" * 4
+        return "<start_of_image>", f"\n\n<start_of_image>{soft}<end_of_image>\n\n"
+    tiles, fake = "<image>" * 4, "<fake_token_around_image>"
+    grid = "".join(
+        "".join(f"{fake}<row_{r}_col_{c}>{tiles}" for c in (1, 2)) + "\n" for r in (1, 2)
+    )
+    return "<image>", f"{grid}\n{fake}<global-img>{tiles}{fake}"
+
+
+@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+def test_an_image_chat_encodes_as_the_familys_processor_writes_it(family, tmp_path):
+    """The example's ids are the chat's rendering with the image's marker replaced by the
+    processor's text, tokenized whole: Gemma 3's newlines join the template's into one
+    token. Only the answer (and what follows it in its turn) is a target."""
+    folder = build_vision_dir(tmp_path / "model", family)
+    Image.new("RGB", (84, 56), (200, 0, 0)).save(tmp_path / "a.png")
+    data = write_jsonl(tmp_path / "d.jsonl", [image_chat("a.png")])
+    ex = encoder(folder).encode(json.loads(data.read_text()), "chat", f"{data}:1")
+    hf = load_tokenizer(folder)._tokenizer
+    text = hf.apply_chat_template(image_chat("a.png")["messages"], tokenize=False)
+    marker, expansion = processor_text(family)
+    assert text.count(marker) == 1
+    want = hf.backend_tokenizer.encode(text.replace(marker, expansion), add_special_tokens=False)
+    assert ex.ids == want.ids
+    if family == "gemma3":  # "user\n" and the expansion's "\n\n": one three-newline token
+        assert hf.convert_tokens_to_ids("\u010a\u010a\u010a") in ex.ids
+    targets = [i for i, m in zip(ex.ids, ex.mask, strict=True) if m]
+    first = ex.mask.index(1)
+    assert hf.decode(targets).lstrip().startswith("red") and all(ex.mask[first:])
+    assert hf.decode(ex.ids[:first]).endswith(("<start_of_turn>model\n", "Assistant:"))
+
+
 def test_a_text_model_refuses_a_row_with_images(qwen_dir, tmp_path):
     Image.new("RGB", (56, 56)).save(tmp_path / "a.png")
     enc = Encoder(load_tokenizer(qwen_dir))
@@ -296,6 +337,7 @@ def test_a_vision_family_mlxtune_does_not_train_is_refused_by_name(tmp_path):
     )
     with pytest.raises(UserInputError, match="'paligemma' is a vision-language model"):
         load_image_tokens(tmp_path, config_of(tmp_path))
+    assert sorted(VISION_FAMILIES) == sorted(VISION_ARCHS)  # each family trained has a test model
 
 
 @pytest.fixture(scope="module")
@@ -370,6 +412,43 @@ def test_the_mlx_vlm_export_loads_in_mlx_vlm_with_the_trained_logits(colours, qw
     for fmt in ("mlx-lm", "peft", "gguf", "gguf-adapter"):
         with pytest.raises(UserInputError, match="--format mlx-vlm"):
             export(done, fmt, tmp_path / fmt)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+def test_each_family_trains_and_its_exports_load_in_mlx_vlm(family, pictures, tmp_path):
+    """SFT with LoRA on image chats: the loss falls; the adapters exported as mlx-vlm's (over
+    the base) and the fused model both load in mlx-vlm with the trained model's logits."""
+    from mlx_vlm import load as mlx_vlm_load
+
+    folder = build_vision_dir(tmp_path / "model", family)
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", colour_rows(data, "train", 16))
+    write_jsonl(data / "valid.jsonl", colour_rows(data, "valid", 4))
+    r = tiny_recipe(
+        data,
+        folder,
+        adapter={"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]},
+        train={"batch_size": 8, "max_steps": 6, "log_every": 1, "progress": False},
+    )
+    r["data"]["max_length"] = 128  # a SmolVLM picture: up to 5 tiles of 6 tokens, and tags
+    build_run(r, tmp_path).run()
+    losses = [x["loss"] for x in run_rows(tmp_path / "run") if "loss" in x]
+    assert losses[-1] < losses[0]
+    done = load_checkpoint(tmp_path / "run" / "checkpoints" / "final")
+    trained = done.model
+    tokens, rows, files = two_rows(trained, pictures, folder)
+    ours = our_logits(trained, tokens, files)
+    for fmt in ("mlx-vlm", "fused"):
+        out = tmp_path / fmt
+        out.mkdir()
+        export(done, fmt, out)
+        theirs, _ = mlx_vlm_load(str(folder), adapter_path=str(out)) if fmt == "mlx-vlm" else (
+            mlx_vlm_load(str(out)))  # fmt: skip
+        shown = SimpleNamespace(vlm=theirs, image_tokens=trained.image_tokens)
+        for b, (ids, fs) in enumerate(zip(rows, files, strict=True)):
+            want = np.array(mlx_vlm_logits(shown, ids, fs))
+            got = np.array(ours[b, : len(ids)])
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,12 @@ VISION_ARCHS = {
         "text_config": {"model_type": "llama", **_TEXT},
         "vision_config": {"model_type": "smolvlm_vision", **_SIGLIP},
     },
+    "idefics3": {  # SmolVLM's forerunner: the same tower, connector and tiles
+        "model_type": "idefics3",
+        "scale_factor": 2,
+        "text_config": {"model_type": "llama", **_TEXT},
+        "vision_config": {"model_type": "idefics3_vision", **_SIGLIP},
+    },
 }
 
 _NORMALISE = {
@@ -117,6 +123,11 @@ FAMILY_TOKENIZERS = {
         ],  # fmt: skip
         "eos": "<end_of_turn>",
         "pad": "<pad>",
+        "named": {  # what Gemma 3's processor reads off its tokenizer
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
         "template": (
             "{% for message in messages %}<start_of_turn>"
             "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
@@ -167,6 +178,15 @@ FAMILY_TOKENIZERS = {
 }
 
 
+FAMILY_TOKENIZERS["idefics3"] = {
+    **FAMILY_TOKENIZERS["smolvlm"],
+    "processor": {
+        **FAMILY_TOKENIZERS["smolvlm"]["processor"],
+        "processor_class": "Idefics3Processor",
+    },
+}
+
+
 def family_tokenizer(out: Path, family: str) -> Path:
     """The family's tokenizer folder: the Qwen families read the vision quickstart's; the others
     a byte-level BPE that merges runs of two and three newlines (as real ones do, so that text
@@ -187,7 +207,10 @@ def family_tokenizer(out: Path, family: str) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(spec["specials"])
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=spec["eos"], pad_token=spec["pad"]
+        tokenizer_object=tok,
+        eos_token=spec["eos"],
+        pad_token=spec["pad"],
+        extra_special_tokens=spec.get("named", {}),
     )
     fast.chat_template = spec["template"]
     out.mkdir(parents=True, exist_ok=True)
