@@ -106,6 +106,13 @@ def mlx_vlm_logits(model, ids, files):
         px = it.processor(images=pictures, return_tensors="np")["pixel_values"]
         embeds = vlm.get_input_embeddings(x, mx.array(px), mask=mx.ones(x.shape)).inputs_embeds
         return vlm.language_model(x, inputs_embeds=embeds).logits[0]
+    if it.family.name == "llava":
+        px = it.processor(images=pictures, return_tensors="np")["pixel_values"]
+        return vlm(x, mx.array(px), mask=None).logits[0]
+    if it.family.name == "mistral3":
+        out = it.processor(images=pictures, return_tensors="np")
+        sizes = mx.array(np.asarray(out["image_sizes"]))
+        return vlm(x, mx.array(out["pixel_values"]), mask=None, image_sizes=sizes).logits[0]
     # Idefics3 / SmolVLM: one sample of all the row's pictures, padding tiles and all
     out = it.processor(images=[[p] for p in pictures], return_tensors="np")
     px, pm = (np.asarray(out[k]) for k in ("pixel_values", "pixel_attention_mask"))
@@ -123,12 +130,17 @@ def our_logits(model, tokens, files):
 # within 3136-12544 pixels, 14-pixel patches merged 2 x 2: 60 x 80 -> 56 x 84 (6), 100 x 200 ->
 # 56 x 140 (10), 56 x 56 (4). Gemma 3: 4 each. SmolVLM: the longest side to 112, cut into
 # 56-pixel tiles (2 x 2, 1 x 2, 2 x 2) plus the whole picture, 4 tokens a tile (and Idefics3).
+# LLaVA: the centre 56 x 56, a token a 14-pixel patch (16). Mistral 3: sides within 112 rounded
+# up to 14, a token a 28-pixel square: 60 x 80 -> 70 x 84 (2 x 3), 100 x 200 -> 56 x 112
+# (2 x 4), 56 x 56 (2 x 2).
 IMAGE_COUNTS = {
     "qwen2_vl": [6, 10, 4],
     "qwen2_5_vl": [6, 10, 4],
     "gemma3": [4, 4, 4],
     "smolvlm": [20, 12, 20],
     "idefics3": [20, 12, 20],
+    "llava": [16, 16, 16],
+    "mistral3": [6, 8, 4],
 }
 
 
@@ -290,7 +302,10 @@ def processor_text(family: str) -> tuple[str, str]:
     """(what the family's chat template writes for an image, the text its processor puts
     there) for an 84 x 56 picture, from the processors' own formulas: Gemma 3 frames its 4
     soft tokens with newlines; SmolVLM's picture goes to 112 x 75, two rows and two columns
-    of 56-pixel tiles, each tile's 4 tokens after its tag, then the whole picture's."""
+    of 56-pixel tiles, each tile's 4 tokens after its tag, then the whole picture's; Mistral
+    3's (56 x 84) is 2 rows of 3 tokens, each row ended by a break, the last by the end."""
+    if family == "mistral3":
+        return "[IMG]", "[IMG][IMG][IMG][IMG_BREAK][IMG][IMG][IMG][IMG_END]"
     if family == "gemma3":
         soft = "<image_soft_token>" * 4
         return "<start_of_image>", f"\n\n<start_of_image>{soft}<end_of_image>\n\n"
@@ -301,7 +316,7 @@ def processor_text(family: str) -> tuple[str, str]:
     return "<image>", f"{grid}\n{fake}<global-img>{tiles}{fake}"
 
 
-@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["gemma3", "smolvlm", "mistral3"])
 def test_an_image_chat_encodes_as_the_familys_processor_writes_it(family, tmp_path):
     """The example's ids are the chat's rendering with the image's marker replaced by the
     processor's text, tokenized whole: Gemma 3's newlines join the template's into one
@@ -321,7 +336,7 @@ def test_an_image_chat_encodes_as_the_familys_processor_writes_it(family, tmp_pa
     targets = [i for i, m in zip(ex.ids, ex.mask, strict=True) if m]
     first = ex.mask.index(1)
     assert hf.decode(targets).lstrip().startswith("red") and all(ex.mask[first:])
-    assert hf.decode(ex.ids[:first]).endswith(("<start_of_turn>model\n", "Assistant:"))
+    assert hf.decode(ex.ids[:first]).endswith(("<start_of_turn>model\n", "Assistant:", "[/INST]"))
 
 
 def test_a_text_model_refuses_a_row_with_images(qwen_dir, tmp_path):
@@ -414,7 +429,7 @@ def test_the_mlx_vlm_export_loads_in_mlx_vlm_with_the_trained_logits(colours, qw
             export(done, fmt, tmp_path / fmt)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["gemma3", "smolvlm", "llava", "mistral3"])
 def test_each_family_trains_and_its_exports_load_in_mlx_vlm(family, pictures, tmp_path):
     """SFT with LoRA on image chats: the loss falls; the adapters exported as mlx-vlm's (over
     the base) and the fused model both load in mlx-vlm with the trained model's logits."""

@@ -87,6 +87,20 @@ VISION_ARCHS = {
         "text_config": {"model_type": "llama", **_TEXT},
         "vision_config": {"model_type": "smolvlm_vision", **_SIGLIP},
     },
+    "llava": {  # a CLIP tower on 56-pixel pictures: 16 patches, 16 image tokens
+        "model_type": "llava",
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "text_config": {"model_type": "llama", **_TEXT},
+        "vision_config": {"model_type": "clip_vision_model", "projection_dim": 32, **_SIGLIP},
+    },
+    "mistral3": {  # a Pixtral tower at the picture's size: a token a 2 x 2 merge of patches
+        "model_type": "mistral3",
+        "spatial_merge_size": 2,
+        "vision_feature_layer": -1,
+        "text_config": {"model_type": "mistral", **_TEXT, "head_dim": 16},
+        "vision_config": {"model_type": "pixtral", **_SIGLIP, "head_dim": 16, "image_size": 112},
+    },
     "idefics3": {  # SmolVLM's forerunner: the same tower, connector and tiles
         "model_type": "idefics3",
         "scale_factor": 2,
@@ -178,6 +192,57 @@ FAMILY_TOKENIZERS = {
 }
 
 
+FAMILY_TOKENIZERS["llava"] = {
+    "specials": ["<unk>", "<s>", "</s>", "<image>", "<pad>"],
+    "eos": "</s>",
+    "pad": "<pad>",
+    "template": (
+        "{% for message in messages %}{{ message['role'] | upper }}: "
+        + _CONTENT.replace("IMAGE", "<image>\n")
+        + "{% if message['role'] == 'assistant' %}</s>{% else %} {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+    ),
+    "processor": {  # shortest side to 56, the centre 56 x 56 cut out
+        "image_processor_type": "CLIPImageProcessor",
+        "processor_class": "LlavaProcessor",
+        "do_resize": True,
+        "size": {"shortest_edge": 56},
+        "do_center_crop": True,
+        "crop_size": {"height": 56, "width": 56},
+        "resample": 3,
+        **_NORMALISE,
+    },
+}
+FAMILY_TOKENIZERS["mistral3"] = {
+    "specials": [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "[INST]",
+        "[/INST]",
+        "[IMG]",
+        "[IMG_BREAK]",
+        "[IMG_END]",
+    ],  # fmt: skip
+    "eos": "</s>",
+    "pad": "<unk>",
+    "template": (
+        "<s>{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+        + _CONTENT.replace("IMAGE", "[IMG]")
+        + "[/INST]{% else %}"
+        + _CONTENT.replace("IMAGE", "[IMG]")
+        + "</s>{% endif %}{% endfor %}"
+    ),
+    "processor": {  # the longest side within 112, sides multiples of 14
+        "image_processor_type": "PixtralImageProcessor",
+        "processor_class": "PixtralProcessor",
+        "do_resize": True,
+        "size": {"longest_edge": 112},
+        "patch_size": {"height": 14, "width": 14},
+        "resample": 3,
+        **_NORMALISE,
+    },
+}
 FAMILY_TOKENIZERS["idefics3"] = {
     **FAMILY_TOKENIZERS["smolvlm"],
     "processor": {

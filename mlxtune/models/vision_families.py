@@ -307,8 +307,91 @@ class SmolVLM(Idefics3):
     name = "smolvlm"
 
 
+# -------------------------------------------------------------------------------------- LLaVA
+
+
+class Llava(VisionFamily):
+    """A CLIP (or SigLIP) tower on a fixed square picture: one <image> token a patch (the
+    class token dropped by the "default" feature strategy), the features a hidden layer's
+    (``vision_feature_layer``, or several concatenated) through a two-layer projector."""
+
+    name = "llava"
+    image_token_key = "image_token_index"
+    special_tokens = (("image_token_index", "<image>"),)
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        vision = config["vision_config"]
+        side = int(vision.get("image_size", 336)) // int(vision.get("patch_size", 14))
+        self.strategy = config.get("vision_feature_select_strategy", "default")
+        self.layer = config.get("vision_feature_layer", -2)
+        self.per_image = side * side + (0 if self.strategy == "default" else 1)
+
+    def process(self, processor, pictures):
+        out = processor(images=pictures, return_tensors="np")
+        arrays = {"pixel_values": np.asarray(out["pixel_values"], np.float32)}
+        return arrays, [self.per_image] * len(pictures)
+
+    def tokens(self, layout) -> int:
+        return layout
+
+    def features(self, vlm, arrays):
+        tower = vlm.vision_tower
+        px = arrays["pixel_values"].transpose(0, 2, 3, 1).astype(_float_dtype(tower))
+        hidden = tower(px, output_hidden_states=True)[-1]
+        layers = [self.layer] if isinstance(self.layer, int) else list(self.layer)
+        picked = [hidden[i][:, 1:] if self.strategy == "default" else hidden[i] for i in layers]
+        out = vlm.multi_modal_projector(mx.concatenate(picked, axis=-1))
+        return out.reshape(-1, out.shape[-1])
+
+
+# ---------------------------------------------------------------------------- Mistral 3
+
+
+class Mistral3(VisionFamily):
+    """A Pixtral tower at the picture's own size (its processor resizes within
+    ``longest_edge``, sides multiples of the patch): one [IMG] token a 2 x 2 merged patch, a
+    row of them ended by [IMG_BREAK], the last by [IMG_END], as its processor writes them."""
+
+    name = "mistral3"
+    image_token_key = "image_token_index"
+    special_tokens = (("image_token_index", "[IMG]"),)
+    tower_keys = ("pixel_values", "image_sizes")
+
+    def __init__(self, config: dict):
+        if "image_token_index" not in config and "image_token_id" in config:
+            config = {**config, "image_token_index": config["image_token_id"]}
+        super().__init__(config)
+        self.patch = int(config["vision_config"].get("patch_size", 14))
+        self.merge = int(config.get("spatial_merge_size", 2))
+        self.layer = config.get("vision_feature_layer", -1)
+
+    def process(self, processor, pictures):
+        out = processor(images=pictures, return_tensors="np")
+        sizes = np.asarray(out["image_sizes"], np.int64).reshape(-1, 2)
+        side = self.patch * self.merge
+        layouts = [(int(h) // side, int(w) // side) for h, w in sizes]
+        px = np.asarray(out["pixel_values"], np.float32)
+        return {"pixel_values": px, "image_sizes": sizes}, layouts
+
+    def tokens(self, layout) -> int:
+        return layout[0] * layout[1]
+
+    def expansion(self, layout, names) -> str:
+        rows, cols = layout
+        row = names(self.token_id) * cols
+        return "[IMG_BREAK]".join([row] * rows) + "[IMG_END]"
+
+    def features(self, vlm, arrays):
+        tower = vlm.vision_tower
+        px = arrays["pixel_values"].transpose(0, 2, 3, 1).astype(_float_dtype(tower))
+        sizes = [tuple(int(v) for v in hw) for hw in np.array(arrays["image_sizes"])]
+        hidden = tower(px, output_hidden_states=True, image_sizes=sizes)[-1][self.layer]
+        return vlm.multi_modal_projector(hidden.reshape(-1, hidden.shape[-1]), sizes)
+
+
 VISION_FAMILIES: dict[str, type[VisionFamily]] = {
-    f.name: f for f in (Qwen2VL, Qwen25VL, Gemma3, Idefics3, SmolVLM)
+    f.name: f for f in (Qwen2VL, Qwen25VL, Gemma3, Idefics3, SmolVLM, Llava, Mistral3)
 }
 
 
