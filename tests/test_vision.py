@@ -128,7 +128,8 @@ def our_logits(model, tokens, files):
 
 # each family's image tokens for the three pictures, by hand. Qwen2-VL: sides rounded to 28
 # within 3136-12544 pixels, 14-pixel patches merged 2 x 2: 60 x 80 -> 56 x 84 (6), 100 x 200 ->
-# 56 x 140 (10), 56 x 56 (4). Gemma 3: 4 each. SmolVLM: the longest side to 112, cut into
+# 56 x 140 (10), 56 x 56 (4). Qwen3-VL: 16-pixel patches, sides multiples of 32 within 4096-16384
+# pixels: 64 x 64 (4), 64 x 160 (10), 64 x 64 (4). Gemma 3: 4 each. SmolVLM: the longest side to 112, cut into
 # 56-pixel tiles (2 x 2, 1 x 2, 2 x 2) plus the whole picture, 4 tokens a tile (and Idefics3).
 # LLaVA: the centre 56 x 56, a token a 14-pixel patch (16). Mistral 3: sides within 112 rounded
 # up to 14, a token a 28-pixel square: 60 x 80 -> 70 x 84 (2 x 3), 100 x 200 -> 56 x 112
@@ -136,6 +137,7 @@ def our_logits(model, tokens, files):
 IMAGE_COUNTS = {
     "qwen2_vl": [6, 10, 4],
     "qwen2_5_vl": [6, 10, 4],
+    "qwen3_vl": [4, 10, 4],
     "gemma3": [4, 4, 4],
     "smolvlm": [20, 12, 20],
     "idefics3": [20, 12, 20],
@@ -429,7 +431,7 @@ def test_the_mlx_vlm_export_loads_in_mlx_vlm_with_the_trained_logits(colours, qw
             export(done, fmt, tmp_path / fmt)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "smolvlm", "llava", "mistral3"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3", "smolvlm", "llava", "mistral3"])
 def test_each_family_trains_and_its_exports_load_in_mlx_vlm(family, pictures, tmp_path):
     """SFT with LoRA on image chats: the loss falls; the adapters exported as mlx-vlm's (over
     the base) and the fused model both load in mlx-vlm with the trained model's logits."""

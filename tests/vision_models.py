@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,6 +65,32 @@ VISION_ARCHS = {
             "window_size": 56,
             "fullatt_block_indexes": [1],
             **_PATCHES,
+        },
+    },
+    "qwen3_vl": {  # 16-pixel patches; tower block 0's features added after LM block 0
+        "model_type": "qwen3_vl",
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            **_TEXT,
+            "head_dim": 16,
+            "rope_scaling": {
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        },  # fmt: skip
+        "vision_config": {
+            "model_type": "qwen3_vl",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0],
         },
     },
     "gemma3": {  # 4 image tokens an image (16 patches pooled 2 x 2); layer 0 a 16-token window
@@ -257,6 +284,12 @@ def family_tokenizer(out: Path, family: str) -> Path:
     a byte-level BPE that merges runs of two and three newlines (as real ones do, so that text
     an image's expansion joins encodes differently from its parts), their special tokens and
     chat template, and their image processor config."""
+    if family == "qwen3_vl":  # the quickstart's tokenizer, its processor's patches 16 pixels
+        shutil.copytree(COLOUR_TOKENIZER, out, dirs_exist_ok=True)
+        processor = json.loads((COLOUR_TOKENIZER / "preprocessor_config.json").read_text())
+        processor.update(patch_size=16, min_pixels=64 * 64, max_pixels=128 * 128)
+        (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+        return out
     if family not in FAMILY_TOKENIZERS:
         return COLOUR_TOKENIZER
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -373,11 +373,11 @@ class VisionLM(nn.Module):
     def __call__(self, inputs: mx.array, cache=None):
         lm = self.vlm.language_model
         h = self.family.embed_tokens(lm)(inputs)
-        got, positions = _IMAGES.get(), None
+        got, positions, visual = _IMAGES.get(), None, None
         if got is not None:
             index = got["image_index"]
-            rows = self.family.embedded(got["features"][mx.maximum(index, 0)], lm)
-            h = mx.where((index >= 0)[..., None], rows.astype(h.dtype), h)
+            visual = ((index >= 0)[..., None], got["features"][mx.maximum(index, 0)])
+            h = mx.where(visual[0], self.family.embedded(visual[1], lm).astype(h.dtype), h)
             positions = got.get("positions")
         if self.family.mrope and positions is None:
             # text: each row's positions from its cache's (a batched cache's: per row)
@@ -385,7 +385,7 @@ class VisionLM(nn.Module):
             offset = 0 if not cache or cache[0] is None else cache[0].offset
             offset = mx.array(offset).reshape(-1, 1) if not isinstance(offset, int) else offset
             positions = mx.broadcast_to(offset + mx.arange(t)[None, :], (3, b, t))
-        return self.family.logits(lm, inputs, h, cache, positions)
+        return self.family.logits(lm, inputs, h, cache, positions, visual)
 
 
 def write_vision_base(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, seed: int) -> Path:

@@ -76,16 +76,17 @@ class VisionFamily:
         """The pictures' features [image tokens, hidden], in the order of their tokens."""
         raise NotImplementedError
 
-    def embedded(self, features: mx.array, lm: nn.Module) -> mx.array:
-        """The rows the image tokens' input embeddings take (before what the language model
-        does to every input embedding)."""
-        return features
+    def embedded(self, rows: mx.array, lm: nn.Module) -> mx.array:
+        """The input embeddings the image tokens take, from their feature rows (before what
+        the language model does to every input embedding)."""
+        return rows
 
     def embed_tokens(self, lm: nn.Module) -> nn.Module:
         return lm.model.embed_tokens
 
-    def logits(self, lm: nn.Module, inputs, h, cache, positions) -> mx.array:
-        """The language model's logits for input embeddings ``h``."""
+    def logits(self, lm: nn.Module, inputs, h, cache, positions, visual) -> mx.array:
+        """The language model's logits for input embeddings ``h``. ``visual``: (which
+        positions are image tokens [B, T, 1], their feature rows [B, T, F]), or None."""
         out = lm(inputs, inputs_embeds=h, cache=cache)
         return getattr(out, "logits", out)
 
@@ -158,10 +159,14 @@ class Qwen2VL(VisionFamily):
         """Row ``ids``'s rotary positions [3, T], its images' grids ``grids``."""
         return mrope_positions(ids, grids, self.token_id, self.merge)
 
-    def logits(self, lm, inputs, h, cache, positions):
+    def logits(self, lm, inputs, h, cache, positions, visual):
         # the backbone and head, without the language model's own position bookkeeping
         # (which reads the cache's offsets back to the host: no compiled decode step could)
         out = lm.model(inputs, inputs_embeds=h, cache=cache, position_ids=positions)
+        return self._head(lm, out)
+
+    @staticmethod
+    def _head(lm, out):
         if lm.args.tie_word_embeddings:
             return lm.model.embed_tokens.as_linear(out)
         return lm.lm_head(out)
@@ -169,6 +174,47 @@ class Qwen2VL(VisionFamily):
 
 class Qwen25VL(Qwen2VL):
     name = "qwen2_5_vl"
+
+
+class Qwen3VL(Qwen2VL):
+    """Qwen2-VL's tokens and positions (16-pixel patches), and "deepstack" features: the tower
+    also gives features of some of its blocks, which are added to the image tokens' hidden
+    states after the first language-model blocks, one block each. The step's feature rows hold
+    the main features and the deepstack ones side by side."""
+
+    name = "qwen3_vl"
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.deep = len(config["vision_config"].get("deepstack_visual_indexes") or [])
+
+    def features(self, vlm, arrays):
+        tower = vlm.vision_tower
+        px = arrays["pixel_values"].astype(_float_dtype(tower))
+        main, deep = tower(px, arrays["image_grid"])
+        return mx.concatenate([main, *deep], axis=-1)
+
+    def embedded(self, rows, lm):
+        return rows[..., : rows.shape[-1] // (1 + self.deep)]
+
+    def logits(self, lm, inputs, h, cache, positions, visual):
+        from mlx_vlm.models.base import create_attention_mask
+
+        model = lm.model
+        cache = cache or [None] * len(model.layers)
+        mask = create_attention_mask(h, cache[0])
+        rotary = model.layers[0].self_attn.rotary_emb
+        turned = None if rotary.fused_apply else rotary(h, positions)
+        width = h.shape[-1]
+        for i, (layer, c) in enumerate(zip(model.layers, cache, strict=True)):
+            h = layer(h, mask, c, positions, turned)
+            if visual is not None and i < self.deep:  # this block's deepstack features
+                at, rows = visual
+                part = rows[..., (i + 1) * width : (i + 2) * width].astype(h.dtype)
+                h = h + mx.where(at, part, mx.zeros_like(part))
+        if model.norm is not None:
+            h = model.norm(h)
+        return self._head(lm, h)
 
 
 # ------------------------------------------------------------------------------------ Gemma 3
@@ -228,11 +274,11 @@ class Gemma3(VisionFamily):
         out = vlm.multi_modal_projector(hidden)
         return out.reshape(-1, out.shape[-1])
 
-    def embedded(self, features, lm):
+    def embedded(self, rows, lm):
         # the language model multiplies every input embedding by its bfloat16 sqrt(hidden):
         # divided by the same number here, the image rows reach the first block as they are
         scale = mx.array(lm.config.hidden_size**0.5, mx.bfloat16)
-        return features / scale.astype(features.dtype)
+        return rows / scale.astype(rows.dtype)
 
 
 # ------------------------------------------------------------------------ Idefics3, SmolVLM
@@ -391,7 +437,7 @@ class Mistral3(VisionFamily):
 
 
 VISION_FAMILIES: dict[str, type[VisionFamily]] = {
-    f.name: f for f in (Qwen2VL, Qwen25VL, Gemma3, Idefics3, SmolVLM, Llava, Mistral3)
+    f.name: f for f in (Qwen2VL, Qwen25VL, Qwen3VL, Gemma3, Idefics3, SmolVLM, Llava, Mistral3)
 }
 
 
