@@ -426,7 +426,7 @@ def test_the_mlx_vlm_export_loads_in_mlx_vlm_with_the_trained_logits(colours, qw
     for b, (ids, fs) in enumerate(zip(rows, files, strict=True)):
         want = np.array(mlx_vlm_logits(SimpleNamespace(**shown), ids, fs))
         np.testing.assert_allclose(np.array(ours[b, : len(ids)]), want, rtol=1e-4, atol=1e-4)
-    for fmt in ("mlx-lm", "peft", "gguf", "gguf-adapter"):
+    for fmt in ("mlx-lm", "gguf", "gguf-adapter"):
         with pytest.raises(UserInputError, match="--format mlx-vlm"):
             export(done, fmt, tmp_path / fmt)
 
@@ -466,6 +466,87 @@ def test_each_family_trains_and_its_exports_load_in_mlx_vlm(family, pictures, tm
             want = np.array(mlx_vlm_logits(shown, ids, fs))
             got = np.array(ours[b, : len(ids)])
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def hf_logits(torch, hf, model, ids, files):
+    """transformers' logits of one row with its pictures, through the family's processor."""
+    import inspect
+
+    if not files:
+        with torch.no_grad():
+            return hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+    pictures = [Image.open(f).convert("RGB") for f in files]
+    it, tiles = model.image_tokens, model.family.name in ("smolvlm", "idefics3")
+    out = it.processor(images=[[p] for p in pictures] if tiles else pictures, return_tensors="np")
+    keys = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
+    kw = {k: torch.tensor(np.asarray(out[k])) for k in keys if k in out}
+    if tiles:  # one sample showing every picture (transformers drops the padding tiles)
+        for k in ("pixel_values", "pixel_attention_mask"):
+            kw[k] = kw[k].reshape(1, -1, *kw[k].shape[2:])
+    inner = hf.get_base_model() if hasattr(hf, "get_base_model") else hf  # PEFT's wrapper
+    if "mm_token_type_ids" in inspect.signature(inner.forward).parameters:  # Qwen's M-RoPE
+        kw["mm_token_type_ids"] = torch.tensor([[int(i == it.token_id) for i in ids]])
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids]), **kw).logits[0].numpy()
+
+
+@pytest.mark.parametrize("family", sorted(VISION_ARCHS))
+def test_transformers_reads_the_fused_and_peft_exports(family, pictures, tmp_path):
+    """The fused export loads in transformers with the trained model's logits on an image
+    prompt, and the PEFT export over the base (the untrained model written as the fused export
+    writes it) gives them too. Mistral 3 is compared on a text prompt: transformers' Pixtral
+    tower (its 2-D rotary embedding) computes other features than mlx-vlm's, which mlxtune's
+    forward follows."""
+    from test_interop import interop
+
+    torch, peft = interop("torch"), interop("peft")
+    from transformers import AutoModelForImageTextToText
+
+    from mlxtune.export.mlx_vlm import hf_vision_weights
+
+    folder = build_vision_dir(tmp_path / "model", family)
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", colour_rows(data, "train", 8))
+    write_jsonl(data / "valid.jsonl", colour_rows(data, "valid", 2))
+    r = tiny_recipe(
+        data,
+        folder,
+        adapter={"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]},
+        train={"batch_size": 4, "max_steps": 2, "progress": False},
+        eval={"every": None},
+    )
+    r["data"]["max_length"] = 128
+    build_run(r, tmp_path).run()
+    done = load_checkpoint(tmp_path / "run" / "checkpoints" / "final")
+    trained = done.model
+    for fmt in ("peft", "fused"):  # fused last: it merges the adapters in place
+        (tmp_path / fmt).mkdir()
+        export(done, fmt, tmp_path / fmt)
+    base = load_vision_model(folder, config_of(folder), "float32")
+    hf_base = tmp_path / "hf-base"  # the base as the fused export writes a model
+    hf_base.mkdir()
+    weights = hf_vision_weights(base, dict(tree_flatten(base.vlm.parameters())))
+    mx.save_safetensors(str(hf_base / "model.safetensors"), weights, {"format": "pt"})
+    (hf_base / "config.json").write_text((folder / "config.json").read_text())
+
+    tokens, rows, files = two_rows(trained, pictures, folder)
+    ids, shown = rows[1], files[1]
+    ours = np.array(our_logits(trained, np.array([ids]), [shown])[0])
+    if family == "mistral3":
+        ids, shown = [5, 20, 21, 22, 23, 24, 6], []
+        ours = np.array(trained(mx.array([ids]))[0])
+
+    def theirs(model):
+        model.eval()
+        return hf_logits(torch, model, trained, ids, shown)
+
+    fused = AutoModelForImageTextToText.from_pretrained(tmp_path / "fused", dtype=torch.float32)
+    untrained = AutoModelForImageTextToText.from_pretrained(hf_base, dtype=torch.float32)
+    assert np.abs(theirs(untrained) - ours).max() > 1e-3  # the adapters moved the logits
+    adapted = peft.PeftModel.from_pretrained(untrained, str(tmp_path / "peft"))
+    scale = np.abs(ours).max()
+    for what, model in (("fused", fused), ("peft", adapted)):
+        np.testing.assert_allclose(theirs(model), ours, rtol=1e-4, atol=1e-4 * scale, err_msg=what)
 
 
 @pytest.mark.parametrize(

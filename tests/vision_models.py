@@ -100,13 +100,14 @@ VISION_ARCHS = {
         "text_config": {
             "model_type": "gemma3_text",
             **_TEXT,
+            "rope_theta": 1000000.0,  # the global layers' (the sliding ones: 10,000)
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
             "sliding_window": 16,
             "sliding_window_pattern": 2,
             "mm_tokens_per_image": 4,
         },
-        "vision_config": {"model_type": "siglip_vision_model", **_SIGLIP},
+        "vision_config": {"model_type": "siglip_vision_model", "vision_use_head": False, **_SIGLIP},
     },
     "smolvlm": {  # 4 image tokens a tile (16 patches pixel-shuffled 2 x 2)
         "model_type": "smolvlm",

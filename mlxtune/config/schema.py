@@ -326,7 +326,7 @@ class ExportConfig:
         default_factory=list
     )
     """"mlx-lm"/"peft": an adapter mlx-lm/PEFT loads; "fused": the model with the adapters merged
-    in, Hugging Face layout (a vision model's as mlx-vlm loads it); "gguf": the fused model for
+    in, Hugging Face layout (a vision model's read by transformers and mlx-vlm alike); "gguf": the fused model for
     llama.cpp (f16); "gguf-adapter": a LoRA for llama.cpp's --lora; "mlx-vlm": a vision model's adapter."""
 
 

@@ -64,10 +64,11 @@ def export(
         raise UserInputError(
             "--quantize applies to fused exports (gguf has --dtype q8_0)", "export"
         )
-    if isinstance(t.model, VisionLM) and fmt not in ("mlx-vlm", "fused"):
+    if isinstance(t.model, VisionLM) and fmt not in ("mlx-vlm", "fused", "peft"):
         raise UserInputError(
-            f"a vision-language run exports as mlx-vlm adapters (--format mlx-vlm) or a fused "
-            f"model; {fmt} exports of vision-language models are not written yet",
+            f"a vision-language run exports as mlx-vlm adapters (--format mlx-vlm), PEFT "
+            f"adapters or a fused model; {fmt} exports of vision-language models are not "
+            "written yet",
             "export",
         )
     if isinstance(t.model, VisionLM) and fmt == "fused":

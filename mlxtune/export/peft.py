@@ -14,10 +14,9 @@ from mlx.utils import tree_flatten
 
 from ..adapters import DoRALinear, LoRASwitchLinear
 from ..errors import UserInputError
-from ..models import (
-    reward_head,
-)
+from ..models import VisionLM, reward_head
 from ..models.layout import published_names
+from .mlx_vlm import PREFIX, hf_path
 from .weights import TrainedModel, adapter_modules
 
 
@@ -34,13 +33,24 @@ def _plain_weights(model: nn.Module) -> dict[str, mx.array]:
     return out
 
 
+def _module_names(model: nn.Module) -> dict[str, str]:
+    """Each adapted module's path as transformers' model names it."""
+    if isinstance(model, VisionLM):  # mlx-vlm's paths (under the wrapper's "vlm.") mapped
+        return {n: hf_path(model, n.removeprefix(PREFIX)) for n, _ in adapter_modules(model)}
+    names = published_names(model, _plain_weights(model))
+    return {
+        n: names.get(f"{n}.weight", f"{n}.weight")[: -len(".weight")]
+        for n, _ in adapter_modules(model)
+    }
+
+
 def peft_weights(model: nn.Module) -> dict[str, mx.array]:
     """PEFT's tensors, under the module names of the published layout (what transformers
     builds): the same as mlx-lm's wherever a family keeps them."""
-    names = published_names(model, _plain_weights(model))
+    names = _module_names(model)
     out = {}
     for name, m in adapter_modules(model):
-        key = f"base_model.model.{names.get(f'{name}.weight', f'{name}.weight')[: -len('.weight')]}"
+        key = f"base_model.model.{names[name]}"
         out[f"{key}.lora_A.weight"] = mx.contiguous(m.lora_a.T)
         out[f"{key}.lora_B.weight"] = mx.contiguous(m.lora_b.T)
         if isinstance(m, DoRALinear):
@@ -93,4 +103,12 @@ def write_peft(t: TrainedModel, out: Path, base_name: str | None = None):
     }
     if head is not None:
         config["modules_to_save"] = ["score"]
+    if isinstance(t.model, VisionLM):
+        # the adapted modules by their whole paths: a vision tower has q_proj and layers too,
+        # which suffixes and layer numbers would also pick
+        prefix = len("base_model.model.")
+        config["target_modules"] = sorted(
+            {k.split(".lora_A.")[0][prefix:] for k in weights if ".lora_A." in k}
+        )
+        config["layers_to_transform"] = None
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))

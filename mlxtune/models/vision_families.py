@@ -45,6 +45,17 @@ class VisionFamily:
     mrope = False
     """Whether the language model rotates by positions along three axes that the host makes
     (``positions``); otherwise by each token's index, as a text model does."""
+    hf_modules: tuple[tuple[str, str], ...] = (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.vision_model.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    )
+    """(mlx-vlm's path prefix, transformers' module path prefix), the first that matches: where
+    transformers' model holds each of mlx-vlm's modules (PEFT names adapters so)."""
+    hf_legacy: tuple[tuple[str, str], ...] | None = None
+    """Another layout transformers reads (an older one it converts on loading), for a family
+    whose mlx-vlm loader reads that one but not ``hf_modules``'s."""
 
     def __init__(self, config: dict):
         self.config = config
@@ -136,6 +147,16 @@ class Qwen2VL(VisionFamily):
     )
     tower_keys = ("pixel_values", "image_grid")
     mrope = True
+    hf_modules = (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.", "model.visual."),
+    )
+    hf_legacy = (
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.", "visual."),
+    )
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -293,6 +314,12 @@ class Idefics3(VisionFamily):
     name = "idefics3"
     special_tokens = (("image_token_id", "<image>"),)
     tower_keys = ("pixel_values", "pixel_attention_mask")
+    hf_modules = (
+        ("language_model.lm_head.", "lm_head."),
+        ("language_model.", "model.text_model."),
+        ("vision_model.", "model.vision_model."),
+        ("connector.", "model.connector."),
+    )
 
     def __init__(self, config: dict):
         super().__init__(config)
