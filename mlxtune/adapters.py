@@ -400,9 +400,65 @@ def apply_adapters(
                 f"no layer named {missing[0]!r} in this model; its linear layers are: {', '.join(linear_names)}",
                 "adapter.targets",
             )
-    if not adapted:
+    if targets and not adapted:
         raise UserInputError("no linear layer matched adapter.targets", "adapter.targets")
     return {"type": kind, "adapted": adapted, "layers": chosen}
+
+
+VISION_TARGETS = ("vision", "projector")
+"""What ``adapter.targets`` names of a vision-language model's image side: "vision", every
+linear layer of its vision tower outside the projector; "projector", those of its projector."""
+
+
+def adapt_model(
+    model: nn.Module,
+    kind: str,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets,
+    layers=None,
+    rslora: bool = False,
+) -> dict:
+    """``apply_adapters`` on the language model; a vision-language model's tower and projector
+    then frozen (full fine-tuning too trains the language model alone), with adapters where
+    ``targets`` names them (``VISION_TARGETS``)."""
+    tower = getattr(model, "tower_names", None) is not None
+    lm_targets = [t for t in targets if not (tower and t in VISION_TARGETS)]
+    info = apply_adapters(model, kind, rank, alpha, dropout, lm_targets, layers, rslora)
+    if tower:
+        model.freeze_tower()
+        if kind != "full":
+            info["adapted"] += _adapt_tower(model, kind, rank, alpha, dropout, targets, rslora)
+    return info
+
+
+def _adapt_tower(model, kind, rank, alpha, dropout, targets, rslora) -> list[str]:
+    """LoRA/DoRA on the vision tower's and projector's linear layers ``targets`` names."""
+    which = {t for t in targets if t in VISION_TARGETS}
+    if not which:
+        return []
+    cls = DoRALinear if kind == "dora" else LoRALinear
+    projectors = model.family.projectors
+    replace = []
+    for top in model.tower_names:
+        for name, mod in model.vlm[top].named_modules():
+            path = f"{top}.{name}" if name else top
+            if not (isinstance(mod, (nn.Linear, nn.QuantizedLinear)) and plain_layer(mod)):
+                continue
+            is_projector = any(path == p or path.startswith(f"{p}.") for p in projectors)
+            if ("projector" if is_projector else "vision") in which:
+                replace.append((path, cls.from_base(mod, rank, alpha, dropout, rslora)))
+    found = {"projector" if any(p.startswith(q) for q in projectors) else "vision"
+             for p, _ in replace}  # fmt: skip
+    if which - found:
+        raise UserInputError(
+            f"this {model.family.name} model's {sorted(which - found)[0]} has no linear layer "
+            "an adapter can go in",
+            "adapter.targets",
+        )
+    model.vlm.update_modules(tree_unflatten(replace))
+    return [f"vlm.{p}" for p, _ in replace]
 
 
 @contextmanager

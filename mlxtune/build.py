@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import kernels
-from .adapters import apply_adapters, lora_scale
+from .adapters import adapt_model, lora_scale
 from .config import Recipe
 from .data import BadRows, lengths_of, read_rows
 from .data.parallel import reporting
@@ -62,7 +62,7 @@ class Built:
     """The base model's folder (None for a model built from ``model.arch``)."""
     tokenizer_dir: Path | None
     adapter_info: dict
-    """What ``apply_adapters`` did: the adapted modules and layers."""
+    """What ``adapt_model`` did: the adapted modules and layers."""
     trainable: int
     total_params: int
     auto_context: int | None = None
@@ -316,13 +316,11 @@ def _quantize_base(model: nn.Module, cfg, log) -> None:
 
 def adapt(recipe: Recipe, model: nn.Module, lm: LMParts, log) -> dict:
     """Put LoRA/DoRA adapters in (or unfreeze everything for full fine-tuning), load
-    ``init_from`` weights, turn on NEFTune and gradient checkpointing; what ``apply_adapters``
+    ``init_from`` weights, turn on NEFTune and gradient checkpointing; what ``adapt_model``
     did."""
     r, a = recipe, recipe.adapter
     mx.random.seed(r.train.seed)
-    info = apply_adapters(model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers, a.rslora)
-    if isinstance(model, VisionLM):  # full fine-tuning too trains the language model alone
-        model.freeze_tower()
+    info = adapt_model(model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers, a.rslora)
     if a.init_from is not None:
         import_adapter(model, r.resolve_path(a.init_from))
         log(f"adapter weights from {a.init_from}")

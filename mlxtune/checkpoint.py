@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from .adapters import apply_adapters
+from .adapters import adapt_model
 from .config import OBJECTIVE_CONFIGS, Recipe
 from .errors import UserInputError
 from .export import TrainedModel, load_trainable_weights, read_trainable, write_mlx_lm
@@ -390,7 +390,7 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
     trust = bool(((state.get("recipe") or {}).get("model") or {}).get("trust_remote_code"))
     a = state["adapter"]
     model, config = base_model(state)
-    apply_adapters(
+    adapt_model(  # as it trained (a vision model's tower frozen but where adapted)
         model,
         a["type"],
         a.get("rank", 8),
@@ -400,8 +400,6 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
         a.get("layers"),
         a.get("rslora", False),
     )
-    if isinstance(model, VisionLM):  # as it trained: its tower frozen
-        model.freeze_tower()
     weights = without_value_head(read_trainable(ckpt))  # a policy needs no critic
     if has_reward_head(weights):  # a reward model
         add_reward_head(model, int(config["hidden_size"]))

@@ -24,7 +24,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from .distributed import World, collectives
 from .errors import TrainingError, UserInputError
@@ -34,6 +34,14 @@ from .memory import is_out_of_memory, resource_limit_note
 from .models import VisionLM, dropout_key, has_embedding_noise
 from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
 from .state import EngineState
+
+TOWER = "tower"
+"""Where ``Engine.arrays`` keeps a vision model's tower inputs when its tower trains."""
+
+
+def _stepped(arrays: dict) -> dict:
+    """``arrays`` as a compiled step takes them (without the tower's inputs)."""
+    return {k: v for k, v in arrays.items() if k != TOWER}
 
 
 class OutOfMemoryOnARank(MemoryError):
@@ -83,6 +91,9 @@ class Engine:
         self._has_dropout = has_embedding_noise(model) or any(
             isinstance(m, nn.Dropout) and m._p_1 < 1 for _, m in model.named_modules()
         )
+        self._tower_trains = isinstance(model, VisionLM) and model.tower_trains
+        """A vision model with adapters in its tower: steps take the features' gradient
+        through the tower (``grad_step``)."""
         self._build()
 
     # ---------------------------------------------------------------- compiled steps
@@ -147,6 +158,9 @@ class Engine:
 
         grad_fn = nn.value_and_grad(model, scaled_loss)
         state = [model.state, opt.state, mx.random.state, scaler]
+        self._feature_grad_step = None
+        if self._tower_trains:
+            self._feature_grad_step = self._build_feature_grads(scaled_loss, state)
         if self.masters is not None:
             state.append(self.masters)
 
@@ -192,6 +206,31 @@ class Engine:
         self._eval_step = eval_step
         self._state = state
 
+    def _build_feature_grads(self, scaled_loss, state: list):
+        """``grad_step`` that also gives the gradient with respect to the batch's image
+        ``features`` (a vision model whose tower trains: ``VisionLM.tower_gradients`` takes it
+        through the tower, outside the compiled step)."""
+        model, scaler = self.model, self.scaler
+
+        def loss_of(params, features, batch, factor):
+            model.update(params)
+            return scaled_loss(model, {**batch, "features": features}, factor)
+
+        grad_fn = mx.value_and_grad(loss_of, argnums=(0, 1))
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def feature_grad_step(batch, inv):
+            rest = {k: v for k, v in batch.items() if k != "features"}
+            factor = scaler["scale"] * inv
+            out, (grads, d_features) = grad_fn(
+                model.trainable_parameters(), batch["features"], rest, factor
+            )
+            _, loss, count, metrics = out
+            grads = tree_map(lambda g: g.astype(mx.float32), grads)
+            return loss, count, metrics, grads, d_features.astype(mx.float32)
+
+        return feature_grad_step
+
     def _build_curvature(self, state: list):
         """Sophia's curvature pass: the gradient of the mean loss against labels the model
         draws itself (``Objective.sampled_loss``), averaged over ranks, handed to the optimizer
@@ -227,17 +266,29 @@ class Engine:
         return curvature_step
 
     def arrays(self, batch) -> dict[str, mx.array]:
-        """The objective's batch as the device arrays a step takes."""
+        """The objective's batch as the device arrays a step takes (a vision model's images
+        through its tower, here; where the tower trains, its inputs kept under ``TOWER``)."""
         out = {k: mx.array(v) for k, v in self.objective.arrays(batch).items()}
-        if isinstance(self.model, VisionLM):  # its images through the frozen tower, here
+        if isinstance(self.model, VisionLM):
+            tower = {k: out[k] for k in self.model.family.tower_keys if k in out}
             out = self.model.prepare(out)
+            if self._tower_trains and tower:
+                out[TOWER] = tower
         return out
 
     def grad_step(self, arrays: dict[str, mx.array], inv_count: mx.array):
         """Forward and backward over one micro-batch (as ``arrays`` gives it): (loss sum,
         count, metric sums, fp32 gradients of loss x scale x ``inv_count``); nothing is
-        updated."""
-        return self._grad_step(arrays, inv_count)
+        updated. A vision model whose tower trains gets its tower's gradients too."""
+        tower = arrays.get(TOWER)
+        if tower is None:
+            return self._grad_step(_stepped(arrays), inv_count)
+        loss, count, metrics, grads, d_features = self._feature_grad_step(
+            _stepped(arrays), inv_count
+        )
+        more = self.model.tower_gradients(tower, d_features)
+        grads = tree_map_with_path(lambda k, g: g + more[k] if k in more else g, grads)
+        return loss, count, metrics, grads
 
     def apply_step(self, grads, loss_sum: mx.array):
         """Apply gradients ``grad_step`` made (summed over micro-batches): (norm, ok)."""
@@ -245,7 +296,7 @@ class Engine:
 
     def evaluate_batch(self, batch):
         """(loss sum, count, metric sums) of the objective on ``batch``, no gradients."""
-        return self._eval_step(self.arrays(batch))
+        return self._eval_step(_stepped(self.arrays(batch)))
 
     # ---------------------------------------------------------------- optimizer steps
     def step(self, micro_batches: list, total: int | None = None) -> StepResult:
@@ -256,7 +307,7 @@ class Engine:
             total = sum(self.objective.count(b) for b in micro_batches)
         # each rank's gradients are summed over ranks and divided by their number: x size here
         inv = mx.array(self.world.size / max(total, 1), dtype=mx.float32)
-        if len(micro_batches) == 1 and self.world.size == 1:
+        if len(micro_batches) == 1 and self.world.size == 1 and not self._tower_trains:
             loss, count, metrics, norm, ok = self._train_step(self.arrays(micro_batches[0]), inv)
             mx.async_eval(self._state, loss, count, metrics, norm, ok)
             return StepResult(loss, count, norm, ok, metrics)
@@ -271,7 +322,7 @@ class Engine:
         """(loss sum, count, metric sums, gradients) summed over micro-batches, queued."""
         acc = loss_sum = count_sum = metric_sums = None
         for b in micro_batches:
-            loss, count, metrics, grads = self._grad_step(self.arrays(b), inv)
+            loss, count, metrics, grads = self.grad_step(self.arrays(b), inv)
             if acc is None:
                 acc, loss_sum, count_sum, metric_sums = grads, loss, count, metrics
             else:
@@ -352,7 +403,7 @@ class Engine:
             try:
                 every = getattr(self.optimizer, "curvature_every", None)
                 if every and (step - 1) % every == 0:  # before the update, from the first step
-                    self._curvature_step(self.arrays(parts[0]))
+                    self._curvature_step(_stepped(self.arrays(parts[0])))
                 return self.step(parts, total)
             except Exception as e:
                 if saved is None or not is_out_of_memory(e):

@@ -549,6 +549,116 @@ def test_transformers_reads_the_fused_and_peft_exports(family, pictures, tmp_pat
         np.testing.assert_allclose(theirs(model), ours, rtol=1e-4, atol=1e-4 * scale, err_msg=what)
 
 
+def image_run(tmp_path, family, adapter, steps=6, **train):
+    """A recipe dict of SFT on colour chats for a tiny model of ``family`` (its folder
+    returned too)."""
+    folder = build_vision_dir(tmp_path / "model", family)
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", colour_rows(data, "train", 16))
+    write_jsonl(data / "valid.jsonl", colour_rows(data, "valid", 4))
+    r = tiny_recipe(
+        data,
+        folder,
+        adapter=adapter,
+        train={"batch_size": 4, "max_steps": steps, "log_every": 1, "progress": False, **train},
+    )
+    r["data"]["max_length"] = 128
+    return r, folder
+
+
+TOWER_LORA = {
+    "type": "lora",
+    "rank": 4,
+    "alpha": 8,
+    "targets": ["all-linear", "vision", "projector"],
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "smolvlm", "mistral3"])
+def test_adapters_in_the_tower_and_projector_get_mlx_vlms_gradients(family, tmp_path):
+    """adapter.targets naming the vision tower and the projector: the step's gradients (the
+    language model's in the compiled step, the tower's from the features' gradient carried
+    back through it) equal those of the summed loss through mlx-vlm's whole forward."""
+    r, _ = image_run(tmp_path, family, TOWER_LORA)
+    t = build_run(r, tmp_path)
+    shake_adapters(t.model)
+    tower = [
+        k for k, _ in tree_flatten(t.model.trainable_parameters()) if ".language_model." not in k
+    ]
+    parts = {k.split(".")[1] for k in tower}
+    assert tower and parts == set(t.model.tower_names)  # tower and projector both adapted
+    batch = next(t.objective.batches())[1]
+    _, _, _, got = t.engine.grad_step(t.engine.arrays(batch), mx.array(1.0))
+
+    def naive(m):  # each row alone, unpadded, its pictures through mlx-vlm's processor
+        total = 0.0
+        for ids, mask, n, files in zip(
+            batch.tokens.tolist(), batch.mask.tolist(), batch.lengths, batch.images, strict=True
+        ):
+            logits = mlx_vlm_logits(m, ids[: n - 1], [Path(f) for f in files])
+            ce = nn.losses.cross_entropy(logits, mx.array(ids[1:n]))
+            total = total + (ce * mx.array(mask[1:n])).sum()
+        return total
+
+    _, want = nn.value_and_grad(t.model, naive)(t.model)
+    want, got = dict(tree_flatten(want)), dict(tree_flatten(got))
+    assert want.keys() == got.keys() and any(k in want for k in tower)
+    top = max(float(np.abs(np.array(w)).max()) for w in want.values())
+    for k, w in want.items():
+        w, g = np.array(w), np.array(got[k])
+        if np.abs(w).max() < 1e-5 * top:  # next to nothing (Pixtral's keys): ours too
+            assert np.abs(g).max() < 1e-4 * top, k
+            continue
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4 * np.abs(w).max(), err_msg=k)
+
+
+def test_a_run_with_adapters_in_the_tower_trains_resumes_and_exports(pictures, tmp_path):
+    """Tower and projector adapters train with the language model's (the loss falls, every
+    adapter moves), a crashed run resumes to the whole run's rows, and the mlx-vlm, PEFT and
+    fused exports carry the tower's adapters (mlx-vlm's load gives the trained logits)."""
+    from mlx_vlm import load as mlx_vlm_load
+
+    r, folder = image_run(tmp_path, "qwen2_vl", TOWER_LORA, steps=4)
+    r["checkpoints"] = {"every": 2}
+    whole = build_run(r, tmp_path, "whole")
+    start = {k: np.array(v) for k, v in tree_flatten(whole.model.trainable_parameters())}
+    whole.run()
+    rows = run_rows(tmp_path / "whole")
+    losses = [x["loss"] for x in rows if "loss" in x]
+    assert losses[-1] < losses[0]
+    end = dict(tree_flatten(whole.model.trainable_parameters()))
+    assert all(not np.array_equal(np.array(end[k]), v) for k, v in start.items())
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_run(r, tmp_path, "crash", callbacks=[make_crash(2)]).run()
+    build_run(r, tmp_path, "crash", resume="latest").run()
+    same_rows(run_rows(tmp_path / "crash"), rows, rel=0, abs=0)
+
+    done = load_checkpoint(tmp_path / "whole" / "checkpoints" / "final")
+    for fmt in ("mlx-vlm", "peft"):
+        (tmp_path / fmt).mkdir()
+        export(done, fmt, tmp_path / fmt)
+    peft = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert any(m.startswith("model.visual.blocks.") for m in peft["target_modules"])
+    assert any(m.startswith("model.visual.merger.") for m in peft["target_modules"])
+    theirs, _ = mlx_vlm_load(str(folder), adapter_path=str(tmp_path / "mlx-vlm"))
+    tokens, rows2, files = two_rows(done.model, pictures, folder)
+    ours = our_logits(done.model, tokens, files)
+    shown = SimpleNamespace(vlm=theirs, image_tokens=done.model.image_tokens)
+    for b, (ids, fs) in enumerate(zip(rows2, files, strict=True)):
+        want = np.array(mlx_vlm_logits(shown, ids, fs))
+        np.testing.assert_allclose(np.array(ours[b, : len(ids)]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_tower_targets_a_model_cannot_take_are_refused_at_adapter_targets(tmp_path):
+    """Gemma 3's projector multiplies its weight directly (no linear layer to adapt); a text
+    model has no vision tower."""
+    adapter = {**TOWER_LORA, "targets": ["q_proj", "projector"]}
+    r, _ = image_run(tmp_path, "gemma3", adapter)
+    with pytest.raises(UserInputError, match="gemma3 model's projector has no linear layer") as e:
+        build_run(r, tmp_path).run()
+    assert e.value.where == "adapter.targets"
+
+
 @pytest.mark.parametrize(
     "key, value",
     [

@@ -203,7 +203,9 @@ class AdapterConfig:
     """Dropout on the LoRA input."""
     targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     """Linear layers to adapt, by name (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    down_proj, ...), or ["all-linear"]."""
+    down_proj, ...), or ["all-linear"]. A vision-language model's tower and projector are
+    frozen unless named too: "vision" (every linear layer of the vision tower) and
+    "projector"."""
     layers: Any = None
     """Transformer layers to adapt: null (all), N (the last N), "a-b" (a to b inclusive) or a
     list of layer indices."""

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserInputError
 from .common import cast_floats
@@ -294,8 +294,39 @@ class VisionLM(nn.Module):
 
     def features(self, arrays: dict[str, mx.array]) -> mx.array:
         """The images' features [image tokens, D] as the language model takes them: the
-        frozen tower and projector, outside any compiled step, no gradient through them."""
+        tower and projector, outside any compiled step, no gradient through them."""
         return mx.stop_gradient(self.family.features(self.vlm, arrays))
+
+    def _tower_trainable(self) -> dict[str, mx.array]:
+        names = tuple(f"vlm.{k}." for k in self.tower_names)
+        return {k: v for k, v in tree_flatten(self.trainable_parameters()) if k.startswith(names)}
+
+    @property
+    def tower_trains(self) -> bool:
+        """Whether adapters in the tower or projector train (``adapter.targets``): the step
+        then hands back the gradient of the features, and ``tower_gradients`` carries it
+        through the tower."""
+        return bool(self._tower_trainable())
+
+    def tower_gradients(self, arrays: dict[str, mx.array], cotangent: mx.array) -> dict:
+        """{path: gradient} of the tower's trainable weights given ``cotangent``, the gradient
+        of the loss with respect to a step's ``features`` (padded as ``prepare`` pads them),
+        from the tower's inputs ``arrays``: the tower runs again here, outside the compiled
+        step, and its backward with it (mx.vjp)."""
+        own = self._tower_trainable()
+        keys = list(own)
+
+        def padded_features(*weights):
+            self.update(tree_unflatten(list(zip(keys, weights, strict=True))))
+            out = self.family.features(self.vlm, arrays).astype(cotangent.dtype)
+            pad = cotangent.shape[0] - out.shape[0]
+            return mx.pad(out, [(0, pad), (0, 0)]) if pad else out
+
+        try:
+            _, grads = mx.vjp(padded_features, [own[k] for k in keys], [cotangent])
+        finally:
+            self.update(tree_unflatten(list(own.items())))  # the weights, not the vjp's copies
+        return dict(zip(keys, grads, strict=True))
 
     def batch_arrays(
         self, tokens: np.ndarray, paths: list[list[Path]], where: str = "batch"

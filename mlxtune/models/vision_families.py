@@ -53,6 +53,9 @@ class VisionFamily:
     )
     """(mlx-vlm's path prefix, transformers' module path prefix), the first that matches: where
     transformers' model holds each of mlx-vlm's modules (PEFT names adapters so)."""
+    projectors: tuple[str, ...] = ("multi_modal_projector",)
+    """The paths (in mlx-vlm's model) of what maps the tower's output into the language
+    model's width: ``adapter.targets: [projector]`` puts adapters there."""
     hf_legacy: tuple[tuple[str, str], ...] | None = None
     """Another layout transformers reads (an older one it converts on loading), for a family
     whose mlx-vlm loader reads that one but not ``hf_modules``'s."""
@@ -147,6 +150,7 @@ class Qwen2VL(VisionFamily):
     )
     tower_keys = ("pixel_values", "image_grid")
     mrope = True
+    projectors = ("vision_tower.merger",)
     hf_modules = (
         ("language_model.model.", "model.language_model."),
         ("language_model.lm_head.", "lm_head."),
@@ -204,6 +208,7 @@ class Qwen3VL(Qwen2VL):
     the main features and the deepstack ones side by side."""
 
     name = "qwen3_vl"
+    projectors = ("vision_tower.merger", "vision_tower.deepstack_merger_list")
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -314,6 +319,7 @@ class Idefics3(VisionFamily):
     name = "idefics3"
     special_tokens = (("image_token_id", "<image>"),)
     tower_keys = ("pixel_values", "pixel_attention_mask")
+    projectors = ("connector",)
     hf_modules = (
         ("language_model.lm_head.", "lm_head."),
         ("language_model.", "model.text_model."),

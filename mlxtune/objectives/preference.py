@@ -46,7 +46,7 @@ from ..data.preference import (
 )
 from ..errors import UserInputError
 from ..kernels import forward_only
-from ..models import add_reward_head, kernel_attention, segments
+from ..models import VisionLM, add_reward_head, kernel_attention, segments
 from .base import Objective, Usage, target_rows
 from .reference import ReferencePolicy, reference_kind
 
@@ -350,6 +350,8 @@ class DPO(Preference):
                     ds, size, c.pad_id, self.recipe.data.pad_to_multiple, None, k
                 ):
                     arrays = {n: mx.array(v) for n, v in self.arrays(b).items()}
+                    if isinstance(model, VisionLM):  # its images through its tower, here
+                        arrays = model.prepare(arrays)
                     with forward_only(), routed:
                         got = step(arrays)
                     out[b.pairs] = np.array(got)
