@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from .adapters import LoRALinear
 from .errors import UserInputError
 from .kernels.chunked import CHUNK_ELEMENTS
 from .kernels.flash import block_for, uses_fused
-from .models import checkpointed_layers, is_quantized
+from .models import VisionLM, checkpointed_layers, is_quantized
 
 GB = 1e9
 OVERHEAD = 1.10  # allocator rounding and small temporaries
@@ -160,6 +162,8 @@ class Shape:
     micro_key: str | None = None  # the key that sets rows a pass (RL), else train.batch_size
     trained_inputs: int | None = None  # elements a token of a layer's trained linear inputs
     fused_score_arrays: int = 4  # [T, T] arrays a fused attention's backward holds at once
+    tower_row_bytes: float = 0.0  # a vision model's tower pass, a row's share (measured)
+    tower_trains: bool = False  # ... its backward too, while the step's gradients are held
 
 
 # [block, T] arrays the chunked attention's slabs add to a step's peak: a layer's attention
@@ -209,6 +213,9 @@ def estimate(s: Shape) -> dict[str, float]:
     generation = s.generation_rows * (
         s.generation_length * s.layers * s.kv_dim * s.act_bytes + s.vocab * (s.act_bytes + 4 * 3)
     )
+    # a vision model's tower runs before the step (its backward after it, holding the step's
+    # gradients, where adapters in it train): its pass is a peak of its own
+    tower = s.tower_row_bytes * s.batch
     out = {
         "weights": float(s.weight_bytes + s.reference_bytes),
         "masters": float(4 * s.trainable_16bit if s.masters else 0),
@@ -226,7 +233,10 @@ def estimate(s: Shape) -> dict[str, float]:
     held = out["weights"] + out["masters"] + out["optimizer"]
     if generation:
         out["generation"] = float(generation)
-    out["total"] = (held + max(step, generation)) * OVERHEAD
+    if tower:
+        out["tower"] = float(tower)
+        tower += out["gradients"] if s.tower_trains else 0.0
+    out["total"] = (held + max(step, generation, tower)) * OVERHEAD
     return out
 
 
@@ -350,7 +360,38 @@ def shape_of(trainer) -> Shape:
         micro_key=trainer.objective.micro_key,
         trained_inputs=trained_inputs(blocks[0]) if blocks else None,
         fused_score_arrays=2 if mx.default_device() == mx.cpu else 4,
+        tower_row_bytes=tower_pass_bytes(trainer, rows) / max(rows, 1),
+        tower_trains=bool(getattr(model, "tower_trains", False)),
     )
+
+
+def tower_pass_bytes(trainer, rows: int) -> float:
+    """What a vision model's tower pass adds to MLX's memory for a batch of ``rows`` copies
+    of the training example with the most image tokens: measured, by running the tower (and,
+    where adapters in it train, its backward) on those images once. 0 for a text model."""
+    model = trainer.model
+    if not isinstance(model, VisionLM):
+        return 0.0
+    shown = [e for e in trainer.train_set.examples if getattr(e, "images", None)]
+    if not shown:
+        return 0.0
+    token = model.image_tokens.token_id
+    most = max(shown, key=lambda e: sum(1 for i in e.ids if i == token))
+    files = [Path(p) for p in most.images]
+    arrays = model.batch_arrays(np.array([most.ids] * rows), [files] * rows, "memory plan")
+    arrays = {k: mx.array(v) for k, v in arrays.items()}
+    tower = {k: arrays[k] for k in model.family.tower_keys}
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    features = model.prepare(arrays)["features"]
+    mx.eval(features)
+    if model.tower_trains:
+        mx.eval(model.tower_gradients(tower, mx.ones(features.shape, mx.float32)))
+    peak = mx.get_peak_memory() - base
+    del features
+    mx.clear_cache()
+    return float(max(peak, 0))
 
 
 def alternatives(s: Shape, budget: float, recipe) -> list[str]:

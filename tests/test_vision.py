@@ -4,6 +4,7 @@ bad image rows, and a run that trains on images."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from PIL import Image
 from conftest import (
     build_run,
     make_crash,
+    measured_peak,
     run_rows,
     same_rows,
     shake_adapters,
@@ -30,6 +32,7 @@ from mlxtune.errors import UserInputError
 from mlxtune.evaluate import evaluate_run
 from mlxtune.export import export
 from mlxtune.generate import generate_ids
+from mlxtune.memory import estimate, shape_of
 from mlxtune.models import (
     VISION_FAMILIES,
     images,
@@ -657,6 +660,42 @@ def test_tower_targets_a_model_cannot_take_are_refused_at_adapter_targets(tmp_pa
     with pytest.raises(UserInputError, match="gemma3 model's projector has no linear layer") as e:
         build_run(r, tmp_path).run()
     assert e.value.where == "adapter.targets"
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], ["all-linear", "vision"]],
+                         ids=["frozen-tower", "tower-adapters"])  # fmt: skip
+def test_the_memory_plan_counts_the_towers_pass(targets, tmp_path):
+    """A tower far wider than its language model, on 224-pixel pictures: the plan holds the
+    measured peak of a step (the tower's pass before it, its backward after it where its
+    adapters train) within the bounds it holds for text, and would not without the tower."""
+    wide = {"embed_dim": 256, "num_heads": 4, "depth": 4}
+    folder = build_vision_dir(
+        tmp_path / "model", "qwen2_vl", vision=wide, processor={"max_pixels": 224 * 224}
+    )
+    data = tmp_path / "data"
+    (data / "img").mkdir(parents=True)
+    rows = []
+    for i in range(8):
+        Image.new("RGB", (224, 224), (40 * i, 90, 160)).save(data / "img" / f"{i}.png")
+        rows.append(image_chat(f"img/{i}.png"))
+    write_jsonl(data / "train.jsonl", rows)
+    write_jsonl(data / "valid.jsonl", rows[:2])
+    r = tiny_recipe(
+        data,
+        folder,
+        adapter={"type": "lora", "rank": 4, "alpha": 8, "targets": targets},
+        train={"batch_size": 4, "max_steps": 2, "progress": False},
+        eval={"every": None},
+    )
+    r["data"]["max_length"] = 128
+    t = build_run(r, tmp_path)
+    shape = shape_of(t)
+    planned = estimate(shape)
+    assert planned["tower"] > 0
+    peak = measured_peak(t)
+    assert 0.6 < planned["total"] / peak < 1.6, (planned, peak)
+    without = estimate(replace(shape, tower_row_bytes=0.0))["total"]
+    assert without / peak < 0.6, (without, peak)  # the tower's pass is what sets the peak
 
 
 @pytest.mark.parametrize(

@@ -280,19 +280,21 @@ FAMILY_TOKENIZERS["idefics3"] = {
 }
 
 
-def family_tokenizer(out: Path, family: str) -> Path:
+def family_tokenizer(out: Path, family: str, processor: dict | None = None) -> Path:
     """The family's tokenizer folder: the Qwen families read the vision quickstart's; the others
     a byte-level BPE that merges runs of two and three newlines (as real ones do, so that text
     an image's expansion joins encodes differently from its parts), their special tokens and
     chat template, and their image processor config."""
-    if family == "qwen3_vl":  # the quickstart's tokenizer, its processor's patches 16 pixels
+    if family.startswith("qwen"):  # the quickstart's tokenizer
+        if family == "qwen2_vl" and not processor:
+            return COLOUR_TOKENIZER
         shutil.copytree(COLOUR_TOKENIZER, out, dirs_exist_ok=True)
-        processor = json.loads((COLOUR_TOKENIZER / "preprocessor_config.json").read_text())
-        processor.update(patch_size=16, min_pixels=64 * 64, max_pixels=128 * 128)
-        (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+        given = json.loads((COLOUR_TOKENIZER / "preprocessor_config.json").read_text())
+        if family == "qwen3_vl":  # its patches 16 pixels
+            given.update(patch_size=16, min_pixels=64 * 64, max_pixels=128 * 128)
+        given.update(processor or {})
+        (out / "preprocessor_config.json").write_text(json.dumps(given, indent=2))
         return out
-    if family not in FAMILY_TOKENIZERS:
-        return COLOUR_TOKENIZER
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -318,15 +320,23 @@ def family_tokenizer(out: Path, family: str) -> Path:
     return out
 
 
-def build_vision_dir(out: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
+def build_vision_dir(
+    out: Path,
+    family: str = "qwen2_vl",
+    seed: int = 0,
+    vision: dict | None = None,
+    processor: dict | None = None,
+) -> Path:
     """A tiny random-weight vision-language model folder of an mlx-vlm family (built from
     mlx-vlm's own classes by ``write_vision_base``), with the family's tokenizer and image
-    processor (``family_tokenizer``)."""
+    processor (``family_tokenizer``); ``vision`` and ``processor`` update the tower's config
+    and the Qwen families' image processor's."""
     from mlxtune.models import write_vision_base
     from mlxtune.tokenizer import load_tokenizer
 
-    tok = family_tokenizer(out.parent / "tokenizer", family)
+    tok = family_tokenizer(out.parent / "tokenizer", family, processor)
     arch = json.loads(json.dumps(VISION_ARCHS[family]))
+    arch["vision_config"].update(vision or {})
     return write_vision_base(arch, load_tokenizer(tok), tok, out, seed)
 
 
