@@ -698,6 +698,42 @@ def test_the_memory_plan_counts_the_towers_pass(targets, tmp_path):
     assert without / peak < 0.6, (without, peak)  # the tower's pass is what sets the peak
 
 
+def test_a_checkpoint_mlx_vlm_quantized_trains(tmp_path):
+    """A model folder mlx-vlm's own convert quantized to 4 bits (as the quantized checkpoints
+    people download are) loads as it is and trains LoRA adapters, its loss falling."""
+    from mlx_vlm import convert
+
+    dense = build_vision_dir(tmp_path / "dense", "qwen2_vl")
+    convert(str(dense), mlx_path=str(tmp_path / "q4"), quantize=True, q_group_size=32)
+    assert "quantization" in config_of(tmp_path / "q4")
+    r, _ = image_run(tmp_path, "qwen2_vl", {"type": "lora", "rank": 4, "alpha": 8,
+                                             "targets": ["all-linear"]})  # fmt: skip
+    r["model"]["path"] = str(tmp_path / "q4")
+    t = build_run(r, tmp_path)
+    t.run()
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in t.model.named_modules())
+    losses = [x["loss"] for x in run_rows(tmp_path / "run") if "loss" in x]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_orpo_and_cpo_runs_train_on_image_pairs(kind, qwen_dir, tmp_path):
+    """ORPO and CPO read image pairs as DPO does (tested against mlx-vlm's forward above):
+    a run goes through and its loss falls."""
+    write_jsonl(tmp_path / "pairs.jsonl", colour_pairs(tmp_path, 16))
+    r = tiny_recipe(
+        tmp_path,
+        qwen_dir,
+        data={"train": str(tmp_path / "pairs.jsonl"), "max_length": 64, "valid_fraction": 0.25},
+        objective={"type": kind},
+        adapter={"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]},
+        train={"batch_size": 4, "max_steps": 6, "log_every": 1, "progress": False},
+    )
+    build_run(r, tmp_path).run()
+    losses = [x["loss"] for x in run_rows(tmp_path / "run") if "loss" in x]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize(
     "key, value",
     [

@@ -244,7 +244,19 @@ def load_image_tokens(model_dir: Path, config: dict) -> ImageTokens:
     if processor is None:
         from transformers import AutoImageProcessor
 
-        processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        try:
+            processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        except (ValueError, OSError, KeyError):
+            # a class transformers does not know (mlx-vlm's convert writes its own image
+            # processors' names into processor_config.json): mlx-vlm's processor reads it
+            from mlx_vlm.utils import load_processor
+
+            processor = getattr(load_processor(model_dir), "image_processor", None)
+            if processor is None:
+                raise UserInputError(
+                    "neither transformers nor mlx-vlm reads this folder's image processor",
+                    str(model_dir / "preprocessor_config.json"),
+                ) from None
     family.check_processor(processor, str(model_dir / "preprocessor_config.json"))
     return ImageTokens(family, processor)
 
