@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import kernels
-from .adapters import adapt_model, lora_scale
+from .adapters import VISION_TARGETS, adapt_model, lora_scale
 from .config import Recipe
 from .data import BadRows, lengths_of, read_rows
 from .data.parallel import reporting
@@ -217,6 +217,19 @@ def refuse_what_vision_models_do_not_do(recipe: Recipe) -> None:
             "a stream cuts examples across rows, and an example's image tokens cannot be cut "
             "from their image; use packing: pack (whole examples) or off",
             "data.packing",
+        )
+    tower = [t for t in r.adapter.targets if t in VISION_TARGETS]
+    if (
+        tower
+        and r.objective.type == "dpo"
+        and getattr(r.objective, "reference", None) != ("precomputed")
+    ):
+        raise UserInputError(
+            f"with adapters in the {tower[0]}, DPO's reference would read the images through "
+            "the trained tower (the step's image features are the policy's): set "
+            "objective.reference: precomputed (the reference's log-probs read once, before "
+            "training), or leave the tower out",
+            "adapter.targets",
         )
 
 

@@ -662,6 +662,28 @@ def test_tower_targets_a_model_cannot_take_are_refused_at_adapter_targets(tmp_pa
     assert e.value.where == "adapter.targets"
 
 
+def test_dpo_with_adapters_in_the_tower_takes_a_precomputed_reference(qwen_dir, tmp_path):
+    """The step's image features are the policy's: a reference computed in the step would
+    read them, so DPO with tower adapters is refused unless its reference is precomputed
+    (read once before training, the adapters still zero), which then trains."""
+    write_jsonl(tmp_path / "pairs.jsonl", colour_pairs(tmp_path, 12))
+    r = tiny_recipe(
+        tmp_path,
+        qwen_dir,
+        data={"train": str(tmp_path / "pairs.jsonl"), "max_length": 64, "valid_fraction": 0.25},
+        objective={"type": "dpo"},
+        adapter=TOWER_LORA,
+        train={"batch_size": 4, "max_steps": 2, "log_every": 1, "progress": False},
+    )
+    with pytest.raises(UserInputError, match="objective.reference: precomputed") as e:
+        build_run(r, tmp_path, "live").run()
+    assert e.value.where == "adapter.targets"
+    r["objective"]["reference"] = "precomputed"
+    build_run(r, tmp_path).run()
+    losses = [x["loss"] for x in run_rows(tmp_path / "run") if "loss" in x]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+
+
 @pytest.mark.parametrize("targets", [["all-linear"], ["all-linear", "vision"]],
                          ids=["frozen-tower", "tower-adapters"])  # fmt: skip
 def test_the_memory_plan_counts_the_towers_pass(targets, tmp_path):
