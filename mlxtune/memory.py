@@ -200,7 +200,8 @@ def estimate(s: Shape) -> dict[str, float]:
         # about two such arrays (measured)
         acts += s.batch * s.heads * s.length * s.length * 4 * s.fused_score_arrays
     elif s.chunked_attention:  # one slab at a time (see SLAB_ARRAYS)
-        slab = s.batch * s.heads * block_for(s.batch, s.heads, s.length) * s.length * 4
+        block = block_for(s.batch, s.heads, s.length, s.layers)
+        slab = s.batch * s.heads * block * s.length * 4
         acts += slab * SLAB_ARRAYS
     if s.logits_full:
         logits = tokens * s.vocab * (4 * 3 + s.act_bytes)

@@ -5,12 +5,14 @@ import ctypes
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 from conftest import peak_memory_mb
 from mlxtune.kernels import ATTENTION_IMPLS, attention, flash
 from mlxtune.kernels.flash import attention_chunked
+from mlxtune.models import kernel_attention
 
 
 def naive(q, k, v, scale, causal, seg):
@@ -179,6 +181,26 @@ def test_slabs_are_sized_by_the_heads_not_the_row():
             if blk < -(-t // 64) * 64 and blk > flash.BLOCK:  # neither bound: the nearest
                 assert abs(blk - want) <= flash.BLOCK / 2, (b, hq, t, blk)
     assert flash.block_for(1, 9, 4096) == flash.block_for(1, 9, 32768) == 128
+
+
+def test_a_deeper_model_gets_larger_slabs():
+    """A step holds every layer's graph but one layer's slab at a time: the slab area grows with
+    the layers past SLAB_LAYERS (30 layers at 9 heads: 256 queries, sqrt(2^17 x 30 / 8 / 9) =
+    234 rounded to 64), and a model's steps read its layer count inside kernel_attention."""
+
+    class Deep(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.layers = [nn.Linear(2, 2) for _ in range(n)]
+
+    assert flash.block_for(1, 9, 8192, layers=30) == 256
+    assert flash.block_for(1, 9, 8192, layers=4) == flash.block_for(1, 9, 8192) == 128
+    with kernel_attention(Deep(30)):
+        assert flash.block_for(1, 9, 8192) == 256
+        with kernel_attention(Deep(2)):  # nested: the inner model's, then back
+            assert flash.block_for(1, 9, 8192) == 128
+        assert flash.block_for(1, 9, 8192) == 256
+    assert flash.block_for(1, 9, 8192) == 128
 
 
 def _heap_bytes() -> int:

@@ -8,7 +8,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import attention, cpu
+from ..kernels import attention, cpu, flash
 from .context import current
 
 
@@ -32,6 +32,9 @@ class kernel_attention:
         names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
         self.modules = [sys.modules[n] for n in sorted(names) if n in sys.modules]
         self.impl = impl
+        # the attention layers a step's graph holds (the chunked tier sizes its slabs by them)
+        self.layers = len(getattr(model, "layers", None) or []) or None
+        self._graphs: list = []
         # mlx-lm's own functions, also when another kernel_attention is active around this one
         self.originals = {
             id(mod): (
@@ -48,6 +51,9 @@ class kernel_attention:
         return any(sdpa is not None for sdpa, _ in self.originals.values())
 
     def __enter__(self):
+        graph = flash.graph_layers(self.layers)
+        graph.__enter__()
+        self._graphs.append(graph)
         self._saved.append(
             [
                 (
@@ -75,6 +81,7 @@ class kernel_attention:
         return self
 
     def __exit__(self, *exc):
+        self._graphs.pop().__exit__(*exc)
         for mod, sdpa, swiglu in self._saved.pop():
             if sdpa is not None:
                 mod.scaled_dot_product_attention = sdpa
