@@ -31,6 +31,7 @@ from mlxtune.data import Encoder, make_batch, make_packed_batch
 from mlxtune.errors import UserInputError
 from mlxtune.evaluate import evaluate_run
 from mlxtune.export import export
+from mlxtune.export.mlx_vlm import hf_vision_weights
 from mlxtune.generate import generate_ids
 from mlxtune.memory import estimate, shape_of
 from mlxtune.models import (
@@ -127,6 +128,34 @@ def our_logits(model, tokens, files):
     arrays = {k: mx.array(v) for k, v in model.batch_arrays(tokens, files).items()}
     with images(step_images(model.prepare(arrays))):
         return model(mx.array(tokens))
+
+
+def image_run(tmp_path, family, adapter, steps=6, **train):
+    """A recipe dict of SFT on colour chats for a tiny model of ``family`` (its folder
+    returned too)."""
+    folder = build_vision_dir(tmp_path / "model", family)
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", colour_rows(data, "train", 16))
+    write_jsonl(data / "valid.jsonl", colour_rows(data, "valid", 4))
+    r = tiny_recipe(
+        data,
+        folder,
+        adapter=adapter,
+        train={"batch_size": 4, "max_steps": steps, "log_every": 1, "progress": False, **train},
+    )
+    r["data"]["max_length"] = 128  # a SmolVLM picture: up to 5 tiles of 6 tokens, and tags
+    return r, folder
+
+
+TOWER_LORA = {
+    "type": "lora",
+    "rank": 4,
+    "alpha": 8,
+    "targets": ["all-linear", "vision", "projector"],
+}
+
+
+LORA_ALL = {"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]}
 
 
 # each family's image tokens for the three pictures, by hand. Qwen2-VL: sides rounded to 28
@@ -440,17 +469,7 @@ def test_each_family_trains_and_its_exports_load_in_mlx_vlm(family, pictures, tm
     the base) and the fused model both load in mlx-vlm with the trained model's logits."""
     from mlx_vlm import load as mlx_vlm_load
 
-    folder = build_vision_dir(tmp_path / "model", family)
-    data = tmp_path / "data"
-    write_jsonl(data / "train.jsonl", colour_rows(data, "train", 16))
-    write_jsonl(data / "valid.jsonl", colour_rows(data, "valid", 4))
-    r = tiny_recipe(
-        data,
-        folder,
-        adapter={"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]},
-        train={"batch_size": 8, "max_steps": 6, "log_every": 1, "progress": False},
-    )
-    r["data"]["max_length"] = 128  # a SmolVLM picture: up to 5 tiles of 6 tokens, and tags
+    r, folder = image_run(tmp_path, family, LORA_ALL, batch_size=8)
     build_run(r, tmp_path).run()
     losses = [x["loss"] for x in run_rows(tmp_path / "run") if "loss" in x]
     assert losses[-1] < losses[0]
@@ -505,20 +524,8 @@ def test_transformers_reads_the_fused_and_peft_exports(family, pictures, tmp_pat
     torch, peft = interop("torch"), interop("peft")
     from transformers import AutoModelForImageTextToText
 
-    from mlxtune.export.mlx_vlm import hf_vision_weights
-
-    folder = build_vision_dir(tmp_path / "model", family)
-    data = tmp_path / "data"
-    write_jsonl(data / "train.jsonl", colour_rows(data, "train", 8))
-    write_jsonl(data / "valid.jsonl", colour_rows(data, "valid", 2))
-    r = tiny_recipe(
-        data,
-        folder,
-        adapter={"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]},
-        train={"batch_size": 4, "max_steps": 2, "progress": False},
-        eval={"every": None},
-    )
-    r["data"]["max_length"] = 128
+    r, folder = image_run(tmp_path, family, LORA_ALL, steps=2)
+    r["eval"] = {"every": None}
     build_run(r, tmp_path).run()
     done = load_checkpoint(tmp_path / "run" / "checkpoints" / "final")
     trained = done.model
@@ -550,31 +557,6 @@ def test_transformers_reads_the_fused_and_peft_exports(family, pictures, tmp_pat
     scale = np.abs(ours).max()
     for what, model in (("fused", fused), ("peft", adapted)):
         np.testing.assert_allclose(theirs(model), ours, rtol=1e-4, atol=1e-4 * scale, err_msg=what)
-
-
-def image_run(tmp_path, family, adapter, steps=6, **train):
-    """A recipe dict of SFT on colour chats for a tiny model of ``family`` (its folder
-    returned too)."""
-    folder = build_vision_dir(tmp_path / "model", family)
-    data = tmp_path / "data"
-    write_jsonl(data / "train.jsonl", colour_rows(data, "train", 16))
-    write_jsonl(data / "valid.jsonl", colour_rows(data, "valid", 4))
-    r = tiny_recipe(
-        data,
-        folder,
-        adapter=adapter,
-        train={"batch_size": 4, "max_steps": steps, "log_every": 1, "progress": False, **train},
-    )
-    r["data"]["max_length"] = 128
-    return r, folder
-
-
-TOWER_LORA = {
-    "type": "lora",
-    "rank": 4,
-    "alpha": 8,
-    "targets": ["all-linear", "vision", "projector"],
-}
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "smolvlm", "mistral3"])
@@ -728,8 +710,7 @@ def test_a_checkpoint_mlx_vlm_quantized_trains(tmp_path):
     dense = build_vision_dir(tmp_path / "dense", "qwen2_vl")
     convert(str(dense), mlx_path=str(tmp_path / "q4"), quantize=True, q_group_size=32)
     assert "quantization" in config_of(tmp_path / "q4")
-    r, _ = image_run(tmp_path, "qwen2_vl", {"type": "lora", "rank": 4, "alpha": 8,
-                                             "targets": ["all-linear"]})  # fmt: skip
+    r, _ = image_run(tmp_path, "qwen2_vl", LORA_ALL)
     r["model"]["path"] = str(tmp_path / "q4")
     t = build_run(r, tmp_path)
     t.run()

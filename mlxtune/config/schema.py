@@ -202,10 +202,8 @@ class AdapterConfig:
     dropout: float = 0.0
     """Dropout on the LoRA input."""
     targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Linear layers to adapt, by name (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    down_proj, ...), or ["all-linear"]. A vision-language model's tower and projector are
-    frozen unless named too: "vision" (every linear layer of the vision tower) and
-    "projector"."""
+    """Linear layers to adapt, by name (q_proj, v_proj, gate_proj, ...), or ["all-linear"]; a
+    vision model's tower and projector too where named ("vision", "projector")."""
     layers: Any = None
     """Transformer layers to adapt: null (all), N (the last N), "a-b" (a to b inclusive) or a
     list of layer indices."""

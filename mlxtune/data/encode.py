@@ -269,9 +269,7 @@ class Encoder:
         images=None,
     ):
         self.tok = tokenizer
-        # a vision model's image processor (models.vision.ImageTokens): how many tokens an
-        # image takes; None for a text model, which refuses rows with images
-        self.images = images
+        self.images = images  # a vision model's ImageTokens; None: a text model (no images)
         # arguments the chat template reads (data.chat_template_kwargs: enable_thinking, ...)
         self.template_kwargs = dict(template_kwargs or {})
         # false: an assistant turn's reasoning (reasoning_content / thinking) is context only
@@ -427,9 +425,7 @@ class Encoder:
             prompt_ids=conv.tokens(last, True) or None,
             display=shown,
         )
-        if piece.images:
-            return with_images(example, piece.images, self.images, self.tok, where)
-        return example
+        return with_images(example, piece, self.images, self.tok, where)
 
 
 def fitted(ex: Example, max_length: int, overlong: str, min_length: int, stats) -> bool:

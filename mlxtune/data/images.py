@@ -28,11 +28,15 @@ def image_path(path: str, where: str) -> Path:
     return (source.parent if source.is_file() else Path.cwd()) / p
 
 
-def with_images(example, images: tuple[str, ...], tokens, tokenizer, where: str):
-    """``example`` (encoded with one marker an image, as the chat template writes it) showing
-    ``images``: its ids, mask and prompt ids with each marker expanded to its image's tokens as
-    the family's processor writes them (never targets), and its files. ``tokens``: the vision
-    model's ``models.vision.ImageTokens``; None (a text model) refuses the row."""
+def with_images(example, piece, tokens, tokenizer, where: str):
+    """``example`` (``piece`` encoded with one marker an image, as the chat template writes
+    it) showing ``piece.images``: its ids, mask and prompt ids with each marker expanded to its
+    image's tokens as the family's processor writes them (never targets), and its files; as it
+    is when the piece shows none. ``tokens``: the vision model's ``models.vision.ImageTokens``;
+    None (a text model) refuses a row with images."""
+    images = getattr(piece, "images", None)
+    if not images:
+        return example
     if tokens is None:
         raise UserInputError(
             "the row shows images, and the model is no vision-language model", where

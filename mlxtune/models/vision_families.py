@@ -15,6 +15,8 @@ Every other vision-language family is refused by name (``vision_family``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -31,7 +33,7 @@ def _float_dtype(module: nn.Module):
     return mx.float32
 
 
-class VisionFamily:
+class VisionFamily(ABC):
     """One mlx-vlm family. Made from the model's config.json (``config``)."""
 
     name = ""
@@ -64,17 +66,17 @@ class VisionFamily:
         self.config = config
         self.token_id = int(config[self.image_token_key])
 
-    def check_processor(self, processor, where: str) -> None:
-        """Refuse a processor setting the family's path does not follow."""
+    def check_processor(self, processor, where: str) -> None:  # noqa: B027 (most have none)
+        """Refuse a processor setting the family's path does not follow (none by default)."""
 
+    @abstractmethod
     def process(self, processor, pictures: list) -> tuple[dict[str, np.ndarray], list]:
         """The pictures as the tower reads them, and each picture's layout (what sets its
         tokens: ``tokens`` and ``expansion`` read it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def tokens(self, layout) -> int:
         """How many image tokens a picture of this layout takes."""
-        raise NotImplementedError
 
     @property
     def marker_id(self) -> int:
@@ -86,9 +88,9 @@ class VisionFamily:
         a token id's text)."""
         return names(self.token_id) * self.tokens(layout)
 
+    @abstractmethod
     def features(self, vlm: nn.Module, arrays: dict[str, mx.array]) -> mx.array:
         """The pictures' features [image tokens, hidden], in the order of their tokens."""
-        raise NotImplementedError
 
     def embedded(self, rows: mx.array, lm: nn.Module) -> mx.array:
         """The input embeddings the image tokens take, from their feature rows (before what
