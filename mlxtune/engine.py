@@ -158,11 +158,11 @@ class Engine:
 
         grad_fn = nn.value_and_grad(model, scaled_loss)
         state = [model.state, opt.state, mx.random.state, scaler]
-        self._feature_grad_step = None
-        if self._tower_trains:
-            self._feature_grad_step = self._build_feature_grads(scaled_loss, state)
         if self.masters is not None:
             state.append(self.masters)
+        self._feature_grad_step = None
+        if self._tower_trains:  # the same state as the other steps, masters included
+            self._feature_grad_step = self._build_feature_grads(scaled_loss, state)
 
         @partial(mx.compile, inputs=state, outputs=state)
         def train_step(batch, inv):
