@@ -38,8 +38,9 @@ BLOCK = 64
 # (B x Hq x block x T). A step holds the graph of every layer but one layer's slab at a time, so
 # both are least near block^2 = SLAB_AREA x layers / (SLAB_LAYERS x B x Hq), whatever T is:
 # 128 queries at B=1, 9 heads and up to 8 layers (or when the layers are not known: fewer layers
-# keep these slabs, their graph being small anyway), 256 at SmolLM2's 30. Measured by the process's maximum RSS (the graph is memory MLX's counters do not show),
-# SmolLM2 LoRA on every linear layer, one checkpointed row on the CPU, T=8192: 4.20 GB with
+# keep these slabs, their graph being small anyway), 256 at SmolLM2's 30. Measured by the
+# process's maximum RSS (the graph is memory MLX's counters do not show), SmolLM2 LoRA on
+# every linear layer, one checkpointed row on the CPU, T=8192: 4.20 GB with
 # 128-query slabs, 3.59 GB with 256, 3.86 GB with 320; MLX's own peak the same 2.23 GB, and the
 # step 17% faster with 256.
 SLAB_AREA = 1 << 17
