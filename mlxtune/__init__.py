@@ -5,6 +5,9 @@ recipe = mlxtune.load_recipe("recipes/quickstart.yaml", ["train.max_steps=100"])
 summary = mlxtune.Trainer(recipe, run_dir="runs/demo").run()
 """
 
+# The one place the version is written (pyproject.toml reads it from here).
+__version__ = "0.2.0"
+
 from ._blas import setup_blas as _setup_blas
 from ._malloc import setup_malloc as _setup_malloc
 from ._schedule import setup_schedule as _setup_schedule
@@ -19,8 +22,6 @@ _setup_schedule()
 from .config import Recipe, load_recipe, recipe_from_dict  # noqa: E402
 from .errors import MlxtuneError, TrainingError, UserInputError  # noqa: E402
 from .loop import Callback, StepEvent, Trainer  # noqa: E402
-
-__version__ = "0.1.0"
 
 
 def run(recipe, run_dir=None, overrides=(), callbacks=()) -> dict:

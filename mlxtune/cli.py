@@ -15,6 +15,7 @@ from . import __version__, _blas, _malloc, _schedule, distributed
 from .config import inert_notes, load_recipe
 from .config.reference import recipe_reference, sections
 from .errors import Interrupted, TrainingError, UserInputError
+from .shipped import init_recipe, shipped_recipes
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -127,6 +128,30 @@ def validate(recipe, overrides):
             click.echo(f"{key}: auto -> {why}")
     for note in inert_notes(r):
         click.echo(note)
+
+
+@cli.command()
+@click.argument("recipe", required=False)
+@click.argument("directory", required=False, type=click.Path(file_okay=False))
+def init(recipe, directory):
+    """Copy the shipped RECIPE, with the data and models it names, into DIRECTORY (default:
+    ./RECIPE), ready for mlxtune run; without arguments, list the shipped recipes."""
+    if recipe is None:
+        recipes = shipped_recipes()
+        width = max(len(r.name) for r in recipes)
+        for r in recipes:
+            click.echo(f"{r.name:<{width}}  {r.summary}")
+        click.echo("\nmlxtune init RECIPE [DIR] copies one into DIR (default: ./RECIPE)")
+        return
+    try:
+        path = init_recipe(recipe, directory)
+    except OSError as e:
+        raise UserInputError(
+            f"could not write the recipe's folder: {e.strerror or e}", directory or recipe
+        ) from None
+    files = sum(1 for f in path.parent.rglob("*") if f.is_file())
+    click.echo(f"wrote {path.parent} ({files} files)")
+    click.echo(f"train it with: mlxtune run {path}")
 
 
 @cli.command()

@@ -1,6 +1,7 @@
 """The training step and the run: token-weighted accumulation, the loss mask, clipping, the run
 directory, checkpoints, callbacks and exports."""
 
+import importlib.metadata
 import json
 
 import mlx.core as mx
@@ -161,8 +162,12 @@ def test_lora_run_end_to_end(tmp_path, data_dir, llama_dir):
         str(rd / "checkpoints" / "final" / "adapters.safetensors"), return_metadata=True
     )[1]
     assert meta["step"] == "12" and {"loss", "lr", "time"} <= set(meta)
-    derived = json.loads((rd / "config_resolved.json").read_text())["derived"]
+    resolved = json.loads((rd / "config_resolved.json").read_text())
+    derived = resolved["derived"]
     assert derived["effective_steps"] == 12 and 0 < derived["trainable_percent"] < 100
+    # what the run's numbers were made with, as the installed packages' metadata says
+    for package in ("mlxtune", "mlx", "mlx-lm", "mlx-vlm"):
+        assert resolved["versions"][package] == importlib.metadata.version(package), package
     samples = [json.loads(line) for line in (rd / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [6, 6, 12, 12]
     # only the adapters trained

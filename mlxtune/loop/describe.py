@@ -4,11 +4,25 @@ console prints."""
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import math
+import platform
 
 import mlx.core as mx
 
+from .. import __version__
 from ..memory import GB
+
+
+def versions() -> dict:
+    """mlxtune's version and the installed versions of what a run's numbers depend on most."""
+    found = {"mlxtune": __version__, "python": platform.python_version()}
+    for package in ("mlx", "mlx-lm", "mlx-vlm"):
+        try:
+            found[package] = md.version(package)
+        except md.PackageNotFoundError:
+            found[package] = None
+    return found
 
 
 def derived(trainer) -> dict:
@@ -69,6 +83,7 @@ def resolved(trainer) -> dict:
         "model_config": trainer.model_config,
         "derived": derived(trainer),
         "auto": trainer.auto_sizes,
+        "versions": versions(),
     }
 
 

@@ -1,0 +1,7 @@
+"""``python -m mlxtune``: the mlxtune command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
