@@ -6,7 +6,7 @@ mlxtune.metal_kernels, recipes/ as mlxtune.recipes (with their files, pyproject'
 tests/test_packaging.py holds a built wheel against the tree.
 """
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 MAPPED = {
     "mlxtune.tui": "tui",
@@ -18,7 +18,9 @@ MAPPED = {
 def packages() -> list[str]:
     found = find_packages(include=["mlxtune", "mlxtune.*"])
     for name, folder in MAPPED.items():
-        found += [name, *(f"{name}.{sub}" for sub in find_packages(folder))]
+        # recipes/ holds folders of data, not code: setuptools wants each listed as a package
+        find = find_namespace_packages if folder == "recipes" else find_packages
+        found += [name, *(f"{name}.{sub}" for sub in find(folder, exclude=["*__pycache__*"]))]
     return found
 
 
