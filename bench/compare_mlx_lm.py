@@ -247,9 +247,9 @@ def gguf_path(name: str) -> Path | None:
 def build_gguf_base(out: Path, gguf: Path) -> Path:
     """The GGUF model de-quantized to the bench's dtype, in Hugging Face layout with the
     tokenizer from the file's metadata: what both trainers load."""
-    from mlxtune.gguf.load import load_gguf
     from mlxtune.gguf.tokenizer import write_tokenizer_from_gguf
     from mlxtune.models import save_model
+    from mlxtune.models.gguf.load import load_gguf
     from mlxtune.tokenizer import load_tokenizer
 
     model, config, _ = load_gguf(gguf, DTYPE, keep_quantized=False)

@@ -24,10 +24,10 @@ def support(name: str) -> dict:
     from mlx_lm_archs import tiny_config
 
     from mlxtune.errors import UserInputError
-    from mlxtune.gguf.configs import FAMILIES
     from mlxtune.gguf.names import ARCHES
     from mlxtune.models import build_model, dequantize_for_training, lm_parts, packing_refusal
     from mlxtune.models.capabilities import kernel_attention_share
+    from mlxtune.models.gguf.configs import FAMILIES
 
     config = tiny_config(name, VOCAB)
     model, _ = build_model(config, VOCAB, seed=1)

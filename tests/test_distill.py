@@ -313,7 +313,7 @@ def test_a_gguf_teacher_teaches_as_its_folder_does(tmp_path, llama_dir, teacher_
 
     from mlx_lm import load
 
-    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.export.gguf.write import write_gguf_model
     from mlxtune.tokenizer import load_tokenizer
 
     model, _ = load(str(teacher_dir))

@@ -14,7 +14,7 @@ from test_export import trained_run
 from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
 from mlxtune.errors import UserInputError
-from mlxtune.gguf.export import permute_qk
+from mlxtune.export.gguf.write import permute_qk
 
 
 def read(path):
@@ -155,7 +155,7 @@ def test_gguf_adapter_applies_as_llama_cpp_applies_it(tmp_path, data_dir, llama_
         "blk.1.attn_q.weight.lora_b"
     ].shape == (32, 4)
     # base GGUF + alpha/r * B @ A (llama.cpp's rule) == the fused model's GGUF tensor
-    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.export.gguf.write import write_gguf_model
     from mlxtune.models import load_model
     from mlxtune.tokenizer import load_tokenizer
 
@@ -177,7 +177,7 @@ def test_gemma_phi3_and_gemma2_follow_llama_cpp_conventions(
     tmp_path, model_dir_factory, tokenizer, tokenizer_dir
 ):
     """Checked against llama.cpp by hand (logits within 3e-4); these pin the conventions."""
-    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.export.gguf.write import write_gguf_model
     from mlxtune.models import load_model
 
     for family in ("gemma", "gemma2", "phi3"):
@@ -213,7 +213,7 @@ def test_gemma_phi3_and_gemma2_follow_llama_cpp_conventions(
 def test_gemma2_with_a_query_scale_llama_cpp_ignores_is_refused(
     tmp_path, model_dir_factory, tokenizer, tokenizer_dir
 ):
-    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.export.gguf.write import write_gguf_model
     from mlxtune.models import load_model
 
     model, cfg = load_model(model_dir_factory("gemma2", query_pre_attn_scalar=16.0))
@@ -225,7 +225,7 @@ def test_gemma2_with_a_query_scale_llama_cpp_ignores_is_refused(
 def test_other_families_match_mlx_the_way_llama_cpp_reads_them(
     tmp_path, model_dir_factory, tokenizer, tokenizer_dir, family
 ):
-    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.export.gguf.write import write_gguf_model
     from mlxtune.models import load_model
 
     model, cfg = load_model(model_dir_factory(family))
@@ -242,7 +242,7 @@ def test_other_families_match_mlx_the_way_llama_cpp_reads_them(
 
 
 def test_what_gguf_cannot_write_yet_is_named(tmp_path, llama_dir, tokenizer):
-    from mlxtune.gguf.export import _arch, write_gguf_model
+    from mlxtune.export.gguf.write import _arch, write_gguf_model
     from mlxtune.models import load_model
 
     with pytest.raises(UserInputError, match="llama.cpp lists 'gptj' but has no model for it"):
@@ -261,7 +261,7 @@ def bpe_tokenizer_dir(path, style):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from mlxtune.gguf.export import _PRE_PATTERNS
+    from mlxtune.export.gguf.write import _PRE_PATTERNS
 
     tk = Tokenizer(models.BPE())
     if style == "gpt-2":
@@ -303,7 +303,7 @@ def test_bpe_vocabulary_is_written_as_llama_cpp_gpt2_tokenizer(tmp_path, style):
     import json
 
     from conftest import tiny_arch
-    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.export.gguf.write import write_gguf_model
     from mlxtune.models import build_model
     from mlxtune.tokenizer import load_tokenizer
 
@@ -327,7 +327,7 @@ def test_bpe_vocabulary_is_written_as_llama_cpp_gpt2_tokenizer(tmp_path, style):
 
 def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
     from conftest import tiny_arch
-    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.export.gguf.write import write_gguf_model
     from mlxtune.models import build_model
     from mlxtune.tokenizer import load_tokenizer
 
@@ -340,7 +340,7 @@ def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
 
 def test_a_char_sentencepiece_model_uses_llama_cpp_llama_tokenizer(tmp_path):
     from conftest import REPO
-    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.export.gguf.write import write_gguf_model
     from mlxtune.models import load_model
     from mlxtune.tokenizer import load_tokenizer
 

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm_archs import tiny_config
 
 from mlxtune.errors import UserInputError
-from mlxtune.gguf.export import write_gguf_model
+from mlxtune.export.gguf.write import write_gguf_model
 from mlxtune.models import family_classes, load_gguf
 from mlxtune.models.configs import normalise_config
 from mlxtune.models.moe import router_paths
@@ -396,7 +396,7 @@ def test_an_architecture_mlxtune_does_not_write_is_refused_by_name():
     """Every mlx-lm model type with a llama.cpp architecture is written or refused with its
     reason (test_every_mlx_lm_type_is_written_or_refused); a type of another library that
     llama.cpp names is refused by name too."""
-    from mlxtune.gguf.export import _arch
+    from mlxtune.export.gguf.write import _arch
 
     with pytest.raises(UserInputError, match="'bloom' architecture is not one mlxtune writes"):
         _arch({"model_type": "bloom"})
@@ -502,7 +502,7 @@ def test_llama_cpp_applies_the_gguf_adapter_of_each_family(
     name, tmp_path, tokenizer, tokenizer_dir
 ):
     llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
-    from mlxtune.gguf.export import write_gguf_adapter
+    from mlxtune.export.gguf.write import write_gguf_adapter
 
     plain, config = tiny(name, len(tokenizer._tokenizer))  # the same base: the same seed
     base = write_gguf_model(plain, config, tokenizer, tokenizer_dir, tmp_path, "f32", name)
@@ -525,7 +525,7 @@ def test_llama_cpp_applies_the_gguf_adapter_of_each_family(
 
 def test_a_gguf_adapter_where_llama_cpp_applies_none_is_refused_by_name(tmp_path, tokenizer):
     from mlxtune.adapters import apply_adapters
-    from mlxtune.gguf.export import write_gguf_adapter
+    from mlxtune.export.gguf.write import write_gguf_adapter
 
     for name, target in (("youtu_llm", "kv_b_proj"), ("deepseek_v3", "q_a_proj")):
         model, config = tiny(name, len(tokenizer._tokenizer))
@@ -537,7 +537,7 @@ def test_a_gguf_adapter_where_llama_cpp_applies_none_is_refused_by_name(tmp_path
 
 def test_a_gguf_adapter_of_expert_adapters_is_refused_by_name(tmp_path, tokenizer):
     from mlxtune.adapters import apply_adapters
-    from mlxtune.gguf.export import write_gguf_adapter
+    from mlxtune.export.gguf.write import write_gguf_adapter
 
     model, config = tiny("qwen3_moe", len(tokenizer._tokenizer))
     apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])

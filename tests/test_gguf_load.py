@@ -14,7 +14,7 @@ import pytest
 from test_gguf import llama_cpp_forward, read
 
 from mlxtune.errors import UserInputError
-from mlxtune.gguf.export import write_gguf_model
+from mlxtune.export.gguf.write import write_gguf_model
 from mlxtune.models import gguf_config, load_gguf, load_model, read_gguf
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"]

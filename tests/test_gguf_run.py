@@ -15,7 +15,7 @@ from test_resume import crashed, rows, trainer
 from conftest import tiny_recipe
 from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
-from mlxtune.gguf.export import write_gguf_model
+from mlxtune.export.gguf.write import write_gguf_model
 from mlxtune.models import load_model
 
 

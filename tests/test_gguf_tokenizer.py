@@ -15,7 +15,7 @@ import sentencepiece as spm
 
 from conftest import smollm2_gguf, tiny_arch
 from mlxtune.errors import UserInputError
-from mlxtune.gguf.export import write_gguf_model
+from mlxtune.export.gguf.write import write_gguf_model
 from mlxtune.gguf.tokenizer import BPE_PRE, write_tokenizer_from_gguf
 from mlxtune.models import build_model
 from mlxtune.tokenizer import load_tokenizer

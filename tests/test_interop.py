@@ -94,7 +94,7 @@ def test_llama_cpp_runs_the_gguf_model_and_adapter(tmp_path, data_dir, llama_dir
         reason="needs llama-cpp-python (not an mlxtune dependency; compiles from source, about "
         "13 minutes on 2 cores): pip install llama-cpp-python",
     )
-    from mlxtune.gguf.export import write_gguf_model
+    from mlxtune.export.gguf.write import write_gguf_model
 
     tr = trained_run(tmp_path, data_dir, llama_dir, "lora", ["gguf-adapter"])
     text = "reverse abc ="

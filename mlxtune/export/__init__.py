@@ -19,7 +19,7 @@ A checkpoint is self-describing (trainer_state.json names the base model, its co
 tokenizer and the adapter), so ``load_trained`` rebuilds the trained model from it alone.
 
 Modules: ``weights`` (a trained model as exports read it; adapters imported back), ``mlx_lm``,
-``peft``, ``fused``, ``modelfile`` (Ollama); the GGUF writers are ``mlxtune.gguf.export``.
+``peft``, ``fused``, ``modelfile`` (Ollama), and ``gguf`` (GGUF models and adapters).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 
 from ..adapters import lora_scale
 from ..errors import UserInputError
-from ..gguf.export import write_gguf_adapter, write_gguf_model
 from ..models import DTYPES, VisionLM, is_gguf, reward_head_aside
 from .fused import dequantize, fuse, write_fused
+from .gguf.write import write_gguf_adapter, write_gguf_model
 from .mlx_lm import mlx_lm_config, write_gguf_base, write_mlx_lm, write_reward_head
 from .mlx_vlm import write_mlx_vlm, write_vision_fused
 from .modelfile import modelfile

@@ -1,4 +1,4 @@
-"""GGUF, llama.cpp's format: reading (``file``), tensor names (``names``), tokenizers
-(``tokenizer``), writing models and adapters (``export``) and loading a file as a trainable
-model (``load``). Import the submodules; this package imports nothing, so that
-``mlxtune.models`` and ``mlxtune.gguf.load`` can import each other's pieces."""
+"""GGUF, llama.cpp's format, in both directions: a file's header (``file``), the families' and
+tensors' names (``names``), the tensor conventions (``tensors``), the tokenizer (``tokenizer``)
+and Llama 3's RoPE factors (``rope``). It imports nothing of mlxtune's but its errors: reading a
+file as a model is ``mlxtune.models.gguf``, writing one ``mlxtune.export.gguf``."""

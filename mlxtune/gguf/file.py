@@ -178,3 +178,44 @@ def open_gguf(path: str | Path) -> GGUFFile:
     except OSError as e:
         raise UserInputError(f"cannot read it: {e.strerror or e}", str(p)) from None
     return GGUFFile(p, version, fields, tensors, types)
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file (by its magic bytes, not its name)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+@dataclass
+class GGUFModelFile:
+    """A GGUF file's metadata and tensors (memory-mapped), with the architecture's keys."""
+
+    file: GGUFFile
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
+    @property
+    def fields(self) -> dict:
+        return self.file.fields
+
+    @property
+    def tensors(self) -> dict:
+        return self.file.tensors
+
+    @property
+    def arch(self) -> str:
+        return self.fields.get("general.architecture", "")
+
+    def get(self, key: str, default=None):
+        """``<arch>.<key>`` from the metadata."""
+        return self.fields.get(f"{self.arch}.{key}", default)
+
+
+def read_gguf(path: str | Path) -> GGUFModelFile:
+    """Open a GGUF model file: its metadata as plain Python values, its tensors by name."""
+    return GGUFModelFile(open_gguf(path))

@@ -3,13 +3,15 @@ config, save one in Hugging Face layout, quantize its base, checkpoint its block
 modules for training, and split a model into its backbone and LM head so the loss never needs
 the full logits. One module per concern; every name is importable from ``mlxtune.models``."""
 
-from ..gguf.load import GGUFLoad, gguf_config, is_gguf, load_gguf, read_gguf
+from ..gguf.file import is_gguf, read_gguf
 from ..safety import PICKLED, code_files, pickled_hint
 from .building import build_model, init_weights, save_model
 from .capabilities import packing_refusal, recurrent_caches
 from .checkpointing import checkpoint_layers, checkpointed_layers
 from .common import DTYPES, HF_ARCHITECTURES, cast_floats, family_classes, hf_architecture
 from .context import ForwardContext, current, dropout_key, segments
+from .gguf.configs import gguf_config
+from .gguf.load import GGUFLoad, load_gguf
 from .heads import (
     REWARD_HEAD,
     VALUE_HEAD,

@@ -224,3 +224,24 @@ def rope_base(config: dict) -> float:
     if theta is None:
         raise UserInputError("no rope_theta, and its family has no default", "config.json")
     return float(theta)
+
+
+# the common config keys the export reads -> the names older families' configs use instead
+STANDARD_NAMES = {
+    "num_hidden_layers": ("n_layer", "num_layers", "n_layers", "num_transformer_layers"),
+    "hidden_size": ("n_embd", "d_model", "model_dim"),
+    "num_attention_heads": ("n_head", "n_heads"),
+    "max_position_embeddings": ("n_positions", "max_seq_len"),
+}
+
+
+def standard_config(config: dict) -> dict:
+    """The config with the common keys filled in from an older family's names (GPT-2's
+    ``n_layer``, EXAONE's ``num_layers``)."""
+    out = dict(config)
+    for key, olds in STANDARD_NAMES.items():
+        if key not in out:
+            have = next((o for o in olds if o in config), None)
+            if have is not None:
+                out[key] = config[have]
+    return out

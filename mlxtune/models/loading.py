@@ -1,5 +1,5 @@
 """Loading a model: a directory in Hugging Face layout (local or from the Hub) through mlx-lm,
-after checking its layout and what it asks to run, or a GGUF file (``gguf.load_gguf``)."""
+after checking its layout and what it asks to run, or a GGUF file (``gguf.load.load_gguf``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 
 from ..errors import UserInputError
-from ..gguf.load import is_gguf, load_gguf
+from ..gguf.file import is_gguf
 from ..safety import code_files, pickled_hint
 from .common import cast_floats, family_classes
 from .configs import normalise_config
+from .gguf.load import load_gguf
 from .quantize import cpu_dequantizing
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tensors import deci_layers
+from ...gguf.tensors import deci_layers
 
 
 def add_routing(w, sigmoid: bool, scale=None, norm=None, n_group=1, topk_group=1) -> None:

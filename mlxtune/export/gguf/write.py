@@ -22,12 +22,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..adapters import DoRALinear, LoRALinear, LoRASwitchLinear
-from ..errors import UserInputError
-from .file import open_gguf
-from .fixed import model_args, refusal
-from .hparams import add_hparams, add_rope_scaling, head_counts, standard_config
-from .names import (
+from ...adapters import DoRALinear, LoRALinear, LoRASwitchLinear
+from ...errors import UserInputError
+from ...gguf.file import open_gguf
+from ...gguf.names import (
     DTYPES,
     FAMILIES,
     GATE_UP,
@@ -38,7 +36,7 @@ from .names import (
     llama_cpp_arch,
     separate_qkv,
 )
-from .tensors import (
+from ...gguf.tensors import (
     MINICPM3_FIXED,
     deci_fillers,
     deci_layers,
@@ -56,7 +54,10 @@ from .tensors import (
     ssm_to_gguf,
     to_gguf,
 )
-from .tokenizer import EXPORT_PRE_NAMES
+from ...gguf.tokenizer import EXPORT_PRE_NAMES
+from ...models.configs import standard_config
+from .fixed import model_args, refusal
+from .hparams import add_hparams, add_rope_scaling, head_counts
 
 
 def _arch(config: dict) -> tuple[str, bool]:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import UserInputError
-from .tensors import dequantized
+from ...errors import UserInputError
+from ...gguf.tensors import dequantized
 
 if TYPE_CHECKING:
-    from .load import GGUFModelFile
+    from ...gguf.file import GGUFModelFile
 
 
 def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import UserInputError
-from ..models.common import family_classes, hf_architecture
-from ..models.configs import args_fields
-from .hparams import STANDARD_NAMES
-from .names import FAMILIES as NAMED
-from .rope import rope_settings
+from ...errors import UserInputError
+from ...gguf.names import FAMILIES as NAMED
+from ...gguf.rope import rope_settings
+from ..common import family_classes, hf_architecture
+from ..configs import STANDARD_NAMES, args_fields
 from .settings import FAMILY_SETTINGS
 from .whole import (
     dbrx_config,
@@ -29,7 +28,7 @@ from .whole import (
 )
 
 if TYPE_CHECKING:
-    from .load import GGUFModelFile
+    from ...gguf.file import GGUFModelFile
 
 
 # GGUF architecture -> model_type; model types that share an architecture with another and read back as it: mistral as llama,

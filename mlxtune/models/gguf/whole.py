@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import UserInputError
-from ..models.common import hf_architecture
-from .tensors import DECI_NOOP_FFN, dequantized
+from ...errors import UserInputError
+from ...gguf.tensors import DECI_NOOP_FFN, dequantized
+from ..common import hf_architecture
 
 if TYPE_CHECKING:
-    from .load import GGUFModelFile
+    from ...gguf.file import GGUFModelFile
 
 
 def nemotron_h_config(g: GGUFModelFile, need) -> dict:

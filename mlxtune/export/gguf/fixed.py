@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .names import FAMILIES
+from ...gguf.names import FAMILIES
 from .writers import nemotron_h_pattern, step35_layers
 
 

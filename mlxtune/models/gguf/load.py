@@ -27,13 +27,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import UserInputError
-from ..models.common import DTYPES, family_classes
-from ..models.quantize import cpu_dequantizing
-from .configs import WRAPPED, gguf_config
-from .file import GGUFFile, open_gguf
-from .names import ARCHES, FAMILIES, NORM_PLUS_ONE, QKV_LAYOUT, gguf_name
-from .tensors import (
+from ...errors import UserInputError
+from ...gguf.file import GGUFModelFile, read_gguf
+from ...gguf.names import ARCHES, FAMILIES, NORM_PLUS_ONE, QKV_LAYOUT, gguf_name
+from ...gguf.tensors import (
     deci_qk,
     dequantized,
     gate_up_join,
@@ -50,6 +47,9 @@ from .tensors import (
     unpermute_qk,
     xielu_from_gguf,
 )
+from ..common import DTYPES, family_classes
+from ..quantize import cpu_dequantizing
+from .configs import WRAPPED, gguf_config
 
 GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 
@@ -57,47 +57,6 @@ GROUP = 32  # ggml's block size for Q8_0, Q4_0 and Q4_1
 PERMUTED = tuple({arch for arch, permuted in ARCHES.values() if permuted})
 # tensor types held as MLX quantized arrays (bits) when kept quantized
 NATIVE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
-
-
-def is_gguf(path: str | Path) -> bool:
-    """Whether ``path`` names a GGUF file (by its magic bytes, not its name)."""
-    p = Path(path)
-    if not p.is_file():
-        return False
-    with open(p, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
-@dataclass
-class GGUFModelFile:
-    """A GGUF file's metadata and tensors (memory-mapped), with the architecture's keys."""
-
-    file: GGUFFile
-
-    @property
-    def path(self) -> Path:
-        return self.file.path
-
-    @property
-    def fields(self) -> dict:
-        return self.file.fields
-
-    @property
-    def tensors(self) -> dict:
-        return self.file.tensors
-
-    @property
-    def arch(self) -> str:
-        return self.fields.get("general.architecture", "")
-
-    def get(self, key: str, default=None):
-        """``<arch>.<key>`` from the metadata."""
-        return self.fields.get(f"{self.arch}.{key}", default)
-
-
-def read_gguf(path: str | Path) -> GGUFModelFile:
-    """Open a GGUF model file: its metadata as plain Python values, its tensors by name."""
-    return GGUFModelFile(open_gguf(path))
 
 
 # ------------------------------------------------------------------------------ config

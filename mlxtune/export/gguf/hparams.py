@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import UserInputError
-from ..models.configs import rope_base
+from ...errors import UserInputError
+from ...gguf.names import FAMILIES, gguf_name
+from ...gguf.rope import llama3_rope_factors
+from ...models.configs import rope_base
 from .fixed import exaone4_local, model_args
-from .names import FAMILIES, gguf_name
-from .rope import llama3_rope_factors
 from .writers import (
     add_dbrx,
     add_deci,
@@ -29,26 +29,6 @@ from .writers import (
     add_routing,
     add_step35,
 )
-
-# the common config keys the export reads -> the names older families' configs use instead
-STANDARD_NAMES = {
-    "num_hidden_layers": ("n_layer", "num_layers", "n_layers", "num_transformer_layers"),
-    "hidden_size": ("n_embd", "d_model", "model_dim"),
-    "num_attention_heads": ("n_head", "n_heads"),
-    "max_position_embeddings": ("n_positions", "max_seq_len"),
-}
-
-
-def standard_config(config: dict) -> dict:
-    """The config with the common keys filled in from an older family's names (GPT-2's
-    ``n_layer``, EXAONE's ``num_layers``)."""
-    out = dict(config)
-    for key, olds in STANDARD_NAMES.items():
-        if key not in out:
-            have = next((o for o in olds if o in config), None)
-            if have is not None:
-                out[key] = config[have]
-    return out
 
 
 def head_counts(config: dict) -> tuple[int, int, int]:
