@@ -23,7 +23,6 @@ from .data import BadRows, lengths_of, read_rows
 from .data.parallel import reporting
 from .errors import UserInputError
 from .export import TrainedModel, adapter_settings, import_adapter
-from .gguf.tokenizer import write_tokenizer_from_gguf
 from .memory import GB
 from .models import (
     LMParts,
@@ -49,7 +48,7 @@ from .models import (
 from .objectives import Components, objective_class
 from .optim import build_optimizer, make_schedule
 from .rundir import RunDir
-from .tokenizer import load_tokenizer, train_sentencepiece
+from .tokenizer import load_tokenizer, model_tokenizer, train_sentencepiece
 
 
 @dataclass
@@ -176,14 +175,7 @@ def tokenizer_for(
     elif r.tokenizer.path is None and model_dir is not None and is_gguf(model_dir):
         # a GGUF model's tokenizer is in its metadata: written out once as a folder in the run
         folder = run_dir.inside("tokenizer")
-        if not resuming or not (folder / "tokenizer.json").exists():
-            info = write_tokenizer_from_gguf(model_dir, folder)
-            log(
-                f"tokenizer from the GGUF metadata: {info['model']} ({info['pre'] or 'no pre-tokenizer'}),"
-                f" {info['vocab_size']} tokens"
-                + (", with its chat template" if info.get("chat_template") else "")
-            )
-        tokenizer = load_tokenizer(folder)
+        tokenizer = model_tokenizer(model_dir, keep_in=folder, log=log)
     else:
         folder = r.resolve_path(r.tokenizer.path) if r.tokenizer.path else model_dir
         if folder is None:

@@ -6,7 +6,6 @@ greedy or sampled (temperature, top-k, top-p, min-p) with a key of each row's ow
 from __future__ import annotations
 
 import itertools
-import tempfile
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,11 +19,10 @@ from .adapters import apply_adapters
 from .checkpoint import load_trained
 from .errors import UserInputError
 from .export import adapter_modules, adapter_settings, import_adapter
-from .gguf.tokenizer import write_tokenizer_from_gguf
 from .kernels.cpu import exp_of_nonpositive, materialized
-from .models import VisionLM, is_gguf, load_model, resolve_model_path
+from .models import VisionLM, load_model, resolve_model_path
 from .models import images as image_inputs
-from .tokenizer import load_tokenizer
+from .tokenizer import model_tokenizer
 
 
 def eos_ids(tokenizer) -> set[int]:
@@ -512,15 +510,6 @@ def shown_images(examples) -> list | None:
     return files if any(files) else None
 
 
-def tokenizer_of(path: Path):
-    """The tokenizer of a model folder, or of a GGUF file (read from its metadata)."""
-    if not is_gguf(path):
-        return load_tokenizer(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        write_tokenizer_from_gguf(path, tmp)
-        return load_tokenizer(tmp)
-
-
 def load_for_generation(
     model: str | Path, adapter: str | Path | None = None, scale: float | None = None, warn=None
 ):
@@ -534,7 +523,7 @@ def load_for_generation(
     else:
         path = resolve_model_path(str(model), None)
         m, _ = load_model(path)
-        tok = tokenizer_of(path)
+        tok = model_tokenizer(path)
     if adapter is not None:
         s = adapter_settings(adapter)
         if s["type"] not in ("lora", "dora"):

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import UserInputError
+from .gguf.file import is_gguf
+from .gguf.tokenizer import write_tokenizer_from_gguf
 from .safety import code_files
 
 SPECIALS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
@@ -66,6 +68,35 @@ def load_tokenizer(
     if chat_template is not None:
         tok._tokenizer.chat_template = chat_template
     return tok
+
+
+def model_tokenizer(
+    path: str | Path,
+    *,
+    keep_in: str | Path | None = None,
+    trust_remote_code: bool = False,
+    log=None,
+):
+    """The tokenizer of a model: its folder's own, or a GGUF file's, written out from the file's
+    metadata as a folder. ``keep_in``: where that folder stays (a run's own copy, reused when it
+    is there already; ``log`` hears what was read); without it, a temporary folder."""
+    path = Path(path)
+    if not is_gguf(path):
+        return load_tokenizer(path, trust_remote_code=trust_remote_code)
+    if keep_in is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_tokenizer_from_gguf(path, tmp)
+            return load_tokenizer(tmp)
+    folder = Path(keep_in)
+    if not (folder / "tokenizer.json").exists():
+        info = write_tokenizer_from_gguf(path, folder)
+        if log is not None:
+            log(
+                f"tokenizer from the GGUF metadata: {info['model']} "
+                f"({info['pre'] or 'no pre-tokenizer'}), {info['vocab_size']} tokens"
+                + (", with its chat template" if info.get("chat_template") else "")
+            )
+    return load_tokenizer(folder)
 
 
 def train_sentencepiece(

@@ -18,8 +18,8 @@ import pytest
 from conftest import REPO, smollm2_gguf
 from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
-from mlxtune.generate import tokenizer_of
 from mlxtune.models import load_gguf
+from mlxtune.tokenizer import model_tokenizer
 
 pytestmark = pytest.mark.real
 
@@ -36,7 +36,7 @@ def test_logits_equal_transformers_reading_the_same_file():
     import torch
     from transformers import AutoModelForCausalLM
 
-    tok = tokenizer_of(path)
+    tok = model_tokenizer(path)
     ids = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True)
     ref = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32

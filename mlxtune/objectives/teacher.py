@@ -4,15 +4,13 @@ student's."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
-from ..gguf.tokenizer import write_tokenizer_from_gguf
 from ..models import is_gguf, lm_parts, load_model, quantize_model, resolve_model_path
-from ..tokenizer import load_tokenizer
+from ..tokenizer import model_tokenizer
 
 
 def load_teacher(recipe, tokenizer, student_vocab: int, log):
@@ -57,14 +55,11 @@ def _same_vocabulary(path: Path, config: dict, tokenizer, student_vocab: int) ->
             "vocabulary",
             where,
         )
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = path
-        if is_gguf(path):
-            write_tokenizer_from_gguf(path, tmp)
-            folder = Path(tmp)
-        if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
-            return
-        theirs = load_tokenizer(folder)._tokenizer.get_vocab()
+    if not is_gguf(path) and not any(
+        (Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model")
+    ):
+        return
+    theirs = model_tokenizer(path)._tokenizer.get_vocab()
     ours = tokenizer._tokenizer.get_vocab()
     if theirs != ours:
         odd = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda x: (x[1], x[0]))[0]
