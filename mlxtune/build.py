@@ -21,6 +21,7 @@ from .adapters import VISION_TARGETS, adapt_model, lora_scale
 from .config import Recipe
 from .data import BadRows, lengths_of, read_rows
 from .data.parallel import reporting
+from .engine.optim import build_optimizer, make_schedule
 from .errors import UserInputError
 from .export import TrainedModel, adapter_settings, import_adapter
 from .memory import GB
@@ -46,8 +47,7 @@ from .models import (
     write_vision_base,
 )
 from .objectives import Components, objective_class
-from .optim import build_optimizer, make_schedule
-from .rundir import RunDir
+from .runs.rundir import RunDir
 from .tokenizer import load_tokenizer, model_tokenizer, train_sentencepiece
 
 

@@ -212,9 +212,9 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""
     from pathlib import Path
 
-    from .checkpoint import find_checkpoint, load_checkpoint
     from .export import export
-    from .rundir import staged_folder
+    from .runs.checkpoint import find_checkpoint, load_checkpoint
+    from .runs.rundir import staged_folder
 
     if q_group_size and not quantize:
         raise UserInputError("--q-group-size applies with --quantize", "export")

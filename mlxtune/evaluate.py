@@ -9,14 +9,14 @@ import json
 from pathlib import Path
 
 from .build import kernel_tiers, optimizer_for
-from .checkpoint import base_model, find_checkpoint, load_checkpoint
 from .config import recipe_from_dict
 from .distributed import World
-from .engine import Engine
+from .engine.steps import Engine
 from .errors import UserInputError
 from .generate import exact_match
 from .models import lm_parts
 from .objectives import Components, build_objective, objective_class
+from .runs.checkpoint import base_model, find_checkpoint, load_checkpoint
 
 SHOWN = 3
 """Answers shown side by side."""

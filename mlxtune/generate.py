@@ -16,12 +16,12 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .adapters import apply_adapters
-from .checkpoint import load_trained
 from .errors import UserInputError
 from .export import adapter_modules, adapter_settings, import_adapter
 from .kernels.cpu import exp_of_nonpositive, materialized
 from .models import VisionLM, load_model, resolve_model_path
 from .models import images as image_inputs
+from .runs.checkpoint import load_trained
 from .tokenizer import model_tokenizer
 
 

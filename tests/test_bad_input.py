@@ -272,7 +272,7 @@ def export_group_size_without_quantize(w):
 
 
 def export_over_a_full_folder(w):
-    from mlxtune.checkpoint import write_checksums
+    from mlxtune.runs.checkpoint import write_checksums
 
     final = w.old / "checkpoints" / "final"  # an intact checkpoint: the --out check refuses
     final.mkdir()

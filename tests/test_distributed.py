@@ -13,9 +13,9 @@ import yaml
 
 from conftest import REPO, TIMING, same_rows, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
-from mlxtune.checkpoint import verify
 from mlxtune.console import Console
 from mlxtune.distributed import free_ports
+from mlxtune.runs.checkpoint import verify
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 WORKER = Path(__file__).with_name("dp_worker.py")
@@ -263,7 +263,7 @@ def test_each_rank_draws_its_own_dropout_masks_from_the_shared_state():
     import mlx.core as mx
 
     from mlxtune.distributed import World
-    from mlxtune.engine import Engine
+    from mlxtune.engine.steps import Engine
     from mlxtune.models import current
 
     def draw(rank, size=2):

@@ -10,11 +10,11 @@ import pytest
 from conftest import tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import apply_adapters
-from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
 from mlxtune.errors import UserInputError
 from mlxtune.export import import_adapter, read_adapter
 from mlxtune.models import load_model
+from mlxtune.runs.checkpoint import load_trained
 
 ADAPTERS = {
     "lora": {

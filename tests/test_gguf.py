@@ -11,10 +11,10 @@ import sentencepiece as spm
 from mlx.utils import tree_flatten
 from test_export import trained_run
 
-from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
 from mlxtune.errors import UserInputError
 from mlxtune.export.gguf.write import permute_qk
+from mlxtune.runs.checkpoint import load_trained
 
 
 def read(path):

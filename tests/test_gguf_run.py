@@ -13,10 +13,10 @@ from test_gguf import read
 from test_resume import crashed, rows, trainer
 
 from conftest import tiny_recipe
-from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
 from mlxtune.export.gguf.write import write_gguf_model
 from mlxtune.models import load_model
+from mlxtune.runs.checkpoint import load_trained
 
 
 @pytest.fixture

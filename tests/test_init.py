@@ -110,17 +110,15 @@ def test_init_refuses_an_unknown_recipe_and_writes_nothing(tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []
 
 
-def test_python_dash_m_mlxtune_is_the_command(tmp_path):
+def test_python_dash_m_mlxtune_is_the_command(capsys):
     import subprocess
     import sys
 
     import mlxtune
 
     done = subprocess.run(
-        [sys.executable, "-m", "mlxtune", "--version"], capture_output=True, text=True, cwd=tmp_path
-    )
-    assert done.returncode == 0 and done.stdout.strip() == f"mlxtune, version {mlxtune.__version__}"
-    done = subprocess.run(
         [sys.executable, "-m", "mlxtune", "init", "nope"], capture_output=True, text=True
     )
     assert done.returncode == 2 and "no shipped recipe 'nope'" in done.stderr
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"mlxtune, version {mlxtune.__version__}"

@@ -8,7 +8,7 @@ import time
 import yaml
 
 from conftest import REPO, tiny_recipe
-from mlxtune.checkpoint import verify
+from mlxtune.runs.checkpoint import verify
 
 LONG_EVAL = """
 import os, signal, sys, threading, time
@@ -256,7 +256,7 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_with_one_line(
     written, after its weights were)."""
     import errno
 
-    import mlxtune.checkpoint as ck
+    import mlxtune.runs.checkpoint as ck
     from mlxtune.cli import main
 
     _, path = _disk_recipe(tmp_path, data_dir, llama_dir)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mlxtune.config import OptimizerConfig
-from mlxtune.optim import AdamWMatrices, build_optimizer, make_schedule
+from mlxtune.engine.optim import AdamWMatrices, build_optimizer, make_schedule
 
 
 def test_weight_decay_touches_matrices_only():

@@ -214,7 +214,7 @@ def test_resume_inside_a_rollout_is_exact_and_exports_leave_the_value_head(
 
 
 def test_a_reward_model_scores_the_completions(tmp_path, llama_dir, prompts):
-    from mlxtune.checkpoint import load_trained
+    from mlxtune.runs.checkpoint import load_trained
 
     d = tmp_path / "prefs"
     write_jsonl(d / "train.jsonl", pair_rows(12, 1))

@@ -11,10 +11,10 @@ from mlx.utils import tree_flatten
 import conftest
 from conftest import TIMING, make_crash, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
-from mlxtune.checkpoint import verify
 from mlxtune.console import Console
+from mlxtune.engine.precision import update_scale
 from mlxtune.errors import TrainingError
-from mlxtune.precision import update_scale
+from mlxtune.runs.checkpoint import verify
 
 
 def trainer(data_dir, model_dir, run_dir, dtype="float32", callbacks=(), resume=None, **sections):
@@ -291,9 +291,11 @@ def test_every_optimizer_trains_16_bit_weights_through_a_skipped_step(
     """float16 weights with fp32 masters and a dynamic loss scale, two micro-batches a step,
     clipping: a step made NaN changes no weight, master or optimizer state, and the run goes
     on to train."""
-    import mlxtune.optim
+    import mlxtune.engine.optim
 
-    monkeypatch.setattr(mlxtune.optim, "MIN_8BIT", 512)  # adamw8bit: the tiny matrices in 8 bits
+    monkeypatch.setattr(
+        mlxtune.engine.optim, "MIN_8BIT", 512
+    )  # adamw8bit: the tiny matrices in 8 bits
     poison = PoisonAndState(at=3, until=4)
     tr = trainer(
         data_dir,

@@ -591,8 +591,8 @@ def test_a_reward_model_learns_resumes_and_exports_with_its_head(tmp_path):
         assert (whole / "export" / fmt / REWARD_HEAD_FILE).exists()
     assert list((whole / "export" / "gguf").glob("*.gguf"))
     # a quantized fused export keeps the head dense, where transformers reads it
-    from mlxtune.checkpoint import load_trained
     from mlxtune.export import export
+    from mlxtune.runs.checkpoint import load_trained
 
     (tmp_path / "q4").mkdir()
     export(load_trained(whole), "fused", tmp_path / "q4", quantize=4, group_size=32)

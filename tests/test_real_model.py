@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO, smollm2_gguf
-from mlxtune.checkpoint import load_trained
 from mlxtune.cli import main
 from mlxtune.models import load_gguf
+from mlxtune.runs.checkpoint import load_trained
 from mlxtune.tokenizer import model_tokenizer
 
 pytestmark = pytest.mark.real

@@ -9,10 +9,10 @@ import yaml
 
 from conftest import TIMING, make_crash, tiny_recipe
 from mlxtune import Callback, Trainer, recipe_from_dict
-from mlxtune.checkpoint import write_checksums
 from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.errors import UserInputError
+from mlxtune.runs.checkpoint import write_checksums
 
 LORA = {"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj"]}
 
@@ -324,9 +324,11 @@ def test_each_optimizer_resumes_exactly(
     momentum and curvature, and the random state its labels are drawn with) in the
     checkpoint: a run cut at step 7 and resumed writes the rows of one that was not, and the
     decay goes on where it was."""
-    import mlxtune.optim
+    import mlxtune.engine.optim
 
-    monkeypatch.setattr(mlxtune.optim, "MIN_8BIT", 512)  # the tiny model's matrices are small
+    monkeypatch.setattr(
+        mlxtune.engine.optim, "MIN_8BIT", 512
+    )  # the tiny model's matrices are small
     r = recipe(data_dir, llama_dir, adapter, optimizer=optimizer, schedule=schedule)
     trainer(r, tmp_path / "whole").run()
     want = rows(tmp_path / "whole")

@@ -351,7 +351,7 @@ def test_a_run_name_or_recipe_run_dir_cannot_leave_its_folder(
 
 
 def test_run_name_api_refuses_paths():
-    from mlxtune.rundir import default_run_dir
+    from mlxtune.runs.rundir import default_run_dir
 
     assert default_run_dir("my run").parent == Path("runs")
     for name in ("../x", "a/b", "/abs", "..", "a\\b"):
@@ -372,7 +372,7 @@ def _trained_run(tmp_path, data_dir, llama_dir) -> Path:
 
 
 def test_resume_names_only_the_runs_own_checkpoints(tmp_path, data_dir, llama_dir, capsys):
-    from mlxtune.checkpoint import write_checksums
+    from mlxtune.runs.checkpoint import write_checksums
 
     run = _trained_run(tmp_path, data_dir, llama_dir)
     # an intact-looking checkpoint beside checkpoints/, and another run's
@@ -391,7 +391,7 @@ def test_resume_names_only_the_runs_own_checkpoints(tmp_path, data_dir, llama_di
         argv = ["run", p, "--run-dir", str(run), "--resume", which]
         assert_refused(capsys, argv, "not one of this run's checkpoints")
         assert snapshot(tmp_path) == before, which
-    from mlxtune.checkpoint import pick
+    from mlxtune.runs.checkpoint import pick
 
     with pytest.raises(UserInputError, match="not one of this run's checkpoints"):
         pick(run, "../x", print)
@@ -436,7 +436,7 @@ ESCAPES = [
 
 @pytest.mark.parametrize("parts", ESCAPES, ids=["dotdot", "dotdot-slash", "deep", "nul"])
 def test_run_dir_api_refuses_paths_outside(tmp_path, parts):
-    from mlxtune.rundir import RunDir
+    from mlxtune.runs.rundir import RunDir
 
     rd = RunDir(tmp_path / "run")
     outside = tmp_path / "elsewhere"
@@ -460,7 +460,7 @@ def test_run_dir_api_refuses_paths_outside(tmp_path, parts):
 
 
 def test_run_dir_api_never_replaces_the_run_dir_itself(tmp_path):
-    from mlxtune.rundir import RunDir
+    from mlxtune.runs.rundir import RunDir
 
     rd = RunDir(tmp_path / "run")
     rd.write_text("metrics.jsonl", "{}\n")
@@ -492,7 +492,7 @@ def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, mon
 
 
 def test_staged_folders_replace_whole_or_not_at_all(tmp_path):
-    from mlxtune.rundir import staged_folder
+    from mlxtune.runs.rundir import staged_folder
 
     final = tmp_path / "export" / "fmt"
     with staged_folder(final) as tmp:

@@ -317,7 +317,7 @@ def test_existing_run_dir_is_refused_and_untouched(tmp_path, data_dir, llama_dir
 
 
 def test_run_dir_paths_cannot_escape(tmp_path):
-    from mlxtune.rundir import RunDir
+    from mlxtune.runs.rundir import RunDir
 
     rd = RunDir(tmp_path / "r")
     assert rd.inside("checkpoints", "final") == (tmp_path / "r" / "checkpoints" / "final").resolve()
@@ -378,7 +378,7 @@ def test_every_logged_row_has_a_throughput(tmp_path, data_dir, llama_dir):
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path):
-    from mlxtune.rundir import RunDir
+    from mlxtune.runs.rundir import RunDir
 
     rd = RunDir(tmp_path / "r")
     with rd.staged("checkpoints", "best") as d:
@@ -426,7 +426,7 @@ def test_a_kernel_tier_this_machine_lacks_is_refused(
 
 
 def test_a_crash_between_the_renames_puts_the_old_checkpoint_back(tmp_path):
-    from mlxtune.rundir import RunDir
+    from mlxtune.runs.rundir import RunDir
 
     rd = RunDir(tmp_path / "r")
     with rd.staged("checkpoints", "step-000003") as d:

@@ -26,7 +26,6 @@ from conftest import (
     write_jsonl,
 )
 from mlxtune.adapters import apply_adapters
-from mlxtune.checkpoint import load_checkpoint
 from mlxtune.data import Encoder, make_batch, make_packed_batch
 from mlxtune.errors import UserInputError
 from mlxtune.evaluate import evaluate_run
@@ -44,6 +43,7 @@ from mlxtune.models import (
     step_images,
 )
 from mlxtune.models.vision import FEATURE_ROWS
+from mlxtune.runs.checkpoint import load_checkpoint
 from mlxtune.tokenizer import load_tokenizer
 from vision_models import COLOURS, VISION_ARCHS, build_vision_dir, colour_rows
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from mlxtune.console import Console
 from mlxtune.loop import Trainer
 from mlxtune.loop.control import request
-from mlxtune.rundir import run_dir_for
+from mlxtune.runs.rundir import run_dir_for
 
 from .app import WatchApp
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..precision import scaling_mode
+from ..engine.precision import scaling_mode
 from .rules import PREFERENCE
 from .schema import Recipe
 

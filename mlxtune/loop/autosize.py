@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..data.encode import fitted
-from ..engine import Engine
+from ..engine.steps import Engine
 from ..errors import UserInputError
 from ..memory import GB, device_budget, estimate, longest_that_fits, shape_of
 from ..models import checkpoint_layers

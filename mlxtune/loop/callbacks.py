@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:  # annotations only: the loop imports this module
-    from ..engine import StepResult
+    from ..engine.steps import StepResult
     from ..loop import Trainer
 
 

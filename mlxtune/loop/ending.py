@@ -8,9 +8,9 @@ import time
 import mlx.core as mx
 
 from .. import distributed
-from ..checkpoint import best_checkpoint
 from ..export import export
 from ..models import value_head_aside
+from ..runs.checkpoint import best_checkpoint
 
 
 def restore_best(run_dir, engine, step: int, last_eval: dict, log) -> dict | None:

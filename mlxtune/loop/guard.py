@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 
 from .. import distributed, failures
-from ..checkpoint import last_saved
+from ..runs.checkpoint import last_saved
 
 
 class Guard:

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..engine.state import LoopPosition, Window
 from ..errors import TrainingError
-from ..state import LoopPosition, Window
 from .callbacks import StepRecord
 
 

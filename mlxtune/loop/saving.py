@@ -7,8 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import memory
-from ..checkpoint import prune, save
-from ..state import TrainState
+from ..engine.state import TrainState
+from ..runs.checkpoint import prune, save
 
 
 class Saver:

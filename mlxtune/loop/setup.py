@@ -13,14 +13,14 @@ import mlx.core as mx
 
 from .. import _blas, memory
 from ..build import build, kernel_tiers, optimizer_for
-from ..checkpoint import named, restore
 from ..config import dump_yaml, inert_notes
-from ..engine import Engine
+from ..engine.steps import Engine
 from ..errors import TrainingError, UserInputError
 from ..export import peft_refusal
 from ..memory import plan, shape_of
 from ..objectives import build_objective
-from ..rundir import RunDir, holds_a_run
+from ..runs.checkpoint import named, restore
+from ..runs.rundir import RunDir, holds_a_run
 from . import autosize, describe
 
 

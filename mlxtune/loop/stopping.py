@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
+from ..engine.state import LoopPosition
 from ..errors import UserInputError
-from ..state import LoopPosition
 
 HIGHER_IS_BETTER = ("reward", "accuracy", "exact_match")
 """Words in a metric's name that make higher better for early stopping and the best checkpoint."""

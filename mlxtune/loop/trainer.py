@@ -12,15 +12,15 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import _malloc, distributed, memory
-from ..checkpoint import last_saved
 from ..config import Recipe
 from ..console import Console
+from ..engine.state import LoopPosition
 from ..errors import Interrupted, TrainingError
 from ..export import TrainedModel
 from ..generate import exact_match, sample
 from ..models import kernel_attention
-from ..rundir import RunDir, removed_if_refused, run_dir_for
-from ..state import LoopPosition
+from ..runs.checkpoint import last_saved
+from ..runs.rundir import RunDir, removed_if_refused, run_dir_for
 from . import describe, stopping
 from .callbacks import Callback, FunctionCallback, StepEvent, StepRecord
 from .control import Signals, agree_after_step, take_requests

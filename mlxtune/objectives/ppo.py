@@ -35,10 +35,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..checkpoint import load_trained
 from ..errors import UserInputError
 from ..kernels import forward_only
 from ..models import add_value_head, reward_head, value_head
+from ..runs.checkpoint import load_trained
 from .base import Objective
 from .online import OnPolicy, RLConfig
 from .rollout import RolloutBatch, rows_of

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from .adapters import adapt_model
-from .config import OBJECTIVE_CONFIGS, Recipe
-from .errors import UserInputError
-from .export import TrainedModel, load_trainable_weights, read_trainable, write_mlx_lm
-from .models import (
+from ..adapters import adapt_model
+from ..config import OBJECTIVE_CONFIGS, Recipe
+from ..errors import UserInputError
+from ..export import TrainedModel, load_trainable_weights, read_trainable, write_mlx_lm
+from ..models import (
     VisionLM,
     add_reward_head,
     build_model,
@@ -38,8 +38,8 @@ from .models import (
     without_value_head,
 )
 from .rundir import RunDir
-from .state import TrainState
-from .tokenizer import load_tokenizer
+from ..engine.state import TrainState
+from ..tokenizer import load_tokenizer
 
 CHECKSUMS = "checksums.json"
 

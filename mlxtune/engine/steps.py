@@ -26,12 +26,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
-from .distributed import World, collectives
-from .errors import TrainingError, UserInputError
-from .export import load_trainable_weights, read_trainable
-from .kernels import forward_only
-from .memory import is_out_of_memory, resource_limit_note
-from .models import VisionLM, dropout_key, has_embedding_noise
+from ..distributed import World, collectives
+from ..errors import TrainingError, UserInputError
+from ..export import load_trainable_weights, read_trainable
+from ..kernels import forward_only
+from ..memory import is_out_of_memory, resource_limit_note
+from ..models import VisionLM, dropout_key, has_embedding_noise
 from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
 from .state import EngineState
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import UserInputError
+from ..errors import UserInputError
 
 
 def _json_default(o):
