@@ -39,7 +39,7 @@ import yaml  # noqa: E402
 
 from mlxtune import Callback, Trainer, recipe_from_dict  # noqa: E402
 from mlxtune.console import Console  # noqa: E402
-from mlxtune.generate import exact_match  # noqa: E402
+from mlxtune.evaluate import exact_match  # noqa: E402
 
 MODES = {
     "sft": {"type": "sft"},

@@ -65,7 +65,7 @@ LR_FACTOR = {"lion": 0.3, "sophia": 0.3}
 def run(recipe: str, opt: str, every: int, target: float, tmp: Path, extra=()) -> dict:
     from mlxtune import Callback, Trainer, load_recipe
     from mlxtune.console import Console
-    from mlxtune.generate import exact_match
+    from mlxtune.evaluate import exact_match
 
     base = load_recipe(REPO / "recipes" / f"{recipe}.yaml")
     s = dict(SETTINGS[recipe][opt])

@@ -314,7 +314,7 @@ def generate(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, raw, p
     """Answer PROMPT as a user's message through the tokenizer's chat template (when it has
     one; --raw completes PROMPT as written), streaming tokens as they come."""
 
-    from .generate import load_for_generation
+    from .runs.generation import load_for_generation
 
     m, tok = load_for_generation(model, adapter, scale, warn=_warn)
     text: str | list[int] = prompt
@@ -338,7 +338,7 @@ def generate(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, raw, p
 def chat(model, adapter, scale, seed, top_p, top_k, temp, max_tokens, system):
     """Talk to a model through its chat template; an empty line or end of input ends it."""
 
-    from .generate import load_for_generation
+    from .runs.generation import load_for_generation
 
     m, tok = load_for_generation(model, adapter, scale, warn=_warn)
     if not getattr(tok._tokenizer, "chat_template", None):

@@ -1,25 +1,98 @@
-"""Did training help? A run's trained model beside the model it started from, on the run's own
-validation and test data (``mlxtune eval RUN_DIR --base``): the objective's evaluation (loss,
-perplexity, ...), the exact match where the data has answers, and a few answers of each.
-Nothing in the run directory is written."""
+"""Did training help? The exact-match metric and samples a run logs as it trains, and a run's
+trained model beside the model it started from, on the run's own validation and test data
+(``mlxtune eval RUN_DIR --base``): the objective's evaluation (loss, perplexity, ...), the exact
+match where the data has answers, and a few answers of each. Nothing in the run directory is
+written."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
+
+import mlx.nn as nn
 
 from .build import kernel_tiers, optimizer_for
 from .config import recipe_from_dict
 from .distributed import World
 from .engine.steps import Engine
 from .errors import UserInputError
-from .generate import exact_match
+from .generate import decode_answer, eos_ids, generate_ids
 from .models import lm_parts
 from .objectives import Components, build_objective, objective_class
 from .runs.checkpoint import base_model, find_checkpoint, load_checkpoint
 
 SHOWN = 3
 """Answers shown side by side."""
+
+
+def normalise_answer(s: str) -> str:
+    return " ".join(s.split())
+
+
+def exact_match(model, tokenizer, examples, max_new_tokens: int) -> tuple[float, list[dict]]:
+    """Share of examples whose greedy answer equals the reference (whitespace-normalised), and
+    a row per example: ``prompt`` (as a person reads it: the last user message for chat data),
+    ``prompt_text`` (the whole prompt the model read), ``answer``, ``reference``, ``correct``."""
+    ids = [e.prompt_ids for e in examples]
+    new = generate_ids(
+        model, ids, max_new_tokens, eos_ids(tokenizer), images=shown_images(examples)
+    )
+    answers = [decode_answer(tokenizer, n) for n in new]
+    rows = []
+    hits = 0
+    for e, a in zip(examples, answers, strict=True):
+        ok = normalise_answer(a) == normalise_answer(e.answer)
+        hits += ok
+        rows.append(
+            {
+                "prompt": e.shown_prompt,
+                "prompt_text": e.prompt,
+                "answer": a,
+                "reference": e.answer,
+                "correct": ok,
+                **({"images": list(e.images)} if getattr(e, "images", None) else {}),
+            }
+        )
+    return hits / max(len(examples), 1), rows
+
+
+def sample(model: nn.Module, tokenizer, cfg, valid_set, step: int) -> list[dict]:
+    """Samples for a run's samples section ``cfg``, from its own prompts (encoded as written)
+    or the first ``cfg.count`` validation prompts as the model reads them in training; drawn
+    with the step as seed. Each is ``{"prompt", "prompt_text", "completion"}``: ``prompt`` as
+    a person reads it (a recipe prompt as written; for chat data the last user message),
+    ``prompt_text`` the whole text the model read (chat template included)."""
+    pictures = None
+    if cfg.prompts:
+        shown = texts = list(cfg.prompts)
+        ids = [list(tokenizer.encode(p)) for p in texts]
+    else:
+        chosen = list(itertools.islice((e for e in valid_set.examples if e.prompt_ids), cfg.count))
+        shown = [e.shown_prompt for e in chosen]
+        texts, ids = [e.prompt for e in chosen], [e.prompt_ids for e in chosen]
+        pictures = shown_images(chosen)
+    if not ids:
+        return []
+    eos = eos_ids(tokenizer)
+    new = generate_ids(
+        model, ids, cfg.max_new_tokens, eos, cfg.temperature, seed=step, images=pictures
+    )
+    rows = [
+        {"prompt": p, "prompt_text": t, "completion": decode_answer(tokenizer, n)}
+        for p, t, n in zip(shown, texts, new, strict=True)
+    ]
+    for row, files in zip(rows, pictures or (), strict=False):
+        if files:  # which picture the prompt showed (the dashboard names it)
+            row["images"] = list(files)
+    return rows
+
+
+def shown_images(examples) -> list | None:
+    """The examples' image files, a tuple each (a vision model's prompts), or None when none
+    shows any."""
+    files = [getattr(e, "images", None) or () for e in examples]
+    return files if any(files) else None
 
 
 def evaluate_run(run_dir: str | Path, base: bool = False, shown: int = SHOWN, warn=None) -> dict:

@@ -1,11 +1,10 @@
-"""Generation for samples, the exact-match metric, reinforcement learning and ``generate``: prompts
+"""Decoding, for samples, the exact-match metric, reinforcement learning and ``generate``: prompts
 of any lengths in one left-padded batch, each prompt read once (mlx-lm's batched KV cache) for
 all its completions, then compiled decode steps of fixed shapes over fixed-capacity caches,
 greedy or sampled (temperature, top-k, top-p, min-p) with a key of each row's own."""
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -15,14 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .adapters import apply_adapters
-from .errors import UserInputError
-from .export import adapter_modules, adapter_settings, import_adapter
 from .kernels.cpu import exp_of_nonpositive, materialized
-from .models import VisionLM, load_model, resolve_model_path
+from .models import VisionLM
 from .models import images as image_inputs
-from .runs.checkpoint import load_trained
-from .tokenizer import model_tokenizer
 
 
 def eos_ids(tokenizer) -> set[int]:
@@ -435,112 +429,7 @@ def _decode(
     return new
 
 
-def normalise_answer(s: str) -> str:
-    return " ".join(s.split())
-
-
 def decode_answer(tokenizer, ids: list[int]) -> str:
     """Generated ids (eos already left out by ``generate_ids``) as text, without special tokens:
     no chat-template markers or end-of-turn tokens in an answer."""
     return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def exact_match(model, tokenizer, examples, max_new_tokens: int) -> tuple[float, list[dict]]:
-    """Share of examples whose greedy answer equals the reference (whitespace-normalised), and
-    a row per example: ``prompt`` (as a person reads it: the last user message for chat data),
-    ``prompt_text`` (the whole prompt the model read), ``answer``, ``reference``, ``correct``."""
-    ids = [e.prompt_ids for e in examples]
-    new = generate_ids(
-        model, ids, max_new_tokens, eos_ids(tokenizer), images=shown_images(examples)
-    )
-    answers = [decode_answer(tokenizer, n) for n in new]
-    rows = []
-    hits = 0
-    for e, a in zip(examples, answers, strict=True):
-        ok = normalise_answer(a) == normalise_answer(e.answer)
-        hits += ok
-        rows.append(
-            {
-                "prompt": e.shown_prompt,
-                "prompt_text": e.prompt,
-                "answer": a,
-                "reference": e.answer,
-                "correct": ok,
-                **({"images": list(e.images)} if getattr(e, "images", None) else {}),
-            }
-        )
-    return hits / max(len(examples), 1), rows
-
-
-def sample(model: nn.Module, tokenizer, cfg, valid_set, step: int) -> list[dict]:
-    """Samples for a run's samples section ``cfg``, from its own prompts (encoded as written)
-    or the first ``cfg.count`` validation prompts as the model reads them in training; drawn
-    with the step as seed. Each is ``{"prompt", "prompt_text", "completion"}``: ``prompt`` as
-    a person reads it (a recipe prompt as written; for chat data the last user message),
-    ``prompt_text`` the whole text the model read (chat template included)."""
-    pictures = None
-    if cfg.prompts:
-        shown = texts = list(cfg.prompts)
-        ids = [list(tokenizer.encode(p)) for p in texts]
-    else:
-        chosen = list(itertools.islice((e for e in valid_set.examples if e.prompt_ids), cfg.count))
-        shown = [e.shown_prompt for e in chosen]
-        texts, ids = [e.prompt for e in chosen], [e.prompt_ids for e in chosen]
-        pictures = shown_images(chosen)
-    if not ids:
-        return []
-    eos = eos_ids(tokenizer)
-    new = generate_ids(
-        model, ids, cfg.max_new_tokens, eos, cfg.temperature, seed=step, images=pictures
-    )
-    rows = [
-        {"prompt": p, "prompt_text": t, "completion": decode_answer(tokenizer, n)}
-        for p, t, n in zip(shown, texts, new, strict=True)
-    ]
-    for row, files in zip(rows, pictures or (), strict=False):
-        if files:  # which picture the prompt showed (the dashboard names it)
-            row["images"] = list(files)
-    return rows
-
-
-def shown_images(examples) -> list | None:
-    """The examples' image files, a tuple each (a vision model's prompts), or None when none
-    shows any."""
-    files = [getattr(e, "images", None) or () for e in examples]
-    return files if any(files) else None
-
-
-def load_for_generation(
-    model: str | Path, adapter: str | Path | None = None, scale: float | None = None, warn=None
-):
-    """(model, tokenizer) from a Hugging Face layout directory (a fused export too) or an mlxtune
-    run/checkpoint, with an optional mlx-lm or PEFT adapter; ``scale`` multiplies the adapter's.
-    ``warn(message)`` hears of damaged checkpoints passed over in a run."""
-    p = Path(model)
-    if (p / "trainer_state.json").exists() or (p / "checkpoints").is_dir():
-        t = load_trained(p, warn)
-        m, tok = t.model, t.tokenizer
-    else:
-        path = resolve_model_path(str(model), None)
-        m, _ = load_model(path)
-        tok = model_tokenizer(path)
-    if adapter is not None:
-        s = adapter_settings(adapter)
-        if s["type"] not in ("lora", "dora"):
-            raise UserInputError(
-                f"a {s['type']!r} adapter holds whole weights; load it as --model", str(adapter)
-            )
-        apply_adapters(
-            m, s["type"], s["rank"], s["alpha"], 0.0, s["targets"], s["layers"], s["rslora"]
-        )
-        import_adapter(m, adapter)
-    if scale is not None:
-        mods = adapter_modules(m)
-        if not mods:
-            raise UserInputError(
-                "--scale needs an adapter (--adapter, or a LoRA/DoRA run)", "--scale"
-            )
-        for _, mod in mods:
-            mod.scale = mod.scale * scale
-    m.eval()
-    return m, tok

@@ -170,7 +170,8 @@ def test_generate_with_the_shipped_model_reverses_a_word(capsys):
 
 
 def test_generate_from_a_run_an_adapter_and_a_scale(tmp_path, data_dir, llama_dir, capsys):
-    from mlxtune.generate import eos_ids, generate_ids, load_for_generation
+    from mlxtune.generate import eos_ids, generate_ids
+    from mlxtune.runs.generation import load_for_generation
 
     tr = trained_run(tmp_path, data_dir, llama_dir, "lora", ["peft", "mlx-lm"])
     prompt = tr.train_set.examples[0].prompt_ids

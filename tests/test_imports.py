@@ -27,6 +27,7 @@ ALLOWED = {
             "mlxtune.runs.checkpoint",
             "mlxtune.export",
             "mlxtune.generate",
+            "mlxtune.runs.generation",
             "mlxtune.runs.rundir",
             "mlxtune.tui.app",
             "mlxtune.tui.compare",

@@ -19,7 +19,7 @@ from mlxtune import Trainer, recipe_from_dict
 from mlxtune.config import SamplesConfig
 from mlxtune.console import Console
 from mlxtune.data import Dataset, Encoder
-from mlxtune.generate import exact_match, sample
+from mlxtune.evaluate import exact_match, sample
 
 SYSTEM = "You are a helpful AI assistant named Tiny"
 # SmolLM2-Instruct's template: a default system turn unless the conversation has its own.

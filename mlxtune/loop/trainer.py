@@ -16,8 +16,8 @@ from ..config import Recipe
 from ..console import Console
 from ..engine.state import LoopPosition
 from ..errors import Interrupted, TrainingError
+from ..evaluate import exact_match, sample
 from ..export import TrainedModel
-from ..generate import exact_match, sample
 from ..models import kernel_attention
 from ..runs.checkpoint import last_saved
 from ..runs.rundir import RunDir, removed_if_refused, run_dir_for
