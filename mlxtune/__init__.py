@@ -5,9 +5,6 @@ recipe = mlxtune.load_recipe("recipes/quickstart.yaml", ["train.max_steps=100"])
 summary = mlxtune.Trainer(recipe, run_dir="runs/demo").run()
 """
 
-# The one place the version is written (pyproject.toml reads it from here).
-__version__ = "0.2.0"
-
 from ._blas import setup_blas as _setup_blas
 from ._malloc import setup_malloc as _setup_malloc
 from ._schedule import setup_schedule as _setup_schedule
@@ -19,6 +16,7 @@ _setup_malloc()
 # Before MLX first evaluates: it reads its evaluation width once (see _schedule.py).
 _setup_schedule()
 
+from ._version import __version__ as __version__  # noqa: E402
 from .config import Recipe, load_recipe, recipe_from_dict  # noqa: E402
 from .errors import MlxtuneError, TrainingError, UserInputError  # noqa: E402
 from .loop import Callback, StepEvent, Trainer  # noqa: E402

@@ -1,5 +1,5 @@
-"""What a model directory may ask a loader to do that mlxtune refuses: run its own Python code
-(unless the recipe trusts it) or unpickle weights (never)."""
+"""What mlxtune refuses: a model directory's own Python code (unless the recipe trusts it),
+pickled weights (never), and a run's name or folder that would lead out of where runs go."""
 
 from __future__ import annotations
 
@@ -33,3 +33,25 @@ def code_files(p: Path, config: dict) -> list[str]:
             if "--" in r or (p / f"{module}.py").exists():
                 found.append(f"{module}.py")
     return sorted(set(found))
+
+
+# A run's name and a recipe's run_dir: what keeps a recipe from writing outside its folder
+NOT_PLAIN = (
+    "is not a plain name: the name becomes the folder runs/NAME-TIMESTAMP (set run_dir, or give "
+    "--run-dir, to choose the folder)"
+)
+NOT_UNDER_HERE = (
+    "is not a folder under the current directory (a relative path without '..'); give --run-dir "
+    "to write somewhere else"
+)
+
+
+def is_plain_name(name: str) -> bool:
+    """A run's name becomes a folder name (runs/NAME-TIMESTAMP): it may not be a path."""
+    return not ("/" in name or "\\" in name or "\0" in name or name.strip() in (".", ".."))
+
+
+def is_under_here(path: str) -> bool:
+    """A recipe's run_dir: relative, without '..' (a recipe file cannot send a run elsewhere)."""
+    p = Path(path)
+    return not (p.is_absolute() or ".." in p.parts)

@@ -481,7 +481,7 @@ def test_run_dir_api_never_replaces_the_run_dir_itself(tmp_path):
 
 
 def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
-    from mlxtune import rundir
+    from mlxtune.runs import rundir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(rundir.time, "strftime", lambda fmt: "20261122-101500")

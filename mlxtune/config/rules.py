@@ -11,7 +11,7 @@ import importlib.util
 from typing import Any, NoReturn, Protocol
 
 from ..data import format_names
-from ..runs.rundir import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
+from ..safety import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
 from .schema import Recipe
 
 PREFERENCE = ("dpo", "orpo", "cpo", "reward")

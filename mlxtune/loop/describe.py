@@ -10,7 +10,7 @@ import platform
 
 import mlx.core as mx
 
-from .. import __version__
+from .._version import __version__
 from ..memory import GB
 
 

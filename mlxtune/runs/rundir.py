@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UserInputError
+from ..safety import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
 
 
 def _json_default(o):
@@ -32,27 +33,6 @@ def _clean(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
-
-
-NOT_PLAIN = (
-    "is not a plain name: the name becomes the folder runs/NAME-TIMESTAMP (set run_dir, or give "
-    "--run-dir, to choose the folder)"
-)
-NOT_UNDER_HERE = (
-    "is not a folder under the current directory (a relative path without '..'); give --run-dir "
-    "to write somewhere else"
-)
-
-
-def is_plain_name(name: str) -> bool:
-    """A run's name becomes a folder name (runs/NAME-TIMESTAMP): it may not be a path."""
-    return not ("/" in name or "\\" in name or "\0" in name or name.strip() in (".", ".."))
-
-
-def is_under_here(path: str) -> bool:
-    """A recipe's run_dir: relative, without '..' (a recipe file cannot send a run elsewhere)."""
-    p = Path(path)
-    return not (p.is_absolute() or ".." in p.parts)
 
 
 def check_run_name(name: str, where: str = "name"):
