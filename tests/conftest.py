@@ -263,6 +263,39 @@ def tiny_recipe(data_dir: Path, model_dir: Path | None = None, **sections) -> di
     return recipe
 
 
+def objective_recipe(
+    name: str,
+    model_dir: Path,
+    data_dir: Path,
+    objective: dict,
+    *,
+    max_length: int = 48,
+    batch_size: int = 6,
+    max_steps: int = 6,
+    eval_every: int = 3,
+    **sections,
+) -> dict:
+    """A short LoRA run of one objective on tiny data, as the objectives' tests train it: seed 3,
+    a metrics row every step; ``sections`` replace whole sections."""
+    recipe = tiny_recipe(
+        data_dir,
+        model_dir,
+        name=name,
+        objective=objective,
+        train={
+            "batch_size": batch_size,
+            "max_steps": max_steps,
+            "log_every": 1,
+            "progress": False,
+            "seed": 3,
+        },
+        eval={"every": eval_every},
+    )
+    recipe["data"]["max_length"] = max_length
+    recipe.update(sections)
+    return recipe
+
+
 MINIMAL_RECIPE = """\
 name: t
 model:

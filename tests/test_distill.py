@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from conftest import (
     REPO,
     make_crash,
+    objective_recipe,
     reverse_rows,
     same_gradients,
     same_rows,
@@ -51,22 +52,13 @@ def prompts(tmp_path):
 
 
 def recipe(data_dir, student, teacher, objective, **over):
-    r = {
-        "name": "distill",
-        "model": {"path": str(student)},
-        "data": {
-            "train": str(data_dir / "train.jsonl"),
-            "valid": str(data_dir / "valid.jsonl"),
-            "max_length": 48,
-        },
-        "objective": {"type": "distill", "teacher": str(teacher), **objective},
-        "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
-        "optimizer": {"lr": 1e-2},
-        "train": {"batch_size": 6, "max_steps": 6, "log_every": 1, "progress": False, "seed": 3},
-        "eval": {"every": 3},
-    }
-    r.update(over)
-    return r
+    return objective_recipe(
+        "distill",
+        student,
+        data_dir,
+        {"type": "distill", "teacher": str(teacher), **objective},
+        **over,
+    )
 
 
 def log_softmax64(z):

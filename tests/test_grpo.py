@@ -16,7 +16,16 @@ import pytest
 import yaml
 from mlx.utils import tree_flatten
 
-from conftest import REPO, TIMING, make_crash, prompt_rows, same_rows, shipped_recipe, write_jsonl
+from conftest import (
+    REPO,
+    TIMING,
+    make_crash,
+    objective_recipe,
+    prompt_rows,
+    same_rows,
+    shipped_recipe,
+    write_jsonl,
+)
 from conftest import build_run as build
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
@@ -34,22 +43,7 @@ def recipe(prompts, model_dir, objective=None, **over):
         "rewards": [{"name": "length", "target": 3}],
     }
     obj.update(objective or {})
-    r = {
-        "name": "grpo",
-        "model": {"path": str(model_dir)},
-        "data": {
-            "train": str(prompts / "train.jsonl"),
-            "valid": str(prompts / "valid.jsonl"),
-            "max_length": 24,
-        },
-        "objective": obj,
-        "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
-        "optimizer": {"lr": 1e-2},
-        "train": {"batch_size": 3, "max_steps": 6, "log_every": 1, "progress": False, "seed": 3},
-        "eval": {"every": 3},
-    }
-    r.update(over)
-    return r
+    return objective_recipe("grpo", model_dir, prompts, obj, max_length=24, batch_size=3, **over)
 
 
 def rows(run_dir):

@@ -13,7 +13,14 @@ import yaml
 from mlx.utils import tree_flatten
 
 from conftest import build_run as build
-from conftest import make_crash, same_rows, shake_adapters, shipped_recipe, write_jsonl
+from conftest import (
+    make_crash,
+    objective_recipe,
+    same_rows,
+    shake_adapters,
+    shipped_recipe,
+    write_jsonl,
+)
 from conftest import run_rows as rows
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import LoRALinear
@@ -46,22 +53,9 @@ def feedback(tmp_path):
 
 
 def recipe(data, model_dir, objective=None, **over):
-    r = {
-        "name": "kto",
-        "model": {"path": str(model_dir)},
-        "data": {
-            "train": str(data / "train.jsonl"),
-            "valid": str(data / "valid.jsonl"),
-            "max_length": 48,
-        },
-        "objective": objective or {"type": "kto", "beta": 0.5},
-        "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
-        "optimizer": {"lr": 1e-2},
-        "train": {"batch_size": 6, "max_steps": 6, "log_every": 1, "progress": False, "seed": 3},
-        "eval": {"every": 3},
-    }
-    r.update(over)
-    return r
+    return objective_recipe(
+        "kto", model_dir, data, objective or {"type": "kto", "beta": 0.5}, **over
+    )
 
 
 def naive_logp(model, ids, mask) -> float:

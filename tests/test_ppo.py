@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from test_grpo import completions, rows, token_logps
 from test_preference import pair_rows, shake_adapters
 
-from conftest import REPO, make_crash, same_rows, shipped_recipe, write_jsonl
+from conftest import REPO, make_crash, objective_recipe, same_rows, shipped_recipe, write_jsonl
 from conftest import build_run as build
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
@@ -37,22 +37,17 @@ def recipe(prompts, model_dir, objective=None, **over):
         "rewards": [{"name": "regex", "pattern": PATTERN}],
     }
     obj.update(objective or {})
-    r = {
-        "name": "ppo",
-        "model": {"path": str(model_dir)},
-        "data": {
-            "train": str(prompts / "train.jsonl"),
-            "valid": str(prompts / "valid.jsonl"),
-            "max_length": 24,
-        },
-        "objective": obj,
-        "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
-        "optimizer": {"lr": 1e-2},
-        "train": {"batch_size": 4, "max_steps": 8, "log_every": 1, "progress": False, "seed": 3},
-        "eval": {"every": 4},
-    }
-    r.update(over)
-    return r
+    return objective_recipe(
+        "ppo",
+        model_dir,
+        prompts,
+        obj,
+        max_length=24,
+        batch_size=4,
+        max_steps=8,
+        eval_every=4,
+        **over,
+    )
 
 
 def shake_value_head(model, seed=1):

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from conftest import (
     REPO,
     make_crash,
+    objective_recipe,
     same_gradients,
     same_rows,
     shake_adapters,
@@ -57,22 +58,9 @@ def prefs(tmp_path):
 
 
 def recipe(prefs, model_dir, objective=None, **over):
-    r = {
-        "name": "pref",
-        "model": {"path": str(model_dir)},
-        "data": {
-            "train": str(prefs / "train.jsonl"),
-            "valid": str(prefs / "valid.jsonl"),
-            "max_length": 48,
-        },
-        "objective": objective or {"type": "dpo", "beta": 0.5},
-        "adapter": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]},
-        "optimizer": {"lr": 1e-2},
-        "train": {"batch_size": 6, "max_steps": 6, "log_every": 1, "progress": False, "seed": 3},
-        "eval": {"every": 3},
-    }
-    r.update(over)
-    return r
+    return objective_recipe(
+        "pref", model_dir, prefs, objective or {"type": "dpo", "beta": 0.5}, **over
+    )
 
 
 def same(a, b, rel=1e-5, abs=1e-6):
