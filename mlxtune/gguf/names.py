@@ -9,21 +9,10 @@ not hold has no name and the export refuses it by name. A mixture's experts are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
-
-@dataclass(frozen=True)
-class Family:
-    """How llama.cpp holds one mlx-lm model type."""
-
-    arch: str  # general.architecture
-    permuted: bool = False  # q/k rows in llama.cpp's interleaved rope order (its LlamaModel)
-    norm_plus_one: bool = False  # a (1 + w) RMSNorm, stored as w + 1 (gemma)
-    # the router's top-k weights renormalised, as llama.cpp's graph for the arch fixes it
-    # (None: the arch has no experts)
-    norm_topk: bool | None = None
-
+from .families import FACTS
+from .family import Family
 
 FAMILIES = {
     "llama": Family("llama", permuted=True),
@@ -85,7 +74,6 @@ FAMILIES = {
     "plamo": Family("plamo"),
     "plamo3": Family("plamo3"),
     "falcon_h1": Family("falcon-h1"),
-    "dbrx": Family("dbrx", norm_topk=True),
     "bailing_moe": Family("bailingmoe2", norm_topk=None),  # Ling 2.0's layout
     "dots1": Family("dots1", norm_topk=None),
     "ernie4_5_moe": Family("ernie4_5-moe", norm_topk=True),
@@ -104,6 +92,8 @@ FAMILIES = {
     "cohere": Family("command-r"),
     "hunyuan_v1_dense": Family("hunyuan-dense"),
 }
+# the families kept in a module of their own (mlxtune.gguf.families)
+FAMILIES.update({mt: f.names for mt, f in FACTS.items()})
 # a fused q/k/v projection's rows, per model type (llama.cpp's converter splits each into
 # attn_q/k/v): "contiguous" all q rows, then k, then v; "per_head" q, k, v of each head in
 # turn (GPT-NeoX); "grouped" each kv head's q rows, then its k and v (InternLM 2)

@@ -23,6 +23,7 @@ import mlx.nn as nn
 
 from ..adapters import adapt_model
 from ..config import OBJECTIVE_CONFIGS, Recipe
+from ..engine.state import TrainState
 from ..errors import UserInputError
 from ..export import TrainedModel, load_trainable_weights, read_trainable, write_mlx_lm
 from ..models import (
@@ -37,9 +38,8 @@ from ..models import (
     quantize_model,
     without_value_head,
 )
-from .rundir import RunDir
-from ..engine.state import TrainState
 from ..tokenizer import load_tokenizer
+from .rundir import RunDir
 
 CHECKSUMS = "checksums.json"
 

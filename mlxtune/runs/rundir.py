@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UserInputError
-from ..safety import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
+from ..safety import NOT_PLAIN, is_plain_name
 
 
 def _json_default(o):

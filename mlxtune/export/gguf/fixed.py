@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from ...gguf.families import FACTS
 from ...gguf.names import FAMILIES
 from .writers import nemotron_h_pattern, step35_layers
 
@@ -303,12 +304,6 @@ def _bailing_fixed(arg, mt: str) -> str | None:
     return None
 
 
-def _dbrx(arg, mt: str) -> str | None:
-    if not float((arg("attn_config") or {}).get("clip_qkv") or 0) > 0:
-        return "llama.cpp's dbrx clamps q/k/v only by a positive clip_qkv; this model's is not"
-    return None
-
-
 def _falcon_h1(arg, mt: str) -> str | None:
     if arg("mamba_norm_before_gate"):
         return "llama.cpp's falcon-h1 gates before its SSM norm; this model norms before the gate"
@@ -501,7 +496,6 @@ _FIXED = {
     "exaone_moe": _exaone_moe_fixed,
     "plamo": _plamo,
     "falcon_h1": _falcon_h1,
-    "dbrx": _dbrx,
     "bailing_moe": _bailing_fixed,
     "dots1": _dots1_fixed,
     "ernie4_5_moe": _ernie4_5_moe,
@@ -530,6 +524,7 @@ _FIXED = {
     "lfm2": _short_conv,
     "lfm2_moe": _short_conv,
 }
+_FIXED.update({mt: f.refusal for mt, f in FACTS.items() if f.refusal is not None})
 
 
 def refusal(model, config: dict) -> str | None:

@@ -8,12 +8,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ...errors import UserInputError
+from ...gguf.families import FACTS
 from ...gguf.names import FAMILIES, gguf_name
 from ...gguf.rope import llama3_rope_factors
 from ...models.configs import rope_base
 from .fixed import exaone4_local, model_args
 from .writers import (
-    add_dbrx,
     add_deci,
     add_falcon_h1,
     add_gemma4,
@@ -332,14 +332,15 @@ def add_hparams(w, config: dict, model=None):
     """The model's metadata as llama.cpp's loader for its architecture reads it."""
     mt, args = config["model_type"], model_args(model)
     arg = _reader(args, config)
+    facts = FACTS.get(mt)
+    if facts is not None and facts.write_settings is not None:
+        return facts.write_settings(w, args)
     if mt == "mamba2":
         return add_mamba2(w, args)
     if mt == "mamba":
         return add_mamba(w, args)
     if mt == "openelm":
         return add_openelm(w, model)
-    if mt == "dbrx":
-        return add_dbrx(w, args)
     if mt == "falcon_h1":
         return add_falcon_h1(w, args)
     if mt == "mimo_v2_flash":

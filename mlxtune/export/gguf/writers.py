@@ -173,25 +173,6 @@ def add_openelm(w, model) -> None:
     w.add_vocab_size(int(args.vocab_size))
 
 
-def add_dbrx(w, args) -> None:
-    """DBRX as llama.cpp's dbrx reads it: its attention and expert settings nested in the
-    config, q/k/v clamped, LayerNorms without biases."""
-    attn, ffn = args.attn_config, args.ffn_config
-    w.add_context_length(int(getattr(args, "max_seq_len", None) or 2048))
-    w.add_embedding_length(int(args.d_model))
-    w.add_block_count(int(args.n_layers))
-    w.add_feed_forward_length(int(ffn["ffn_hidden_size"]))
-    w.add_head_count(int(args.n_heads))
-    w.add_head_count_kv(int(attn["kv_n_heads"]))
-    w.add_rope_freq_base(float(attn["rope_theta"]))
-    w.add_rope_dimension_count(int(args.d_model) // int(args.n_heads))
-    w.add_clamp_kqv(float(attn["clip_qkv"]))
-    w.add_expert_count(int(ffn["moe_num_experts"]))
-    w.add_expert_used_count(int(ffn["moe_top_k"]))
-    w.add_layer_norm_eps(1e-5)
-    w.add_vocab_size(int(args.vocab_size))
-
-
 def add_falcon_h1(w, args) -> None:
     """Falcon-H1 as llama.cpp's falcon-h1 reads it: every layer attention and Mamba 2 side by
     side. Its muP multipliers are in the weights as mlx-lm holds them (folded at load), so

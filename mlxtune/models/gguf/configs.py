@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...errors import UserInputError
+from ...gguf.families import FACTS
 from ...gguf.names import FAMILIES as NAMED
 from ...gguf.rope import rope_settings
 from ..common import family_classes, hf_architecture
 from ..configs import STANDARD_NAMES, args_fields
 from .settings import FAMILY_SETTINGS
 from .whole import (
-    dbrx_config,
     deci_config,
     kimi_linear_config,
     mamba2_config,
@@ -53,13 +53,13 @@ _WHOLE = {
     "step35": step35_config,
     "mistral4": mistral4_config,
     "mimo2": mimo2_config,
-    "dbrx": dbrx_config,
     "openelm": openelm_config,
     "mamba": mamba_config,
     "mamba2": mamba2_config,
     "deepseek2": mla_config,
     "nemotron_h_moe": nemotron_h_config,
 }
+_WHOLE.update({f.names.arch: f.read_config for f in FACTS.values() if f.read_config is not None})
 # models with per-layer kv heads (0: a Mamba or short-convolution layer; Gemma 4: per kind)
 _KV_PER_LAYER = ("lfm2", "lfm2_moe", "gemma4_text", "granitemoehybrid")
 
@@ -124,7 +124,9 @@ def gguf_config(g: GGUFModelFile) -> dict:
         return v
 
     if g.arch in _WHOLE:
-        return {**_WHOLE[g.arch](g, need), **_special_ids(g)}
+        config = _WHOLE[g.arch](g, need)
+        config.setdefault("architectures", [hf_architecture(config["model_type"])])
+        return {**config, **_special_ids(g)}
     n_head, n_kv, kv_layers = _heads(g, model_type, need)
     hidden = need("embedding_length")
     head_dim = g.get("attention.key_length") or hidden // n_head

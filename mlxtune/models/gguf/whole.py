@@ -1,7 +1,7 @@
 """Configs of the architectures read back whole from their GGUF metadata, without the common
 attention keys: Mamba and Mamba 2 (no attention), multi-head latent attention (DeepSeek, Youtu,
 Mistral 4, MiniCPM3), Nemotron-H (its layer pattern read off the per-layer kv heads and widths),
-and the families whose settings differ per layer or nest (OpenELM, DBRX, MiMo-V2-Flash,
+and the families whose settings differ per layer or nest (OpenELM, MiMo-V2-Flash,
 Step 3.5)."""
 
 from __future__ import annotations
@@ -169,33 +169,6 @@ def openelm_config(g: GGUFModelFile, need) -> dict:
         "rope_freq_constant": float(g.get("rope.freq_base", 10000.0)),
         "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_context_length": int(g.get("context_length", 2048)),
-    }
-
-
-def dbrx_config(g: GGUFModelFile, need) -> dict:
-    """DBRX's config (its attention and expert settings nested) from what llama.cpp's dbrx
-    reads."""
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
-    return {
-        "model_type": "dbrx",
-        "architectures": [hf_architecture("dbrx")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
-        "d_model": int(need("embedding_length")),
-        "n_layers": int(need("block_count")),
-        "n_heads": int(need("attention.head_count")),
-        "max_seq_len": int(g.get("context_length", 2048)),
-        "attn_config": {
-            "kv_n_heads": int(need("attention.head_count_kv")),
-            "clip_qkv": float(need("attention.clamp_kqv")),
-            "rope_theta": float(g.get("rope.freq_base", 10000.0)),
-        },
-        "ffn_config": {
-            "ffn_hidden_size": int(need("feed_forward_length")),
-            "moe_num_experts": int(need("expert_count")),
-            "moe_top_k": int(need("expert_used_count")),
-        },
     }
 
 
