@@ -291,11 +291,25 @@ def trained_inputs(block: nn.Module) -> int:
     return sum(seen.values())
 
 
-def shape_of(trainer) -> Shape:
-    """The Shape of a built Trainer's run (its model, data and recipe)."""
-    r = trainer.recipe
-    cfg = text_config(trainer.model_config)
-    model = trainer.model
+@dataclass(frozen=True)
+class Planned:
+    """What the memory plan reads of a run: its recipe, what was built (model, tokenizer, data),
+    the objective, the kernel tiers, the optimizer and the engine. A Trainer has the same
+    names, so ``shape_of(trainer)`` reads a trainer's run too."""
+
+    recipe: object
+    built: object
+    objective: object
+    tiers: dict
+    optimizer: object
+    engine: object
+
+
+def shape_of(run) -> Shape:
+    """The Shape of a run (a ``Planned``, or a Trainer): its model, data and recipe."""
+    r, parts = run.recipe, run.built.components
+    cfg = text_config(run.built.model_config)
+    model = parts.model
     weights = tree_flatten(model.parameters())
     trainable = tree_flatten(model.trainable_parameters())
     hidden = int(cfg.get("hidden_size") or 0)
@@ -303,9 +317,9 @@ def shape_of(trainer) -> Shape:
     head_dim = int(cfg.get("head_dim") or hidden // max(heads, 1))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     # the longest batch sets the peak; the objective says how it lays batches out
-    rows, length = trainer.objective.layout()
-    reference = trainer.objective.reference_memory()
-    generating = trainer.objective.generation_layout() or (0, 0)
+    rows, length = run.objective.layout()
+    reference = run.objective.reference_memory()
+    generating = run.objective.generation_layout() or (0, 0)
     layers = int(cfg.get("num_hidden_layers") or 0)
     blocks = getattr(model, "layers", None)
     modules = [m for _, m in model.named_modules()]
@@ -319,7 +333,7 @@ def shape_of(trainer) -> Shape:
             if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 64 == 0
         )
     )
-    head = trainer.built.components.lm.head
+    head = parts.lm.head
     act_bytes = 4 if r.model.dtype == "float32" else 2
     # the loss de-quantizes a quantized LM head: one dense copy while a step runs
     dense_head = (
@@ -338,42 +352,41 @@ def shape_of(trainer) -> Shape:
         q_dim=heads * head_dim,
         kv_dim=2 * kv_heads * head_dim,
         heads=heads,
-        vocab=int(cfg.get("vocab_size") or len(trainer.tokenizer._tokenizer)),
+        vocab=int(cfg.get("vocab_size") or len(parts.tokenizer._tokenizer)),
         batch=rows,
         length=length,
         accumulation=r.train.grad_accumulation,
-        optimizer_bytes=sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state)),
-        drawn_logits=bool(getattr(trainer.optimizer, "curvature_every", None)),
-        masters=trainer.engine.masters is not None,
-        attention_scores=trainer.tiers["attention"] in ("reference", "off"),
-        chunked_attention=trainer.tiers["attention"] == "chunked",
-        logits_full=trainer.tiers["loss"] == "reference",
+        optimizer_bytes=sum(v.nbytes for _, v in tree_flatten(run.optimizer.state)),
+        drawn_logits=bool(getattr(run.optimizer, "curvature_every", None)),
+        masters=run.engine.masters is not None,
+        attention_scores=run.tiers["attention"] in ("reference", "off"),
+        chunked_attention=run.tiers["attention"] == "chunked",
+        logits_full=run.tiers["loss"] == "reference",
         logit_chunk=CHUNK_ELEMENTS,
         checkpointed=checkpointed_layers(model),
         quantizable=quantizable,
         rows_per_example=max(1, rows // r.train.batch_size),
-        sequences_per_example=trainer.objective.sequences_per_example,
+        sequences_per_example=run.objective.sequences_per_example,
         reference_forward=reference["forward"],
         reference_bytes=reference["bytes"],
         objective_bytes=reference.get("step_bytes", 0),
         generation_rows=generating[0],
         generation_length=generating[1],
-        micro_key=trainer.objective.micro_key,
+        micro_key=run.objective.micro_key,
         trained_inputs=trained_inputs(blocks[0]) if blocks else None,
         fused_score_arrays=2 if mx.default_device() == mx.cpu else 4,
-        tower_row_bytes=tower_pass_bytes(trainer, rows) / max(rows, 1),
+        tower_row_bytes=tower_pass_bytes(model, parts.train_set, rows) / max(rows, 1),
         tower_trains=bool(getattr(model, "tower_trains", False)),
     )
 
 
-def tower_pass_bytes(trainer, rows: int) -> float:
+def tower_pass_bytes(model, train_set, rows: int) -> float:
     """What a vision model's tower pass adds to MLX's memory for a batch of ``rows`` copies
     of the training example with the most image tokens: measured, by running the tower (and,
     where adapters in it train, its backward) on those images once. 0 for a text model."""
-    model = trainer.model
     if not isinstance(model, VisionLM):
         return 0.0
-    shown = [e for e in trainer.train_set.examples if getattr(e, "images", None)]
+    shown = [e for e in train_set.examples if getattr(e, "images", None)]
     if not shown:
         return 0.0
     token = model.image_tokens.token_id

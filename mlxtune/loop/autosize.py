@@ -11,7 +11,7 @@ from dataclasses import replace
 from ..data.encode import fitted
 from ..engine.steps import Engine
 from ..errors import UserInputError
-from ..memory import GB, device_budget, estimate, longest_that_fits, shape_of
+from ..memory import GB, Planned, device_budget, estimate, longest_that_fits, shape_of
 from ..models import checkpoint_layers
 
 MARGIN = 0.9
@@ -20,20 +20,21 @@ LARGEST = 256
 """The largest automatic batch."""
 
 
-def resolve(trainer, optimizer_for) -> dict[str, str]:
-    """Set the recipe's automatic sizes on a built ``trainer`` (its objective made, nothing
+def resolve(recipe, built, objective, tiers, world, log, optimizer_for) -> dict[str, str]:
+    """Set the recipe's automatic sizes for what was ``built`` (the ``objective`` made, nothing
     trained): each chosen value, by key, with why; {} when the recipe asks for none.
     ``optimizer_for(recipe, steps)`` makes the optimizer whose state the plan counts."""
-    r = trainer.recipe
+    r = recipe
     t = r.train
+    parts = built.components
     auto_batch, auto_gc = t.batch_size == "auto", t.grad_checkpointing == "auto"
-    context = trainer.built.auto_context
+    context = built.auto_context
     if not (auto_batch or auto_gc or context):
         return {}
-    if auto_batch and trainer.objective.micro_key is not None:
+    if auto_batch and objective.micro_key is not None:
         raise UserInputError(
-            f"auto sizes a step's examples, but {trainer.objective.name}'s passes are set by "
-            f"{trainer.objective.micro_key}: give train.batch_size a number",
+            f"auto sizes a step's examples, but {objective.name}'s passes are set by "
+            f"{objective.micro_key}: give train.batch_size a number",
             "train.batch_size",
         )
     if r.memory.limit_gb is not None:
@@ -45,13 +46,15 @@ def resolve(trainer, optimizer_for) -> dict[str, str]:
     if auto_gc:
         t.grad_checkpointing = False
     # the plan counts the optimizer's state as allocated: a provisional one, replaced later
-    trainer.optimizer = optimizer_for(r, 1)
-    trainer.engine = Engine(trainer.model, trainer.optimizer, trainer.objective, r, trainer.world)
-    shape = shape_of(trainer)
+    optimizer = optimizer_for(r, 1)
+    engine = Engine(parts.model, optimizer, objective, r, world)
+    planned = Planned(r, built, objective, tiers, optimizer, engine)
+    shape = shape_of(planned)
     chosen = {}
     if context:
-        shape, chosen["data.max_length"] = _fit_length(trainer, shape, budget, auto_gc, context)
-    most = LARGEST if trainer.streamed else max(1, min(LARGEST, len(trainer.train_set)))
+        shape, chosen["data.max_length"] = _fit_length(planned, shape, budget, auto_gc, context)
+    streamed = getattr(parts.train_set, "streamed", False)
+    most = LARGEST if streamed else max(1, min(LARGEST, len(parts.train_set)))
     sizes = [1 << i for i in range(most.bit_length()) if 1 << i <= most] if auto_batch else [1]
     given = 1 if auto_batch else t.batch_size
     layers = [0, shape.layers] if auto_gc else [shape.checkpointed]
@@ -85,20 +88,20 @@ def resolve(trainer, optimizer_for) -> dict[str, str]:
             + f": {why}, {what})"
         )
         if ck:
-            checkpoint_layers(trainer.model, 1)
+            checkpoint_layers(parts.model, 1)
     for key, line in chosen.items():
-        trainer.log(f"{key}: auto -> {line}")
+        log(f"{key}: auto -> {line}")
     return chosen
 
 
-def _fit_length(trainer, shape, budget: float, auto_gc: bool, context: int):
+def _fit_length(planned: Planned, shape, budget: float, auto_gc: bool, context: int):
     """data.max_length: auto, read up to ``context``: the longest example when a step of the
     recipe's batch (one example when the batch is automatic too) fits the budget (checkpointing
     too when that is automatic), else the longest length
     that does (halvings, then bisected to 64 tokens; at least 64), the datasets cut to it as
     ``data.overlong`` says.
     (the shape at that length, why)."""
-    r = trainer.recipe
+    r, parts = planned.recipe, planned.built.components
     longest = r.data.max_length
     ck = shape.layers if auto_gc else shape.checkpointed
     examples = shape.batch // shape.rows_per_example  # the recipe's batch (1 when automatic)
@@ -114,16 +117,16 @@ def _fit_length(trainer, shape, budget: float, auto_gc: bool, context: int):
         m = longest
         while m // 2 >= 64:
             m //= 2
-    datasets = {id(d): d for d in (trainer.train_set, trainer.valid_set, trainer.test_set)}
+    datasets = {id(d): d for d in (parts.train_set, parts.valid_set, parts.test_set)}
     for ds in datasets.values():
         _cut(ds, m, r.data.overlong)
     r.data.max_length = m
-    if not trainer.train_set.examples:
+    if not parts.train_set.examples:
         raise UserInputError(
             f"at {m} tokens, the longest that fits the memory budget, no example is left",
             "data.max_length",
         )
-    return shape_of(trainer), (
+    return shape_of(planned), (
         f"{m} (the longest that fits to 64 tokens: the longest example, {longest}, does not fit "
         f"{examples} a step in {MARGIN:.0%} of "
         f"{budget / GB:.2f} GB; longer ones {'dropped' if r.data.overlong == 'drop' else 'cut'})"

@@ -7,18 +7,21 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.optimizers as optim
 
 from .. import _blas, memory
-from ..build import build, kernel_tiers, optimizer_for
+from ..build import Built, build, kernel_tiers, optimizer_for
 from ..config import dump_yaml, inert_notes
+from ..engine.state import LoopPosition
 from ..engine.steps import Engine
 from ..errors import TrainingError, UserInputError
 from ..export import peft_refusal
-from ..memory import plan, shape_of
-from ..objectives import build_objective
+from ..memory import Planned, plan, shape_of
+from ..objectives import Objective, build_objective
 from ..runs.checkpoint import named, restore
 from ..runs.rundir import RunDir, holds_a_run
 from . import autosize, describe
@@ -46,18 +49,52 @@ def run_folders(
     return RunDir(scratch, create=True), None
 
 
-def set_up(trainer, source: RunDir | None) -> None:
-    """Build what the trainer's recipe names onto it, in order: BLAS, the kernel tiers, the
-    model, tokenizer and data (``built``), the objective, what ``auto`` sizes resolve to
-    (``auto_sizes``), the step count (``total_steps``), the optimizer, the engine, the memory
-    plan (``memory_estimate``), and a resumed run's state (``position``, ``resumed``). Writes
-    ``recipe.yaml`` and ``config_resolved.json``. ``source``: the run a resumed run reads."""
-    r, log = trainer.recipe, trainer.log
-    trainer.blas = _blas.setup_blas()
-    log(f"BLAS: {trainer.blas.note}")
+@dataclass(frozen=True)
+class Run:
+    """What a recipe was made into before the first step, as one value: the loop trains with
+    it and changes none of it (the loop's own position starts as ``start``)."""
+
+    blas: _blas.BlasStatus
+    tiers: dict[str, str]
+    """The kernel tier of the loss and of attention."""
+    built: Built
+    """The model, tokenizer and data (``built.components``), and what they came from."""
+    objective: Objective
+    auto_sizes: dict[str, str]
+    """Each automatic size the recipe asked for: its key, the value chosen, and why."""
+    batches_per_epoch: int | None
+    """None for a stream (not known before it is read)."""
+    total_steps: int
+    optimizer: optim.Optimizer
+    engine: Engine
+    memory_estimate: dict[str, float]
+    start: LoopPosition
+    """Where the loop starts: step 0, or where a resumed run stopped."""
+    resumed: bool
+
+
+def set_up(
+    recipe,
+    run_dir: RunDir,
+    source: RunDir | None,
+    world,
+    log,
+    *,
+    rows=None,
+    resume_from: str | None = None,
+    dry_run: bool = False,
+) -> Run:
+    """Make what the recipe names, in order: BLAS, the kernel tiers, the model, tokenizer and
+    data, the objective, what ``auto`` sizes resolve to, the step count, the optimizer, the
+    engine, the memory plan, and a resumed run's position. ``source``: the run a resumed run
+    reads (``resume_from``: its checkpoint, "latest" or a name); ``rows``: the console's
+    progress rows while data is encoded."""
+    r = recipe
+    blas = _blas.setup_blas()
+    log(f"BLAS: {blas.note}")
     for note in inert_notes(r):  # keys the recipe sets that these settings never read
         log(note)
-    trainer.tiers = kernel_tiers(r, log)
+    tiers = kernel_tiers(r, log)
     wired = memory.wired_limit(mx.device_info(), mx.metal.is_available())
     if wired is not None:
         mx.set_wired_limit(wired)
@@ -65,31 +102,50 @@ def set_up(trainer, source: RunDir | None) -> None:
             f"memory: wired limit {wired / memory.GB:.1f} GB (Metal's recommended working "
             "set: the weights and the step's buffers stay resident)"
         )
-    resuming = trainer.resume_from is not None
-    trainer.built = build(r, trainer.run_dir, trainer.tiers, resuming, log, trainer.console.rows)
-    if "peft" in r.export.formats and (why := peft_refusal(trainer.model)) is not None:
+    resuming = resume_from is not None
+    built = build(r, run_dir, tiers, resuming, log, rows)
+    if "peft" in r.export.formats and (why := peft_refusal(built.components.model)) is not None:
         raise UserInputError(why, "export.formats")  # before training, not after it
-    trainer.objective = build_objective(r, trainer.built.components)
-    trainer.auto_sizes = autosize.resolve(trainer, optimizer_for)
-    trainer.batches_per_epoch = trainer.objective.batches_per_epoch()
+    objective = build_objective(r, built.components)
+    auto_sizes = autosize.resolve(r, built, objective, tiers, world, log, optimizer_for)
+    batches_per_epoch = objective.batches_per_epoch()
     t = r.train
-    trainer.total_steps = (
+    total_steps = (
         t.max_steps
         if t.max_steps is not None
-        else max(1, math.ceil(t.epochs * trainer.batches_per_epoch / t.grad_accumulation))
+        else max(1, math.ceil(t.epochs * batches_per_epoch / t.grad_accumulation))
     )
-    trainer.optimizer = optimizer_for(r, trainer.total_steps)
-    trainer.engine = Engine(trainer.model, trainer.optimizer, trainer.objective, r, trainer.world)
+    optimizer = optimizer_for(r, total_steps)
+    engine = Engine(built.components.model, optimizer, objective, r, world)
     # the plan first: a run it refuses pays for no reference pass
-    trainer.memory_estimate = plan(shape_of(trainer), r, log)
-    trainer.objective.prepare(trainer.run_dir, source, log)
-    if resuming and not trainer.dry_run:
-        which, steps, main = trainer.resume_from, trainer.total_steps, trainer.world.main
-        state = restore(source, which, r, trainer.engine, log, main, steps)
-        trainer.position, trainer.resumed = state.position, True
-    if trainer.streamed:
-        trainer.train_set.resume(trainer.position.data_stream)
-    trainer.run_dir.write_text("recipe.yaml", dump_yaml(r.to_dict()))
+    estimate = plan(shape_of(Planned(r, built, objective, tiers, optimizer, engine)), r, log)
+    objective.prepare(run_dir, source, log)
+    start, resumed = LoopPosition(), False
+    if resuming and not dry_run:
+        state = restore(source, resume_from, r, engine, log, world.main, total_steps)
+        start, resumed = state.position, True
+    if getattr(built.components.train_set, "streamed", False):
+        built.components.train_set.resume(start.data_stream)
+    return Run(
+        blas,
+        tiers,
+        built,
+        objective,
+        auto_sizes,
+        batches_per_epoch,
+        total_steps,
+        optimizer,
+        engine,
+        estimate,
+        start,
+        resumed,
+    )
+
+
+def record(trainer) -> None:
+    """What a set-up run writes before it trains: ``recipe.yaml`` (the recipe as resolved) and
+    ``config_resolved.json``."""
+    trainer.run_dir.write_text("recipe.yaml", dump_yaml(trainer.recipe.to_dict()))
     trainer.run_dir.write_json("config_resolved.json", describe.resolved(trainer))
 
 
@@ -124,4 +180,4 @@ def all_ranks_set_up(world):
         raise TrainingError("another rank could not set up this run (its message says why)")
 
 
-__all__ = ["all_ranks_set_up", "rank_folder", "run_folders", "set_up"]
+__all__ = ["Run", "all_ranks_set_up", "rank_folder", "record", "run_folders", "set_up"]

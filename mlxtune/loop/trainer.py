@@ -30,7 +30,7 @@ from .guard import Guard
 from .meter import StepMeter, merge_host
 from .records import Records
 from .saving import Saver
-from .setup import all_ranks_set_up, run_folders, set_up
+from .setup import all_ranks_set_up, record, run_folders, set_up
 
 
 class Trainer:
@@ -90,12 +90,34 @@ class Trainer:
             )
             self.records = Records(self.run_dir, self.console)
             """Where the metrics rows and samples go: the run directory and the reporters."""
-            set_up(self, self._source)
+            self.parts = set_up(
+                recipe,
+                self.run_dir,
+                self._source,
+                self.world,
+                self.log,
+                rows=self.console.rows,
+                resume_from=resume,
+                dry_run=dry_run,
+            )
+            """What the recipe was made into (``setup.Run``): one value, which the loop reads."""
+            self.position, self.resumed = self.parts.start, self.parts.resumed
+            record(self)
             held, self._held_logs = self._held_logs, None
             for line in held:  # the input was accepted
                 self.run_dir.log(line)
 
     # ---------------------------------------------------------------- what was built
+    blas = property(lambda self: self.parts.blas)
+    tiers = property(lambda self: self.parts.tiers, doc="The kernel tiers: loss, attention.")
+    built = property(lambda self: self.parts.built)
+    objective = property(lambda self: self.parts.objective)
+    auto_sizes = property(lambda self: self.parts.auto_sizes)
+    batches_per_epoch = property(lambda self: self.parts.batches_per_epoch)
+    total_steps = property(lambda self: self.parts.total_steps)
+    optimizer = property(lambda self: self.parts.optimizer)
+    engine = property(lambda self: self.parts.engine)
+    memory_estimate = property(lambda self: self.parts.memory_estimate)
     model = property(lambda self: self.built.components.model)
     tokenizer = property(lambda self: self.built.components.tokenizer)
     train_set = property(lambda self: self.built.components.train_set)
