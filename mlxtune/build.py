@@ -367,6 +367,7 @@ def build(
     # rows first; any other tokenizer loads first, and the data is encoded (or read from the
     # cache, which then reads no row) before the model, unless max_length: auto waits for the
     # model's context.
+    kind = objective_class(r)  # its datasets and what it adds to the model
     training = r.tokenizer.train is not None and not resuming
     train_rows = read_rows(r.resolve_path(d.train), d.columns, bad_rows(r)) if training else []
     base = Path(r.source).parent if r.source else None
@@ -378,13 +379,13 @@ def build(
     sets = None
     if d.max_length != "auto":
         with reporting(progress):
-            sets = objective_class(r).datasets(r, tokenizer)
+            sets = kind.datasets(r, tokenizer)
     model, config = model_for(r, tokenizer, tokenizer_dir, model_dir, log)
     if isinstance(model, VisionLM):
         refuse_what_vision_models_do_not_do(r)
     lm = lm_parts(model)
     info = adapt(r, model, lm, log)
-    objective_class(r).extend(r, model, log)
+    kind.extend(r, model, log)
     trainable, total = count_parameters(model)
     names = {k for k, _ in tree_flatten(model.trainable_parameters())}
     context = None
@@ -397,7 +398,7 @@ def build(
         context = int(config.get("max_position_embeddings") or 1 << 20)
         r.data.max_length = context
         with reporting(progress):
-            sets = objective_class(r).datasets(r, tokenizer)
+            sets = kind.datasets(r, tokenizer)
     train, valid, test = sets
     if context is not None:
         r.data.max_length = max(max(lengths_of(ds.examples)) for ds in (train, valid, test))
