@@ -554,7 +554,7 @@ def _main(argv=None) -> int:
         click.echo("interrupted", err=True)
         return 130
     except (RuntimeError, MemoryError) as e:
-        from .memory import is_out_of_memory
+        from .engine.memory import is_out_of_memory
 
         if not is_out_of_memory(e):
             raise

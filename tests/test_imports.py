@@ -31,7 +31,7 @@ ALLOWED = {
             "mlxtune.runs.rundir",
             "mlxtune.tui.app",
             "mlxtune.tui.compare",
-            "mlxtune.memory",
+            "mlxtune.engine.memory",
         )
     },
     ("mlxtune/kernels/fused.py", "mlxtune.metal_kernels"): (

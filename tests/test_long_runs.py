@@ -119,7 +119,13 @@ def test_auto_waits_twenty_times_the_longest_wait_and_at_least_five_minutes():
 def test_memory_policy_decisions():
     """The wired limit (Metal only, its recommended working set), when the cache is freed, the
     warning for memory that creeps, and what Metal's resource limit is said to mean."""
-    from mlxtune.memory import GB, creeping, resource_limit_note, should_clear_cache, wired_limit
+    from mlxtune.engine.memory import (
+        GB,
+        creeping,
+        resource_limit_note,
+        should_clear_cache,
+        wired_limit,
+    )
 
     info = {"max_recommended_working_set_size": 22 * 2**30, "memory_size": 32 * 2**30}
     assert wired_limit(info, metal=True) == 22 * 2**30

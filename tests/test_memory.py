@@ -15,8 +15,9 @@ from conftest import measured_peak, tiny_arch, tiny_recipe, write_jsonl
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
+from mlxtune.engine.memory import is_out_of_memory
 from mlxtune.errors import TrainingError, UserInputError
-from mlxtune.memory import GB, estimate, is_out_of_memory, shape_of
+from mlxtune.memory import GB, estimate, shape_of
 from mlxtune.models import checkpointed_layers
 
 
@@ -437,7 +438,7 @@ def test_auto_max_length_is_the_longest_example_unless_one_does_not_fit(wide, tm
     assert 64 <= m < longest
     assert max(len(e.ids) for e in tr.train_set.examples) == m
     # the longest: 64 tokens more is over the budget's margin, by the plan the run sized with
-    from mlxtune.loop.autosize import MARGIN
+    from mlxtune.memory import MARGIN
 
     longer = replace(shape_of(tr), length=m + 64 - 1, batch=1)
     assert estimate(longer)["total"] > MARGIN * 0.016 * GB

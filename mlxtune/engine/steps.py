@@ -30,8 +30,8 @@ from ..distributed import World, collectives
 from ..errors import TrainingError, UserInputError
 from ..export import load_trainable_weights, read_trainable
 from ..kernels import forward_only
-from ..memory import is_out_of_memory, resource_limit_note
 from ..models import VisionLM, dropout_key, has_embedding_noise
+from .memory import is_out_of_memory, resource_limit_note
 from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
 from .state import EngineState
 

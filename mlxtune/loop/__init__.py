@@ -5,7 +5,6 @@
 - ``meter``: the metrics window and a step's record.
 - ``control``: signals and the dashboard's requests (``RUN_DIR/control/``).
 - ``stopping``: early stopping.
-- ``autosize``: the automatic batch size, context length and gradient checkpointing.
 - ``describe``: what a built run says about itself (derived figures, the header).
 - ``report``: TensorBoard and Weights & Biases.
 - ``setup``: the run's folders and ``set_up`` (what the recipe names, built onto the trainer).

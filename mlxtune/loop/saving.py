@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import memory
+from ..engine.memory import creeping
 from ..engine.state import TrainState
 from ..runs.checkpoint import prune, save
 
@@ -29,7 +29,7 @@ class Saver:
             save(t.run_dir, name, t.trained, t.recipe, t.engine, state, t.last_loss, extra)
         t.log(f"saved checkpoint checkpoints/{name} at step {t.position.step}")
         self._active.append((t.position.step, mx.get_active_memory()))
-        warning = memory.creeping(self._active) if not self._warned_creep else None
+        warning = creeping(self._active) if not self._warned_creep else None
         if warning:
             self._warned_creep = True
             t.log(f"WARNING: {warning}")

@@ -13,18 +13,19 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.optimizers as optim
 
-from .. import _blas, memory
+from .. import _blas
 from ..build import Built, build, kernel_tiers, optimizer_for
 from ..config import dump_yaml, inert_notes
+from ..engine.memory import GB, wired_limit
 from ..engine.state import LoopPosition
 from ..engine.steps import Engine
 from ..errors import TrainingError, UserInputError
 from ..export import peft_refusal
-from ..memory import Planned, plan, shape_of
+from ..memory import Planned, plan, resolve_sizes, shape_of
 from ..objectives import Objective, build_objective
 from ..runs.checkpoint import named, restore
 from ..runs.rundir import RunDir, holds_a_run
-from . import autosize, describe
+from . import describe
 
 
 def run_folders(
@@ -95,11 +96,11 @@ def set_up(
     for note in inert_notes(r):  # keys the recipe sets that these settings never read
         log(note)
     tiers = kernel_tiers(r, log)
-    wired = memory.wired_limit(mx.device_info(), mx.metal.is_available())
+    wired = wired_limit(mx.device_info(), mx.metal.is_available())
     if wired is not None:
         mx.set_wired_limit(wired)
         log(
-            f"memory: wired limit {wired / memory.GB:.1f} GB (Metal's recommended working "
+            f"memory: wired limit {wired / GB:.1f} GB (Metal's recommended working "
             "set: the weights and the step's buffers stay resident)"
         )
     resuming = resume_from is not None
@@ -107,7 +108,7 @@ def set_up(
     if "peft" in r.export.formats and (why := peft_refusal(built.components.model)) is not None:
         raise UserInputError(why, "export.formats")  # before training, not after it
     objective = build_objective(r, built.components)
-    auto_sizes = autosize.resolve(r, built, objective, tiers, world, log, optimizer_for)
+    auto_sizes = resolve_sizes(r, built, objective, tiers, world, log, optimizer_for)
     batches_per_epoch = objective.batches_per_epoch()
     t = r.train
     total_steps = (

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import _malloc, distributed, memory
+from .. import _malloc, distributed
 from ..config import Recipe
 from ..console import Console
+from ..engine import memory
 from ..engine.state import LoopPosition
 from ..errors import Interrupted, TrainingError
 from ..evaluate import exact_match, sample
