@@ -87,6 +87,13 @@ def write_jsonl(path: Path, rows) -> Path:
     return path
 
 
+def write_splits(folder: Path, make_rows, train: int, valid: int) -> Path:
+    """``folder`` with train.jsonl and valid.jsonl of ``make_rows(n, seed)``, seeds 1 and 2."""
+    write_jsonl(folder / "train.jsonl", make_rows(train, 1))
+    write_jsonl(folder / "valid.jsonl", make_rows(valid, 2))
+    return folder
+
+
 def prompt_rows(n: int, seed: int = 0):
     """GRPO-style prompt rows: "reverse w =" with the reversal as the answer."""
     import numpy as np
@@ -102,10 +109,7 @@ def prompt_rows(n: int, seed: int = 0):
 @pytest.fixture
 def prompts(tmp_path):
     """24 training and 6 validation prompt rows (``prompt_rows``)."""
-    d = tmp_path / "prompts"
-    write_jsonl(d / "train.jsonl", prompt_rows(24, 1))
-    write_jsonl(d / "valid.jsonl", prompt_rows(6, 2))
-    return d
+    return write_splits(tmp_path / "prompts", prompt_rows, 24, 6)
 
 
 def shipped_recipe(name: str) -> dict:

@@ -20,6 +20,7 @@ from conftest import (
     shake_adapters,
     shipped_recipe,
     write_jsonl,
+    write_splits,
 )
 from conftest import run_rows as rows
 from mlxtune import Trainer, recipe_from_dict
@@ -46,10 +47,7 @@ def feedback_rows(n, seed=0):
 
 @pytest.fixture
 def feedback(tmp_path):
-    d = tmp_path / "feedback"
-    write_jsonl(d / "train.jsonl", feedback_rows(48, 1))
-    write_jsonl(d / "valid.jsonl", feedback_rows(10, 2))
-    return d
+    return write_splits(tmp_path / "feedback", feedback_rows, 48, 10)
 
 
 def recipe(data, model_dir, objective=None, **over):

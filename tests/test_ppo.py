@@ -18,7 +18,15 @@ from mlx.utils import tree_flatten
 from test_grpo import completions, rows, token_logps
 from test_preference import pair_rows, shake_adapters
 
-from conftest import REPO, make_crash, objective_recipe, same_rows, shipped_recipe, write_jsonl
+from conftest import (
+    REPO,
+    make_crash,
+    objective_recipe,
+    same_rows,
+    shipped_recipe,
+    write_jsonl,
+    write_splits,
+)
 from conftest import build_run as build
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
@@ -211,9 +219,7 @@ def test_resume_inside_a_rollout_is_exact_and_exports_leave_the_value_head(
 def test_a_reward_model_scores_the_completions(tmp_path, llama_dir, prompts):
     from mlxtune.runs.checkpoint import load_trained
 
-    d = tmp_path / "prefs"
-    write_jsonl(d / "train.jsonl", pair_rows(12, 1))
-    write_jsonl(d / "valid.jsonl", pair_rows(4, 2))
+    d = write_splits(tmp_path / "prefs", pair_rows, 12, 4)
     rm = recipe(prompts, llama_dir, {}, train={"batch_size": 4, "max_steps": 2, "progress": False})
     rm["objective"] = {"type": "reward"}
     rm["data"] = {"train": str(d / "train.jsonl"), "valid": str(d / "valid.jsonl")}

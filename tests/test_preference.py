@@ -23,6 +23,7 @@ from conftest import (
     shake_adapters,
     shipped_recipe,
     write_jsonl,
+    write_splits,
 )
 from conftest import build_run as build
 from conftest import run_rows as rows
@@ -51,10 +52,7 @@ def pair_rows(n, seed=0):
 
 @pytest.fixture
 def prefs(tmp_path):
-    d = tmp_path / "prefs"
-    write_jsonl(d / "train.jsonl", pair_rows(48, 1))
-    write_jsonl(d / "valid.jsonl", pair_rows(10, 2))
-    return d
+    return write_splits(tmp_path / "prefs", pair_rows, 48, 10)
 
 
 def recipe(prefs, model_dir, objective=None, **over):
