@@ -4,7 +4,7 @@ and sampling, in one process.
     python bench/compare_generation.py            # about a minute on a 2-core CPU
     python bench/compare_generation.py --quick    # about 20 seconds
 
-The model is bench/compare_mlx_lm.py's tiny llama (hidden 256, 4 layers, fp32) at a 32,768-token
+The model is bench/lora_runs.py's tiny llama (hidden 256, 4 layers, fp32) at a 32,768-token
 vocabulary, built at random. Prompts are random words of mixed lengths (the char-level
 tokenizer: 40-160 tokens). Every completion runs the full ``--new`` tokens (no stop token on
 either side: a random model's EOS would end rows at random), sampled at temperature 1 from each
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     repeats = a.repeats or (1 if a.quick else 2)
 
     import mlx.core as mx
-    from compare_mlx_lm import build_base
+    from lora_runs import build_base
     from mlx_lm import load
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -64,7 +64,7 @@ prompts' token ids and the bench compares them (``WARNING: tokenization:`` lines
 ``tokenization_mismatches``). All prompts have one length (the char-level tokenizer), so each side
 compiles one shape unless a completion stops early.
 
-The model: bench/compare_mlx_lm.py's tiny llama (hidden 256, 4 layers, fp32, random) at ``--vocab``
+The model: bench/lora_runs.py's tiny llama (hidden 256, 4 layers, fp32, random) at ``--vocab``
 (32,768), the model bench/compare_preference.py trains. Its char-level tokenizer has 32 entries,
 and the random model samples about uniformly over all 32,768 ids, so nearly every completion would
 decode to nothing and every reward would tie. The bench gives the built model's tokenizer an added
@@ -274,8 +274,6 @@ def _timing(shapes: list, step_s: list[float], gen_s: list[float], tokens: list[
 def _peer_worker(spec_path: str) -> None:
     setup = harness.process_setup()  # before mlx.core is imported
 
-    import gc
-
     import mlx.core as mx
     import mlx.optimizers as optim
     import mlx_lm_lora
@@ -354,16 +352,8 @@ def _peer_worker(spec_path: str) -> None:
     )
     optimizer = optim.Adam(learning_rate=spec["lr"])  # the CLI's default: adam, constant lr
 
-    gc.collect()
-    mx.clear_cache()
-    cpu0 = harness.cpu_mark()
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    # train_grpo prints a report a step (tqdm.write, to stdout): keep stdout for the result line.
-    real_stdout = sys.stdout
-    sys.stdout = sys.stderr
-    try:
-        grpo_trainer.train_grpo(
+    wall, peak, other = harness.run_timed(
+        lambda: grpo_trainer.train_grpo(
             model=model,
             ref_model=ref_model,
             tokenizer=tokenizer,
@@ -375,11 +365,7 @@ def _peer_worker(spec_path: str) -> None:
             training_callback=rec,
             end_answer_token="",  # EOS only: no "</answer>" stop sequence
         )
-    finally:
-        sys.stdout = real_stdout
-    wall = time.perf_counter() - t0
-    peak = mx.get_peak_memory() / 1e9
-    other = harness.other_cores(cpu0, harness.cpu_mark())
+    )
 
     n = spec["steps"]
     if len(rec.rows) != n or len(steps) != n:
@@ -630,7 +616,7 @@ def main(argv=None) -> None:
     if args.beta > 0 and args.reference == "none":
         ap.error("--beta > 0 needs mlx-lm-lora's reference: --reference copy")
 
-    import compare_mlx_lm  # (the tiny llama)
+    import lora_runs  # (the tiny llama)
 
     rows = make_prompts(args.prompts, args.prompt_chars, seed=args.seed)
     valid = make_prompts(args.batch, args.prompt_chars, seed=args.seed + 1)  # final eval only
@@ -655,9 +641,9 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="compare-grpo-") as tmp:
         model_dir = args.model_dir
         if model_dir is None:
-            model_dir = compare_mlx_lm.build_base(Path(tmp) / f"tiny-{args.vocab}", args.vocab)
+            model_dir = lora_runs.build_base(Path(tmp) / f"tiny-{args.vocab}", args.vocab)
             added = full_vocabulary(Path(model_dir))
-        shape = compare_mlx_lm.model_shape(Path(model_dir))
+        shape = lora_runs.model_shape(Path(model_dir))
         vocab = shape.pop("vocab_size")
         if not args.peer_only:
             for micro in [None] + ([args.micro] if args.micro > 0 else []):

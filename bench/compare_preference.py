@@ -105,7 +105,7 @@ What the worker does, and what it mirrors of ``mlx_lm_lora.train --train-mode dp
   ``train_dpo`` would raise a KeyError setting its wired limit: the worker adds the key as 0
   (``mx.set_wired_limit(0)``, a no-op there).
 
-The default run builds bench/compare_mlx_lm.py's tiny llama (hidden 256, 4 layers, fp32, the
+The default run builds bench/lora_runs.py's tiny llama (hidden 256, 4 layers, fp32, the
 char-level tokenizer of recipes/models/reverse-tiny with its chat template) at ``--vocab``
 (32,768) and makes ``--pairs`` (64) synthetic preference pairs (prompt, chosen and rejected each
 40-120 characters, i.e. tokens with that tokenizer; rendered, about 180 tokens a sequence).
@@ -265,8 +265,6 @@ def run_mlxtune_dpo(
 def _worker(spec_path: str) -> None:
     setup = harness.process_setup()  # before mlx.core is imported
 
-    import gc
-
     import mlx.core as mx
     import mlx.optimizers as optim
     import mlx_lm_lora
@@ -355,15 +353,8 @@ def _worker(spec_path: str) -> None:
     )
     optimizer = optim.Adam(learning_rate=spec["lr"])  # the CLI's default: adam, constant lr
 
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    # train_dpo prints a line a step (tqdm.write, to stdout): keep stdout for the result line.
-    real_stdout = sys.stdout
-    sys.stdout = sys.stderr
-    try:
-        dpo_trainer.train_dpo(
+    wall, peak, _ = harness.run_timed(
+        lambda: dpo_trainer.train_dpo(
             model=model,
             ref_model=ref_model,
             optimizer=optimizer,
@@ -373,10 +364,7 @@ def _worker(spec_path: str) -> None:
             training_callback=rec,
             loss_type="sigmoid",
         )
-    finally:
-        sys.stdout = real_stdout
-    wall = time.perf_counter() - t0
-    peak = mx.get_peak_memory() / 1e9
+    )
 
     if len(rec.rows) != spec["steps"] or len(shapes) != spec["steps"]:
         raise SystemExit(f"expected {spec['steps']} reports, got {len(rec.rows)} / {len(shapes)}")
@@ -606,9 +594,9 @@ def dpo_flops_per_pair(vocab: int, tokens_per_pair: float, reference_pass: bool)
     (bench/compare_mlx_lm.py's LoRA count: 4 a weight a token) and, when the step runs one, the
     reference's forward (2 a weight a token), over the real tokens; attention at the sequences'
     mean length."""
-    import compare_mlx_lm
+    import lora_runs
 
-    fpt = compare_mlx_lm.flops_per_token(vocab, tokens_per_pair / 2)
+    fpt = lora_runs.flops_per_token(vocab, tokens_per_pair / 2)
     return tokens_per_pair * fpt * (1.5 if reference_pass else 1.0)
 
 
@@ -643,7 +631,7 @@ def main(argv=None) -> None:
         return
 
     sys.path.insert(0, str(HERE))
-    import compare_mlx_lm  # noqa: E402  (the tiny llama, the matmul peak, FLOPs a token)
+    import lora_runs  # noqa: E402  (the tiny llama, the matmul peak, FLOPs a token)
 
     rows = make_pairs(args.pairs, seed=args.seed)
     valid = make_pairs(max(args.batch, 4), seed=args.seed + 1)  # the final evaluation only
@@ -662,15 +650,15 @@ def main(argv=None) -> None:
     ours: dict[str, dict] = {}
     peer = None
     t0 = time.perf_counter()
-    peak = compare_mlx_lm.matmul_peak()
+    peak = lora_runs.matmul_peak()
     with tempfile.TemporaryDirectory(prefix="compare-preference-") as tmp:
         model_dir = args.model_dir
         if model_dir is None:
-            model_dir = compare_mlx_lm.build_base(Path(tmp) / f"tiny-{args.vocab}", args.vocab)
-        shape = compare_mlx_lm.model_shape(Path(model_dir))
+            model_dir = lora_runs.build_base(Path(tmp) / f"tiny-{args.vocab}", args.vocab)
+        shape = lora_runs.model_shape(Path(model_dir))
         vocab = shape.pop("vocab_size")
-        compare_mlx_lm.MODEL.clear()
-        compare_mlx_lm.MODEL.update(shape)
+        lora_runs.MODEL.clear()
+        lora_runs.MODEL.update(shape)
         log = sys.stderr
         refs = [] if args.peer_only else [args.mlxtune_reference]
         if not (args.peer_only or args.no_precomputed) and args.mlxtune_reference != "precomputed":
@@ -693,7 +681,7 @@ def main(argv=None) -> None:
             peer = run_mlx_lm_lora_dpo(
                 model_dir, rows, layers=args.layers, reference=args.reference, **common
             )
-    peak = max(peak, compare_mlx_lm.matmul_peak())
+    peak = max(peak, lora_runs.matmul_peak())
     elapsed = time.perf_counter() - t0
 
     mismatch = []
@@ -723,7 +711,7 @@ def main(argv=None) -> None:
             r["peak_memory_ratio"] = r["peak_memory_gb"] / peer["peak_memory_gb"]
 
     err = sys.stderr
-    mod = compare_mlx_lm.MODEL
+    mod = lora_runs.MODEL
     name = str(args.model_dir) if args.model_dir else "tiny llama"
     print(
         f"{name} {mod['hidden_size']}x{mod['num_hidden_layers']} (ffn "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import compare_mlx_lm as cm  # noqa: E402  (sets up OpenBLAS through mlxtune first)
+import lora_runs as cm  # noqa: E402  (sets up OpenBLAS through mlxtune first)
 
 # isort: split
 import mlx.core as mx  # noqa: E402

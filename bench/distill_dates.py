@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-import compare_mlx_lm as cm  # noqa: E402, F401  (sets up OpenBLAS through mlxtune first)
+import lora_runs as cm  # noqa: E402, F401  (sets up OpenBLAS through mlxtune first)
 import yaml  # noqa: E402
 
 from mlxtune import Callback, Trainer, recipe_from_dict  # noqa: E402

@@ -114,6 +114,30 @@ def worker_or_checked(ap, args, peer_worker, mlxtune_worker, full_steps, quick_s
 
 
 # ---------------------------------------------------------------------------- the peer's side
+def run_timed(train) -> tuple[float, float, float | None]:
+    """A peer trainer's whole ``train()`` call as the bench times it: Python's garbage and MLX's
+    cache freed and its peak reset first, the trainer's own lines a step (tqdm.write, to stdout)
+    sent to stderr, so stdout keeps the result line. (wall seconds, MLX's peak GB, the other
+    cores' load meanwhile or None)."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    cpu0 = cpu_mark()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    real_stdout = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        train()
+    finally:
+        sys.stdout = real_stdout
+    wall = time.perf_counter() - t0
+    return wall, mx.get_peak_memory() / 1e9, other_cores(cpu0, cpu_mark())
+
+
 def peer_lora(model, spec: dict) -> list[str]:
     """The peer's LoRA (returns the module keys it went on): mlx-lm's ``linear_to_lora_layers`` (what mlx-lm-lora's
     ``utils.from_pretrained`` calls) on every q_proj/v_proj of the last ``spec["layers"]``

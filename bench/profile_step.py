@@ -44,7 +44,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_mlx_lm as bench  # noqa: E402
+import lora_runs as bench  # noqa: E402
 
 IGNORE = -100
 

@@ -11,7 +11,7 @@ all-reduce of its gradients alone (``mlx.nn.average_gradients``) are timed, for 
 share of a step, and the bytes a step moves are printed with what they would take over 10 GbE
 and Thunderbolt 5. Prints a table, then one JSON line.
 
-The model is compare_mlx_lm's tiny llama (hidden 256, 4 layers, the char tokenizer's 32 tokens),
+The model is lora_runs's tiny llama (hidden 256, 4 layers, the char tokenizer's 32 tokens),
 on fixed-length text of 256 tokens, 8 examples a step, fp32: LoRA r=8 on q_proj/v_proj (small
 gradients) and full fine-tuning (3.3M parameters, 13 MB of fp32 gradients a step).
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_mlx_lm as bench  # noqa: E402
+import lora_runs as bench  # noqa: E402
 
 LINKS = {"10 GbE": 10e9 / 8, "Thunderbolt 5 (80 Gb/s)": 80e9 / 8}
 

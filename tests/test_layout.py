@@ -21,7 +21,9 @@ OTHERS = {
     "tests/": "pytest: tests mirror the library's modules and build tiny models of their own "
     "(conftest.py, vision_models.py).",
     "bench/": "Benchmarks against mlx-lm's trainer, mlx-lm-lora and mlx-vlm, each peer timed in "
-    "the same run (harness.py: what the comparisons share); bench/device/: checks for a GPU "
+    "the same run (harness.py: running a peer in a child process and what its figures share; "
+    "lora_runs.py: the models, data and both trainers' LoRA runs the SFT comparisons share); "
+    "bench/device/: checks for a GPU "
     "machine; RESULTS.md: every figure with its command.",
     "docs/": "The reference, one page a topic; recipe.md and this page are written from the code.",
     ".ci/": "run: CI on a clean clone (wheel: the wheel alone in a fresh environment trains the "
