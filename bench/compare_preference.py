@@ -591,7 +591,7 @@ def check_tokens(ours: list[dict], peer: list[dict]) -> list[str]:
 
 def dpo_flops_per_pair(vocab: int, tokens_per_pair: float, reference_pass: bool) -> float:
     """Model FLOPs of one pair's DPO step (both sequences): the policy's forward and backward
-    (bench/compare_mlx_lm.py's LoRA count: 4 a weight a token) and, when the step runs one, the
+    (bench/lora_runs.py's LoRA count: 4 a weight a token) and, when the step runs one, the
     reference's forward (2 a weight a token), over the real tokens; attention at the sequences'
     mean length."""
     import lora_runs

@@ -94,8 +94,8 @@ def find_recipe(name: str) -> ShippedRecipe:
 def init_recipe(name: str, directory: str | os.PathLike | None = None) -> Path:
     """Copy the shipped recipe ``name`` into ``directory`` (default: ./NAME) with the data and
     models it names; returns the recipe's path there. A directory that exists must be empty:
-    nothing is ever overwritten. The copy is made beside it and renamed into place, so a failed
-    copy leaves nothing behind."""
+    nothing is ever overwritten. A new folder is made beside its place and renamed into it; an
+    empty one (``.`` too) is filled in place. Either way a failed copy leaves nothing behind."""
     recipe = find_recipe(name)
     dest = Path(directory if directory is not None else recipe.name)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -104,25 +104,41 @@ def init_recipe(name: str, directory: str | os.PathLike | None = None) -> Path:
             "folder (nothing was written)",
             str(dest),
         )
-    parent = dest.resolve().parent
+    if dest.is_dir():  # empty: filled where it is, keeping its own mode and owner
+        try:
+            _copy_recipe(recipe, dest)
+        except BaseException:
+            for p in list(dest.iterdir()):  # it was empty: what is there now is ours
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+            raise
+        return dest / recipe.path.name
+    parent = dest.absolute().parent
     if not parent.is_dir():
         raise UserInputError("no such folder to create the recipe's folder in", str(parent))
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=parent))
     try:
-        shutil.copy2(recipe.path, staging / recipe.path.name)
-        for rel in recipe_files(recipe.path):
-            shutil.copytree(
-                recipe.path.parent / rel,
-                staging / rel,
-                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-            )
-        if dest.exists():
-            dest.rmdir()  # empty (checked above)
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # as a folder made with mkdir would be (mkdtemp's is 0700)
+        _copy_recipe(recipe, staging)
         staging.rename(dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return dest / recipe.path.name
+
+
+def _copy_recipe(recipe: ShippedRecipe, into: Path) -> None:
+    shutil.copy2(recipe.path, into / recipe.path.name)
+    for rel in recipe_files(recipe.path):
+        shutil.copytree(
+            recipe.path.parent / rel,
+            into / rel,
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        )
 
 
 __all__ = [

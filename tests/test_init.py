@@ -85,6 +85,47 @@ def test_init_into_an_empty_folder_fills_it(tmp_path, capsys):
     ]
 
 
+def test_init_fills_the_current_folder_and_an_empty_folder_behind_a_link(tmp_path, monkeypatch):
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["init", "quickstart", "."]) == 0
+    assert sorted(p.name for p in here.iterdir()) == ["data", "quickstart.yaml"]
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    assert main(["init", "quickstart", str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink()  # still the user's link, to the same folder
+    assert sorted(p.name for p in target.iterdir()) == ["data", "quickstart.yaml"]
+
+
+def test_a_new_folder_gets_the_mode_mkdir_gives(tmp_path):
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        assert main(["init", "quickstart", str(tmp_path / "new")]) == 0
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_failed_copy_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    def failing(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copytree", failing)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["init", "quickstart", str(empty)]) == 2
+    assert list(empty.iterdir()) == []  # the recipe file copied before the failure is gone
+    assert main(["init", "quickstart", str(tmp_path / "new")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # no staging folder left
+    assert "No space left on device" in capsys.readouterr().err
+
+
 def test_init_refuses_a_folder_that_is_not_empty_and_changes_nothing(tmp_path, capsys):
     dest = tmp_path / "taken"
     dest.mkdir()

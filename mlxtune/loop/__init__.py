@@ -7,7 +7,8 @@
 - ``stopping``: early stopping.
 - ``describe``: what a built run says about itself (derived figures, the header).
 - ``report``: TensorBoard and Weights & Biases.
-- ``setup``: the run's folders and ``set_up`` (what the recipe names, built onto the trainer).
+- ``setup``: the run's folders and ``set_up`` (what the recipe is made into: ``Run``, held as
+  ``trainer.parts``).
 - ``guard``: the lines a run that stops short ends with (failed write, lost step, watchdog).
 - ``saving``: checkpoints, with the warning for memory that creeps.
 - ``ending``: the best model restored, the exports, the summary, a dry run.

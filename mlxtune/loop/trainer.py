@@ -4,6 +4,7 @@ to save and resume; none of them knows about the loop."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import tempfile
 import time
@@ -102,7 +103,9 @@ class Trainer:
                 dry_run=dry_run,
             )
             """What the recipe was made into (``setup.Run``): one value, which the loop reads."""
-            self.position, self.resumed = self.parts.start, self.parts.resumed
+            # the loop's own position, moved on step by step; parts.start stays where it began
+            self.position = copy.deepcopy(self.parts.start)
+            self.resumed = self.parts.resumed
             record(self)
             held, self._held_logs = self._held_logs, None
             for line in held:  # the input was accepted

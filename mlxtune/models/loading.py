@@ -1,5 +1,5 @@
 """Loading a model: a directory in Hugging Face layout (local or from the Hub) through mlx-lm,
-after checking its layout and what it asks to run, or a GGUF file (``gguf.load.load_gguf``)."""
+after checking its layout and what it asks to run, or a GGUF file (``models.gguf.load.load_gguf``)."""
 
 from __future__ import annotations
 

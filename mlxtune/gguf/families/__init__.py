@@ -1,4 +1,5 @@
-"""Families whose GGUF facts sit in one module each: a new family is one module here (with a
+"""Families whose GGUF facts sit in one module each: a family whose tensors follow the shared
+name table (``names``) and need no conversion of their own is one module here (with a
 ``FACTS = FamilyFacts(...)``) plus its test; the export, the import and the refusals all read
 ``FACTS``. The families not moved yet are spread over names, the export's hparams, writers and
 fixed, and the import's configs and whole."""
