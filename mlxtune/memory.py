@@ -32,12 +32,16 @@ from .errors import UserInputError
 from .kernels.chunked import CHUNK_ELEMENTS
 from .kernels.flash import block_for, uses_fused
 from .models import VisionLM, checkpoint_layers, checkpointed_layers, is_quantized
+from .models.configs import active_intermediate, text_config
 
 OVERHEAD = 1.10  # allocator rounding and small temporaries
 
 
-def device_budget() -> tuple[float, str]:
-    """(bytes, what they are) the device can give a run."""
+def run_budget(recipe) -> tuple[float, str]:
+    """(bytes, what they are) a run may plan to use: ``memory.limit_gb``, else what the device
+    can give. The plan and the automatic sizes both weigh their estimates against it."""
+    if recipe.memory.limit_gb is not None:
+        return recipe.memory.limit_gb * GB, "memory.limit_gb"
     info = mx.device_info()
     for key, what in (
         ("max_recommended_working_set_size", "the GPU's recommended working set"),
@@ -176,25 +180,6 @@ def describe(parts: dict[str, float]) -> str:
     return f"{parts['total'] / GB:.2f} GB ({', '.join(shown) or 'all parts under 0.01 GB'})"
 
 
-def text_config(cfg: dict) -> dict:
-    """The language model's config: a multimodal wrapper's ``text_config``, else ``cfg``."""
-    inner = cfg.get("text_config")
-    return {**cfg, **inner} if isinstance(inner, dict) else cfg
-
-
-def active_intermediate(cfg: dict, hidden: int) -> int:
-    """The MLP width a token's activations take: a mixture of experts' top-k experts (and its
-    shared expert) each keep theirs."""
-    dense = int(cfg.get("intermediate_size") or 4 * hidden)
-    k = cfg.get("num_experts_per_tok")
-    if not isinstance(k, int) or k < 1:
-        return dense
-    expert = int(cfg.get("moe_intermediate_size") or dense)
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-    shared += expert * int(cfg.get("n_shared_experts") or 0)
-    return max(dense, k * expert + shared)
-
-
 # linear layers that read one input: the attention's projections read the attention norm's
 # output, the MLP's gate and up the MLP norm's
 _SHARED_INPUT = {
@@ -223,9 +208,8 @@ def trained_inputs(block: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class Planned:
-    """What the memory plan reads of a run: its recipe, what was built (model, tokenizer, data),
-    the objective, the kernel tiers, the optimizer and the engine. A Trainer has the same
-    names, so ``shape_of(trainer)`` reads a trainer's run too."""
+    """What the memory plan reads of a run (a Trainer has the same names, so ``shape_of``
+    reads a trainer's run too)."""
 
     recipe: object
     built: object
@@ -465,10 +449,7 @@ def plan(shape: Shape, recipe, log) -> dict[str, float]:
     ``memory.check: warn``, log them and go on). The estimate, by part."""
     m = recipe.memory
     est = estimate(shape)
-    if m.limit_gb is not None:
-        budget, what = m.limit_gb * GB, "memory.limit_gb"
-    else:
-        budget, what = device_budget()
+    budget, what = run_budget(recipe)
     log(f"memory: estimated peak {describe(est)}; the budget is {budget / GB:.2f} GB ({what})")
     if est["total"] <= budget or m.check == "off":
         return est
@@ -491,21 +472,17 @@ def plan(shape: Shape, recipe, log) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ the automatic sizes
-# train.batch_size: auto and train.grad_checkpointing: auto: the largest batch (a power of two, at
-# most the training examples) whose estimated peak fits MARGIN of the budget (memory.limit_gb,
-# else the device's), gradient checkpointing on only where it lets a larger batch fit; and
-# data.max_length: auto. Explicit values win; what was chosen, and why, goes to the log and to
-# config_resolved.json.
 
-MARGIN = 0.9
-"""The share of the budget an automatic size may plan to use."""
-LARGEST = 256
-"""The largest automatic batch."""
+MARGIN = 0.9  # the share of the budget an automatic size may plan to use
+LARGEST = 256  # the largest automatic batch
 
 
 def resolve_sizes(recipe, built, objective, tiers, world, log, optimizer_for) -> dict[str, str]:
     """Set the recipe's automatic sizes for what was ``built`` (the ``objective`` made, nothing
-    trained): each chosen value, by key, with why; {} when the recipe asks for none.
+    trained): the largest batch (a power of two, at most the training examples) whose estimated
+    peak fits ``MARGIN`` of the run's budget, gradient checkpointing only where it lets a larger
+    batch fit, and ``data.max_length: auto``. Explicit values win. Each chosen value, by key,
+    with why (the log and config_resolved.json show them); {} when the recipe asks for none.
     ``optimizer_for(recipe, steps)`` makes the optimizer whose state the plan counts."""
     r = recipe
     t = r.train
@@ -520,10 +497,7 @@ def resolve_sizes(recipe, built, objective, tiers, world, log, optimizer_for) ->
             f"{objective.micro_key}: give train.batch_size a number",
             "train.batch_size",
         )
-    if r.memory.limit_gb is not None:
-        budget, what = r.memory.limit_gb * GB, "memory.limit_gb"
-    else:
-        budget, what = device_budget()
+    budget, what = run_budget(r)
     if auto_batch:
         t.batch_size = 1
     if auto_gc:

@@ -245,3 +245,22 @@ def standard_config(config: dict) -> dict:
             if have is not None:
                 out[key] = config[have]
     return out
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's config: a multimodal wrapper's ``text_config``, else ``cfg``."""
+    inner = cfg.get("text_config")
+    return {**cfg, **inner} if isinstance(inner, dict) else cfg
+
+
+def active_intermediate(cfg: dict, hidden: int) -> int:
+    """The MLP width a token's activations take: a mixture of experts' top-k experts (and its
+    shared expert) each keep theirs."""
+    dense = int(cfg.get("intermediate_size") or 4 * hidden)
+    k = cfg.get("num_experts_per_tok")
+    if not isinstance(k, int) or k < 1:
+        return dense
+    expert = int(cfg.get("moe_intermediate_size") or dense)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    shared += expert * int(cfg.get("n_shared_experts") or 0)
+    return max(dense, k * expert + shared)
