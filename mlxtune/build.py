@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from .models import (
     resolve_model_path,
     write_vision_base,
 )
-from .objectives import Components, objective_class
+from .objectives import Components, Objective, objective_class
 from .runs.rundir import RunDir
 from .tokenizer import load_tokenizer, model_tokenizer, train_sentencepiece
 
@@ -64,8 +64,13 @@ class Built:
     """What ``adapt_model`` did: the adapted modules and layers."""
     trainable: int
     total_params: int
+    kind: type[Objective]
+    """The recipe's objective class: what read the data and extended the model."""
+    max_length: int
+    """data.max_length as resolved: the recipe's number, or for ``auto`` the longest example
+    read up to ``auto_context``."""
     auto_context: int | None = None
-    """data.max_length: auto: the context the data was read up to (then the longest example)."""
+    """data.max_length: auto: the context the data was read up to (the model's)."""
 
     def trained(self, recipe: Recipe) -> TrainedModel:
         """The model being trained, with what it came from, for checkpoints and exports."""
@@ -388,20 +393,19 @@ def build(
     kind.extend(r, model, log)
     trainable, total = count_parameters(model)
     names = {k for k, _ in tree_flatten(model.trainable_parameters())}
-    context = None
-    if r.data.max_length == "auto":  # read up to the model's context, then the longest
+    context, max_length = None, d.max_length
+    if d.max_length == "auto":  # read up to the model's context, then the longest
         if r.objective.type != "sft":
             raise UserInputError(
                 f"auto sizes SFT examples; give {r.objective.type}'s data a number",
                 "data.max_length",
             )
         context = int(config.get("max_position_embeddings") or 1 << 20)
-        r.data.max_length = context
         with reporting(progress):
-            sets = kind.datasets(r, tokenizer)
+            sets = kind.datasets(replace(r, data=replace(d, max_length=context)), tokenizer)
     train, valid, test = sets
     if context is not None:
-        r.data.max_length = max(max(lengths_of(ds.examples)) for ds in (train, valid, test))
+        max_length = max(max(lengths_of(ds.examples)) for ds in (train, valid, test))
     for ds in {id(ds): ds for ds in (train, valid, test)}.values():
         for line in ds.stats.skipped_rows:  # data.bad_rows: skip
             log(f"{ds.path}: {line}" if not line.startswith(" ") else line)
@@ -419,7 +423,10 @@ def build(
         tiers=tiers,
         head_trains=bool(lm.head_names & names),
     )
-    return Built(components, config, model_dir, tokenizer_dir, info, trainable, total, context)
+    return Built(
+        components, config, model_dir, tokenizer_dir, info, trainable, total, kind, max_length,
+        context,
+    )
 
 
 def optimizer_for(recipe: Recipe, total_steps: int):

@@ -426,9 +426,13 @@ def test_auto_max_length_is_the_longest_example_unless_one_does_not_fit(wide, tm
     tok = load_tokenizer(wide / "model")
     rows = [json.loads(x) for x in (wide / "train.jsonl").read_text().splitlines()]
     longest = max(len(tok.encode(r["text"])) + 1 for r in rows)  # and EOS
-    r = wide_recipe(wide, data={"max_length": "auto"}, train={"batch_size": 1})
-    tr = Trainer(recipe_from_dict(r), tmp_path / "big", console=Console(quiet=True))
+    r = wide_recipe(wide, data={"max_length": "auto"}, train={"batch_size": "auto"})
+    given = recipe_from_dict(r)
+    tr = Trainer(given, tmp_path / "big", console=Console(quiet=True))
     assert tr.recipe.data.max_length == longest
+    # the recipe given stays as written: the run's own copy took the resolved values
+    assert given.data.max_length == "auto" and given.train.batch_size == "auto"
+    assert isinstance(tr.recipe.train.batch_size, int) and tr.recipe is not given
     assert max(len(e.ids) for e in tr.train_set.examples) == longest
     r = wide_recipe(
         wide, data={"max_length": "auto"}, train={"batch_size": 1}, memory={"limit_gb": 0.016}

@@ -5,6 +5,7 @@ the set-up went through."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import shutil
 from dataclasses import dataclass
@@ -15,14 +16,14 @@ import mlx.optimizers as optim
 
 from .. import _blas
 from ..build import Built, build, kernel_tiers, optimizer_for
-from ..config import dump_yaml, inert_notes
+from ..config import Recipe, dump_yaml, inert_notes
 from ..engine.memory import GB, wired_limit
 from ..engine.state import LoopPosition
 from ..engine.steps import Engine
 from ..errors import TrainingError, UserInputError
 from ..export import peft_refusal
 from ..memory import Planned, plan, resolve_sizes, shape_of
-from ..objectives import Objective, build_objective
+from ..objectives import Objective
 from ..runs.checkpoint import named, restore
 from ..runs.rundir import RunDir, holds_a_run
 from . import describe
@@ -55,6 +56,9 @@ class Run:
     """What a recipe was made into before the first step, as one value: the loop trains with
     it and changes none of it (the loop's own position starts as ``start``)."""
 
+    recipe: Recipe
+    """The recipe as resolved: a copy of the one given (which stays as it was written), each
+    ``auto`` replaced by what it came to."""
     blas: _blas.BlasStatus
     tiers: dict[str, str]
     """The kernel tier of the loss and of attention."""
@@ -89,7 +93,8 @@ def set_up(
     data, the objective, what ``auto`` sizes resolve to, the step count, the optimizer, the
     engine, the memory plan, and a resumed run's position. ``source``: the run a resumed run
     reads (``resume_from``: its checkpoint, "latest" or a name); ``rows``: the console's
-    progress rows while data is encoded."""
+    progress rows while data is encoded. The recipe given is read, never written: the run's
+    own copy (``Run.recipe``) takes what each ``auto`` resolves to."""
     r = recipe
     blas = _blas.setup_blas()
     log(f"BLAS: {blas.note}")
@@ -107,7 +112,9 @@ def set_up(
     built = build(r, run_dir, tiers, resuming, log, rows)
     if "peft" in r.export.formats and (why := peft_refusal(built.components.model)) is not None:
         raise UserInputError(why, "export.formats")  # before training, not after it
-    objective = build_objective(r, built.components)
+    r = copy.deepcopy(recipe)  # the run's own: the lengths and sizes resolve into it
+    r.data.max_length = built.max_length
+    objective = built.kind(r, built.components)
     auto_sizes = resolve_sizes(r, built, objective, tiers, world, log, optimizer_for)
     batches_per_epoch = objective.batches_per_epoch()
     t = r.train
@@ -128,6 +135,7 @@ def set_up(
     if getattr(built.components.train_set, "streamed", False):
         built.components.train_set.resume(start.data_stream)
     return Run(
+        r,
         blas,
         tiers,
         built,

@@ -54,7 +54,7 @@ class Trainer:
         dry_run: bool = False,
         resume: str | None = None,
     ):
-        self.recipe, self.dry_run, self.resume_from = recipe, dry_run, resume
+        self._given, self.dry_run, self.resume_from = recipe, dry_run, resume
         self.world = distributed.current()
         """The ranks training together (``mlx.launch``); rank 0 alone writes the run."""
         if not self.world.main:
@@ -112,6 +112,13 @@ class Trainer:
                 self.run_dir.log(line)
 
     # ---------------------------------------------------------------- what was built
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe as resolved (``Run.recipe``: each ``auto`` its value) once set up; until
+        then the one given, which the run never writes into."""
+        parts = self.__dict__.get("parts")
+        return parts.recipe if parts is not None else self._given
+
     blas = property(lambda self: self.parts.blas)
     tiers = property(lambda self: self.parts.tiers, doc="The kernel tiers: loss, attention.")
     built = property(lambda self: self.parts.built)
