@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import kernels
 from .adapters import VISION_TARGETS, adapt_model, lora_scale
 from .config import Recipe
 from .data import BadRows, lengths_of, read_rows
 from .data.parallel import reporting
-from .engine.optim import build_optimizer, make_schedule
 from .errors import UserInputError
 from .export import TrainedModel, adapter_settings, import_adapter
 from .memory import GB
@@ -48,7 +45,7 @@ from .models import (
 )
 from .objectives import Components, Objective, objective_class
 from .runs.rundir import RunDir
-from .tokenizer import load_tokenizer, model_tokenizer, train_sentencepiece
+from .tokenizer import load_tokenizer, model_tokenizer, tokenizer_texts, train_sentencepiece
 
 
 @dataclass
@@ -90,64 +87,6 @@ class Built:
         )
 
 
-def kernel_tiers(recipe: Recipe, log) -> dict[str, str]:
-    """The tier each kernel choice runs as here, refusing one this machine cannot run, before
-    anything is loaded or compiled."""
-    k = recipe.kernels
-    tiers = {}
-    for name, choice in (("loss", k.loss), ("attention", k.attention)):
-        if choice == "off":
-            tiers[name] = "off"
-            continue
-        try:
-            tiers[name] = kernels.resolve(choice)
-        except ValueError as e:
-            raise UserInputError(str(e), f"kernels.{name}") from None
-    # A GPU tier runs only once it has passed its check against the reference on this
-    # machine: "auto" falls back to chunked, a recipe or MLXTUNE_KERNELS naming it is refused.
-    # Checked only where the GPU tier could run. (The kernels module is looked up at each call,
-    # so the tier functions can be replaced to test this on a machine without the GPU.)
-    gpu, env = kernels.gpu_backend(), os.environ.get("MLXTUNE_KERNELS")
-    if gpu is None or not kernels.on_gpu():
-        return tiers
-    if not (gpu in tiers.values() or ("auto" in (k.loss, k.attention) and not env)):
-        return tiers
-    why = kernels.self_check(gpu)
-    for name, tier in tiers.items():
-        if why is not None and tier == gpu:
-            raise UserInputError(
-                f"the {gpu} kernels failed their check here: {why}", f"kernels.{name}"
-            )
-    log(
-        f"kernels: the {gpu} tier agrees with the reference here"
-        if why is None
-        else f"kernels: not using the {gpu} tier ({why}); running the chunked tier"
-    )
-    return tiers
-
-
-def _texts_for_tokenizer(rows: list[tuple[int, dict]]) -> list[str]:
-    out = []
-    for _, obj in rows:
-        for key in (
-            "text",
-            "prompt",
-            "completion",
-            "instruction",
-            "input",
-            "output",
-            "chosen",
-            "rejected",
-        ):
-            if isinstance(obj.get(key), str):
-                out.append(obj[key])
-        for key in ("messages", "prompt", "chosen", "rejected"):  # chat: lists of messages
-            for m in obj.get(key) if isinstance(obj.get(key), list) else []:
-                if isinstance(m, dict) and isinstance(m.get("content"), str):
-                    out.append(m["content"])
-    return out
-
-
 def tokenizer_for(
     recipe: Recipe,
     run_dir: RunDir,
@@ -169,7 +108,7 @@ def tokenizer_for(
             f"training a {t.model_type} sentencepiece tokenizer (vocab {t.vocab_size}) on {train_path}"
         )
         tokenizer = train_sentencepiece(
-            _texts_for_tokenizer(train_rows),
+            tokenizer_texts(train_rows),
             folder,
             t.vocab_size,
             t.model_type,
@@ -424,17 +363,14 @@ def build(
         head_trains=bool(lm.head_names & names),
     )
     return Built(
-        components, config, model_dir, tokenizer_dir, info, trainable, total, kind, max_length,
+        components,
+        config,
+        model_dir,
+        tokenizer_dir,
+        info,
+        trainable,
+        total,
+        kind,
+        max_length,
         context,
     )
-
-
-def optimizer_for(recipe: Recipe, total_steps: int):
-    """The optimizer the recipe names, driven by its learning-rate schedule."""
-    s = recipe.schedule
-    schedule = make_schedule(
-        s.name, recipe.optimizer.lr, total_steps, s.warmup_steps, s.min_lr, s.decay_fraction
-    )
-    a = recipe.adapter
-    ratio = a.lora_plus_ratio if a.type != "full" else None
-    return build_optimizer(recipe.optimizer, schedule, recipe.explicit, ratio)

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from .build import kernel_tiers, optimizer_for
 from .config import recipe_from_dict
 from .distributed import World
+from .engine.optim import optimizer_for
 from .engine.steps import Engine
 from .errors import UserInputError
 from .generate import decode_answer, eos_ids, generate_ids
+from .kernels.selection import kernel_tiers
 from .models import lm_parts
 from .objectives import Components, build_objective, objective_class
 from .runs.checkpoint import base_model, find_checkpoint, load_checkpoint

@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten
 from .adapters import LoRALinear
 from .data.encode import fitted
 from .engine.memory import GB
+from .engine.optim import optimizer_for
 from .engine.steps import Engine
 from .errors import UserInputError
 from .kernels.chunked import CHUNK_ELEMENTS
@@ -477,13 +478,12 @@ MARGIN = 0.9  # the share of the budget an automatic size may plan to use
 LARGEST = 256  # the largest automatic batch
 
 
-def resolve_sizes(recipe, built, objective, tiers, world, log, optimizer_for) -> dict[str, str]:
+def resolve_sizes(recipe, built, objective, tiers, world, log) -> dict[str, str]:
     """Set the recipe's automatic sizes for what was ``built`` (the ``objective`` made, nothing
     trained): the largest batch (a power of two, at most the training examples) whose estimated
     peak fits ``MARGIN`` of the run's budget, gradient checkpointing only where it lets a larger
     batch fit, and ``data.max_length: auto``. Explicit values win. Each chosen value, by key,
-    with why (the log and config_resolved.json show them); {} when the recipe asks for none.
-    ``optimizer_for(recipe, steps)`` makes the optimizer whose state the plan counts."""
+    with why (the log and config_resolved.json show them); {} when the recipe asks for none."""
     r = recipe
     t = r.train
     parts = built.components

@@ -213,3 +213,27 @@ def save_tokenizer(tokenizer, out_dir: str | Path, source_dir: str | Path | None
         (out_dir / "tokenizer.model").write_bytes(
             (Path(source_dir) / "tokenizer.model").read_bytes()
         )
+
+
+def tokenizer_texts(rows: list[tuple[int, dict]]) -> list[str]:
+    """The texts of data rows ((line, row) pairs) a tokenizer is trained on: every text field
+    and the content of every chat message, in order."""
+    out = []
+    for _, obj in rows:
+        for key in (
+            "text",
+            "prompt",
+            "completion",
+            "instruction",
+            "input",
+            "output",
+            "chosen",
+            "rejected",
+        ):
+            if isinstance(obj.get(key), str):
+                out.append(obj[key])
+        for key in ("messages", "prompt", "chosen", "rejected"):  # chat: lists of messages
+            for m in obj.get(key) if isinstance(obj.get(key), list) else []:
+                if isinstance(m, dict) and isinstance(m.get("content"), str):
+                    out.append(m["content"])
+    return out

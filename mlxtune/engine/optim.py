@@ -402,3 +402,14 @@ def _single(cfg, schedule, explicit):
     if cfg.name == "sophia":
         return SophiaMatrices(schedule, cfg.sophia, weight_decay=cfg.weight_decay)
     return SGDMatrices(learning_rate=schedule, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def optimizer_for(recipe, total_steps: int):
+    """The optimizer the recipe names, driven by its learning-rate schedule."""
+    s = recipe.schedule
+    schedule = make_schedule(
+        s.name, recipe.optimizer.lr, total_steps, s.warmup_steps, s.min_lr, s.decay_fraction
+    )
+    a = recipe.adapter
+    ratio = a.lora_plus_ratio if a.type != "full" else None
+    return build_optimizer(recipe.optimizer, schedule, recipe.explicit, ratio)

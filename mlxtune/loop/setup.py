@@ -15,13 +15,15 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 from .. import _blas
-from ..build import Built, build, kernel_tiers, optimizer_for
+from ..build import Built, build
 from ..config import Recipe, dump_yaml, inert_notes
 from ..engine.memory import GB, wired_limit
+from ..engine.optim import optimizer_for
 from ..engine.state import LoopPosition
 from ..engine.steps import Engine
 from ..errors import TrainingError, UserInputError
 from ..export import peft_refusal
+from ..kernels.selection import kernel_tiers
 from ..memory import Planned, plan, resolve_sizes, shape_of
 from ..objectives import Objective
 from ..runs.checkpoint import named, restore
@@ -115,7 +117,7 @@ def set_up(
     r = copy.deepcopy(recipe)  # the run's own: the lengths and sizes resolve into it
     r.data.max_length = built.max_length
     objective = built.kind(r, built.components)
-    auto_sizes = resolve_sizes(r, built, objective, tiers, world, log, optimizer_for)
+    auto_sizes = resolve_sizes(r, built, objective, tiers, world, log)
     batches_per_epoch = objective.batches_per_epoch()
     t = r.train
     total_steps = (
