@@ -284,6 +284,13 @@ WARMED = ("warmup_cosine", "warmup_stable_decay")
 """Schedules whose warmup defaults to 5% of the steps (the others: none unless asked)."""
 
 
+def _as_step(step) -> mx.array:
+    """A schedule's step (a number or an array) as a float32 array."""
+    if isinstance(step, mx.array):
+        return step.astype(mx.float32)
+    return mx.array(step, dtype=mx.float32)
+
+
 def make_schedule(
     name: str,
     lr: float,
@@ -303,11 +310,7 @@ def make_schedule(
     decay_steps = max(total_steps - 1 - warmup_steps, 1)  # the last step runs at min_lr
 
     def schedule(step):
-        step = (
-            mx.array(step, dtype=mx.float32)
-            if not isinstance(step, mx.array)
-            else step.astype(mx.float32)
-        )
+        step = _as_step(step)
         warm = lr * (step + 1) / max(warmup_steps, 1)
         t = mx.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
         if name == "constant":
@@ -332,11 +335,7 @@ def _wsd(lr: float, total: int, warmup: int | None, min_lr: float, fraction: flo
     warmup = min(warmup, start)
 
     def schedule(step):
-        step = (
-            mx.array(step, dtype=mx.float32)
-            if not isinstance(step, mx.array)
-            else step.astype(mx.float32)
-        )
+        step = _as_step(step)
         warm = lr * (step + 1) / max(warmup, 1)
         t = mx.clip((step - start + 1) / decay, 0.0, 1.0)
         after = mx.where(step < start, lr, lr + (min_lr - lr) * t)

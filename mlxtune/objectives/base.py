@@ -76,6 +76,18 @@ class Usage:
     room: int
 
 
+def encoding(data, tokenizer) -> dict:
+    """How the data section (``data``) says rows are encoded, as an encoder's keywords: EOS,
+    the chat template's arguments, reasoning, and a vision model's image tokens."""
+    return dict(
+        add_eos=data.add_eos,
+        train_on_eos=data.train_on_eos,
+        template_kwargs=data.chat_template_kwargs,
+        train_on_reasoning=data.train_on_reasoning,
+        images=getattr(tokenizer, "image_tokens", None),
+    )
+
+
 class Objective:
     """Base class of training objectives.
 
@@ -118,15 +130,7 @@ class Objective:
         registered data formats, encoded and masked as the data section says; valid is split
         off train when no file is named, and test is valid unless named."""
         r, d = recipe, recipe.data
-        enc = Encoder(
-            tokenizer,
-            d.mask_prompt,
-            d.add_eos,
-            d.train_on_eos,
-            d.chat_template_kwargs,
-            d.train_on_reasoning,
-            images=getattr(tokenizer, "image_tokens", None),
-        )
+        enc = Encoder(tokenizer, d.mask_prompt, **encoding(d, tokenizer))
 
         def load(path, max_length):
             source, bad = r.resolve_path(path), BadRows(d.bad_rows == "skip", d.max_bad_fraction)
@@ -271,6 +275,17 @@ class Objective:
         """Batches in a pass over the training set (None: a stream, not known before it is
         read)."""
         raise NotImplementedError(f"{type(self).__name__} must define batches_per_epoch()")
+
+    def epoch_batches(self, rows: int) -> int:
+        """The training batches ``rows`` rows make (examples, pairs or packed rows), at
+        train.batch_size a batch."""
+        return math.ceil(rows / self.recipe.train.batch_size)
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Rows in a validation batch: eval.batch_size, else train.batch_size."""
+        r = self.recipe
+        return r.eval.batch_size or r.train.batch_size
 
     def arrays(self, batch: Batch) -> dict[str, np.ndarray]:
         """The batch as the pytree the compiled step takes."""

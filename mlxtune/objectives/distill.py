@@ -251,7 +251,7 @@ class Distill(SFT):
             epoch += 1
 
     def batches_per_epoch(self) -> int:
-        return math.ceil(len(self.components.train_set) / self.recipe.train.batch_size)
+        return self.epoch_batches(len(self.components.train_set))
 
     def _batch(self, ds, idx, split: str, source: str, seed: int) -> DistillBatch:
         examples = [ds.examples[i] for i in idx]
@@ -374,7 +374,7 @@ class Distill(SFT):
             ids = mx.argpartition(-logp, k - 1, axis=-1)[..., :k]
             return ids.astype(mx.int32), mx.take_along_axis(logp, ids, axis=-1)
 
-        size = self.recipe.eval.batch_size or self.recipe.train.batch_size
+        size = self.eval_batch_size
         for name, ds in splits.items():
             offsets = np.concatenate([[0], np.cumsum(counts[name])])
             ids = np.zeros((offsets[-1], k), np.int32)
@@ -503,7 +503,7 @@ class Distill(SFT):
         teacher's judgement)."""
         r, c = self.recipe, self.components
         ds = c.valid_set
-        size = r.eval.batch_size or r.train.batch_size
+        size = self.eval_batch_size
         order = eval_order(lengths_of(ds.examples), size, r.eval.max_batches)
         source = "data" if completions_read(self.config) else "student"
         greedy = Sampling(0.0)

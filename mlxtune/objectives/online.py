@@ -202,7 +202,7 @@ class OnPolicy(Objective):
         return train, valid, test
 
     def _prompts_per_epoch(self) -> int:
-        return math.ceil(len(self.components.train_set) / self.recipe.train.batch_size)
+        return self.epoch_batches(len(self.components.train_set))
 
     def batches_per_epoch(self) -> int:
         return self._prompts_per_epoch() * self._yields() // self._batches_per_rollout()
@@ -531,7 +531,7 @@ class OnPolicy(Objective):
         cfg, c, r = self.config, self.components, self.recipe
         examples = c.valid_set.examples
         if r.eval.max_batches:
-            examples = examples[: r.eval.max_batches * (r.eval.batch_size or r.train.batch_size)]
+            examples = examples[: r.eval.max_batches * self.eval_batch_size]
         mine = examples[world.rank :: world.size]
         sums = {"reward": 0.0, "n": 0.0, "completion_length": 0.0}
         labels = self._labels()
@@ -584,7 +584,7 @@ class OnPolicy(Objective):
     def eval_batches(self):
         """Offline validation groups (with their data's rewards), for the loss."""
         r = self.recipe
-        size = r.eval.batch_size or r.train.batch_size
+        size = self.eval_batch_size
         examples = self.components.valid_set.examples
         batches = [examples[i : i + size] for i in range(0, len(examples), size)]
         if r.eval.max_batches:

@@ -20,7 +20,6 @@ DPO's reference policy:
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -47,7 +46,7 @@ from ..data.preference import (
 from ..errors import UserInputError
 from ..kernels import forward_only
 from ..models import VisionLM, add_reward_head, kernel_attention, segments
-from .base import Objective, Usage, target_rows
+from .base import Objective, Usage, encoding, target_rows
 from .reference import ReferencePolicy, reference_kind
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -164,14 +163,7 @@ class Preference(Objective):
     def datasets(cls, recipe, tokenizer):
         """(train, valid, test) as the data section says (``load_split`` reads each file)."""
         r, d = recipe, recipe.data
-        enc = PairEncoder(
-            tokenizer,
-            d.add_eos,
-            d.train_on_eos,
-            d.chat_template_kwargs,
-            d.train_on_reasoning,
-            images=getattr(tokenizer, "image_tokens", None),
-        )
+        enc = PairEncoder(tokenizer, **encoding(d, tokenizer))
 
         def load(path):
             source, bad = r.resolve_path(path), BadRows(d.bad_rows == "skip", d.max_bad_fraction)
@@ -210,14 +202,14 @@ class Preference(Objective):
         t, c = self.recipe.train, self.components
         if self.packing != "off":
             rows = packed_pair_epoch(c.train_set, self.pack_length, t.seed, 0)
-            return math.ceil(len(rows) / t.batch_size)
-        return math.ceil(len(c.train_set) / t.batch_size)
+            return self.epoch_batches(len(rows))
+        return self.epoch_batches(len(c.train_set))
 
     def eval_batches(self):
         r = self.recipe
         return pair_batches(
             self.components.valid_set,
-            r.eval.batch_size or r.train.batch_size,
+            self.eval_batch_size,
             self.components.pad_id,
             r.data.pad_to_multiple,
             r.eval.max_batches,
@@ -345,7 +337,7 @@ class DPO(Preference):
         try:
             for k, ds in splits.items():
                 out = np.zeros((len(ds), 2), np.float32)
-                size = self.recipe.eval.batch_size or self.recipe.train.batch_size
+                size = self.eval_batch_size
                 for b in pair_batches(
                     ds, size, c.pad_id, self.recipe.data.pad_to_multiple, None, k
                 ):

@@ -3,8 +3,6 @@ assistant's turns, or every token of plain text), in length-bucketed batches or 
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -148,14 +146,14 @@ class SFT(Objective):
             return None  # known once the stream has been read
         if self.packing != "off":
             rows = packed_epoch(c.train_set, self.packing, self.pack_length, t.seed, 0)
-            return math.ceil(len(rows) / t.batch_size)
-        return math.ceil(len(c.train_set) / t.batch_size)
+            return self.epoch_batches(len(rows))
+        return self.epoch_batches(len(c.train_set))
 
     def eval_batches(self):
         r = self.recipe
         return eval_batches(
             self.components.valid_set,
-            r.eval.batch_size or r.train.batch_size,
+            self.eval_batch_size,
             self.components.pad_id,
             r.data.pad_to_multiple,
             r.eval.max_batches,

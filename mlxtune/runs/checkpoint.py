@@ -171,19 +171,34 @@ def pick(run_dir: Path, which: str, warn) -> Path:
         p = named(run_dir, which)
         if not (p / "trainer_state.json").exists():
             raise UserInputError("not a checkpoint (no trainer_state.json)", str(p))
-        why = verify(p)
-        if why:
-            raise UserInputError(f"cannot resume from it: {why}", str(p))
-        return p
+        return _intact(p, "cannot resume from it")
     found = candidates(run_dir)
     if not found:
         raise UserInputError("no checkpoint to resume from", str(run_dir / "checkpoints"))
+    c = _first_intact(found, lambda c, why: warn(f"skipping checkpoint {c.name}: {why}"))
+    if c is None:
+        raise UserInputError("no intact checkpoint to resume from", str(run_dir / "checkpoints"))
+    return c
+
+
+def _intact(p: Path, refusal: str) -> Path:
+    """``p``, which ``verify`` finds whole; refused otherwise (``refusal``: what cannot be
+    done, before why)."""
+    why = verify(p)
+    if why:
+        raise UserInputError(f"{refusal}: {why}", str(p))
+    return p
+
+
+def _first_intact(found: list[Path], skipped) -> Path | None:
+    """The first of ``found`` that ``verify`` finds whole, each damaged one before it told to
+    ``skipped(path, why)``; None when none is."""
     for c in found:
         why = verify(c)
         if why is None:
             return c
-        warn(f"skipping checkpoint {c.name}: {why}")
-    raise UserInputError("no intact checkpoint to resume from", str(run_dir / "checkpoints"))
+        skipped(c, why)
+    return None
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -334,23 +349,20 @@ def find_checkpoint(path: str | Path, warn=None) -> Path:
     and skipped, through ``warn(message)``, when picked from a run."""
     p = Path(path)
     if (p / "trainer_state.json").exists():
-        why = verify(p)
-        if why:
-            raise UserInputError(f"cannot read this checkpoint: {why}", str(p))
-        return p
+        return _intact(p, "cannot read this checkpoint")
     found = candidates(p)
     if not found:
         raise UserInputError(
             "not a run directory or checkpoint (no trainer_state.json found)", str(p)
         )
     rank = {"final": 0, "best": 1}
-    for c in sorted(found, key=lambda c: rank.get(c.name, 2)):  # stable: newest step first
-        why = verify(c)
-        if why is None:
-            return c
-        if warn is not None:
-            warn(f"WARNING: skipping {c}: {why}")
-    raise UserInputError("no intact checkpoint in this run", str(p / "checkpoints"))
+    c = _first_intact(
+        sorted(found, key=lambda c: rank.get(c.name, 2)),  # stable: newest step first
+        lambda c, why: warn is not None and warn(f"WARNING: skipping {c}: {why}"),
+    )
+    if c is None:
+        raise UserInputError("no intact checkpoint in this run", str(p / "checkpoints"))
+    return c
 
 
 def load_trained(path: str | Path, warn=None) -> TrainedModel:
