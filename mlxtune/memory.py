@@ -32,6 +32,7 @@ from .engine.steps import Engine
 from .errors import UserInputError
 from .kernels.chunked import CHUNK_ELEMENTS
 from .kernels.flash import block_for, uses_fused
+from .kernels.tune import Tuned
 from .models import VisionLM, checkpoint_layers, checkpointed_layers, is_quantized
 from .models.configs import active_intermediate, text_config
 
@@ -86,6 +87,7 @@ class Shape:
     checkpointed: int = 0  # layers that recompute their activations in the backward pass
     quantizable: int = 0  # dense linear/embedding weight elements 4-bit quantization would pack
     chunked_attention: bool = False  # short rows then go to MLX's fused attention (see below)
+    native_attention: bool = False  # MLX's fused attention at every length
     rows_per_example: int = 1  # rows a batch holds per train.batch_size unit (2: pairs)
     sequences_per_example: int = 1  # sequences an example packs as (2: pairs)
     reference_forward: bool = False  # a forward without backward a step (DPO's reference)
@@ -129,11 +131,12 @@ def estimate(s: Shape) -> dict[str, float]:
     acts += tokens * 4 * s.hidden * s.act_bytes  # embeddings, final norm, their gradients
     if s.attention_scores:  # scores and probabilities kept per layer, and the backward's
         acts += s.batch * s.heads * s.length * s.length * 4 * (2 * (kept + again) + 3)
-    elif s.chunked_attention and uses_fused(s.batch, s.heads, s.length):
+    elif s.native_attention or (s.chunked_attention and uses_fused(s.batch, s.heads, s.length)):
         # MLX's fused attention: one layer's scores at a time, in its backward (scores,
-        # probabilities and their gradients); on the CPU, whose backward goes by query blocks,
-        # about two such arrays (measured)
-        acts += s.batch * s.heads * s.length * s.length * 4 * s.fused_score_arrays
+        # probabilities and their gradients); the chunked tier's short rows on the CPU, whose
+        # backward goes by query blocks, about two such arrays (measured)
+        arrays = 4 if s.native_attention else s.fused_score_arrays
+        acts += s.batch * s.heads * s.length * s.length * 4 * arrays
     elif s.chunked_attention:  # one slab at a time (see SLAB_ARRAYS)
         block = block_for(s.batch, s.heads, s.length, s.layers)
         slab = s.batch * s.heads * block * s.length * 4
@@ -220,6 +223,12 @@ class Planned:
     engine: object
 
 
+def tier_at(tier, size: int) -> str:
+    """The tier a kernel choice runs at a call of ``size`` (positions a row for attention,
+    tokens for the loss): a measured choice (``kernels.tune.Tuned``) by size, else itself."""
+    return tier.tier_at(size) if isinstance(tier, Tuned) else tier
+
+
 def shape_of(run) -> Shape:
     """The Shape of a run (a ``Planned``, or a Trainer): its model, data and recipe."""
     r, parts = run.recipe, run.built.components
@@ -248,6 +257,7 @@ def shape_of(run) -> Shape:
             if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 64 == 0
         )
     )
+    attention = tier_at(run.tiers["attention"], length)
     head = parts.lm.head
     act_bytes = 4 if r.model.dtype == "float32" else 2
     # the loss de-quantizes a quantized LM head: one dense copy while a step runs
@@ -274,9 +284,10 @@ def shape_of(run) -> Shape:
         optimizer_bytes=sum(v.nbytes for _, v in tree_flatten(run.optimizer.state)),
         drawn_logits=bool(getattr(run.optimizer, "curvature_every", None)),
         masters=run.engine.masters is not None,
-        attention_scores=run.tiers["attention"] in ("reference", "off"),
-        chunked_attention=run.tiers["attention"] == "chunked",
-        logits_full=run.tiers["loss"] == "reference",
+        attention_scores=attention in ("reference", "off"),
+        chunked_attention=attention == "chunked",
+        native_attention=attention == "native",
+        logits_full=tier_at(run.tiers["loss"], rows * length) == "reference",
         logit_chunk=CHUNK_ELEMENTS,
         checkpointed=checkpointed_layers(model),
         quantizable=quantizable,

@@ -6,6 +6,9 @@ same thing: "reference" is the naive MLX form (it builds the [N, V] logits, the 
 the tier every other one is tested against; "chunked" is portable MLX that never builds them
 (chunked.py, flash.py; attention hands rows with small scores to MLX's fused attention); "metal" and "cuda" run the same blocks as GPU kernels written once for
 both backends (fused.py, mlxtune.metal_kernels), and exist where that GPU backend does.
+Attention has one more, "native": MLX's own fused attention, a boolean mask keeping packed
+sequences apart. ``impl`` may also be a ``tune.Tuned``: the tier measured fastest for each
+shape (tune.py).
 """
 
 from __future__ import annotations
@@ -15,15 +18,20 @@ import os
 import mlx.core as mx
 
 from .chunked import forward_only, linear_cross_entropy_chunked
-from .flash import attention_chunked, attention_reference
+from .flash import attention_chunked, attention_native, attention_reference
 from .fused import FastLauncher, make_attention, make_linear_cross_entropy
 from .reference import linear_cross_entropy_reference
+from .tune import Tuned
 
 # Every tier there is; IMPLS and ATTENTION_IMPLS hold those that run on this machine.
-TIERS = ("reference", "chunked", "metal", "cuda")
+TIERS = ("reference", "chunked", "native", "metal", "cuda")
 
 IMPLS = {"reference": linear_cross_entropy_reference, "chunked": linear_cross_entropy_chunked}
-ATTENTION_IMPLS = {"reference": attention_reference, "chunked": attention_chunked}
+ATTENTION_IMPLS = {
+    "reference": attention_reference,
+    "chunked": attention_chunked,
+    "native": attention_native,
+}
 
 
 def gpu_backend() -> str | None:
@@ -116,16 +124,19 @@ def best_impl() -> str:
     return "chunked"
 
 
-def check_impl(impl: str | None) -> str | None:
-    """None if ``impl`` (a tier name, or None for the best one) runs here, else why not."""
-    if impl is None or impl in IMPLS:
+def check_impl(impl: str | None, impls: dict = IMPLS) -> str | None:
+    """None if ``impl`` (a tier name, or None for the best one) runs here, else why not
+    (``impls``: the op's tiers, the loss's by default)."""
+    if impl is None or impl in impls:
         return None
-    if impl in TIERS:
+    if impl in ("metal", "cuda"):
         return f"the {impl!r} kernels need MLX's {impl} backend, which this machine does not have"
+    if impl in TIERS:
+        return f"{impl!r} is not a tier of this operation; choose from {list(impls)}"
     return f"unknown kernel tier {impl!r}; choose from {list(TIERS)}"
 
 
-def resolve(choice: str | None) -> str:
+def resolve(choice: str | None, impls: dict = IMPLS) -> str:
     """The tier a kernel choice runs as on this machine. A tier name stands for itself; None or
     "auto" means MLXTUNE_KERNELS where it is set, else ``best_impl()``. Raises ValueError saying
     why the tier cannot run here (its message names MLXTUNE_KERNELS when the choice came from it).
@@ -134,11 +145,11 @@ def resolve(choice: str | None) -> str:
     if choice in (None, "auto"):
         if not env:
             return best_impl()
-        why = check_impl(env)
+        why = check_impl(env, impls)
         if why:
             raise ValueError(f"MLXTUNE_KERNELS={env}: {why}")
         return env
-    why = check_impl(choice)
+    why = check_impl(choice, impls)
     if why:
         raise ValueError(f"{why}; use auto (here: {best_impl()})")
     return choice
@@ -146,7 +157,7 @@ def resolve(choice: str | None) -> str:
 
 def _pick(impl: str | None, impls: dict = IMPLS, what: str = "linear_cross_entropy") -> str:
     try:
-        tier = resolve(impl)
+        tier = resolve(impl, impls)
     except ValueError as e:
         raise ValueError(f"{what}: {e} (available here: {', '.join(impls)})") from None
     if tier not in impls:
@@ -163,7 +174,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     reduction: str = "sum",
-    impl: str | None = None,
+    impl: str | Tuned | None = None,
     weight_grad: bool = True,
 ) -> tuple[mx.array, mx.array]:
     # impl: a tier, or None / "auto" (MLXTUNE_KERNELS, else the best tier here): see resolve().
@@ -187,6 +198,8 @@ def linear_cross_entropy(
         raise ValueError(
             f"shapes do not match: hidden {hidden.shape}, weight {weight.shape}, targets {targets.shape}"
         )
+    if isinstance(impl, Tuned):
+        impl = impl.tier_at(hidden.shape[0])
     fn = IMPLS[_pick(impl)]
     losses, valid = fn(
         hidden, weight, targets, ignore_index, label_smoothing, softcap, weight_grad=weight_grad
@@ -208,7 +221,7 @@ def attention(
     scale: float,
     causal: bool = True,
     segment_ids: mx.array | None = None,
-    impl: str | None = None,
+    impl: str | Tuned | None = None,
 ) -> mx.array:
     """Scaled dot-product attention, [B, Hq, T, Dh] out.
 
@@ -229,6 +242,8 @@ def attention(
         raise ValueError(
             f"segment_ids must be [B, T] = {(q.shape[0], q.shape[2])}, got {segment_ids.shape}"
         )
+    if isinstance(impl, Tuned):
+        impl = impl.tier_at(q.shape[2])
     fn = ATTENTION_IMPLS[_pick(impl, ATTENTION_IMPLS, "attention")]
     return fn(q, k, v, scale, causal, segment_ids)
 

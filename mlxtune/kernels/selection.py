@@ -19,7 +19,8 @@ def kernel_tiers(recipe, log) -> dict[str, str]:
             tiers[name] = "off"
             continue
         try:
-            tiers[name] = kernels.resolve(choice)
+            impls = kernels.ATTENTION_IMPLS if name == "attention" else kernels.IMPLS
+            tiers[name] = kernels.resolve(choice, impls)
         except ValueError as e:
             raise UserInputError(str(e), f"kernels.{name}") from None
     # A GPU tier runs only once it has passed its check against the reference on this

@@ -83,6 +83,10 @@ def resolved(trainer) -> dict:
         "model_config": trainer.model_config,
         "derived": derived(trainer),
         "auto": trainer.auto_sizes,
+        "kernels": {
+            "tiers": {op: str(tier) for op, tier in trainer.tiers.items()},
+            **trainer.parts.kernel_table,
+        },
         "versions": versions(),
     }
 
@@ -108,6 +112,7 @@ def header(trainer) -> list[str]:
         f"{r.optimizer.name} lr {r.optimizer.lr:g} {r.schedule.name}"
         + ("" if objective == "sft" else f", objective {objective}"),
         f"backend  {d['device']}, BLAS: {d['blas']}",
+        f"kernels  attention {trainer.tiers['attention']}, loss {trainer.tiers['loss']}",
     ] + (
         [
             f"parallel {d['world_size']} ranks ({d['distributed_backend']}), about "

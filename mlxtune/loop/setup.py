@@ -24,11 +24,12 @@ from ..engine.steps import Engine
 from ..errors import TrainingError, UserInputError
 from ..export import peft_refusal
 from ..kernels.selection import kernel_tiers
-from ..memory import Planned, plan, resolve_sizes, shape_of
+from ..memory import Planned, plan, resolve_sizes, run_budget, shape_of
 from ..objectives import Objective
 from ..runs.checkpoint import named, restore
 from ..runs.rundir import RunDir, holds_a_run
 from . import describe
+from .tiers import measure_tiers
 
 
 def run_folders(
@@ -62,8 +63,11 @@ class Run:
     """The recipe as resolved: a copy of the one given (which stays as it was written), each
     ``auto`` replaced by what it came to."""
     blas: _blas.BlasStatus
-    tiers: dict[str, str]
-    """The kernel tier of the loss and of attention."""
+    tiers: dict
+    """The kernel tier of the loss and of attention: a tier's name, or what was measured
+    fastest by shape (``kernels.tune.Tuned``)."""
+    kernel_table: dict
+    """What the tiers measured at the step's shapes ({} where nothing was measured)."""
     built: Built
     """The model, tokenizer and data (``built.components``), and what they came from."""
     objective: Objective
@@ -127,8 +131,14 @@ def set_up(
     )
     optimizer = optimizer_for(r, total_steps)
     engine = Engine(built.components.model, optimizer, objective, r, world)
-    # the plan first: a run it refuses pays for no reference pass
-    estimate = plan(shape_of(Planned(r, built, objective, tiers, optimizer, engine)), r, log)
+    planned = Planned(r, built, objective, tiers, optimizer, engine)
+    # the tiers measured at the step's shapes: the components read them from this same dict
+    measured, kernel_table = measure_tiers(
+        r, tiers, shape_of(planned), run_budget(r)[0], built.components.head_trains, log
+    )
+    tiers.update(measured)
+    # the plan before the objective's preparation: a run it refuses pays for no reference pass
+    estimate = plan(shape_of(planned), r, log)
     objective.prepare(run_dir, source, log)
     start, resumed = LoopPosition(), False
     if resuming and not dry_run:
@@ -140,6 +150,7 @@ def set_up(
         r,
         blas,
         tiers,
+        kernel_table,
         built,
         objective,
         auto_sizes,
