@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -210,7 +211,6 @@ def keys(section, write_to):
 )
 def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     """Write a run's (or checkpoint's) model as an mlx-lm adapter, a PEFT adapter or a fused model."""
-    from pathlib import Path
 
     from .export import export
     from .runs.checkpoint import find_checkpoint, load_checkpoint
@@ -380,7 +380,6 @@ def eval_(run_dir, base, as_json):
 @click.option("--read-only", is_flag=True, help="Watch without the keys that steer the run.")
 def watch(run_dir, read_only):
     """Open the dashboard on a running or finished run."""
-    from pathlib import Path
 
     from .tui.app import WatchApp
 
@@ -401,7 +400,6 @@ def watch(run_dir, read_only):
 def compare(run_dirs, by, table):
     """Overlay several runs' loss curves and tabulate their figures (* marks the best eval loss)."""
     import sys
-    from pathlib import Path
 
     from .tui.compare import CompareApp, compare_rows, format_table
 
@@ -467,8 +465,21 @@ def _install_blas() -> tuple[bool, str]:
 @click.option(
     "--install-blas", is_flag=True, help="On Linux, install OpenBLAS with apt-get if it is missing."
 )
-def doctor(install_blas):
+@click.option(
+    "--kernels",
+    "kernels_for",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[MODEL or RECIPE]",
+    help="Time every kernel tier here, forward and backward, and print which is fastest: at a "
+    "recipe's own shapes and memory budget (set up as a dry run, nothing trained), at a model "
+    "folder's or GGUF file's shapes, or at SmolLM2-135M's.",
+)
+def doctor(install_blas, kernels_for):
     """Print the backend, BLAS, memory and versions, and what to fix."""
+    if kernels_for is not None:
+        return _kernel_times(kernels_for or None)
     just_installed = False
     if install_blas:
         just_installed, what = _install_blas()
@@ -520,6 +531,30 @@ def doctor(install_blas):
     if backend == "CPU" and sys.platform == "darwin":
         fixes.append("MLX found no Metal GPU: use an Apple silicon Mac with macOS 14 or later")
     click.echo("to fix    " + ("; ".join(fixes) if fixes else "nothing"))
+
+
+def _kernel_times(target: str | None) -> None:
+    """doctor --kernels: the kernel table of a recipe's run, a model's shapes, or SmolLM2's."""
+    import mlx.core as mx
+
+    from .console import Console
+    from .loop import Trainer, tiers
+
+    _blas.setup_blas()
+    if target is not None and Path(target).suffix in (".yaml", ".yml"):
+        trainer = Trainer(load_recipe(target), dry_run=True, console=Console(quiet=True))
+        table = trainer.parts.kernel_table
+        if not table:
+            click.echo("kernels: nothing measured (kernels.autotune: false, or MLXTUNE_KERNELS)")
+        for op in ("attention", "loss"):
+            for line in tiers.table_lines(op, table.get(op, [])) if op in table else []:
+                click.echo(line)
+            click.echo(f"kernels.{op}: {trainer.tiers[op]}")
+        return
+    cfg, what = tiers.model_shapes(target)
+    dtype = "bfloat16" if mx.default_device().type == mx.DeviceType.gpu else "float32"
+    click.echo(f"kernels at {what} ({dtype}, batch 1; without a recipe, no memory budget):")
+    tiers.measure_model(cfg, dtype, click.echo)
 
 
 def main(argv=None) -> int:

@@ -242,3 +242,25 @@ def test_a_named_tier_runs_as_named_and_the_log_warns_when_it_is_slow(
     assert tr.tiers["loss"] == "reference"
     log = (tmp_path / "r" / "log.txt").read_text()
     assert "WARNING: kernels.loss: reference at loss N=" in log and "5.0x slower than" in log
+
+
+def test_a_resumed_run_decides_by_the_times_its_run_measured(
+    llama_dir, data_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tune, "time_case", lambda tier, case: {"native": 0.1}.get(tier, 0.3))
+    r = tiny_recipe(
+        data_dir, llama_dir, train={"max_steps": 2, "progress": False}, checkpoints={"every": 1}
+    )
+    first = Trainer(recipe_from_dict(r), tmp_path / "run", console=Console(quiet=True))
+    first.run()
+    assert first.tiers["attention"] == "native"
+    # another machine's cache (here: none), whose clock would choose otherwise
+    monkeypatch.setenv("MLXTUNE_CACHE", str(tmp_path / "elsewhere"))
+    monkeypatch.setattr(tune, "time_case", lambda tier, case: {"chunked": 0.1}.get(tier, 0.3))
+    r["train"]["max_steps"] = 3
+    again = Trainer(
+        recipe_from_dict(r), tmp_path / "run", console=Console(quiet=True), resume="step-000001"
+    )
+    assert again.tiers == first.tiers
+    fresh = Trainer(recipe_from_dict(r), tmp_path / "new", console=Console(quiet=True))
+    assert fresh.tiers["attention"] == "chunked"  # what the new clock says, without the record

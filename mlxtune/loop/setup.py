@@ -29,7 +29,7 @@ from ..objectives import Objective
 from ..runs.checkpoint import named, restore
 from ..runs.rundir import RunDir, holds_a_run
 from . import describe
-from .tiers import measure_tiers
+from .tiers import measure_tiers, recorded_times
 
 
 def run_folders(
@@ -133,8 +133,16 @@ def set_up(
     engine = Engine(built.components.model, optimizer, objective, r, world)
     planned = Planned(r, built, objective, tiers, optimizer, engine)
     # the tiers measured at the step's shapes: the components read them from this same dict
+    # (a resumed run reads the times the run it continues measured: the same tiers run)
+    recorded = recorded_times(source.inside("config_resolved.json")) if resuming else None
     measured, kernel_table = measure_tiers(
-        r, tiers, shape_of(planned), run_budget(r)[0], built.components.head_trains, log
+        r,
+        tiers,
+        shape_of(planned),
+        run_budget(r)[0],
+        built.components.head_trains,
+        log,
+        recorded=recorded,
     )
     tiers.update(measured)
     # the plan before the objective's preparation: a run it refuses pays for no reference pass

@@ -5,12 +5,18 @@ measured more than 2x slower). The table goes to the log and config_resolved.jso
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
+from pathlib import Path
 
 from .. import kernels
-from ..kernels.tune import Case, Decision, TimeCache, Tuned, cached_clock, decide
+from ..errors import UserInputError
+from ..gguf.file import GGUFModelFile, is_gguf
+from ..kernels.tune import Case, TimeCache, Tuned, cached_clock, decide
 from ..memory import Shape, estimate
+from ..models.configs import text_config
+from ..models.gguf.configs import gguf_config
 
 ATTENTION = ("native", "chunked")
 """The attention tiers timed everywhere (a GPU's kernels join them where they passed their
@@ -22,10 +28,6 @@ that never build them."""
 SMALLEST = 64
 """The shortest length timed: a bucketed run's lengths are timed at each power of two from it
 up to its longest, a call running in the tier of the next length up."""
-
-
-def step_dtype(recipe) -> str:
-    return recipe.model.dtype
 
 
 def cases(shape: Shape, dtype: str, packed: bool, head_grad: bool) -> dict[str, list[Case]]:
@@ -78,14 +80,37 @@ def candidates(op: str) -> list[str]:
     return out
 
 
+def recorded_times(config_resolved: Path) -> dict[tuple[str, str], float]:
+    """The times a run measured, by (shape, tier), from its config_resolved.json ({} where it
+    has none): a resumed run decides as the run it continues did."""
+    try:
+        table = json.loads(config_resolved.read_text()).get("kernels", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {
+        (row["shape"], tier): ms / 1e3
+        for op in ("attention", "loss")
+        for row in table.get(op, [])
+        for tier, ms in row.get("ms", {}).items()
+        if ms is not None
+    }
+
+
 def measure_tiers(
-    recipe, tiers: dict, shape: Shape, budget: float, head_grad: bool, log, seconds_of=None
+    recipe,
+    tiers: dict,
+    shape: Shape,
+    budget: float,
+    head_grad: bool,
+    log,
+    seconds_of=None,
+    recorded: dict | None = None,
 ) -> tuple[dict, dict]:
     """(the tiers the run's steps use, the table of what was measured) for a run whose static
     choice is ``tiers`` (``kernel_tiers``) and whose step is ``shape``. Nothing is measured where
     ``kernels.autotune`` is false, MLXTUNE_KERNELS names the tier, or attention is off.
     ``seconds_of(tier, case)``: the clock (by default each case timed here, through the cache
-    of earlier runs)."""
+    of earlier runs); ``recorded``: times by (shape, tier) read first (``recorded_times``)."""
     k = recipe.kernels
     if not k.autotune or os.environ.get("MLXTUNE_KERNELS"):
         return tiers, {}
@@ -93,7 +118,14 @@ def measure_tiers(
     if seconds_of is None:
         cache = TimeCache()
         seconds_of = cached_clock(cache)
-    shapes = cases(shape, step_dtype(recipe), recipe.data.packing != "off", head_grad)
+    clock = seconds_of
+    if recorded:
+
+        def seconds_of(tier, case):
+            known = recorded.get((case.label(), tier))
+            return known if known is not None else clock(tier, case)
+
+    shapes = cases(shape, recipe.model.dtype, recipe.data.packing != "off", head_grad)
     out, table = dict(tiers), {}
     for op, choice in (("attention", k.attention), ("loss", k.loss)):
         if choice == "off":
@@ -107,7 +139,8 @@ def measure_tiers(
             for c in shapes[op]
         ]
         table[op] = [d.to_dict() for d in decisions]
-        _log_table(op, decisions, log)
+        for line in table_lines(op, table[op]):
+            log(line)
         if named is not None:
             for d in decisions:
                 if "slower" in d.why:
@@ -120,16 +153,81 @@ def measure_tiers(
         log(f"kernels.{op}: auto -> {out[op]}")
     if cache is not None:
         cache.save()
-        table["cache"] = {"path": str(cache.path), "read_back": seconds_of.hits}
+        table["cache"] = {"path": str(cache.path), "read_back": clock.hits}
     return out, table
 
 
-def _log_table(op: str, decisions: list[Decision], log) -> None:
-    log(f"kernels: {op}, forward and backward compiled, ms (* the tier each shape runs in):")
-    for d in decisions:
+def table_lines(op: str, rows: list[dict]) -> list[str]:
+    """The lines a table of ``op``'s decisions (``Decision.to_dict``) prints as."""
+    out = [f"kernels: {op}, forward and backward compiled, ms (* the tier each shape runs in):"]
+    for row in rows:
         cells = []
-        for r in d.rows:
-            mark = "*" if r.tier == d.tier else ""
-            value = f"{1e3 * r.seconds:.2f}" if r.seconds is not None else r.note
-            cells.append(f"{r.tier} {value}{mark}")
-        log(f"  {d.case.label()}: " + ", ".join(cells))
+        for tier, ms in row["ms"].items():
+            value = f"{ms:.2f}" if ms is not None else row["notes"].get(tier, "")
+            cells.append(f"{tier} {value}{'*' if tier == row['chosen'] else ''}")
+        out.append(f"  {row['shape']}: " + ", ".join(cells))
+    return out
+
+
+DOCTOR_LENGTHS = (512, 2048)
+"""The row lengths ``doctor --kernels`` times a model's shapes at (batch 1)."""
+
+SMOLLM2 = {
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+}
+"""The shapes ``doctor --kernels`` times without a model: SmolLM2-135M's."""
+
+
+def model_shapes(path: str | None) -> tuple[dict, str]:
+    """(the text model's config, what it is) of a model folder or GGUF file, or SmolLM2-135M's
+    shapes when ``path`` is None."""
+    if path is None:
+        return SMOLLM2, "SmolLM2-135M's shapes"
+    p = Path(path)
+    if is_gguf(p):
+        return text_config(gguf_config(GGUFModelFile(p))), str(p)
+    if not (p / "config.json").is_file():
+        raise UserInputError("not a recipe, a model folder (config.json) or a GGUF file", str(p))
+    try:
+        return text_config(json.loads((p / "config.json").read_text())), str(p)
+    except ValueError as e:
+        raise UserInputError(f"config.json is not JSON: {e}", str(p / "config.json")) from None
+
+
+def measure_model(cfg: dict, dtype: str, echo, lengths=DOCTOR_LENGTHS, seconds_of=None) -> dict:
+    """Time every tier of both ops at a model's shapes (batch 1, each of ``lengths``, causal and
+    packed), without a memory plan: every tier is a candidate. Prints the tables through
+    ``echo``; returns them by op."""
+    hidden = int(cfg.get("hidden_size") or 0)
+    heads = int(cfg.get("num_attention_heads") or 1)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    vocab = int(cfg.get("vocab_size") or 0)
+    if not (hidden and vocab):
+        raise UserInputError("the config names no hidden_size or vocab_size", "config.json")
+    cache = None
+    if seconds_of is None:
+        cache = TimeCache()
+        seconds_of = cached_clock(cache)
+    shapes = {
+        "attention": [
+            Case("attention", (1, heads, kv, t, head_dim), dtype, segments=packed)
+            for t in lengths
+            for packed in (False, True)
+        ],
+        "loss": [Case("loss", (t, vocab, hidden), dtype) for t in lengths],
+    }
+    out = {}
+    for op, cs in shapes.items():
+        rows = [decide(c, candidates(op), seconds_of, lambda t, c: 0.0, 1.0).to_dict() for c in cs]
+        out[op] = rows
+        for line in table_lines(op, rows):
+            echo(line)
+    if cache is not None:
+        cache.save()
+        echo(f"times kept in {cache.path} ({seconds_of.hits} read back)")
+    return out
