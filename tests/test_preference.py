@@ -15,9 +15,14 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import (
+    LETTERS,
     REPO,
     make_crash,
+    mx_logp,
+    mx_pair_loss,
+    naive_logp,
     objective_recipe,
+    refused_run,
     same_gradients,
     same_rows,
     shake_adapters,
@@ -33,7 +38,6 @@ from mlxtune.console import Console
 from mlxtune.data.preference import make_packed_pair_batch, make_pair_batch
 from mlxtune.models import kernel_attention
 
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CHAT = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -66,23 +70,6 @@ def same(a, b, rel=1e-5, abs=1e-6):
 
 
 # ------------------------------------------------------------------------ naive references
-def naive_logp(model, ids, mask) -> float:
-    """log p(completion | prompt) in float64 from the model's full logits: the sum over the
-    target tokens (mask) of log softmax."""
-    logits = np.array(model(mx.array([ids[:-1]]))[0], dtype=np.float64)
-    logits -= logits.max(-1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    return sum(logp[j, ids[j + 1]] for j in range(len(ids) - 1) if mask[j + 1])
-
-
-def mx_logp(model, ids, mask):
-    """The same in MLX, differentiable."""
-    logits = model(mx.array([ids[:-1]]))[0].astype(mx.float32)
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    picked = mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
-    return mx.sum(picked * mx.array(mask[1:], dtype=mx.float32))
-
-
 def logsig(x):
     return -np.logaddexp(0, -x)
 
@@ -174,14 +161,11 @@ def test_pairs_score_only_their_completions(tmp_path, llama_dir, prefs, tokenize
     ],
 )
 def test_bad_pairs_name_the_line_and_exit_2(tmp_path, llama_dir, prefs, capsys, row, message):
-    import yaml
 
     write_jsonl(tmp_path / "bad.jsonl", [*pair_rows(3), row])
     r = recipe(prefs, llama_dir)
     r["data"] = {**r["data"], "train": str(tmp_path / "bad.jsonl")}
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
-    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
+    err = refused_run(r, tmp_path, capsys)
     assert f"{tmp_path / 'bad.jsonl'}:4" in err and message in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
@@ -287,17 +271,7 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
             if o.loss == "ipo":
                 pc, pr, rc, rr = pc / nc, pr / nr, rc / nc, rr / nr
             h = (pc - rc) - (pr - rr)
-            b, e = o.beta, o.label_smoothing
-            if o.loss == "sigmoid":
-                loss = (1 - e) * mx.logaddexp(0.0, -b * h) + e * mx.logaddexp(0.0, b * h)
-            elif o.loss == "robust":
-                loss = ((1 - e) * mx.logaddexp(0.0, -b * h) - e * mx.logaddexp(0.0, b * h)) / (
-                    1 - 2 * e
-                )
-            elif o.loss == "hinge":
-                loss = mx.maximum(1 - b * h, 0.0)
-            else:
-                loss = mx.square(h - 1 / (2 * b))
+            loss = mx_pair_loss(o.loss, h, o.beta, o.label_smoothing)
             total = total + loss + o.rpo_alpha * (-pc / nc)
         return total
 
