@@ -16,21 +16,12 @@ from conftest import (
     run_rows,
     same_gradients,
     same_rows,
+    shake_adapters,
     tiny_recipe,
 )
 from mlxtune import Trainer, recipe_from_dict
-from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
 from mlxtune.console import Console
-
-
-def shaken(trainer, seed=0):
-    """Random LoRA B matrices, so that the adapters take part in the gradients' values."""
-    rng = np.random.default_rng(seed)
-    for _, m in trainer.model.named_modules():
-        if isinstance(m, LoRALinear):
-            m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
-    return trainer
 
 
 def rows_of(batch):
@@ -51,7 +42,8 @@ def token_ce64(model, ids, mask):
 
 def test_dft_is_its_formula_in_values_and_gradients(tmp_path, data_dir, llama_dir):
     r = tiny_recipe(data_dir, llama_dir, objective={"type": "sft", "loss": "dft"})
-    t = shaken(Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True)))
+    t = Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True))
+    shake_adapters(t.model)  # so that the adapters take part in the gradients' values
     obj = t.objective
     batch = next(iter(obj.batches()))[1]
     arrays = t.engine.arrays(batch)
