@@ -11,6 +11,7 @@ from test_preference import (
     batch_pairs,
     build,
     logsig,
+    pair_logps,
     pair_rows,
     preference_accuracy,
     quickstart,
@@ -19,7 +20,7 @@ from test_preference import (
     shake_adapters,
 )
 
-from conftest import REPO, mx_logp, mx_pair_loss, naive_logp, refused_run, write_jsonl
+from conftest import REPO, mx_logp, mx_pair_loss, refused_run, write_jsonl
 from mlxtune import Trainer
 from mlxtune.console import Console
 
@@ -75,10 +76,7 @@ def test_each_cpo_loss_is_its_formula_in_values_and_gradients(
     batch = next(obj.batches())[1]
     arrays = t.engine.arrays(batch)
     pairs = batch_pairs(t, batch)
-    pol = [
-        (naive_logp(t.model, p.ids, p.mask), naive_logp(t.model, p.rejected_ids, p.rejected_mask))
-        for p in pairs
-    ]
+    pol = pair_logps(t.model, pairs)
     lens = [(p.n_targets, p.rejected_targets) for p in pairs]
     args = (o.loss, o.beta, o.label_smoothing, o.cpo_alpha, o.simpo_gamma)
     want = [cpo_formula(*args, *pp, *nn_) for pp, nn_ in zip(pol, lens, strict=True)]

@@ -110,6 +110,14 @@ def batch_pairs(trainer, batch):
     return [trainer.train_set.examples[i] for i in batch.pairs if i >= 0]
 
 
+def pair_logps(model, pairs) -> list[tuple]:
+    """Each pair's (chosen, rejected) completion log-probs in float64 (``naive_logp``)."""
+    return [
+        (naive_logp(model, p.ids, p.mask), naive_logp(model, p.rejected_ids, p.rejected_mask))
+        for p in pairs
+    ]
+
+
 # ------------------------------------------------------------------------ data
 def test_pairs_score_only_their_completions(tmp_path, llama_dir, prefs, tokenizer):
     t = build(recipe(prefs, llama_dir), tmp_path)
@@ -212,14 +220,7 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
     batch = next(obj.batches())[1]
     arrays = t.engine.arrays(batch)
     pairs = batch_pairs(t, batch)
-    pol = [
-        (naive_logp(t.model, p.ids, p.mask), naive_logp(t.model, p.rejected_ids, p.rejected_mask))
-        for p in pairs
-    ]
-    ref = [
-        (naive_logp(base, p.ids, p.mask), naive_logp(base, p.rejected_ids, p.rejected_mask))
-        for p in pairs
-    ]
+    pol, ref = pair_logps(t.model, pairs), pair_logps(base, pairs)
     lens = [(p.n_targets, p.rejected_targets) for p in pairs]
     o = t.recipe.objective
     if o.type == "dpo":
@@ -296,11 +297,7 @@ def test_padding_prompt_positions_and_packing_change_nothing(tmp_path, llama_dir
     got = logps(packed)[: len(examples)]
     for other in (together, wide, got):
         np.testing.assert_allclose(other, alone, rtol=1e-5, atol=1e-5)
-    naive = [
-        [naive_logp(t.model, p.ids, p.mask), naive_logp(t.model, p.rejected_ids, p.rejected_mask)]
-        for p in examples
-    ]
-    np.testing.assert_allclose(alone, naive, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(alone, pair_logps(t.model, examples), rtol=1e-5, atol=1e-4)
 
 
 def test_orpo_whole_sequence_nll_is_the_same_padded_or_packed(tmp_path, llama_dir, prefs):
@@ -366,10 +363,7 @@ def test_the_references_agree_with_a_separately_loaded_base(tmp_path, llama_dir,
         shake_adapters(t.model, seed=1)  # after prepare(): the reference was kept before
         batch = next(t.objective.batches())[1]
         got = np.array(t.objective.reference_logps(t.model, t.engine.arrays(batch)))
-        want = [
-            [naive_logp(base, p.ids, p.mask), naive_logp(base, p.rejected_ids, p.rejected_mask)]
-            for p in batch_pairs(t, batch)
-        ]
+        want = pair_logps(base, batch_pairs(t, batch))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=ref)
     assert (tmp_path / "precomputed" / "reference_logps.safetensors").exists()
 
