@@ -381,11 +381,35 @@ def build_run(r: dict, tmp_path: Path, name: str = "run", **kw):
     return Trainer(recipe_from_dict(r), run_dir=tmp_path / name, console=Console(quiet=True), **kw)
 
 
-def run_rows(run_dir: Path) -> list[dict]:
-    """A run's metrics rows without their timings."""
+def crash_and_resume(r: dict, tmp_path: Path, at: int, name: str = "cut") -> Path:
+    """Runs recipe dict ``r`` in ``tmp_path / name`` until a simulated crash after step ``at``
+    (``make_crash``), then resumes it from its latest checkpoint to the end; returns the run's
+    folder."""
+    import pytest
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_run(r, tmp_path, name, callbacks=[make_crash(at)]).run()
+    build_run(r, tmp_path, name, resume="latest").run()
+    return tmp_path / name
+
+
+def refused_run(r: dict, tmp_path: Path, capsys) -> str:
+    """``mlxtune run`` of recipe dict ``r`` (written to tmp_path/r.yaml, run folder
+    tmp_path/out), which must exit 2 (bad input); returns what it wrote to stderr."""
+    import yaml
+
+    from mlxtune.cli import main
+
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
+    return capsys.readouterr().err
+
+
+def run_rows(run_dir: Path, timing: frozenset = TIMING) -> list[dict]:
+    """A run's metrics rows without their timings (the keys ``timing`` names)."""
     out = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
+        out.append({k: v for k, v in json.loads(line).items() if k not in timing})
     return out
 
 
@@ -402,8 +426,9 @@ def shake_adapters(model, seed: int = 0) -> None:
             m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
 
 
-def same_gradients(model, naive, loss) -> None:
-    """The gradients of ``loss(model)`` equal those of the ``naive`` formula, weight by weight."""
+def same_gradients(model, naive, loss, rtol: float = 2e-4, atol: float = 2e-6) -> dict:
+    """The gradients of ``loss(model)`` equal those of the ``naive`` formula, weight by weight;
+    returns the naive gradients, by weight name."""
     import mlx.nn as nn
     import numpy as np
     from mlx.utils import tree_flatten
@@ -414,8 +439,49 @@ def same_gradients(model, naive, loss) -> None:
     assert want.keys() == got.keys() and want
     for k in want:
         np.testing.assert_allclose(
-            np.array(got[k]), np.array(want[k]), rtol=2e-4, atol=2e-6, err_msg=k
+            np.array(got[k]), np.array(want[k]), rtol=rtol, atol=atol, err_msg=k
         )
+    return want
+
+
+def naive_logp(model, ids, mask) -> float:
+    """log p(completion | prompt) in float64 from the model's full logits: the sum over the
+    target tokens (mask) of log softmax."""
+    import mlx.core as mx
+    import numpy as np
+
+    logits = np.array(model(mx.array([ids[:-1]]))[0], dtype=np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return sum(logp[j, ids[j + 1]] for j in range(len(ids) - 1) if mask[j + 1])
+
+
+def mx_logp(model, ids, mask):
+    """The same in MLX, differentiable."""
+    import mlx.core as mx
+
+    logits = model(mx.array([ids[:-1]]))[0].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
+    return mx.sum(picked * mx.array(mask[1:], dtype=mx.float32))
+
+
+def mx_pair_loss(kind: str, h, beta: float, eps: float, shift: float = 0.0):
+    """A pair's preference loss in MLX from its margin ``h``, by the papers' formulas: "sigmoid"
+    (DPO, label-smoothed by ``eps``, the logit ``beta * h - shift``), "robust" (robust DPO),
+    "hinge", else IPO's square."""
+    import mlx.core as mx
+
+    if kind == "sigmoid":
+        m = beta * h - shift
+        return (1 - eps) * mx.logaddexp(0.0, -m) + eps * mx.logaddexp(0.0, m)
+    if kind == "robust":
+        return ((1 - eps) * mx.logaddexp(0.0, -beta * h) - eps * mx.logaddexp(0.0, beta * h)) / (
+            1 - 2 * eps
+        )
+    if kind == "hinge":
+        return mx.maximum(1 - beta * h, 0.0)
+    return mx.square(h - 1 / (2 * beta))
 
 
 def same_rows(a, b, rel=1e-5, abs=1e-7):

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import pytest
-import yaml
 from test_preference import (
     batch_pairs,
     build,
     logsig,
-    mx_logp,
-    naive_logp,
+    pair_logps,
     pair_rows,
     preference_accuracy,
     quickstart,
@@ -23,9 +20,8 @@ from test_preference import (
     shake_adapters,
 )
 
-from conftest import REPO, write_jsonl
+from conftest import REPO, mx_logp, mx_pair_loss, refused_run, write_jsonl
 from mlxtune import Trainer
-from mlxtune.cli import main
 from mlxtune.console import Console
 
 
@@ -80,10 +76,7 @@ def test_each_cpo_loss_is_its_formula_in_values_and_gradients(
     batch = next(obj.batches())[1]
     arrays = t.engine.arrays(batch)
     pairs = batch_pairs(t, batch)
-    pol = [
-        (naive_logp(t.model, p.ids, p.mask), naive_logp(t.model, p.rejected_ids, p.rejected_mask))
-        for p in pairs
-    ]
+    pol = pair_logps(t.model, pairs)
     lens = [(p.n_targets, p.rejected_targets) for p in pairs]
     args = (o.loss, o.beta, o.label_smoothing, o.cpo_alpha, o.simpo_gamma)
     want = [cpo_formula(*args, *pp, *nn_) for pp, nn_ in zip(pol, lens, strict=True)]
@@ -109,14 +102,9 @@ def test_each_cpo_loss_is_its_formula_in_values_and_gradients(
         for p, (nc, nr) in zip(pairs, lens, strict=True):
             pc, pr = mx_logp(model, p.ids, p.mask), mx_logp(model, p.rejected_ids, p.rejected_mask)
             z = pc / nc - pr / nr if norm else pc - pr
-            b, e = o.beta, o.label_smoothing
-            if o.loss in ("sigmoid", "simpo"):
-                m = b * z - (o.simpo_gamma if o.loss == "simpo" else 0.0)
-                loss = (1 - e) * mx.logaddexp(0.0, -m) + e * mx.logaddexp(0.0, m)
-            elif o.loss == "hinge":
-                loss = mx.maximum(1 - b * z, 0.0)
-            else:
-                loss = mx.square(z - 1 / (2 * b))
+            simpo = o.loss == "simpo"  # the sigmoid loss, its logit less a margin
+            kind, shift = ("sigmoid", o.simpo_gamma) if simpo else (o.loss, 0.0)
+            loss = mx_pair_loss(kind, z, o.beta, o.label_smoothing, shift)
             total = total + loss + o.cpo_alpha * (-pc / nc)
         return total
 
@@ -147,9 +135,7 @@ def test_bad_cpo_settings_exit_2(
     message,
 ):
     r = recipe(pair_data, llama_dir, {"type": "cpo", **objective})
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
-    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
+    err = refused_run(r, tmp_path, capsys)
     assert key in err and message in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
 

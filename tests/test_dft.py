@@ -10,20 +10,18 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import build_run, make_crash, run_rows, same_rows, tiny_recipe
+from conftest import (
+    build_run,
+    crash_and_resume,
+    run_rows,
+    same_gradients,
+    same_rows,
+    shake_adapters,
+    tiny_recipe,
+)
 from mlxtune import Trainer, recipe_from_dict
-from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
 from mlxtune.console import Console
-
-
-def shaken(trainer, seed=0):
-    """Random LoRA B matrices, so that the adapters take part in the gradients' values."""
-    rng = np.random.default_rng(seed)
-    for _, m in trainer.model.named_modules():
-        if isinstance(m, LoRALinear):
-            m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
-    return trainer
 
 
 def rows_of(batch):
@@ -44,7 +42,8 @@ def token_ce64(model, ids, mask):
 
 def test_dft_is_its_formula_in_values_and_gradients(tmp_path, data_dir, llama_dir):
     r = tiny_recipe(data_dir, llama_dir, objective={"type": "sft", "loss": "dft"})
-    t = shaken(Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True)))
+    t = Trainer(recipe_from_dict(r), tmp_path / "r", console=Console(quiet=True))
+    shake_adapters(t.model)  # so that the adapters take part in the gradients' values
     obj = t.objective
     batch = next(iter(obj.batches()))[1]
     arrays = t.engine.arrays(batch)
@@ -71,14 +70,7 @@ def test_dft_is_its_formula_in_values_and_gradients(tmp_path, data_dir, llama_di
             total = total + mx.sum(mx.stop_gradient(mx.exp(-tok)) * tok)
         return total
 
-    _, want = nn.value_and_grad(t.model, naive)(t.model)
-    _, got = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0])(t.model)
-    want, got = dict(tree_flatten(want)), dict(tree_flatten(got))
-    assert want.keys() == got.keys() and want
-    for k in want:
-        np.testing.assert_allclose(
-            np.array(got[k]), np.array(want[k]), rtol=2e-4, atol=2e-6, err_msg=k
-        )
+    want = same_gradients(t.model, naive, lambda m: obj.loss(m, arrays)[0])
     # and it is not the plain cross-entropy's gradient
     _, plain = nn.value_and_grad(t.model, lambda m: obj.token_losses(arrays)[0])(t.model)
     plain = dict(tree_flatten(plain))
@@ -104,9 +96,7 @@ def test_a_dft_run_resumes_exactly(tmp_path, data_dir, llama_dir):
     r["train"].update(max_steps=6, log_every=1)
     r["checkpoints"] = {"every": 2}
     build_run(r, tmp_path, "whole").run()
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        build_run(r, tmp_path, "crash", callbacks=[make_crash(3)]).run()
-    build_run(r, tmp_path, "crash", resume="latest").run()
+    crash_and_resume(r, tmp_path, 3, "crash")
     whole = run_rows(tmp_path / "whole")
     assert any("nll" in x for x in whole)
     same_rows(run_rows(tmp_path / "crash"), whole, rel=0, abs=0)

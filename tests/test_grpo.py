@@ -13,7 +13,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-import yaml
 from mlx.utils import tree_flatten
 
 from conftest import (
@@ -22,17 +21,24 @@ from conftest import (
     make_crash,
     objective_recipe,
     prompt_rows,
+    refused_run,
+    run_rows,
+    same_gradients,
     same_rows,
     shipped_recipe,
     write_jsonl,
 )
 from conftest import build_run as build
 from mlxtune import Trainer, recipe_from_dict
-from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.rewards import RewardSpec, build_rewards, score
 
 TIMING = TIMING | {"generation_s", "generation_tokens_per_sec"}
+
+
+def rows(run_dir):
+    """A run's metrics rows without their timings, generation's among them."""
+    return run_rows(run_dir, TIMING)
 
 
 def recipe(prompts, model_dir, objective=None, **over):
@@ -44,13 +50,6 @@ def recipe(prompts, model_dir, objective=None, **over):
     }
     obj.update(objective or {})
     return objective_recipe("grpo", model_dir, prompts, obj, max_length=24, batch_size=3, **over)
-
-
-def rows(run_dir):
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
-    return out
 
 
 def completions(batch):
@@ -156,14 +155,7 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
         return naive_grpo(model, batch, batch.old, batch.ref, cfg)[0]
 
     n = count.item()
-    _, want_g = nn.value_and_grad(t.model, naive)(t.model)
-    _, got_g = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0] / n)(t.model)
-    want_g, got_g = dict(tree_flatten(want_g)), dict(tree_flatten(got_g))
-    assert want_g.keys() == got_g.keys() and want_g
-    for k in want_g:
-        np.testing.assert_allclose(
-            np.array(got_g[k]), np.array(want_g[k]), rtol=3e-4, atol=2e-6, err_msg=k
-        )
+    same_gradients(t.model, naive, lambda m: obj.loss(m, arrays)[0] / n, rtol=3e-4)
 
 
 def test_on_the_first_iteration_the_loss_is_the_policy_gradient(tmp_path, llama_dir, prompts):
@@ -330,9 +322,7 @@ def test_a_failing_reward_function_is_named_and_exits_2(
         f"def fn(prompts, completions, completion_ids, **kw):\n{body}\n"
     )
     r = recipe(prompts, llama_dir, {"rewards": [{"function": "bad.py:fn"}]})
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
-    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
+    err = refused_run(r, tmp_path, capsys)
     assert "objective.rewards[0] (bad.py:fn)" in err and message in err
     assert "Traceback" not in err
 
@@ -355,9 +345,7 @@ def test_a_failing_reward_function_is_named_and_exits_2(
 )
 def test_bad_grpo_settings_exit_2(tmp_path, llama_dir, prompts, capsys, objective, where, message):
     r = recipe(prompts, llama_dir, objective)
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
-    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
+    err = refused_run(r, tmp_path, capsys)
     assert where in err and message in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
@@ -377,9 +365,7 @@ def test_bad_prompt_rows_name_the_line_and_exit_2(
     write_jsonl(tmp_path / "bad.jsonl", [*prompt_rows(3), row])
     r = recipe(prompts, llama_dir, {"rewards": [{"name": "exact_match"}]})
     r["data"] = {**r["data"], "train": str(tmp_path / "bad.jsonl")}
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
-    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
+    err = refused_run(r, tmp_path, capsys)
     assert f"{tmp_path / 'bad.jsonl'}:4" in err and message in err and "Traceback" not in err
 
 

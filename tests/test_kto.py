@@ -6,30 +6,30 @@ warning; bad input; and learning on the shipped quickstart-kto task."""
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 import yaml
-from mlx.utils import tree_flatten
 
-from conftest import build_run as build
 from conftest import (
-    make_crash,
+    LETTERS,
+    crash_and_resume,
+    mx_logp,
+    naive_logp,
     objective_recipe,
+    same_gradients,
     same_rows,
     shake_adapters,
     shipped_recipe,
     write_jsonl,
     write_splits,
 )
+from conftest import build_run as build
 from conftest import run_rows as rows
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
 from mlxtune.console import Console
 from mlxtune.objectives.kto import class_balance_advice
-
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def feedback_rows(n, seed=0):
@@ -54,21 +54,6 @@ def recipe(data, model_dir, objective=None, **over):
     return objective_recipe(
         "kto", model_dir, data, objective or {"type": "kto", "beta": 0.5}, **over
     )
-
-
-def naive_logp(model, ids, mask) -> float:
-    """log p(completion | prompt) in float64 from the model's full logits."""
-    logits = np.array(model(mx.array([ids[:-1]]))[0], dtype=np.float64)
-    logits -= logits.max(-1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    return sum(logp[j, ids[j + 1]] for j in range(len(ids) - 1) if mask[j + 1])
-
-
-def mx_logp(model, ids, mask):
-    logits = model(mx.array([ids[:-1]]))[0].astype(mx.float32)
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    picked = mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
-    return mx.sum(picked * mx.array(mask[1:], dtype=mx.float32))
 
 
 def sigmoid(x):
@@ -159,14 +144,7 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, f
             total = total + term
         return total
 
-    _, want_g = nn.value_and_grad(t.model, naive)(t.model)
-    _, got_g = nn.value_and_grad(t.model, lambda m: obj.loss(m, arrays)[0])(t.model)
-    want_g, got_g = dict(tree_flatten(want_g)), dict(tree_flatten(got_g))
-    assert want_g.keys() == got_g.keys() and want_g
-    for k in want_g:
-        np.testing.assert_allclose(
-            np.array(got_g[k]), np.array(want_g[k]), rtol=2e-4, atol=2e-6, err_msg=k
-        )
+    same_gradients(t.model, naive, lambda m: obj.loss(m, arrays)[0])
 
 
 def test_the_reference_point_is_clamped_at_zero(tmp_path, llama_dir, feedback):
@@ -196,9 +174,7 @@ def test_precomputed_trains_as_auto_and_both_resume_exactly(tmp_path, llama_dir,
     assert evals and all({"eval_kl", "eval_examples"} <= x.keys() for x in evals)
     for r, whole in ((auto, a), (pre, p)):
         name = f"crash-{r['objective'].get('reference', 'auto')}"
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            build(r, tmp_path, name, callbacks=[make_crash(4)]).run()
-        build(r, tmp_path, name, resume="latest").run()
+        crash_and_resume(r, tmp_path, 4, name)
         same_rows(rows(tmp_path / name), whole, rel=0, abs=0)
 
 

@@ -105,7 +105,7 @@ def test_neftune_is_refused_below_zero_and_noted_outside_sft(tmp_path, capsys):
 
 
 def test_a_resumed_run_draws_the_same_noise(tmp_path, data_dir, llama_dir):
-    from conftest import make_crash
+    from conftest import crash_and_resume
 
     r = tiny_recipe(
         data_dir,
@@ -121,14 +121,5 @@ def test_a_resumed_run_draws_the_same_noise(tmp_path, data_dir, llama_dir):
         return [r["loss"] for r in out if "loss" in r]
 
     Trainer(recipe_from_dict(r), tmp_path / "whole", console=Console(quiet=True)).run()
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        Trainer(
-            recipe_from_dict(r),
-            tmp_path / "cut",
-            console=Console(quiet=True),
-            callbacks=[make_crash(2)],
-        ).run()
-    Trainer(
-        recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), resume="latest"
-    ).run()
+    crash_and_resume(r, tmp_path, 2)
     assert rows(tmp_path / "cut") == rows(tmp_path / "whole")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, TIMING, make_crash, tiny_recipe
+from conftest import REPO, crash_and_resume, tiny_recipe
+from conftest import run_rows as rows
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.config import ObjectiveConfig
@@ -89,13 +90,6 @@ def recipe(data_dir, llama_dir, objective=None):
     )
 
 
-def rows(run_dir):
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        out.append({k: v for k, v in json.loads(line).items() if k not in TIMING})
-    return out
-
-
 def test_the_objective_computes_its_loss_and_count(tmp_path, data_dir, llama_dir, sequence_mean):
     tr = Trainer(
         recipe_from_dict(recipe(data_dir, llama_dir)), tmp_path / "r", console=Console(quiet=True)
@@ -127,16 +121,7 @@ def test_it_trains_logs_its_metric_and_resumes_exactly(
     state = json.loads((tmp_path / "whole/checkpoints/step-000004/trainer_state.json").read_text())
     assert state["recipe"]["objective"] == {"type": "sequence_mean_test", "ramp": 2.0}
 
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        Trainer(
-            recipe_from_dict(r),
-            tmp_path / "cut",
-            console=Console(quiet=True),
-            callbacks=[make_crash(6)],
-        ).run()
-    Trainer(
-        recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), resume="latest"
-    ).run()
+    crash_and_resume(r, tmp_path, 6)
     assert rows(tmp_path / "cut") == want
 
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import TIMING, make_crash, tiny_recipe
+from conftest import TIMING, crash_and_resume, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.console import Console
 from mlxtune.data import (
@@ -176,16 +176,7 @@ def test_a_packed_run_learns_reports_utilization_and_resumes_exactly(
     use = [x["packing_utilization"] for x in steps]
     assert np.mean(use) > 0.85 and min(use) > 0.5  # the rows an epoch ends with are partly full
     assert steps[-1]["loss"] < steps[0]["loss"]
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        Trainer(
-            recipe_from_dict(r),
-            tmp_path / "cut",
-            console=Console(quiet=True),
-            callbacks=[make_crash(7)],
-        ).run()
-    Trainer(
-        recipe_from_dict(r), tmp_path / "cut", console=Console(quiet=True), resume="latest"
-    ).run()
+    crash_and_resume(r, tmp_path, 7)
     assert rows(tmp_path / "cut") == want
 
 

@@ -15,9 +15,14 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import (
+    LETTERS,
     REPO,
     make_crash,
+    mx_logp,
+    mx_pair_loss,
+    naive_logp,
     objective_recipe,
+    refused_run,
     same_gradients,
     same_rows,
     shake_adapters,
@@ -33,7 +38,6 @@ from mlxtune.console import Console
 from mlxtune.data.preference import make_packed_pair_batch, make_pair_batch
 from mlxtune.models import kernel_attention
 
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CHAT = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -66,23 +70,6 @@ def same(a, b, rel=1e-5, abs=1e-6):
 
 
 # ------------------------------------------------------------------------ naive references
-def naive_logp(model, ids, mask) -> float:
-    """log p(completion | prompt) in float64 from the model's full logits: the sum over the
-    target tokens (mask) of log softmax."""
-    logits = np.array(model(mx.array([ids[:-1]]))[0], dtype=np.float64)
-    logits -= logits.max(-1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    return sum(logp[j, ids[j + 1]] for j in range(len(ids) - 1) if mask[j + 1])
-
-
-def mx_logp(model, ids, mask):
-    """The same in MLX, differentiable."""
-    logits = model(mx.array([ids[:-1]]))[0].astype(mx.float32)
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    picked = mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
-    return mx.sum(picked * mx.array(mask[1:], dtype=mx.float32))
-
-
 def logsig(x):
     return -np.logaddexp(0, -x)
 
@@ -121,6 +108,14 @@ def whole_nll(model, pairs, logp) -> tuple:
 
 def batch_pairs(trainer, batch):
     return [trainer.train_set.examples[i] for i in batch.pairs if i >= 0]
+
+
+def pair_logps(model, pairs) -> list[tuple]:
+    """Each pair's (chosen, rejected) completion log-probs in float64 (``naive_logp``)."""
+    return [
+        (naive_logp(model, p.ids, p.mask), naive_logp(model, p.rejected_ids, p.rejected_mask))
+        for p in pairs
+    ]
 
 
 # ------------------------------------------------------------------------ data
@@ -174,14 +169,11 @@ def test_pairs_score_only_their_completions(tmp_path, llama_dir, prefs, tokenize
     ],
 )
 def test_bad_pairs_name_the_line_and_exit_2(tmp_path, llama_dir, prefs, capsys, row, message):
-    import yaml
 
     write_jsonl(tmp_path / "bad.jsonl", [*pair_rows(3), row])
     r = recipe(prefs, llama_dir)
     r["data"] = {**r["data"], "train": str(tmp_path / "bad.jsonl")}
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
-    assert main(["run", str(tmp_path / "r.yaml"), "--run-dir", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
+    err = refused_run(r, tmp_path, capsys)
     assert f"{tmp_path / 'bad.jsonl'}:4" in err and message in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
@@ -228,14 +220,7 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
     batch = next(obj.batches())[1]
     arrays = t.engine.arrays(batch)
     pairs = batch_pairs(t, batch)
-    pol = [
-        (naive_logp(t.model, p.ids, p.mask), naive_logp(t.model, p.rejected_ids, p.rejected_mask))
-        for p in pairs
-    ]
-    ref = [
-        (naive_logp(base, p.ids, p.mask), naive_logp(base, p.rejected_ids, p.rejected_mask))
-        for p in pairs
-    ]
+    pol, ref = pair_logps(t.model, pairs), pair_logps(base, pairs)
     lens = [(p.n_targets, p.rejected_targets) for p in pairs]
     o = t.recipe.objective
     if o.type == "dpo":
@@ -287,17 +272,7 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
             if o.loss == "ipo":
                 pc, pr, rc, rr = pc / nc, pr / nr, rc / nc, rr / nr
             h = (pc - rc) - (pr - rr)
-            b, e = o.beta, o.label_smoothing
-            if o.loss == "sigmoid":
-                loss = (1 - e) * mx.logaddexp(0.0, -b * h) + e * mx.logaddexp(0.0, b * h)
-            elif o.loss == "robust":
-                loss = ((1 - e) * mx.logaddexp(0.0, -b * h) - e * mx.logaddexp(0.0, b * h)) / (
-                    1 - 2 * e
-                )
-            elif o.loss == "hinge":
-                loss = mx.maximum(1 - b * h, 0.0)
-            else:
-                loss = mx.square(h - 1 / (2 * b))
+            loss = mx_pair_loss(o.loss, h, o.beta, o.label_smoothing)
             total = total + loss + o.rpo_alpha * (-pc / nc)
         return total
 
@@ -322,11 +297,7 @@ def test_padding_prompt_positions_and_packing_change_nothing(tmp_path, llama_dir
     got = logps(packed)[: len(examples)]
     for other in (together, wide, got):
         np.testing.assert_allclose(other, alone, rtol=1e-5, atol=1e-5)
-    naive = [
-        [naive_logp(t.model, p.ids, p.mask), naive_logp(t.model, p.rejected_ids, p.rejected_mask)]
-        for p in examples
-    ]
-    np.testing.assert_allclose(alone, naive, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(alone, pair_logps(t.model, examples), rtol=1e-5, atol=1e-4)
 
 
 def test_orpo_whole_sequence_nll_is_the_same_padded_or_packed(tmp_path, llama_dir, prefs):
@@ -392,10 +363,7 @@ def test_the_references_agree_with_a_separately_loaded_base(tmp_path, llama_dir,
         shake_adapters(t.model, seed=1)  # after prepare(): the reference was kept before
         batch = next(t.objective.batches())[1]
         got = np.array(t.objective.reference_logps(t.model, t.engine.arrays(batch)))
-        want = [
-            [naive_logp(base, p.ids, p.mask), naive_logp(base, p.rejected_ids, p.rejected_mask)]
-            for p in batch_pairs(t, batch)
-        ]
+        want = pair_logps(base, batch_pairs(t, batch))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=ref)
     assert (tmp_path / "precomputed" / "reference_logps.safetensors").exists()
 

@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 import yaml
 
-from conftest import TIMING, make_crash, tiny_recipe
+from conftest import make_crash, tiny_recipe
+from conftest import run_rows as rows
 from mlxtune import Callback, Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
@@ -28,14 +29,6 @@ def recipe(data_dir, model_dir, adapter=LORA, **over):
         **over,
     )
     return r
-
-
-def rows(run_dir):
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        out.append({k: v for k, v in row.items() if k not in TIMING})
-    return out
 
 
 def trainer(r, run_dir, **kw):

@@ -9,7 +9,14 @@ from collections import Counter
 
 import pytest
 
-from conftest import TIMING, make_crash, offline_hub, reverse_rows, tiny_recipe, write_jsonl
+from conftest import (
+    make_crash,
+    offline_hub,
+    reverse_rows,
+    run_rows,
+    tiny_recipe,
+    write_jsonl,
+)
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.cli import main
 from mlxtune.console import Console
@@ -196,14 +203,6 @@ def _recipe(data_dir, model_dir, **data):
     return r
 
 
-def _metrics(run_dir):
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        out.append({k: v for k, v in row.items() if k not in TIMING})
-    return out
-
-
 def test_a_streamed_run_killed_and_resumed_equals_the_uninterrupted_run(
     tmp_path, llama_dir, tokenizer
 ):
@@ -213,14 +212,14 @@ def test_a_streamed_run_killed_and_resumed_equals_the_uninterrupted_run(
     quiet = Console(quiet=True)
     summary = Trainer(recipe_from_dict(r), run_dir=tmp_path / "whole", console=quiet).run()
     assert summary["steps"] == 12
-    want = _metrics(tmp_path / "whole")
+    want = run_rows(tmp_path / "whole")
     assert max(row["epoch"] for row in want if "epoch" in row) >= 1  # it went round again
     with pytest.raises(RuntimeError, match="simulated crash"):
         Trainer(
             recipe_from_dict(r), run_dir=tmp_path / "cut", console=quiet, callbacks=[make_crash(7)]
         ).run()
     Trainer(recipe_from_dict(r), run_dir=tmp_path / "cut", console=quiet, resume="latest").run()
-    assert _metrics(tmp_path / "cut") == want
+    assert run_rows(tmp_path / "cut") == want
     state = json.loads(
         (tmp_path / "cut" / "checkpoints" / "step-000006" / "trainer_state.json").read_text()
     )
