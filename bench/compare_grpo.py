@@ -670,13 +670,8 @@ def main(argv=None) -> None:
                 f"{peer['mean_completion_length']:.1f} (mlx-lm-lora) tokens",
                 file=err,
             )
-    if ours is None or peer is None:
-        said = "not compared (one side only)"
-    elif mismatch:
-        said = f"{len(mismatch)} differences (the WARNING lines above)"
-    else:
-        said = f"the same token ids in the first {args.check} prompts"
-    print(f"tokenization: {said}", file=err)
+    same = f"the same token ids in the first {args.check} prompts"
+    harness.say_tokenization(ours is not None and peer is not None, mismatch, same)
 
     for r in (ours, ours_micro, peer):
         if r is not None:

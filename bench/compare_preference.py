@@ -602,13 +602,8 @@ def main(argv=None) -> None:
             f"(<= 0.6x: {'met' if mem <= 0.6 else 'MISSED'})",
             file=err,
         )
-    if peer is None or not ours:
-        said = "not compared (one side only)"
-    elif mismatch:
-        said = f"{len(mismatch)} differences (the WARNING lines above)"
-    else:
-        said = f"the same token ids and scored tokens in the first {args.check} pairs"
-    print(f"tokenization: {said}", file=err)
+    same = f"the same token ids and scored tokens in the first {args.check} pairs"
+    harness.say_tokenization(peer is not None and bool(ours), mismatch, same)
 
     out = {
         "size": "quick" if args.quick else "full",

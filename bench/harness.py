@@ -231,6 +231,18 @@ def ids_differ(where: str, ours: list[int], peer: list[int]) -> str:
     )
 
 
+def say_tokenization(compared: bool, mismatch: list[str], same: str) -> None:
+    """The tokenization check's summary line on stderr: not ``compared`` (one side only), how
+    many differences (``mismatch``, each said in a WARNING line before), or else ``same``."""
+    if not compared:
+        said = "not compared (one side only)"
+    elif mismatch:
+        said = f"{len(mismatch)} differences (the WARNING lines above)"
+    else:
+        said = same
+    print(f"tokenization: {said}", file=sys.stderr)
+
+
 # ---------------------------------------------------------------------------- the peer's side
 def load_peer(spec: dict):
     """A peer worker's start, as mlx-lm-lora's CLI: the seeds (numpy's draws its batches, mlx's
@@ -501,6 +513,7 @@ __all__ = [
     "process_setup",
     "quiet_trainer",
     "report_recorder",
+    "say_tokenization",
     "run_options",
     "start_timing",
     "steady_rates",
