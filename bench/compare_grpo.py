@@ -31,8 +31,8 @@ the KL to the reference (0 by default: no reference pass on either side), Adam a
 
 Each runs in its own Python process (this script re-invoked with ``--mlxtune-worker`` or
 ``--peer-worker SPEC.json``, printing one ``MLXTUNE_RESULT {json}`` / ``MLX_LM_LORA_RESULT {json}``
-line), so each peak memory is its own (bench/compare_preference.py's set-up, whose helpers this
-imports). Prints a table (stderr) with steps/s, completion tokens/s, generation tokens/s, the
+line), so each peak memory is its own (bench/compare_preference.py's set-up: both run it with
+bench/harness.py). Prints a table (stderr) with steps/s, completion tokens/s, generation tokens/s, the
 mean completion length, peak GB, the ratios mlxtune / peer and whether the targets are met
 (>= 2x the peer's steps/s, <= 0.6x its peak memory), then one JSON line (stdout) with every figure.
 
@@ -123,7 +123,6 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402
-from compare_preference import _steady, words  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 RESULT_TAG, MLXTUNE_TAG = harness.RESULT_TAG, harness.MLXTUNE_TAG
@@ -148,86 +147,57 @@ def reward(prompts, completions, completion_ids=None, answer=None, **_):
 # --------------------------------------------------------------------------- the caller's side
 
 
-def _in_child(flag: str, spec: dict, tag: str, what: str, timeout, verbose) -> dict:
-    return harness.in_child(SCRIPT, flag, spec, tag, what, timeout, verbose)
-
-
-def _spec(model_dir, rows, **kw) -> dict:
-    spec = dict(model_dir=str(Path(model_dir).resolve()), rows=list(rows))
-    for k, v in kw.items():
-        spec[k] = v
-    if len(spec["rows"]) < spec["batch_size"]:
-        raise ValueError(f"{len(spec['rows'])} rows is fewer than one batch of {kw['batch_size']}")
-    return spec
+def _in_child(flag: str, spec: dict, tag: str, what: str, opts: harness.RunOptions) -> dict:
+    return harness.in_child(SCRIPT, flag, spec, tag, what, opts.timeout, opts.verbose)
 
 
 def run_mlx_lm_lora_grpo(
     model_dir: Path,
     rows: list[dict],
+    opts: harness.RunOptions,
     *,
-    rank: int,
-    scale: float,
     layers: int,
-    batch_size: int,
     group: int,
     max_completion: int,
-    steps: int,
-    lr: float,
-    beta: float,
-    max_length: int,
     reference: str = "copy",
-    seed: int = 0,
-    samples: int = 0,
-    timeout: float | None = None,
-    verbose: bool = False,
 ) -> dict:
     """Train mlx-lm-lora's online GRPO (LoRA on q_proj/v_proj) in a child process; return its
     figures (see ``_peer_worker``). ``rows``: dicts with "prompt", "answer" and "system" strings.
-    ``reference``: "copy" (a second loaded model, as its CLI) or "none" (``ref_model=None``).
-    ``samples``: also return the first that many prompts' token ids."""
+    ``opts``: both sides' options (``batch_size``: prompts a step; ``samples``: also return the
+    first that many prompts' token ids). ``group``: completions a prompt, ``max_completion``:
+    tokens a completion at most. ``reference``: "copy" (a second loaded model, as its CLI) or
+    "none" (``ref_model=None``)."""
     if reference not in ("copy", "none"):
         raise ValueError(f"reference must be copy or none, not {reference!r}")
-    spec = _spec(
-        model_dir, rows, rank=rank, scale=scale, layers=layers, batch_size=batch_size,
-        group=group, max_completion=max_completion, steps=steps, lr=lr, beta=beta,
-        max_length=max_length, reference=reference, seed=seed, samples=samples,
+    spec = harness.child_spec(
+        model_dir, rows, **opts.spec(), layers=layers, group=group, max_completion=max_completion,
+        reference=reference,
     )  # fmt: skip
-    return _in_child("--peer-worker", spec, RESULT_TAG, "mlx-lm-lora GRPO", timeout, verbose)
+    return _in_child("--peer-worker", spec, RESULT_TAG, "mlx-lm-lora GRPO", opts)
 
 
 def run_mlxtune_grpo(
     model_dir: Path,
     rows: list[dict],
     valid_rows: list[dict],
+    opts: harness.RunOptions,
     *,
-    rank: int,
-    scale: float,
-    batch_size: int,
     group: int,
     max_completion: int,
-    steps: int,
-    lr: float,
-    beta: float,
-    max_length: int,
     micro: int | None = None,
     dtype: str = "float32",
-    seed: int = 0,
-    samples: int = 0,
-    timeout: float | None = None,
-    verbose: bool = False,
 ) -> dict:
     """Train mlxtune's online GRPO (LoRA on q_proj/v_proj of every block) in a child process;
     return its figures, named as ``run_mlx_lm_lora_grpo``'s. ``rows``/``valid_rows``: as
     ``run_mlx_lm_lora_grpo``'s, handed to mlxtune as chat messages (``as_messages``); the valid
     prompts are only read by the run's final evaluation (after the timing). ``micro``: the
     recipe's ``objective.micro_batch_size`` (None: its default)."""
-    spec = _spec(
-        model_dir, [as_messages(r) for r in rows], valid_rows=[as_messages(r) for r in valid_rows],
-        rank=rank, scale=scale, batch_size=batch_size, group=group,
-        max_completion=max_completion, steps=steps, lr=lr, beta=beta, max_length=max_length,
-        micro=micro, dtype=dtype, seed=seed, samples=samples,
+    spec = harness.child_spec(
+        model_dir, [as_messages(r) for r in rows], **opts.spec(),
+        valid_rows=[as_messages(r) for r in valid_rows], group=group,
+        max_completion=max_completion, micro=micro, dtype=dtype,
     )  # fmt: skip
-    return _in_child("--mlxtune-worker", spec, MLXTUNE_TAG, "mlxtune GRPO", timeout, verbose)
+    return _in_child("--mlxtune-worker", spec, MLXTUNE_TAG, "mlxtune GRPO", opts)
 
 
 def as_messages(row: dict) -> dict:
@@ -243,16 +213,11 @@ def as_messages(row: dict) -> dict:
 
 
 def _timing(shapes: list, step_s: list[float], gen_s: list[float], tokens: list[int]) -> dict:
-    """Steps/s (compare_preference's ``_steady``: the steps after the first whose shapes had been
-    compiled before) and, over the same steady steps, completion tokens a second of step time and
-    of generation time, and the mean generation and training seconds of a step."""
-    out = {k.replace("pairs", "steps"): v for k, v in _steady(shapes, step_s, 1).items()}
-    seen: set = set()
-    steady = []
-    for i, s in enumerate(shapes):
-        if i and s in seen:
-            steady.append(i)
-        seen.add(s)
+    """Steps/s (``harness.steady_rates``: the steps after the first whose shapes had been compiled
+    before) and, over the same steady steps, completion tokens a second of step time and of
+    generation time, and the mean generation and training seconds of a step."""
+    out = harness.steady_rates(shapes, step_s, 1, unit="steps")
+    steady, _, _ = harness.steady_steps(shapes)
     if not steady:  # no steady step: every step after the first
         steady = list(range(1, len(shapes))) or [0]
     step = sum(step_s[i] for i in steady)
@@ -274,30 +239,15 @@ def _timing(shapes: list, step_s: list[float], gen_s: list[float], tokens: list[
 def _peer_worker(spec_path: str) -> None:
     setup = harness.process_setup()  # before mlx.core is imported
 
-    import mlx.core as mx
-    import mlx.optimizers as optim
     import mlx_lm_lora
-    import numpy as np
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load
-    from mlx_lm_lora.chat_template import ensure_chat_template
     from mlx_lm_lora.trainer import grpo_trainer
     from mlx_lm_lora.trainer.datasets import CacheDataset, GRPODataset
 
     spec = json.loads(Path(spec_path).read_text())
-    np.random.seed(spec["seed"])  # iterate_grpo_batches permutes its batches with np.random
-    mx.random.seed(spec["seed"])  # mlx-lm's sampler draws from the global key
-
-    model, tokenizer = load(spec["model_dir"])
-    ensure_chat_template(tokenizer)  # as utils.from_pretrained (a no-op with a template)
-    ref_model = None
-    if spec["reference"] == "copy":  # train.load_reference_model: for GRPO whatever the beta
-        ref_model, _ = load(spec["model_dir"])
-        ref_model.freeze()
+    # (its seeds: iterate_grpo_batches permutes its batches with np.random, mlx-lm's sampler
+    # draws from mlx's global key; "copy": train.load_reference_model, for GRPO whatever the beta)
+    model, tokenizer, ref_model = harness.load_peer(spec)
     keys = harness.peer_lora(model, spec)
-    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    ref_weights = sum(v.nbytes for _, v in tree_flatten(ref_model.parameters())) if ref_model else 0
     dataset = CacheDataset(GRPODataset(spec["rows"], tokenizer))
 
     # Each step: generate_grpo once (timed here), then _prepare_grpo_inputs once a loss chunk
@@ -328,16 +278,9 @@ def _peer_worker(spec_path: str) -> None:
     grpo_trainer._prepare_grpo_inputs = recording_prepare
 
     rec = harness.report_recorder()
-    args = grpo_trainer.GRPOTrainingArgs(
-        batch_size=spec["batch_size"],
-        iters=spec["steps"],
-        val_batches=0,
-        steps_per_report=1,  # one report a step: its it/s is that step's wall time
-        steps_per_eval=10**9,
-        steps_per_save=10**9,
-        max_seq_length=spec["max_length"],
-        adapter_file=str(Path(spec["work_dir"]) / "adapters.safetensors"),
-        grad_checkpoint=False,
+    args = harness.peer_training_args(
+        grpo_trainer.GRPOTrainingArgs,
+        spec,
         group_size=spec["group"],
         beta=spec["beta"],
         epsilon=0.2,
@@ -350,22 +293,12 @@ def _peer_worker(spec_path: str) -> None:
         grpo_loss_type="grpo",
         importance_sampling_level="token",
     )
-    optimizer = optim.Adam(learning_rate=spec["lr"])  # the CLI's default: adam, constant lr
-
-    wall, peak, other = harness.run_timed(
-        lambda: grpo_trainer.train_grpo(
-            model=model,
-            ref_model=ref_model,
-            tokenizer=tokenizer,
-            optimizer=optimizer,
-            train_dataset=dataset,
-            val_dataset=None,
-            reward_funcs=[reward],
-            args=args,
-            training_callback=rec,
-            end_answer_token="",  # EOS only: no "</answer>" stop sequence
-        )
-    )
+    wall, peak, other = harness.train_peer(
+        grpo_trainer.train_grpo, spec, model, ref_model, dataset, args, rec,
+        tokenizer=tokenizer,
+        reward_funcs=[reward],
+        end_answer_token="",  # EOS only: no "</answer>" stop sequence
+    )  # fmt: skip
 
     n = spec["steps"]
     if len(rec.rows) != n or len(steps) != n:
@@ -404,16 +337,12 @@ def _peer_worker(spec_path: str) -> None:
             "group": spec["group"],
             "reference": spec["reference"],
             "lora_keys": keys,
-            "trainable_params": int(trainable),
+            "trainable_params": harness.trainable_params(model),
             "prompts": len(dataset),
             "mean_prompt_tokens": sum(len(dataset[i][0]) for i in range(len(dataset)))
             / len(dataset),
             "eos_ids": sorted(int(i) for i in tokenizer.eos_token_ids),
-            "weights_gb": weights / 1e9,
-            "reference_weights_gb": ref_weights / 1e9,
-            "mlx": mx.__version__,
-            "device": str(mx.default_device()),
-            "process_setup": setup,
+            **harness.peer_sizes(model, ref_model, setup),
             "samples": [
                 [int(t) for t in dataset[i][0]]
                 for i in range(min(spec.get("samples", 0), len(dataset)))
@@ -559,13 +488,14 @@ def full_vocabulary(model_dir: Path) -> int:
 def make_prompts(n: int, chars: int, seed: int = 0) -> list[dict]:
     """``n`` rows: a prompt of random lowercase words, exactly ``chars`` characters, the system
     turn ``SYSTEM``, and an answer of ``ANSWER_LETTERS`` distinct random letters (the reward's)."""
+    from lora_runs import LETTERS, words
+
     rng = random.Random(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz"
     rows = []
     for _ in range(n):
         text = words(rng, chars + 8)[:chars].strip()
         text = (text + " " + "a" * chars)[:chars] if len(text) < chars else text
-        answer = "".join(sorted(rng.sample(letters, ANSWER_LETTERS)))
+        answer = "".join(sorted(rng.sample(LETTERS, ANSWER_LETTERS)))
         rows.append({"prompt": text, "answer": answer, "system": SYSTEM})
     return rows
 
@@ -575,12 +505,7 @@ def check_prompts(ours: list, peer: list) -> list[str]:
     out = []
     for i, (a, b) in enumerate(zip(ours, peer, strict=False)):
         if a != b:
-            j = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-            j = min(len(a), len(b)) if j is None else j
-            out.append(
-                f"prompt {i}: token ids differ ({len(a)} tokens in mlxtune, {len(b)} in "
-                f"mlx-lm-lora, first difference at {j})"
-            )
+            out.append(harness.ids_differ(f"prompt {i}", a, b))
     if len(ours) != len(peer):
         out.append(f"{len(ours)} prompts compared from mlxtune, {len(peer)} from mlx-lm-lora")
     return out
@@ -616,38 +541,21 @@ def main(argv=None) -> None:
     if args.beta > 0 and args.reference == "none":
         ap.error("--beta > 0 needs mlx-lm-lora's reference: --reference copy")
 
-    import lora_runs  # (the tiny llama)
-
     rows = make_prompts(args.prompts, args.prompt_chars, seed=args.seed)
     valid = make_prompts(args.batch, args.prompt_chars, seed=args.seed + 1)  # final eval only
-    common = dict(
-        rank=args.rank,
-        scale=args.scale,
-        batch_size=args.batch,
-        group=args.group,
-        max_completion=args.max_completion,
-        steps=args.steps,
-        lr=args.lr,
-        beta=args.beta,
-        max_length=args.max_length,
-        seed=args.seed,
-        samples=args.check,
-        verbose=args.verbose,
-    )
+    opts = harness.run_options(args)
+    common = dict(group=args.group, max_completion=args.max_completion)
     ours = ours_micro = peer = None
     added = 0
     log = sys.stderr
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="compare-grpo-") as tmp:
-        model_dir = args.model_dir
-        if model_dir is None:
-            model_dir = lora_runs.build_base(Path(tmp) / f"tiny-{args.vocab}", args.vocab)
+        model_dir, shape, vocab = harness.comparison_model(args, tmp)
+        if args.model_dir is None:  # the tiny llama: every id decodes (config.json unchanged)
             added = full_vocabulary(Path(model_dir))
-        shape = lora_runs.model_shape(Path(model_dir))
-        vocab = shape.pop("vocab_size")
         if not args.peer_only:
             for micro in [None] + ([args.micro] if args.micro > 0 else []):
-                r = run_mlxtune_grpo(model_dir, rows, valid, micro=micro, **common)
+                r = run_mlxtune_grpo(model_dir, rows, valid, opts, micro=micro, **common)
                 if micro is None:
                     ours = r
                 else:
@@ -660,7 +568,7 @@ def main(argv=None) -> None:
                       file=log, flush=True)  # fmt: skip
         if not args.mlxtune_only:
             peer = run_mlx_lm_lora_grpo(
-                model_dir, rows, layers=args.layers, reference=args.reference, **common
+                model_dir, rows, opts, layers=args.layers, reference=args.reference, **common
             )
             print(f"  {peer['trainer']} ({args.reference} reference): "
                   f"{peer['steps_per_sec']:.3f} steps/s, peak {peer['peak_memory_gb']:.3f} GB, "
@@ -762,13 +670,8 @@ def main(argv=None) -> None:
                 f"{peer['mean_completion_length']:.1f} (mlx-lm-lora) tokens",
                 file=err,
             )
-    if ours is None or peer is None:
-        said = "not compared (one side only)"
-    elif mismatch:
-        said = f"{len(mismatch)} differences (the WARNING lines above)"
-    else:
-        said = f"the same token ids in the first {args.check} prompts"
-    print(f"tokenization: {said}", file=err)
+    same = f"the same token ids in the first {args.check} prompts"
+    harness.say_tokenization(ours is not None and peer is not None, mismatch, same)
 
     for r in (ours, ours_micro, peer):
         if r is not None:

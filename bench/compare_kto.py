@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import compare_preference as cp  # noqa: E402
+import harness  # noqa: E402
 import lora_runs as cm  # noqa: E402  (sets up OpenBLAS through mlxtune first)
 
 
@@ -51,13 +52,15 @@ def main(argv=None) -> int:
         return 1
     pairs = cp.make_pairs(args.pairs, seed=0)
     valid = cp.make_pairs(8, seed=1)
-    common = dict(rank=8, scale=2.0, batch_size=args.batch, steps=args.steps, lr=args.lr,
-                  beta=args.beta, max_length=512, verbose=args.verbose)  # fmt: skip
+    opts = harness.RunOptions(
+        rank=8, scale=2.0, batch_size=args.batch, steps=args.steps, lr=args.lr, beta=args.beta,
+        max_length=512, verbose=args.verbose,
+    )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         base = cm.build_gguf_base(Path(tmp) / "base", gguf)
-        dpo = cp.run_mlxtune_dpo(base, pairs, valid, **common)
+        dpo = cp.run_mlxtune_dpo(base, pairs, valid, opts)
         kto = cp.run_mlxtune_dpo(
-            base, pairs, valid, **common,
+            base, pairs, valid, opts,
             objective={"type": "kto", "beta": args.beta, "unpair": True},
         )  # fmt: skip
     rows = {}

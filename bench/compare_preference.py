@@ -131,7 +131,6 @@ import harness  # noqa: E402
 REPO = HERE.parent
 RESULT_TAG, MLXTUNE_TAG = harness.RESULT_TAG, harness.MLXTUNE_TAG
 FULL_STEPS, QUICK_STEPS = 40, 12
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 # --------------------------------------------------------------------------- the caller's side
@@ -140,56 +139,45 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 def run_mlx_lm_lora_dpo(
     model_dir: Path,
     train_rows: list[dict],
+    opts: harness.RunOptions,
     *,
-    rank: int,
-    scale: float,
     layers: int,
-    batch_size: int,
-    steps: int,
-    lr: float,
-    beta: float,
-    max_length: int,
     reference: str = "copy",
-    seed: int = 0,
-    samples: int = 0,
-    timeout: float | None = None,
-    verbose: bool = False,
 ) -> dict:
     """Train mlx-lm-lora's DPO (LoRA on q_proj/v_proj) in a child process; return its figures.
 
     ``train_rows``: dicts with "prompt", "chosen", "rejected" (and optionally "system") strings.
-    ``layers``: LoRA on the last ``layers`` blocks, -1 for all. ``batch_size``: pairs a step.
-    ``max_length``: longest sequence (prompt + response, rendered), longer ones are cut.
-    ``reference``: "copy" (a second loaded model, as mlx-lm-lora's CLI), "shared" (the policy's
-    base weights), "none" (reference-free). Returns a dict with at least ``pairs_per_sec``
-    (steady state), ``peak_memory_gb`` and ``steps``; see ``_worker`` for the rest. ``samples``:
-    also return the token ids of the first that many pairs as it encodes them (``samples``: the
-    chosen and rejected ids and the generation prompt's length).
+    ``opts``: both sides' options; its ``batch_size``: pairs a step; its ``max_length``: longest
+    sequence (prompt + response, rendered), longer ones are cut; its ``samples``: also return the
+    token ids of the first that many pairs as it encodes them (``samples``: the chosen and
+    rejected ids and the generation prompt's length). ``layers``: LoRA on the last ``layers``
+    blocks, -1 for all. ``reference``: "copy" (a second loaded model, as mlx-lm-lora's CLI),
+    "shared" (the policy's base weights), "none" (reference-free). Returns a dict with at least
+    ``pairs_per_sec`` (steady state), ``peak_memory_gb`` and ``steps``; see ``_worker`` for the
+    rest.
     """
     if reference not in ("copy", "shared", "none"):
         raise ValueError(f"reference must be copy, shared or none, not {reference!r}")
-    spec = dict(
-        model_dir=str(Path(model_dir).resolve()),
-        rows=list(train_rows),
-        rank=int(rank),
-        scale=float(scale),
-        layers=int(layers),
-        batch_size=int(batch_size),
-        steps=int(steps),
-        lr=float(lr),
-        beta=float(beta),
-        max_length=int(max_length),
-        reference=reference,
-        seed=int(seed),
-        samples=int(samples),
-    )
-    if len(spec["rows"]) < spec["batch_size"]:
-        raise ValueError(f"{len(spec['rows'])} rows is fewer than one batch of {batch_size}")
-    return _in_child("--peer-worker", spec, RESULT_TAG, "mlx-lm-lora DPO", timeout, verbose)
+    spec = _spec(model_dir, train_rows, opts, layers=layers, reference=reference)
+    return _in_child("--peer-worker", spec, RESULT_TAG, "mlx-lm-lora DPO", opts)
 
 
-def _in_child(flag: str, spec: dict, tag: str, what: str, timeout, verbose) -> dict:
-    return harness.in_child(__file__, flag, spec, tag, what, timeout, verbose)
+def _in_child(flag: str, spec: dict, tag: str, what: str, opts: harness.RunOptions) -> dict:
+    return harness.in_child(__file__, flag, spec, tag, what, opts.timeout, opts.verbose)
+
+
+# the numbers of a spec, as the types the workers read (the rest go as given)
+_NUMBERS = dict(
+    rank=int, scale=float, layers=int, batch_size=int, steps=int, lr=float, beta=float,
+    max_length=int, seed=int, samples=int,
+)  # fmt: skip
+
+
+def _spec(model_dir, rows, opts: harness.RunOptions, **kw) -> dict:
+    """``harness.child_spec`` of ``opts`` and ``kw``, the numbers (``_NUMBERS``) made ints and
+    floats."""
+    kw = {k: _NUMBERS[k](v) if k in _NUMBERS else v for k, v in {**opts.spec(), **kw}.items()}
+    return harness.child_spec(model_dir, rows, **kw)
 
 
 def as_chat(row: dict) -> dict:
@@ -210,20 +198,10 @@ def run_mlxtune_dpo(
     model_dir: Path,
     train_rows: list[dict],
     valid_rows: list[dict],
+    opts: harness.RunOptions,
     *,
-    rank: int,
-    scale: float,
-    batch_size: int,
-    steps: int,
-    lr: float,
-    beta: float,
-    max_length: int,
     reference: str = "auto",
     dtype: str = "float32",
-    seed: int = 0,
-    samples: int = 0,
-    timeout: float | None = None,
-    verbose: bool = False,
     objective: dict | None = None,
 ) -> dict:
     """Train mlxtune's DPO (LoRA on q_proj/v_proj of every block) in a child process; return
@@ -233,30 +211,16 @@ def run_mlxtune_dpo(
     ``train_rows``/``valid_rows``: prompt/chosen/rejected strings, handed to mlxtune as chat
     messages (``as_chat``); the validation pairs are only read by the run's final evaluation
     (one batch, after the timing), so that no training pair is held out. ``reference``:
-    mlxtune's ``objective.reference`` (auto: the base with the adapters off). ``samples``: also
-    return the first that many pairs as mlxtune encodes them."""
+    mlxtune's ``objective.reference`` (auto: the base with the adapters off). ``opts``'s
+    ``samples``: also return the first that many pairs as mlxtune encodes them."""
     if reference not in ("auto", "copy", "precomputed"):
         raise ValueError(f"reference must be auto, copy or precomputed, not {reference!r}")
-    spec = dict(
-        model_dir=str(Path(model_dir).resolve()),
-        rows=[as_chat(r) for r in train_rows],
-        valid_rows=[as_chat(r) for r in valid_rows],
-        rank=int(rank),
-        scale=float(scale),
-        batch_size=int(batch_size),
-        steps=int(steps),
-        lr=float(lr),
-        beta=float(beta),
-        max_length=int(max_length),
-        reference=reference,
-        dtype=dtype,
-        seed=int(seed),
-        samples=int(samples),
+    spec = _spec(
+        model_dir, [as_chat(r) for r in train_rows], opts,
+        valid_rows=[as_chat(r) for r in valid_rows], reference=reference, dtype=dtype,
         objective=objective,
-    )
-    if len(spec["rows"]) < spec["batch_size"]:
-        raise ValueError(f"{len(spec['rows'])} rows is fewer than one batch of {batch_size}")
-    return _in_child("--mlxtune-worker", spec, MLXTUNE_TAG, "mlxtune DPO", timeout, verbose)
+    )  # fmt: skip
+    return _in_child("--mlxtune-worker", spec, MLXTUNE_TAG, "mlxtune DPO", opts)
 
 
 # --------------------------------------------------------------------------- the child process
@@ -266,12 +230,9 @@ def _worker(spec_path: str) -> None:
     setup = harness.process_setup()  # before mlx.core is imported
 
     import mlx.core as mx
-    import mlx.optimizers as optim
     import mlx_lm_lora
-    import numpy as np
-    from mlx.utils import tree_flatten, tree_map
+    from mlx.utils import tree_map
     from mlx_lm.utils import load
-    from mlx_lm_lora.chat_template import ensure_chat_template
     from mlx_lm_lora.trainer import dpo_trainer
     from mlx_lm_lora.trainer.datasets import CacheDataset, DPODataset
 
@@ -288,15 +249,9 @@ def _worker(spec_path: str) -> None:
 
     mx.device_info = device_info
 
-    np.random.seed(spec["seed"])  # iterate_dpo_batches draws batches with np.random
-    mx.random.seed(spec["seed"])
-
-    model, tokenizer = load(spec["model_dir"])
-    ensure_chat_template(tokenizer)  # as utils.from_pretrained (a no-op with a template)
-    if spec["reference"] == "copy":  # train.load_reference_model
-        ref_model, _ = load(spec["model_dir"])
-        ref_model.freeze()
-    elif spec["reference"] == "shared":
+    # (its seeds: iterate_dpo_batches draws batches with np.random)
+    model, tokenizer, ref_model = harness.load_peer(spec)
+    if spec["reference"] == "shared":
         ref_model, _ = load(spec["model_dir"], lazy=True)
         # The policy's base weights (frozen: never updated), as new array objects over the same
         # buffers (stop_gradient's output shares its input's buffer: no copy). Handing it the very
@@ -306,17 +261,8 @@ def _worker(spec_path: str) -> None:
         mx.eval(shared)
         ref_model.update(shared)
         ref_model.freeze()
-    else:
-        ref_model = None
 
     keys = harness.peer_lora(model, spec)
-    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    ref_weights = (
-        sum(v.nbytes for _, v in tree_flatten(ref_model.parameters()))
-        if spec["reference"] == "copy"
-        else 0
-    )
 
     dataset = CacheDataset(DPODataset(spec["rows"], tokenizer))
     lengths = [
@@ -338,120 +284,54 @@ def _worker(spec_path: str) -> None:
     dpo_trainer.iterate_dpo_batches = recording_iterate
 
     rec = harness.report_recorder()
-    args = dpo_trainer.DPOTrainingArgs(
-        batch_size=spec["batch_size"],
-        iters=spec["steps"],
-        val_batches=0,
-        steps_per_report=1,  # one report a step: its it/s is that step's wall time
-        steps_per_eval=10**9,
-        steps_per_save=10**9,
-        max_seq_length=spec["max_length"],
-        adapter_file=str(Path(spec["work_dir"]) / "adapters.safetensors"),
-        grad_checkpoint=False,
-        beta=spec["beta"],
-        loss_type="sigmoid",
+    args = harness.peer_training_args(
+        dpo_trainer.DPOTrainingArgs, spec, beta=spec["beta"], loss_type="sigmoid"
     )
-    optimizer = optim.Adam(learning_rate=spec["lr"])  # the CLI's default: adam, constant lr
-
-    wall, peak, _ = harness.run_timed(
-        lambda: dpo_trainer.train_dpo(
-            model=model,
-            ref_model=ref_model,
-            optimizer=optimizer,
-            train_dataset=dataset,
-            val_dataset=None,
-            args=args,
-            training_callback=rec,
-            loss_type="sigmoid",
-        )
+    wall, peak, _ = harness.train_peer(
+        dpo_trainer.train_dpo, spec, model, ref_model, dataset, args, rec, loss_type="sigmoid"
     )
 
     if len(rec.rows) != spec["steps"] or len(shapes) != spec["steps"]:
         raise SystemExit(f"expected {spec['steps']} reports, got {len(rec.rows)} / {len(shapes)}")
     step_s = [1.0 / r["iterations_per_second"] for r in rec.rows]
-    seen: set = set()
-    steady, after_first = [], []
-    steady_tokens, steady_tokens_s = 0.0, 0.0
-    for i, (shape, dt, row) in enumerate(zip(shapes, step_s, rec.rows, strict=True)):
-        new = shape not in seen
-        seen.add(shape)
-        if i == 0:
-            continue
-        after_first.append(dt)
-        if not new:
-            steady.append(dt)
-            steady_tokens += row["tokens_per_second"] * dt
-            steady_tokens_s += dt
+    steady, _, _ = harness.steady_steps(shapes)
+    steady_tokens = sum(rec.rows[i]["tokens_per_second"] * step_s[i] for i in steady)
+    steady_tokens_s = sum(step_s[i] for i in steady)
     b = spec["batch_size"]
-    if steady:
-        pairs_per_sec = b * len(steady) / sum(steady)
-    else:  # every step had a new shape: no steady state; fall back to all but the first
-        pairs_per_sec = b * len(after_first) / sum(after_first) if after_first else float("nan")
-    result = {
-        "trainer": f"mlx-lm-lora {mlx_lm_lora.__version__}",
-        "pairs_per_sec": pairs_per_sec,
-        "peak_memory_gb": peak,
-        "steps": spec["steps"],
-        "steady_steps": len(steady),
-        "compiled_shapes": len(seen),
-        # b / the median steady step: less swayed by other work on the machine than the mean
-        "pairs_per_sec_median": b / statistics.median(steady) if steady else None,
-        "pairs_per_sec_with_compiles": (
-            b * len(after_first) / sum(after_first) if after_first else float("nan")
-        ),
-        # response (scored) tokens of chosen + rejected, as its own tokens/s counts them
-        "response_tokens_per_sec": steady_tokens / steady_tokens_s if steady_tokens_s else None,
-        "step_seconds": [round(s, 4) for s in step_s],
-        "batch_lengths": [s[0][1] for s in shapes],
-        "loss_first": rec.rows[0]["train_loss"],
-        "loss_last": rec.rows[-1]["train_loss"],
-        "train_wall_s": wall,
-        "batch_size_pairs": b,
-        "reference": spec["reference"],
-        "lora_keys": keys,
-        "trainable_params": int(trainable),
-        "pairs": len(dataset),
-        "mean_chosen_tokens": sum(c for c, _, _ in lengths) / len(lengths),
-        "mean_rejected_tokens": sum(r for _, r, _ in lengths) / len(lengths),
-        "mean_prompt_tokens": sum(p for _, _, p in lengths) / len(lengths),
-        "weights_gb": weights / 1e9,
-        "reference_weights_gb": ref_weights / 1e9,
-        "mlx": mx.__version__,
-        "device": str(mx.default_device()),
-        "process_setup": setup,
-        "samples": [
-            {
-                "chosen": [int(t) for t in dataset[i]["chosen"]],
-                "rejected": [int(t) for t in dataset[i]["rejected"]],
-                "prompt_length": int(dataset[i]["chosen_prompt_length"]),
-            }
-            for i in range(min(spec.get("samples", 0), len(dataset)))
-        ],
-    }
+    result = {"trainer": f"mlx-lm-lora {mlx_lm_lora.__version__}"}
+    # (with no steady step, every step had a new shape: all but the first)
+    result.update(harness.steady_rates(shapes, step_s, b))
+    result.update(
+        {
+            "peak_memory_gb": peak,
+            "steps": spec["steps"],
+            # response (scored) tokens of chosen + rejected, as its own tokens/s counts them
+            "response_tokens_per_sec": steady_tokens / steady_tokens_s if steady_tokens_s else None,
+            "step_seconds": [round(s, 4) for s in step_s],
+            "batch_lengths": [s[0][1] for s in shapes],
+            "loss_first": rec.rows[0]["train_loss"],
+            "loss_last": rec.rows[-1]["train_loss"],
+            "train_wall_s": wall,
+            "batch_size_pairs": b,
+            "reference": spec["reference"],
+            "lora_keys": keys,
+            "trainable_params": harness.trainable_params(model),
+            "pairs": len(dataset),
+            "mean_chosen_tokens": sum(c for c, _, _ in lengths) / len(lengths),
+            "mean_rejected_tokens": sum(r for _, r, _ in lengths) / len(lengths),
+            "mean_prompt_tokens": sum(p for _, _, p in lengths) / len(lengths),
+            **harness.peer_sizes(model, ref_model if spec["reference"] == "copy" else None, setup),
+            "samples": [
+                {
+                    "chosen": [int(t) for t in dataset[i]["chosen"]],
+                    "rejected": [int(t) for t in dataset[i]["rejected"]],
+                    "prompt_length": int(dataset[i]["chosen_prompt_length"]),
+                }
+                for i in range(min(spec.get("samples", 0), len(dataset)))
+            ],
+        }
+    )
     print(RESULT_TAG + json.dumps(result), flush=True)
-
-
-def _steady(shapes: list, step_s: list[float], batch: int) -> dict:
-    """Pairs per second from per-step seconds: ``steady`` over the steps after the first whose
-    shape had been seen (compiled) before, ``with_compiles`` over every step after the first."""
-    seen: set = set()
-    steady, after_first = [], []
-    for i, (shape, dt) in enumerate(zip(shapes, step_s, strict=True)):
-        new = shape not in seen
-        seen.add(shape)
-        if i == 0:
-            continue
-        after_first.append(dt)
-        if not new:
-            steady.append(dt)
-    with_compiles = batch * len(after_first) / sum(after_first) if after_first else float("nan")
-    return {
-        "pairs_per_sec": batch * len(steady) / sum(steady) if steady else with_compiles,
-        "steady_steps": len(steady),
-        "compiled_shapes": len(seen),
-        "pairs_per_sec_median": batch / statistics.median(steady) if steady else None,
-        "pairs_per_sec_with_compiles": with_compiles,
-    }
 
 
 def _mlxtune_worker(spec_path: str) -> None:
@@ -504,7 +384,7 @@ def _mlxtune_worker(spec_path: str) -> None:
         raise SystemExit(f"a step without {b} pairs: {[s['pairs'] for s in steps]}")
     step_s = [r["step_time_s"] for r in rows]
     result = harness.mlxtune_figures(trainer, rows, summary)
-    result.update(_steady([s["shape"] for s in steps], step_s, b))
+    result.update(harness.steady_rates([s["shape"] for s in steps], step_s, b))
     result.update(
         {
             "steps": spec["steps"],
@@ -538,16 +418,11 @@ def _mlxtune_worker(spec_path: str) -> None:
 # --------------------------------------------------------------------------- the bench
 
 
-def words(rng: random.Random, n_chars: int) -> str:
-    """Lowercase words (the tiny tokenizer's alphabet) about ``n_chars`` characters long."""
-    out: list[str] = []
-    while sum(len(w) + 1 for w in out) < n_chars:
-        out.append("".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 8))))
-    return " ".join(out)
-
-
 def make_pairs(n: int, seed: int = 0, lo: int = 40, hi: int = 120) -> list[dict]:
-    """``n`` synthetic preference rows, prompt/chosen/rejected each ``lo``-``hi`` characters."""
+    """``n`` synthetic preference rows, prompt/chosen/rejected each ``lo``-``hi`` characters
+    (bench/lora_runs.py's ``words``: the tiny tokenizer's alphabet)."""
+    from lora_runs import words
+
     rng = random.Random(seed)
     return [
         {
@@ -567,15 +442,7 @@ def check_tokens(ours: list[dict], peer: list[dict]) -> list[str]:
     for i, (a, b) in enumerate(zip(ours, peer, strict=False)):
         for key in ("chosen", "rejected"):
             if a[key] != b[key]:
-                n = next(
-                    (j for j, (x, y) in enumerate(zip(a[key], b[key], strict=False)) if x != y),
-                    None,
-                )
-                n = min(len(a[key]), len(b[key])) if n is None else n
-                out.append(
-                    f"pair {i} {key}: token ids differ ({len(a[key])} tokens in mlxtune, "
-                    f"{len(b[key])} in mlx-lm-lora, first difference at {n})"
-                )
+                out.append(harness.ids_differ(f"pair {i} {key}", a[key], b[key]))
                 continue
             theirs = [0] * b["prompt_length"] + [1] * (len(b[key]) - b["prompt_length"])
             mine = a[f"{key}_mask"]
@@ -635,28 +502,13 @@ def main(argv=None) -> None:
 
     rows = make_pairs(args.pairs, seed=args.seed)
     valid = make_pairs(max(args.batch, 4), seed=args.seed + 1)  # the final evaluation only
-    common = dict(
-        rank=args.rank,
-        scale=args.scale,
-        batch_size=args.batch,
-        steps=args.steps,
-        lr=args.lr,
-        beta=args.beta,
-        max_length=args.max_length,
-        seed=args.seed,
-        samples=args.check,
-        verbose=args.verbose,
-    )
+    opts = harness.run_options(args)
     ours: dict[str, dict] = {}
     peer = None
     t0 = time.perf_counter()
     peak = lora_runs.matmul_peak()
     with tempfile.TemporaryDirectory(prefix="compare-preference-") as tmp:
-        model_dir = args.model_dir
-        if model_dir is None:
-            model_dir = lora_runs.build_base(Path(tmp) / f"tiny-{args.vocab}", args.vocab)
-        shape = lora_runs.model_shape(Path(model_dir))
-        vocab = shape.pop("vocab_size")
+        model_dir, shape, vocab = harness.comparison_model(args, tmp)
         lora_runs.MODEL.clear()
         lora_runs.MODEL.update(shape)
         log = sys.stderr
@@ -664,14 +516,14 @@ def main(argv=None) -> None:
         if not (args.peer_only or args.no_precomputed) and args.mlxtune_reference != "precomputed":
             refs.append("precomputed")
         for i, ref in enumerate(refs):
-            ours[ref] = run_mlxtune_dpo(model_dir, rows, valid, reference=ref, **common)
+            ours[ref] = run_mlxtune_dpo(model_dir, rows, valid, opts, reference=ref)
             r = ours[ref]
             print(f"  mlxtune ({ref} reference): {r['pairs_per_sec']:.2f} pairs/s, peak "
                   f"{r['peak_memory_gb']:.3f} GB, loss {r['loss_first']:.4f} -> "
                   f"{r['loss_last']:.4f}", file=log, flush=True)  # fmt: skip
             if i == 0 and not args.mlxtune_only:
                 peer = run_mlx_lm_lora_dpo(
-                    model_dir, rows, layers=args.layers, reference=args.reference, **common
+                    model_dir, rows, opts, layers=args.layers, reference=args.reference
                 )
                 print(f"  {peer['trainer']} ({args.reference} reference): "
                       f"{peer['pairs_per_sec']:.2f} pairs/s, peak {peer['peak_memory_gb']:.3f} "
@@ -679,7 +531,7 @@ def main(argv=None) -> None:
                       file=log, flush=True)  # fmt: skip
         if args.peer_only:
             peer = run_mlx_lm_lora_dpo(
-                model_dir, rows, layers=args.layers, reference=args.reference, **common
+                model_dir, rows, opts, layers=args.layers, reference=args.reference
             )
     peak = max(peak, lora_runs.matmul_peak())
     elapsed = time.perf_counter() - t0
@@ -750,13 +602,8 @@ def main(argv=None) -> None:
             f"(<= 0.6x: {'met' if mem <= 0.6 else 'MISSED'})",
             file=err,
         )
-    if peer is None or not ours:
-        said = "not compared (one side only)"
-    elif mismatch:
-        said = f"{len(mismatch)} differences (the WARNING lines above)"
-    else:
-        said = f"the same token ids and scored tokens in the first {args.check} pairs"
-    print(f"tokenization: {said}", file=err)
+    same = f"the same token ids and scored tokens in the first {args.check} pairs"
+    harness.say_tokenization(peer is not None and bool(ours), mismatch, same)
 
     out = {
         "size": "quick" if args.quick else "full",

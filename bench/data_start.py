@@ -39,21 +39,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # lora_runs: the small llama and the words, in the parent only
+REPO = HERE.parent
 CHAR_TOKENIZER = REPO / "recipes" / "models" / "reverse-tiny"
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
-
-def words(rng: random.Random, n_chars: int) -> str:
-    out, n = [], 0
-    while n < n_chars:
-        w = "".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 8)))
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)
 
 
 def write_data(path: Path, rows: int) -> None:
+    from lora_runs import words
+
     rng = random.Random(0)
     with open(path, "w") as f:
         for _ in range(rows):
@@ -84,27 +78,14 @@ def tokenizer_dir(work: Path) -> Path:
 
 
 def build_model(work: Path, tok_dir: Path) -> Path:
-    from mlxtune.models import build_model as build
-    from mlxtune.models import save_model
-    from mlxtune.tokenizer import load_tokenizer
+    """A small llama (hidden 64, 2 layers) at random, with the tokenizer of ``tok_dir``."""
+    import lora_runs
 
     out = work / "model"
     if out.exists():
         return out
-    tok = load_tokenizer(tok_dir)
-    arch = dict(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
-    model, config = build(arch, len(tok._tokenizer), dtype="float32", seed=0)
-    save_model(model, config, out, tok, tok_dir, dtype="float32")
-    return out
+    shape = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4)
+    return lora_runs.build_llama(out, tok_dir, shape, None, "float32")
 
 
 def recipe(work: Path, model: Path, data: Path, steps: int, streaming: bool = False) -> dict:

@@ -178,20 +178,21 @@ def ladder(name: str, budget_gb: float, base: Path, tmp: Path, args, say, memo: 
     one (so the budgets run largest first, and a smaller budget mostly reuses their rungs)."""
     tried, lo, hi, bound = [], None, None, False
 
-    def run(t):
+    def try_length(t):
+        """The rung at ``t`` (run, or from ``memo``), kept and said; whether it fits."""
         r = memo.get((name, t))
         if r is None or ("stopped" in r and r.get("budget_gb", 0) < budget_gb):
             r = {**rung(name, t, base, tmp, args, budget_gb, args.ladder_steps),
                  "budget_gb": budget_gb}  # fmt: skip
             memo[(name, t)] = r
-        return r
-
-    t = args.start
-    while t <= args.stop:
-        r = run(t)
         tried.append(r)
         ok = fits(r, budget_gb)
         say(name, f"{budget_gb:g} GB", r)
+        return ok
+
+    t = args.start
+    while t <= args.stop:
+        ok = try_length(t)
         if ok is None:
             bound = True
             break
@@ -201,10 +202,7 @@ def ladder(name: str, budget_gb: float, base: Path, tmp: Path, args, say, memo: 
         lo, t = t, t * 2
     while lo is not None and hi is not None and hi - lo > args.resolution:
         t = (lo + hi) // 2 // 64 * 64
-        r = run(t)
-        tried.append(r)
-        ok = fits(r, budget_gb)
-        say(name, f"{budget_gb:g} GB", r)
+        ok = try_length(t)
         if ok is None:
             bound = True
             break

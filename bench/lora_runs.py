@@ -148,19 +148,27 @@ def write_data(kind: str, path: Path, n: int = 600, tokenizer=None) -> None:
 
 
 def build_base(out: Path, vocab: int | None) -> Path:
+    """The base in use (``MODEL`` at ``DTYPE``, the char-level tokenizer), saved at ``out``."""
+    return build_llama(out, TOKENIZER, MODEL, vocab, DTYPE)
+
+
+def build_llama(out: Path, tok_dir: Path, shape: dict, vocab: int | None, dtype: str) -> Path:
+    """A llama of ``shape`` (``MODELS``' fields; as many key/value heads as heads unless it
+    says) built at random (seed 0) with tied embeddings, ``vocab`` ids (None: the tokenizer's),
+    saved in Hugging Face layout at ``out`` with the tokenizer of ``tok_dir``."""
     from mlxtune.models import build_model, save_model
     from mlxtune.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(TOKENIZER)
+    tok = load_tokenizer(tok_dir)
     arch = dict(
         model_type="llama",
-        num_key_value_heads=MODEL["num_attention_heads"],
+        num_key_value_heads=shape["num_attention_heads"],
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
     )
-    arch.update(MODEL)
-    model, config = build_model(arch, vocab or len(tok._tokenizer), dtype=DTYPE, seed=0)
-    return save_model(model, config, out, tok, TOKENIZER, dtype=DTYPE)[0]
+    arch.update(shape)
+    model, config = build_model(arch, vocab or len(tok._tokenizer), dtype=dtype, seed=0)
+    return save_model(model, config, out, tok, tok_dir, dtype=dtype)[0]
 
 
 def gguf_path(name: str) -> Path | None:
