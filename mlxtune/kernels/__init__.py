@@ -21,7 +21,6 @@ from .chunked import forward_only, linear_cross_entropy_chunked
 from .flash import attention_chunked, attention_native, attention_reference
 from .fused import FastLauncher, make_attention, make_linear_cross_entropy
 from .reference import linear_cross_entropy_reference
-from .tune import Tuned
 
 # Every tier there is; IMPLS and ATTENTION_IMPLS hold those that run on this machine.
 TIERS = ("reference", "chunked", "native", "metal", "cuda")
@@ -174,7 +173,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     reduction: str = "sum",
-    impl: str | Tuned | None = None,
+    impl=None,
     weight_grad: bool = True,
 ) -> tuple[mx.array, mx.array]:
     # impl: a tier, or None / "auto" (MLXTUNE_KERNELS, else the best tier here): see resolve().
@@ -198,7 +197,7 @@ def linear_cross_entropy(
         raise ValueError(
             f"shapes do not match: hidden {hidden.shape}, weight {weight.shape}, targets {targets.shape}"
         )
-    if isinstance(impl, Tuned):
+    if impl is not None and not isinstance(impl, str):  # measured by shape (tune.Tuned)
         impl = impl.tier_at(hidden.shape[0])
     fn = IMPLS[_pick(impl)]
     losses, valid = fn(
@@ -221,7 +220,7 @@ def attention(
     scale: float,
     causal: bool = True,
     segment_ids: mx.array | None = None,
-    impl: str | Tuned | None = None,
+    impl=None,
 ) -> mx.array:
     """Scaled dot-product attention, [B, Hq, T, Dh] out.
 
@@ -242,7 +241,7 @@ def attention(
         raise ValueError(
             f"segment_ids must be [B, T] = {(q.shape[0], q.shape[2])}, got {segment_ids.shape}"
         )
-    if isinstance(impl, Tuned):
+    if impl is not None and not isinstance(impl, str):  # measured by shape (tune.Tuned)
         impl = impl.tier_at(q.shape[2])
     fn = ATTENTION_IMPLS[_pick(impl, ATTENTION_IMPLS, "attention")]
     return fn(q, k, v, scale, causal, segment_ids)

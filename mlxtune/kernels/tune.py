@@ -24,6 +24,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import attention, linear_cross_entropy
+
 SLOWER_THAN_NAMED = 2.0
 """A tier named in the recipe is used as named; a warning says so when it measured more than
 this many times slower than the fastest that fits."""
@@ -184,8 +186,6 @@ class Tuned:
 def _inputs(case: Case):
     """Random inputs of the case's shapes and dtype, and the function whose forward and
     backward are timed (given the tier)."""
-    from . import attention, linear_cross_entropy
-
     dtype = _DTYPES[case.dtype]
     keys = mx.random.split(mx.random.key(7), 4)
     if case.op == "attention":
