@@ -30,7 +30,7 @@ from .engine.memory import GB
 from .engine.optim import optimizer_for
 from .engine.steps import Engine
 from .errors import UserInputError
-from .kernels.chunked import CHUNK_ELEMENTS
+from .kernels.chunked import chunk_elements
 from .kernels.flash import block_for, uses_fused
 from .kernels.tune import Tuned
 from .models import VisionLM, checkpoint_layers, checkpointed_layers, is_quantized
@@ -288,7 +288,7 @@ def shape_of(run) -> Shape:
         chunked_attention=attention == "chunked",
         native_attention=attention == "native",
         logits_full=tier_at(run.tiers["loss"], rows * length) == "reference",
-        logit_chunk=CHUNK_ELEMENTS,
+        logit_chunk=chunk_elements(),
         checkpointed=checkpointed_layers(model),
         quantizable=quantizable,
         rows_per_example=max(1, rows // r.train.batch_size),

@@ -294,3 +294,14 @@ def test_frozen_head_gathers_its_hidden_gradient_in_the_forward(label_smoothing,
             weight_grad=False,
         )[0]
     np.testing.assert_allclose(np.array(plain), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_gpu_takes_larger_chunks_of_logits(monkeypatch):
+    """2**20 logits a chunk on the CPU, 2**24 on a GPU: at N=4096 and V=152064 256 columns
+    (594 chunks) against 4096 (38)."""
+    from mlxtune.kernels import chunked as chunked_mod
+
+    assert chunked_mod.chunk_size(4096, 152064) == 256
+    monkeypatch.setattr(chunked_mod.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert chunked_mod.chunk_size(4096, 152064) == 4096
+    assert chunked_mod.chunk_size(4096, 1000) == 1000  # at most the vocabulary

@@ -27,15 +27,28 @@ import mlx.core as mx
 
 from . import cpu
 
-# Elements of one [N, C] chunk of logits (fp32): 2**20 is 4 MB. MLX's scheduler keeps a few ops
-# in flight, so the peak is some ten chunks: measured at N=2048, V=32768 (compiled, with the
-# weight's gradient) 62 MB against the naive path's 814 MB.
+# Elements of one [N, C] chunk of logits (fp32) on the CPU: 2**20 is 4 MB. MLX's scheduler keeps a
+# few ops in flight, so the peak is some ten chunks: measured at N=2048, V=32768 (compiled, with
+# the weight's gradient) 62 MB against the naive path's 814 MB.
 CHUNK_ELEMENTS = 1 << 20
+# ... on a GPU: 2**24 (64 MB). The CPU's size left an H200 a chunk of 256 columns at N=4096 (594
+# chunks at V=152064, each a GEMM too small to fill the device and a kernel launch), the loss
+# 7-12x the naive form's time (bench/device/README.md); 2**24 makes it 37 chunks of 4,096
+# columns, some 0.6 GB in flight, small beside such a GPU's memory.
+GPU_CHUNK_ELEMENTS = 1 << 24
+
+
+def chunk_elements() -> int:
+    """Logits a chunk holds on the default device: CHUNK_ELEMENTS on the CPU, GPU_CHUNK_ELEMENTS
+    on a GPU."""
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    return GPU_CHUNK_ELEMENTS if on_gpu else CHUNK_ELEMENTS
 
 
 def chunk_size(n: int, v: int, elements: int | None = None) -> int:
-    """Vocabulary columns per chunk: about ``elements`` logits, a multiple of 256, at most V."""
-    elements = elements or CHUNK_ELEMENTS
+    """Vocabulary columns per chunk: about ``elements`` logits (``chunk_elements()`` unless
+    given), a multiple of 256, at most V."""
+    elements = elements or chunk_elements()
     c = max(256, (elements // max(n, 1)) // 256 * 256)
     return min(c, v)
 
@@ -102,11 +115,14 @@ def token_losses(lse, target, total, valid, label_smoothing, v):
     return mx.where(valid, nll, 0.0)
 
 
-def backward_over_chunks(h, w, c, chunk_grad, weight_grad):
+def backward_over_chunks(h, w, c, chunk_grad, weight_grad, operands=None):
     """(d hidden, d weight) from each chunk's d loss / d logits, ``chunk_grad(h, w_chunk,
     start)`` (``start`` a scalar array, see ``chunk_starts``), one chunk at a time; with
-    ``weight_grad=False`` d weight is zeros."""
-    hf = h.astype(mx.float32)
+    ``weight_grad=False`` d weight is zeros. The two gradient matmuls take their operands in
+    ``operands`` (fp32 unless given: the GPU tiers give the inputs' dtype, whose GEMMs
+    accumulate in fp32 at 16-bit speed); d hidden is summed over the chunks in fp32."""
+    operands = operands or mx.float32
+    hf = h.astype(operands)
     dh = mx.zeros(h.shape, dtype=mx.float32)
     pieces = []
     starts = chunk_starts(w.shape[0], c)
@@ -115,8 +131,11 @@ def backward_over_chunks(h, w, c, chunk_grad, weight_grad):
         # chunk k starts only once everything reading chunk k-1's tile is done, or MLX's
         # scheduler would run ahead and hold many tiles at once
         after = mx.depends(h, [dh, pieces[-1]] if pieces else dh)
-        dz = chunk_grad(after, wc, starts[k])
-        dh = mx.addmm(dh, dz, wc.astype(mx.float32))
+        dz = chunk_grad(after, wc, starts[k]).astype(operands)
+        if operands == mx.float32:
+            dh = mx.addmm(dh, dz, wc.astype(mx.float32))
+        else:
+            dh = dh + (dz @ wc.astype(operands)).astype(mx.float32)
         if weight_grad:
             pieces.append((dz.T @ hf).astype(w.dtype))
     dw = mx.concatenate(pieces, axis=0) if weight_grad else mx.zeros_like(w)

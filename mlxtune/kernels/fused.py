@@ -212,7 +212,8 @@ def make_linear_cross_entropy(launch: Launcher):
                 )
                 return dz
 
-            dh, dw = backward_over_chunks(h, w, c, chunk_grad, weight_grad)
+            # the gradient GEMMs in the inputs' dtype: fp32 accumulation, 16-bit operands
+            dh, dw = backward_over_chunks(h, w, c, chunk_grad, weight_grad, h.dtype)
             return dh, dw, mx.zeros_like(t)
 
         losses, _ = losses_fn(hidden, weight, safe)
