@@ -39,17 +39,17 @@ def load_feedback(
     path,
     encoder: PairEncoder,
     fmt: str,
-    max_length: int,
-    overlong: str,
-    min_length: int,
+    limits: tuple,
     columns: dict[str, str] | None = None,
     bad: BadRows | None = None,
     unpair: bool = False,
 ) -> Dataset:
-    """A JSONL file's feedback examples (``unpair``: preference rows become two each). A
-    sequence longer than ``max_length`` has its completion cut at the end (``overlong:
-    truncate``) or its example dropped (``drop``); a prompt that leaves no room for a
-    completion token is an error naming the line."""
+    """A JSONL file's feedback examples (``unpair``: preference rows become two each);
+    ``limits`` is (max_length, overlong, min_length), as ``load_pairs`` takes them. A sequence
+    longer than ``max_length`` has its completion cut at the end (``overlong: truncate``) or its
+    example dropped (``drop``); a prompt that leaves no room for a completion token is an error
+    naming the line."""
+    max_length, overlong, min_length = limits
     bad = bad or BadRows()
     rows = bad.read(path, columns)
     if fmt == "auto":

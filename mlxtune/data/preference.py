@@ -171,17 +171,17 @@ def load_pairs(
     path,
     encoder: PairEncoder,
     fmt: str,
-    max_length: int,
-    overlong: str,
-    min_length: int,
+    limits: tuple,
     columns: dict[str, str] | None = None,
     bad: BadRows | None = None,
     num_proc: int | str = 1,
 ) -> Dataset:
-    """A JSONL file's preference pairs. A sequence longer than ``max_length`` has its
-    completion cut at the end (``overlong: truncate``) or its pair dropped (``drop``); a prompt
-    that leaves no room for a completion token is an error naming the line. ``num_proc``
-    processes encode it (``workers_for``)."""
+    """A JSONL file's preference pairs; ``limits`` is (max_length, overlong, min_length), as
+    ``encode_rows`` takes them. A sequence longer than ``max_length`` has its completion cut at
+    the end (``overlong: truncate``) or its pair dropped (``drop``); a prompt that leaves no room
+    for a completion token is an error naming the line. ``num_proc`` processes encode it
+    (``workers_for``)."""
+    max_length, overlong, min_length = limits
     bad = bad or BadRows()
     rows = bad.read(path, columns)
     if fmt == "auto":
