@@ -295,10 +295,7 @@ def _exaone_moe(g, config, kv_layers) -> dict:
         "sliding_window": int(g.get("attention.sliding_window")),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "is_moe_layer": [i >= dense for i in range(layers)],
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
+        **grouped_routing(g, norm=False),
     }
 
 
@@ -376,12 +373,9 @@ FAMILY_SETTINGS = {
         "num_shared_experts": int(g.get("expert_shared_count", 0)),
         "moe_shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length")),
         "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        **grouped_routing(g, norm=False),
         "score_function": "sigmoid" if g.get("expert_gating_func") == 2 else "softmax",
         "moe_router_enable_expert_bias": any(".exp_probs_b." in n for n in g.tensors),
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
         "use_qk_norm": True,
     },
     "dots1": lambda g, config, kv_layers: {
