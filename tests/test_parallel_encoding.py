@@ -119,7 +119,7 @@ def test_preference_pairs_and_prompts_encode_alike_in_two_processes(
 
     def load_p(num_proc):
         return load_pairs(
-            path, PairEncoder(tok), "auto", 12, "drop", 2, None, BadRows(True, 0.5), num_proc
+            path, PairEncoder(tok), "auto", (12, "drop", 2), None, BadRows(True, 0.5), num_proc
         )
 
     one, two = load_p(1), load_p(2)

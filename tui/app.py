@@ -11,15 +11,15 @@ import math
 import time
 from pathlib import Path
 
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.css.query import NoMatches
 from textual.widgets import Footer, Log, Static
 
 from mlxtune.loop.control import request
 
 from .plot import Plot
+from .polling import PollingApp
 from .rundata import RunData, ema
 
 HELP = (
@@ -76,7 +76,7 @@ def versus(d: RunData) -> str:
     return "\nbase → trained: " + ", ".join(parts) if parts else ""
 
 
-class WatchApp(App):
+class WatchApp(PollingApp):
     """A live view of one run; keys send requests to its trainer unless read-only."""
 
     CSS = """
@@ -153,16 +153,9 @@ class WatchApp(App):
         self.title = f"mlxtune · {self.data.run_dir.name}" + (
             " (read-only)" if self.read_only else ""
         )
-        self.refresh_data()
-        self.set_interval(self.poll_s, self.refresh_data)
+        self.start_polling()
 
     # ------------------------------------------------------------------ data
-    def refresh_data(self) -> None:
-        try:
-            self._refresh()
-        except NoMatches:  # the timer fired while the app was closing and its widgets are gone
-            pass
-
     def _refresh(self) -> None:
         d = self.data
         self._check_training()

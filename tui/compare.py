@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer
 
 from .plot import Plot
+from .polling import PollingApp
 from .rundata import RunData, ema
 
 
@@ -89,7 +89,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([head, "-" * len(head), *(line(c) for c in table_cells(rows))])
 
 
-class CompareApp(App):
+class CompareApp(PollingApp):
     """The runs' loss curves overlaid (train smoothed, eval as points) and their table; t switches
     the x axis between steps and tokens seen. Running runs update live."""
 
@@ -121,14 +121,7 @@ class CompareApp(App):
 
     def on_mount(self) -> None:
         self.query_one("#table", DataTable).add_columns(*COLUMNS)
-        self.refresh_data()
-        self.set_interval(self.poll_s, self.refresh_data)
-
-    def refresh_data(self) -> None:
-        try:
-            self._refresh()
-        except NoMatches:  # the timer fired while the app was closing and its widgets are gone
-            pass
+        self.start_polling()
 
     def _refresh(self) -> None:
         rows = compare_rows(self.runs)  # polls each run

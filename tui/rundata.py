@@ -99,6 +99,16 @@ def ema(values: list[float], alpha: float) -> list[float]:
     return out
 
 
+# The objectives' paired figures in metrics rows: (the key a row has them by, the other key,
+# the curves each goes to, named as RunData attributes). Preference objectives (dpo, orpo, cpo,
+# reward): the implicit rewards' margin and accuracy; reinforcement learning (grpo): the mean
+# reward and completion length of the completions drawn.
+_OBJECTIVE_ROWS = (
+    ("rewards/margins", "rewards/accuracies", "margins", "accuracy"),
+    ("reward", "completion_length", "reward", "completion_length"),
+)
+
+
 class RunData:
     def __init__(self, run_dir: str | Path, max_points: int = 2000):
         self.run_dir = Path(run_dir)
@@ -168,35 +178,12 @@ class RunData:
                 if "loss_scale" in row:
                     self.loss_scale.add(step, row.get("loss_scale"))
                 self.loss_by_tokens.add(row.get("tokens_seen", 0), row.get("loss"))
-                if "rewards/margins" in row:
-                    tokens = row.get("tokens_seen", 0)
-                    self.margins.add(step, row["rewards/margins"])
-                    self.accuracy.add(step, row.get("rewards/accuracies"))
-                    self.margins_by_tokens.add(tokens, row["rewards/margins"])
-                    self.accuracy_by_tokens.add(tokens, row.get("rewards/accuracies"))
-                if "reward" in row:
-                    tokens = row.get("tokens_seen", 0)
-                    self.reward.add(step, row["reward"])
-                    self.completion_length.add(step, row.get("completion_length"))
-                    self.reward_by_tokens.add(tokens, row["reward"])
-                    self.completion_length_by_tokens.add(tokens, row.get("completion_length"))
+                self._add_objective(row, step, row.get("tokens_seen", 0), "")
             if "eval_loss" in row:
                 self.last_eval = row
                 self.eval_loss.add(step, row.get("eval_loss"))
                 self.eval_by_tokens.add(self.last.get("tokens_seen", 0), row.get("eval_loss"))
-                if "eval_rewards/margins" in row:
-                    tokens = self.last.get("tokens_seen", 0)
-                    self.eval_margins.add(step, row["eval_rewards/margins"])
-                    self.eval_accuracy.add(step, row.get("eval_rewards/accuracies"))
-                    self.eval_margins_by_tokens.add(tokens, row["eval_rewards/margins"])
-                    self.eval_accuracy_by_tokens.add(tokens, row.get("eval_rewards/accuracies"))
-                if "eval_reward" in row:
-                    tokens = self.last.get("tokens_seen", 0)
-                    length = row.get("eval_completion_length")
-                    self.eval_reward.add(step, row["eval_reward"])
-                    self.eval_completion_length.add(step, length)
-                    self.eval_reward_by_tokens.add(tokens, row["eval_reward"])
-                    self.eval_completion_length_by_tokens.add(tokens, length)
+                self._add_objective(row, step, self.last.get("tokens_seen", 0), "eval_")
         self.log_lines = self.log_tail.lines()[-500:]
         changed = changed or bool(self.log_lines)
         new_samples = self.sample_tail.rows()
@@ -210,6 +197,15 @@ class RunData:
             except json.JSONDecodeError:
                 pass
         return changed
+
+    def _add_objective(self, row: dict, step, tokens, prefix: str) -> None:
+        """The objective's paired figures of a metrics row (``prefix``: "" for training's,
+        "eval_" for an evaluation's) onto their curves, by step and by tokens seen."""
+        for key, other, first, second in _OBJECTIVE_ROWS:
+            if prefix + key in row:
+                for name, value in ((first, row[prefix + key]), (second, row.get(prefix + other))):
+                    getattr(self, prefix + name).add(step, value)
+                    getattr(self, f"{prefix}{name}_by_tokens").add(tokens, value)
 
     @property
     def preference(self) -> bool:

@@ -39,17 +39,17 @@ def load_feedback(
     path,
     encoder: PairEncoder,
     fmt: str,
-    max_length: int,
-    overlong: str,
-    min_length: int,
+    limits: tuple,
     columns: dict[str, str] | None = None,
     bad: BadRows | None = None,
     unpair: bool = False,
 ) -> Dataset:
-    """A JSONL file's feedback examples (``unpair``: preference rows become two each). A
-    sequence longer than ``max_length`` has its completion cut at the end (``overlong:
-    truncate``) or its example dropped (``drop``); a prompt that leaves no room for a
-    completion token is an error naming the line."""
+    """A JSONL file's feedback examples (``unpair``: preference rows become two each);
+    ``limits`` is (max_length, overlong, min_length), as ``load_pairs`` takes them. A sequence
+    longer than ``max_length`` has its completion cut at the end (``overlong: truncate``) or its
+    example dropped (``drop``); a prompt that leaves no room for a completion token is an error
+    naming the line."""
+    max_length, overlong, min_length = limits
     bad = bad or BadRows()
     rows = bad.read(path, columns)
     if fmt == "auto":
@@ -84,7 +84,7 @@ def load_feedback(
             partner = _partner(items, i)
             pair = Pair(item.prompt, item.completion, partner.completion, item.tools)
             try:
-                ex = encoder.encode(pair, where)
+                ex = encoder.encode(pair, where, FeedbackExample, label=item.label)
             except UserInputError as e:  # the pair's names, said as this row's
                 said = e.message.replace("the 'chosen' completion", "the completion")
                 said = said.replace(
@@ -92,17 +92,6 @@ def load_feedback(
                     "the completion this row's KL estimate borrows from another row",
                 )
                 raise UserInputError(said, where) from None
-            ex = FeedbackExample(
-                ex.ids,
-                ex.mask,
-                prompt=ex.prompt,
-                answer=ex.answer,
-                prompt_ids=ex.prompt_ids,
-                display=ex.display,
-                rejected_ids=ex.rejected_ids,
-                rejected_mask=ex.rejected_mask,
-                label=item.label,
-            )
             # (the KL sequence is an estimate's sample: only the example's own decides a drop)
             drop = overlong == "drop" and len(ex.ids) > max_length
             if fit_to_length(ex, max_length, drop, where, stats):

@@ -423,16 +423,23 @@ def _tokens(obj: dict, where: str) -> Tokens:
     return Tokens(list(ids), obj.get("mask") or obj.get("loss_mask"))
 
 
-def _preference(obj: dict, where: str) -> Pair:
-    chosen, rejected = obj.get("chosen"), obj.get("rejected")
-    for key, v in (("chosen", chosen), ("rejected", rejected)):
+def _texts_or_messages(obj: dict, keys: tuple[str, ...], where: str) -> list:
+    """The fields ``keys`` of ``obj``, each a string or a list of messages: a missing one, or
+    one of another type, is an error naming it (checked in the order given)."""
+    for key in keys:
         if key not in obj:
             raise UserInputError(f"missing field {key!r}", where)
-        if not isinstance(v, (str, list)):
+        if not isinstance(obj[key], (str, list)):
             raise UserInputError(
-                f"field {key!r} must be a string or a list of messages, got {type(v).__name__}",
+                f"field {key!r} must be a string or a list of messages, got "
+                f"{type(obj[key]).__name__}",
                 where,
             )
+    return [obj[key] for key in keys]
+
+
+def _preference(obj: dict, where: str) -> Pair:
+    chosen, rejected = _texts_or_messages(obj, ("chosen", "rejected"), where)
     if "prompt" in obj:
         prompt = obj["prompt"]
         if not isinstance(prompt, (str, list)):
@@ -485,15 +492,7 @@ def _preference(obj: dict, where: str) -> Pair:
 
 def _unpaired(obj: dict, where: str) -> Labeled:
     label = field(obj, "label", where, bool)
-    prompt, completion = obj.get("prompt"), obj.get("completion")
-    for key, v in (("prompt", prompt), ("completion", completion)):
-        if key not in obj:
-            raise UserInputError(f"missing field {key!r}", where)
-        if not isinstance(v, (str, list)):
-            raise UserInputError(
-                f"field {key!r} must be a string or a list of messages, got {type(v).__name__}",
-                where,
-            )
+    prompt, completion = _texts_or_messages(obj, ("prompt", "completion"), where)
     if type(prompt) is not type(completion):
         raise UserInputError(
             "'prompt' and 'completion' must both be strings or both be message lists", where

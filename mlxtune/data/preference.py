@@ -92,13 +92,15 @@ class PairEncoder:
             Chat(list(prompt) + list(completion), len(prompt), tools, images), where
         )
 
-    def encode(self, pair: Pair, where: str) -> PairExample:
+    def encode(self, pair: Pair, where: str, kind: type = PairExample, **extra) -> PairExample:
+        """The pair's two sequences as a ``kind`` (``PairExample`` or a subclass of it, given
+        its own fields in ``extra``)."""
         c = self._sequence(pair.prompt, pair.chosen, "chosen", where, pair.tools, pair.images)
         r = self._sequence(pair.prompt, pair.rejected, "rejected", where, pair.tools, pair.images)
         for key, ex in (("chosen", c), ("rejected", r)):
             if ex.n_targets == 0:
                 raise UserInputError(f"the {key!r} completion has no tokens to score", where)
-        return PairExample(
+        return kind(
             c.ids,
             c.mask,
             prompt=c.prompt,
@@ -108,6 +110,7 @@ class PairEncoder:
             images=c.images,
             rejected_ids=r.ids,
             rejected_mask=r.mask,
+            **extra,
         )
 
 
@@ -171,17 +174,17 @@ def load_pairs(
     path,
     encoder: PairEncoder,
     fmt: str,
-    max_length: int,
-    overlong: str,
-    min_length: int,
+    limits: tuple,
     columns: dict[str, str] | None = None,
     bad: BadRows | None = None,
     num_proc: int | str = 1,
 ) -> Dataset:
-    """A JSONL file's preference pairs. A sequence longer than ``max_length`` has its
-    completion cut at the end (``overlong: truncate``) or its pair dropped (``drop``); a prompt
-    that leaves no room for a completion token is an error naming the line. ``num_proc``
-    processes encode it (``workers_for``)."""
+    """A JSONL file's preference pairs; ``limits`` is (max_length, overlong, min_length), as
+    ``encode_rows`` takes them. A sequence longer than ``max_length`` has its completion cut at
+    the end (``overlong: truncate``) or its pair dropped (``drop``); a prompt that leaves no room
+    for a completion token is an error naming the line. ``num_proc`` processes encode it
+    (``workers_for``)."""
+    max_length, overlong, min_length = limits
     bad = bad or BadRows()
     rows = bad.read(path, columns)
     if fmt == "auto":

@@ -99,7 +99,7 @@ class KTO(DPO):
         """One file's feedback examples (cached); preference pairs too with ``unpair``."""
         d, unpair = recipe.data, bool(getattr(recipe.objective, "unpair", False))
         limits = (d.max_length, d.overlong, d.min_length)
-        build = partial(load_feedback, source, enc, d.format, *limits, d.columns, bad, unpair)
+        build = partial(load_feedback, source, enc, d.format, limits, d.columns, bad, unpair)
         return cached_split(
             source, d, tokenizer, enc, build, (FeedbackExample,), limits=limits, kto=unpair
         )

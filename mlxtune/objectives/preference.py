@@ -156,7 +156,7 @@ class Preference(Objective):
         """One file's examples (cached): preference pairs here; KTO reads its feedback."""
         d = recipe.data
         limits = (d.max_length, d.overlong, d.min_length)
-        build = partial(load_pairs, source, enc, d.format, *limits, d.columns, bad, d.num_proc)
+        build = partial(load_pairs, source, enc, d.format, limits, d.columns, bad, d.num_proc)
         return cached_split(source, d, tokenizer, enc, build, (PairExample,), limits=limits)
 
     @classmethod

@@ -328,6 +328,20 @@ _EXTRA = {
 }
 
 
+# The families whose metadata is written whole (writers.py), by model type: from the built
+# model's settings, or from the model itself (what its layers hold).
+_WHOLE_FROM_ARGS = {
+    "mamba2": add_mamba2,
+    "mamba": add_mamba,
+    "falcon_h1": add_falcon_h1,
+    "mimo_v2_flash": add_mimo2,
+    "minicpm3": add_minicpm3,
+    "kimi_linear": add_kimi_linear,
+    "nemotron_h": add_nemotron_h,
+}
+_WHOLE_FROM_MODEL = {"openelm": add_openelm, "step3p5": add_step35, "nemotron-nas": add_deci}
+
+
 def add_hparams(w, config: dict, model=None):
     """The model's metadata as llama.cpp's loader for its architecture reads it."""
     mt, args = config["model_type"], model_args(model)
@@ -335,28 +349,12 @@ def add_hparams(w, config: dict, model=None):
     facts = FACTS.get(mt)
     if facts is not None and facts.write_settings is not None:
         return facts.write_settings(w, args)
-    if mt == "mamba2":
-        return add_mamba2(w, args)
-    if mt == "mamba":
-        return add_mamba(w, args)
-    if mt == "openelm":
-        return add_openelm(w, model)
-    if mt == "falcon_h1":
-        return add_falcon_h1(w, args)
-    if mt == "mimo_v2_flash":
-        return add_mimo2(w, args)
-    if mt == "step3p5":
-        return add_step35(w, model)
-    if mt == "minicpm3":
-        return add_minicpm3(w, args)
-    if mt == "kimi_linear":
-        return add_kimi_linear(w, args)
-    if mt == "nemotron-nas":
-        return add_deci(w, model)
+    if mt in _WHOLE_FROM_ARGS:
+        return _WHOLE_FROM_ARGS[mt](w, args)
+    if mt in _WHOLE_FROM_MODEL:
+        return _WHOLE_FROM_MODEL[mt](w, model)
     if FAMILIES[mt].arch in ("deepseek2", "mistral4"):
         return add_mla(w, args, mt)
-    if mt == "nemotron_h":
-        return add_nemotron_h(w, args)
     n_head, n_kv, head_dim = head_counts(config)
     layers = config["num_hidden_layers"]
     w.add_context_length(int(config.get("max_position_embeddings") or 2048))

@@ -13,6 +13,18 @@ if TYPE_CHECKING:
     from ...gguf.file import GGUFModelFile
 
 
+def grouped_routing(g: GGUFModelFile, norm: bool) -> dict:
+    """DeepSeek-style routing's config keys from llama.cpp's: whether the chosen experts'
+    weights are renormalised (``norm`` when the file does not say), their scale, and the expert
+    groups and how many of them each token draws from."""
+    return {
+        "norm_topk_prob": bool(g.get("expert_weights_norm", norm)),
+        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        "n_group": int(g.get("expert_group_count", 1)),
+        "topk_group": int(g.get("expert_group_used_count", 1)),
+    }
+
+
 def _gemma4_settings(g: GGUFModelFile, config: dict, kv_layers: list | None) -> dict:
     """Gemma 4's layout back from what llama.cpp's gemma4 reads (see the export)."""
     where, layers = str(g.path), config["num_hidden_layers"]
@@ -121,10 +133,7 @@ def _glm4_moe(g, config, kv_layers) -> dict:
     return {
         "n_shared_experts": int(g.get("expert_shared_count", 0)),
         "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", True)),
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
+        **grouped_routing(g, norm=True),
         "use_qk_norm": "blk.0.attn_q_norm.weight" in g.tensors,
         "attention_bias": "blk.0.attn_q.bias" in g.tensors,
         "rope_scaling": config.get("rope_scaling"),  # a key its ModelArgs requires
@@ -286,10 +295,7 @@ def _exaone_moe(g, config, kv_layers) -> dict:
         "sliding_window": int(g.get("attention.sliding_window")),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "is_moe_layer": [i >= dense for i in range(layers)],
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
+        **grouped_routing(g, norm=False),
     }
 
 
@@ -367,22 +373,16 @@ FAMILY_SETTINGS = {
         "num_shared_experts": int(g.get("expert_shared_count", 0)),
         "moe_shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length")),
         "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
+        **grouped_routing(g, norm=False),
         "score_function": "sigmoid" if g.get("expert_gating_func") == 2 else "softmax",
         "moe_router_enable_expert_bias": any(".exp_probs_b." in n for n in g.tensors),
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
         "use_qk_norm": True,
     },
     "dots1": lambda g, config, kv_layers: {
         "moe_intermediate_size": int(g.get("expert_feed_forward_length")),
         "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
         "n_shared_experts": int(g.get("expert_shared_count", 0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
+        **grouped_routing(g, norm=False),
     },
     "ernie4_5_moe": lambda g, config, kv_layers: {
         "moe_k": int(g.get("expert_used_count")),

@@ -13,9 +13,24 @@ import numpy as np
 from ...errors import UserInputError
 from ...gguf.tensors import DECI_NOOP_FFN, dequantized
 from ..common import hf_architecture
+from .settings import grouped_routing
 
 if TYPE_CHECKING:
     from ...gguf.file import GGUFModelFile
+
+
+def _identity(g: GGUFModelFile, model_type: str) -> dict:
+    """The keys a whole config starts with: the model type, its transformers architecture and
+    the vocabulary size (the file's, else its embedding's rows). A file without a
+    token_embd.weight tensor is an error."""
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    return {
+        "model_type": model_type,
+        "architectures": [hf_architecture(model_type)],
+        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+    }
 
 
 def nemotron_h_config(g: GGUFModelFile, need) -> dict:
@@ -25,14 +40,10 @@ def nemotron_h_config(g: GGUFModelFile, need) -> dict:
     ff = [int(x) for x in need("feed_forward_length")]
     pattern = "".join("*" if k else "E" if f else "M" for k, f in zip(kv, ff, strict=True))
     inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "nemotron_h")
     has = g.tensors.__contains__
     return {
-        "model_type": "nemotron_h",
-        "architectures": [hf_architecture("nemotron_h")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": len(pattern),
         "hybrid_override_pattern": pattern,
@@ -57,10 +68,7 @@ def nemotron_h_config(g: GGUFModelFile, need) -> dict:
         "moe_intermediate_size": int(g.get("expert_feed_forward_length", 0)),
         "moe_shared_expert_intermediate_size": int(g.get("expert_shared_feed_forward_length", 0)),
         "n_shared_experts": int(g.get("expert_shared_count", 0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", True)),
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
+        **grouped_routing(g, norm=True),
         "time_step_limit": [0.0, float("inf")],
         "tie_word_embeddings": "output.weight" not in g.tensors,
     }
@@ -69,15 +77,11 @@ def nemotron_h_config(g: GGUFModelFile, need) -> dict:
 def mla_config(g: GGUFModelFile, need, softmax_is_v2: bool = True) -> dict:
     """DeepSeek-V3's config from what llama.cpp's deepseek2 reads (see the export)."""
     rope = int(need("rope.dimension_count"))
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "deepseek_v3")
     heads = int(need("attention.head_count"))
     gating = int(g.get("expert_gating_func", 1))
     config = {
-        "model_type": "deepseek_v3",
-        "architectures": [hf_architecture("deepseek_v3")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": int(need("block_count")),
         "intermediate_size": int(need("feed_forward_length")),
@@ -87,11 +91,8 @@ def mla_config(g: GGUFModelFile, need, softmax_is_v2: bool = True) -> dict:
         "n_routed_experts": int(g.get("expert_count", 0)),
         "num_experts_per_tok": int(g.get("expert_used_count", 0)),
         "n_shared_experts": int(g.get("expert_shared_count", 0)) or None,
-        "routed_scaling_factor": float(g.get("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
+        **grouped_routing(g, norm=False),
         "scoring_func": "sigmoid" if gating == 2 else "softmax",
-        "n_group": int(g.get("expert_group_count", 1)),
-        "topk_group": int(g.get("expert_group_used_count", 1)),
         "first_k_dense_replace": int(g.get("leading_dense_block_count", 0)),
         "kv_lora_rank": int(need("attention.kv_lora_rank")),
         "q_lora_rank": g.get("attention.q_lora_rank"),
@@ -146,9 +147,7 @@ def mla_config(g: GGUFModelFile, need, softmax_is_v2: bool = True) -> dict:
 def openelm_config(g: GGUFModelFile, need) -> dict:
     """OpenELM's config from what llama.cpp's openelm reads: heads and MLP widths per layer
     (each width as its multiplier of the model's, rounded to 1)."""
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "openelm")
     dim, layers = int(need("embedding_length")), int(need("block_count"))
 
     def per_layer(key):
@@ -156,9 +155,7 @@ def openelm_config(g: GGUFModelFile, need) -> dict:
         return [int(x) for x in v] if not isinstance(v, int) else [int(v)] * layers
 
     return {
-        "model_type": "openelm",
-        "architectures": [hf_architecture("openelm")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "model_dim": dim,
         "num_transformer_layers": layers,
         "head_dim": int(need("attention.key_length")),
@@ -175,9 +172,7 @@ def openelm_config(g: GGUFModelFile, need) -> dict:
 def mimo2_config(g: GGUFModelFile, need) -> dict:
     """MiMo-V2-Flash's config from what llama.cpp's mimo2 reads: sliding and full layers with
     heads of their own, sinks where the file holds them, experts where it holds a router."""
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "mimo_v2_flash")
     layers = int(need("block_count"))
     sliding = [bool(x) for x in need("attention.sliding_window_pattern")]
     heads, kv = need("attention.head_count"), need("attention.head_count_kv")
@@ -195,9 +190,7 @@ def mimo2_config(g: GGUFModelFile, need) -> dict:
     head_dim = int(need("attention.key_length"))
     scale = g.get("attention.value_scale")
     return {
-        "model_type": "mimo_v2_flash",
-        "architectures": [hf_architecture("mimo_v2_flash")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": layers,
         "intermediate_size": int(need("feed_forward_length")),
@@ -260,9 +253,7 @@ def mistral4_config(g: GGUFModelFile, need) -> dict:
 def step35_config(g: GGUFModelFile, need) -> dict:
     """Step 3.5's config from what llama.cpp's step35 reads (the full layers' rotated dims are
     written doubled: see the export)."""
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "step3p5")
     layers = int(need("block_count"))
     sliding = [bool(x) for x in need("attention.sliding_window_pattern")]
 
@@ -283,9 +274,7 @@ def step35_config(g: GGUFModelFile, need) -> dict:
     shared_limits = [0.0] * layers if shared_limits is None else shared_limits
     moe = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in g.tensors]
     return {
-        "model_type": "step3p5",
-        "architectures": [hf_architecture("step3p5")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": layers,
         "intermediate_size": int(need("feed_forward_length")),
@@ -320,9 +309,7 @@ def minicpm3_config(g: GGUFModelFile, need) -> dict:
     """MiniCPM3's config from what llama.cpp's minicpm3 reads: its scales fixed at
     MiniCPM3-4B's (the export folds a model's own into the weights), its rotary factors from
     the file's tensors."""
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "minicpm3")
     rope = int(need("rope.dimension_count"))
     long, short = (
         g.tensors.get("rope_factors_long.weight"),
@@ -337,9 +324,7 @@ def minicpm3_config(g: GGUFModelFile, need) -> dict:
             str(g.path),
         )
     return {
-        "model_type": "minicpm3",
-        "architectures": [hf_architecture("minicpm3")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": int(need("block_count")),
         "intermediate_size": int(need("feed_forward_length")),
@@ -370,9 +355,7 @@ def minicpm3_config(g: GGUFModelFile, need) -> dict:
 def kimi_linear_config(g: GGUFModelFile, need) -> dict:
     """Kimi Linear's config from what llama.cpp's kimi-linear reads: its delta-net layers are
     the ones without kv heads, the rest latent attention."""
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "kimi_linear")
     layers = int(need("block_count"))
     kv = need("attention.head_count_kv")
     kv = [int(x) for x in kv] if not isinstance(kv, int) else [int(kv)] * layers
@@ -381,9 +364,7 @@ def kimi_linear_config(g: GGUFModelFile, need) -> dict:
     gating = int(g.get("expert_gating_func", 2))
     groups = int(g.get("expert_group_count", 1))
     return {
-        "model_type": "kimi_linear",
-        "architectures": [hf_architecture("kimi_linear")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": layers,
         "intermediate_size": int(need("feed_forward_length")),
@@ -424,9 +405,7 @@ def deci_config(g: GGUFModelFile, need) -> dict:
     """Nemotron-NAS's config from what llama.cpp's deci reads: per layer, an attention with kv
     heads, a linear one (heads, no kv heads) or none; an MLP of its width, or none where the
     export wrote an all-zero one DECI_NOOP_FFN wide."""
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "nemotron-nas")
     layers, hidden = int(need("block_count")), int(need("embedding_length"))
 
     def per_layer(key):
@@ -453,9 +432,7 @@ def deci_config(g: GGUFModelFile, need) -> dict:
             ffn = {"ffn_mult": 3 * ff[i] / (2 * hidden)}  # mlx-lm's width rule, inverted
         blocks.append({"attention": attention, "ffn": ffn})
     return {
-        "model_type": "nemotron-nas",
-        "architectures": [hf_architecture("nemotron-nas")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": n_heads,
@@ -472,13 +449,9 @@ def deci_config(g: GGUFModelFile, need) -> dict:
 
 def mamba_config(g: GGUFModelFile, need) -> dict:
     """Mamba 1's config from what llama.cpp's mamba reads (no attention, no MLP)."""
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "mamba")
     return {
-        "model_type": "mamba",
-        "architectures": [hf_architecture("mamba")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": int(need("block_count")),
         "intermediate_size": int(need("ssm.inner_size")),
@@ -496,13 +469,9 @@ def mamba_config(g: GGUFModelFile, need) -> dict:
 def mamba2_config(g: GGUFModelFile, need) -> dict:
     """Mamba 2's config from what llama.cpp's mamba2 reads (no attention, no MLP)."""
     inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None:
-        raise UserInputError("no token_embd.weight tensor", str(g.path))
+    head = _identity(g, "mamba2")
     return {
-        "model_type": "mamba2",
-        "architectures": [hf_architecture("mamba2")],
-        "vocab_size": int(g.get("vocab_size") or embd.shape[-1]),
+        **head,
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": int(need("block_count")),
         "intermediate_size": inner,
