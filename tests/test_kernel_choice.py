@@ -91,11 +91,13 @@ def test_a_named_tier_is_used_as_named_and_said_to_be_slow_past_twice_the_fastes
     assert ok.tier == "chunked" and ok.why == "named in the recipe"
 
 
-def test_tuned_runs_each_call_in_the_tier_of_the_next_measured_shape_up():
-    def at(t, tier):
-        case = Case("attention", (1, 4, 2, t, 16), "float32")
-        return decide(case, [tier], clock_of({tier: 1.0}), peaks_of({tier: 0}), 1)
+def at(t: int, tier: str, heads: int = 4, dim: int = 16):
+    """The decision for attention at length ``t`` where ``tier`` alone was timed."""
+    case = Case("attention", (1, heads, 2, t, dim), "float32")
+    return decide(case, [tier], clock_of({tier: 1.0}), peaks_of({tier: 0}), 1)
 
+
+def test_tuned_runs_each_call_in_the_tier_of_the_next_measured_shape_up():
     tuned = Tuned("attention", [at(512, "chunked"), at(64, "native"), at(128, "native")])
     assert [tuned.tier_at(t) for t in (1, 64, 65, 128, 129, 512, 4096)] == [
         "native",
@@ -117,11 +119,7 @@ def test_the_entry_points_run_the_tier_tuned_for_the_call(monkeypatch):
             kernels.ATTENTION_IMPLS, name, lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a)
         )
 
-    def at(t, tier):
-        case = Case("attention", (1, 2, 2, t, 8), "float32")
-        return decide(case, [tier], clock_of({tier: 1.0}), peaks_of({tier: 0}), 1)
-
-    tuned = Tuned("attention", [at(16, "native"), at(64, "chunked")])
+    tuned = Tuned("attention", [at(16, "native", 2, 8), at(64, "chunked", 2, 8)])
     for t in (12, 40):
         q = mx.random.normal((1, 2, t, 8))
         out = kernels.attention(q, q, q, scale=0.3, impl=tuned)

@@ -393,6 +393,13 @@ class Objective:
         """The fixed batches ``evaluate`` runs over."""
         raise NotImplementedError(f"{type(self).__name__} must define eval_batches()")
 
+    def padded_eval_batches(self, batcher) -> Iterable[Batch]:
+        """The validation set as ``batcher(dataset, size, pad_id, pad_to_multiple,
+        max_batches)`` batches it (examples or pairs), padded as the data section says."""
+        r, c = self.recipe, self.components
+        size = self.eval_batch_size
+        return batcher(c.valid_set, size, c.pad_id, r.data.pad_to_multiple, r.eval.max_batches)
+
     def eval_metrics(self, loss_sum: float, count: int, metrics: dict[str, float]) -> dict:
         """The eval row's values from the summed losses over ``eval_batches()``."""
         loss = loss_sum / max(count, 1)

@@ -111,6 +111,9 @@ class OnPolicy(Objective):
     Config = RLConfig
     noun = "prompts"
     micro_key = "objective.micro_batch_size"
+    offline_refusal: str | None = None
+    """Why the objective takes no offline rows (given responses and rewards), where it takes
+    none."""
 
     def __init__(self, recipe, components):
         super().__init__(recipe, components)
@@ -122,6 +125,8 @@ class OnPolicy(Objective):
                 "data.packing",
             )
         self.offline = components.train_set.examples[0].responses is not None
+        if self.offline and self.offline_refusal:
+            raise UserInputError(self.offline_refusal, str(components.train_set.path))
         self.rewards = build_rewards(cfg.rewards, recipe)
         if not self.offline:
             if not self.rewards and not self._other_rewards():

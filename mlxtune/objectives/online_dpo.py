@@ -20,7 +20,6 @@ import mlx.nn as nn
 import numpy as np
 
 from ..data.prompts import PromptExample
-from ..errors import UserInputError
 from ..kernels import forward_only
 from .online import OnPolicy, RLConfig
 from .preference import pair_metrics
@@ -57,15 +56,10 @@ class OnlineDPO(OnPolicy):
 
     name = "online_dpo"
     Config = OnlineDPOConfig
-
-    def __init__(self, recipe, components):
-        super().__init__(recipe, components)
-        if self.offline:
-            raise UserInputError(
-                "online DPO ranks its own completions: offline rows (responses and rewards) "
-                "train with objective.type grpo, and fixed pairs with dpo",
-                str(components.train_set.path),
-            )
+    offline_refusal = (
+        "online DPO ranks its own completions: offline rows (responses and rewards) train with "
+        "objective.type grpo, and fixed pairs with dpo"
+    )
 
     def _kl_weight(self) -> float:
         return self.config.beta

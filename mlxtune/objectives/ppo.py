@@ -119,16 +119,14 @@ class PPO(OnPolicy):
 
     name = "ppo"
     Config = PPOConfig
+    offline_refusal = (
+        "PPO learns from its own completions: offline rows (responses and rewards) train with "
+        "objective.type grpo"
+    )
 
     def __init__(self, recipe, components):
         self._rm = None
         super().__init__(recipe, components)
-        if self.offline:
-            raise UserInputError(
-                "PPO learns from its own completions: offline rows (responses and rewards) "
-                "train with objective.type grpo",
-                str(components.train_set.path),
-            )
         if value_head(components.model) is None:
             raise RuntimeError("PPO.extend() was not called: the model has no value head")
         self.kl_coef = float(self.config.kl_coef)

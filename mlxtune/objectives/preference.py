@@ -206,14 +206,7 @@ class Preference(Objective):
         return self.epoch_batches(len(c.train_set))
 
     def eval_batches(self):
-        r = self.recipe
-        return pair_batches(
-            self.components.valid_set,
-            self.eval_batch_size,
-            self.components.pad_id,
-            r.data.pad_to_multiple,
-            r.eval.max_batches,
-        )
+        return self.padded_eval_batches(pair_batches)
 
     def arrays(self, batch: PairBatch) -> dict[str, np.ndarray]:
         """The rows, and for each target position the sequence it scores (``seq``: 2 x slots

@@ -150,11 +150,4 @@ class SFT(Objective):
         return self.epoch_batches(len(c.train_set))
 
     def eval_batches(self):
-        r = self.recipe
-        return eval_batches(
-            self.components.valid_set,
-            self.eval_batch_size,
-            self.components.pad_id,
-            r.data.pad_to_multiple,
-            r.eval.max_batches,
-        )
+        return self.padded_eval_batches(eval_batches)
