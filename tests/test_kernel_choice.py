@@ -262,3 +262,31 @@ def test_a_resumed_run_decides_by_the_times_its_run_measured(
     assert again.tiers == first.tiers
     fresh = Trainer(recipe_from_dict(r), tmp_path / "new", console=Console(quiet=True))
     assert fresh.tiers["attention"] == "chunked"  # what the new clock says, without the record
+
+
+def test_a_tier_whose_step_would_not_fit_is_left_out_and_the_log_says_so(
+    llama_dir, data_dir, tmp_path
+):
+    from dataclasses import replace
+
+    from mlxtune.memory import shape_of
+
+    tr = Trainer(
+        _recipe(llama_dir, data_dir, autotune=False), tmp_path / "r", console=Console(quiet=True)
+    )
+    shape = shape_of(tr)
+    (case,) = run_tiers.cases(shape, "float32", False, True)["attention"]  # short rows: one
+    peaks = {t: run_tiers.step_peak(shape, t, case) for t in ("native", "chunked")}
+    assert peaks["native"] > peaks["chunked"]  # MLX's attention builds more of the scores
+    lines = []
+    r = replace(tr.recipe, kernels=replace(tr.recipe.kernels, autotune=True))
+    clock = clock_of({"native": 0.1, "chunked": 0.5, "reference": 0.1})
+    budget = (peaks["native"] + peaks["chunked"]) / 2
+    tiers, table = run_tiers.measure_tiers(
+        r, dict(tr.tiers), shape, budget, False, lines.append, clock
+    )
+    assert tiers["attention"] == "chunked"  # the faster native does not fit
+    assert table["attention"][0]["ms"]["native"] is None
+    assert any(
+        line.startswith(f"kernels.attention: native left out at {case.label()}:") for line in lines
+    )

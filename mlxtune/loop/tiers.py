@@ -14,6 +14,7 @@ from .. import kernels
 from ..errors import UserInputError
 from ..gguf.file import GGUFModelFile, is_gguf
 from ..kernels.tune import Case, TimeCache, Tuned, cached_clock, decide
+from ..engine.memory import GB
 from ..memory import Shape, estimate
 from ..models.configs import text_config
 from ..models.gguf.configs import gguf_config
@@ -141,6 +142,15 @@ def measure_tiers(
         table[op] = [d.to_dict() for d in decisions]
         for line in table_lines(op, table[op]):
             log(line)
+        for d in decisions:  # what the memory budget kept out, and where nothing fitted
+            for r in d.rows:
+                if r.seconds is None and r.note == "over the memory budget":
+                    log(
+                        f"kernels.{op}: {r.tier} left out at {d.case.label()}: its step would "
+                        f"need about {r.peak / GB:.2f} GB of the {budget / GB:.2f} GB budget"
+                    )
+            if "leanest" in d.why:
+                log(f"kernels.{op}: {d.case.label()} runs in {d.tier}, {d.why}")
         if named is not None:
             for d in decisions:
                 if "slower" in d.why:
