@@ -9,7 +9,7 @@ LoRA training steps of the same model and data, in one run.
 For each shape (row length x rows a step) and layout (bucketed: rows of their own lengths up to
 the row length, batched by length; packed: rows filled to the length with examples kept apart),
 every combination of forced tiers (attention native | chunked, loss reference | chunked) trains
-the same steps, then ``auto`` measures (from an empty time cache) and trains them. The steady
+the same steps (``--steps``, 6), then ``auto`` measures (from an empty time cache) and trains them. The steady
 step time is the median of the steps after the first (which compiles). Ratios: auto / the best
 forced combination (the target: at most 1.05) and auto / today's fixed default (chunked and
 chunked: the target at most 1.0). The time ``auto`` spent measuring is reported apart (a later
@@ -51,7 +51,9 @@ def write_rows(path: Path, n: int, length: int, seed: int) -> None:
             f.write(json.dumps({"text": cm.words(rng, chars)}) + "\n")
 
 
-def recipe(base: Path, data: Path, length: int, rows: int, layout: str, kernels: dict) -> dict:
+def recipe(
+    base: Path, data: Path, length: int, rows: int, layout: str, kernels: dict, steps: int
+) -> dict:
     return {
         "name": "kernel-choice",
         "model": {"path": str(base), "dtype": "float32"},
@@ -66,7 +68,7 @@ def recipe(base: Path, data: Path, length: int, rows: int, layout: str, kernels:
         "adapter": {"type": "lora", "rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"]},
         "optimizer": {"name": "adam", "lr": 1e-4},
         "schedule": {"name": "constant"},
-        "train": {"batch_size": rows, "max_steps": 4, "log_every": 1, "progress": False},
+        "train": {"batch_size": rows, "max_steps": steps, "log_every": 1, "progress": False},
         "eval": {"every": None, "max_batches": 1},
         "checkpoints": {"save_final": False, "save_best": False},
         "memory": {"check": "off"},
@@ -107,6 +109,9 @@ def main(argv=None) -> int:
         "--layouts", nargs="+", choices=["bucketed", "packed"], default=["bucketed", "packed"]
     )
     ap.add_argument("--budget", type=float, help="seconds after which no new shape starts")
+    ap.add_argument(
+        "--steps", type=int, default=6, help="steps a configuration trains (the first compiles)"
+    )
     args = ap.parse_args(argv)
     shapes = args.shapes or SHAPES["quick" if args.quick else "full"]
     start = time.perf_counter()
@@ -137,11 +142,11 @@ def main(argv=None) -> int:
                 os.environ["MLXTUNE_CACHE"] = str(tmp / f"cache-{shape}-{layout}")
                 for att, loss in FORCED:
                     k = {"attention": att, "loss": loss, "autotune": False}
-                    spec = recipe(base, data / "train.jsonl", length, rows, layout, k)
+                    spec = recipe(base, data / "train.jsonl", length, rows, layout, k, args.steps)
                     row["forced"][f"{att}+{loss}"] = train(
                         spec, tmp / f"run-{shape}-{layout}-{att}-{loss}"
                     )
-                spec = recipe(base, data / "train.jsonl", length, rows, layout, {})
+                spec = recipe(base, data / "train.jsonl", length, rows, layout, {}, args.steps)
                 auto = train(spec, tmp / f"run-{shape}-{layout}-auto")
                 cached = train(spec, tmp / f"run-{shape}-{layout}-auto-cached")
                 row["auto"] = auto
