@@ -11,10 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import kernels
+from ..engine.memory import GB
 from ..errors import UserInputError
 from ..gguf.file import GGUFModelFile, is_gguf
 from ..kernels.tune import Case, TimeCache, Tuned, cached_clock, decide
-from ..engine.memory import GB
 from ..memory import Shape, estimate
 from ..models.configs import text_config
 from ..models.gguf.configs import gguf_config
