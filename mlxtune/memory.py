@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 
 from .adapters import LoRALinear
@@ -32,7 +30,7 @@ from .engine.steps import Engine
 from .errors import UserInputError
 from .kernels.chunked import chunk_elements
 from .kernels.flash import block_for, uses_fused
-from .kernels.tune import Tuned
+from .kernels.tune import tier_at
 from .models import VisionLM, checkpoint_layers, checkpointed_layers, is_quantized
 from .models.configs import active_intermediate, text_config
 
@@ -223,12 +221,6 @@ class Planned:
     engine: object
 
 
-def tier_at(tier, size: int) -> str:
-    """The tier a kernel choice runs at a call of ``size`` (positions a row for attention,
-    tokens for the loss): a measured choice (``kernels.tune.Tuned``) by size, else itself."""
-    return tier.tier_at(size) if isinstance(tier, Tuned) else tier
-
-
 def shape_of(run) -> Shape:
     """The Shape of a run (a ``Planned``, or a Trainer): its model, data and recipe."""
     r, parts = run.recipe, run.built.components
@@ -301,37 +293,13 @@ def shape_of(run) -> Shape:
         micro_key=run.objective.micro_key,
         trained_inputs=trained_inputs(blocks[0]) if blocks else None,
         fused_score_arrays=2 if mx.default_device() == mx.cpu else 4,
-        tower_row_bytes=tower_pass_bytes(model, parts.train_set, rows) / max(rows, 1),
+        tower_row_bytes=(
+            model.tower_pass_bytes(parts.train_set, rows) / max(rows, 1)
+            if isinstance(model, VisionLM)
+            else 0.0
+        ),
         tower_trains=bool(getattr(model, "tower_trains", False)),
     )
-
-
-def tower_pass_bytes(model, train_set, rows: int) -> float:
-    """What a vision model's tower pass adds to MLX's memory for a batch of ``rows`` copies
-    of the training example with the most image tokens: measured, by running the tower (and,
-    where adapters in it train, its backward) on those images once. 0 for a text model."""
-    if not isinstance(model, VisionLM):
-        return 0.0
-    shown = [e for e in train_set.examples if getattr(e, "images", None)]
-    if not shown:
-        return 0.0
-    token = model.image_tokens.token_id
-    most = max(shown, key=lambda e: sum(1 for i in e.ids if i == token))
-    files = [Path(p) for p in most.images]
-    arrays = model.batch_arrays(np.array([most.ids] * rows), [files] * rows, "memory plan")
-    arrays = {k: mx.array(v) for k, v in arrays.items()}
-    tower = {k: arrays[k] for k in model.family.tower_keys}
-    mx.synchronize()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    features = model.prepare(arrays)["features"]
-    mx.eval(features)
-    if model.tower_trains:
-        mx.eval(model.tower_gradients(tower, mx.ones(features.shape, mx.float32)))
-    peak = mx.get_peak_memory() - base
-    del features
-    mx.clear_cache()
-    return float(max(peak, 0))
 
 
 def alternatives(s: Shape, budget: float, recipe) -> list[str]:

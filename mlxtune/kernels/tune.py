@@ -180,6 +180,12 @@ class Tuned:
         return f"Tuned({self.op!r}, {str(self)!r})"
 
 
+def tier_at(tier, size: int) -> str:
+    """The tier a kernel choice runs a call of ``size`` in (positions a row for attention,
+    tokens for the loss): a measured choice (``Tuned``) by size, else the tier itself."""
+    return tier.tier_at(size) if isinstance(tier, Tuned) else tier
+
+
 # ---------------------------------------------------------------------- the clock
 
 

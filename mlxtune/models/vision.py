@@ -340,6 +340,31 @@ class VisionLM(nn.Module):
             self.update(tree_unflatten(list(own.items())))  # the weights, not the vjp's copies
         return dict(zip(keys, grads, strict=True))
 
+    def tower_pass_bytes(self, train_set, rows: int) -> float:
+        """What the tower's pass adds to MLX's memory for a batch of ``rows`` copies of the
+        training example with the most image tokens: measured, by running the tower (and,
+        where adapters in it train, its backward) on those images once; 0 without images."""
+        shown = [e for e in train_set.examples if getattr(e, "images", None)]
+        if not shown:
+            return 0.0
+        token = self.image_tokens.token_id
+        most = max(shown, key=lambda e: sum(1 for i in e.ids if i == token))
+        files = [Path(p) for p in most.images]
+        arrays = self.batch_arrays(np.array([most.ids] * rows), [files] * rows, "memory plan")
+        arrays = {k: mx.array(v) for k, v in arrays.items()}
+        tower = {k: arrays[k] for k in self.family.tower_keys}
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        features = self.prepare(arrays)["features"]
+        mx.eval(features)
+        if self.tower_trains:
+            mx.eval(self.tower_gradients(tower, mx.ones(features.shape, mx.float32)))
+        peak = mx.get_peak_memory() - base
+        del features
+        mx.clear_cache()
+        return float(max(peak, 0))
+
     def batch_arrays(
         self, tokens: np.ndarray, paths: list[list[Path]], where: str = "batch"
     ) -> dict[str, np.ndarray]:
