@@ -8,6 +8,7 @@ import json
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from conftest import tiny_recipe
 from mlxtune import Trainer, kernels
@@ -18,6 +19,12 @@ from mlxtune.kernels.tune import Case, TimeCache, Tuned, cached_clock, decide
 from mlxtune.loop import tiers as run_tiers
 
 ATT = Case("attention", (2, 4, 2, 64, 16), "float32")
+
+
+@pytest.fixture(autouse=True)
+def _own_kernel_times(monkeypatch):
+    """Each test here its own time cache (in its data cache folder), not the session's."""
+    monkeypatch.delenv("MLXTUNE_KERNEL_TIMES", raising=False)
 
 
 def clock_of(times: dict, calls: list | None = None):

@@ -279,9 +279,11 @@ def sources_fingerprint() -> str:
 
 
 def cache_path() -> Path:
-    """Where measured times are kept: ``$MLXTUNE_CACHE/kernel-times.json``, else under
-    ``~/.cache/mlxtune`` (XDG's cache folder where ``XDG_CACHE_HOME`` is set), beside the
-    data cache."""
+    """Where measured times are kept: the file ``$MLXTUNE_KERNEL_TIMES`` names, else
+    ``$MLXTUNE_CACHE/kernel-times.json``, else under ``~/.cache/mlxtune`` (XDG's cache folder
+    where ``XDG_CACHE_HOME`` is set), beside the data cache."""
+    if os.environ.get("MLXTUNE_KERNEL_TIMES"):
+        return Path(os.environ["MLXTUNE_KERNEL_TIMES"])
     if os.environ.get("MLXTUNE_CACHE"):
         return Path(os.environ["MLXTUNE_CACHE"]) / "kernel-times.json"
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
