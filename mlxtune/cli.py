@@ -7,7 +7,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -419,20 +418,6 @@ def _memory_gb() -> float | None:
         return None
 
 
-def _matmul_gflops() -> float:
-    import mlx.core as mx
-
-    n = 512
-    a = mx.random.normal((n, n))
-    b = mx.random.normal((n, n))
-    mx.eval(a @ b)
-    t = time.perf_counter()
-    reps = 5
-    for _ in range(reps):
-        mx.eval(a @ b)
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
-
-
 def _install_blas() -> tuple[bool, str]:
     """Install OpenBLAS where it is missing: (whether this call installed it, what happened)."""
     if sys.platform != "linux":
@@ -503,7 +488,7 @@ def doctor(install_blas, kernels_for):
     click.echo(f"BLAS      {status.name}: {status.note}")
     click.echo(f"malloc    {_malloc.setup_malloc()}")
     click.echo(f"schedule  {_schedule.setup_schedule()}")
-    click.echo(f"matmul    {_matmul_gflops():.1f} GFLOP/s (fp32, 512x512)")
+    click.echo(f"matmul    {_blas.matmul_gflops():.1f} GFLOP/s (fp32, 512x512)")
     click.echo(f"memory    {mem:.1f} GB" if mem else "memory    unknown")
     have = [name for name, ok in distributed.backends().items() if ok]
     click.echo(

@@ -335,23 +335,14 @@ class KernelsConfig:
     """Which implementation of the fused operations the trainer uses."""
 
     loss: Literal["auto", "reference", "chunked", "metal", "cuda"] = "auto"
-    """linear_cross_entropy tier: "auto" (MLXTUNE_KERNELS, else measured: see autotune),
-    "reference" (builds the [tokens, vocab] logits, as mlx-lm does), "chunked" (portable MLX,
-    never builds them), or the GPU kernels, "metal" or "cuda" (where MLX has that backend)."""
+    """linear_cross_entropy tier: "auto" (MLXTUNE_KERNELS, else measured: autotune), "reference"
+    (the [tokens, vocab] logits, as mlx-lm), "chunked" (never builds them), "metal" or "cuda"."""
     attention: Literal["auto", "reference", "chunked", "native", "metal", "cuda", "off"] = "auto"
-    """attention tier in training: "auto" (MLXTUNE_KERNELS, else measured: see autotune),
-    "reference", "chunked" (slabs of queries that never build the [T, T] scores; MLX's fused
-    attention for short rows), "native" (MLX's fused attention at every length, a mask keeping
-    packed sequences apart), "metal" or "cuda" (GPU kernels), or "off" (mlx-lm's own
-    attention)."""
+    """attention tier: "auto" (as the loss's), "reference", "chunked" (never builds the [T, T]
+    scores), "native" (MLX's fused attention), "metal", "cuda", or "off" (mlx-lm's own)."""
     autotune: bool = True
-    """Choose each "auto" tier by measurement: before training, every tier that passed its check
-    here is timed, forward and backward, at the shapes the run's batches take, and the fastest
-    whose step fits the memory budget runs each shape (the log and config_resolved.json show
-    the table; times are cached per device, MLX version, dtype and shape in
-    $MLXTUNE_CACHE/kernel-times.json, default ~/.cache/mlxtune). A tier named here is timed too, and used as named
-    with a warning when it measured more than 2x slower. false: the fixed defaults (the chunked
-    tier, which hands short rows to MLX's fused attention, or a GPU's kernels)."""
+    """Choose each "auto" tier by timing every tier at the run's shapes, the fastest that fits
+    the memory budget (docs/kernels.md); a named tier is kept, warned past 2x slower."""
 
 
 @dataclass

@@ -5,6 +5,8 @@ before a run starts is ``mlxtune.memory``."""
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 GB = 1e9
 _OOM_MARKS = (
     "unable to allocate",  # MLX's Metal and CUDA allocators
@@ -48,6 +50,17 @@ def wired_limit(info: dict, metal: bool) -> int | None:
         return None
     size = info.get("max_recommended_working_set_size")
     return int(size) if size else None
+
+
+def keep_resident(log) -> None:
+    """On Apple silicon, set ``wired_limit``'s limit for this process and say so."""
+    wired = wired_limit(mx.device_info(), mx.metal.is_available())
+    if wired is not None:
+        mx.set_wired_limit(wired)
+        log(
+            f"memory: wired limit {wired / GB:.1f} GB (Metal's recommended working "
+            "set: the weights and the step's buffers stay resident)"
+        )
 
 
 def should_clear_cache(step: int, cache_bytes: float, every: int | None, gb: float | None) -> bool:

@@ -11,13 +11,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.optimizers as optim
 
 from .. import _blas
 from ..build import Built, build
 from ..config import Recipe, dump_yaml, inert_notes
-from ..engine.memory import GB, wired_limit
+from ..engine.memory import keep_resident
 from ..engine.optim import optimizer_for
 from ..engine.state import LoopPosition
 from ..engine.steps import Engine
@@ -107,13 +106,7 @@ def set_up(
     for note in inert_notes(r):  # keys the recipe sets that these settings never read
         log(note)
     tiers = kernel_tiers(r, log)
-    wired = wired_limit(mx.device_info(), mx.metal.is_available())
-    if wired is not None:
-        mx.set_wired_limit(wired)
-        log(
-            f"memory: wired limit {wired / GB:.1f} GB (Metal's recommended working "
-            "set: the weights and the step's buffers stay resident)"
-        )
+    keep_resident(log)
     resuming = resume_from is not None
     built = build(r, run_dir, tiers, resuming, log, rows)
     if "peft" in r.export.formats and (why := peft_refusal(built.components.model)) is not None:
