@@ -79,7 +79,9 @@ def test_the_plan_counts_what_the_resolved_tiers_build(tmp_path, wide, monkeypat
     """MLXTUNE_KERNELS=reference makes "auto" build the logits and the scores, and the estimate
     counts them; the chunked tier builds neither."""
     monkeypatch.delenv("MLXTUNE_KERNELS", raising=False)
-    r = recipe_from_dict(wide_recipe(wide, memory={"check": "off"}))
+    # the fixed rules (unmeasured "auto"): measuring may choose another tier on another machine
+    fixed = {"autotune": False}
+    r = recipe_from_dict(wide_recipe(wide, memory={"check": "off"}, kernels=fixed))
     chunked = Trainer(r, tmp_path / "chunked", console=Console(quiet=True))
     monkeypatch.setenv("MLXTUNE_KERNELS", "reference")
     reference = Trainer(r, tmp_path / "reference", console=Console(quiet=True))
