@@ -3,12 +3,9 @@ Hugging Face layout for each supported family, and small JSONL datasets."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,13 +16,6 @@ import pytest
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlxtune  # noqa: F401  (first: sets up BLAS before mlx is imported)
-
-# The kernel times one session measures serve all its tests (a run with auto kernels measures its
-# shapes once, not in every test); each test keeps its own data cache (below).
-if "MLXTUNE_KERNEL_TIMES" not in os.environ:
-    _times = tempfile.mkdtemp(prefix="mlxtune-test-kernels-")
-    atexit.register(shutil.rmtree, _times, True)
-    os.environ["MLXTUNE_KERNEL_TIMES"] = os.path.join(_times, "kernel-times.json")
 
 REPO = Path(__file__).resolve().parent.parent
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
