@@ -16,6 +16,7 @@ import pytest
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlxtune  # noqa: F401  (first: sets up BLAS before mlx is imported)
+from mlxtune.kernels.tune import time_case as REAL_TIME_CASE  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -499,6 +500,34 @@ def same_rows(a, b, rel=1e-5, abs=1e-7):
                 assert x[k] == pytest.approx(y[k], rel=rel, abs=abs), (k, x, y)
             else:
                 assert x[k] == y[k], (k, x, y)
+
+
+def fixed_default_clock(tier, case, **_):
+    """The kernel clock of tests that are not about the kernel choice: the tier a run takes
+    without measuring (``kernels.autotune: false``, ``kernels.resolve("auto")``) times fastest,
+    so that ``auto`` chooses as the fixed defaults do: the same tier in every test and every
+    order, and no second spent compiling ops to time them. Tests of the measurement itself ask
+    for ``real_kernel_clock``."""
+    from mlxtune import kernels
+
+    impls = kernels.ATTENTION_IMPLS if case.op == "attention" else kernels.IMPLS
+    return 1e-3 if tier == kernels.resolve("auto", impls) else 2e-3
+
+
+@pytest.fixture(autouse=True)
+def _kernel_clock(monkeypatch):
+    """Every test times kernels by ``fixed_default_clock`` unless it asks for the real one."""
+    from mlxtune.kernels import tune
+
+    monkeypatch.setattr(tune, "time_case", fixed_default_clock)
+
+
+@pytest.fixture
+def real_kernel_clock(_kernel_clock, monkeypatch):
+    """The kernels timed for real (``kernels.tune.time_case``), for tests of the measurement."""
+    from mlxtune.kernels import tune
+
+    monkeypatch.setattr(tune, "time_case", REAL_TIME_CASE)
 
 
 @pytest.fixture(autouse=True)

@@ -21,12 +21,6 @@ from mlxtune.loop import tiers as run_tiers
 ATT = Case("attention", (2, 4, 2, 64, 16), "float32")
 
 
-@pytest.fixture(autouse=True)
-def _own_kernel_times(monkeypatch):
-    """Each test here its own time cache (in its data cache folder), not the session's."""
-    monkeypatch.delenv("MLXTUNE_KERNEL_TIMES", raising=False)
-
-
 def clock_of(times: dict, calls: list | None = None):
     """A clock that reads ``times[tier]`` (raising for a tier missing from it) and notes calls."""
 
@@ -172,7 +166,7 @@ def test_a_gpu_tier_is_timed_only_once_it_passed_its_check(monkeypatch):
     assert run_tiers.candidates("loss") == ["reference", "chunked", "metal"]
 
 
-def test_time_case_times_forward_and_backward_compiled():
+def test_time_case_times_forward_and_backward_compiled(real_kernel_clock):
     ticks = iter(range(100))
     s = tune.time_case("chunked", Case("loss", (16, 40, 8), "float32"), clock=lambda: next(ticks))
     assert s == 1  # each timed run between two ticks of the clock
@@ -188,7 +182,7 @@ def _recipe(model_dir, data_dir, **kernels_cfg):
 
 
 def test_a_run_writes_its_table_and_the_next_reads_the_times_back(
-    llama_dir, data_dir, tmp_path, monkeypatch
+    llama_dir, data_dir, tmp_path, monkeypatch, real_kernel_clock
 ):
     tr = Trainer(_recipe(llama_dir, data_dir), tmp_path / "a", console=Console(quiet=True))
     table = json.loads((tmp_path / "a" / "config_resolved.json").read_text())["kernels"]
@@ -288,3 +282,47 @@ def test_a_tier_whose_step_would_not_fit_is_left_out_and_the_log_says_so(
     assert any(
         line.startswith(f"kernels.attention: native left out at {case.label()}:") for line in lines
     )
+
+
+def test_doctor_kernels_times_a_models_shapes_and_keeps_the_times(llama_dir, capsys, monkeypatch):
+    from mlxtune.cli import main
+
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    timed = []
+
+    def clock(tier, case, **_):
+        timed.append((tier, case))
+        return {"chunked": 2e-3}.get(tier, 1e-3)
+
+    monkeypatch.setattr(tune, "time_case", clock)
+    assert main(["doctor", "--kernels", str(llama_dir)]) == 0
+    out = capsys.readouterr().out
+    want = {
+        ("attention", (1, heads, kv, t, d), packed) for t in (512, 2048) for packed in (0, 1)
+    } | {("loss", (t, cfg["vocab_size"], cfg["hidden_size"]), 0) for t in (512, 2048)}
+    assert {(c.op, c.dims, int(c.segments)) for _, c in timed} == want
+    assert {t for t, _ in timed} == {"native", "chunked", "reference"}
+    # every shape's row, the faster tier starred
+    assert out.count("native 1.00*, chunked 2.00") == 4, out
+    assert out.count("reference 1.00*, chunked 2.00") == 2, out
+    assert "(0 read back)" in out
+    monkeypatch.setattr(tune, "time_case", lambda *a, **k: pytest.fail("timed again"))
+    assert main(["doctor", "--kernels", str(llama_dir)]) == 0
+    assert f"({len(timed)} read back)" in capsys.readouterr().out
+
+
+def test_doctor_kernels_of_a_recipe_prints_its_runs_table(llama_dir, data_dir, tmp_path, capsys):
+    import yaml
+
+    from mlxtune.cli import main
+
+    recipe = tiny_recipe(data_dir, llama_dir, train={"max_steps": 1, "progress": False})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["doctor", "--kernels", str(tmp_path / "r.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "kernels: attention, forward and backward compiled" in out
+    assert "kernels: loss, forward and backward compiled" in out
+    # the suite's clock times the fixed default fastest: auto takes it at every shape
+    assert "kernels.attention: chunked" in out and "kernels.loss: chunked" in out
