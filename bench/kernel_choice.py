@@ -8,19 +8,25 @@ LoRA training steps of the same model and data, in one run.
 
 For each shape (row length x rows a step) and layout (bucketed: rows of their own lengths up to
 the row length, batched by length; packed: rows filled to the length with examples kept apart),
-every combination of forced tiers (attention native | chunked, loss reference | chunked) trains
-the same steps (``--steps``, 6), then ``auto`` measures (from an empty time cache) and trains them. The steady
-step time is the median of the steps after the first (which compiles). Ratios: auto / the best
-forced combination (the target: at most 1.05) and auto / today's fixed default (chunked and
-chunked: the target at most 1.0). The time ``auto`` spent measuring is reported apart (a later
-run reads it from the cache). Prints a table, then one JSON line.
+six trainers of the same model and data are set up: every combination of forced tiers
+(attention native | chunked, loss reference | chunked, ``kernels.autotune: false``), ``auto``
+(measuring from an empty time cache) and ``auto`` again (reading those times back: the same
+tiers, so that the run states its own noise). They then step in turn, one step each a round
+(``--rounds``, after a round that compiles), each round starting one further along: drift falls
+on all alike, and a round's steps train the same batch. Ratios are the median over rounds of
+the paired steps: auto / the best forced combination (the target: at most 1.05), auto / the
+fixed default (chunked and chunked: the target at most 1.0) and auto again / auto (the noise).
+The time ``auto`` spent measuring is its set-up less the second's. Prints a line a shape, then
+one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -76,8 +82,8 @@ def recipe(
     }
 
 
-def train(spec: dict, run_dir: Path) -> dict:
-    """Set up and train one configuration: set-up seconds, steady step seconds, the tiers."""
+def set_up(spec: dict, run_dir: Path):
+    """A trainer of one configuration, and its set-up seconds (measuring included for auto)."""
     from mlxtune import Trainer, recipe_from_dict
     from mlxtune.console import Console
 
@@ -85,20 +91,49 @@ def train(spec: dict, run_dir: Path) -> dict:
     mx.clear_cache()
     t0 = time.perf_counter()
     trainer = Trainer(recipe_from_dict(spec), run_dir=run_dir, console=Console(quiet=True))
-    setup = time.perf_counter() - t0
-    trainer.run()
-    steps = [
-        r["step_time_s"] for r in trainer.run_dir.read_jsonl("metrics.jsonl") if "step_time_s" in r
-    ]
-    out = {
-        "setup_s": round(setup, 3),
-        "step_s": round(statistics.median(steps[1:] or steps), 4),
-        "tiers": {op: str(t) for op, t in trainer.tiers.items()},
-    }
-    del trainer
-    gc.collect()
-    mx.clear_cache()
+    return trainer, time.perf_counter() - t0
+
+
+def stepper(trainer):
+    """Steps of one trainer, one at a time: each ``next`` runs the next batch's forward,
+    backward and update (in the trainer's attention tier) and gives its seconds."""
+    from mlxtune.models import kernel_attention
+
+    batches, engine = trainer.batches(), trainer.engine
+    tier = trainer.tiers["attention"]
+    while True:
+        _, batch = next(batches)
+        ctx = contextlib.nullcontext() if tier == "off" else kernel_attention(trainer.model, tier)
+        with ctx:
+            t0 = time.perf_counter()
+            arrays = engine.arrays(batch)
+            inv = mx.array(1.0 / max(trainer.objective.count(batch), 1))
+            loss, _, _, grads = engine.grad_step(arrays, inv)
+            norm, ok = engine.apply_step(grads, loss)
+            mx.eval(engine.state, norm, ok, loss)
+            seconds = time.perf_counter() - t0
+        if not math.isfinite(norm.item()):
+            raise RuntimeError("a step's gradient norm is not finite")
+        yield seconds
+
+
+def interleaved(trainers: dict, rounds: int) -> dict[str, list[float]]:
+    """Each configuration's step seconds, stepped in turn: round r runs one step of every
+    configuration (its first compiles and is dropped), starting one further along each round,
+    so that the machine's drift falls on all of them alike and round r's steps share a batch."""
+    steps = {name: stepper(tr) for name, tr in trainers.items()}
+    names, out = list(steps), {name: [] for name in steps}
+    for r in range(rounds + 1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            seconds = next(steps[name])
+            if r:
+                out[name].append(seconds)
     return out
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """The median over rounds of a's step / b's step in the same round (the same batch)."""
+    return round(statistics.median(x / y for x, y in zip(a, b, strict=True)), 3)
 
 
 def main(argv=None) -> int:
@@ -110,7 +145,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--budget", type=float, help="seconds after which no new shape starts")
     ap.add_argument(
-        "--steps", type=int, default=6, help="steps a configuration trains (the first compiles)"
+        "--rounds",
+        type=int,
+        default=5,
+        help="timed steps of each configuration, stepped in turn (after one that compiles)",
     )
     args = ap.parse_args(argv)
     shapes = args.shapes or SHAPES["quick" if args.quick else "full"]
@@ -138,37 +176,43 @@ def main(argv=None) -> int:
                 data = tmp / f"data-{length}"
                 data.mkdir(exist_ok=True)
                 write_rows(data / "train.jsonl", max(4 * rows, 16), length, seed=length)
-                row = {"shape": shape, "layout": layout, "forced": {}}
+                row = {"shape": shape, "layout": layout}
                 os.environ["MLXTUNE_CACHE"] = str(tmp / f"cache-{shape}-{layout}")
+                trainers, setup = {}, {}
+                n = args.rounds + 1
                 for att, loss in FORCED:
                     k = {"attention": att, "loss": loss, "autotune": False}
-                    spec = recipe(base, data / "train.jsonl", length, rows, layout, k, args.steps)
-                    row["forced"][f"{att}+{loss}"] = train(
-                        spec, tmp / f"run-{shape}-{layout}-{att}-{loss}"
-                    )
-                spec = recipe(base, data / "train.jsonl", length, rows, layout, {}, args.steps)
-                auto = train(spec, tmp / f"run-{shape}-{layout}-auto")
-                cached = train(spec, tmp / f"run-{shape}-{layout}-auto-cached")
-                row["auto"] = auto
-                row["auto_again"] = cached  # the same tiers once more: the steps' own noise
-                row["measuring_s"] = round(auto["setup_s"] - cached["setup_s"], 3)
-                best_name, best = min(row["forced"].items(), key=lambda kv: kv[1]["step_s"])
-                row["best_forced"] = best_name
-                row["auto_vs_best"] = round(auto["step_s"] / best["step_s"], 3)
-                row["auto_vs_default"] = round(
-                    auto["step_s"] / row["forced"]["+".join(DEFAULT)]["step_s"], 3
-                )
+                    spec = recipe(base, data / "train.jsonl", length, rows, layout, k, n)
+                    name = f"{att}+{loss}"
+                    trainers[name], setup[name] = set_up(spec, tmp / f"run-{shape}-{layout}-{name}")
+                spec = recipe(base, data / "train.jsonl", length, rows, layout, {}, n)
+                for name in ("auto", "auto_again"):  # the second reads the first's times back
+                    trainers[name], setup[name] = set_up(spec, tmp / f"run-{shape}-{layout}-{name}")
+                row["auto_tiers"] = {
+                    op: str(trainers["auto"].tiers[op]) for op in ("attention", "loss")
+                }
+                times = interleaved(trainers, args.rounds)
+                trainers.clear()
+                row["step_s"] = {name: round(statistics.median(t), 4) for name, t in times.items()}
+                forced = {name: row["step_s"][name] for name in row["step_s"] if "+" in name}
+                row["best_forced"] = min(forced, key=forced.get)
+                row["auto_vs_best"] = paired(times["auto"], times[row["best_forced"]])
+                row["auto_vs_default"] = paired(times["auto"], times["+".join(DEFAULT)])
+                # the same tiers stepped twice: what this run's noise is
+                row["auto_again_vs_auto"] = paired(times["auto_again"], times["auto"])
+                row["measuring_s"] = round(setup["auto"] - setup["auto_again"], 1)
                 results.append(row)
-                cells = ", ".join(f"{n} {v['step_s']:.3f}" for n, v in row["forced"].items())
+                cells = ", ".join(f"{n} {v:.3f}" for n, v in row["step_s"].items())
                 print(
-                    f"{shape} {layout}: step s {cells}; auto {auto['step_s']:.3f} "
-                    f"({auto['tiers']['attention']} / {auto['tiers']['loss']}); auto/best "
-                    f"{row['auto_vs_best']:.3f}, auto/default {row['auto_vs_default']:.3f} "
-                    f"(auto again {cached['step_s']:.3f}); "
-                    f"measuring {row['measuring_s']:.1f} s",
+                    f"{shape} {layout}: step s {cells}; auto ran "
+                    f"{row['auto_tiers']['attention']} / {row['auto_tiers']['loss']}; "
+                    f"auto/best {row['auto_vs_best']:.3f}, auto/default "
+                    f"{row['auto_vs_default']:.3f}, noise (auto again/auto) "
+                    f"{row['auto_again_vs_auto']:.3f}; measuring {row['measuring_s']:.1f} s",
                     flush=True,
                 )
     worst_best = max((r["auto_vs_best"] for r in results), default=None)
+    noise = max((abs(r["auto_again_vs_auto"] - 1) for r in results), default=None)
     worst_default = max((r["auto_vs_default"] for r in results), default=None)
     print(
         json.dumps(
@@ -179,6 +223,7 @@ def main(argv=None) -> int:
                 "elapsed_s": round(time.perf_counter() - start, 1),
                 "worst_auto_vs_best": worst_best,
                 "worst_auto_vs_default": worst_default,
+                "worst_noise": noise,
                 "targets_met": {
                     "within_5pct_of_best": worst_best is not None and worst_best <= 1.05,
                     "never_slower_than_default": worst_default is not None

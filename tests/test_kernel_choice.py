@@ -24,7 +24,7 @@ ATT = Case("attention", (2, 4, 2, 64, 16), "float32")
 def clock_of(times: dict, calls: list | None = None):
     """A clock that reads ``times[tier]`` (raising for a tier missing from it) and notes calls."""
 
-    def seconds_of(tier, case):
+    def seconds_of(tier, case, **_):
         if calls is not None:
             calls.append(tier)
         if tier not in times:
@@ -35,7 +35,7 @@ def clock_of(times: dict, calls: list | None = None):
 
 
 def peaks_of(peaks: dict):
-    return lambda tier, case: peaks[tier]
+    return lambda tier, case, **_: peaks[tier]
 
 
 def test_the_fastest_tier_that_fits_is_chosen_and_one_over_the_budget_is_never_timed():
@@ -157,6 +157,30 @@ def test_a_cached_clock_reads_back_what_it_measured(tmp_path):
     assert calls == ["native"] and clock.hits == 1
 
 
+def test_a_tier_far_behind_is_timed_once_and_the_cached_clock_bounds_it(
+    tmp_path, real_kernel_clock
+):
+    ticks = iter(range(0, 1000, 5))  # each timed run takes 5 ticks
+    once = Case("loss", (16, 40, 8), "float32")
+    # run 1 took 5 > 4: not repeated; a bound it stays under does not cut the repeats
+    assert tune.time_case("chunked", once, clock=lambda: next(ticks), bound=4) == 5
+    assert next(ticks) == 10
+    assert tune.time_case("chunked", once, clock=lambda: next(ticks), bound=6) == 5
+    assert next(ticks) == 45  # three runs: six ticks taken
+    bounds = []
+
+    def clock(tier, case, bound=None):
+        bounds.append(bound)
+        return {"native": 0.4, "chunked": 0.1, "reference": 0.3}[tier]
+
+    timed = cached_clock(TimeCache(tmp_path / "t.json", "cpu: x"), clock)
+    for tier in ("native", "chunked", "reference"):
+        timed(tier, ATT)
+    assert bounds == [None, tune.LOST_BY * 0.4, tune.LOST_BY * 0.1]
+    timed("native", once)
+    assert bounds[-1] is None  # each shape its own fastest
+
+
 def test_a_gpu_tier_is_timed_only_once_it_passed_its_check(monkeypatch):
     monkeypatch.setattr(kernels, "gpu_backend", lambda: "metal")
     monkeypatch.setattr(kernels, "on_gpu", lambda: True)
@@ -195,7 +219,7 @@ def test_a_run_writes_its_table_and_the_next_reads_the_times_back(
     log = (tmp_path / "a" / "log.txt").read_text()
     assert "kernels.attention: auto -> " in log and "kernels: loss, forward and backward" in log
 
-    def no_clock(tier, case):
+    def no_clock(tier, case, **_):
         raise AssertionError("timed again")
 
     monkeypatch.setattr(tune, "time_case", no_clock)
@@ -210,7 +234,7 @@ def test_a_run_writes_its_table_and_the_next_reads_the_times_back(
 
 
 def test_autotune_off_keeps_the_fixed_defaults(llama_dir, data_dir, tmp_path, monkeypatch):
-    def no_clock(tier, case):
+    def no_clock(tier, case, **_):
         raise AssertionError("timed")
 
     monkeypatch.setattr(tune, "time_case", no_clock)
@@ -225,7 +249,9 @@ def test_autotune_off_keeps_the_fixed_defaults(llama_dir, data_dir, tmp_path, mo
 def test_a_named_tier_runs_as_named_and_the_log_warns_when_it_is_slow(
     llama_dir, data_dir, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(tune, "time_case", lambda tier, case: {"reference": 0.5}.get(tier, 0.1))
+    monkeypatch.setattr(
+        tune, "time_case", lambda tier, case, **_: {"reference": 0.5}.get(tier, 0.1)
+    )
     tr = Trainer(
         _recipe(llama_dir, data_dir, loss="reference"), tmp_path / "r", console=Console(quiet=True)
     )
@@ -237,7 +263,7 @@ def test_a_named_tier_runs_as_named_and_the_log_warns_when_it_is_slow(
 def test_a_resumed_run_decides_by_the_times_its_run_measured(
     llama_dir, data_dir, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(tune, "time_case", lambda tier, case: {"native": 0.1}.get(tier, 0.3))
+    monkeypatch.setattr(tune, "time_case", lambda tier, case, **_: {"native": 0.1}.get(tier, 0.3))
     r = tiny_recipe(
         data_dir, llama_dir, train={"max_steps": 2, "progress": False}, checkpoints={"every": 1}
     )
@@ -246,7 +272,7 @@ def test_a_resumed_run_decides_by_the_times_its_run_measured(
     assert first.tiers["attention"] == "native"
     # another machine's cache (here: none), whose clock would choose otherwise
     monkeypatch.setenv("MLXTUNE_CACHE", str(tmp_path / "elsewhere"))
-    monkeypatch.setattr(tune, "time_case", lambda tier, case: {"chunked": 0.1}.get(tier, 0.3))
+    monkeypatch.setattr(tune, "time_case", lambda tier, case, **_: {"chunked": 0.1}.get(tier, 0.3))
     r["train"]["max_steps"] = 3
     again = Trainer(
         recipe_from_dict(r), tmp_path / "run", console=Console(quiet=True), resume="step-000001"

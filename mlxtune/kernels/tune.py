@@ -33,6 +33,11 @@ this many times slower than the fastest that fits."""
 REPEATS = 3
 """Timed runs of each tier at each shape (after one that compiles it): the median counts."""
 
+LOST_BY = 2.0
+"""A tier whose first timed run at a shape took more than this many times the fastest tier's
+time there so far is not run again: its one time stands (it cannot win), and measuring costs
+less where a tier is far behind."""
+
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -228,10 +233,14 @@ def _inputs(case: Case):
 
 
 def time_case(
-    tier: str, case: Case, repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter
+    tier: str,
+    case: Case,
+    repeats: int = REPEATS,
+    clock: Callable[[], float] = time.perf_counter,
+    bound: float | None = None,
 ) -> float:
     """Median seconds of the case's forward and backward in ``tier``, compiled, after one run
-    that compiles it."""
+    that compiles it; the first timed run alone where it took longer than ``bound`` seconds."""
     fn, args = _inputs(case)(tier)
     step = mx.compile(fn)
     mx.eval(step(*args))
@@ -240,6 +249,8 @@ def time_case(
         start = clock()
         mx.eval(step(*args))
         times.append(clock() - start)
+        if bound is not None and times[0] > bound:
+            break
     del step
     mx.clear_cache()
     return statistics.median(times)
@@ -337,16 +348,21 @@ class TimeCache:
 
 def cached_clock(cache: TimeCache, clock=None) -> Callable[[str, Case], float]:
     """``clock`` (``time_case`` unless given) through ``cache``: a time measured before is
-    read back, a new one kept. The returned function's ``hits`` counts what was read back."""
+    read back, a new one kept. Each case's fastest time so far bounds the next tier's repeats
+    (``LOST_BY``). The returned function's ``hits`` counts what was read back."""
+    fastest: dict[str, float] = {}
 
     def seconds_of(tier: str, case: Case) -> float:
         known = cache.seconds(case, tier)
-        if known is not None:
+        if known is None:
+            best = fastest.get(case.key())
+            bound = None if best is None else LOST_BY * best
+            known = (clock or time_case)(tier, case, bound=bound)
+            cache.record(case, tier, known)
+        else:
             seconds_of.hits += 1
-            return known
-        s = (clock or time_case)(tier, case)
-        cache.record(case, tier, s)
-        return s
+        fastest[case.key()] = min(known, fastest.get(case.key(), known))
+        return known
 
     seconds_of.hits = 0
     return seconds_of

@@ -39,14 +39,10 @@ def packing_refusal(model: nn.Module, lm: LMParts, tier: str | None = None) -> s
     """Why packed rows cannot train this model (None when they can): packed examples must
     give the hidden states each gives alone, which a layer carrying state along the sequence,
     or attention that does not go through mlxtune's routed function, would break. Checked on
-    two short examples packed into one row."""
+    two short examples packed into one row. A layer carrying state passes where mlxtune
+    restarts its state per example (the gated delta rule and its convolution)."""
     family = family_name(model)
     state = recurrent_caches(model)
-    if state:
-        return (
-            f"{family} has layers that carry state along the sequence ({', '.join(state)}), "
-            "which would flow from one packed example into the next"
-        )
     route = kernel_attention(model, None if tier == "off" else tier)
     if not route.active:
         return f"{family}'s attention does not go through a function mlxtune can route"
@@ -64,6 +60,11 @@ def packing_refusal(model: nn.Module, lm: LMParts, tier: str | None = None) -> s
     packed, alone = packed.astype(mx.float32), alone.astype(mx.float32)
     err = mx.abs(packed - alone).max().item()
     if err > tol * max(mx.abs(alone).max().item(), 1e-6):
+        if state:  # a recurrence mlxtune does not restart per example (the gated delta rule's does)
+            return (
+                f"{family} has layers that carry state along the sequence ({', '.join(state)}), "
+                "which would flow from one packed example into the next"
+            )
         return (
             f"in {family}, packed examples do not give what each gives alone (its attention "
             "or its positions reach across them)"

@@ -1,5 +1,6 @@
 """Patches of mlx-lm's model modules, active inside a ``with`` block: attention through
-mlxtune's kernel tiers (packed segments kept apart), and the CPU's faster swiglu."""
+mlxtune's kernel tiers (packed segments kept apart), the gated delta rule of hybrid models
+chunkwise (``kernels.delta``), and the CPU's faster swiglu."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import attention, cpu, flash
+from ..kernels import attention, cpu, delta, flash
 from .context import current
 
 
@@ -22,6 +23,10 @@ class kernel_attention:
     with a cache, explicit masks, sinks) to mlx-lm's own function, packed segments kept apart
     there too. mlx-lm's files are not edited, and the originals are restored on exit. Families
     whose attention is their own code (gemma2's soft-capped scores) keep it.
+
+    The families' ``gated_delta_update`` (Qwen3-Next, Qwen3.5, Kimi-Linear...: a loop of one
+    step a position while training, in mlx-lm) becomes ``kernels.delta.gated_delta_update``,
+    the chunkwise form, its state restarting where a packed example starts.
 
     On the CPU, unless the tier is "reference", the modules' ``swiglu`` becomes
     ``kernels.cpu.swiglu`` too: the same function with an exponential that MLX's CPU backend
@@ -40,15 +45,26 @@ class kernel_attention:
             id(mod): (
                 _unpatched(getattr(mod, "scaled_dot_product_attention", None)),
                 _unpatched(getattr(mod, "swiglu", None)),
+                _unpatched(getattr(mod, "gated_delta_update", None)),
             )
             for mod in self.modules
         }
         self._saved: list[list] = []  # what each __enter__ found, for its __exit__
+        self._conv_classes: list[list] = []
+        # the short convolutions of the layers whose recurrence is routed: packed examples
+        # kept apart in them too
+        self.convs = [
+            m.conv1d
+            for _, m in model.named_modules()
+            if isinstance(getattr(m, "conv1d", None), nn.Conv1d)
+            and self.originals.get(id(sys.modules.get(type(m).__module__)), (0, 0, None))[2]
+            is not None
+        ]
 
     @property
     def active(self) -> bool:
         """Whether any of the model's modules calls an attention this context routes."""
-        return any(sdpa is not None for sdpa, _ in self.originals.values())
+        return any(sdpa is not None for sdpa, _, _ in self.originals.values())
 
     def __enter__(self):
         graph = flash.graph_layers(self.layers)
@@ -60,12 +76,18 @@ class kernel_attention:
                     mod,
                     getattr(mod, "scaled_dot_product_attention", None),
                     getattr(mod, "swiglu", None),
+                    getattr(mod, "gated_delta_update", None),
                 )
                 for mod in self.modules
             ]
         )
+        self._conv_classes.append([conv.__class__ for conv in self.convs])
+        for conv in self.convs:
+            conv.__class__ = SegmentedConv1d
         for mod in self.modules:
-            original, original_swiglu = self.originals[id(mod)]
+            original, original_swiglu, original_delta = self.originals[id(mod)]
+            if original_delta is not None:
+                mod.gated_delta_update = _chunked_delta(original_delta)
             if original is not None:
                 mod.scaled_dot_product_attention = _routed(original, self.impl)
             if original_swiglu is not None:
@@ -82,11 +104,15 @@ class kernel_attention:
 
     def __exit__(self, *exc):
         self._graphs.pop().__exit__(*exc)
-        for mod, sdpa, swiglu in self._saved.pop():
+        for conv, cls in zip(self.convs, self._conv_classes.pop(), strict=True):
+            conv.__class__ = cls
+        for mod, sdpa, swiglu, gdu in self._saved.pop():
             if sdpa is not None:
                 mod.scaled_dot_product_attention = sdpa
             if swiglu is not None:
                 mod.swiglu = swiglu
+            if gdu is not None:
+                mod.gated_delta_update = gdu
         return False
 
 
@@ -130,6 +156,37 @@ def _routed(original, impl):
 
     sdpa._mlxtune_original = original
     return sdpa
+
+
+class SegmentedConv1d(nn.Conv1d):
+    """A linear-attention layer's depthwise ``conv1d`` while its recurrence is routed: with
+    packed segments in the forward context, its taps stay within each example
+    (``kernels.delta.segmented_causal_conv``); otherwise it is the layer's own convolution."""
+
+    def __call__(self, x):
+        seg = current().segment_ids
+        taps = self.weight.shape[1]
+        if (
+            seg is None
+            or self.groups != self.weight.shape[0]
+            or self.stride != 1
+            or self.dilation != 1
+            or self.padding != 0
+            or x.shape[1] != seg.shape[1] + taps - 1
+        ):
+            return super().__call__(x)
+        y = delta.segmented_causal_conv(x, self.weight, seg)
+        return y + self.bias if "bias" in self else y
+
+
+def _chunked_delta(original):
+    """mlx-lm's ``gated_delta_update`` computed chunkwise, packed examples kept apart."""
+
+    def update(*args, **kwargs):
+        return delta.gated_delta_update(*args, segment_ids=current().segment_ids, **kwargs)
+
+    update._mlxtune_original = original
+    return update
 
 
 def _unpatched(fn):
