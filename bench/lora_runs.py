@@ -72,6 +72,33 @@ MODELS = {
         block_auto_adjust_ff_dim=False,
         layer_types=["conv", "full_attention", "conv", "full_attention"],
     ),
+    # a hybrid shaped as Qwen3-Next (dense MLP): three gated delta-net layers of 8 value heads
+    # and 4 key heads of 128 x 128, then one attention layer
+    "qwen3_next": dict(
+        model_type="qwen3_next",
+        hidden_size=512,
+        num_hidden_layers=4,
+        intermediate_size=1536,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        partial_rotary_factor=0.25,
+        full_attention_interval=4,
+        linear_num_value_heads=8,
+        linear_num_key_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        num_experts_per_tok=0,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=0,
+        moe_intermediate_size=0,
+        mlp_only_layers=[],
+        rope_theta=1e7,
+        max_position_embeddings=65536,
+        attention_bias=False,
+    ),
 }
 # real models, read from a GGUF file: de-quantized once to the bench's dtype and written in
 # Hugging Face layout, so that both trainers load the same weights (the shape comes from the file)
@@ -430,6 +457,7 @@ class _RawRows:
 MLX_LM_KEYS = {
     **{n: f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
     **{n: f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")},
+    **{n: f"linear_attn.{n}" for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")},
 }
 
 
