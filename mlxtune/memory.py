@@ -32,6 +32,7 @@ from .kernels.chunked import chunk_elements
 from .kernels.flash import block_for, uses_fused
 from .kernels.tune import tier_at
 from .models import VisionLM, checkpoint_layers, checkpointed_layers, is_quantized
+from .models.capabilities import delta_layout
 from .models.configs import active_intermediate, text_config
 
 OVERHEAD = 1.10  # allocator rounding and small temporaries
@@ -99,6 +100,8 @@ class Shape:
     fused_score_arrays: int = 4  # [T, T] arrays a fused attention's backward holds at once
     tower_row_bytes: float = 0.0  # a vision model's tower pass, a row's share (measured)
     tower_trains: bool = False  # ... its backward too, while the step's gradients are held
+    delta_layers: int = 0  # layers mixing by the gated delta rule (hybrids), chunkwise
+    delta_token: int = 0  # fp32 elements a token of one of them keeps (delta.saved_per_token)
 
 
 # [block, T] arrays the chunked attention's slabs add to a step's peak: a layer's attention
@@ -127,6 +130,8 @@ def estimate(s: Shape) -> dict[str, float]:
     acts = tokens * per_token_layer * s.act_bytes * (kept + again + in_flight)
     acts += tokens * s.hidden * s.act_bytes * s.checkpointed
     acts += tokens * 4 * s.hidden * s.act_bytes  # embeddings, final norm, their gradients
+    if s.delta_layers:  # what the chunkwise rule keeps, in the layers that keep theirs
+        acts += tokens * s.delta_token * 4 * (max(s.delta_layers - s.checkpointed, 0) + again)
     if s.attention_scores:  # scores and probabilities kept per layer, and the backward's
         acts += s.batch * s.heads * s.length * s.length * 4 * (2 * (kept + again) + 3)
     elif s.native_attention or (s.chunked_attention and uses_fused(s.batch, s.heads, s.length)):
@@ -299,6 +304,7 @@ def shape_of(run) -> Shape:
             else 0.0
         ),
         tower_trains=bool(getattr(model, "tower_trains", False)),
+        **delta_layout(model, cfg),
     )
 
 

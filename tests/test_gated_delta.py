@@ -34,7 +34,7 @@ def recurrence64(q, k, v, g, beta, state):
     return y, s
 
 
-def inputs(B=2, T=37, Hk=1, Hv=2, Dk=8, Dv=6, vector=False, seed=0):
+def inputs(B=2, T=37, Hk=1, Hv=2, Dk=8, Dv=6, vector=False, seed=0, strongest=1.5):
     rng = np.random.default_rng(seed)
 
     def unit(x):
@@ -43,7 +43,7 @@ def inputs(B=2, T=37, Hk=1, Hv=2, Dk=8, Dv=6, vector=False, seed=0):
     q = unit(rng.standard_normal((B, T, Hk, Dk))) * Dk**-0.5
     k = unit(rng.standard_normal((B, T, Hk, Dk)))
     v = rng.standard_normal((B, T, Hv, Dv))
-    log_g = -rng.uniform(0.01, 1.5, (B, T, Hv, Dk) if vector else (B, T, Hv))
+    log_g = -rng.uniform(0.01, strongest, (B, T, Hv, Dk) if vector else (B, T, Hv))
     beta = rng.uniform(0.05, 1.0, (B, T, Hv))
     state = 0.3 * rng.standard_normal((B, Hv, Dv, Dk))
     return q, k, v, log_g, beta, state
@@ -62,6 +62,22 @@ def test_values_match_a_float64_recurrence(vector, chunk):
         np.repeat(q, rep, 2), np.repeat(k, rep, 2), v, np.exp(log_g), beta, state
     )
     y, s = delta.chunked_gated_delta(*f32(q, k, v, log_g, beta, state), chunk=chunk)
+    np.testing.assert_allclose(np.array(y), want_y, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.array(s), want_s, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_decays_far_past_fp32s_range_stay_exact(vector):
+    """Gates of e^-40 a step: over a chunk they decay far past what fp32 holds (e^-88), which
+    a decay factored through any one position would overflow; pairs stay exact."""
+    q, k, v, log_g, beta, state = inputs(vector=vector, seed=9, strongest=40.0)
+    log_g[:, ::3] = -0.01  # and some steps that keep nearly everything
+    rep = v.shape[2] // q.shape[2]
+    want_y, want_s = recurrence64(
+        np.repeat(q, rep, 2), np.repeat(k, rep, 2), v, np.exp(log_g), beta, state
+    )
+    y, s = delta.chunked_gated_delta(*f32(q, k, v, log_g, beta, state))
+    assert np.isfinite(np.array(y)).all()
     np.testing.assert_allclose(np.array(y), want_y, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(np.array(s), want_s, atol=2e-5, rtol=1e-4)
 
@@ -173,7 +189,9 @@ def test_the_segmented_convolution_keeps_examples_apart():
     np.testing.assert_allclose(np.array(got), np.array(mx.concatenate(want, 1)), atol=1e-6)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+@pytest.fixture(
+    scope="module", params=["qwen3_next", "qwen3_5", "kimi_linear", "olmo_hybrid", "bailing_moe_v3"]
+)
 def hybrid(request):
     from mlx_lm_archs import tiny_config
 
@@ -230,3 +248,33 @@ def test_packed_examples_in_a_hybrid_give_what_each_gives_alone(hybrid):
     with kernel_attention(hybrid, "reference"):
         run_on = hybrid(mx.array([a + b]))
     assert np.abs(np.array(run_on) - np.array(alone))[:, len(a) :].max() > 1e-3
+
+
+def test_the_memory_plan_counts_a_hybrids_delta_layers():
+    from mlx_lm_archs import tiny_config
+
+    from mlxtune.models import family_classes
+    from mlxtune.models.capabilities import delta_layout
+    from mlxtune.models.configs import normalise_config
+
+    for name, vector in (("qwen3_next", False), ("kimi_linear", True)):
+        config = normalise_config(tiny_config(name, 64), family_classes(tiny_config(name, 64))[1])
+        model_class, args_class = family_classes(config)
+        model = model_class(args_class.from_dict(config))
+        # the layers that are not full attention, as the config lays them out
+        if name == "qwen3_next":
+            every = config["full_attention_interval"]
+            want = sum((i + 1) % every != 0 for i in range(config["num_hidden_layers"]))
+            hv, dk, dv = (config[f"linear_{x}"] for x in ("num_value_heads", "key_head_dim",
+                                                          "value_head_dim"))  # fmt: skip
+        else:
+            lac = config["linear_attn_config"]
+            want = len(lac["kda_layers"])
+            hv, dk = lac["num_heads"], lac["head_dim"]
+            dv = dk
+        got = delta_layout(model, config)
+        assert got["delta_layers"] == want, (name, got)
+        assert got["delta_token"] == delta.saved_per_token(hv, dk, dv, vector), name
+    llama = family_classes(tiny_config("llama", 64))
+    plain = llama[0](llama[1].from_dict(normalise_config(tiny_config("llama", 64), llama[1])))
+    assert delta_layout(plain, tiny_config("llama", 64)) == {}

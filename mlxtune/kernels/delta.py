@@ -31,9 +31,9 @@ CHUNK = 64
 """Positions a chunk holds (scalar gates)."""
 
 VECTOR_CHUNK = 16
-"""Positions a chunk holds with a gate per key dimension: within it the decays are factored
-around the chunk's middle, exp(G_i - G_m) exp(G_m - G_j), which stays in fp32's range while
-no 8 steps of a key dimension decay by more than e^-88 together."""
+"""Positions a chunk holds with a gate per key dimension: its pairs' decays are taken one key
+dimension at a time, exp(G_i - G_j) for j <= i ([C, C, Dk] a chunk), so that no decay however
+strong overflows or underflows a factor (a factored exp(G_i - G_m) exp(G_m - G_j) would)."""
 
 
 def _unit_lower_inverse(a: mx.array) -> mx.array:
@@ -113,13 +113,12 @@ def chunked_gated_delta(
         carry_out = (sc == sc[..., -1:])[:, None, :, :, None].astype(f32)
     strict = pair & ~mx.eye(c, dtype=mx.bool_)
 
-    if vector:  # decays factored around the chunk's middle position
-        mid = G[..., c // 2 : c // 2 + 1, :]
-        q_in, k_out = qc * mx.exp(G - mid), kc * mx.exp(mid - G)
-        k_in = kc * mx.exp(G - mid)
-        qk = q_in @ mx.swapaxes(k_out, -1, -2)
-        kk = k_in @ mx.swapaxes(k_out, -1, -2)
-        qk, kk = mx.where(pair, qk, 0.0), mx.where(strict, kk, 0.0)
+    if vector:  # each pair's decay a key dimension at a time: [B, H, N, C, C, Dk]
+        pairs = pair[..., None]
+        diff = G[..., :, None, :] - G[..., None, :, :]
+        decay = mx.where(pairs, mx.exp(mx.where(pairs, diff, 0.0)), 0.0) * kc[..., None, :, :]
+        qk = (qc[..., :, None, :] * decay).sum(-1)
+        kk = mx.where(strict, (kc[..., :, None, :] * decay).sum(-1), 0.0)
     else:
         diff = G - mx.swapaxes(G, -1, -2)  # G_i - G_j [B, H, N, C, C]
         decay = mx.where(pair, mx.exp(mx.where(pair, diff, 0.0)), 0.0)
@@ -143,14 +142,57 @@ def chunked_gated_delta(
         if state is None
         else mx.swapaxes(state.astype(f32), -1, -2)
     )
-    ys = []
-    for i in range(n):
-        delta = u[:, :, i] - w[:, :, i] @ h  # [B, H, C, Dv]
-        ys.append(q_carry[:, :, i] @ h + qk[:, :, i] @ delta)
-        k_t = mx.swapaxes(k_last[:, :, i], -1, -2)  # [B, H, Dk, C]
-        h = keep[:, :, i][..., :, None] * h + k_t @ delta
-    y = _unchunk(mx.stack(ys, axis=2))[:, :T]
+    keep = mx.broadcast_to(keep, (B, Hv, n, keep.shape[-1]))
+    y, h = _carry(u, w, q_carry, qk, k_last, keep, h)
+    y = _unchunk(y)[:, :T]
     return y.astype(out_dtype), mx.swapaxes(h, -1, -2)
+
+
+def _carry_run(u, w, qc, qk, kl, keep, h, states=None, writes=None):
+    """The state carried chunk to chunk: each chunk's outputs [B, H, N, C, Dv] and the last
+    state. ``states``, ``writes``: lists that get each chunk's entering state and its Delta."""
+    ys = []
+    for i in range(u.shape[2]):
+        d = u[:, :, i] - w[:, :, i] @ h
+        if states is not None:
+            states.append(h)
+            writes.append(d)
+        ys.append(qc[:, :, i] @ h + qk[:, :, i] @ d)
+        h = keep[:, :, i][..., None] * h + mx.swapaxes(kl[:, :, i], -1, -2) @ d
+    return mx.stack(ys, axis=2), h
+
+
+@mx.custom_function
+def _carry(u, w, qc, qk, kl, keep, h0):
+    """``_carry_run`` with a backward of its own: the reverse recurrence over the chunks, from
+    the states the forward entered them with (recomputed). MLX's own backward through the
+    loop would give each chunk's slice of the inputs a full-size gradient (memory T^2 / C)."""
+    return _carry_run(u, w, qc, qk, kl, keep, h0)
+
+
+@_carry.vjp
+def _carry_vjp(primals, cotangents, outputs):
+    u, w, qc, qk, kl, keep, h0 = primals
+    dy, dh = cotangents
+    states, writes = [], []
+    _carry_run(u, w, qc, qk, kl, keep, h0, states, writes)
+    dh = mx.zeros_like(h0) if dh is None else dh
+    dy = mx.zeros_like(outputs[0]) if dy is None else dy
+    t = lambda x: mx.swapaxes(x, -1, -2)  # noqa: E731
+    grads = {k: [] for k in ("u", "w", "qc", "qk", "kl", "keep")}
+    for i in reversed(range(u.shape[2])):
+        h, d, dyi = states[i], writes[i], dy[:, :, i]
+        dd = t(qk[:, :, i]) @ dyi + kl[:, :, i] @ dh  # Delta's gradient: [B, H, C, Dv]
+        grads["qc"].append(dyi @ t(h))
+        grads["qk"].append(dyi @ t(d))
+        grads["kl"].append(d @ t(dh))
+        dkeep = (dh * h).sum(-1)  # [B, H, Dk]
+        grads["keep"].append(dkeep if keep.shape[-1] > 1 else dkeep.sum(-1, keepdims=True))
+        grads["u"].append(dd)
+        grads["w"].append(-dd @ t(h))
+        dh = keep[:, :, i][..., None] * dh + t(qc[:, :, i]) @ dyi - t(w[:, :, i]) @ dd
+    stacked = [mx.stack(grads[k][::-1], axis=2) for k in ("u", "w", "qc", "qk", "kl", "keep")]
+    return (*stacked, dh)
 
 
 def log_gates(A_log: mx.array, a: mx.array, dt_bias: mx.array, lower_bound=None) -> mx.array:
@@ -211,3 +253,16 @@ def segmented_causal_conv(x: mx.array, weight: mx.array, segment_ids: mx.array) 
         term = mx.where(same, x[:, j : j + t] * weight[:, j, 0], 0.0)
         out = term if out is None else out + term
     return out.astype(x.dtype)
+
+
+def saved_per_token(heads: int, dk: int, dv: int, vector: bool = False) -> int:
+    """fp32 elements a token of one gated delta layer keeps for the backward in the chunkwise
+    form: its q, k (per value head) and v in fp32; each chunk's pair matrices (the decays, q.k,
+    k.k, and the inverse's log2 C factors and products); u, w and the carried q and k; the
+    outputs and writes; and its share of the states carried between chunks."""
+    c = VECTOR_CHUNK if vector else CHUNK
+    steps = max(c.bit_length() - 2, 0)  # the inverse's squarings
+    pairs = c * (4 + 2 * steps) + (2 * c * dk if vector else 0)
+    vectors = 2 * dk + dv + (dv + dk) + 2 * dk + 2 * dv
+    states = 2 * dk * dv // c
+    return heads * (pairs + vectors + states)

@@ -1,12 +1,15 @@
 """What a loaded model can do in training, read off the model itself rather than a list of
-families: whether packed examples stay apart in it, and which of its layers carry state along
-the sequence."""
+families: whether packed examples stay apart in it, which of its layers carry state along the
+sequence, and the shape of its gated delta layers (for the memory plan)."""
 
 from __future__ import annotations
+
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import delta
 from . import patches
 from .context import segments
 from .parts import LMParts, family_name
@@ -104,3 +107,25 @@ def kernel_attention_share(model: nn.Module, lm: LMParts) -> tuple[int, int]:
         patches.attention = kernel
         model.train(was_training)
     return calls["kernel"], calls["all"]
+
+
+def delta_layout(model: nn.Module, cfg: dict) -> dict:
+    """The Shape fields of a model's gated delta layers (none: {}): the modules holding the
+    rule's decay rates (``A_log``, ``dt_bias``) in a family module that calls the rule."""
+    layers = [
+        m
+        for _, m in model.named_modules()
+        if "A_log" in m
+        and "dt_bias" in m
+        and hasattr(sys.modules.get(type(m).__module__), "gated_delta_update")
+    ]
+    lac = cfg.get("linear_attn_config") or {}  # Kimi-Linear's
+    hv = int(
+        lac.get("num_heads") or cfg.get("linear_num_value_heads") or cfg["num_attention_heads"]
+    )
+    dk = int(lac.get("head_dim") or cfg.get("linear_key_head_dim") or cfg.get("head_dim") or 0)
+    dv = int(cfg.get("linear_value_head_dim") or dk)
+    if not (layers and hv and dk):
+        return {}
+    vector = layers[0]["dt_bias"].size > hv  # a rate per key dimension (Kimi-Linear)
+    return {"delta_layers": len(layers), "delta_token": delta.saved_per_token(hv, dk, dv, vector)}

@@ -51,15 +51,10 @@ class kernel_attention:
         }
         self._saved: list[list] = []  # what each __enter__ found, for its __exit__
         self._conv_classes: list[list] = []
-        # the short convolutions of the layers whose recurrence is routed: packed examples
-        # kept apart in them too
-        self.convs = [
-            m.conv1d
-            for _, m in model.named_modules()
-            if isinstance(getattr(m, "conv1d", None), nn.Conv1d)
-            and self.originals.get(id(sys.modules.get(type(m).__module__)), (0, 0, None))[2]
-            is not None
-        ]
+        # in a model whose recurrence is routed, its short convolutions (before the gated
+        # delta rule): packed examples kept apart in them too
+        routed = any(delta is not None for _, _, delta in self.originals.values())
+        self.convs = [m for _, m in model.named_modules() if routed and isinstance(m, nn.Conv1d)]
 
     @property
     def active(self) -> bool:
