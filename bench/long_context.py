@@ -81,6 +81,7 @@ def child(args) -> None:
         first = rows[0].get("first_step_compile_time_s", rows[0]["step_time_s"])
         steady = rows[-1]["step_time_s"] if len(rows) > 1 else None
         peak = ours["peak_gb"]
+        plan = ours["plan_gb"]
     else:  # the examples mlxtune encoded (the parent wrote them: no model loads here for it)
         rows = json.loads((tmp / f"examples-{args.tokens}.json").read_text())
         examples = [SimpleNamespace(ids=r["ids"], mask=r["mask"]) for r in rows]
@@ -92,12 +93,14 @@ def child(args) -> None:
         first = 1.0 / rows[0]["iterations_per_second"]
         steady = 1.0 / rows[-1]["iterations_per_second"] if len(rows) > 1 else None
         peak = theirs["peak_gb"]
+        plan = None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
     out = {
         "tokens": args.tokens,
         "first_step_s": round(first, 2),
         "step_s": None if steady is None else round(steady, 2),
         "mlx_peak_gb": round(peak, 3),
+        "plan_gb": None if plan is None else round(plan, 3),  # mlxtune's memory plan
         "max_rss_gb": round(rss, 3),
         "device": str(mx.default_device()),
     }
@@ -270,6 +273,8 @@ def main(argv=None):
                 f"first step {r['first_step_s']:.1f} s, steady {steady}, MLX peak "
                 f"{r['mlx_peak_gb']:.2f} GB, max RSS {r['max_rss_gb']:.2f} GB"
             )
+            if r.get("plan_gb") is not None:
+                what += f", planned {r['plan_gb']:.2f} GB"
         print(f"  {name:13} {where:>8} T={r['tokens']:6}: {what}", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:

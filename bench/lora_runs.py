@@ -371,6 +371,7 @@ def run_mlxtune(
     out = {
         "tokens_per_sec": steady_tokens_per_sec(rows),
         "peak_gb": peak,
+        "plan_gb": trainer.memory_estimate["total"] / 1e9,  # the memory plan's estimate
         "rows_per_step": trainer.recipe.train.batch_size,
         "examples": examples,
         "mean_len": mean_len,

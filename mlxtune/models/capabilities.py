@@ -46,9 +46,17 @@ def packing_refusal(model: nn.Module, lm: LMParts, tier: str | None = None) -> s
     restarts its state per example (the gated delta rule and its convolution)."""
     family = family_name(model)
     state = recurrent_caches(model)
+    carries = (
+        f"{family} has layers that carry state along the sequence ({', '.join(state)}), "
+        "which would flow from one packed example into the next"
+    )
     route = kernel_attention(model, None if tier == "off" else tier)
     if not route.active:
-        return f"{family}'s attention does not go through a function mlxtune can route"
+        return (
+            carries
+            if state
+            else f"{family}'s attention does not go through a function mlxtune can route"
+        )
     a, b = [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9]
     was_training = model.training
     model.eval()
@@ -64,10 +72,7 @@ def packing_refusal(model: nn.Module, lm: LMParts, tier: str | None = None) -> s
     err = mx.abs(packed - alone).max().item()
     if err > tol * max(mx.abs(alone).max().item(), 1e-6):
         if state:  # a recurrence mlxtune does not restart per example (the gated delta rule's does)
-            return (
-                f"{family} has layers that carry state along the sequence ({', '.join(state)}), "
-                "which would flow from one packed example into the next"
-            )
+            return carries
         return (
             f"in {family}, packed examples do not give what each gives alone (its attention "
             "or its positions reach across them)"
