@@ -63,6 +63,23 @@ def _unchunk(x: mx.array) -> mx.array:
     return mx.moveaxis(x, 1, 3).reshape(b, n * c, h, d)
 
 
+def _pair_products(qc, kc, G, pair, strict, vector):
+    """Each chunk's q_i.k_j and k_i.k_j with the decay from j to i (pairs where ``pair`` and
+    ``strict`` hold; zero elsewhere): [B, H, N, C, C] each."""
+    if vector:  # each pair's decay a key dimension at a time: [B, H, N, C, C, Dk]
+        pairs = pair[..., None]
+        diff = G[..., :, None, :] - G[..., None, :, :]
+        decay = mx.where(pairs, mx.exp(mx.where(pairs, diff, 0.0)), 0.0) * kc[..., None, :, :]
+        qk = (qc[..., :, None, :] * decay).sum(-1)
+        kk = mx.where(strict, (kc[..., :, None, :] * decay).sum(-1), 0.0)
+    else:
+        diff = G - mx.swapaxes(G, -1, -2)  # G_i - G_j [B, H, N, C, C]
+        decay = mx.where(pair, mx.exp(mx.where(pair, diff, 0.0)), 0.0)
+        qk = decay * (qc @ mx.swapaxes(kc, -1, -2))
+        kk = mx.where(strict, decay, 0.0) * (kc @ mx.swapaxes(kc, -1, -2))
+    return qk, kk
+
+
 def chunked_gated_delta(
     q: mx.array,
     k: mx.array,
@@ -113,17 +130,7 @@ def chunked_gated_delta(
         carry_out = (sc == sc[..., -1:])[:, None, :, :, None].astype(f32)
     strict = pair & ~mx.eye(c, dtype=mx.bool_)
 
-    if vector:  # each pair's decay a key dimension at a time: [B, H, N, C, C, Dk]
-        pairs = pair[..., None]
-        diff = G[..., :, None, :] - G[..., None, :, :]
-        decay = mx.where(pairs, mx.exp(mx.where(pairs, diff, 0.0)), 0.0) * kc[..., None, :, :]
-        qk = (qc[..., :, None, :] * decay).sum(-1)
-        kk = mx.where(strict, (kc[..., :, None, :] * decay).sum(-1), 0.0)
-    else:
-        diff = G - mx.swapaxes(G, -1, -2)  # G_i - G_j [B, H, N, C, C]
-        decay = mx.where(pair, mx.exp(mx.where(pair, diff, 0.0)), 0.0)
-        qk = decay * (qc @ mx.swapaxes(kc, -1, -2))
-        kk = mx.where(strict, decay, 0.0) * (kc @ mx.swapaxes(kc, -1, -2))
+    qk, kk = _pair_products(qc, kc, G, pair, strict, vector)
     inverse = _unit_lower_inverse(bc * kk)
     gamma = mx.exp(G)  # [B, H, N, C, 1|Dk]
     u = inverse @ (bc * vc)  # [B, H, N, C, Dv]
