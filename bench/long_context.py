@@ -63,8 +63,6 @@ DELTA_NET = ["in_proj_qkvz", "in_proj_ba", "out_proj"]  # a Qwen3-Next linear-at
 
 def child(args) -> None:
     """One setting at one T in this process: prints its JSON line."""
-    import resource
-
     import mlx.core as mx
 
     kind, ckpt = SETTINGS[args.child]
@@ -94,7 +92,7 @@ def child(args) -> None:
         steady = 1.0 / rows[-1]["iterations_per_second"] if len(rows) > 1 else None
         peak = theirs["peak_gb"]
         plan = None
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
+    rss = _peak_rss_gb()
     out = {
         "tokens": args.tokens,
         "first_step_s": round(first, 2),
@@ -105,6 +103,21 @@ def child(args) -> None:
         "device": str(mx.default_device()),
     }
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def _peak_rss_gb() -> float:
+    """This process's peak resident set since its exec (VmHWM): ru_maxrss would carry the
+    parent's peak over the fork, which a parent that prepared long rows makes large."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
 
 
 # ----------------------------------------------------------------------------------- parent
