@@ -53,7 +53,7 @@ class kernel_attention:
         self._conv_classes: list[list] = []
         # in a model whose recurrence is routed, its short convolutions (before the gated
         # delta rule): packed examples kept apart in them too
-        routed = any(delta is not None for _, _, delta in self.originals.values())
+        routed = any(gdu is not None for _, _, gdu in self.originals.values())
         self.convs = [m for _, m in model.named_modules() if routed and isinstance(m, nn.Conv1d)]
 
     @property
