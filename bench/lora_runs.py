@@ -99,6 +99,37 @@ MODELS = {
         max_position_embeddings=65536,
         attention_bias=False,
     ),
+    # a hybrid shaped as Qwen3.5 (mlx-lm's qwen3_5 module, its text model under text_config):
+    # three gated delta-net layers of 8 value heads and 4 key heads of 128 x 128, then one
+    # attention layer of head_dim 256 with multimodal RoPE over a quarter of it
+    "qwen3_5": dict(
+        model_type="qwen3_5",
+        text_config=dict(
+            model_type="qwen3_5_text",
+            hidden_size=512,
+            num_hidden_layers=4,
+            intermediate_size=1536,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            full_attention_interval=4,
+            linear_num_value_heads=8,
+            linear_num_key_heads=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            attention_bias=False,
+            max_position_embeddings=65536,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10],
+            },
+        ),
+    ),
 }
 # real models, read from a GGUF file: de-quantized once to the bench's dtype and written in
 # Hugging Face layout, so that both trainers load the same weights (the shape comes from the file)
@@ -187,14 +218,19 @@ def build_llama(out: Path, tok_dir: Path, shape: dict, vocab: int | None, dtype:
     from mlxtune.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tok_dir)
-    arch = dict(
-        model_type="llama",
-        num_key_value_heads=shape["num_attention_heads"],
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
-    arch.update(shape)
-    model, config = build_model(arch, vocab or len(tok._tokenizer), dtype=dtype, seed=0)
+    vocab = vocab or len(tok._tokenizer)
+    if "text_config" in shape:  # a wrapper: its text model's vocabulary is the tokenizer's too
+        arch = {**shape, "text_config": {**shape["text_config"], "vocab_size": vocab}}
+        arch["tie_word_embeddings"] = arch["text_config"].get("tie_word_embeddings", True)
+    else:
+        arch = dict(
+            model_type="llama",
+            num_key_value_heads=shape["num_attention_heads"],
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        )
+        arch.update(shape)
+    model, config = build_model(arch, vocab, dtype=dtype, seed=0)
     return save_model(model, config, out, tok, tok_dir, dtype=dtype)[0]
 
 
@@ -459,6 +495,7 @@ MLX_LM_KEYS = {
     **{n: f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
     **{n: f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")},
     **{n: f"linear_attn.{n}" for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")},
+    **{n: f"linear_attn.{n}" for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
 }
 
 

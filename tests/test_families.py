@@ -50,8 +50,6 @@ NAMED = [
     "nemotron_h",
     "ministral3",
 ]
-RECURRENT = {"qwen3_next", "qwen3_5", "lfm2", "nemotron_h"}  # conv or SSM layers
-RESTARTED = {"qwen3_next", "qwen3_5"}  # gated delta rule: its state restarts per packed example
 # named families whose fused export transformers does not run as mlx-lm does, and why
 TRANSFORMERS_DIFFERS = {
     "gpt_oss": "mlx-lm reads experts in a layout transformers does not write (saved as held)",
@@ -203,12 +201,9 @@ QUICK = ["qwen3_moe", "lfm2", "granite"]
 def test_named_family_trains_with_lora(name, tmp_path, data_dir, family_dir):
     tr, losses = run(tmp_path, data_dir, family_dir(name), adapter=LORA, optimizer={"lr": 1e-1})
     assert learned(losses), losses
-    # packing is allowed, or refused for what the model does: its layers' state
-    why = packing_refusal(tr.model, tr.built.components.lm)
-    if name in RECURRENT - RESTARTED:
-        assert "carry state along the sequence (ArraysCache)" in why
-    else:
-        assert why is None
+    # packing is allowed: the recurrent layers (gated delta, SSD, short convolutions) of the
+    # hybrids among them restart per packed example
+    assert packing_refusal(tr.model, tr.built.components.lm) is None
 
 
 def write_pairs(d):
@@ -311,7 +306,7 @@ def test_packed_rows_train_as_their_examples_one_by_one_in_every_family():
     checked = {name: packed_gradients_match(name) for name in sorted(ARCHS)}
     assert [n for n, ok in checked.items() if ok is False] == []
     assert sum(ok is True for ok in checked.values()) >= 80
-    assert all(checked[n] for n in NAMED if n not in RECURRENT)
+    assert all(checked[n] for n in NAMED)
 
 
 @pytest.mark.slow

@@ -65,17 +65,22 @@ def _unchunk(x: mx.array) -> mx.array:
 
 def _pair_products(qc, kc, G, pair, strict, vector):
     """Each chunk's q_i.k_j and k_i.k_j with the decay from j to i (pairs where ``pair`` and
-    ``strict`` hold; zero elsewhere): [B, H, N, C, C] each."""
+    ``strict`` hold; zero elsewhere): [B, H, N, C, C] each; k.k is None where ``strict`` is
+    (a rule without the delta correction needs only q.k)."""
     if vector:  # each pair's decay a key dimension at a time: [B, H, N, C, C, Dk]
         pairs = pair[..., None]
         diff = G[..., :, None, :] - G[..., None, :, :]
         decay = mx.where(pairs, mx.exp(mx.where(pairs, diff, 0.0)), 0.0) * kc[..., None, :, :]
         qk = (qc[..., :, None, :] * decay).sum(-1)
+        if strict is None:
+            return qk, None
         kk = mx.where(strict, (kc[..., :, None, :] * decay).sum(-1), 0.0)
     else:
         diff = G - mx.swapaxes(G, -1, -2)  # G_i - G_j [B, H, N, C, C]
         decay = mx.where(pair, mx.exp(mx.where(pair, diff, 0.0)), 0.0)
         qk = decay * (qc @ mx.swapaxes(kc, -1, -2))
+        if strict is None:
+            return qk, None
         kk = mx.where(strict, decay, 0.0) * (kc @ mx.swapaxes(kc, -1, -2))
     return qk, kk
 
@@ -89,13 +94,18 @@ def chunked_gated_delta(
     state: mx.array | None = None,
     segment_ids: mx.array | None = None,
     chunk: int | None = None,
+    delta: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """The gated delta rule over a whole row, chunkwise: (y [B, T, Hv, Dv], the state after the
     row [B, Hv, Dv, Dk]). q, k: [B, T, Hk, Dk] (Hv a multiple of Hk), already normalised as
     the model does; v: [B, T, Hv, Dv]; log_g: the gates' logarithms, [B, T, Hv] or
     [B, T, Hv, Dk]; beta: [B, T, Hv]; state: [B, Hv, Dv, Dk] or None (zeros);
     segment_ids: [B, T] packed examples, the state restarting where the id changes. Computed
-    in fp32; y in q's dtype, the state in fp32."""
+    in fp32; y in q's dtype, the state in fp32.
+
+    ``delta=False``: the rule without the delta correction, S_t = g_t S_{t-1} + beta_t v_t k_t^T
+    (Mamba-2's SSD, with q = C, k = B, v = x, beta = dt, log_g = dt A): no within-chunk
+    inverse, and nothing the carried state takes back from a write."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     vector = log_g.ndim == 4
@@ -128,13 +138,16 @@ def chunked_gated_delta(
         before = mx.concatenate([sc[:, :1, :1], sc[:, :-1, -1:]], axis=1)  # the last id before
         carry_in = (sc == before)[:, None, :, :, None].astype(f32)  # [B, 1, N, C, 1]
         carry_out = (sc == sc[..., -1:])[:, None, :, :, None].astype(f32)
-    strict = pair & ~mx.eye(c, dtype=mx.bool_)
+    strict = pair & ~mx.eye(c, dtype=mx.bool_) if delta else None
 
     qk, kk = _pair_products(qc, kc, G, pair, strict, vector)
-    inverse = _unit_lower_inverse(bc * kk)
     gamma = mx.exp(G)  # [B, H, N, C, 1|Dk]
-    u = inverse @ (bc * vc)  # [B, H, N, C, Dv]
-    w = inverse @ (bc * gamma * kc if carry_in is None else bc * gamma * kc * carry_in)
+    if delta:
+        inverse = _unit_lower_inverse(bc * kk)
+        u = inverse @ (bc * vc)  # [B, H, N, C, Dv]
+        w = inverse @ (bc * gamma * kc if carry_in is None else bc * gamma * kc * carry_in)
+    else:
+        u = bc * vc
     q_carry = gamma * qc if carry_in is None else gamma * qc * carry_in
     last = G[..., -1:, :]  # [B, H, N, 1, 1|Dk]
     k_last = kc * mx.exp(last - G)
@@ -150,17 +163,21 @@ def chunked_gated_delta(
         else mx.swapaxes(state.astype(f32), -1, -2)
     )
     keep = mx.broadcast_to(keep, (B, Hv, n, keep.shape[-1]))
-    y, h = _carry(u, w, q_carry, qk, k_last, keep, h)
+    if delta:
+        y, h = _carry(u, w, q_carry, qk, k_last, keep, h)
+    else:
+        y, h = _carry_plain(u, q_carry, qk, k_last, keep, h)
     y = _unchunk(y)[:, :T]
     return y.astype(out_dtype), mx.swapaxes(h, -1, -2)
 
 
 def _carry_run(u, w, qc, qk, kl, keep, h, states=None, writes=None):
     """The state carried chunk to chunk: each chunk's outputs [B, H, N, C, Dv] and the last
-    state. ``states``, ``writes``: lists that get each chunk's entering state and its Delta."""
+    state. ``w`` None: no delta correction (each chunk writes ``u`` as it is). ``states``,
+    ``writes``: lists that get each chunk's entering state and its Delta."""
     ys = []
     for i in range(u.shape[2]):
-        d = u[:, :, i] - w[:, :, i] @ h
+        d = u[:, :, i] if w is None else u[:, :, i] - w[:, :, i] @ h
         if states is not None:
             states.append(h)
             writes.append(d)
@@ -180,13 +197,33 @@ def _carry(u, w, qc, qk, kl, keep, h0):
 @_carry.vjp
 def _carry_vjp(primals, cotangents, outputs):
     u, w, qc, qk, kl, keep, h0 = primals
+    return _carry_grads(u, w, qc, qk, kl, keep, h0, cotangents, outputs)
+
+
+@mx.custom_function
+def _carry_plain(u, qc, qk, kl, keep, h0):
+    """``_carry`` without the delta correction."""
+    return _carry_run(u, None, qc, qk, kl, keep, h0)
+
+
+@_carry_plain.vjp
+def _carry_plain_vjp(primals, cotangents, outputs):
+    u, qc, qk, kl, keep, h0 = primals
+    du, _, *rest = _carry_grads(u, None, qc, qk, kl, keep, h0, cotangents, outputs)
+    return (du, *rest)
+
+
+def _carry_grads(u, w, qc, qk, kl, keep, h0, cotangents, outputs):
+    """The carry's gradients (u, w (None without the correction), qc, qk, kl, keep, h0): the
+    reverse recurrence over the chunks."""
     dy, dh = cotangents
     states, writes = [], []
     _carry_run(u, w, qc, qk, kl, keep, h0, states, writes)
     dh = mx.zeros_like(h0) if dh is None else dh
     dy = mx.zeros_like(outputs[0]) if dy is None else dy
     t = lambda x: mx.swapaxes(x, -1, -2)  # noqa: E731
-    grads = {k: [] for k in ("u", "w", "qc", "qk", "kl", "keep")}
+    names = ("u", "w", "qc", "qk", "kl", "keep")
+    grads = {k: [] for k in names}
     for i in reversed(range(u.shape[2])):
         h, d, dyi = states[i], writes[i], dy[:, :, i]
         dd = t(qk[:, :, i]) @ dyi + kl[:, :, i] @ dh  # Delta's gradient: [B, H, C, Dv]
@@ -196,9 +233,11 @@ def _carry_vjp(primals, cotangents, outputs):
         dkeep = (dh * h).sum(-1)  # [B, H, Dk]
         grads["keep"].append(dkeep if keep.shape[-1] > 1 else dkeep.sum(-1, keepdims=True))
         grads["u"].append(dd)
-        grads["w"].append(-dd @ t(h))
-        dh = keep[:, :, i][..., None] * dh + t(qc[:, :, i]) @ dyi - t(w[:, :, i]) @ dd
-    stacked = [mx.stack(grads[k][::-1], axis=2) for k in ("u", "w", "qc", "qk", "kl", "keep")]
+        dh = keep[:, :, i][..., None] * dh + t(qc[:, :, i]) @ dyi
+        if w is not None:
+            grads["w"].append(-dd @ t(h))
+            dh = dh - t(w[:, :, i]) @ dd
+    stacked = [mx.stack(grads[k][::-1], axis=2) if grads[k] else None for k in names]
     return (*stacked, dh)
 
 
@@ -246,6 +285,36 @@ def gated_delta_update(
     return y, state
 
 
+def ssd_update(
+    hidden_states: mx.array,
+    A_log: mx.array,
+    B: mx.array,
+    C: mx.array,
+    D: mx.array,
+    dt: mx.array,
+    dt_bias: mx.array,
+    state: mx.array | None = None,
+    time_step_limit: tuple[float, float] = (0.001, 100.0),
+    mask: mx.array | None = None,
+    *,
+    segment_ids: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """mlx-lm's ``ssm_update`` (Mamba-2's SSD: its arguments but ``lengths``, and its results)
+    computed chunkwise, a packed example's state restarting where it starts. x
+    ``hidden_states`` [B, T, H, Dh]; B, C [B, T, G, N]; dt [B, T, H] before its softplus;
+    state [B, H, Dh, N]. A padding ``mask`` [B, T] keeps the state where it is False."""
+    dt = nn.softplus(dt.astype(mx.float32) + dt_bias.astype(mx.float32))
+    dt = mx.clip(dt, time_step_limit[0], time_step_limit[1])
+    log_g = dt * -mx.exp(A_log.astype(mx.float32))
+    if mask is not None:
+        keep = mask.astype(mx.bool_)[..., None]
+        dt = mx.where(keep, dt, 0.0)
+        log_g = mx.where(keep, log_g, 0.0)
+    y, state = chunked_gated_delta(C, B, hidden_states, log_g, dt, state, segment_ids, delta=False)
+    y = y.astype(hidden_states.dtype) + hidden_states * D.reshape(1, 1, -1, 1)
+    return y, state
+
+
 def segmented_causal_conv(x: mx.array, weight: mx.array, segment_ids: mx.array) -> mx.array:
     """A depthwise causal convolution (as the linear-attention layers' short ``conv1d`` runs
     it: ``x`` [B, T + K - 1, C] is the row after K - 1 positions of carried state, ``weight``
@@ -262,14 +331,19 @@ def segmented_causal_conv(x: mx.array, weight: mx.array, segment_ids: mx.array) 
     return out.astype(x.dtype)
 
 
-def saved_per_token(heads: int, dk: int, dv: int, vector: bool = False) -> int:
+def saved_per_token(heads: int, dk: int, dv: int, vector: bool = False, delta: bool = True) -> int:
     """fp32 elements a token of one gated delta layer keeps for the backward in the chunkwise
     form: its q, k (per value head) and v in fp32; each chunk's pair matrices (the decays, q.k,
     k.k, and the inverse's log2 C factors and products); u, w and the carried q and k; the
-    outputs and writes; and its share of the states carried between chunks."""
+    outputs and writes; and its share of the states carried between chunks. ``delta=False``
+    (Mamba-2's SSD): the decays and q.k only, and no w."""
     c = VECTOR_CHUNK if vector else CHUNK
     steps = max(c.bit_length() - 2, 0)  # the inverse's squarings
-    pairs = c * (4 + 2 * steps) + (2 * c * dk if vector else 0)
-    vectors = 2 * dk + dv + (dv + dk) + 2 * dk + 2 * dv
+    if delta:
+        pairs = c * (4 + 2 * steps) + (2 * c * dk if vector else 0)
+        vectors = 2 * dk + dv + (dv + dk) + 2 * dk + 2 * dv
+    else:
+        pairs = 2 * c + (c * dk if vector else 0)
+        vectors = 2 * dk + dv + dv + dk + 2 * dv
     states = 2 * dk * dv // c
     return heads * (pairs + vectors + states)

@@ -43,7 +43,8 @@ def packing_refusal(model: nn.Module, lm: LMParts, tier: str | None = None) -> s
     give the hidden states each gives alone, which a layer carrying state along the sequence,
     or attention that does not go through mlxtune's routed function, would break. Checked on
     two short examples packed into one row. A layer carrying state passes where mlxtune
-    restarts its state per example (the gated delta rule and its convolution)."""
+    restarts its state per example (the gated delta rule, Mamba-2's SSD, and their
+    convolutions)."""
     family = family_name(model)
     state = recurrent_caches(model)
     carries = (
@@ -71,7 +72,7 @@ def packing_refusal(model: nn.Module, lm: LMParts, tier: str | None = None) -> s
     packed, alone = packed.astype(mx.float32), alone.astype(mx.float32)
     err = mx.abs(packed - alone).max().item()
     if err > tol * max(mx.abs(alone).max().item(), 1e-6):
-        if state:  # a recurrence mlxtune does not restart per example (the gated delta rule's does)
+        if state and not route.restarts:  # a recurrence mlxtune does not restart per example
             return carries
         return (
             f"in {family}, packed examples do not give what each gives alone (its attention "
@@ -115,22 +116,45 @@ def kernel_attention_share(model: nn.Module, lm: LMParts) -> tuple[int, int]:
 
 
 def delta_layout(model: nn.Module, cfg: dict) -> dict:
-    """The Shape fields of a model's gated delta layers (none: {}): the modules holding the
-    rule's decay rates (``A_log``, ``dt_bias``) in a family module that calls the rule."""
-    layers = [
-        m
-        for _, m in model.named_modules()
-        if "A_log" in m
-        and "dt_bias" in m
-        and hasattr(sys.modules.get(type(m).__module__), "gated_delta_update")
-    ]
+    """The Shape fields of a model's chunkwise recurrent layers (none: {}): the modules holding
+    the decay rates (``A_log``, ``dt_bias``) in a family module that calls the gated delta rule
+    or Mamba-2's SSD, and Bailing's linear attention layers; ``delta_token`` is their mean
+    per-token count (``saved_per_token``)."""
+
+    def calling(name):
+        return [
+            m
+            for _, m in model.named_modules()
+            if "A_log" in m
+            and "dt_bias" in m
+            and hasattr(sys.modules.get(type(m).__module__), name)
+        ]
+
+    per_layer = []
+    layers = calling("gated_delta_update")
     lac = cfg.get("linear_attn_config") or {}  # Kimi-Linear's
     hv = int(
-        lac.get("num_heads") or cfg.get("linear_num_value_heads") or cfg["num_attention_heads"]
+        lac.get("num_heads")
+        or cfg.get("linear_num_value_heads")
+        or cfg.get("num_attention_heads")
+        or 0
     )
     dk = int(lac.get("head_dim") or cfg.get("linear_key_head_dim") or cfg.get("head_dim") or 0)
     dv = int(cfg.get("linear_value_head_dim") or dk)
-    if not (layers and hv and dk):
+    if layers and hv and dk:
+        vector = layers[0]["dt_bias"].size > hv  # a rate per key dimension (Kimi-Linear)
+        per_layer += [delta.saved_per_token(hv, dk, dv, vector)] * len(layers)
+    for m in calling("ssm_update"):  # Mamba-2's SSD: heads of Dh x N states
+        heads = m["A_log"].size
+        n = getattr(m, "ssm_state_size", None) or getattr(m, "d_state", None)
+        dh = getattr(m, "intermediate_size", 0) // heads
+        if n and dh:
+            per_layer.append(delta.saved_per_token(heads, int(n), dh, delta=False))
+    for m in model.modules():  # Bailing's linear attention: a fixed decay a head
+        mod = sys.modules.get(type(m).__module__)
+        if hasattr(mod, "recurrent_gla") and hasattr(m, "_slope"):
+            heads, dh = int(m.num_attention_heads), int(m.head_dim)
+            per_layer.append(delta.saved_per_token(heads, dh, dh, delta=False))
+    if not per_layer:
         return {}
-    vector = layers[0]["dt_bias"].size > hv  # a rate per key dimension (Kimi-Linear)
-    return {"delta_layers": len(layers), "delta_token": delta.saved_per_token(hv, dk, dv, vector)}
+    return {"delta_layers": len(per_layer), "delta_token": -(-sum(per_layer) // len(per_layer))}

@@ -26,7 +26,9 @@ class kernel_attention:
 
     The families' ``gated_delta_update`` (Qwen3-Next, Qwen3.5, Kimi-Linear...: a loop of one
     step a position while training, in mlx-lm) becomes ``kernels.delta.gated_delta_update``,
-    the chunkwise form, its state restarting where a packed example starts.
+    the chunkwise form, its state restarting where a packed example starts; Mamba-2's
+    ``ssm_update`` (Nemotron-H, Falcon-H1, Granite 4 hybrids, PLaMo 2) becomes
+    ``kernels.delta.ssd_update``, the same form without the delta correction.
 
     On the CPU, unless the tier is "reference", the modules' ``swiglu`` becomes
     ``kernels.cpu.swiglu`` too: the same function with an exponential that MLX's CPU backend
@@ -42,49 +44,51 @@ class kernel_attention:
         self._graphs: list = []
         # mlx-lm's own functions, also when another kernel_attention is active around this one
         self.originals = {
-            id(mod): (
-                _unpatched(getattr(mod, "scaled_dot_product_attention", None)),
-                _unpatched(getattr(mod, "swiglu", None)),
-                _unpatched(getattr(mod, "gated_delta_update", None)),
-            )
+            id(mod): {
+                name: _unpatched(getattr(mod, name, None))
+                for name in ("scaled_dot_product_attention", "swiglu", *RECURRENCES)
+            }
             for mod in self.modules
         }
         self._saved: list[list] = []  # what each __enter__ found, for its __exit__
         self._conv_classes: list[list] = []
-        # in a model whose recurrence is routed, its short convolutions (before the gated
-        # delta rule): packed examples kept apart in them too
-        routed = any(gdu is not None for _, _, gdu in self.originals.values())
-        self.convs = [m for _, m in model.named_modules() if routed and isinstance(m, nn.Conv1d)]
+        # the short causal convolutions (before the gated delta rule or the SSD, or alone as
+        # in LFM2): packed examples kept apart in them too
+        self.convs = [m for _, m in model.named_modules() if isinstance(m, nn.Conv1d)]
+
+    @property
+    def restarts(self) -> bool:
+        """Whether the model's recurrence (the gated delta rule, Mamba-2's SSD, Bailing's
+        linear attention) is routed to the chunkwise form, which restarts its state where a
+        packed example starts."""
+        return any(f[n] is not None for f in self.originals.values() for n in RECURRENCES)
 
     @property
     def active(self) -> bool:
-        """Whether any of the model's modules calls an attention this context routes."""
-        return any(sdpa is not None for sdpa, _, _ in self.originals.values())
+        """Whether any of the model's modules calls an attention or a recurrence this context
+        routes."""
+        return self.restarts or any(
+            f["scaled_dot_product_attention"] is not None for f in self.originals.values()
+        )
 
     def __enter__(self):
         graph = flash.graph_layers(self.layers)
         graph.__enter__()
         self._graphs.append(graph)
-        self._saved.append(
-            [
-                (
-                    mod,
-                    getattr(mod, "scaled_dot_product_attention", None),
-                    getattr(mod, "swiglu", None),
-                    getattr(mod, "gated_delta_update", None),
-                )
-                for mod in self.modules
-            ]
-        )
+        self._saved.append([(mod, dict(vars(mod))) for mod in self.modules])
         self._conv_classes.append([conv.__class__ for conv in self.convs])
         for conv in self.convs:
             conv.__class__ = SegmentedConv1d
         for mod in self.modules:
-            original, original_swiglu, original_delta = self.originals[id(mod)]
-            if original_delta is not None:
-                mod.gated_delta_update = _chunked_delta(original_delta)
-            if original is not None:
-                mod.scaled_dot_product_attention = _routed(original, self.impl)
+            found = self.originals[id(mod)]
+            for name, chunked in RECURRENCES.items():
+                if found[name] is not None:
+                    setattr(mod, name, chunked(found[name]))
+            if found["scaled_dot_product_attention"] is not None:
+                mod.scaled_dot_product_attention = _routed(
+                    found["scaled_dot_product_attention"], self.impl
+                )
+            original_swiglu = found["swiglu"]
             if original_swiglu is not None:
                 if self.impl != "reference" and mx.default_device() == mx.cpu:
 
@@ -101,13 +105,10 @@ class kernel_attention:
         self._graphs.pop().__exit__(*exc)
         for conv, cls in zip(self.convs, self._conv_classes.pop(), strict=True):
             conv.__class__ = cls
-        for mod, sdpa, swiglu, gdu in self._saved.pop():
-            if sdpa is not None:
-                mod.scaled_dot_product_attention = sdpa
-            if swiglu is not None:
-                mod.swiglu = swiglu
-            if gdu is not None:
-                mod.gated_delta_update = gdu
+        for mod, found in self._saved.pop():
+            for name in ("scaled_dot_product_attention", "swiglu", *RECURRENCES):
+                if found.get(name) is not None:
+                    setattr(mod, name, found[name])
         return False
 
 
@@ -182,6 +183,60 @@ def _chunked_delta(original):
 
     update._mlxtune_original = original
     return update
+
+
+def _chunked_ssd(original):
+    """mlx-lm's ``ssm_update`` computed chunkwise, packed examples kept apart; a call with
+    ``lengths`` (batched generation) keeps mlx-lm's."""
+
+    def update(x, A_log, B, C, D, dt, dt_bias, state=None, limit=(0.001, 100.0), mask=None,
+               lengths=None, **kwargs):  # fmt: skip
+        args = (x, A_log, B, C, D, dt, dt_bias, state)
+        if lengths is not None or kwargs:
+            return original(*args, limit, mask, lengths, **kwargs)
+        return delta.ssd_update(*args, limit, mask, segment_ids=current().segment_ids)
+
+    update._mlxtune_original = original
+    return update
+
+
+def _chunked_gla(original):
+    """mlx-lm's ``recurrent_gla`` (Bailing's linear attention: a fixed decay a head, no delta
+    correction) computed chunkwise, packed examples kept apart. Its layout: q, k, v
+    [B, H, T, D], the state h [B, H, Dk, Dv]; a padding ``mask`` [B, T] (Bailing-hybrid's)
+    keeps the state where it is False and gives zeros there."""
+
+    def update(q, k, v, g, scale, h=None, mask=None, **_chunk):
+        if not (q.shape[1] == k.shape[1] == v.shape[1]):
+            masked = {} if mask is None else {"mask": mask}
+            return original(q, k, v, g, scale=scale, h=h, **masked)
+        t = lambda x: mx.swapaxes(x, 1, 2)  # noqa: E731
+        b, heads, length, _ = q.shape
+        log_g = mx.broadcast_to(g.astype(mx.float32), (b, length, heads))
+        beta = mx.ones((b, length, heads))
+        if mask is not None:
+            keep = mask.astype(mx.bool_)[..., None]
+            log_g, beta = mx.where(keep, log_g, 0.0), mx.where(keep, beta, 0.0)
+        state = None if h is None else mx.swapaxes(h, -1, -2)
+        y, s = delta.chunked_gated_delta(
+            t(q * scale), t(k), t(v), log_g, beta, state, current().segment_ids, delta=False
+        )
+        y = t(y).astype(q.dtype)
+        if mask is not None:
+            y = mx.where(mask[:, None, :, None], y, 0)
+        return y, mx.swapaxes(s, -1, -2).astype(q.dtype if h is None else h.dtype)
+
+    update._mlxtune_original = original
+    return update
+
+
+RECURRENCES = {
+    "gated_delta_update": _chunked_delta,
+    "ssm_update": _chunked_ssd,
+    "recurrent_gla": _chunked_gla,
+}
+"""The recurrences of mlx-lm's family modules (module-level names) routed to the chunkwise
+form while training, each with the state restarting per packed example."""
 
 
 def _unpatched(fn):
