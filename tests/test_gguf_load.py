@@ -53,9 +53,10 @@ def test_each_family_reads_back_from_its_own_gguf_export(
     np.testing.assert_allclose(logits(loaded), want, atol=1e-5 * np.abs(want).max())
 
 
-def copy_with_types(src, dst, kind_for):
+def copy_with_types(src, dst, kind_for, drop=()):
     """Write ``src``'s metadata and tensors into ``dst``, each 2-D tensor stored as
-    ``kind_for(name, shape)`` (quantized by the gguf package's reference code)."""
+    ``kind_for(name, shape)`` (quantized by the gguf package's reference code), the tensors
+    named in ``drop`` left out."""
     r = gguf.GGUFReader(str(src))
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
@@ -69,7 +70,7 @@ def copy_with_types(src, dst, kind_for):
             )
         else:
             w.add_key_value(key, value, vtype)
-    for t in r.tensors:
+    for t in (t for t in r.tensors if t.name not in drop):
         a = np.array(t.data, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
         kind = kind_for(t.name, a.shape) if a.ndim == 2 else gguf.GGMLQuantizationType.F32
         if kind == gguf.GGMLQuantizationType.F32:
@@ -81,6 +82,29 @@ def copy_with_types(src, dst, kind_for):
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def test_a_tied_head_left_out_of_the_file_is_tied(tmp_path, tokenizer, tokenizer_dir):
+    """llama.cpp's converter writes no output.weight for a tied head. Gemma 3's text model
+    holds a head of its own unless its checkpoint has none (mlx-lm's sanitize ties it then): a
+    file without output.weight loads with the head tied to the embedding, the same logits."""
+    from mlx_lm_archs import tiny_config
+
+    from mlxtune.models import build_model, save_model
+
+    model, config = build_model(tiny_config("gemma3_text", 64), 64, seed=2)
+    model.lm_head.weight = model.model.embed_tokens.weight  # what a tied checkpoint holds
+    folder = save_model(model, config, tmp_path / "hf", tokenizer, tokenizer_dir)[0]
+    _, _, path = export(folder, tokenizer, tokenizer_dir, tmp_path / "gguf")
+    assert "output.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    f32 = gguf.GGMLQuantizationType.F32
+    tied = copy_with_types(path, tmp_path / "tied.gguf", lambda *_: f32, drop={"output.weight"})
+    loaded, cfg = load_model(tied)
+    assert cfg["tie_word_embeddings"]
+    head_owner = getattr(loaded, "language_model", loaded)
+    assert head_owner.tie_word_embeddings and "lm_head" not in head_owner
+    want = logits(model)
+    np.testing.assert_allclose(logits(loaded), want, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize(

@@ -175,3 +175,24 @@ def test_ministral3_saved_by_transformers_runs_as_transformers_runs_it(tmp_path)
     path, ref = saved_by_transformers(torch, tmp_path, config)
     got, _ = mlxtune_logits(path)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sliding_pattern_in_letters_beside_layer_types_is_kept():
+    """EXAONE 4 reads ``sliding_window_pattern`` as letters ("LLLG"). A config giving it beside
+    ``layer_types`` keeps it; one giving ``layer_types`` alone gets its letters; the model
+    builds and runs either way."""
+    from mlx_lm.models import exaone4
+    from mlx_lm_archs import tiny_config
+
+    from mlxtune.models import build_model
+
+    base = {**tiny_config("exaone4", 64), "num_hidden_layers": 4}
+    kinds = ["sliding_attention"] * 3 + ["full_attention"]
+    given = {**base, "layer_types": kinds, "sliding_window_pattern": "LLLG"}
+    alone = {k: v for k, v in given.items() if k != "sliding_window_pattern"}
+    for config in (given, alone):
+        assert normalise_config(config, exaone4.ModelArgs)["sliding_window_pattern"] == "LLLG"
+        model, _ = build_model(config, 64, seed=0)
+        local = [layer.self_attn.is_local for layer in model.model.layers]
+        assert local == [True, True, True, False]
+        assert model(mx.array([IDS])).shape == (1, len(IDS), 64)

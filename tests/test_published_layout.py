@@ -34,6 +34,7 @@ FAMILIES = {
     "falcon_h1": 1e-4,
     "mamba2": 1e-4,
     "jamba": None,  # mlx-lm's forward differs from transformers' (~0.2 in logits)
+    "apertus": 1e-4,  # the activation's learned scalars: [1] in the file, 0-d as mlx-lm holds them
 }
 
 

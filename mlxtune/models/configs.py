@@ -26,6 +26,19 @@ def args_fields(args_class) -> set[str]:
     return set(inspect.signature(args_class).parameters)
 
 
+def _annotated_str(args_class, name: str) -> bool:
+    """Whether the family's ModelArgs declares ``name`` a string (``str`` or ``Optional[str]``)."""
+    param = inspect.signature(args_class).parameters.get(name)
+    if param is None:
+        return False
+    note = param.annotation
+    return (
+        note is str
+        or (isinstance(note, str) and "str" in note)
+        or str in getattr(note, "__args__", ())
+    )
+
+
 def _rope_type(params: dict) -> str:
     return params.get("rope_type") or params.get("type") or "default"
 
@@ -101,7 +114,15 @@ def normalise_config(config: dict, args_class, where: str = "config.json") -> di
         and "sliding_window_pattern" in fields
         and set(lt) <= {_FULL, _SLIDING}
     ):
-        config["sliding_window_pattern"] = _sliding_pattern(lt, f"{where} layer_types")
+        period = _sliding_pattern(lt, f"{where} layer_types")
+        if _annotated_str(args_class, "sliding_window_pattern"):
+            # a family that reads the pattern as letters (EXAONE 4: "LLLG"): a string the
+            # config gives is kept, else the period is written in its letters
+            if not isinstance(config.get("sliding_window_pattern"), str):
+                letters = "".join("G" if (i + 1) % period == 0 else "L" for i in range(period))
+                config["sliding_window_pattern"] = letters
+        else:
+            config["sliding_window_pattern"] = period
     if (
         isinstance(lt, list)
         and "layer_types" not in fields

@@ -86,6 +86,8 @@ def _undone(before: mx.array, after: mx.array, held: mx.array) -> mx.array | Non
     that is one constant added (a ``1 + w`` norm) or a scale per row (Falcon-H1's multipliers
     folded into its weights); None for anything else."""
     a, b, h = (x.astype(mx.float32) for x in (before, after, held))
+    if a.ndim == 0 or a.shape != b.shape:  # a scalar, or a reshape (a squeeze): no value changed
+        return None
     if a.ndim == 1:
         shift = b - a
         c = shift[0].item()
@@ -184,6 +186,19 @@ def _candidates(weights: dict, stacked: dict, convs: set):
             yield _mla_joined(layout) if mla else layout
 
 
+def _scalars_unsqueezed(model: nn.Module, candidate: dict) -> dict | None:
+    """``candidate`` with each 0-d weight that the family's ``sanitize`` squeezes from [1] (the
+    learned scalars of Apertus' activation, [1] in torch) held as [1]; None without such."""
+    scalars = [k for k, v in candidate.items() if v.ndim == 0]
+    if not scalars:
+        return None
+    back = _sanitized(model, {**candidate, **{k: candidate[k].reshape(1) for k in scalars}})
+    squeezed = [k for k in scalars if back is not None and k in back and back[k].ndim == 0]
+    if not squeezed:
+        return None
+    return {**candidate, **{k: candidate[k].reshape(1) for k in squeezed}}
+
+
 def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
     """(weights in the published layout, True), or (``weights`` as held, False) when the
     model holds experts or conv layers and no rewrite round-trips through the family's
@@ -196,7 +211,12 @@ def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
     # several layouts can read back alike (a sanitize that renames w1 -> gate_proj also keeps
     # gate_proj): the published one is the layout sanitize rewrites most, so take that
     found, most = None, -1
-    for candidate in _candidates(weights, stacked, convs):
+    candidates = _candidates(weights, stacked, convs)
+    for candidate in (
+        c for found in candidates for c in (found, _scalars_unsqueezed(model, found))
+    ):
+        if candidate is None:
+            continue
         fixed = _take_back_offsets(model, candidate, weights)
         if fixed is None or not _round_trips(model, fixed, weights):
             continue

@@ -195,6 +195,7 @@ def load_gguf(
         family = FAMILIES[text_type]
         qkv_from_gguf(g, config, QKV_LAYOUT[text_type], family.permuted)
     table = _name_table(model, text_type, g)
+    _tie_left_out_head(model, table, g)
     _check_tensor_names(g, table, text_type)
     quant = _kept_quantized(g, table, model) if keep_quantized else {}
     if quant:
@@ -214,6 +215,25 @@ def load_gguf(
     cpu_dequantizing(model)
     done.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return model, config, done
+
+
+def _tie_left_out_head(model: nn.Module, table: dict[str, str], g: GGUFModelFile) -> None:
+    """A file without ``output.weight`` (llama.cpp's converter leaves a tied head out) for a
+    model that holds a head of its own (Gemma 3's text model, which ties its head only when a
+    checkpoint has none): the head is tied, as mlx-lm's ``sanitize`` ties it; a family without
+    that switch reads the embedding as its head."""
+    head = table.get("output.weight")
+    if head is None or "output.weight" in g.tensors or "token_embd.weight" not in g.tensors:
+        return
+    path = head.removesuffix(".weight")
+    owner_path, _, leaf = path.rpartition(".")
+    owner = dict(model.named_modules()).get(owner_path, model) if owner_path else model
+    if isinstance(getattr(owner, "tie_word_embeddings", None), bool) and leaf in owner:
+        owner.tie_word_embeddings = True
+        owner.pop(leaf)
+        del table["output.weight"]
+    else:
+        g.tensors["output.weight"] = g.tensors["token_embd.weight"]
 
 
 def _check_tensor_names(g: GGUFModelFile, table: dict[str, str], model_type: str) -> None:
