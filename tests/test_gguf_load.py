@@ -92,7 +92,15 @@ def test_a_tied_head_left_out_of_the_file_is_tied(tmp_path, tokenizer, tokenizer
 
     from mlxtune.models import build_model, save_model
 
-    model, config = build_model(tiny_config("gemma3_text", 64), 64, seed=2)
+    config = {  # what llama.cpp's gemma3 fixes
+        **tiny_config("gemma3_text", 64),
+        "num_hidden_layers": 6,
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 16,
+        "head_dim": 16,
+    }
+    model, config = build_model(config, 64, seed=2)
     model.lm_head.weight = model.model.embed_tokens.weight  # what a tied checkpoint holds
     folder = save_model(model, config, tmp_path / "hf", tokenizer, tokenizer_dir)[0]
     _, _, path = export(folder, tokenizer, tokenizer_dir, tmp_path / "gguf")
