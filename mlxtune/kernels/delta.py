@@ -127,17 +127,7 @@ def chunked_gated_delta(
     bc = _chunks(beta[..., None], c)  # [B, H, N, C, 1]
     G = mx.cumsum(_chunks(log_g if vector else log_g[..., None], c), axis=3)  # [B, H, N, C, 1|Dk]
 
-    causal = mx.tril(mx.ones((c, c), dtype=mx.bool_))
-    if segment_ids is None:
-        pair = causal
-        carry_in = carry_out = None
-    else:
-        sc = segment_ids.reshape(B, n, c)
-        pair = (sc[..., :, None] == sc[..., None, :]) & causal  # [B, N, C, C]
-        pair = pair[:, None]
-        before = mx.concatenate([sc[:, :1, :1], sc[:, :-1, -1:]], axis=1)  # the last id before
-        carry_in = (sc == before)[:, None, :, :, None].astype(f32)  # [B, 1, N, C, 1]
-        carry_out = (sc == sc[..., -1:])[:, None, :, :, None].astype(f32)
+    pair, carry_in, carry_out = _segment_masks(segment_ids, B, n, c)
     strict = pair & ~mx.eye(c, dtype=mx.bool_) if delta else None
 
     qk, kk = _pair_products(qc, kc, G, pair, strict, vector)
@@ -169,6 +159,21 @@ def chunked_gated_delta(
         y, h = _carry_plain(u, q_carry, qk, k_last, keep, h)
     y = _unchunk(y)[:, :T]
     return y.astype(out_dtype), mx.swapaxes(h, -1, -2)
+
+
+def _segment_masks(segment_ids, b: int, n: int, c: int):
+    """(the pairs j <= i a chunk reads, [C, C] or [B, 1, N, C, C]; the positions the carried
+    state reaches, and those whose writes it carries on, [B, 1, N, C, 1] each or None): with
+    packed ``segment_ids`` only pairs and carries within one example."""
+    causal = mx.tril(mx.ones((c, c), dtype=mx.bool_))
+    if segment_ids is None:
+        return causal, None, None
+    sc = segment_ids.reshape(b, n, c)
+    pair = ((sc[..., :, None] == sc[..., None, :]) & causal)[:, None]  # [B, 1, N, C, C]
+    before = mx.concatenate([sc[:, :1, :1], sc[:, :-1, -1:]], axis=1)  # the last id before
+    carry_in = (sc == before)[:, None, :, :, None].astype(mx.float32)
+    carry_out = (sc == sc[..., -1:])[:, None, :, :, None].astype(mx.float32)
+    return pair, carry_in, carry_out
 
 
 def _carry_run(u, w, qc, qk, kl, keep, h, states=None, writes=None):
