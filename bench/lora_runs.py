@@ -27,6 +27,23 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "recipes" / "models" / "reverse-tiny"  # char-level, with a chat template
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
+# the layer shape both hybrids share (Qwen3-Next and Qwen3.5): hidden 512, three gated delta-net
+# layers of 8 value heads and 4 key heads of 128 x 128, then one attention layer; a dense MLP
+_HYBRID_LAYERS = dict(
+    hidden_size=512,
+    num_hidden_layers=4,
+    intermediate_size=1536,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    full_attention_interval=4,
+    linear_num_value_heads=8,
+    linear_num_key_heads=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=65536,
+    attention_bias=False,
+)
 MODELS = {
     # the CPU default: small enough that a full run fits in half an hour on two cores
     "tiny": dict(
@@ -76,19 +93,9 @@ MODELS = {
     # and 4 key heads of 128 x 128, then one attention layer
     "qwen3_next": dict(
         model_type="qwen3_next",
-        hidden_size=512,
-        num_hidden_layers=4,
-        intermediate_size=1536,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+        **_HYBRID_LAYERS,
         head_dim=128,
         partial_rotary_factor=0.25,
-        full_attention_interval=4,
-        linear_num_value_heads=8,
-        linear_num_key_heads=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
         num_experts=0,
         num_experts_per_tok=0,
         decoder_sparse_step=1,
@@ -96,8 +103,6 @@ MODELS = {
         moe_intermediate_size=0,
         mlp_only_layers=[],
         rope_theta=1e7,
-        max_position_embeddings=65536,
-        attention_bias=False,
     ),
     # a hybrid shaped as Qwen3.5 (mlx-lm's qwen3_5 module, its text model under text_config):
     # three gated delta-net layers of 8 value heads and 4 key heads of 128 x 128, then one
@@ -106,22 +111,10 @@ MODELS = {
         model_type="qwen3_5",
         text_config=dict(
             model_type="qwen3_5_text",
-            hidden_size=512,
-            num_hidden_layers=4,
-            intermediate_size=1536,
-            num_attention_heads=8,
-            num_key_value_heads=2,
+            **_HYBRID_LAYERS,
             head_dim=256,
-            full_attention_interval=4,
-            linear_num_value_heads=8,
-            linear_num_key_heads=4,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_conv_kernel_dim=4,
             rms_norm_eps=1e-6,
             tie_word_embeddings=True,
-            attention_bias=False,
-            max_position_embeddings=65536,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 1e7,

@@ -204,29 +204,29 @@ def hybrid(request):
     return model_class(args_class.from_dict(normalise_config(config, args_class)))
 
 
-def test_a_hybrid_trains_through_the_chunked_rule_as_through_mlx_lms_loop(hybrid):
-    """The training forward and its gradients with the recurrence routed equal mlx-lm's own
-    (the loop of one step a position); the routed function is the one called."""
+def trains_as_mlx_lm(model, routed: str = "gated_delta_update"):
+    """The training forward and its gradients with the model's recurrence routed equal mlx-lm's
+    own; ``kernels.delta.<routed>`` is called, on the whole row."""
     from mlx.utils import tree_flatten
 
     tokens = mx.array(np.random.default_rng(7).integers(1, 64, (2, 70)))
-    hybrid.train()
+    model.train()
 
     def loss(model):
         return model(tokens).astype(mx.float32).square().mean()
 
     calls = []
-    update = delta.gated_delta_update
+    update = getattr(delta, routed)
 
     def counted(*a, **kw):
         calls.append(a[0].shape)
         return update(*a, **kw)
 
-    want, want_g = nn.value_and_grad(hybrid, loss)(hybrid)
+    want, want_g = nn.value_and_grad(model, loss)(model)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(delta, "gated_delta_update", counted)
-        with kernel_attention(hybrid, "reference"):
-            got, got_g = nn.value_and_grad(hybrid, loss)(hybrid)
+        m.setattr(delta, routed, counted)
+        with kernel_attention(model, "reference"):
+            got, got_g = nn.value_and_grad(model, loss)(model)
     assert calls and all(s[1] == 70 for s in calls)
     assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
     a, b = dict(tree_flatten(got_g)), dict(tree_flatten(want_g))
@@ -235,19 +235,29 @@ def test_a_hybrid_trains_through_the_chunked_rule_as_through_mlx_lms_loop(hybrid
         np.testing.assert_allclose(np.array(a[name]), np.array(b[name]), atol=1e-5, rtol=2e-3)
 
 
-def test_packed_examples_in_a_hybrid_give_what_each_gives_alone(hybrid):
+def packs_as_alone(model):
+    """Two examples packed in a row give what each gives alone; without the restart the second
+    reads the first's state."""
     rng = np.random.default_rng(8)
     a, b = rng.integers(1, 64, 40).tolist(), rng.integers(1, 64, 29).tolist()
-    hybrid.eval()
-    with kernel_attention(hybrid, "reference"):
+    model.eval()
+    with kernel_attention(model, "reference"):
         with segments(mx.array([[1] * len(a) + [2] * len(b)])):
-            packed = hybrid(mx.array([a + b]))
-        alone = mx.concatenate([hybrid(mx.array([a])), hybrid(mx.array([b]))], axis=1)
+            packed = model(mx.array([a + b]))
+        alone = mx.concatenate([model(mx.array([a])), model(mx.array([b]))], axis=1)
     np.testing.assert_allclose(np.array(packed), np.array(alone), atol=2e-4, rtol=1e-3)
-    # without the restart the second example reads the first's state
-    with kernel_attention(hybrid, "reference"):
-        run_on = hybrid(mx.array([a + b]))
+    with kernel_attention(model, "reference"):
+        run_on = model(mx.array([a + b]))
     assert np.abs(np.array(run_on) - np.array(alone))[:, len(a) :].max() > 1e-3
+
+
+def test_a_hybrid_trains_through_the_chunked_rule_as_through_mlx_lms_loop(hybrid):
+    """mlx-lm's own training forward is the loop of one step a position."""
+    trains_as_mlx_lm(hybrid)
+
+
+def test_packed_examples_in_a_hybrid_give_what_each_gives_alone(hybrid):
+    packs_as_alone(hybrid)
 
 
 def test_the_memory_plan_counts_a_hybrids_delta_layers():

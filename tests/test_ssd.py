@@ -8,12 +8,11 @@ packing, with LFM2's short convolutions."""
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm.models.bailing_moe_linear import recurrent_gla
 from mlx_lm.models.ssm import ssm_attn
+from test_gated_delta import packs_as_alone, trains_as_mlx_lm
 
 from mlxtune.kernels import delta
 from mlxtune.models import kernel_attention, lm_parts, packing_refusal
@@ -214,46 +213,11 @@ def family(request):
 
 
 def test_a_family_trains_through_the_chunked_form_as_through_mlx_lms(family):
-    """The training forward and its gradients with the recurrence routed equal mlx-lm's own;
-    the chunkwise function is the one called, on the whole row."""
-    tokens = mx.array(np.random.default_rng(7).integers(1, 64, (2, 70)))
-    family.train()
-
-    def loss(model):
-        return model(tokens).astype(mx.float32).square().mean()
-
-    calls = []
-    update = delta.chunked_gated_delta
-
-    def counted(*a, **kw):
-        calls.append(a[0].shape)
-        return update(*a, **kw)
-
-    want, want_g = nn.value_and_grad(family, loss)(family)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(delta, "chunked_gated_delta", counted)
-        with kernel_attention(family, "reference"):
-            got, got_g = nn.value_and_grad(family, loss)(family)
-    assert calls and all(s[1] == 70 for s in calls)
-    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
-    a, b = dict(tree_flatten(got_g)), dict(tree_flatten(want_g))
-    assert a.keys() == b.keys()
-    for name in a:
-        np.testing.assert_allclose(np.array(a[name]), np.array(b[name]), atol=1e-5, rtol=2e-3)
+    trains_as_mlx_lm(family, "chunked_gated_delta")
 
 
 def test_packed_examples_in_a_family_give_what_each_gives_alone(family):
-    rng = np.random.default_rng(8)
-    a, b = rng.integers(1, 64, 40).tolist(), rng.integers(1, 64, 29).tolist()
-    family.eval()
-    with kernel_attention(family, "reference"):
-        with segments(mx.array([[1] * len(a) + [2] * len(b)])):
-            packed = family(mx.array([a + b]))
-        alone = mx.concatenate([family(mx.array([a])), family(mx.array([b]))], axis=1)
-    np.testing.assert_allclose(np.array(packed), np.array(alone), atol=2e-4, rtol=1e-3)
-    with kernel_attention(family, "reference"):  # without the restart, the second reads the first
-        run_on = family(mx.array([a + b]))
-    assert np.abs(np.array(run_on) - np.array(alone))[:, len(a) :].max() > 1e-3
+    packs_as_alone(family)
     assert packing_refusal(family, lm_parts(family)) is None
 
 
