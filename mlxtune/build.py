@@ -221,7 +221,9 @@ def model_for(
             "frozen, run outside the compiled step)"
         )
     else:
-        model, config = load_model(model_dir, r.model.dtype, r.model.trust_remote_code)
+        # QLoRA quantizes the base as it is read, one layer at a time: never held dense whole
+        lazy = r.model.quantize is not None
+        model, config = load_model(model_dir, r.model.dtype, r.model.trust_remote_code, lazy=lazy)
         log(f"loaded {model_dir}")
         if r.adapter.type == "full":  # a quantized checkpoint trains in full de-quantized
             n, left = dequantize_for_training(model)

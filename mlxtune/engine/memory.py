@@ -5,6 +5,11 @@ before a run starts is ``mlxtune.memory``."""
 
 from __future__ import annotations
 
+import resource
+import sys
+import time
+from contextlib import contextmanager
+
 import mlx.core as mx
 
 GB = 1e9
@@ -92,3 +97,47 @@ def creeping(
         "to step (a callback keeping results?). The metrics rows' active_memory_gb and "
         "cache_memory_gb show it"
     )
+
+
+def resident_peak() -> float:
+    """The process's peak resident memory so far, in bytes (VmHWM on Linux, ru_maxrss
+    elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    r = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return r if sys.platform == "darwin" else r * 1024  # bytes on macOS, KiB on Linux
+
+
+@contextmanager
+def stage(name: str, stages: dict):
+    """Time a stage of a run (loading, a checkpoint, an export) and see whether it set the
+    process's peak memory: ``stages[name]`` gets its seconds, the peak resident memory and
+    MLX's peak after it, and whether this stage raised either (so a stage's own peak is the one
+    recorded when it did, and below the earlier one when it did not). Peaks are read, never
+    reset, so a tool measuring the whole process sees what it would without this."""
+    rss0, mlx0, t0 = resident_peak(), mx.get_peak_memory(), time.perf_counter()
+    yield
+    seconds, rss, peak = time.perf_counter() - t0, resident_peak(), mx.get_peak_memory()
+    stages[name] = {
+        "seconds": round(seconds, 2),
+        "peak_resident_gb": round(rss / GB, 3),
+        "peak_mlx_gb": round(peak / GB, 3),
+        "raised_peak": rss > rss0 * 1.01 or peak > mlx0 * 1.01,
+    }
+
+
+def described(record: dict) -> str:
+    """A ``stage`` record as the log says it."""
+    if record["raised_peak"]:
+        where = (
+            f"peak memory now {record['peak_resident_gb']:.2f} GB resident, "
+            f"{record['peak_mlx_gb']:.2f} GB in MLX"
+        )
+    else:
+        where = f"within the earlier peak of {record['peak_resident_gb']:.2f} GB resident"
+    return f"{record['seconds']:.1f} s, {where}"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..adapters import lora_scale
 from ..errors import UserInputError
-from ..models import DTYPES, VisionLM, is_gguf, reward_head_aside
+from ..models import DTYPES, VisionLM, is_gguf, reward_head_aside, shadow
 from .fused import dequantize, fuse, write_fused
 from .gguf.write import write_gguf_adapter, write_gguf_model
 from .mlx_lm import mlx_lm_config, write_gguf_base, write_mlx_lm, write_reward_head
@@ -99,12 +99,15 @@ def export(
             if t.base_dir
             else "model"
         )
-        model, config = dequantize(fuse(t.model), t.model_config)
+        # the merge is lazy, on a copy the writer consumes: one weight computed at a time
+        model, config = dequantize(fuse(shadow(t.model)), t.model_config)
         source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
         with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
             path = write_gguf_model(
-                model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source
-            )
+                model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source,
+                consume=True,
+            )  # fmt: skip
+        del model
         write_reward_head(t.model, out)
         text = modelfile(t.tokenizer, f"./{path.name}", base_dir=t.base_dir)
         (out / "Modelfile").write_text(text)

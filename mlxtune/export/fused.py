@@ -16,8 +16,9 @@ from ..models import (
     quantize_model,
     reward_head,
     reward_head_aside,
-    save_model,
+    shadow,
 )
+from ..models.building import hf_payload, write_hf
 from .weights import TrainedModel, adapter_modules
 
 
@@ -48,8 +49,26 @@ def write_fused(
 ):
     """The model with its adapters merged in; de-quantized when the base was quantized, and
     quantized again (``quantize`` bits, affine, per group of ``group_size``) when asked.
-    Returns a note when the weights could not be written in the published layout."""
-    model, config = dequantize(fuse(t.model), t.model_config)
+    Returns a note when the weights could not be written in the published layout.
+
+    The merge works on a ``shadow`` of the trained model, lazily: a weight is de-quantized and
+    merged as its shard is written, and goes once written, so the export holds the trained
+    model and one shard, never the whole model in full precision."""
+    weights, config, published = _fused_payload(t, dtype, quantize, group_size)
+    write_hf(weights, config, out, t.tokenizer, t.tokenizer_dir)
+    if published or quantize is not None:  # MLX's quantized layout is mlx-lm's alone anyway
+        return None
+    return (
+        f"{config.get('model_type')}: the fused weights keep mlx-lm's layout (stacked experts, "
+        "MLX conv weights), which mlx-lm loads; no rewrite into the published layout reads "
+        "back through this family's sanitize, so transformers may not read them"
+    )
+
+
+def _fused_payload(t: TrainedModel, dtype, quantize, group_size):
+    """(weights, config, published) of the fused model, lazy; the shadow it is built on goes
+    when this returns."""
+    model, config = dequantize(fuse(shadow(t.model)), t.model_config)
     if dtype is not None:
         cast_floats(model, dtype)
     if quantize is not None:
@@ -75,11 +94,4 @@ def write_fused(
                 else config.get("pad_token_id")
             ),
         }
-    _, published = save_model(model, config, out, t.tokenizer, t.tokenizer_dir, dtype)
-    if published or quantize is not None:  # MLX's quantized layout is mlx-lm's alone anyway
-        return None
-    return (
-        f"{config.get('model_type')}: the fused weights keep mlx-lm's layout (stacked experts, "
-        "MLX conv weights), which mlx-lm loads; no rewrite into the published layout reads "
-        "back through this family's sanitize, so transformers may not read them"
-    )
+    return hf_payload(model, config, dtype)

@@ -8,6 +8,7 @@ import time
 import mlx.core as mx
 
 from .. import distributed
+from ..engine.memory import described, stage
 from ..export import export
 from ..models import value_head_aside
 from ..runs.checkpoint import best_checkpoint
@@ -25,17 +26,20 @@ def restore_best(run_dir, engine, step: int, last_eval: dict, log) -> dict | Non
     return {k: info[k] for k in last_eval if k in info}
 
 
-def export_all(recipe, model, trained, run_dir, writing, log) -> None:
+def export_all(recipe, model, trained, run_dir, writing, log, stages: dict) -> None:
     """The recipe's export formats, each staged and renamed into RUN_DIR/export/FORMAT
-    (``writing(what)``: around each write, which says what a failed one leaves)."""
-    # fused and gguf last: they merge the adapters into the model in place
+    (``writing(what)``: around each write, which says what a failed one leaves); each one's
+    time and memory into ``stages``."""
+    # fused and gguf last (a vision model's fused export merges the adapters in place)
     fmts = sorted(recipe.export.formats, key=lambda f: f in ("fused", "gguf"))
     with value_head_aside(model):  # a PPO run's critic is no part of the policy
         for fmt in fmts:
             with writing(f"export/{fmt}"), run_dir.staged("export", fmt) as tmp:
                 dtype = recipe.model.dtype if fmt == "fused" else None
-                note = export(trained, fmt, tmp, dtype)
-            log(f"exported {fmt} to {run_dir.path / 'export' / fmt}")
+                with stage(f"export/{fmt}", stages):
+                    note = export(trained, fmt, tmp, dtype)
+            took = described(stages[f"export/{fmt}"])
+            log(f"exported {fmt} to {run_dir.path / 'export' / fmt} ({took})")
             if note:
                 log(note)
 
@@ -56,6 +60,7 @@ def summary(pos, meter, run_dir, train_time: float, final_eval: dict, **more) ->
         "tokens_seen": pos.tokens_seen,
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "run_dir": str(run_dir.path),
+        "stages": more.get("stages", {}),
     }
     if more.get("before") is not None:
         out["exact_match_before"], out["exact_match_after"] = more["before"], more["after"]

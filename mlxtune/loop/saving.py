@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..engine.memory import creeping
+from ..engine.memory import creeping, described, stage
 from ..engine.state import TrainState
 from ..runs.checkpoint import prune, save
 
@@ -25,9 +25,10 @@ class Saver:
         if not t.world.main:  # rank 0 writes the run's checkpoints
             return
         state = TrainState(t.position, t.engine.host_state())
-        with t.guard.writing(f"checkpoints/{name}"):
+        with t.guard.writing(f"checkpoints/{name}"), stage("checkpoint", t.parts.stages):
             save(t.run_dir, name, t.trained, t.recipe, t.engine, state, t.last_loss, extra)
-        t.log(f"saved checkpoint checkpoints/{name} at step {t.position.step}")
+        took = described(t.parts.stages["checkpoint"])
+        t.log(f"saved checkpoint checkpoints/{name} at step {t.position.step} ({took})")
         self._active.append((t.position.step, mx.get_active_memory()))
         warning = creeping(self._active) if not self._warned_creep else None
         if warning:

@@ -16,7 +16,7 @@ import mlx.optimizers as optim
 from .. import _blas
 from ..build import Built, build
 from ..config import Recipe, dump_yaml, inert_notes
-from ..engine.memory import keep_resident
+from ..engine.memory import described, keep_resident, stage
 from ..engine.optim import optimizer_for
 from ..engine.state import LoopPosition
 from ..engine.steps import Engine
@@ -81,6 +81,9 @@ class Run:
     start: LoopPosition
     """Where the loop starts: step 0, or where a resumed run stopped."""
     resumed: bool
+    stages: dict
+    """Each stage's time and memory so far (``engine.memory.stage``): load, then the
+    checkpoints and exports as they happen; summary.json's ``stages``."""
 
 
 def set_up(
@@ -108,7 +111,10 @@ def set_up(
     tiers = kernel_tiers(r, log)
     keep_resident(log)
     resuming = resume_from is not None
-    built = build(r, run_dir, tiers, resuming, log, rows)
+    stages: dict = {}
+    with stage("load", stages):
+        built = build(r, run_dir, tiers, resuming, log, rows)
+    log(f"model, tokenizer and data loaded: {described(stages['load'])}")
     if "peft" in r.export.formats and (why := peft_refusal(built.components.model)) is not None:
         raise UserInputError(why, "export.formats")  # before training, not after it
     r = copy.deepcopy(recipe)  # the run's own: the lengths and sizes resolve into it
@@ -162,6 +168,7 @@ def set_up(
         estimate,
         start,
         resumed,
+        stages,
     )
 
 

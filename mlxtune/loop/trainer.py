@@ -388,10 +388,13 @@ class Trainer:
             self._checkpoint("final", prune_after=False)
         after = self._exact_match("trained", pos.step) if r.eval.exact_match and main else None
         if main:
-            export_all(r, self.model, self.trained, self.run_dir, self.guard.writing, self.log)
+            export_all(
+                r, self.model, self.trained, self.run_dir, self.guard.writing, self.log,
+                self.parts.stages,
+            )  # fmt: skip
         summary = ending_summary(
             pos, meter, self.run_dir, train_time, final_eval, stopped_early=self._stopped_early,
-            before=before, after=after, start_eval=self._start_eval,
+            before=before, after=after, start_eval=self._start_eval, stages=self.parts.stages,
         )  # fmt: skip
         self.run_dir.write_json("summary.json", summary)
         self.console.summary(summary)

@@ -5,10 +5,17 @@ the full logits. One module per concern; every name is importable from ``mlxtune
 
 from ..gguf.file import is_gguf, read_gguf
 from ..safety import PICKLED, code_files, pickled_hint
-from .building import build_model, init_weights, save_model
+from .building import build_model, hf_payload, init_weights, save_model, write_hf, write_weights
 from .capabilities import packing_refusal, recurrent_caches
 from .checkpointing import checkpoint_layers, checkpointed_layers
-from .common import DTYPES, HF_ARCHITECTURES, cast_floats, family_classes, hf_architecture
+from .common import (
+    DTYPES,
+    HF_ARCHITECTURES,
+    cast_floats,
+    family_classes,
+    hf_architecture,
+    shadow,
+)
 from .context import ForwardContext, current, dropout_key, segments
 from .gguf.configs import gguf_config
 from .gguf.load import GGUFLoad, load_gguf
@@ -111,6 +118,10 @@ __all__ = [
     "value_head_aside",
     "without_value_head",
     "save_model",
+    "shadow",
+    "hf_payload",
+    "write_hf",
+    "write_weights",
     "segments",
     "without_reward_head",
 ]

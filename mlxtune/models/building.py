@@ -113,19 +113,47 @@ def _settings_left_to_defaults(model: nn.Module, config: dict) -> dict:
     return out
 
 
-def save_model(
-    model: nn.Module,
-    config: dict,
-    out_dir: str | Path,
-    tokenizer=None,
-    tokenizer_dir=None,
-    dtype: str | None = None,
-):
-    """Save in Hugging Face layout: config.json, model.safetensors, tokenizer files. Returns
-    the folder, and whether the weights are in the published layout (False: a family whose
-    experts or conv layers have no layout mlx-lm's ``sanitize`` reads back, saved as held)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+SHARD_BYTES = 2 * 10**9
+"""The largest weights file a save writes (Hugging Face's sharded layout beyond it): a shard is
+computed and held whole while it is written, so this bounds what a save adds to memory."""
+
+
+def write_weights(weights: dict, out: Path, metadata: dict | None = None) -> list[str]:
+    """``weights`` as ``model.safetensors``, or as shards of at most ``SHARD_BYTES`` with
+    ``model.safetensors.index.json`` (the layout transformers and mlx-lm read) when they are
+    larger; the file names. Each weight is taken out of ``weights`` as its shard is written:
+    lazily computed weights (de-quantized, merged) are computed one shard at a time, and go
+    once written when nothing else holds them."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for k, v in weights.items():
+        if shards[-1] and size + v.nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += v.nbytes
+    n = len(shards)
+    names = (
+        ["model.safetensors"]
+        if n == 1
+        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
+    total, where = 0, {}
+    for name, keys in zip(names, shards, strict=True):
+        part = {k: weights.pop(k) for k in keys}
+        total += sum(v.nbytes for v in part.values())
+        mx.save_safetensors(str(out / name), part, metadata=metadata or {})
+        where.update(dict.fromkeys(keys, name))
+        del part
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": where}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return names
+
+
+def hf_payload(model: nn.Module, config: dict, dtype: str | None = None):
+    """(weights in Hugging Face layout, config.json's contents, whether the layout is the
+    published one): what ``save_model`` writes, as lazy as the model's weights are."""
     weights, published = hf_weights(model, dict(tree_flatten(model.parameters())))
     if dtype is not None:
         weights = {
@@ -140,8 +168,32 @@ def save_model(
     }
     if len(float_dtypes) == 1:
         cfg["torch_dtype"] = float_dtypes.pop()
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return weights, cfg, published
+
+
+def write_hf(weights: dict, cfg: dict, out_dir: str | Path, tokenizer=None, tokenizer_dir=None):
+    """A ``hf_payload`` written: the weights (taken out of ``weights`` as written),
+    config.json and the tokenizer's files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_weights(weights, out, {"format": "mlx"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     if tokenizer is not None:
         save_tokenizer(tokenizer, out, tokenizer_dir)
-    return out, published
+    return out
+
+
+def save_model(
+    model: nn.Module,
+    config: dict,
+    out_dir: str | Path,
+    tokenizer=None,
+    tokenizer_dir=None,
+    dtype: str | None = None,
+):
+    """Save in Hugging Face layout: config.json, the weights (``write_weights``), tokenizer
+    files. Returns the folder, and whether the weights are in the published layout (False: a
+    family whose experts or conv layers have no layout mlx-lm's ``sanitize`` reads back, saved
+    as held)."""
+    weights, cfg, published = hf_payload(model, config, dtype)
+    return write_hf(weights, cfg, out_dir, tokenizer, tokenizer_dir), published

@@ -3,6 +3,8 @@ and the float dtypes a model is held in."""
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -56,3 +58,24 @@ def hf_architecture(model_type: str) -> str:
     except ImportError:
         return ""
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
+
+
+def shadow(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s tree that shares its arrays: what is done to the copy's layers and
+    weights (adapters merged in, layers de-quantized, weights cast, all lazy) leaves the
+    original as it was, and nothing is computed or held twice. An export works on one, so that
+    its lazily computed weights are held by nothing but the export and go once written."""
+    out = copy.copy(module)
+    for k, v in list(out.items()):
+        out[k] = _shadowed(v)
+    return out
+
+
+def _shadowed(v):
+    if isinstance(v, nn.Module):
+        return shadow(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_shadowed(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _shadowed(x) for k, x in v.items()}
+    return v

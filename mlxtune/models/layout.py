@@ -81,48 +81,63 @@ def _sanitized(model: nn.Module, weights: dict) -> dict | None:
         return None
 
 
-def _undone(before: mx.array, after: mx.array, held: mx.array) -> mx.array | None:
-    """``held`` with what sanitize did to ``before`` (giving ``after``) taken back out, when
-    that is one constant added (a ``1 + w`` norm) or a scale per row (Falcon-H1's multipliers
-    folded into its weights); None for anything else."""
-    a, b, h = (x.astype(mx.float32) for x in (before, after, held))
+def _undone(before: mx.array, after: mx.array):
+    """What sanitize did to ``before`` (giving ``after``), as a way to take it back out of a
+    held weight: ("shift", c) when it added one constant (a ``1 + w`` norm), ("scale", per row)
+    when it scaled each row (Falcon-H1's multipliers folded into its weights); None for
+    anything else."""
+    a, b = before.astype(mx.float32), after.astype(mx.float32)
     if a.ndim == 0 or a.shape != b.shape:  # a scalar, or a reshape (a squeeze): no value changed
         return None
     if a.ndim == 1:
         shift = b - a
         c = shift[0].item()
         if c != 0 and mx.all(mx.abs(shift - c) <= 1e-6 * max(1.0, abs(c))).item():
-            return (h - c).astype(held.dtype)
+            return ("shift", c)
     rows = a.reshape(a.shape[0], -1) if a.ndim > 1 else a[:, None]
     out = b.reshape(rows.shape)
     pick = mx.argmax(mx.abs(rows), axis=1, keepdims=True)  # each row's largest entry
     scale = mx.take_along_axis(out, pick, axis=1) / mx.take_along_axis(rows, pick, axis=1)
     if mx.all(mx.isfinite(scale)).item() and mx.allclose(rows * scale, out, rtol=1e-5, atol=1e-6):
         if not mx.allclose(scale, mx.ones_like(scale)).item():
-            return (h.reshape(rows.shape) / scale).reshape(held.shape).astype(held.dtype)
+            mx.eval(scale)
+            return ("scale", scale)
     return None
 
 
-def _take_back_offsets(model: nn.Module, candidate: dict, held: dict) -> dict | None:
-    """``candidate`` with what sanitize does to a weight taken back out (see ``_undone``)."""
+def _take_out(op, held: mx.array) -> mx.array:
+    """``held`` with ``op`` (from ``_undone``) taken back out."""
+    h = held.astype(mx.float32)
+    if op[0] == "shift":
+        return (h - op[1]).astype(held.dtype)
+    rows = h.reshape(op[1].shape[0], -1)
+    return (rows / op[1]).reshape(held.shape).astype(held.dtype)
+
+
+def _offsets(model: nn.Module, candidate: dict, held: dict) -> dict | None:
+    """What sanitize adds to ``candidate``'s weights that must be taken back out of the held
+    ones (see ``_undone``): {key: op}; None when sanitize does not read ``candidate`` back to
+    the held keys."""
     back = _sanitized(model, candidate)
     if back is None or back.keys() != held.keys():
         return None
-    fixed = dict(candidate)
-    for k, v in back.items():
+    ops = {}
+    for k in list(back):
+        v = back.pop(k)  # one at a time: what was evaluated goes with it
         if k not in candidate or v.shape != candidate[k].shape:
             continue
-        undone = _undone(candidate[k], v, held[k])
-        if undone is not None:
-            fixed[k] = undone
-    return fixed
+        op = _undone(candidate[k], v)
+        if op is not None:
+            ops[k] = op
+    return ops
 
 
 def _round_trips(model: nn.Module, candidate: dict, held: dict) -> bool:
     back = _sanitized(model, candidate)
     if back is None or back.keys() != held.keys():
         return False
-    for k, v in back.items():
+    for k in list(back):
+        v = back.pop(k)  # one at a time: what was evaluated goes with it
         if v.shape != held[k].shape:
             return False
         a, b = v.astype(mx.float32), held[k].astype(mx.float32)
@@ -199,10 +214,42 @@ def _scalars_unsqueezed(model: nn.Module, candidate: dict) -> dict | None:
     return {**candidate, **{k: candidate[k].reshape(1) for k in squeezed}}
 
 
+_REAL = 1 << 16
+"""Weights of up to this many elements take part in finding the layout as they are; larger
+ones through a stand-in (``_stand_ins``)."""
+
+
+def _stand_ins(weights: dict) -> dict:
+    """The weights as the layout search reads them, without computing the large ones (a
+    model's weights may be lazy: de-quantized or fused, more than memory holds at once). A
+    large floating-point weight is stood in for by a broadcast row of distinct values, held
+    once whatever the weight's size: every rewrite the search tries (experts split off the
+    first axis, pairs joined, axes swapped, a constant added, rows scaled) acts on it as on the
+    weight, and each weight's row differs from every other's."""
+    out = {}
+    for i, (k, v) in enumerate(weights.items()):
+        if v.size <= _REAL or not mx.issubdtype(v.dtype, mx.floating):
+            out[k] = v
+            continue
+        n = v.shape[-1]
+        row = 1.0 + mx.arange(n, dtype=mx.float32) / n + 0.5 * (i % 97) / 97
+        out[k] = mx.broadcast_to(row, v.shape)
+    return out
+
+
+def _layouts(model: nn.Module, weights: dict, stacked: dict, convs: set):
+    """Every candidate layout in the search's order."""
+    for found in _candidates(weights, stacked, convs):
+        yield found
+        yield _scalars_unsqueezed(model, found)
+
+
 def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
     """(weights in the published layout, True), or (``weights`` as held, False) when the
     model holds experts or conv layers and no rewrite round-trips through the family's
-    ``sanitize``. Quantized experts stay stacked (mlx-lm's quantized checkpoints hold them so)."""
+    ``sanitize``. Quantized experts stay stacked (mlx-lm's quantized checkpoints hold them so).
+    The weights stay as lazy as they come: the search runs on stand-ins (``_stand_ins``), and
+    the layout it finds is then built from the weights themselves."""
     stacked, convs = _held_forms(model)
     convs &= weights.keys()
     needs = bool(stacked or convs) or any(k.endswith(".embed_q.weight") for k in weights)
@@ -210,22 +257,28 @@ def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
         return weights, not needs
     # several layouts can read back alike (a sanitize that renames w1 -> gate_proj also keeps
     # gate_proj): the published one is the layout sanitize rewrites most, so take that
+    stand_ins = _stand_ins(weights)
     found, most = None, -1
-    candidates = _candidates(weights, stacked, convs)
-    for candidate in (
-        c for found in candidates for c in (found, _scalars_unsqueezed(model, found))
-    ):
+    for i, candidate in enumerate(_layouts(model, stand_ins, stacked, convs)):
         if candidate is None:
             continue
-        fixed = _take_back_offsets(model, candidate, weights)
-        if fixed is None or not _round_trips(model, fixed, weights):
+        ops = _offsets(model, candidate, stand_ins)
+        if ops is None:
             continue
-        rewritten = len(fixed.keys() - weights.keys()) + sum(
-            fixed[k] is not weights.get(k) for k in fixed.keys() & weights.keys()
+        fixed = {**candidate, **{k: _take_out(op, stand_ins[k]) for k, op in ops.items()}}
+        if not _round_trips(model, fixed, stand_ins):
+            continue
+        rewritten = len(fixed.keys() - stand_ins.keys()) + sum(
+            fixed[k] is not stand_ins.get(k) for k in fixed.keys() & stand_ins.keys()
         )
         if rewritten > most:
-            found, most = fixed, rewritten
-    return (found, True) if found is not None else (weights, not needs)
+            found, most = (i, ops), rewritten
+    if found is None:
+        return weights, not needs
+    del stand_ins
+    i, ops = found
+    candidate = next(c for j, c in enumerate(_layouts(model, weights, stacked, convs)) if j == i)
+    return {**candidate, **{k: _take_out(op, weights[k]) for k, op in ops.items()}}, True
 
 
 def published_names(model: nn.Module, held: dict) -> dict[str, str]:

@@ -13,7 +13,7 @@ from ..safety import code_files, pickled_hint
 from .common import cast_floats, family_classes
 from .configs import normalise_config
 from .gguf.load import load_gguf
-from .quantize import cpu_dequantizing
+from .quantize import cpu_dequantizing, materialize
 
 
 def resolve_model_path(path: str, base: Path | None) -> Path:
@@ -129,10 +129,16 @@ def load_model(
     dtype: str = "float32",
     trust_remote_code: bool = False,
     keep_quantized: bool = False,
+    lazy: bool = False,
 ):
     """Load a model directory (Hugging Face layout) with mlx-lm's loader, or a GGUF file:
     (model, config). ``keep_quantized``: a GGUF file's Q8_0/Q4_0/Q4_1 weights stay quantized
-    (a QLoRA base) instead of being de-quantized to ``dtype``."""
+    (a QLoRA base) instead of being de-quantized to ``dtype``.
+
+    A directory's weights are read lazily, shard by shard, and cast to ``dtype`` one layer at a
+    time, so loading holds the model as it will be held plus one layer. ``lazy``: nothing is
+    read yet (the caller computes the weights, as QLoRA's quantization does one layer at a
+    time, so that a dense base is never held whole)."""
     # mlx_lm.utils pulls in transformers: imported when a model loads, not with mlxtune
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
@@ -151,7 +157,7 @@ def load_model(
         changes = {k: v for k, v in normalised.items() if k not in config or config[k] != v}
     try:
         model, config = mlx_lm_load_model(
-            path, trust_remote_code=trust_remote_code, model_config=changes
+            path, lazy=True, trust_remote_code=trust_remote_code, model_config=changes
         )
     except ValueError as e:  # missing or misshapen weights
         raise UserInputError(" ".join(str(e).split()), str(path)) from None
@@ -168,5 +174,12 @@ def load_model(
             raise
         raise UserInputError(f"cannot read the weights: {e}", str(path)) from None
     cast_floats(model, dtype)
+    if not lazy:
+        try:
+            materialize(model)
+        except RuntimeError as e:  # MLX's reader, now reading: a truncated or corrupt file
+            if "safetensors" not in str(e) and "read" not in str(e):
+                raise
+            raise UserInputError(f"cannot read the weights: {e}", str(path)) from None
     cpu_dequantizing(model)  # a quantized checkpoint's layers, at BLAS speed on the CPU
     return model, config

@@ -75,7 +75,7 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dic
         raise UserInputError(
             f"cannot quantize to {bits} bits in groups of {group_size}: {e}", "model.quantize"
         ) from None
-    mx.eval(model.parameters())
+    materialize(model)
     cpu_dequantizing(model)
     return {
         "bits": bits,
@@ -86,6 +86,17 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dic
         "bytes_before": bytes_before,
         "bytes_after": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     }
+
+
+def materialize(model: nn.Module) -> None:
+    """Compute ``model``'s lazy weights one layer at a time: a weight computed from another (a
+    layer quantized from a dense one just read, a cast) holds only its layer's source at once,
+    where evaluating every weight together lets MLX compute all the sources first."""
+    for _, m in model.named_modules():
+        own = [v for k, v in m.items() if isinstance(v, mx.array)]
+        if own:
+            mx.eval(own)
+    mx.eval(model.parameters())  # any weight held outside a module's own keys
 
 
 def _dense_after(group_size: int, bits: int, mode: str):

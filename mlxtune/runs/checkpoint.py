@@ -384,8 +384,8 @@ def base_model(state: dict) -> tuple[nn.Module, dict]:
     if base.is_dir() and is_vision_config(config := check_model_dir(base, trust)):
         return load_vision_model(base, config, state.get("dtype", "float32"), trust), config
     keep = state["adapter"]["type"] in ("lora", "dora") and not saved.get("dequantize", False)
-    model, config = load_model(base, state.get("dtype", "float32"), trust, keep)
-    q = saved.get("quantize")
+    q = saved.get("quantize")  # then quantized as it is read: a dense base is never held whole
+    model, config = load_model(base, state.get("dtype", "float32"), trust, keep, lazy=bool(q))
     if q:  # QLoRA: the adapters were trained over the quantized base
         quantize_model(model, q["bits"], q["group_size"])
     return model, config

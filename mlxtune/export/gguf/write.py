@@ -15,12 +15,13 @@ here (to q/k weights, and to the rows of LoRA B for q/k). Every file is read bac
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from ...adapters import DoRALinear, LoRALinear, LoRASwitchLinear
 from ...errors import UserInputError
@@ -54,7 +55,7 @@ from ...gguf.tensors import (
     ssm_to_gguf,
     to_gguf,
 )
-from ...gguf.tokenizer import EXPORT_PRE_NAMES
+from ...gguf.tokenizer import BPE_PRE, EXPORT_PRE_NAMES, GPT2_SPLIT
 from ...models.configs import standard_config
 from .fixed import model_args, refusal
 from .hparams import add_hparams, add_rope_scaling, head_counts
@@ -114,18 +115,26 @@ _PRE_PATTERNS = EXPORT_PRE_NAMES
 
 
 def _bpe_pre_name(data: dict) -> str:
-    """llama.cpp's name for a tokenizer.json's pre-tokenizer (UserInputError when unknown)."""
+    """llama.cpp's name for a tokenizer.json's pre-tokenizer: its Split patterns in order (and
+    GPT-2's, where the ByteLevel step splits by its own regex) as one of llama.cpp's
+    pre-tokenizers splits (UserInputError when none does)."""
     pre = data.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    split = next((s for s in steps if s.get("type") == "Split"), None)
+    splits = [s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split"]
     level = next((s for s in steps if s.get("type") == "ByteLevel"), None)
-    if split is None and level is not None and level.get("use_regex", True):
-        return "gpt-2"
-    pattern = split.get("pattern", {}).get("Regex") if split else None
-    if pattern in _PRE_PATTERNS:
-        return _PRE_PATTERNS[pattern]
+    if level is not None and level.get("use_regex", True):
+        splits.append(GPT2_SPLIT)
+    if len(splits) == 1 and splits[0] in _PRE_PATTERNS:
+        return _PRE_PATTERNS[splits[0]]
+    # the first of llama.cpp's names that splits so (a family of names shares one entry)
+    name = next(
+        (n for n, p in BPE_PRE.items() if n != "default" and p.splits == tuple(splits)), None
+    )
+    if name is not None:
+        return name
     raise UserInputError(
-        "this BPE tokenizer's pre-tokenizer is not one llama.cpp knows (GPT-2, Qwen2, Llama 3 are)",
+        "this BPE tokenizer's pre-tokenizer is not one llama.cpp knows (GPT-2, Llama 3, Qwen2, "
+        "SmolLM/StarCoder and the others of gguf.tokenizer.BPE_PRE are)",
         "export --format gguf",
     )
 
@@ -394,9 +403,15 @@ def write_gguf_model(
     dtype: str = "f16",
     name: str = "model",
     tokenizer_gguf: Path | None = None,
+    consume: bool = False,
 ):
     """The (already fused) model as one GGUF file; returns its path. ``tokenizer_gguf``: a GGUF
-    file whose tokenizer fields are copied as they are (a run over a GGUF base)."""
+    file whose tokenizer fields are copied as they are (a run over a GGUF base).
+
+    Tensors are written one at a time through a temporary file beside the output, so the
+    writer holds one tensor, not the file. ``consume``: the model is an export's own lazy copy
+    (adapters merged in, de-quantized: ``models.shadow``), whose weights are dropped from it
+    before writing, so that each is computed as it is written and goes after."""
     import gguf
 
     if dtype not in DTYPES:
@@ -413,6 +428,7 @@ def write_gguf_model(
     names = _names(model, config, where)
     path = out / f"{name}-{dtype}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
+    w.temp_file = tempfile.TemporaryFile(dir=out)  # tensor data, until the header is written
     w.add_name(name)
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
     add_hparams(w, config, model)
@@ -423,14 +439,23 @@ def write_gguf_model(
     _tokenizer_fields(w, tokenizer, tokenizer_dir, tokenizer_gguf)
     shapes, xielu, args = {}, {}, model_args(model)
     deci = deci_layers(model) if family.arch == "deci" else []
+    no_op = [layer.mlp is None for layer in model.layers] if deci else []
+    scale = _tied_head_scale(family, args)
+    tied_head = scale is not None and "output.weight" not in names.values()
+    tensors = held_stacked(model)
+    if consume:
+        model.update(tree_map(lambda v: mx.zeros((0,), v.dtype), model.parameters()))
 
     def put(g: str, a: np.ndarray, kind: str = dtype) -> None:
         data, raw = _tensor_array(np.ascontiguousarray(a, dtype=np.float32), kind)
         w.add_tensor(g, data, raw_dtype=raw)
         shapes[g] = a.shape[::-1]
 
-    for hf, v in held_stacked(model):
+    for i in range(len(tensors)):
+        hf, v = tensors[i]
+        tensors[i] = None  # the list held it: computed, written, and gone
         held = np.array(v.astype(mx.float32))
+        del v
         if ".xielu." in names[hf]:  # Apertus: one value per layer, as metadata
             block, key = names[hf].split(".")[1], names[hf].rsplit(".", 1)[-1]
             xielu.setdefault(key, {})[int(block)] = float(held.reshape(-1)[0])
@@ -442,17 +467,14 @@ def write_gguf_model(
             f32 = ("ffn_gate_inp.weight", "shortconv.conv.weight", "attn_sinks.weight")
             for g2, a2 in split if split is not None else [(g, a)]:
                 put(g2, a2, "f32" if split is None and g2.endswith(f32) else dtype)
+        if tied_head and names[hf] == "token_embd.weight":
+            put("output.weight", held * scale)
     if family.arch == "deci":  # no-op sublayers as llama.cpp's deci can hold them
-        no_op = [layer.mlp is None for layer in model.layers]
         for g, a in deci_fillers(deci, int(args.hidden_size), no_op):
             if g not in shapes:
                 put(g, a, "f32" if a.ndim == 1 else dtype)
     for key, values in xielu.items():
         getattr(w, f"add_xielu_{key}")([values[i] for i in sorted(values)])
-    scale = _tied_head_scale(family, args)
-    if scale is not None and "output.weight" not in shapes:
-        embed = next(v for hf, v in held_stacked(model) if names[hf] == "token_embd.weight")
-        put("output.weight", np.array(embed.astype(mx.float32)) * scale)
     if family.arch == "minicpm3":  # mlx-lm rotates by the long factors whatever the length
         for kind in ("long", "short"):
             put(f"rope_factors_{kind}.weight", minicpm3_rope_factors(args), "f32")
