@@ -116,6 +116,26 @@ SHAPES = {
 }
 STAGES = ("write", "load", "steps", "resume", "fused", "fused4", "gguf", "peer")
 
+PAPER = {  # the largest Macs' models, for the plan's figures (``--paper``)
+    "llama3-70b": {
+        **SHAPES["llama3-8b"],
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+    },
+    "qwen3-235b-a22b": {
+        **SHAPES["qwen3-30b-a3b"],
+        "hidden_size": 4096,
+        "num_hidden_layers": 94,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_attention_heads": 64,
+    },
+}
+MACS_GB = (64, 128, 192)
+WORKING_SET = 0.75  # of a Mac's memory the GPU may use (its recommended working set, about)
+
 
 # ------------------------------------------------------------------------------ processes
 def measured(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 4 * 3600):
@@ -272,6 +292,82 @@ def export_stage(work: Path, run_dir: Path, name: str, *flags: str) -> dict:
     return res
 
 
+# ------------------------------------------------------------------------------ on paper
+def paper_rows(name: str, cfg: dict, length: int = 2048, rank: int = 16) -> list[dict]:
+    """The plan's peak per stage for ``cfg`` at ``length`` tokens (batch 1, every layer
+    checkpointed, LoRA rank ``rank``, AdamW): QLoRA over a 4-bit base, LoRA over a bf16 one,
+    full fine-tuning in bf16 (fp32 masters and state), and LoRA and full fine-tuning sharded
+    over N Macs (weights, gradients and state split N ways; activations whole on each). Load
+    and export: the weights as held, the largest weight de-quantized in fp32, and (export) a
+    shard."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from mlxtune.memory import Shape, estimate
+    from mlxtune.models.configs import active_intermediate
+
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))  # lazy: shapes only, nothing drawn
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    # LoRA on every linear layer but the LM head and a mixture's experts (which stay frozen:
+    # rank 16 on 128 experts would be 3 billion parameters)
+    linear = [
+        m for p, m in model.named_modules() if isinstance(m, nn.Linear) and "lm_head" not in p
+    ]
+    lora = sum(rank * (m.weight.shape[0] + m.weight.shape[1]) for m in linear)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim, layers = cfg["head_dim"], cfg["num_hidden_layers"]
+    biggest = max(v.size for _, v in tree_flatten(model.parameters()))  # the embedding
+
+    def shape(weight_bytes, trainable, full, masters):
+        return Shape(
+            weight_bytes=int(weight_bytes), trainable=trainable, trainable_bytes=4 * trainable
+            if not full else 2 * trainable, trainable_16bit=trainable if full else 0, full=full,
+            act_bytes=2, layers=layers, hidden=hidden,
+            intermediate=active_intermediate(cfg, hidden), q_dim=heads * head_dim,
+            kv_dim=2 * cfg["num_key_value_heads"] * head_dim, heads=heads,
+            vocab=cfg["vocab_size"], batch=1, length=length, accumulation=1,
+            optimizer_bytes=8 * trainable, masters=masters, attention_scores=False,
+            logits_full=False, logit_chunk=2**22, checkpointed=layers, chunked_attention=True,
+        )  # fmt: skip
+
+    q4 = params * (0.5 + 4 / 64)  # 4 bits, a bf16 scale and bias per group of 64
+    rows = []
+    for method, weights, trainable, full in (
+        ("QLoRA (4-bit base)", q4, lora, False),
+        ("LoRA (bf16 base)", 2 * params, lora, False),
+        ("full (bf16)", 2 * params, params, True),
+    ):
+        step = estimate(shape(weights, trainable, full, full))
+        rows.append({"model": name, "method": method, "params_b": params / 1e9,
+                     "load_gb": (weights + 4 * biggest) / GB, "step_gb": step["total"] / GB,
+                     "export_gb": (weights + 2 * GB + 4 * biggest) / GB})  # fmt: skip
+    for method, trainable, full, ranks in (("LoRA (bf16 base)", lora, False, (2, 4)),
+                                          ("full (bf16)", params, True, (8, 16))):  # fmt: skip
+        one = estimate(shape(2 * params, trainable, full, full))
+        held = one["weights"] + one["masters"] + one["optimizer"] + one["gradients"]
+        for n in ranks:  # the sharded training of the distributed issue, on paper
+            per_rank = (held / n + one["activations"] + one["logits"]) * 1.1
+            rows.append({"model": name, "method": f"{method}, sharded over {n}",
+                         "params_b": params / 1e9, "load_gb": (2 * params / n + 4 * biggest) / GB,
+                         "step_gb": per_rank / GB,
+                         "export_gb": (2 * params / n + 2 * GB + 4 * biggest) / GB})  # fmt: skip
+    return rows
+
+
+def print_paper(length: int) -> None:
+    rows = [r for name, cfg in PAPER.items() for r in paper_rows(name, cfg, length)]
+    macs = " ".join(f"{m:>6} GB" for m in MACS_GB)
+    print(f"{'model':<16} {'method':<26} {'load':>7} {'step':>7} {'export':>7}  fits: {macs}")
+    for r in rows:
+        peak = max(r["load_gb"], r["step_gb"], r["export_gb"])
+        fits = " ".join(f"{'yes' if peak <= m * WORKING_SET else 'no':>9}" for m in MACS_GB)
+        print(f"{r['model']:<16} {r['method']:<26} {r['load_gb']:>7.1f} {r['step_gb']:>7.1f} "
+              f"{r['export_gb']:>7.1f}  {fits}")  # fmt: skip
+    print(json.dumps({"paper": rows, "length": length, "working_set": WORKING_SET}))
+
+
 # ------------------------------------------------------------------------------ main
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -281,6 +377,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--paper", action="store_true", help="the plan's figures for 70B and 235B-A22B")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -292,6 +389,11 @@ def main() -> None:
         else:
             res = load_base(Path(rest[0]))
         print("SCALE_CHILD " + json.dumps(res))
+        return
+    if args.paper:
+        import mlxtune  # noqa: F401  (first: its BLAS set-up before MLX loads)
+
+        print_paper(int(args.lengths.split(",")[-1]))
         return
     stages = args.stages.split(",")
     if unknown := set(stages) - set(STAGES):

@@ -559,3 +559,12 @@ def test_bad_rows_are_skipped_counted_and_named_up_to_a_share(tmp_path, tokenize
     # 3 of 40 is more than 5%: an error naming the first
     with pytest.raises(UserInputError, match=r"3 of 40 rows are bad.*d.jsonl:4") as e:
         load_split(p, enc, "auto", 64, "truncate", 1, bad=BadRows(True, 0.05))
+
+
+def test_chat_rows_over_a_tokenizer_without_a_template_say_what_to_do(tokenizer, monkeypatch):
+    """A base model's tokenizer (a GGUF without tokenizer.chat_template, often) has no chat
+    template: the message says to write the rows as prompt/completion or text, or to set one."""
+    monkeypatch.setattr(tokenizer._tokenizer, "chat_template", None)
+    chat = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
+    with pytest.raises(UserInputError, match="f:1: chat data needs.*prompt/completion or text"):
+        Encoder(tokenizer).encode(chat, "chat", "f:1")

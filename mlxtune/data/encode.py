@@ -366,7 +366,9 @@ class Encoder:
         tmpl = self.tok._tokenizer if hasattr(self.tok, "_tokenizer") else self.tok
         if not getattr(tmpl, "chat_template", None):
             raise UserInputError(
-                "chat data needs a tokenizer with a chat template (set tokenizer.chat_template)",
+                "chat data needs a tokenizer with a chat template, and this one has none (a "
+                "base model's, often): write the rows as prompt/completion or text, or set "
+                "tokenizer.chat_template (a Jinja template)",
                 where,
             )
 

@@ -60,8 +60,9 @@ class PromptEncoder:
         tmpl = self.tok._tokenizer if hasattr(self.tok, "_tokenizer") else self.tok
         if not getattr(tmpl, "chat_template", None):
             raise UserInputError(
-                "a prompt given as messages needs a tokenizer with a chat template "
-                "(set tokenizer.chat_template)",
+                "a prompt given as messages needs a tokenizer with a chat template, and this "
+                "one has none (a base model's, often): give the prompt as text, or set "
+                "tokenizer.chat_template",
                 where,
             )
         return tmpl

@@ -141,6 +141,8 @@ def write_weights(weights: dict, out: Path, metadata: dict | None = None) -> lis
     total, where = 0, {}
     for name, keys in zip(names, shards, strict=True):
         part = {k: weights.pop(k) for k in keys}
+        for v in part.values():  # one at a time: evaluated together, MLX may compute every
+            mx.eval(v)  # weight's sources (a shard's layers de-quantized) before any of them
         total += sum(v.nbytes for v in part.values())
         mx.save_safetensors(str(out / name), part, metadata=metadata or {})
         where.update(dict.fromkeys(keys, name))

@@ -1,0 +1,265 @@
+"""GGUF files as users download them: written by llama.cpp's own converter
+(``convert_hf_to_gguf.py``) and quantized by llama.cpp (``llama_model_quantize``), with the real
+vocabularies llama.cpp ships for its own tests (``models/ggml-vocab-*.gguf``).
+
+Run with ``-m llama_cpp``: the converter, its ``gguf-py`` and the vocabularies come from the
+llama-cpp-python source distribution matching the installed ``llama_cpp`` (``$LLAMA_CPP_SOURCE``
+names its ``vendor/llama.cpp`` folder, or it is downloaded once into the test cache).
+
+For each family llama.cpp and mlx-lm share, a small model at random (hidden size 256, so that
+the K-quants' 256-wide blocks apply) is written in Hugging Face layout, converted to F32 and
+quantized to Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K and IQ4_NL. mlxtune loads each file as a base and
+its logits are held against llama.cpp's on the same file: exactly for F32; for the quantized
+types llama.cpp's CPU dot products quantize the activations too (Q8), so there the bound is a
+few percent of the largest logit, and mlxtune's reading is held tightly against a NumPy forward
+over the tensors as llama.cpp's own ``gguf-py`` de-quantizes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm_archs import tiny_config
+from test_gguf_families import FAMILIES as FIXED
+
+from mlxtune.models import family_classes, is_quantized, load_gguf, save_model
+from mlxtune.models.configs import normalise_config
+
+pytestmark = pytest.mark.llama_cpp
+
+IDS = [1, 5, 9, 12, 7, 3, 30, 4, 8, 17, 2, 40, 11, 6]
+TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25}
+QUANT_TOL = 0.06  # of the largest logit: llama.cpp's Q8 activations (measured 2-3.5%)
+SIZES = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+}
+# the vocabulary each family's files are converted with (llama.cpp's own test vocabularies);
+# the rest take Qwen2's
+VOCAB = {"llama": "llama-bpe", "mistral": "llama-bpe"}
+
+
+def _llama_cpp():
+    return pytest.importorskip(
+        "llama_cpp",
+        reason="needs llama-cpp-python (compiles from source, about 13 minutes on 2 cores)",
+    )
+
+
+@pytest.fixture(scope="session")
+def source() -> Path:
+    """llama.cpp's source folder (vendor/llama.cpp of the llama-cpp-python sdist)."""
+    llama_cpp = _llama_cpp()
+    named = os.environ.get("LLAMA_CPP_SOURCE")
+    if named:
+        return Path(named)
+    version = llama_cpp.__version__
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlxtune-tests"
+    root = cache / f"llama-cpp-python-{version}" / "vendor" / "llama.cpp"
+    if not (root / "convert_hf_to_gguf.py").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        got = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={version}", "-d", str(cache)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if got.returncode:
+            pytest.skip(f"cannot download llama-cpp-python's sources: {got.stderr[-300:]}")
+        with tarfile.open(next(cache.glob(f"llama_cpp_python-{version}.tar.gz"))) as tar:
+            tar.extractall(cache, filter="data")
+    return root
+
+
+def vocabulary(source: Path, name: str, out: Path) -> Path:
+    """A tokenizer folder of llama.cpp's test vocabulary ``name``, as mlxtune reads it."""
+    from mlxtune.gguf.tokenizer import write_tokenizer_from_gguf
+
+    folder = out / f"vocab-{name}"
+    if not folder.exists():
+        write_tokenizer_from_gguf(source / "models" / f"ggml-vocab-{name}.gguf", folder)
+    return folder
+
+
+def hf_model(name: str, tok_dir: Path, out: Path) -> Path:
+    from mlxtune.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tok_dir)
+    mx.random.seed(4)
+    cfg = tiny_config(name, len(tok._tokenizer))
+    cfg.update({k: v for k, v in SIZES.items() if k in cfg or k == "head_dim"})
+    cfg.update(FIXED.get(name, {}))
+    if name == "gemma3_text":
+        cfg.update(head_dim=64, query_pre_attn_scalar=64)
+    model_class, args_class = family_classes(cfg)
+    model = model_class(args_class.from_dict(normalise_config(cfg, args_class)))
+    params = tree_flatten(model.parameters())  # norms and biases away from 1 and 0
+    model.load_weights([(k, v + 0.05 * mx.random.normal(v.shape)) for k, v in params])
+    save_model(model, cfg, out, tok, tok_dir)
+    return out
+
+
+def convert(source: Path, folder: Path, out: Path) -> Path:
+    """llama.cpp's converter on a Hugging Face folder: an F32 GGUF."""
+    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
+    cmd = [sys.executable, "convert_hf_to_gguf.py", str(folder), "--outfile", str(out)]
+    got = subprocess.run(
+        [*cmd, "--outtype", "f32"], cwd=source, env=env, capture_output=True, text=True
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    return out
+
+
+def quantize(src: Path, dst: Path, ftype: int) -> Path:
+    llama_cpp = _llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) == 0
+    return dst
+
+
+def llama_cpp_logits(path: Path, lora: Path | None = None) -> np.ndarray:
+    llama_cpp = _llama_cpp()
+    f32 = 0  # the key/value cache in full precision, as mlxtune computes
+    llm = llama_cpp.Llama(
+        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=f32, type_v=f32,
+        lora_path=str(lora) if lora else None,
+    )  # fmt: skip
+    llm.eval(IDS)
+    return np.array(llm.scores[: len(IDS)])
+
+
+def relative(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+# families llama.cpp's converter and mlx-lm share, whose files mlxtune loads: the default
+# llama_cpp run takes the first; -m "llama_cpp and slow" all
+REAL = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma3_text", "olmo2", "granite"]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[n if i < 3 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(REAL)],
+)
+def files(request, source, tmp_path_factory) -> tuple[str, dict[str, Path]]:
+    """(family, {type: GGUF file}): llama.cpp's converter's F32 file and its quantizations."""
+    name = request.param
+    out = tmp_path_factory.mktemp(f"llama-cpp-{name}")
+    tok = vocabulary(source, VOCAB.get(name, "qwen2"), out)
+    f32 = convert(source, hf_model(name, tok, out / "hf"), out / "F32.gguf")
+    found = {"F32": f32}
+    for kind, ftype in TYPES.items():
+        found[kind] = quantize(f32, out / f"{kind}.gguf", ftype)
+    return name, found
+
+
+@pytest.mark.parametrize("kind", ["F32", *TYPES])
+def test_llama_cpps_own_file_loads_with_llama_cpps_logits(files, kind):
+    name, found = files
+    model, config, _ = load_gguf(found[kind], "float32")
+    got = np.array(model(mx.array([IDS]))[0])
+    want = llama_cpp_logits(found[kind])
+    assert relative(got, want) < (2e-3 if kind == "F32" else QUANT_TOL), (name, kind)
+
+
+@pytest.mark.parametrize("kind", ["F32", *TYPES])
+def test_the_quantized_tensors_read_as_llama_cpps_gguf_py_reads_them(files, kind):
+    """A NumPy forward over gguf-py's de-quantization (llama.cpp's own Python reader) of the
+    same file: mlxtune's reading of every quant type, tightly."""
+    from test_gguf import llama_cpp_forward, read
+
+    name, found = files
+    if name not in ("llama", "qwen2", "qwen3", "mistral"):
+        pytest.skip("the NumPy forward covers the llama and Qwen layouts")
+    f, tensors, _ = read(found[kind])
+    want = llama_cpp_forward(f, tensors, IDS)
+    model, _, _ = load_gguf(found[kind], "float32")
+    assert relative(np.array(model(mx.array([IDS]))[0]), want) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_q8_0_and_q4_0_stay_quantized_for_qlora(files, kind):
+    """The types MLX can hold as codes load as QLoRA's quantized base (no de-quantization),
+    giving the logits of the de-quantized reading."""
+    _, found = files
+    dense, _, _ = load_gguf(found[kind], "float32")
+    held, _, _ = load_gguf(found[kind], "float32", keep_quantized=True)
+    assert any(is_quantized(m) for _, m in held.named_modules())
+    want = np.array(dense(mx.array([IDS]))[0])
+    assert relative(np.array(held(mx.array([IDS]))[0]), want) < 1e-4
+
+
+def test_a_run_over_a_q4_k_m_file_trains_and_its_adapter_applies_in_llama_cpp(files, tmp_path):
+    from conftest import build_run, tiny_recipe, write_jsonl
+    from mlxtune.cli import main
+
+    name, found = files
+    if name != "llama":
+        pytest.skip("one family trains end to end")
+    rows = [{"text": f"the number {i} is written {i * 7 % 100} and {i * 3}"} for i in range(64)]
+    write_jsonl(tmp_path / "data" / "train.jsonl", rows)
+    write_jsonl(tmp_path / "data" / "valid.jsonl", rows[:8])
+    r = tiny_recipe(
+        tmp_path / "data", found["Q4_K_M"],
+        adapter={"type": "lora", "rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"]},
+        optimizer={"lr": 2e-2}, export={"formats": ["gguf-adapter"]},
+    )  # fmt: skip
+    r["train"]["max_steps"] = 12
+    trainer = build_run(r, tmp_path)
+    summary = trainer.run()
+    rows_out = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split()]
+    losses = [x["loss"] for x in rows_out if "loss" in x]
+    assert losses[-1] < losses[0] and summary["steps"] == 12
+    adapter = next((tmp_path / "run" / "export" / "gguf-adapter").glob("*.gguf"))
+    trainer.model.eval()
+    ours = np.array(trainer.model(mx.array([IDS]))[0])
+    base = llama_cpp_logits(found["Q4_K_M"])
+    theirs = llama_cpp_logits(found["Q4_K_M"], adapter)
+    assert relative(theirs, ours) < QUANT_TOL
+    assert relative(theirs, base) > 2 * relative(theirs, ours)  # the adapter is what moved it
+    assert main(["export", str(tmp_path / "run"), "--format", "gguf", "--dtype", "q8_0"]) == 0
+
+
+def test_each_vocabulary_tokenizes_as_llama_cpps_own_tests_say(source, tmp_path):
+    """llama.cpp's tokenizer test vectors (``models/ggml-vocab-*.gguf.inp`` / ``.out``): the
+    tokenizer mlxtune reads from each vocabulary file gives llama.cpp's ids for every text.
+    A vocabulary mlxtune does not read is named with the reason."""
+    from mlxtune.errors import UserInputError
+    from mlxtune.tokenizer import load_tokenizer
+
+    read, refused = [], {}
+    for f in sorted((source / "models").glob("ggml-vocab-*.gguf")):
+        inp, out = Path(f"{f}.inp"), Path(f"{f}.out")
+        if not inp.exists():
+            continue
+        name = f.stem.removeprefix("ggml-vocab-")
+        try:
+            tok = load_tokenizer(vocabulary(source, name, tmp_path))
+        except UserInputError as e:
+            refused[name] = e.message
+            continue
+        texts = inp.read_text().split("\n__ggml_vocab_test__\n")
+        wants = out.read_text().split("\n")
+        for text, want in zip(texts, wants, strict=False):
+            got = tok._tokenizer.encode(text, add_special_tokens=False)
+            assert got == [int(x) for x in want.split()], (name, text)
+        read.append(name)
+    assert {"llama-bpe", "llama-spm", "qwen2", "phi-3", "gpt-2", "qwen35"} <= set(read)
+    # what is not read says why: a tokenizer model or pre-tokenizer by its name
+    assert all("not supported" in why for why in refused.values()), refused
+    shutil.rmtree(tmp_path, ignore_errors=True)
