@@ -359,11 +359,11 @@ def paper_rows(name: str, cfg: dict, length: int = 2048, rank: int = 16) -> list
 def print_paper(length: int) -> None:
     rows = [r for name, cfg in PAPER.items() for r in paper_rows(name, cfg, length)]
     macs = " ".join(f"{m:>6} GB" for m in MACS_GB)
-    print(f"{'model':<16} {'method':<26} {'load':>7} {'step':>7} {'export':>7}  fits: {macs}")
+    print(f"{'model':<16} {'method':<34} {'load':>7} {'step':>7} {'export':>7}  fits: {macs}")
     for r in rows:
         peak = max(r["load_gb"], r["step_gb"], r["export_gb"])
         fits = " ".join(f"{'yes' if peak <= m * WORKING_SET else 'no':>9}" for m in MACS_GB)
-        print(f"{r['model']:<16} {r['method']:<26} {r['load_gb']:>7.1f} {r['step_gb']:>7.1f} "
+        print(f"{r['model']:<16} {r['method']:<34} {r['load_gb']:>7.1f} {r['step_gb']:>7.1f} "
               f"{r['export_gb']:>7.1f}  {fits}")  # fmt: skip
     print(json.dumps({"paper": rows, "length": length, "working_set": WORKING_SET}))
 

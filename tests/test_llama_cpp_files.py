@@ -222,7 +222,9 @@ def test_a_run_over_a_q4_k_m_file_trains_and_its_adapter_applies_in_llama_cpp(fi
     r["train"]["max_steps"] = 12
     trainer = build_run(r, tmp_path)
     summary = trainer.run()
-    rows_out = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split()]
+    rows_out = [
+        json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     losses = [x["loss"] for x in rows_out if "loss" in x]
     assert losses[-1] < losses[0] and summary["steps"] == 12
     adapter = next((tmp_path / "run" / "export" / "gguf-adapter").glob("*.gguf"))
