@@ -150,7 +150,7 @@ def test_a_saved_model_over_the_shard_size_is_sharded_and_reads_back(
 def test_smollm2s_pre_tokenizer_exports_under_its_own_llama_cpp_name(tmp_path):
     """SmolLM2's tokenizer (digits split one by one, then GPT-2's pieces), as read from its
     GGUF, goes back to GGUF with the name the file itself gives it."""
-    from mlxtune.export.gguf.write import _bpe_pre_name
+    from mlxtune.export.gguf.vocab import _bpe_pre_name
     from mlxtune.gguf.file import open_gguf
     from mlxtune.gguf.tokenizer import write_tokenizer_from_gguf
 

@@ -261,7 +261,7 @@ def bpe_tokenizer_dir(path, style):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from mlxtune.export.gguf.write import _PRE_PATTERNS
+    from mlxtune.export.gguf.vocab import _PRE_PATTERNS
 
     tk = Tokenizer(models.BPE())
     if style == "gpt-2":

@@ -148,29 +148,30 @@ def relative(got: np.ndarray, want: np.ndarray) -> float:
 
 
 # families llama.cpp's converter and mlx-lm share, whose files mlxtune loads: the default
-# llama_cpp run takes the first; -m "llama_cpp and slow" all
+# llama_cpp run takes the first three; -m "llama_cpp and slow" all
 REAL = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma3_text", "olmo2", "granite"]
+FAMILY = [n if i < 3 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(REAL)]
+_MADE: dict[str, dict[str, Path]] = {}
 
 
-@pytest.fixture(
-    scope="module",
-    params=[n if i < 3 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(REAL)],
-)
-def files(request, source, tmp_path_factory) -> tuple[str, dict[str, Path]]:
-    """(family, {type: GGUF file}): llama.cpp's converter's F32 file and its quantizations."""
-    name = request.param
-    out = tmp_path_factory.mktemp(f"llama-cpp-{name}")
-    tok = vocabulary(source, VOCAB.get(name, "qwen2"), out)
-    f32 = convert(source, hf_model(name, tok, out / "hf"), out / "F32.gguf")
-    found = {"F32": f32}
-    for kind, ftype in TYPES.items():
-        found[kind] = quantize(f32, out / f"{kind}.gguf", ftype)
-    return name, found
+def family_files(name: str, source: Path, factory) -> dict[str, Path]:
+    """{type: GGUF file} of family ``name``: llama.cpp's converter's F32 file and its
+    quantizations (made once a session)."""
+    if name not in _MADE:
+        out = factory.mktemp(f"llama-cpp-{name}")
+        tok = vocabulary(source, VOCAB.get(name, "qwen2"), out)
+        f32 = convert(source, hf_model(name, tok, out / "hf"), out / "F32.gguf")
+        found = {"F32": f32}
+        for kind, ftype in TYPES.items():
+            found[kind] = quantize(f32, out / f"{kind}.gguf", ftype)
+        _MADE[name] = found
+    return _MADE[name]
 
 
 @pytest.mark.parametrize("kind", ["F32", *TYPES])
-def test_llama_cpps_own_file_loads_with_llama_cpps_logits(files, kind):
-    name, found = files
+@pytest.mark.parametrize("name", FAMILY)
+def test_llama_cpps_own_file_loads_with_llama_cpps_logits(name, kind, source, tmp_path_factory):
+    found = family_files(name, source, tmp_path_factory)
     model, config, _ = load_gguf(found[kind], "float32")
     got = np.array(model(mx.array([IDS]))[0])
     want = llama_cpp_logits(found[kind])
@@ -178,14 +179,15 @@ def test_llama_cpps_own_file_loads_with_llama_cpps_logits(files, kind):
 
 
 @pytest.mark.parametrize("kind", ["F32", *TYPES])
-def test_the_quantized_tensors_read_as_llama_cpps_gguf_py_reads_them(files, kind):
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # the NumPy forward's layouts
+def test_the_quantized_tensors_read_as_llama_cpps_gguf_py_reads_them(
+    name, kind, source, tmp_path_factory
+):
     """A NumPy forward over gguf-py's de-quantization (llama.cpp's own Python reader) of the
     same file: mlxtune's reading of every quant type, tightly."""
     from test_gguf import llama_cpp_forward, read
 
-    name, found = files
-    if name not in ("llama", "qwen2", "qwen3", "mistral"):
-        pytest.skip("the NumPy forward covers the llama and Qwen layouts")
+    found = family_files(name, source, tmp_path_factory)
     f, tensors, _ = read(found[kind])
     want = llama_cpp_forward(f, tensors, IDS)
     model, _, _ = load_gguf(found[kind], "float32")
@@ -193,10 +195,11 @@ def test_the_quantized_tensors_read_as_llama_cpps_gguf_py_reads_them(files, kind
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
-def test_q8_0_and_q4_0_stay_quantized_for_qlora(files, kind):
+@pytest.mark.parametrize("name", FAMILY)
+def test_q8_0_and_q4_0_stay_quantized_for_qlora(name, kind, source, tmp_path_factory):
     """The types MLX can hold as codes load as QLoRA's quantized base (no de-quantization),
     giving the logits of the de-quantized reading."""
-    _, found = files
+    found = family_files(name, source, tmp_path_factory)
     dense, _, _ = load_gguf(found[kind], "float32")
     held, _, _ = load_gguf(found[kind], "float32", keep_quantized=True)
     assert any(is_quantized(m) for _, m in held.named_modules())
@@ -204,13 +207,13 @@ def test_q8_0_and_q4_0_stay_quantized_for_qlora(files, kind):
     assert relative(np.array(held(mx.array([IDS]))[0]), want) < 1e-4
 
 
-def test_a_run_over_a_q4_k_m_file_trains_and_its_adapter_applies_in_llama_cpp(files, tmp_path):
+def test_a_run_over_a_q4_k_m_file_trains_and_its_adapter_applies_in_llama_cpp(
+    source, tmp_path_factory, tmp_path
+):
     from conftest import build_run, tiny_recipe, write_jsonl
     from mlxtune.cli import main
 
-    name, found = files
-    if name != "llama":
-        pytest.skip("one family trains end to end")
+    found = family_files("llama", source, tmp_path_factory)
     rows = [{"text": f"the number {i} is written {i * 7 % 100} and {i * 3}"} for i in range(64)]
     write_jsonl(tmp_path / "data" / "train.jsonl", rows)
     write_jsonl(tmp_path / "data" / "valid.jsonl", rows[:8])

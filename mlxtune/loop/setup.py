@@ -122,12 +122,7 @@ def set_up(
     objective = built.kind(r, built.components)
     auto_sizes = resolve_sizes(r, built, objective, tiers, world, log)
     batches_per_epoch = objective.batches_per_epoch()
-    t = r.train
-    total_steps = (
-        t.max_steps
-        if t.max_steps is not None
-        else max(1, math.ceil(t.epochs * batches_per_epoch / t.grad_accumulation))
-    )
+    total_steps = _total_steps(r.train, batches_per_epoch)
     optimizer = optimizer_for(r, total_steps)
     engine = Engine(built.components.model, optimizer, objective, r, world)
     planned = Planned(r, built, objective, tiers, optimizer, engine)
@@ -170,6 +165,13 @@ def set_up(
         resumed,
         stages,
     )
+
+
+def _total_steps(t, batches_per_epoch: int | None) -> int:
+    """train.max_steps, or the steps train.epochs take."""
+    if t.max_steps is not None:
+        return t.max_steps
+    return max(1, math.ceil(t.epochs * batches_per_epoch / t.grad_accumulation))
 
 
 def record(trainer) -> None:
