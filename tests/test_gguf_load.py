@@ -237,3 +237,26 @@ def test_what_cannot_be_read_is_refused_by_name(
     assert "blk.1.ffn_up.weight" in names
     with pytest.raises(UserInputError, match="blk.0.mystery.weight has no place in a llama model"):
         load_model(missing)
+
+
+def test_a_tensor_llama_cpp_wrote_without_its_unit_axis_takes_its_parameters_shape():
+    """llama.cpp's quantizer writes Qwen2-MoE's [1, hidden] shared-expert gate as [hidden]:
+    the weight takes its parameter's shape; any other difference stays for the loader to
+    refuse."""
+    import mlx.nn as nn
+
+    from mlxtune.models.gguf.load import _unit_axes_restored
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(6, 1, bias=False)
+            self.proj = nn.Linear(6, 4, bias=False)
+
+    flat = mx.arange(6, dtype=mx.float32)
+    out = dict(
+        _unit_axes_restored(Gate(), [("gate.weight", flat), ("proj.weight", mx.zeros((6, 4)))])
+    )
+    assert out["gate.weight"].shape == (1, 6)
+    np.testing.assert_array_equal(np.array(out["gate.weight"])[0], np.arange(6))
+    assert out["proj.weight"].shape == (6, 4)  # transposed, not a unit axis: left as it came

@@ -17,6 +17,7 @@ trainable mlx-lm model.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,20 @@ def _tally(values: dict, label: str) -> str:
     return ", ".join(f"{n} {label.format(v)}" for v, n in sorted(counts.items()))
 
 
+def _unit_axes_restored(model: nn.Module, weights: list) -> list:
+    """Each weight in its parameter's shape where the two differ only by axes of size 1:
+    llama.cpp's quantizer writes a [1, n] tensor (Qwen2-MoE's shared-expert gate) as [n]."""
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    out = []
+    for k, v in weights:
+        want = shapes.get(k)
+        if want is not None and tuple(v.shape) != tuple(want) and v.size == math.prod(want):
+            if [n for n in v.shape if n != 1] == [n for n in want if n != 1]:
+                v = v.reshape(want)
+        out.append((k, v))
+    return out
+
+
 def load_gguf(
     path: str | Path, dtype: str = "float32", keep_quantized: bool = False
 ) -> tuple[nn.Module, dict, GGUFLoad]:
@@ -207,6 +222,7 @@ def load_gguf(
         )
     done = GGUFLoad({}, {}, 0)
     weights = _weights(g, table, config.get("text_config", config), quant, DTYPES[dtype], done)
+    weights = _unit_axes_restored(model, weights)
     try:
         model.load_weights(weights, strict=True)
     except ValueError as e:
