@@ -147,6 +147,7 @@ def write_weights(weights: dict, out: Path, metadata: dict | None = None) -> lis
         mx.save_safetensors(str(out / name), part, metadata=metadata or {})
         where.update(dict.fromkeys(keys, name))
         del part
+        mx.clear_cache()  # the shard's buffers back to the system, not kept for the next
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": where}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
