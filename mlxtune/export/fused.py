@@ -74,7 +74,7 @@ def _fused_payload(t: TrainedModel, dtype, quantize, group_size):
     if quantize is not None:
         try:  # the same quantization as QLoRA's (layers whose size does not fit stay dense)
             with reward_head_aside(model):  # a reward model's score head stays dense
-                quantize_model(model, quantize, group_size)
+                quantize_model(model, quantize, group_size, evaluate=False)
         except UserInputError as e:
             raise UserInputError(e.message, "--quantize") from None
         config = {**config, "quantization": {"group_size": group_size, "bits": quantize}}

@@ -40,7 +40,9 @@ def dense_weight(m: nn.Module) -> mx.array:
     )
 
 
-def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dict:
+def quantize_model(
+    model: nn.Module, bits: int = 4, group_size: int = 64, evaluate: bool = True
+) -> dict:
     """Quantize a model's base in place for QLoRA: every dense Linear and Embedding whose input
     size is a multiple of ``group_size`` becomes its MLX quantized twin (affine, ``bits`` per
     weight, one scale and bias per group), as mlx-lm's convert does; the tied LM head goes with
@@ -48,7 +50,8 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dic
 
     Returns a summary: ``layers`` (how many were quantized), ``skipped`` (paths whose shapes do
     not allow it), ``already`` (layers quantized before), ``bytes_before`` / ``bytes_after``
-    (every weight of the model, as held).
+    (every weight of the model, as held). ``evaluate``: False leaves the new codes lazy (an
+    export computes them as it writes each shard, never the whole model at once).
     """
     bytes_before = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     already = sum(1 for _, m in model.named_modules() if is_quantized(m))
@@ -75,7 +78,8 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> dic
         raise UserInputError(
             f"cannot quantize to {bits} bits in groups of {group_size}: {e}", "model.quantize"
         ) from None
-    materialize(model)
+    if evaluate:
+        materialize(model)
     cpu_dequantizing(model)
     return {
         "bits": bits,
