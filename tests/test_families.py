@@ -544,3 +544,36 @@ def test_lora_over_a_pre_quantized_checkpoint_trains_and_exports(
     assert main(["export", str(tmp_path / "run"), "--format", "fused", "--out", str(out)]) == 0
     fused, _ = mlx_lm_load(str(out))  # de-quantized: the quantized products' rounding differs
     np.testing.assert_allclose(np.array(fused(ids)), want, rtol=0, atol=max(10 * tol, 1e-3))
+
+
+def test_dbrxs_mixture_trains_in_a_compiled_step_as_mlx_lms_computes_it():
+    """DBRX's training forward reads its routing through NumPy, which no compiled step can run:
+    inside kernel_attention its mixture runs every expert weighted by the router's normalised
+    top-k scores. Its values and gradients are mlx-lm's own (its host-side training forward,
+    uncompiled), and the same call compiles."""
+    from mlxtune.models import kernel_attention
+
+    model, _ = build_model(tiny_config("dbrx", VOCAB), VOCAB, seed=1)
+    for path in router_paths(model):  # a router that picks different experts per token
+        router = dict(model.named_modules())[path]
+        router.weight = mx.random.normal(router.weight.shape, key=mx.random.key(3))
+    x = mx.array([[1, 5, 9, 12, 7, 3, 4, 8, 2, 30, 11]])
+    model.train()
+
+    def loss(x):
+        logits = model(x[:, :-1]).astype(mx.float32)
+        return (mx.logsumexp(logits, axis=-1) - mx.take_along_axis(
+            logits, x[:, 1:, None], axis=-1
+        )[..., 0]).sum()  # fmt: skip
+
+    want, want_grads = nn.value_and_grad(model, loss)(x)  # mlx-lm's, through NumPy
+    with kernel_attention(model):
+        step = mx.compile(nn.value_and_grad(model, loss), inputs=[model.state])
+        got, grads = step(x)
+    assert type(dict(model.named_modules())["transformer.blocks.0.ffn"]).__name__ == (
+        "SparseMoeBlock"
+    )  # restored on exit
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    want_grads = dict(tree_flatten(want_grads))
+    for k, g in tree_flatten(grads):
+        np.testing.assert_allclose(np.array(g), np.array(want_grads[k]), rtol=1e-4, atol=1e-6)

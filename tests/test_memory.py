@@ -627,3 +627,17 @@ def test_checkpointing_keeps_a_long_row_to_about_one_block_and_the_plan_counts_i
     assert peak < 0.65 * plain, (peak / GB, plain / GB)
     assert peak < budget * GB, peak / GB
     assert 0.7 < est / peak < 1.3, (est / GB, peak / GB)
+
+
+def test_the_mlp_width_a_token_keeps_reads_every_way_configs_write_it():
+    """One width, one per layer (Gemma 3n's list), or a mixture's top-k experts and shared
+    experts: the widest a token's activations take."""
+    from mlxtune.models.configs import active_intermediate
+
+    assert active_intermediate({"intermediate_size": 96}, 32) == 96
+    assert active_intermediate({}, 32) == 128  # 4 x hidden
+    assert active_intermediate({"intermediate_size": [64, 256, 128]}, 32) == 256
+    moe = {"intermediate_size": 96, "num_experts_per_tok": 2, "moe_intermediate_size": 40}
+    assert active_intermediate(moe, 32) == 96  # the dense layers' width is wider
+    moe.update(moe_intermediate_size=64, n_shared_experts=1)
+    assert active_intermediate(moe, 32) == 3 * 64

@@ -274,14 +274,21 @@ def text_config(cfg: dict) -> dict:
     return {**cfg, **inner} if isinstance(inner, dict) else cfg
 
 
+def _widest(width) -> int:
+    """A width as configs write it: one number, or one per layer (Gemma 3n's MLP widths)."""
+    if isinstance(width, (list, tuple)):
+        return max((int(w) for w in width if w), default=0)
+    return int(width or 0)
+
+
 def active_intermediate(cfg: dict, hidden: int) -> int:
     """The MLP width a token's activations take: a mixture of experts' top-k experts (and its
     shared expert) each keep theirs."""
-    dense = int(cfg.get("intermediate_size") or 4 * hidden)
+    dense = _widest(cfg.get("intermediate_size")) or 4 * hidden
     k = cfg.get("num_experts_per_tok")
     if not isinstance(k, int) or k < 1:
         return dense
-    expert = int(cfg.get("moe_intermediate_size") or dense)
+    expert = _widest(cfg.get("moe_intermediate_size")) or dense
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
     shared += expert * int(cfg.get("n_shared_experts") or 0)
     return max(dense, k * expert + shared)

@@ -1,6 +1,7 @@
 """Patches of mlx-lm's model modules, active inside a ``with`` block: attention through
 mlxtune's kernel tiers (packed segments kept apart), the gated delta rule of hybrid models
-chunkwise (``kernels.delta``), and the CPU's faster swiglu."""
+chunkwise (``kernels.delta``), the CPU's faster swiglu, and the mixtures whose training code
+cannot be compiled in a form that can."""
 
 from __future__ import annotations
 
@@ -52,9 +53,14 @@ class kernel_attention:
         }
         self._saved: list[list] = []  # what each __enter__ found, for its __exit__
         self._conv_classes: list[list] = []
+        self._mixture_classes: list[list] = []
         # the short causal convolutions (before the gated delta rule or the SSD, or alone as
         # in LFM2): packed examples kept apart in them too
         self.convs = [m for _, m in model.named_modules() if isinstance(m, nn.Conv1d)]
+        # mixtures whose training forward reads the routing on the host (see COMPILABLE)
+        self.mixtures = [
+            m for _, m in model.named_modules() if _compilable_class(type(m)) is not None
+        ]
 
     @property
     def restarts(self) -> bool:
@@ -67,8 +73,10 @@ class kernel_attention:
     def active(self) -> bool:
         """Whether any of the model's modules calls an attention or a recurrence this context
         routes."""
-        return self.restarts or any(
-            f["scaled_dot_product_attention"] is not None for f in self.originals.values()
+        return (
+            self.restarts
+            or bool(self.mixtures)
+            or any(f["scaled_dot_product_attention"] is not None for f in self.originals.values())
         )
 
     def __enter__(self):
@@ -79,6 +87,9 @@ class kernel_attention:
         self._conv_classes.append([conv.__class__ for conv in self.convs])
         for conv in self.convs:
             conv.__class__ = SegmentedConv1d
+        self._mixture_classes.append([m.__class__ for m in self.mixtures])
+        for m in self.mixtures:
+            m.__class__ = _compilable_class(type(m))
         for mod in self.modules:
             found = self.originals[id(mod)]
             for name, chunked in RECURRENCES.items():
@@ -105,6 +116,8 @@ class kernel_attention:
         self._graphs.pop().__exit__(*exc)
         for conv, cls in zip(self.convs, self._conv_classes.pop(), strict=True):
             conv.__class__ = cls
+        for m, cls in zip(self.mixtures, self._mixture_classes.pop(), strict=True):
+            m.__class__ = cls
         for mod, found in self._saved.pop():
             for name in ("scaled_dot_product_attention", "swiglu", *RECURRENCES):
                 if found.get(name) is not None:
@@ -237,6 +250,47 @@ RECURRENCES = {
 }
 """The recurrences of mlx-lm's family modules (module-level names) routed to the chunkwise
 form while training, each with the state restarting per packed example."""
+
+
+def _dbrx_mixture(self, x: mx.array) -> mx.array:
+    """DBRX's mixture of experts (mlx-lm's ``SparseMoeBlock``) without reading the routing on
+    the host: every expert runs on every token and its output is weighted by the token's
+    normalised top-k score for it (zero where the router did not pick it). The same sum as
+    mlx-lm's, at experts / top-k times its MLP compute (4x for DBRX's 16 experts, top 4), in a
+    form a compiled step can hold; mlx-lm's gathers the picked tokens per expert through NumPy,
+    which no compiled step can run."""
+    k = self.num_experts_per_tok
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    gates = mx.softmax(self.router(x).astype(mx.float32), axis=-1)
+    picked = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[:, :k])
+    scores = mx.take_along_axis(gates, picked, axis=-1)
+    scores = (scores / mx.linalg.norm(scores, ord=1, axis=-1, keepdims=True)).astype(x.dtype)
+    y = None
+    for e, expert in enumerate(self.experts):
+        weight = (scores * (picked == e)).sum(axis=-1, keepdims=True)
+        part = weight * expert(x)
+        y = part if y is None else y + part
+    return y.reshape(shape)
+
+
+COMPILABLE = {("mlx_lm.models.dbrx", "SparseMoeBlock"): _dbrx_mixture}
+"""(module, class) of mlx-lm's mixtures whose forward reads the routing on the host (NumPy,
+``tolist``), which a compiled step cannot: the call that replaces theirs while training."""
+_COMPILABLE_CLASSES: dict[type, type] = {}
+
+
+def _compilable_class(cls: type) -> type | None:
+    call = COMPILABLE.get((cls.__module__, cls.__name__))
+    if call is None:
+        return cls if cls in _COMPILABLE_CLASSES.values() else None
+    if cls not in _COMPILABLE_CLASSES:
+        _COMPILABLE_CLASSES[cls] = type(
+            f"Compilable{cls.__name__}",
+            (cls,),
+            {"__call__": call, "__module__": cls.__module__, "__doc__": call.__doc__},
+        )
+    return _COMPILABLE_CLASSES[cls]
 
 
 def _unpatched(fn):
