@@ -28,7 +28,7 @@ from .engine.memory import GB
 from .engine.optim import optimizer_for
 from .engine.steps import Engine
 from .errors import UserInputError
-from .kernels.chunked import chunk_elements
+from .kernels.chunked import chunk_elements, chunk_size
 from .kernels.flash import block_for, uses_fused
 from .kernels.tune import tier_at
 from .models import VisionLM, checkpoint_layers, checkpointed_layers, is_quantized
@@ -102,6 +102,7 @@ class Shape:
     tower_trains: bool = False  # ... its backward too, while the step's gradients are held
     delta_layers: int = 0  # layers mixing by the gated delta rule (hybrids), chunkwise
     delta_token: int = 0  # fp32 elements a token of one of them keeps (delta.saved_per_token)
+    head_chunk_bytes: int = 0  # a quantized head's rows the chunked loss de-quantizes at once
 
 
 # [block, T] arrays the chunked attention's slabs add to a step's peak: a layer's attention
@@ -148,6 +149,7 @@ def estimate(s: Shape) -> dict[str, float]:
         logits = tokens * s.vocab * (4 * 3 + s.act_bytes)
     else:
         logits = min(s.logit_chunk, tokens * s.vocab) * 4 * 3
+    logits += s.head_chunk_bytes
     if s.drawn_logits:  # Sophia's curvature pass: the whole [tokens, vocab] logits, the draw's
         logits = max(logits, tokens * s.vocab * (4 * 3 + s.act_bytes))
     # generating (before the step, its activations gone): the batched KV cache and each row's
@@ -257,10 +259,25 @@ def shape_of(run) -> Shape:
     attention = tier_at(run.tiers["attention"], length)
     head = parts.lm.head
     act_bytes = 4 if r.model.dtype == "float32" else 2
-    # the loss de-quantizes a quantized LM head: one dense copy while a step runs
+    # a quantized LM head: the chunked loss de-quantizes a chunk of its rows at a time (no
+    # dense copy, unless the head has a bias); the other tiers de-quantize it whole, which on
+    # the CPU peaks at twice the dense matrix
+    loss_tier = tier_at(run.tiers["loss"], rows * length)
+    quantized_head = quantized and is_quantized(head)
+    rows_read = quantized_head and loss_tier == "chunked" and not parts.lm.head_bias
+    vocab_rows = head.scales.shape[0] if quantized_head else 0
     dense_head = (
-        head.scales.shape[0] * hidden * act_bytes if quantized and is_quantized(head) else 0
+        vocab_rows * hidden * act_bytes * (2 if mx.default_device() == mx.cpu else 1)
+        if quantized_head and not rows_read
+        else 0
     )
+    # ... else a few chunks of its rows de-quantized at a time (in fp32, about five in flight,
+    # measured on the CPU: 84 MB for a 128k x 2048 head at 511 tokens, 17 MB a chunk)
+    columns = min(
+        chunk_size(rows * length, vocab_rows or 1),
+        chunk_size(hidden, vocab_rows or 1, 4 * chunk_elements()),
+    )
+    head_chunk = 5 * columns * hidden * 4 if rows_read else 0
     return Shape(
         weight_bytes=sum(v.nbytes for _, v in weights) + dense_head,
         trainable=sum(v.size for _, v in trainable),
@@ -284,7 +301,7 @@ def shape_of(run) -> Shape:
         attention_scores=attention in ("reference", "off"),
         chunked_attention=attention == "chunked",
         native_attention=attention == "native",
-        logits_full=tier_at(run.tiers["loss"], rows * length) == "reference",
+        logits_full=loss_tier == "reference",
         logit_chunk=chunk_elements(),
         checkpointed=checkpointed_layers(model),
         quantizable=quantizable,
@@ -304,6 +321,7 @@ def shape_of(run) -> Shape:
             else 0.0
         ),
         tower_trains=bool(getattr(model, "tower_trains", False)),
+        head_chunk_bytes=head_chunk,
         **delta_layout(model, cfg),
     )
 

@@ -305,3 +305,73 @@ def test_a_gpu_takes_larger_chunks_of_logits(monkeypatch):
     monkeypatch.setattr(chunked_mod.mx, "default_device", lambda: mx.Device(mx.gpu))
     assert chunked_mod.chunk_size(4096, 152064) == 4096
     assert chunked_mod.chunk_size(4096, 1000) == 1000  # at most the vocabulary
+
+
+def _numpy_loss_and_grad(h, w, t, label_smoothing, softcap, scale):
+    """Summed cross-entropy of h @ (scale w).T and its gradient in h, in float64."""
+    h, w, t = np.array(h, np.float64), scale * np.array(w, np.float64), np.array(t)
+    z = h @ w.T
+    dz_draw = np.ones_like(z)
+    if softcap is not None:
+        dz_draw = 1 - np.tanh(z / softcap) ** 2
+        z = softcap * np.tanh(z / softcap)
+    valid = t != IGNORE
+    m = z.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    p = np.exp(z - lse[:, None])
+    safe = np.where(valid, t, 0)
+    nll = lse - z[np.arange(len(t)), safe]
+    smooth = lse - z.mean(axis=1)
+    loss = ((1 - label_smoothing) * nll + label_smoothing * smooth) * valid
+    onehot = np.zeros_like(z)
+    onehot[np.arange(len(t)), safe] = 1
+    dz = (p - (1 - label_smoothing) * onehot - label_smoothing / z.shape[1]) * valid[:, None]
+    return loss.sum(), (dz * dz_draw) @ w
+
+
+@pytest.mark.parametrize("impl", available_impls())
+@pytest.mark.parametrize("label_smoothing,softcap,scale", [(0.0, None, 1.0), (0.1, 4.0, 0.25)])
+def test_a_quantized_head_read_a_chunk_of_rows_at_a_time_is_its_de_quantized_head(
+    impl, label_smoothing, softcap, scale
+):
+    """A frozen quantized head as QuantizedRows (each chunk de-quantizes its own rows) gives the
+    loss and hidden-state gradient of the de-quantized head, in every tier; on the chunked tier
+    without ever building that head (the step's peak under half of it)."""
+    from mlxtune.kernels import QuantizedRows
+
+    n, d, v = 37, 128, 3000
+    h, w, t = inputs(n=n, d=d, v=v, seed=4)
+    codes, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    rows = QuantizedRows(codes, scales, biases, 64, 4, scale=scale)
+    deq = mx.dequantize(codes, scales, biases, 64, 4)
+    want, want_dh = _numpy_loss_and_grad(h, deq, t, label_smoothing, softcap, scale)
+
+    def f(h):
+        return linear_cross_entropy(
+            h, rows, t, label_smoothing=label_smoothing, softcap=softcap, impl=impl,
+            weight_grad=False,
+        )[0]  # fmt: skip
+
+    loss, dh = mx.value_and_grad(f)(h)
+    assert abs(loss.item() - want) <= 1e-5 * abs(want)
+    np.testing.assert_allclose(np.array(dh), want_dh, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="does not train"):
+        linear_cross_entropy(h, rows, t, impl="chunked", weight_grad=True)
+
+
+def test_a_quantized_heads_chunked_loss_never_holds_the_dense_head():
+    from mlxtune.kernels import QuantizedRows
+
+    n, d, v = 256, 1024, 65536  # the dense head: 256 MB in fp32
+    h, w, t = inputs(n=n, d=d, v=v, seed=5, ignored=0)
+    codes, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    mx.eval(h, t, codes, scales, biases)
+    del w
+    rows = QuantizedRows(codes, scales, biases, 64, 4)
+    step = mx.compile(
+        mx.value_and_grad(
+            lambda h: linear_cross_entropy(h, rows, t, impl="chunked", weight_grad=False)[0]
+        )
+    )
+    peak = peak_memory_mb(lambda: step(h))
+    assert peak < 0.5 * v * d * 4 / 2**20, peak

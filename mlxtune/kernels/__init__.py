@@ -17,7 +17,7 @@ import os
 
 import mlx.core as mx
 
-from .chunked import forward_only, linear_cross_entropy_chunked
+from .chunked import QuantizedRows, dense, forward_only, linear_cross_entropy_chunked
 from .flash import attention_chunked, attention_native, attention_reference
 from .fused import FastLauncher, make_attention, make_linear_cross_entropy
 from .reference import linear_cross_entropy_reference
@@ -187,7 +187,9 @@ def linear_cross_entropy(
     ``weight_grad=False`` says the head is frozen: tiers that compute gradients themselves skip
     the head's (it comes back as zeros), saving a matmul per chunk in the backward; the chunked
     tier then also gathers the hidden state's gradient during the forward (see
-    ``forward_only`` for calls that never take a gradient).
+    ``forward_only`` for calls that never take a gradient). ``weight`` may be a frozen quantized
+    head as ``QuantizedRows``: the chunked tier de-quantizes a chunk of its rows at a time, the
+    others the whole head.
     """
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
@@ -199,7 +201,10 @@ def linear_cross_entropy(
         )
     if impl is not None and not isinstance(impl, str):  # measured by shape (tune.Tuned)
         impl = impl.tier_at(hidden.shape[0])
-    fn = IMPLS[_pick(impl)]
+    tier = _pick(impl)
+    fn = IMPLS[tier]
+    if tier != "chunked":  # the other tiers read a dense head
+        weight = dense(weight)
     losses, valid = fn(
         hidden, weight, targets, ignore_index, label_smoothing, softcap, weight_grad=weight_grad
     )
@@ -248,6 +253,7 @@ def attention(
 
 
 __all__ = [
+    "QuantizedRows",
     "attention",
     "available_impls",
     "best_impl",

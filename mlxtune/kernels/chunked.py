@@ -38,6 +38,79 @@ CHUNK_ELEMENTS = 1 << 20
 GPU_CHUNK_ELEMENTS = 1 << 24
 
 
+class QuantizedRows:
+    """A quantized [V, D] head (MLX's packed codes, scales and biases), times ``scale``, read a
+    block of rows at a time: ``rows[a:b]`` and ``rows[ids]`` de-quantize only those rows. The
+    chunked loss takes it where it takes a dense weight; ``dense()`` is the whole matrix."""
+
+    def __init__(self, codes, scales, biases, group_size, bits, mode="affine", scale=1.0):
+        self.codes, self.scales, self.biases = codes, scales, biases
+        self.group_size, self.bits, self.mode, self.scale = group_size, bits, mode, scale
+        self.shape = (codes.shape[0], scales.shape[1] * group_size)
+        self.ndim = 2
+        self.dtype = scales.dtype
+
+    def arrays(self) -> list:
+        return [a for a in (self.codes, self.scales, self.biases) if a is not None]
+
+    def with_arrays(self, arrays) -> QuantizedRows:
+        codes, scales, *rest = arrays
+        return QuantizedRows(
+            codes, scales, rest[0] if rest else None, self.group_size, self.bits, self.mode,
+            self.scale,
+        )  # fmt: skip
+
+    def __getitem__(self, rows) -> mx.array:
+        w = mx.dequantize(
+            self.codes[rows],
+            self.scales[rows],
+            None if self.biases is None else self.biases[rows],
+            self.group_size,
+            self.bits,
+            mode=self.mode,
+        )
+        return w if self.scale == 1.0 else w * self.scale
+
+    def block(self, start: int, stop: int, after=None) -> mx.array:
+        """Rows ``start:stop`` de-quantized, computed only once ``after`` is (the previous
+        chunk's state: MLX's scheduler would otherwise de-quantize every chunk up front)."""
+        if after is None:
+            return self[start:stop]
+        codes = mx.depends(self.codes[start:stop], after)
+        biases = None if self.biases is None else self.biases[start:stop]
+        rows = QuantizedRows(
+            codes, self.scales[start:stop], biases, self.group_size, self.bits, self.mode,
+            self.scale,
+        )  # fmt: skip
+        return rows[:]
+
+    def dense(self) -> mx.array:
+        return self[:]
+
+    def times_transposed(self, x: mx.array) -> mx.array:
+        """``x @ dense().T`` [..., V] straight from the codes (MLX's quantized matmul)."""
+        z = mx.quantized_matmul(
+            x.astype(self.dtype), self.codes, self.scales, self.biases, transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
+        )  # fmt: skip
+        return z if self.scale == 1.0 else z * self.scale
+
+    def astype(self, dtype) -> mx.array:
+        return self.dense().astype(dtype)
+
+
+def dense(weight) -> mx.array:
+    """A weight as a dense array (``QuantizedRows`` de-quantized whole)."""
+    return weight.dense() if isinstance(weight, QuantizedRows) else weight
+
+
+def _chunk(w, start: int, c: int, after) -> mx.array:
+    """Rows ``start:start + c`` of a head (a quantized one de-quantized once ``after`` is)."""
+    if isinstance(w, QuantizedRows):
+        return w.block(start, start + c, after)
+    return w[start : start + c]
+
+
 def chunk_elements() -> int:
     """Logits a chunk holds on the default device: CHUNK_ELEMENTS on the CPU, GPU_CHUNK_ELEMENTS
     on a GPU."""
@@ -79,7 +152,7 @@ def _forward(h, w, t, valid, c, label_smoothing, softcap):
         # chunk k's logits only once chunk k-1 is folded into the state: evaluated eagerly (not
         # compiled), MLX's scheduler would otherwise build every chunk's logits at once
         after = mx.depends(h, state) if start else h
-        z = _logits(after, w[start : start + c], softcap)
+        z = _logits(after, _chunk(w, start, c, state if start else None), softcap)
         width = z.shape[1]
         local = t - starts[k]
         inside = (local >= 0) & (local < width) & valid
@@ -127,10 +200,10 @@ def backward_over_chunks(h, w, c, chunk_grad, weight_grad, operands=None):
     pieces = []
     starts = chunk_starts(w.shape[0], c)
     for k, start in enumerate(range(0, w.shape[0], c)):
-        wc = w[start : start + c]
         # chunk k starts only once everything reading chunk k-1's tile is done, or MLX's
         # scheduler would run ahead and hold many tiles at once
         after = mx.depends(h, [dh, pieces[-1]] if pieces else dh)
+        wc = _chunk(w, start, c, dh if start else None)
         dz = chunk_grad(after, wc, starts[k]).astype(operands)
         if operands == mx.float32:
             dh = mx.addmm(dh, dz, wc.astype(mx.float32))
@@ -138,7 +211,10 @@ def backward_over_chunks(h, w, c, chunk_grad, weight_grad, operands=None):
             dh = dh + (dz @ wc.astype(operands)).astype(mx.float32)
         if weight_grad:
             pieces.append((dz.T @ hf).astype(w.dtype))
-    dw = mx.concatenate(pieces, axis=0) if weight_grad else mx.zeros_like(w)
+    if weight_grad:
+        dw = mx.concatenate(pieces, axis=0)
+    else:  # a frozen head's: zeros (none for QuantizedRows, whose arrays the caller zeroes)
+        dw = mx.zeros_like(w) if isinstance(w, mx.array) else None
     return dh.astype(h.dtype), dw
 
 
@@ -157,7 +233,7 @@ def _forward_frozen(h, w, t, valid, c, label_smoothing, softcap):
     starts = chunk_starts(v, c)
     for k, start in enumerate(range(0, v, c)):
         after = mx.depends(h, state) if start else h  # one tile at a time
-        wc = w[start : start + c]
+        wc = _chunk(w, start, c, state if start else None)
         z = _logits(after, wc, softcap)
         width = z.shape[1]
         acc, m = state[:, :d], state[:, d]
@@ -203,6 +279,9 @@ def linear_cross_entropy_chunked(
     ``forward_only()`` (evaluation) the forward computes the loss alone."""
     n, v = hidden.shape[0], weight.shape[0]
     c = chunk or chunk_size(n, v)
+    if isinstance(weight, QuantizedRows) and not chunk:
+        # a chunk's de-quantized rows count too: at most four chunks' worth of logits
+        c = min(c, chunk_size(weight.shape[1], v, 4 * chunk_elements()))
     valid = targets != ignore_index
     safe = mx.where(valid, targets, 0)
     # a soft cap with label smoothing would need a second softmax-free sum over the vocabulary
@@ -210,8 +289,16 @@ def linear_cross_entropy_chunked(
         not weight_grad and not _FORWARD_ONLY.get() and (softcap is None or label_smoothing == 0)
     )
 
+    quantized = isinstance(weight, QuantizedRows)
+    if quantized and weight_grad:
+        raise ValueError("a quantized head does not train: pass weight_grad=False")
+
+    def head(arrays):
+        return weight.with_arrays(arrays) if quantized else arrays[0]
+
     @mx.custom_function
-    def losses_fn(h, w, t):
+    def losses_fn(h, t, *arrays):
+        w = head(arrays)
         if gather:
             state = _forward_frozen(h, w, t, valid, c, label_smoothing, softcap)
             d = h.shape[1]
@@ -228,7 +315,9 @@ def linear_cross_entropy_chunked(
 
     @losses_fn.vjp
     def losses_vjp(primals, cotangents, outputs):
-        h, w, t = primals
+        h, t, *arrays = primals
+        w = head(arrays)
+        frozen = [mx.zeros_like(a) for a in arrays]
         g = mx.where(valid, cotangents[0].astype(mx.float32), 0.0)
         if gather:
             # d loss / d h = sum_v p_v c_v W_v - (1 - eps) c_t W_t - eps/V sum_v c_v W_v, where
@@ -241,14 +330,15 @@ def linear_cross_entropy_chunked(
             dh = outputs[1] - (1.0 - label_smoothing) * wt
             if label_smoothing > 0:
                 dh = dh - label_smoothing * w.astype(mx.float32).mean(axis=0)
-            return (dh * g[:, None]).astype(h.dtype), mx.zeros_like(w), mx.zeros_like(t)
+            return ((dh * g[:, None]).astype(h.dtype), mx.zeros_like(t), *frozen)
         lse = outputs[1]
 
         def chunk_grad(after, wc, start):
             return _chunk_grad(after, wc, t, start, lse, g, label_smoothing, softcap, v)
 
         dh, dw = backward_over_chunks(h, w, c, chunk_grad, weight_grad)
-        return dh, dw, mx.zeros_like(t)
+        return (dh, mx.zeros_like(t), *([dw] if weight_grad else frozen))
 
-    losses, _ = losses_fn(hidden, weight, safe)
+    arrays = weight.arrays() if quantized else [weight]
+    losses, _ = losses_fn(hidden, safe, *arrays)
     return losses, valid

@@ -161,6 +161,25 @@ class LMParts:
             w = mx.concatenate([w, head.bias[:, None].astype(w.dtype)], axis=1)
         return w if self.logit_scale == 1.0 else w * self.logit_scale
 
+    def head_rows(self):
+        """The head as the loss kernel reads it: a quantized head without a bias as
+        ``kernels.QuantizedRows`` (de-quantized a chunk of rows at a time, never whole), any
+        other as ``head_weight()``."""
+        head = self.head
+        if not is_quantized(head) or self.head_bias:
+            return self.head_weight()
+        from ..kernels import QuantizedRows
+
+        return QuantizedRows(
+            head.weight,
+            head.scales,
+            head.get("biases"),
+            head.group_size,
+            head.bits,
+            mode=getattr(head, "mode", "affine"),
+            scale=self.logit_scale,
+        )
+
     def loss_hidden(self, h: mx.array) -> mx.array:
         """Hidden states as ``head_weight`` reads them (a column of ones for a head's bias)."""
         if not self.head_bias:
@@ -169,7 +188,11 @@ class LMParts:
 
     def logits(self, h: mx.array) -> mx.array:
         """fp32 logits of hidden states ``h`` [..., D], as the model computes them."""
-        z = self.loss_hidden(h).astype(mx.float32) @ self.head_weight().astype(mx.float32).T
+        rows = self.head_rows()
+        if isinstance(rows, mx.array):
+            z = self.loss_hidden(h).astype(mx.float32) @ rows.astype(mx.float32).T
+        else:  # a quantized head, multiplied from its codes: never de-quantized whole
+            z = rows.times_transposed(h).astype(mx.float32)
         return z if self.softcap is None else self.softcap * mx.tanh(z / self.softcap)
 
     @property

@@ -250,7 +250,7 @@ class Objective:
         c = self.components
         out, n = linear_cross_entropy(
             c.lm.loss_hidden(h if rows is None else h[rows]),
-            c.lm.head_weight(),
+            c.lm.head_rows(),
             picked,
             ignore_index=IGNORE,
             label_smoothing=label_smoothing,

@@ -481,7 +481,7 @@ class Distill(SFT):
             lt = self.teacher_lm
             per, _ = linear_cross_entropy(
                 lt.loss_hidden(ht.reshape(-1, ht.shape[-1])),
-                lt.head_weight(),
+                lt.head_rows(),
                 targets,
                 ignore_index=IGNORE,
                 softcap=lt.softcap,
