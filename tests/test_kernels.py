@@ -330,9 +330,12 @@ def _numpy_loss_and_grad(h, w, t, label_smoothing, softcap, scale):
 
 
 @pytest.mark.parametrize("impl", available_impls())
-@pytest.mark.parametrize("label_smoothing,softcap,scale", [(0.0, None, 1.0), (0.1, 4.0, 0.25)])
+@pytest.mark.parametrize(
+    "label_smoothing,softcap,scale,mode",
+    [(0.0, None, 1.0, "affine"), (0.1, 4.0, 0.25, "affine"), (0.0, None, 1.0, "mxfp4")],
+)
 def test_a_quantized_head_read_a_chunk_of_rows_at_a_time_is_its_de_quantized_head(
-    impl, label_smoothing, softcap, scale
+    impl, label_smoothing, softcap, scale, mode
 ):
     """A frozen quantized head as QuantizedRows (each chunk de-quantizes its own rows) gives the
     loss and hidden-state gradient of the de-quantized head, in every tier; on the chunked tier
@@ -341,9 +344,11 @@ def test_a_quantized_head_read_a_chunk_of_rows_at_a_time_is_its_de_quantized_hea
 
     n, d, v = 37, 128, 3000
     h, w, t = inputs(n=n, d=d, v=v, seed=4)
-    codes, scales, biases = mx.quantize(w, group_size=64, bits=4)
-    rows = QuantizedRows(codes, scales, biases, 64, 4, scale=scale)
-    deq = mx.dequantize(codes, scales, biases, 64, 4)
+    group = 64 if mode == "affine" else 32
+    codes, scales, *biases = mx.quantize(w, group_size=group, bits=4, mode=mode)
+    biases = biases[0] if biases else None
+    rows = QuantizedRows(codes, scales, biases, group, 4, mode=mode, scale=scale)
+    deq = mx.dequantize(codes, scales, biases, group, 4, mode=mode).astype(mx.float32)
     want, want_dh = _numpy_loss_and_grad(h, deq, t, label_smoothing, softcap, scale)
 
     def f(h):
@@ -354,7 +359,7 @@ def test_a_quantized_head_read_a_chunk_of_rows_at_a_time_is_its_de_quantized_hea
 
     loss, dh = mx.value_and_grad(f)(h)
     assert abs(loss.item() - want) <= 1e-5 * abs(want)
-    np.testing.assert_allclose(np.array(dh), want_dh, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.array(dh), want_dh, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="does not train"):
         linear_cross_entropy(h, rows, t, impl="chunked", weight_grad=True)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import MINIMAL_RECIPE, load_minimal, tiny_recipe
+from conftest import MINIMAL_RECIPE, load_minimal, peak_memory_mb, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import DoRALinear, LoRALinear, apply_adapters
 from mlxtune.console import Console
@@ -324,3 +324,41 @@ def test_a_qlora_run_trains(tmp_path, data_dir, llama_dir):
     assert losses[-1] < losses[0]
     trainable = [k for k, _ in tree_flatten(tr.model.trainable_parameters())]
     assert all(k.endswith(("lora_a", "lora_b", ".m")) for k in trainable)
+
+
+@pytest.mark.parametrize("rows", [3, 200])  # MLX's own product, and the de-quantizing one
+def test_the_cpus_quantized_layers_give_the_de_quantized_product_either_way(rows):
+    """On the CPU a quantized layer multiplies by its de-quantized weight through BLAS, except
+    over a few rows (MLX's own product): the same values and input gradients as NumPy over the
+    de-quantized weight, either way."""
+    from mlxtune.models.quantize import DequantizingEmbedding, DequantizingLinear
+
+    lin = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
+    emb = nn.QuantizedEmbedding(96, 128, group_size=64, bits=4)
+    lin.__class__, emb.__class__ = DequantizingLinear, DequantizingEmbedding
+    x = mx.random.normal((rows, 128), key=mx.random.key(rows))
+    g = mx.random.normal((rows, 96), key=mx.random.key(rows + 1))
+    for layer, call in ((lin, lin.__call__), (emb, emb.as_linear)):
+        w = np.array(
+            mx.dequantize(layer.weight, layer.scales, layer.biases, 64, 4), dtype=np.float64
+        )
+        y, dx = mx.vjp(call, [x], [g])
+        np.testing.assert_allclose(
+            np.array(y[0]), np.array(x, np.float64) @ w.T, rtol=1e-4, atol=1e-4
+        )
+        np.testing.assert_allclose(
+            np.array(dx[0]), np.array(g, np.float64) @ w, rtol=1e-4, atol=1e-4
+        )
+
+
+def test_a_few_rows_through_a_large_quantized_head_never_hold_it_dense():
+    """A probe's or a generated token's product with a 64k x 1024 tied head (256 MB dense in
+    fp32) holds a few MB, not the dense head (twice over while MLX de-quantizes it)."""
+    from mlxtune.models.quantize import DequantizingEmbedding
+
+    emb = nn.QuantizedEmbedding(1 << 16, 1024, group_size=64, bits=4)
+    emb.__class__ = DequantizingEmbedding
+    mx.eval(emb.parameters())
+    x = mx.random.normal((1, 6, 1024))
+    mx.eval(x)
+    assert peak_memory_mb(emb.as_linear, x) < 32

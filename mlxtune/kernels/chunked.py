@@ -48,7 +48,9 @@ class QuantizedRows:
         self.group_size, self.bits, self.mode, self.scale = group_size, bits, mode, scale
         self.shape = (codes.shape[0], scales.shape[1] * group_size)
         self.ndim = 2
-        self.dtype = scales.dtype
+        # the product's dtype: the scales' (affine), or fp32 where they are exponents (mxfp4)
+        floating = mx.issubdtype(scales.dtype, mx.floating)
+        self.dtype = scales.dtype if floating else mx.float32
 
     def arrays(self) -> list:
         return [a for a in (self.codes, self.scales, self.biases) if a is not None]

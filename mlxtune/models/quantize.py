@@ -8,6 +8,11 @@ as much as reading it, so on the CPU ``cpu_dequantizing`` gives each quantized l
 forward that de-quantizes its weight and multiplies densely, with a VJP that de-quantizes again
 instead of keeping the dense weight from the forward pass: one layer's dense weight is alive at a
 time, and the base stays quantized in memory. On a GPU MLX's own quantized kernels run.
+
+A product over a few rows (a probe, a generated token) takes MLX's own quantized product
+instead: there the dense weight would cost more than the product, in time and in memory (MLX's
+de-quantization of a whole matrix peaks at twice its dense size on the CPU: 4.2 GB for an 8B
+model's 128k x 4096 head, which the model probe multiplied six tokens by).
 """
 
 from __future__ import annotations
@@ -141,11 +146,23 @@ def _dequantizing_matmul(group_size: int, bits: int, mode: str, has_biases: bool
 _MATMULS: dict = {}
 
 
+# at most this many rows of input: MLX's own quantized product (about 1 GFLOP/s on the CPU: 3 s
+# for 16 rows by a 128k x 2048 head, which de-quantizing takes a third of)
+FEW_ROWS = 16
+
+
+def _own_product(x: mx.array) -> bool:
+    """Whether ``x`` times a quantized weight goes to MLX's quantized product (see above)."""
+    return x.size // max(x.shape[-1], 1) <= FEW_ROWS
+
+
 class DequantizingLinear(nn.QuantizedLinear):
     """A ``QuantizedLinear`` that multiplies by its de-quantized weight (see the module's
     docstring); the same parameters, so it saves, loads and fuses as its parent does."""
 
     def __call__(self, x):
+        if _own_product(x):
+            return super().__call__(x)
         biases = (self["biases"],) if "biases" in self else ()
         f = _dequantizing_matmul(
             self.group_size, self.bits, getattr(self, "mode", "affine"), bool(biases)
@@ -207,6 +224,8 @@ class DequantizingEmbedding(nn.QuantizedEmbedding):
     """A ``QuantizedEmbedding`` whose tied-head use (``as_linear``) multiplies densely."""
 
     def as_linear(self, x):
+        if _own_product(x):
+            return super().as_linear(x)
         biases = (self["biases"],) if "biases" in self else ()
         f = _dequantizing_matmul(
             self.group_size, self.bits, getattr(self, "mode", "affine"), bool(biases)
