@@ -247,37 +247,10 @@ def shape_of(run) -> Shape:
     blocks = getattr(model, "layers", None)
     modules = [m for _, m in model.named_modules()]
     quantized = any(is_quantized(m) for m in modules)
-    quantizable = (
-        0
-        if quantized
-        else sum(
-            m.weight.size
-            for m in modules
-            if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 64 == 0
-        )
-    )
     attention = tier_at(run.tiers["attention"], length)
-    head = parts.lm.head
     act_bytes = 4 if r.model.dtype == "float32" else 2
-    # a quantized LM head: the chunked loss de-quantizes a chunk of its rows at a time (no
-    # dense copy, unless the head has a bias); the other tiers de-quantize it whole, which on
-    # the CPU peaks at twice the dense matrix
     loss_tier = tier_at(run.tiers["loss"], rows * length)
-    quantized_head = quantized and is_quantized(head)
-    rows_read = quantized_head and loss_tier == "chunked" and not parts.lm.head_bias
-    vocab_rows = head.scales.shape[0] if quantized_head else 0
-    dense_head = (
-        vocab_rows * hidden * act_bytes * (2 if mx.default_device() == mx.cpu else 1)
-        if quantized_head and not rows_read
-        else 0
-    )
-    # ... else a few chunks of its rows de-quantized at a time (in fp32, about five in flight,
-    # measured on the CPU: 84 MB for a 128k x 2048 head at 511 tokens, 17 MB a chunk)
-    columns = min(
-        chunk_size(rows * length, vocab_rows or 1),
-        chunk_size(hidden, vocab_rows or 1, 4 * chunk_elements()),
-    )
-    head_chunk = 5 * columns * hidden * 4 if rows_read else 0
+    dense_head, head_chunk = _quantized_head(parts.lm, loss_tier, rows * length, hidden, act_bytes)
     return Shape(
         weight_bytes=sum(v.nbytes for _, v in weights) + dense_head,
         trainable=sum(v.size for _, v in trainable),
@@ -304,7 +277,8 @@ def shape_of(run) -> Shape:
         logits_full=loss_tier == "reference",
         logit_chunk=chunk_elements(),
         checkpointed=checkpointed_layers(model),
-        quantizable=quantizable,
+        # dense linear/embedding elements 4-bit quantization would pack
+        quantizable=0 if quantized else sum(m.weight.size for m in modules if _packable(m)),
         rows_per_example=max(1, rows // r.train.batch_size),
         sequences_per_example=run.objective.sequences_per_example,
         reference_forward=reference["forward"],
@@ -324,6 +298,25 @@ def shape_of(run) -> Shape:
         head_chunk_bytes=head_chunk,
         **delta_layout(model, cfg),
     )
+
+
+def _packable(m: nn.Module) -> bool:
+    return isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 64 == 0
+
+
+def _quantized_head(lm, loss_tier: str, tokens: int, hidden: int, act_bytes: int):
+    """(dense bytes, chunk bytes) a step holds of a quantized LM head: the chunked loss
+    de-quantizes a chunk of its rows at a time (in fp32, about five chunks in flight: measured
+    on the CPU, 84 MB for a 128k x 2048 head at 511 tokens); the other tiers, or a head with a
+    bias, de-quantize it whole, which on the CPU peaks at twice the dense matrix."""
+    head = lm.head
+    if not is_quantized(head):
+        return 0, 0
+    vocab = head.scales.shape[0]
+    if loss_tier == "chunked" and not lm.head_bias:
+        columns = min(chunk_size(tokens, vocab), chunk_size(hidden, vocab, 4 * chunk_elements()))
+        return 0, 5 * columns * hidden * 4
+    return vocab * hidden * act_bytes * (2 if mx.default_device() == mx.cpu else 1), 0
 
 
 def alternatives(s: Shape, budget: float, recipe) -> list[str]:
