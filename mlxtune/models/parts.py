@@ -18,6 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import UserInputError
+from ..kernels.chunked import QuantizedRows
 from .quantize import dense_weight, is_quantized
 
 _LINEAR = (nn.Linear, nn.QuantizedLinear)
@@ -168,8 +169,6 @@ class LMParts:
         head = self.head
         if not is_quantized(head) or self.head_bias:
             return self.head_weight()
-        from ..kernels import QuantizedRows
-
         return QuantizedRows(
             head.weight,
             head.scales,
