@@ -640,6 +640,68 @@ def test_rope_scaling_is_written_to_gguf_and_read_back(kind, tmp_path, tokenizer
     assert (scaling.get("rope_type") or scaling.get("type")) == kind
 
 
+# a family of each llama.cpp architecture (besides llama's) whose graph reads ``rope_freqs``
+LLAMA3_FAMILIES = ["apertus", "nemotron-nas", "exaone", "exaone4", "exaone_moe"]
+LLAMA3_FAMILIES += ["granite", "granitemoe", "minicpm"]
+
+
+@pytest.mark.parametrize("name", LLAMA3_FAMILIES)
+def test_llama3_rope_scaling_round_trips_in_each_architecture_reading_rope_freqs(
+    name, tmp_path, tokenizer, tokenizer_dir
+):
+    """Llama 3's scaling written as the rope_freqs tensor and read back from it wherever
+    llama.cpp's graph divides the frequencies by it (Apertus' own configs set it)."""
+    from mlxtune.gguf.names import FAMILIES as ARCHS
+    from mlxtune.gguf.rope import LLAMA3_ROPE_ARCHS
+
+    assert {ARCHS[n].arch for n in LLAMA3_FAMILIES} == LLAMA3_ROPE_ARCHS - {"llama", "llama4"}
+    model, config = llama3_scaled(name, len(tokenizer._tokenizer))
+    ids = mx.array([ROPE_IDS])
+    want = np.array(model(ids)[0])
+    unscaled = model_class_without_scaling(model, config)
+    assert np.abs(np.array(unscaled(ids)[0]) - want).max() > 1e-3  # the scaling shows
+    path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32", name)
+    f, t, _ = read(path)
+    assert "rope_freqs.weight" in t
+    back, back_config, _ = load_gguf(path, "float32")
+    assert back_config["rope_scaling"]["rope_type"] == "llama3"
+    np.testing.assert_allclose(np.array(back(ids)[0]), want, atol=1e-4 * max(1, np.abs(want).max()))
+
+
+def llama3_scaled(name, vocab):
+    FAMILIES[name] = {**FAMILIES[name], "rope_scaling": SCALINGS["llama3"]}
+    try:
+        return tiny(name, vocab)
+    finally:
+        FAMILIES[name] = {k: v for k, v in FAMILIES[name].items() if k != "rope_scaling"}
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("name", LLAMA3_FAMILIES)
+def test_llama_cpp_runs_llama3_scaling_from_rope_freqs_as_mlx_lm(
+    name, tmp_path, tokenizer, tokenizer_dir
+):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
+    model, config = llama3_scaled(name, len(tokenizer._tokenizer))
+    path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32", name)
+    want = np.array(model(mx.array([ROPE_IDS]))[0])
+    llm = llama_cpp.Llama(
+        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=0, type_v=0
+    )
+    llm.eval(ROPE_IDS)
+    got = np.array(llm.scores[: len(ROPE_IDS)])
+    np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
+
+
+def model_class_without_scaling(model, config):
+    """``model``'s weights in a model of ``config`` without its rope scaling."""
+    plain = {**config, "rope_scaling": None}
+    model_class, args_class = family_classes(plain)
+    out = model_class(args_class.from_dict(normalise_config(plain, args_class)))
+    out.load_weights(tree_flatten(model.parameters()))
+    return out
+
+
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("kind", list(SCALINGS))
 def test_llama_cpp_runs_a_scaled_rope_as_mlx_lm(kind, tmp_path, tokenizer, tokenizer_dir):
@@ -663,6 +725,9 @@ def test_a_rope_scaling_gguf_export_cannot_hold_is_refused_by_name(
     model_class, args_class = family_classes(config)
     model = model_class(args_class.from_dict(config))
     with pytest.raises(UserInputError, match="RoPE scaling 'yarn' of a qwen2 model"):
+        write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
+    model, config = llama3_scaled("falcon_h1", len(tokenizer._tokenizer))  # its graph: no divisors
+    with pytest.raises(UserInputError, match="RoPE scaling 'llama3' of a falcon_h1 model"):
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
     betas = {**SCALINGS["yarn"], "beta_fast": 16.0}  # llama.cpp's qwen2 keeps 32
     config = {**tiny_config("qwen2", len(tokenizer._tokenizer)), "rope_scaling": betas}

@@ -54,6 +54,8 @@ SIZES = {
 # the vocabulary each family's files are converted with (llama.cpp's own test vocabularies);
 # the rest take Qwen2's
 VOCAB = {"llama": "llama-bpe", "phi3": "llama-spm", "gemma": "llama-spm", "gemma2": "llama-spm"}
+# families whose converter reads a sentencepiece tokenizer.model
+VOCAB.update({n: "llama-spm" for n in ("ernie4_5", "ernie4_5_moe", "minicpm3", "nemotron")})
 
 
 def _llama_cpp():
@@ -136,6 +138,13 @@ def hf_model(name: str, tok_dir: Path, out: Path) -> Path:
     mx.random.seed(4)
     cfg = tiny_config(name, len(tok._tokenizer))
     cfg.update({k: v for k, v in SIZES.items() if k in cfg or k == "head_dim"})
+    if "block_dim" in cfg:  # LFM2's MLP width: the model's own, as in its published configs
+        cfg["block_dim"] = cfg["hidden_size"]
+    if "kv_lora_rank" in cfg:  # latent attention: as many kv heads as heads, as published
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    if name == "phi":  # what llama.cpp's phi2 writes whatever the config: Phi-2's own shape
+        n = cfg["num_attention_heads"]
+        cfg.update(num_key_value_heads=n, intermediate_size=4 * cfg["hidden_size"])
     cfg.update(FIXED.get(name, {}))
     cfg.setdefault("max_position_embeddings", 4096)  # the converter reads it
     if name == "gemma2":  # the converter reads it (mlx-lm's Gemma 2 has no window; the rows
@@ -320,3 +329,25 @@ def test_each_vocabulary_tokenizes_as_llama_cpps_own_tests_say(source, tmp_path)
     # what is not read says why: a tokenizer model or pre-tokenizer by its name
     assert all("not supported" in why for why in refused.values()), refused
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_saved_config_names_a_class_llama_cpps_converter_converts(source):
+    """Every family mlxtune writes GGUF for saves a config.json whose ``architectures`` is a
+    class llama.cpp's converter registers (the converter picks its code by that name alone),
+    including families whose checkpoints run on their own code rather than transformers'."""
+    import re
+
+    from mlxtune.gguf.names import FAMILIES
+    from mlxtune.models.common import hf_architecture
+
+    code = [source / "convert_hf_to_gguf.py", *sorted((source / "conversion").glob("*.py"))]
+    registered = set()
+    for path in code:
+        for args in re.findall(r"register\(([^)]*)\)", path.read_text()):
+            registered.update(re.findall(r"\"([A-Za-z0-9_]+)\"", args))
+    # text models mlx-lm builds only inside a multimodal wrapper, and Mistral 4 (published as
+    # a multimodal checkpoint): their configs are the wrapper's
+    inner = {"qwen2_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "mistral4"}
+    unknown = {mt: hf_architecture(mt) for mt in FAMILIES if mt not in inner}
+    unknown = {mt: a for mt, a in unknown.items() if a not in registered}
+    assert not unknown, unknown

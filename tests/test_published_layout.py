@@ -34,6 +34,8 @@ FAMILIES = {
     "falcon_h1": 1e-4,
     "mamba2": 1e-4,
     "jamba": None,  # mlx-lm's forward differs from transformers' (~0.2 in logits)
+    "gpt2": 1e-4,  # Conv1D weights ([in, out]), names without the "model." prefix
+    "gpt_neox": 1e-4,
     "apertus": 1e-4,  # the activation's learned scalars: [1] in the file, 0-d as mlx-lm holds them
 }
 
@@ -42,6 +44,8 @@ def saved_by_transformers(torch, name, folder):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = {**tiny_config(name, 64), "pad_token_id": 0}
+    if name == "gpt_neox":  # mlx-lm's MLP: 4x wide, tanh-approximated GELU whatever the config
+        cfg.update(intermediate_size=4 * cfg["hidden_size"], hidden_act="gelu_fast")
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -67,6 +71,8 @@ def test_the_published_layout_reads_and_saves_back_as_transformers_wrote_it(tmp_
     folder, published = save_model(model, config, tmp_path / "saved")
     assert published
     theirs = load_file(tmp_path / "hf" / "model.safetensors")
+    if name == "gpt2":  # published by OpenAI without transformers' prefix; both forms read
+        theirs = {k.removeprefix("transformer."): v for k, v in theirs.items()}
     ours = load_file(folder / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
     for k, v in theirs.items():

@@ -9,6 +9,24 @@ import numpy as np
 from ..errors import UserInputError
 from .tensors import dequantized
 
+# llama.cpp architectures whose graph divides the rotary frequencies by a ``rope_freqs`` tensor
+# (what its converter writes for a config with Llama 3's scaling). Falcon-H1's loads the tensor
+# and does not use it: not listed, so that its Llama 3 scaling is refused rather than lost.
+LLAMA3_ROPE_ARCHS = frozenset(
+    {
+        "llama",
+        "llama4",
+        "apertus",
+        "deci",
+        "exaone",
+        "exaone4",
+        "exaone-moe",
+        "granite",
+        "granitemoe",
+        "minicpm",
+    }
+)
+
 # mlx-lm's (and transformers') defaults for the settings a config may leave out
 _DEFAULTS = {
     "factor": 8.0,
@@ -144,19 +162,37 @@ def rope_settings(g, config: dict, fields: set) -> dict:
                 "with its original context, are)",
                 where,
             )
-    if "rope_freqs.weight" in g.tensors and config["model_type"] != "gemma4_text":
-        settings = None
-        if config["model_type"] in ("llama", "llama4") and scaling in (None, "none"):
-            factors = dequantized(g.tensors["rope_freqs.weight"])
-            settings = llama3_settings(factors, config["rope_theta"], head_dim)
-        if settings is None:
-            raise UserInputError(
-                "this model scales its rope frequencies per dimension (rope_freqs) in a way "
-                "that is not Llama 3's, which mlxtune does not read",
-                where,
-            )
-        out["rope_scaling"] = settings
+    out.update(rope_freqs_settings(g, config, fields, head_dim))
     return out
 
 
-__all__ = ["llama3_rope_factors", "llama3_settings", "rope_settings"]
+def rope_freqs_settings(g, config: dict, fields: set, head_dim: int) -> dict:
+    """The ``rope_scaling`` a file's ``rope_freqs`` tensor stands for ({} without one): Llama
+    3's, where llama.cpp's architecture divides by it and the family reads ``rope_scaling``;
+    any other is refused by name."""
+    if "rope_freqs.weight" not in g.tensors or config["model_type"] == "gemma4_text":
+        return {}  # Gemma 4's proportional rope: its own reading
+    settings = None
+    if (
+        g.arch in LLAMA3_ROPE_ARCHS
+        and "rope_scaling" in fields
+        and g.get("rope.scaling.type") in (None, "none")
+    ):
+        factors = dequantized(g.tensors["rope_freqs.weight"])
+        settings = llama3_settings(factors, config["rope_theta"], head_dim)
+    if settings is None:
+        raise UserInputError(
+            "this model scales its rope frequencies per dimension (rope_freqs) in a way "
+            "that is not Llama 3's, which mlxtune does not read",
+            str(g.path),
+        )
+    return {"rope_scaling": settings}
+
+
+__all__ = [
+    "LLAMA3_ROPE_ARCHS",
+    "llama3_rope_factors",
+    "llama3_settings",
+    "rope_freqs_settings",
+    "rope_settings",
+]

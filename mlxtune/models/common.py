@@ -21,6 +21,26 @@ HF_ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    # families whose checkpoints run on their own code (no transformers class): the class
+    # their published configs name, which tools of the field (llama.cpp's converter) key on
+    "bailing_moe": "BailingMoeForCausalLM",
+    "bailing_moe_v3": "BailingMoeV3ForCausalLM",
+    "deepseek": "DeepseekForCausalLM",
+    "hunyuan": "HunYuanMoEV1ForCausalLM",
+    "internlm2": "InternLM2ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+    # mlx-lm's minimax is MiniMax-M2 (transformers' MiniMaxForCausalLM is MiniMax-Text-01)
+    "minimax": "MiniMaxM2ForCausalLM",
+    "minicpm": "MiniCPMForCausalLM",
+    "nanbeige": "NanbeigeForCausalLM",
+    "nemotron-nas": "DeciLMForCausalLM",
+    "openelm": "OpenELMForCausalLM",
+    "plamo": "PlamoForCausalLM",
+    "plamo2": "Plamo2ForCausalLM",
+    "plamo3": "Plamo3ForCausalLM",
+    "qwen": "QWenLMHeadModel",
+    "step3p5": "Step3p5ForCausalLM",
+    "youtu_llm": "YoutuForCausalLM",
 }
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}

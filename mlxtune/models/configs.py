@@ -178,6 +178,10 @@ def _legacy_layer_types(config: dict, fields: set, args_class) -> None:
         config["layer_types"] = [back.get(t, t) for t in lt]
 
 
+# rope_parameters' keys -> the names some families' mlx-lm modules read them by
+_ROPE_NAMES = (("rope_theta", "rotary_emb_base"), ("partial_rotary_factor", "rotary_pct"))
+
+
 def _from_rope_parameters(config: dict, rp: dict, fields: set, where: str) -> None:
     nested = {k: v for k, v in rp.items() if k in (_FULL, _SLIDING) and isinstance(v, dict)}
     full = nested.get(_FULL, rp if not nested else None)
@@ -188,6 +192,9 @@ def _from_rope_parameters(config: dict, rp: dict, fields: set, where: str) -> No
             config["rope_theta"] = full["rope_theta"]
         if "partial_rotary_factor" in full and "partial_rotary_factor" in fields:
             config["partial_rotary_factor"] = full["partial_rotary_factor"]
+        for name, mlx_lm_name in _ROPE_NAMES:  # the family's own names for them (GPT-NeoX's)
+            if name in full and mlx_lm_name in fields and mlx_lm_name not in config:
+                config[mlx_lm_name] = full[name]
         scaling = _scaling(full)
         if scaling is None and "rope_scaling" in fields and "rope_scaling" not in config:
             config["rope_scaling"] = None  # a family whose ModelArgs requires the key (GLM-4 MoE)

@@ -84,9 +84,13 @@ def _sanitized(model: nn.Module, weights: dict) -> dict | None:
 def _undone(before: mx.array, after: mx.array):
     """What sanitize did to ``before`` (giving ``after``), as a way to take it back out of a
     held weight: ("shift", c) when it added one constant (a ``1 + w`` norm), ("scale", per row)
-    when it scaled each row (Falcon-H1's multipliers folded into its weights); None for
+    when it scaled each row (Falcon-H1's multipliers folded into its weights), ("transpose",)
+    when it transposed a matrix (GPT-2's Conv1D weights, published [in, out]); None for
     anything else."""
     a, b = before.astype(mx.float32), after.astype(mx.float32)
+    if a.ndim == 2 and b.shape == a.shape[::-1] and mx.array_equal(b, a.T).item():
+        if not (a.shape == b.shape and mx.array_equal(a, b).item()):
+            return ("transpose",)
     if a.ndim == 0 or a.shape != b.shape:  # a scalar, or a reshape (a squeeze): no value changed
         return None
     if a.ndim == 1:
@@ -107,6 +111,8 @@ def _undone(before: mx.array, after: mx.array):
 
 def _take_out(op, held: mx.array) -> mx.array:
     """``held`` with ``op`` (from ``_undone``) taken back out."""
+    if op[0] == "transpose":
+        return held.T
     h = held.astype(mx.float32)
     if op[0] == "shift":
         return (h - op[1]).astype(held.dtype)
@@ -114,21 +120,31 @@ def _take_out(op, held: mx.array) -> mx.array:
     return (rows / op[1]).reshape(held.shape).astype(held.dtype)
 
 
+def _source(k: str, candidate: dict) -> str | None:
+    """The candidate's key that sanitize reads back as held key ``k``: the same, or without
+    the ``model.`` prefix sanitize adds (GPT-2's)."""
+    if k in candidate:
+        return k
+    bare = k.removeprefix("model.")
+    return bare if bare in candidate else None
+
+
 def _offsets(model: nn.Module, candidate: dict, held: dict) -> dict | None:
-    """What sanitize adds to ``candidate``'s weights that must be taken back out of the held
-    ones (see ``_undone``): {key: op}; None when sanitize does not read ``candidate`` back to
-    the held keys."""
+    """What sanitize does to ``candidate``'s weights that must be taken back out of the held
+    ones (see ``_undone``): {candidate key: (held key, op)}; None when sanitize does not read
+    ``candidate`` back to the held keys."""
     back = _sanitized(model, candidate)
     if back is None or back.keys() != held.keys():
         return None
     ops = {}
     for k in list(back):
         v = back.pop(k)  # one at a time: what was evaluated goes with it
-        if k not in candidate or v.shape != candidate[k].shape:
+        c = _source(k, candidate)
+        if c is None:
             continue
-        op = _undone(candidate[k], v)
+        op = _undone(candidate[c], v)
         if op is not None:
-            ops[k] = op
+            ops[c] = (k, op)
     return ops
 
 
@@ -186,7 +202,25 @@ def _mla_joined(weights: dict) -> dict:
     return out
 
 
-def _candidates(weights: dict, stacked: dict, convs: set):
+# model_type -> (held prefix, published prefix), the first that matches applied: the names a
+# family's transformers class publishes where its sanitize reads several forms
+_PREFIXES = {
+    "gpt_neox": (
+        ("model.h.", "gpt_neox.layers."),
+        ("model.embed_out.", "embed_out."),
+        ("model.", "gpt_neox."),
+    )
+}
+
+
+def _prefixed(k: str, renames) -> str:
+    for held, published in renames:
+        if k.startswith(held):
+            return published + k[len(held) :]
+    return k
+
+
+def _candidates(weights: dict, stacked: dict, convs: set, model_type: str | None = None):
     if stacked:
         layouts = [_unstacked(weights, stacked, n) for n in _EXPERT_NAMES]
         pairs = zip(layouts[1:], _EXPERT_NAMES[1:], strict=True)
@@ -199,6 +233,13 @@ def _candidates(weights: dict, stacked: dict, convs: set):
         if layout is not None:  # MLX's conv weight is [out, kernel, in]; torch's [out, in, kernel]
             layout = {k: v.swapaxes(1, 2) if k in convs else v for k, v in layout.items()}
             yield _mla_joined(layout) if mla else layout
+    if all(k.startswith("model.") for k in weights):
+        # under the transformers model's own names, where sanitize reads more than one form
+        # and so cannot tell which is published (GPT-NeoX's), then without the prefix (GPT-2's)
+        renames = _PREFIXES.get(model_type)
+        if renames:
+            yield {_prefixed(k, renames): v for k, v in weights.items()}
+        yield {k.removeprefix("model."): v for k, v in weights.items()}
 
 
 def _scalars_unsqueezed(model: nn.Module, candidate: dict) -> dict | None:
@@ -239,7 +280,10 @@ def _stand_ins(weights: dict) -> dict:
 
 def _layouts(model: nn.Module, weights: dict, stacked: dict, convs: set):
     """Every candidate layout in the search's order."""
-    for found in _candidates(weights, stacked, convs):
+    model_type = getattr(model, "model_type", None) or getattr(
+        getattr(model, "args", None), "model_type", None
+    )
+    for found in _candidates(weights, stacked, convs, model_type):
         yield found
         yield _scalars_unsqueezed(model, found)
 
@@ -265,7 +309,7 @@ def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
         ops = _offsets(model, candidate, stand_ins)
         if ops is None:
             continue
-        fixed = {**candidate, **{k: _take_out(op, stand_ins[k]) for k, op in ops.items()}}
+        fixed = {**candidate, **{c: _take_out(op, stand_ins[h]) for c, (h, op) in ops.items()}}
         if not _round_trips(model, fixed, stand_ins):
             continue
         rewritten = len(fixed.keys() - stand_ins.keys()) + sum(
@@ -278,7 +322,7 @@ def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
     del stand_ins
     i, ops = found
     candidate = next(c for j, c in enumerate(_layouts(model, weights, stacked, convs)) if j == i)
-    return {**candidate, **{k: _take_out(op, weights[k]) for k, op in ops.items()}}, True
+    return {**candidate, **{c: _take_out(op, weights[h]) for c, (h, op) in ops.items()}}, True
 
 
 def published_names(model: nn.Module, held: dict) -> dict[str, str]:

@@ -112,6 +112,37 @@ def _check_layout(p: Path) -> dict:
     return config
 
 
+# model_type -> the prefix transformers' class saves its base model's weights under, which the
+# family's mlx-lm sanitize does not take off (GPT-2 saved by transformers: "transformer.h.0.")
+_BASE_PREFIXES = {"gpt2": "transformer."}
+
+
+def _classes_reading_base_prefix(config: dict):
+    """mlx-lm's (model class, args class) for ``config``; for a family in ``_BASE_PREFIXES``
+    the model is built with a sanitize that takes the prefix off first, for this load only
+    (the model's own sanitize is back once it is built: ``_own_sanitize``)."""
+    model_class, args_class = family_classes(config)
+    prefix = _BASE_PREFIXES.get(config.get("model_type"))
+    if prefix is None:
+        return model_class, args_class
+
+    def build(args):
+        model = model_class(args)
+
+        def sanitize(weights):
+            bare = {k.removeprefix(prefix): v for k, v in weights.items()}
+            return model_class.sanitize(model, bare)
+
+        object.__setattr__(model, "sanitize", sanitize)
+        return model
+
+    return build, args_class
+
+
+def _own_sanitize(model) -> None:
+    model.__dict__.pop("sanitize", None)
+
+
 def check_model_dir(p: Path, trust_remote_code: bool = False):
     config = _check_layout(p)
     code = code_files(p, config)
@@ -157,7 +188,11 @@ def load_model(
         changes = {k: v for k, v in normalised.items() if k not in config or config[k] != v}
     try:
         model, config = mlx_lm_load_model(
-            path, lazy=True, trust_remote_code=trust_remote_code, model_config=changes
+            path,
+            lazy=True,
+            trust_remote_code=trust_remote_code,
+            model_config=changes,
+            get_model_classes=_classes_reading_base_prefix,
         )
     except ValueError as e:  # missing or misshapen weights
         raise UserInputError(" ".join(str(e).split()), str(path)) from None
@@ -173,6 +208,7 @@ def load_model(
         if "safetensors" not in str(e):
             raise
         raise UserInputError(f"cannot read the weights: {e}", str(path)) from None
+    _own_sanitize(model)
     cast_floats(model, dtype)
     if not lazy:
         try:

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 from ...errors import UserInputError
 from ...gguf.families import FACTS
 from ...gguf.names import FAMILIES, gguf_name
-from ...gguf.rope import llama3_rope_factors
+from ...gguf.rope import LLAMA3_ROPE_ARCHS, llama3_rope_factors
 from ...models.configs import rope_base
 from .fixed import exaone4_local, model_args
 from .writers import (
@@ -489,12 +489,12 @@ def add_rope_scaling(w, config: dict) -> np.ndarray | None:
         w.add_rope_scaling_yarn_beta_fast(float(sc.get("beta_fast", 32.0)))
         w.add_rope_scaling_yarn_beta_slow(float(sc.get("beta_slow", 1.0)))
         return None
-    if kind == "llama3" and FAMILIES[config["model_type"]].arch in ("llama", "llama4"):
+    if kind == "llama3" and arch in LLAMA3_ROPE_ARCHS:
         return llama3_rope_factors(rope_base(config), head_counts(config)[2], sc)
     raise UserInputError(
         f"RoPE scaling {kind!r} of a {config['model_type']} model, as its config sets it, is "
         "not one llama.cpp reads from mlxtune's GGUF (linear, yarn without DeepSeek's mscale "
-        "keys, and Llama 3's in llama files are)",
+        "keys, and Llama 3's where llama.cpp's architecture reads rope_freqs)",
         "export --format gguf",
     )
 

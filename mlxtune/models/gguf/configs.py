@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ...errors import UserInputError
 from ...gguf.families import FACTS
 from ...gguf.names import FAMILIES as NAMED
-from ...gguf.rope import rope_settings
+from ...gguf.rope import rope_freqs_settings, rope_settings
 from ..common import family_classes, hf_architecture
 from ..configs import STANDARD_NAMES, args_fields
 from .settings import FAMILY_SETTINGS
@@ -126,6 +126,10 @@ def gguf_config(g: GGUFModelFile) -> dict:
     if g.arch in _WHOLE:
         config = _WHOLE[g.arch](g, need)
         config.setdefault("architectures", [hf_architecture(config["model_type"])])
+        if "rope_scaling" not in config:  # Llama 3's, as a rope_freqs tensor
+            heads = config.get("num_attention_heads") or 1
+            head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+            config.update(rope_freqs_settings(g, config, _fields(config), head_dim))
         return {**config, **_special_ids(g)}
     n_head, n_kv, kv_layers = _heads(g, model_type, need)
     hidden = need("embedding_length")
