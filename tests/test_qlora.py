@@ -326,12 +326,21 @@ def test_a_qlora_run_trains(tmp_path, data_dir, llama_dir):
     assert all(k.endswith(("lora_a", "lora_b", ".m")) for k in trainable)
 
 
-@pytest.mark.parametrize("rows", [3, 200])  # MLX's own product, and the de-quantizing one
-def test_the_cpus_quantized_layers_give_the_de_quantized_product_either_way(rows):
+# MLX's own product; the de-quantizing one, whole and a block of 40 output rows at a time
+@pytest.mark.parametrize("rows,block", [(3, None), (200, None), (200, 40 * 128)])
+def test_the_cpus_quantized_layers_give_the_de_quantized_product_either_way(
+    rows, block, monkeypatch
+):
     """On the CPU a quantized layer multiplies by its de-quantized weight through BLAS, except
-    over a few rows (MLX's own product): the same values and input gradients as NumPy over the
-    de-quantized weight, either way."""
+    over a few rows (MLX's own product); a large weight goes a block of output rows at a time:
+    the same values and input gradients as NumPy over the de-quantized weight, every way."""
+    from mlxtune.models import quantize
     from mlxtune.models.quantize import DequantizingEmbedding, DequantizingLinear
+
+    if block is not None:
+        monkeypatch.setattr(quantize, "WHOLE_ELEMENTS", block)
+        monkeypatch.setattr(quantize, "BLOCK_ELEMENTS", block)
+        assert len(quantize._row_blocks(96, 128)) == 3  # 40, 40 and 16 rows
 
     lin = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
     emb = nn.QuantizedEmbedding(96, 128, group_size=64, bits=4)
@@ -349,6 +358,26 @@ def test_the_cpus_quantized_layers_give_the_de_quantized_product_either_way(rows
         np.testing.assert_allclose(
             np.array(dx[0]), np.array(g, np.float64) @ w, rtol=1e-4, atol=1e-4
         )
+
+
+def test_many_rows_through_a_large_quantized_head_hold_a_block_of_it_dense(monkeypatch):
+    """A prefill's product with a 64k x 1024 head (256 MB dense in fp32, twice that while MLX
+    de-quantizes it on the CPU) holds a block of 4M weights (16 MB) at a time, forward and
+    backward, beside its own output (16 MB for 64 rows)."""
+    from mlxtune.models import quantize
+    from mlxtune.models.quantize import DequantizingLinear
+
+    monkeypatch.setattr(quantize, "WHOLE_ELEMENTS", 1 << 22)
+    head = nn.QuantizedLinear(1024, 1 << 16, bias=False, group_size=64, bits=4)
+    head.__class__ = DequantizingLinear
+    mx.eval(head.parameters())
+    x = mx.random.normal((64, 1024))
+    g = mx.random.normal((64, 1 << 16))
+    mx.eval(x, g)
+    assert peak_memory_mb(head, x) < 128
+    assert peak_memory_mb(lambda x: mx.vjp(head, [x], [g])[1][0], x) < 128
+    monkeypatch.setattr(quantize, "WHOLE_ELEMENTS", 1 << 30)  # whole: the test can fail
+    assert peak_memory_mb(head, x) > 256
 
 
 def test_a_few_rows_through_a_large_quantized_head_never_hold_it_dense():

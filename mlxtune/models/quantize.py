@@ -12,7 +12,9 @@ time, and the base stays quantized in memory. On a GPU MLX's own quantized kerne
 A product over a few rows (a probe, a generated token) takes MLX's own quantized product
 instead: there the dense weight would cost more than the product, in time and in memory (MLX's
 de-quantization of a whole matrix peaks at twice its dense size on the CPU: 4.2 GB for an 8B
-model's 128k x 4096 head, which the model probe multiplied six tokens by).
+model's 128k x 4096 head, which the model probe multiplied six tokens by). A product over many
+rows by a matrix as large as a head (a prompt's prefill in generation) de-quantizes it a block
+of rows at a time (``WHOLE_ELEMENTS``).
 """
 
 from __future__ import annotations
@@ -120,23 +122,58 @@ def _dense_after(group_size: int, bits: int, mode: str):
     return dense
 
 
+# A product over many rows de-quantizes a weight of up to WHOLE_ELEMENTS at once (every
+# layer of an 8B model but its head); a larger one (an LM head, 128k x 4096 = 525M: 2.1 GB
+# dense in fp32, twice that while MLX de-quantizes it on the CPU) a block of BLOCK_ELEMENTS
+# at a time, each block once the product before it is done. MLX's CPU backend allocates a
+# block's buffers as it queues it, up to two blocks ahead of the one computing: small blocks
+# keep that lead small (measured over a 64k x 1024 head: 2 blocks of 32M peaked as high as
+# the whole matrix, 16 of 4M at a fifth of it).
+WHOLE_ELEMENTS = 1 << 26
+BLOCK_ELEMENTS = 1 << 22
+
+
+def _row_blocks(out_rows: int, in_features: int) -> list[tuple[int, int]]:
+    if out_rows * in_features <= WHOLE_ELEMENTS:
+        return [(0, out_rows)]
+    step = max(1, BLOCK_ELEMENTS // max(in_features, 1))
+    return [(i, min(i + step, out_rows)) for i in range(0, out_rows, step)]
+
+
 def _dequantizing_matmul(group_size: int, bits: int, mode: str, has_biases: bool):
     """x @ dequantize(w).T as a function of (x, w, scales[, biases]) whose VJP de-quantizes w
-    again (the frozen base gets no gradient)."""
+    again (the frozen base gets no gradient). A weight of more than ``WHOLE_ELEMENTS`` goes a
+    block of output rows at a time, each block de-quantized once the one before is done."""
     key = (group_size, bits, mode, has_biases)
     if key in _MATMULS:
         return _MATMULS[key]
     dense = _dense_after(group_size, bits, mode)
 
+    def rows(w, scales, biases, block, after):
+        i, j = block
+        return dense(w[i:j], scales[i:j], None if biases is None else biases[i:j], after)
+
     @mx.custom_function
     def f(x, w, scales, *biases):
-        return x @ dense(w, scales, biases[0] if biases else None, x).astype(x.dtype).T
+        b = biases[0] if biases else None
+        blocks = _row_blocks(w.shape[0], x.shape[-1])
+        if len(blocks) == 1:
+            return x @ dense(w, scales, b, x).astype(x.dtype).T
+        outs, after = [], x
+        for block in blocks:
+            after = x @ rows(w, scales, b, block, after).astype(x.dtype).T
+            outs.append(after)
+        return mx.concatenate(outs, axis=-1)
 
     @f.vjp
     def f_vjp(primals, cotangent, _):
         x, w, scales, *biases = primals
         b = biases[0] if biases else None
-        dx = cotangent @ dense(w, scales, b, cotangent).astype(cotangent.dtype)
+        dx = None
+        for i, j in _row_blocks(w.shape[0], x.shape[-1]):
+            d = rows(w, scales, b, (i, j), cotangent if dx is None else dx)
+            part = cotangent[..., i:j] @ d.astype(cotangent.dtype)
+            dx = part if dx is None else dx + part
         return (dx, mx.zeros_like(w), mx.zeros_like(scales), *(mx.zeros_like(b) for b in biases))
 
     _MATMULS[key] = f
