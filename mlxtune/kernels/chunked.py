@@ -78,13 +78,8 @@ class QuantizedRows:
         chunk's state: MLX's scheduler would otherwise de-quantize every chunk up front)."""
         if after is None:
             return self[start:stop]
-        codes = mx.depends(self.codes[start:stop], after)
-        biases = None if self.biases is None else self.biases[start:stop]
-        rows = QuantizedRows(
-            codes, self.scales[start:stop], biases, self.group_size, self.bits, self.mode,
-            self.scale,
-        )  # fmt: skip
-        return rows[:]
+        codes, *rest = (a[start:stop] for a in self.arrays())
+        return self.with_arrays([mx.depends(codes, after), *rest])[:]
 
     def dense(self) -> mx.array:
         return self[:]
