@@ -296,17 +296,24 @@ def test_the_file_holds_llama_cpps_names_shapes_and_settings(exported):
 
 @pytest.mark.llama_cpp
 def test_llama_cpp_runs_the_gguf_export_of_each_family(exported):
+    name, _, _, path, want = exported
+    assert_llama_cpps_logits(path, IDS, want)
+
+
+def assert_llama_cpps_logits(path, ids, want, **settings):
+    """llama.cpp's logits over ``ids`` from the file at ``path`` (with ``settings``, such as
+    a ``lora_path``) are ``want``."""
     llama_cpp = pytest.importorskip(
         "llama_cpp",
         reason="needs llama-cpp-python (compiles from source, about 13 minutes on 2 cores)",
     )
-    name, _, _, path, want = exported
     f32 = 0  # ggml's F32: the key/value cache in full precision, as the mlx-lm side computes
     llm = llama_cpp.Llama(
-        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=f32, type_v=f32
-    )
-    llm.eval(IDS)
-    got = np.array(llm.scores[: len(IDS)])
+        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=f32, type_v=f32,
+        **settings,
+    )  # fmt: skip
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)])
     np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
 
 
@@ -455,13 +462,7 @@ def test_a_familys_other_shapes_read_back_and_run_in_llama_cpp(
     want = np.array(model(mx.array([IDS]))[0])
     back, _, _ = load_gguf(path, "float32")
     np.testing.assert_allclose(np.array(back(mx.array([IDS]))[0]), want, rtol=1e-5, atol=1e-5)
-    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
-    llm = llama_cpp.Llama(
-        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=0, type_v=0
-    )
-    llm.eval(IDS)
-    got = np.array(llm.scores[: len(IDS)])
-    np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
+    assert_llama_cpps_logits(path, IDS, want)
 
 
 def adapted(name, vocab):
@@ -501,7 +502,7 @@ def adapted(name, vocab):
 def test_llama_cpp_applies_the_gguf_adapter_of_each_family(
     name, tmp_path, tokenizer, tokenizer_dir
 ):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
     from mlxtune.export.gguf.write import write_gguf_adapter
 
     plain, config = tiny(name, len(tokenizer._tokenizer))  # the same base: the same seed
@@ -509,18 +510,7 @@ def test_llama_cpp_applies_the_gguf_adapter_of_each_family(
     model, config = adapted(name, len(tokenizer._tokenizer))
     lora = write_gguf_adapter(model, config, 8.0, tmp_path)
     want = np.array(model(mx.array([IDS]))[0])
-    llm = llama_cpp.Llama(
-        model_path=str(base),
-        lora_path=str(lora),
-        logits_all=True,
-        n_ctx=64,
-        verbose=False,
-        type_k=0,
-        type_v=0,
-    )
-    llm.eval(IDS)
-    got = np.array(llm.scores[: len(IDS)])
-    np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
+    assert_llama_cpps_logits(base, IDS, want, lora_path=str(lora))
 
 
 def test_a_gguf_adapter_where_llama_cpp_applies_none_is_refused_by_name(tmp_path, tokenizer):
@@ -681,16 +671,11 @@ def llama3_scaled(name, vocab):
 def test_llama_cpp_runs_llama3_scaling_from_rope_freqs_as_mlx_lm(
     name, tmp_path, tokenizer, tokenizer_dir
 ):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
     model, config = llama3_scaled(name, len(tokenizer._tokenizer))
     path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32", name)
     want = np.array(model(mx.array([ROPE_IDS]))[0])
-    llm = llama_cpp.Llama(
-        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=0, type_v=0
-    )
-    llm.eval(ROPE_IDS)
-    got = np.array(llm.scores[: len(ROPE_IDS)])
-    np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
+    assert_llama_cpps_logits(path, ROPE_IDS, want)
 
 
 def model_class_without_scaling(model, config):
@@ -705,16 +690,11 @@ def model_class_without_scaling(model, config):
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("kind", list(SCALINGS))
 def test_llama_cpp_runs_a_scaled_rope_as_mlx_lm(kind, tmp_path, tokenizer, tokenizer_dir):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
     model, config = scaled_llama(len(tokenizer._tokenizer), kind)
     path = write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
     want = np.array(model(mx.array([ROPE_IDS]))[0])
-    llm = llama_cpp.Llama(
-        model_path=str(path), logits_all=True, n_ctx=64, verbose=False, type_k=0, type_v=0
-    )
-    llm.eval(ROPE_IDS)
-    got = np.array(llm.scores[: len(ROPE_IDS)])
-    np.testing.assert_allclose(got, want, atol=TOL * max(1.0, np.abs(want).max()))
+    assert_llama_cpps_logits(path, ROPE_IDS, want)
 
 
 def test_a_rope_scaling_gguf_export_cannot_hold_is_refused_by_name(

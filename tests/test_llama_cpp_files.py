@@ -239,6 +239,34 @@ def test_llama_cpps_own_file_loads_with_llama_cpps_logits(name, kind, source, tm
     assert relative(got, want) < TOL, (name, kind)
 
 
+# the other families llama.cpp's converter and mlx-lm share whose files mlxtune reads (the
+# table of docs/models.md): each family's seven files made, read and dropped in one test
+SURVEY = [
+    "gemma", "starcoder2", "mixtral", "olmoe", "granitemoe", "exaone_moe", "afmoe", "lfm2_moe",
+    "olmo3", "cohere", "exaone", "ministral3", "seed_oss", "smollm3", "stablelm", "mamba",
+    "mamba2", "falcon_h1", "nemotron_h", "lfm2", "phi",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SURVEY)
+def test_each_shared_familys_llama_cpp_files_load_with_llama_cpps_logits(name, source, tmp_path):
+    """llama.cpp's converter's F32 file of the family and its six quantizations: mlxtune's
+    logits are llama.cpp's on each (on the F32 de-quantization of a quantized file)."""
+    tok = vocabulary(source, VOCAB.get(name, "qwen2"), tmp_path)
+    f32 = convert(source, hf_model(name, tok, tmp_path / "hf"), tmp_path / "F32.gguf")
+    files = {"F32": (f32, f32)}
+    for kind, ftype in TYPES.items():
+        q = quantize(f32, tmp_path / f"{kind}.gguf", ftype)
+        files[kind] = (q, quantize(q, tmp_path / f"{kind}-F32.gguf", 0))
+    off = {}
+    for kind, (path, reference) in files.items():
+        model, _, _ = load_gguf(path, "float32")
+        off[kind] = relative(np.array(model(mx.array([IDS]))[0]), llama_cpp_logits(reference))
+    shutil.rmtree(tmp_path, ignore_errors=True)  # a family's files: about 1 GB
+    assert max(off.values()) < TOL, off
+
+
 @pytest.mark.parametrize("kind", ["F32", *TYPES])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # the NumPy forward's layouts
 def test_the_quantized_tensors_read_as_llama_cpps_gguf_py_reads_them(

@@ -169,3 +169,24 @@ def test_multipliers_folded_into_weights_are_taken_back_out(tmp_path):
     assert sorted(ours) == sorted(theirs)
     for k, v in theirs.items():
         np.testing.assert_allclose(ours[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_peft_export_of_layers_published_transposed_is_refused_by_name(name):
+    """GPT-2's attention and MLP are Conv1D layers in its published layout ([in, out]), which
+    PEFT adapts under transformers' module names with its own convention: mlxtune's PEFT
+    export would name layers nothing applies, so it is refused before training (fused and
+    mlx-lm exports remain). Linear layers (Llama's) export."""
+    from mlxtune.adapters import apply_adapters
+    from mlxtune.export import peft_refusal
+    from mlxtune.models import family_classes
+
+    cfg = tiny_config(name, 64)
+    model_class, args_class = family_classes(cfg)
+    model = model_class(args_class.from_dict(normalise_config(cfg, args_class)))
+    apply_adapters(model, "lora", 4, 8.0, 0.0, ["all-linear"])
+    why = peft_refusal(model)
+    if name == "llama":
+        assert why is None
+    else:
+        assert "Conv1D" in why and "h.0.attn.c_attn" in why

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from ..adapters import DoRALinear, LoRASwitchLinear
 from ..errors import UserInputError
 from ..models import VisionLM, reward_head
-from ..models.layout import published_names
+from ..models.layout import published_names, transposed_when_published
 from .mlx_vlm import PREFIX, hf_path
 from .weights import TrainedModel, adapter_modules
 
@@ -66,6 +66,16 @@ def peft_refusal(model: nn.Module) -> str | None:
             f"{experts[0]} is a mixture's experts, which mlx-lm stacks in one layer and PEFT "
             "names one by one (or not at all): export mlx-lm (the adapter) or fused instead, "
             "or leave the experts out of adapter.targets"
+        )
+    if isinstance(model, VisionLM):
+        return None
+    adapted = {f"{n}.weight" for n, _ in adapter_modules(model)}
+    transposed = sorted(adapted & transposed_when_published(model, _plain_weights(model)))
+    if transposed:
+        return (
+            f"{transposed[0].removesuffix('.weight')} is held transposed in this family's "
+            "published layout (a Conv1D, as GPT-2's), which mlxtune's PEFT export does not "
+            "write: export mlx-lm (the adapter) or fused instead"
         )
     return None
 

@@ -288,17 +288,9 @@ def _layouts(model: nn.Module, weights: dict, stacked: dict, convs: set):
         yield _scalars_unsqueezed(model, found)
 
 
-def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
-    """(weights in the published layout, True), or (``weights`` as held, False) when the
-    model holds experts or conv layers and no rewrite round-trips through the family's
-    ``sanitize``. Quantized experts stay stacked (mlx-lm's quantized checkpoints hold them so).
-    The weights stay as lazy as they come: the search runs on stand-ins (``_stand_ins``), and
-    the layout it finds is then built from the weights themselves."""
-    stacked, convs = _held_forms(model)
-    convs &= weights.keys()
-    needs = bool(stacked or convs) or any(k.endswith(".embed_q.weight") for k in weights)
-    if any(k.endswith(".scales") for k in weights) or not hasattr(model, "sanitize"):
-        return weights, not needs
+def _search(model: nn.Module, weights: dict, stacked: dict, convs: set):
+    """(index of the published layout among ``_layouts``, its ops from ``_offsets``), or None
+    where no candidate reads back to ``weights`` through the family's sanitize."""
     # several layouts can read back alike (a sanitize that renames w1 -> gate_proj also keeps
     # gate_proj): the published one is the layout sanitize rewrites most, so take that
     stand_ins = _stand_ins(weights)
@@ -317,12 +309,39 @@ def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
         )
         if rewritten > most:
             found, most = (i, ops), rewritten
+    return found
+
+
+def _searchable(model: nn.Module, weights: dict):
+    """(stacked expert layers, conv weights, whether a layout must be found), and whether a
+    search can run at all (not over quantized weights, nor without a sanitize)."""
+    stacked, convs = _held_forms(model)
+    convs &= weights.keys()
+    needs = bool(stacked or convs) or any(k.endswith(".embed_q.weight") for k in weights)
+    can = not any(k.endswith(".scales") for k in weights) and hasattr(model, "sanitize")
+    return stacked, convs, needs, can
+
+
+def hf_weights(model: nn.Module, weights: dict) -> tuple[dict, bool]:
+    """(weights in the published layout, True), or (``weights`` as held, False) when the
+    model holds experts or conv layers and no rewrite round-trips through the family's
+    ``sanitize``. Quantized experts stay stacked (mlx-lm's quantized checkpoints hold them so).
+    The weights stay as lazy as they come: the search runs on stand-ins (``_stand_ins``), and
+    the layout it finds is then built from the weights themselves."""
+    stacked, convs, needs, can = _searchable(model, weights)
+    found = _search(model, weights, stacked, convs) if can else None
     if found is None:
         return weights, not needs
-    del stand_ins
     i, ops = found
     candidate = next(c for j, c in enumerate(_layouts(model, weights, stacked, convs)) if j == i)
     return {**candidate, **{c: _take_out(op, weights[h]) for c, (h, op) in ops.items()}}, True
+
+
+def transposed_when_published(model: nn.Module, held: dict) -> set[str]:
+    """The held weights the published layout holds transposed (GPT-2's Conv1D, [in, out])."""
+    stacked, convs, _, can = _searchable(model, held)
+    found = _search(model, held, stacked, convs) if can else None
+    return {h for h, op in (found[1].values() if found else ()) if op[0] == "transpose"}
 
 
 def published_names(model: nn.Module, held: dict) -> dict[str, str]:
@@ -334,4 +353,4 @@ def published_names(model: nn.Module, held: dict) -> dict[str, str]:
     return {k: by_value.get(id(v), k) for k, v in held.items()}
 
 
-__all__ = ["hf_weights", "published_names"]
+__all__ = ["hf_weights", "published_names", "transposed_when_published"]
