@@ -142,6 +142,12 @@ def hf_model(name: str, tok_dir: Path, out: Path) -> Path:
         cfg["block_dim"] = cfg["hidden_size"]
     if "kv_lora_rank" in cfg:  # latent attention: as many kv heads as heads, as published
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    if name == "hunyuan_v1_dense":  # the converter asserts HunYuan's own RoPE: NTK alpha 1000
+        cfg.update(  # over base 10000, heads of 128, a 32k context
+            num_attention_heads=2, head_dim=128, rope_theta=10000.0,
+            max_position_embeddings=32768,
+            rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 1.0},
+        )  # fmt: skip
     if name == "phi":  # what llama.cpp's phi2 writes whatever the config: Phi-2's own shape
         n = cfg["num_attention_heads"]
         cfg.update(num_key_value_heads=n, intermediate_size=4 * cfg["hidden_size"])
