@@ -55,7 +55,9 @@ SIZES = {
 # the rest take Qwen2's
 VOCAB = {"llama": "llama-bpe", "phi3": "llama-spm", "gemma": "llama-spm", "gemma2": "llama-spm"}
 # families whose converter reads a sentencepiece tokenizer.model
-VOCAB.update({n: "llama-spm" for n in ("ernie4_5", "ernie4_5_moe", "minicpm3", "nemotron")})
+VOCAB.update(
+    {n: "llama-spm" for n in ("ernie4_5", "ernie4_5_moe", "minicpm3", "nemotron", "internlm2")}
+)
 
 
 def _llama_cpp():
