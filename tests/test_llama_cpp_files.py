@@ -252,7 +252,8 @@ def test_llama_cpps_own_file_loads_with_llama_cpps_logits(name, kind, source, tm
 SURVEY = [
     "gemma", "starcoder2", "mixtral", "olmoe", "granitemoe", "exaone_moe", "afmoe", "lfm2_moe",
     "olmo3", "cohere", "exaone", "ministral3", "seed_oss", "smollm3", "stablelm", "mamba",
-    "mamba2", "falcon_h1", "nemotron_h", "lfm2", "phi",
+    "mamba2", "falcon_h1", "nemotron_h", "lfm2", "phi", "gpt2", "deepseek", "deepseek_v2",
+    "deepseek_v3", "youtu_llm", "ernie4_5", "ernie4_5_moe", "nemotron", "minimax",
 ]  # fmt: skip
 
 
