@@ -6,10 +6,12 @@ per projection, depthwise conv weights as MLX's ``[channels, kernel, 1]``, a ``(
 stored as ``w + 1``. A model saved as held loads back in mlx-lm, but transformers (and any tool
 of the field) reads the published layout only.
 
-No per-family table: each candidate layout is built from the held weights by the few rewrites
-the families' sanitize functions undo (experts one by one under the names families use, a
-gate/up pair concatenated, conv weights transposed), and a candidate counts only when the
-family's own ``sanitize`` turns it back into exactly the held weights. Offsets sanitize adds
+Each candidate layout is built from the held weights by the few rewrites the families'
+sanitize functions undo (experts one by one under the names families use, a gate/up pair
+concatenated, conv weights transposed, the ``model.`` prefix taken off), and a candidate counts
+only when the family's own ``sanitize`` turns it back into exactly the held weights. The one
+per-family table (``_PREFIXES``) names what no round trip can tell: which of several forms a
+sanitize reads is the published one (GPT-NeoX's). Offsets sanitize adds
 (the ``+ 1`` of a shifted norm) are read off that same round trip and taken back out.
 """
 
@@ -88,9 +90,10 @@ def _undone(before: mx.array, after: mx.array):
     when it transposed a matrix (GPT-2's Conv1D weights, published [in, out]); None for
     anything else."""
     a, b = before.astype(mx.float32), after.astype(mx.float32)
+    if a.shape == b.shape and mx.array_equal(a, b).item():  # left as it was (most weights)
+        return None
     if a.ndim == 2 and b.shape == a.shape[::-1] and mx.array_equal(b, a.T).item():
-        if not (a.shape == b.shape and mx.array_equal(a, b).item()):
-            return ("transpose",)
+        return ("transpose",)
     if a.ndim == 0 or a.shape != b.shape:  # a scalar, or a reshape (a squeeze): no value changed
         return None
     if a.ndim == 1:
