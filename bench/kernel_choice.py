@@ -201,6 +201,12 @@ def main(argv=None) -> int:
                 row["auto_tiers"] = {
                     op: str(trainers["auto"].tiers[op]) for op in ("attention", "loss")
                 }
+                # auto left each op in the default's tier at every length: its steps are the
+                # default's, and auto / default is this run's noise
+                row["auto_is_default"] = all(
+                    trainers["auto"].tiers[op] == tier
+                    for op, tier in zip(("attention", "loss"), DEFAULT, strict=True)
+                )
                 times = interleaved(trainers, args.rounds)
                 trainers.clear()
                 row["step_s"] = {name: round(statistics.median(t), 4) for name, t in times.items()}
@@ -219,7 +225,8 @@ def main(argv=None) -> int:
                     f"{row['auto_tiers']['attention']} / {row['auto_tiers']['loss']}; "
                     f"auto/best {row['auto_vs_best']:.3f}, auto/default "
                     f"{row.get('auto_vs_default', math.nan):.3f}, noise (auto again/auto) "
-                    f"{row['auto_again_vs_auto']:.3f}; measuring {row['measuring_s']:.1f} s",
+                    f"{row['auto_again_vs_auto']:.3f}; measuring {row['measuring_s']:.1f} s"
+                    + ("; auto kept the default's tiers" if row["auto_is_default"] else ""),
                     flush=True,
                 )
     worst_best = max((r["auto_vs_best"] for r in results), default=None)

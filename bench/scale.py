@@ -23,7 +23,9 @@ Each stage is its own process, and its peak memory is that process's maximum res
 - ``resume``: a run that checkpoints at step 2 and goes on to step 3, then resumed from that
   checkpoint: step 3's loss must come out the same (exact resume), and the checkpoint's size
   (only what trains) is printed.
-- ``fused`` / ``fused4``: ``mlxtune export --format fused`` (bf16, and ``--quantize 4``).
+- ``fused`` / ``fused4``: ``mlxtune export --format fused`` (bf16, and ``--quantize 4``) of
+  the resume stage's run, or without that stage of the first steps run (which then saves its
+  adapter).
 - ``gguf``: ``mlxtune export --format gguf --dtype q8_0`` (the smallest type mlxtune writes).
 - ``peer``: ``mlx_lm.fuse --dequantize`` of the same base and adapter, the peer's fused export.
 
@@ -236,7 +238,9 @@ def write_data(path: Path, n: int, length: int) -> None:
             f.write(json.dumps({"text": words(rng, length * 6)}) + "\n")
 
 
-def recipe(base: Path, data: Path, length: int, steps: int, gc: bool, every=None) -> dict:
+def recipe(
+    base: Path, data: Path, length: int, steps: int, gc: bool, every=None, save: bool = False
+) -> dict:
     return {
         "name": "scale",
         "model": {"path": str(base), "dtype": "float32"},
@@ -249,7 +253,8 @@ def recipe(base: Path, data: Path, length: int, steps: int, gc: bool, every=None
             "grad_checkpointing": gc,
         },
         "eval": {"every": None, "max_batches": 1},
-        "checkpoints": {"every": every, "save_final": every is not None, "save_best": False},
+        "checkpoints": {"every": every, "save_final": every is not None or save,
+                        "save_best": False},
         "memory": {"check": "warn"},
         # named tiers: the bench measures memory, and timing every tier at 8B would take long
         "kernels": {"loss": "chunked", "attention": "chunked", "autotune": False},
@@ -469,18 +474,23 @@ def run_stages(args, stages: list[str], work: Path, results: dict) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     data = work / "data.jsonl"
     write_data(data, 8, max(lengths))
+    exports = {"fused", "fused4", "gguf", "peer"} & set(stages)
+    # without the resume stage, the exports take the first steps run's final adapter
+    run_dir = work / "runs" / ("resume" if "resume" in stages else f"steps-{lengths[0]}")
     if "steps" in stages:
         results["steps"] = {}
         for length in lengths:
             for gc in (False, True):
                 key = f"{length}{'-gc' if gc else ''}"
+                save = bool(exports) and not gc and length == lengths[0]
                 res, _ = run_recipe(
-                    work, f"steps-{key}", recipe(base, data, length, args.steps, gc)
+                    work, f"steps-{key}", recipe(base, data, length, args.steps, gc, save=save)
                 )
                 results["steps"][key] = res
                 print(f"steps {key}: {res}", file=sys.stderr, flush=True)
-    run_dir = work / "runs" / "resume"
-    if {"resume", "fused", "fused4", "gguf", "peer"} & set(stages):
+    elif exports and "resume" not in stages and not (run_dir / "checkpoints" / "final").exists():
+        raise SystemExit("the exports need a trained run: add the resume or steps stage")
+    if "resume" in stages:
         length = lengths[0]
         res, run_dir = run_recipe(work, "resume", recipe(base, data, length, 3, True, every=2))
         results["resume"] = res

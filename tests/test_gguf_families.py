@@ -226,6 +226,8 @@ def test_mlxtune_reads_its_gguf_export_back_to_the_same_model(exported):
     name, model, config, path, want = exported
     back, back_config, _ = load_gguf(path, "float32")
     assert back_config["model_type"] == READS_AS.get(name, name)
+    if name == "bailing_moe":  # llama.cpp's bailingmoe2: Ling 2.0's class
+        assert back_config["architectures"] == ["BailingMoeV2ForCausalLM"]
     np.testing.assert_allclose(np.array(back(mx.array([IDS]))[0]), want, rtol=1e-5, atol=1e-5)
 
 
@@ -397,6 +399,32 @@ def test_a_family_llama_cpp_runs_otherwise_is_refused_with_the_reason(
     with pytest.raises(UserInputError, match=words):
         write_gguf_model(model, config, tokenizer, tokenizer_dir, tmp_path, "f32")
     assert not list(tmp_path.glob("*.gguf"))
+
+
+@pytest.mark.parametrize(
+    "published, arch",
+    [
+        # Ling-lite's config.json (Ling 1): softmax router, no query/key norms
+        ({"model_type": "bailing_moe", "norm_head": True, "num_shared_experts": 2}, "BailingMoe"),
+        # Ling-mini-2.0's: query/key norms, a sigmoid router with an expert bias
+        (
+            {
+                "model_type": "bailing_moe",
+                "use_qk_norm": True,
+                "score_function": "sigmoid",
+                "moe_router_enable_expert_bias": True,
+            },
+            "BailingMoeV2",
+        ),
+    ],
+)
+def test_ling_configs_name_their_own_generations_class(published, arch, tmp_path):
+    """mlx-lm runs Ling 1 and Ling 2.0 as one model_type; the saved config names the class each
+    was published under, which llama.cpp's converter picks its code by (bailingmoe for the
+    first, bailingmoe2 for the second, the layout mlxtune's GGUF export writes)."""
+    from mlxtune.models.common import hf_architecture
+
+    assert hf_architecture("bailing_moe", published) == f"{arch}ForCausalLM"
 
 
 def test_an_architecture_mlxtune_does_not_write_is_refused_by_name():

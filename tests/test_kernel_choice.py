@@ -69,6 +69,30 @@ def test_a_tier_that_fails_is_passed_over_and_none_fitting_takes_the_leanest():
     assert lean.tier == "chunked" and "leanest" in lean.why
 
 
+def test_the_default_keeps_a_shape_where_it_measured_within_the_edge_of_the_fastest():
+    both = ["native", "chunked"]
+    fits = peaks_of({"native": 1, "chunked": 1})
+
+    def chosen(native, chunked, budget=9):
+        times = {"native": native, "chunked": chunked}
+        return decide(ATT, both, clock_of(times), fits, budget, default="chunked")
+
+    near = chosen(0.100, 0.104)  # 4% slower: the default stays
+    assert near.tier == "chunked" and "within 5% of the fastest that fits (native)" in near.why
+    assert chosen(0.100, 0.106).tier == "native"  # 6% slower: the fastest takes the shape
+    assert chosen(0.2, 0.1).why == "the fastest that fits"
+    # a default over the budget is never kept, however close its time
+    over = decide(
+        ATT,
+        both,
+        clock_of({"native": 0.100, "chunked": 0.101}),
+        peaks_of({"native": 1, "chunked": 20}),
+        9,
+        default="chunked",
+    )
+    assert over.tier == "native"
+
+
 def test_a_named_tier_is_used_as_named_and_said_to_be_slow_past_twice_the_fastest():
     times = {"native": 0.1, "chunked": 0.25}
     both = ["native", "chunked"]

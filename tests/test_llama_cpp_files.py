@@ -253,7 +253,7 @@ SURVEY = [
     "gemma", "starcoder2", "mixtral", "olmoe", "granitemoe", "exaone_moe", "afmoe", "lfm2_moe",
     "olmo3", "cohere", "exaone", "ministral3", "seed_oss", "smollm3", "stablelm", "mamba",
     "mamba2", "falcon_h1", "nemotron_h", "lfm2", "phi", "gpt2", "deepseek", "deepseek_v2",
-    "deepseek_v3", "youtu_llm", "ernie4_5", "ernie4_5_moe", "nemotron", "minimax",
+    "deepseek_v3", "youtu_llm", "ernie4_5", "ernie4_5_moe", "nemotron", "minimax", "bailing_moe",
 ]  # fmt: skip
 
 
@@ -273,6 +273,7 @@ def test_each_shared_familys_llama_cpp_files_load_with_llama_cpps_logits(name, s
         model, _, _ = load_gguf(path, "float32")
         off[kind] = relative(np.array(model(mx.array([IDS]))[0]), llama_cpp_logits(reference))
     shutil.rmtree(tmp_path, ignore_errors=True)  # a family's files: about 1 GB
+    print(name, {kind: f"{d:.1e}" for kind, d in off.items()})  # docs/models.md's table (-s)
     assert max(off.values()) < TOL, off
 
 

@@ -190,3 +190,36 @@ def test_a_peft_export_of_layers_published_transposed_is_refused_by_name(name):
         assert why is None
     else:
         assert "Conv1D" in why and "h.0.attn.c_attn" in why
+
+
+def test_a_router_published_as_its_modules_own_weight_is_saved_so(tmp_path):
+    """Ling 2.0 (bailing_moe): the router's weight and expert bias sit on the gate module itself
+    in its published checkpoints (``mlp.gate.weight``, ``mlp.gate.expert_bias``, the names
+    llama.cpp's converter maps), where mlx-lm holds the weight in a ``gate_proj`` inside it."""
+    from safetensors.numpy import load_file
+
+    from mlxtune.models import family_classes
+
+    config = {
+        **tiny_config("bailing_moe", 64),
+        "score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+    }
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(normalise_config(config, args_class)))
+    folder, published = save_model(model, config, tmp_path / "m")
+    assert published
+    names = set()
+    for f in folder.glob("*.safetensors"):
+        names |= set(load_file(str(f)))
+    moe = config["first_k_dense_replace"]  # the first mixture layer
+    assert {
+        f"model.layers.{moe}.mlp.gate.weight",
+        f"model.layers.{moe}.mlp.gate.expert_bias",
+    } <= names
+    assert f"model.layers.{moe}.mlp.experts.0.gate_proj.weight" in names
+    assert not any(".gate.gate_proj." in n for n in names)
+    reloaded, _ = load_model(folder)
+    np.testing.assert_array_equal(
+        np.array(reloaded(mx.array([IDS]))[0]), np.array(model(mx.array([IDS]))[0])
+    )

@@ -38,6 +38,12 @@ LOST_BY = 2.0
 time there so far is not run again: its one time stands (it cannot win), and measuring costs
 less where a tier is far behind."""
 
+EDGE = 0.05
+"""The static default (the tier a run takes without measuring) keeps a shape unless another
+tier measured more than this much faster there. An op timed alone predicts its share of a whole
+step to a few percent (session 33's benches: a step's tiers agreed with their op times only
+beyond that), so a near tie is no reason to leave the default."""
+
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -119,11 +125,14 @@ def decide(
     peak_of: Callable[[str, Case], float],
     budget: float,
     named: str | None = None,
+    default: str | None = None,
 ) -> Decision:
     """The tier ``case`` runs in. Each tier's step peak (``peak_of``) is weighed against
     ``budget`` first: one over it is never timed nor chosen. The others are timed
-    (``seconds_of``; one that raises is passed over) and the fastest is taken. When none fits
-    (or none ran), the leanest is. ``named``: the tier the recipe names, taken as it is."""
+    (``seconds_of``; one that raises is passed over) and the fastest is taken, except that
+    ``default`` (the tier the run takes unmeasured) is kept where it fits and is within EDGE of
+    the fastest. When none fits (or none ran), the leanest is. ``named``: the tier the recipe
+    names, taken as it is."""
     rows = []
     for tier in tiers:
         peak = float(peak_of(tier, case))
@@ -146,6 +155,10 @@ def decide(
         return Decision(case, named, tuple(rows), why)
     if timed:
         best = min(timed, key=lambda r: r.seconds)
+        mine = next((r.seconds for r in timed if r.tier == default), None)
+        if best.tier != default and mine is not None and mine <= (1 + EDGE) * best.seconds:
+            why = f"the default: within {EDGE:.0%} of the fastest that fits ({best.tier})"
+            return Decision(case, default, tuple(rows), why)
         return Decision(case, best.tier, tuple(rows), "the fastest that fits")
     lean = min(rows, key=lambda r: r.peak)
     return Decision(case, lean.tier, tuple(rows), "the leanest: no tier's step fits or ran")

@@ -136,7 +136,15 @@ def measure_tiers(
         if named is not None and named not in tried:
             tried.append(named)
         decisions = [
-            decide(c, tried, seconds_of, lambda t, c: step_peak(shape, t, c), budget, named)
+            decide(
+                c,
+                tried,
+                seconds_of,
+                lambda t, c: step_peak(shape, t, c),
+                budget,
+                named,
+                default=tiers.get(op),
+            )
             for c in shapes[op]
         ]
         table[op] = [d.to_dict() for d in decisions]

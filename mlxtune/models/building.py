@@ -55,7 +55,7 @@ def build_model(
             f"vocab_size {config['vocab_size']} is smaller than the tokenizer's {vocab_size}",
             "model.arch.vocab_size",
         )
-    config.setdefault("architectures", [hf_architecture(config["model_type"])])
+    config.setdefault("architectures", [hf_architecture(config["model_type"], config)])
     config.setdefault("tie_word_embeddings", True)
     for k, v in (special_ids or {}).items():
         if v is not None:
@@ -165,7 +165,7 @@ def hf_payload(model: nn.Module, config: dict, dtype: str | None = None):
         }
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
     cfg.update(_settings_left_to_defaults(model, cfg))
-    cfg.setdefault("architectures", [hf_architecture(cfg.get("model_type", ""))])
+    cfg.setdefault("architectures", [hf_architecture(cfg.get("model_type", ""), cfg)])
     float_dtypes = {
         str(v.dtype).split(".")[-1] for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)
     }

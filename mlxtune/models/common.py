@@ -68,9 +68,29 @@ def family_classes(config: dict, where: str = "config.json"):
         raise UserInputError(f"model_type {mt!r} is not a model type mlx-lm knows", where) from None
 
 
-def hf_architecture(model_type: str) -> str:
+def _bailing_v2(config: dict) -> bool:
+    """Whether a bailing_moe config is Ling 2.0's (BailingMoeV2): query/key norms, or its
+    sigmoid router with an expert bias. mlx-lm runs both generations as one model_type; their
+    published classes, and llama.cpp's converters, differ."""
+    return bool(
+        config.get("use_qk_norm")
+        or config.get("score_function") == "sigmoid"
+        or config.get("moe_router_enable_expert_bias")
+    )
+
+
+# model_type -> (the class a config's settings call for, the test on the config)
+_BY_CONFIG = {"bailing_moe": ("BailingMoeV2ForCausalLM", _bailing_v2)}
+
+
+def hf_architecture(model_type: str, config: dict | None = None) -> str:
     """The transformers class that runs a model_type as a causal LM ("" where transformers has
-    none)."""
+    none); ``config`` picks between the generations of a model_type published under different
+    classes."""
+    if config is not None and model_type in _BY_CONFIG:
+        name, applies = _BY_CONFIG[model_type]
+        if applies(config):
+            return name
     if model_type in HF_ARCHITECTURES:
         return HF_ARCHITECTURES[model_type]
     try:

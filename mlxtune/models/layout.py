@@ -8,7 +8,8 @@ of the field) reads the published layout only.
 
 Each candidate layout is built from the held weights by the few rewrites the families'
 sanitize functions undo (experts one by one under the names families use, a gate/up pair
-concatenated, conv weights transposed, the ``model.`` prefix taken off), and a candidate counts
+concatenated, conv weights transposed, a projection named after its module made that module's
+own weight, the ``model.`` prefix taken off), and a candidate counts
 only when the family's own ``sanitize`` turns it back into exactly the held weights. The one
 per-family table (``_PREFIXES``) names what no round trip can tell: which of several forms a
 sanitize reads is the published one (GPT-NeoX's). Offsets sanitize adds
@@ -205,6 +206,20 @@ def _mla_joined(weights: dict) -> dict:
     return out
 
 
+def _flattened(weights: dict) -> dict | None:
+    """A projection named after the module holding it (Bailing's ``gate.gate_proj``) as that
+    module's own weight (``gate.weight``), as checkpoints publish it; None without such."""
+    out, changed = {}, False
+    for k, v in weights.items():
+        parts = k.split(".")
+        if len(parts) >= 3 and parts[-2] == f"{parts[-3]}_proj":
+            out[".".join([*parts[:-2], parts[-1]])] = v
+            changed = True
+        else:
+            out[k] = v
+    return out if changed else None
+
+
 # model_type -> (held prefix, published prefix), the first that matches applied: the names a
 # family's transformers class publishes where its sanitize reads several forms
 _PREFIXES = {
@@ -235,7 +250,11 @@ def _candidates(weights: dict, stacked: dict, convs: set, model_type: str | None
     for layout in layouts:
         if layout is not None:  # MLX's conv weight is [out, kernel, in]; torch's [out, in, kernel]
             layout = {k: v.swapaxes(1, 2) if k in convs else v for k, v in layout.items()}
-            yield _mla_joined(layout) if mla else layout
+            layout = _mla_joined(layout) if mla else layout
+            yield layout
+            flat = _flattened(layout)
+            if flat is not None:
+                yield flat
     if all(k.startswith("model.") for k in weights):
         # under the transformers model's own names, where sanitize reads more than one form
         # and so cannot tell which is published (GPT-NeoX's), then without the prefix (GPT-2's)

@@ -125,7 +125,7 @@ def gguf_config(g: GGUFModelFile) -> dict:
 
     if g.arch in _WHOLE:
         config = _WHOLE[g.arch](g, need)
-        config.setdefault("architectures", [hf_architecture(config["model_type"])])
+        config.setdefault("architectures", [hf_architecture(config["model_type"], config)])
         if "rope_scaling" not in config:  # Llama 3's, as a rope_freqs tensor
             heads = config.get("num_attention_heads") or 1
             head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
@@ -161,6 +161,8 @@ def gguf_config(g: GGUFModelFile) -> dict:
     if model_type == "gemma2":
         config.update(_gemma2_settings(g, config))
     config.update(_family_settings(g, config, kv_layers))
+    # a model_type published under one class a generation: the settings say which
+    config["architectures"] = [hf_architecture(model_type, config)]
     return config
 
 
