@@ -153,6 +153,9 @@ def hf_model(name: str, tok_dir: Path, out: Path) -> Path:
     if name == "phi":  # what llama.cpp's phi2 writes whatever the config: Phi-2's own shape
         n = cfg["num_attention_heads"]
         cfg.update(num_key_value_heads=n, intermediate_size=4 * cfg["hidden_size"])
+    if "mamba_d_head" in cfg:  # Granite 4 hybrids: heads x head size = expand x hidden, as
+        cfg.setdefault("mamba_expand", 2)  # their published configs (transformers checks it)
+        cfg["mamba_d_head"] = cfg["mamba_expand"] * cfg["hidden_size"] // cfg["mamba_n_heads"]
     cfg.update(FIXED.get(name, {}))
     cfg.setdefault("max_position_embeddings", 4096)  # the converter reads it
     if name == "gemma2":  # the converter reads it (mlx-lm's Gemma 2 has no window; the rows
@@ -253,7 +256,7 @@ SURVEY = [
     "gemma", "starcoder2", "mixtral", "olmoe", "granitemoe", "exaone_moe", "afmoe", "lfm2_moe",
     "olmo3", "cohere", "exaone", "ministral3", "seed_oss", "smollm3", "stablelm", "mamba",
     "mamba2", "falcon_h1", "nemotron_h", "lfm2", "phi", "gpt2", "deepseek", "deepseek_v2",
-    "deepseek_v3", "youtu_llm", "ernie4_5", "ernie4_5_moe", "nemotron", "minimax", "bailing_moe",
+    "deepseek_v3", "youtu_llm", "ernie4_5", "ernie4_5_moe", "nemotron", "minimax", "bailing_moe", "granitemoehybrid",
 ]  # fmt: skip
 
 

@@ -223,3 +223,20 @@ def test_a_router_published_as_its_modules_own_weight_is_saved_so(tmp_path):
     np.testing.assert_array_equal(
         np.array(reloaded(mx.array([IDS]))[0]), np.array(model(mx.array([IDS]))[0])
     )
+
+
+def test_a_default_malformed_in_mlx_lm_is_not_written_into_the_saved_config(tmp_path):
+    """mlx-lm's dots1 declares ``scoring_func: str`` with the default ``("noaux_tc",)`` (a
+    stray comma) and routes by a sigmoid whatever it says; written out, the one-element list
+    made llama.cpp's converter refuse the folder. Defaults of their declared type are kept."""
+    from mlxtune.models import family_classes
+
+    config = tiny_config("dots1", 64)
+    for k in ("n_group", "topk_group"):  # left to mlx-lm's defaults (1 and 1)
+        del config[k]
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(normalise_config(config, args_class)))
+    folder, _ = save_model(model, config, tmp_path / "m")
+    saved = json.loads((folder / "config.json").read_text())
+    assert "scoring_func" not in config and "scoring_func" not in saved
+    assert saved["n_group"] == 1 and saved["topk_group"] == 1  # defaults of their type: kept

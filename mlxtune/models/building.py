@@ -91,12 +91,23 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02):
     model.load_weights(new, strict=False)
 
 
+_SCALARS = ("str", "int", "float", "bool")
+
+
+def _of_declared_type(field: dataclasses.Field, value) -> bool:
+    """False where the field declares a plain scalar (str, int, float, bool) and ``value`` is
+    a container: a default written with a stray comma (mlx-lm's dots1 ``scoring_func``,
+    ``("noaux_tc",)``), which no reader of the saved config takes for the setting."""
+    declared = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    return not (declared in _SCALARS and isinstance(value, (tuple, list, dict)))
+
+
 def _settings_left_to_defaults(model: nn.Module, config: dict) -> dict:
     """The settings mlx-lm built ``model`` with that ``config`` leaves out (its defaults, and
     what it derives, such as a layer layout from a pattern key), so that the saved config
     describes the model that ran to any reader: transformers' defaults are not always
     mlx-lm's (Gemma 4's double-wide MLP), and transformers 5 builds its own layout when
-    ``layer_types`` is missing."""
+    ``layer_types`` is missing. A default not of its field's declared type is left out."""
     args = getattr(model, "args", None)
     if not dataclasses.is_dataclass(args):
         return {}
@@ -104,6 +115,8 @@ def _settings_left_to_defaults(model: nn.Module, config: dict) -> dict:
     for f in dataclasses.fields(args):
         value = getattr(args, f.name, None)
         if f.name in config or value is None or f.name.startswith("_"):
+            continue
+        if not _of_declared_type(f, value):  # a malformed default (dots1's ("noaux_tc",))
             continue
         try:
             json.dumps(value, allow_nan=False)
