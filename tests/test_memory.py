@@ -641,3 +641,31 @@ def test_the_mlp_width_a_token_keeps_reads_every_way_configs_write_it():
     assert active_intermediate(moe, 32) == 96  # the dense layers' width is wider
     moe.update(moe_intermediate_size=64, n_shared_experts=1)
     assert active_intermediate(moe, 32) == 3 * 64
+
+
+def test_a_blocks_trained_inputs_count_each_kept_input_once():
+    """LoRA on every linear layer of a llama block: the attention norm's output (q, k and v read
+    it), the attention's output (o_proj) and the MLP norm's output (gate and up); the down
+    projection's input, SwiGLU's product, is one of the MLP-wide arrays every step keeps."""
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    from mlxtune.adapters import LoRALinear
+    from mlxtune.memory import trained_inputs
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=48, num_hidden_layers=1, intermediate_size=80,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        vocab_size=64,
+    )  # fmt: skip
+    block = llama.Model(args).layers[0]
+    block.freeze()  # the base, as a LoRA run holds it
+    for parent in (block.self_attn, block.mlp):
+        for name, child in list(parent.children().items()):
+            if isinstance(child, nn.Linear):
+                parent[name] = LoRALinear.from_base(child, rank=4)
+    assert trained_inputs(block) == 48 + 4 * 16 + 48
+    block.mlp.down_proj = block.mlp.down_proj.linear  # only the MLP's down projection frozen
+    assert trained_inputs(block) == 48 + 4 * 16 + 48
+    block.self_attn.o_proj = block.self_attn.o_proj.linear
+    assert trained_inputs(block) == 48 + 48
