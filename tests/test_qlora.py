@@ -391,3 +391,42 @@ def test_a_few_rows_through_a_large_quantized_head_never_hold_it_dense():
     x = mx.random.normal((1, 6, 1024))
     mx.eval(x)
     assert peak_memory_mb(emb.as_linear, x) < 32
+
+
+def test_an_export_de_quantizes_a_large_head_a_block_of_rows_at_a_time(monkeypatch):
+    """A fused export to a narrower dtype de-quantizes a weight of more than WHOLE_ELEMENTS (an
+    LM head) a block of rows at a time, cast to the export's dtype block by block: the same values as
+    MLX's whole de-quantization, and a 64k x 1024 head (256 MB in fp32, twice that while MLX
+    de-quantizes it whole on the CPU) written in bf16 without ever holding it in fp32."""
+    from mlxtune.export.fused import dequantize
+    from mlxtune.models import quantize
+
+    monkeypatch.setattr(quantize, "WHOLE_ELEMENTS", 1 << 22)
+    head = nn.QuantizedLinear(1024, 1 << 16, bias=False, group_size=64, bits=4)
+    small = nn.QuantizedLinear(1024, 64, bias=True, group_size=64, bits=4)
+    mx.eval(head.parameters(), small.parameters())
+    model = nn.Module()
+    model.head, model.small = head, small
+    whole = np.array(mx.dequantize(head.weight, head.scales, head.biases, 64, 4))
+
+    dense, config = dequantize(model, {"quantization": {"bits": 4}}, "bfloat16")
+    assert "quantization" not in config
+    assert isinstance(dense.head, nn.Linear) and isinstance(dense.small, nn.Linear)
+    assert dense.head.weight.dtype == mx.bfloat16
+    got = np.array(dense.head.weight.astype(mx.float32))
+    want = np.array(mx.array(whole).astype(mx.bfloat16).astype(mx.float32))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(
+        np.array(dense.small.weight),
+        np.array(mx.dequantize(small.weight, small.scales, small.biases, 64, 4)),
+    )
+
+    def exported():  # the head's weight as an export writes it (dequantize replaces layers)
+        holder = nn.Module()
+        holder.head = head
+        return dequantize(holder, {}, "bfloat16")[0].head.weight
+
+    # the bf16 head (134 MB) and its blocks before they are joined; never 256 MB in fp32
+    assert peak_memory_mb(exported) < 420  # measured 336 MB
+    monkeypatch.setattr(quantize, "WHOLE_ELEMENTS", 1 << 30)  # whole: the test can fail
+    assert peak_memory_mb(exported) > 500  # measured 537 MB

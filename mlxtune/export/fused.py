@@ -19,6 +19,8 @@ from ..models import (
     shadow,
 )
 from ..models.building import hf_payload, write_hf
+from ..models.common import DTYPES
+from ..models.quantize import dequantized_by_rows
 from .weights import TrainedModel, adapter_modules
 
 
@@ -30,14 +32,33 @@ def fuse(model: nn.Module) -> nn.Module:
     return model
 
 
-def dequantize(model: nn.Module, config: dict) -> tuple[nn.Module, dict]:
-    """Every quantized layer back to a dense one, and the config without quantization."""
+def dequantize(model: nn.Module, config: dict, dtype: str | None = None) -> tuple[nn.Module, dict]:
+    """Every quantized layer back to a dense one (lazily; in ``dtype`` where given), and the
+    config without quantization. A weight of more than ``WHOLE_ELEMENTS`` (an LM head) that
+    ``dtype`` narrows is de-quantized and cast a block of rows at a time
+    (``dequantized_by_rows``)."""
     from mlx_lm.utils import dequantize_model
 
     if not any(is_quantized(m) for _, m in model.named_modules()):
         return model, config
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    return dequantize_model(model), config
+    target = DTYPES.get(dtype) if dtype is not None else None
+    by_rows = {
+        name: w
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        # joined blocks hold the weight twice in the narrower dtype: a gain only where that is
+        # narrower than the de-quantized weight's (bf16 from fp32 scales: 2 GB for an 8B head
+        # where the whole de-quantization held 4 GB)
+        and target is not None
+        and target.size < m.scales.dtype.size
+        and (w := dequantized_by_rows(m, target)) is not None
+    }
+    model = dequantize_model(model)  # the rest de-quantized whole, as mlx-lm does
+    layers = dict(model.named_modules())
+    for name, w in by_rows.items():
+        layers[name].weight = w
+    return model, config
 
 
 def write_fused(
@@ -68,7 +89,7 @@ def write_fused(
 def _fused_payload(t: TrainedModel, dtype, quantize, group_size):
     """(weights, config, published) of the fused model, lazy; the shadow it is built on goes
     when this returns."""
-    model, config = dequantize(fuse(shadow(t.model)), t.model_config)
+    model, config = dequantize(fuse(shadow(t.model)), t.model_config, dtype)
     if dtype is not None:
         cast_floats(model, dtype)
     if quantize is not None:

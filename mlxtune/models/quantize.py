@@ -140,6 +140,27 @@ def _row_blocks(out_rows: int, in_features: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, out_rows)) for i in range(0, out_rows, step)]
 
 
+def dequantized_by_rows(m: nn.Module, dtype=None) -> mx.array | None:
+    """A quantized linear or embedding layer's weight de-quantized (and cast to ``dtype``) a
+    block of rows at a time, each block once the one before is cast, lazily: what an export
+    writes of a weight of more than WHOLE_ELEMENTS (an LM head), which de-quantized whole holds
+    twice its fp32 size on the CPU. None for a smaller weight (de-quantized whole)."""
+    rows, packed = m.weight.shape[0], m.weight.shape[-1]
+    blocks = _row_blocks(rows, packed * 32 // m.bits)
+    if len(blocks) == 1:
+        return None
+    dense = _dense_after(m.group_size, m.bits, getattr(m, "mode", "affine"))
+    biases = m.get("biases")
+    parts, after = [], m.scales
+    for i, j in blocks:
+        b = None if biases is None else biases[i:j]
+        after = dense(m.weight[i:j], m.scales[i:j], b, after)
+        if dtype is not None:
+            after = after.astype(dtype)
+        parts.append(after)
+    return mx.concatenate(parts, axis=0)
+
+
 def _dequantizing_matmul(group_size: int, bits: int, mode: str, has_biases: bool):
     """x @ dequantize(w).T as a function of (x, w, scales[, biases]) whose VJP de-quantizes w
     again (the frozen base gets no gradient). A weight of more than ``WHOLE_ELEMENTS`` goes a
