@@ -240,3 +240,25 @@ def test_a_default_malformed_in_mlx_lm_is_not_written_into_the_saved_config(tmp_
     saved = json.loads((folder / "config.json").read_text())
     assert "scoring_func" not in config and "scoring_func" not in saved
     assert saved["n_group"] == 1 and saved["topk_group"] == 1  # defaults of their type: kept
+
+
+def test_a_string_window_pattern_is_saved_with_the_layer_types_it_means(tmp_path):
+    """EXAONE 4 runs its sliding and global layers from ``sliding_window_pattern: "LG"``;
+    its published configs hold ``layer_types`` beside it, and transformers 5 reads a string
+    pattern only with the list. The saved config spells the list out, transformers reads it,
+    and mlxtune reads the folder back to the same layers."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+
+    from mlxtune.models import family_classes
+
+    config = tiny_config("exaone4", 64)
+    model_class, args_class = family_classes(config)
+    model = model_class(args_class.from_dict(normalise_config(config, args_class)))
+    folder, _ = save_model(model, config, tmp_path / "m")
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["sliding_window_pattern"] == "LG"
+    assert saved["layer_types"] == ["sliding_attention", "full_attention"]
+    assert AutoConfig.from_pretrained(folder).layer_types == saved["layer_types"]
+    reloaded, _ = load_model(folder)
+    assert [layer.self_attn.is_local for layer in reloaded.model.layers] == [True, False]

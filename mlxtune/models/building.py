@@ -167,6 +167,23 @@ def write_weights(weights: dict, out: Path, metadata: dict | None = None) -> lis
     return names
 
 
+def _layer_types_of_pattern(cfg: dict) -> dict:
+    """``layer_types`` spelled out from a string ``sliding_window_pattern`` ("LLLG": L a
+    sliding layer, G a global one, repeated), where the config has none: EXAONE 4's published
+    configs hold both, and transformers 5 reads a string pattern only beside the list."""
+    pattern, n = cfg.get("sliding_window_pattern"), cfg.get("num_hidden_layers")
+    if "layer_types" in cfg or "sliding_window_pattern" not in cfg or not n:
+        return {}
+    if not isinstance(pattern, str) or not pattern or set(pattern) - {"L", "G"}:
+        return {}
+    return {
+        "layer_types": [
+            "sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+            for i in range(int(n))
+        ]
+    }
+
+
 def hf_payload(model: nn.Module, config: dict, dtype: str | None = None):
     """(weights in Hugging Face layout, config.json's contents, whether the layout is the
     published one): what ``save_model`` writes, as lazy as the model's weights are."""
@@ -178,6 +195,7 @@ def hf_payload(model: nn.Module, config: dict, dtype: str | None = None):
         }
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
     cfg.update(_settings_left_to_defaults(model, cfg))
+    cfg.update(_layer_types_of_pattern(cfg))
     cfg.setdefault("architectures", [hf_architecture(cfg.get("model_type", ""), cfg)])
     float_dtypes = {
         str(v.dtype).split(".")[-1] for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)
