@@ -444,7 +444,7 @@ def test_auto_max_length_is_the_longest_example_unless_one_does_not_fit(wide, tm
     assert 64 <= m < longest
     assert max(len(e.ids) for e in tr.train_set.examples) == m
     # the longest: 64 tokens more is over the budget's margin, by the plan the run sized with
-    from mlxtune.memory import MARGIN
+    from mlxtune.autosize import MARGIN
 
     longer = replace(shape_of(tr), length=m + 64 - 1, batch=1)
     assert estimate(longer)["total"] > MARGIN * 0.016 * GB

@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.optimizers as optim
 
 from .. import _blas
+from ..autosize import resolve_sizes
 from ..build import Built, build
 from ..config import Recipe, dump_yaml, inert_notes
 from ..engine.memory import described, keep_resident, stage
@@ -23,7 +24,7 @@ from ..engine.steps import Engine
 from ..errors import TrainingError, UserInputError
 from ..export import peft_refusal
 from ..kernels.selection import kernel_tiers
-from ..memory import Planned, plan, resolve_sizes, run_budget, shape_of
+from ..memory import Planned, plan, run_budget, shape_of
 from ..objectives import Objective
 from ..runs.checkpoint import named, restore
 from ..runs.rundir import RunDir, holds_a_run
