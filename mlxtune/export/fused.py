@@ -101,7 +101,7 @@ def _fused_payload(t: TrainedModel, dtype, quantize, group_size):
         config = {**config, "quantization": {"group_size": group_size, "bits": quantize}}
         dtype = None
     if reward_head(model) is not None:  # Hugging Face's sequence classifier, one label
-        arch = hf_architecture(config.get("model_type", "")) or "ForCausalLM"
+        arch = hf_architecture(config.get("model_type", ""), config) or "ForCausalLM"
         config = {
             **config,
             "architectures": [arch.replace("ForCausalLM", "ForSequenceClassification")],
