@@ -140,6 +140,13 @@ def _row_blocks(out_rows: int, in_features: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, out_rows)) for i in range(0, out_rows, step)]
 
 
+def _rows(dense, w, scales, biases, block: tuple[int, int], after):
+    """Rows [i, j) of a quantized weight de-quantized by ``dense`` (``_dense_after``), once
+    ``after`` exists."""
+    i, j = block
+    return dense(w[i:j], scales[i:j], None if biases is None else biases[i:j], after)
+
+
 def dequantized_by_rows(m: nn.Module, dtype=None) -> mx.array | None:
     """A quantized linear or embedding layer's weight de-quantized (and cast to ``dtype``) a
     block of rows at a time, each block once the one before is cast, lazily: what an export
@@ -150,11 +157,9 @@ def dequantized_by_rows(m: nn.Module, dtype=None) -> mx.array | None:
     if len(blocks) == 1:
         return None
     dense = _dense_after(m.group_size, m.bits, getattr(m, "mode", "affine"))
-    biases = m.get("biases")
     parts, after = [], m.scales
-    for i, j in blocks:
-        b = None if biases is None else biases[i:j]
-        after = dense(m.weight[i:j], m.scales[i:j], b, after)
+    for block in blocks:
+        after = _rows(dense, m.weight, m.scales, m.get("biases"), block, after)
         if dtype is not None:
             after = after.astype(dtype)
         parts.append(after)
@@ -171,8 +176,7 @@ def _dequantizing_matmul(group_size: int, bits: int, mode: str, has_biases: bool
     dense = _dense_after(group_size, bits, mode)
 
     def rows(w, scales, biases, block, after):
-        i, j = block
-        return dense(w[i:j], scales[i:j], None if biases is None else biases[i:j], after)
+        return _rows(dense, w, scales, biases, block, after)
 
     @mx.custom_function
     def f(x, w, scales, *biases):
