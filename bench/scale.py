@@ -18,8 +18,8 @@ Each stage is its own process, and its peak memory is that process's maximum res
 - ``load``: ``mlxtune.models.load_model`` of the checkpoint as a QLoRA run loads it.
 - ``steps``: ``mlxtune run`` of a LoRA recipe (rank 8 on every linear layer, batch 1) over the
   4-bit base for ``--steps`` steps at each of ``--lengths`` tokens, with and without gradient
-  checkpointing; the plan's estimate (config_resolved.json) against MLX's measured step peak
-  (summary.json) and the process's.
+  checkpointing (``--checkpointing``); the plan's estimate (config_resolved.json) against
+  MLX's measured step peak (summary.json) and the process's.
 - ``resume``: a run that checkpoints at step 2 and goes on to step 3, then resumed from that
   checkpoint: step 3's loss must come out the same (exact resume), and the checkpoint's size
   (only what trains) is printed.
@@ -394,6 +394,12 @@ def main() -> None:
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--checkpointing",
+        choices=["both", "off", "on"],
+        default="both",
+        help="the steps stage's runs: without gradient checkpointing, with it, or both",
+    )
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--keep", action="store_true")
     p.add_argument("--paper", action="store_true", help="the plan's figures for 70B and 235B-A22B")
@@ -476,13 +482,15 @@ def run_stages(args, stages: list[str], work: Path, results: dict) -> None:
     write_data(data, 8, max(lengths))
     exports = {"fused", "fused4", "gguf", "peer"} & set(stages)
     # without the resume stage, the exports take the first steps run's final adapter
-    run_dir = work / "runs" / ("resume" if "resume" in stages else f"steps-{lengths[0]}")
+    first = f"steps-{lengths[0]}{'-gc' if args.checkpointing == 'on' else ''}"
+    run_dir = work / "runs" / ("resume" if "resume" in stages else first)
     if "steps" in stages:
         results["steps"] = {}
+        gcs = {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]
         for length in lengths:
-            for gc in (False, True):
+            for gc in gcs:
                 key = f"{length}{'-gc' if gc else ''}"
-                save = bool(exports) and not gc and length == lengths[0]
+                save = bool(exports) and gc == gcs[0] and length == lengths[0]
                 res, _ = run_recipe(
                     work, f"steps-{key}", recipe(base, data, length, args.steps, gc, save=save)
                 )

@@ -227,11 +227,13 @@ def export_cmd(path, fmt, out, dtype, quantize, q_group_size):
     folder = (run_dir / "checkpoints").resolve()
     if out.resolve() == folder or folder in out.resolve().parents:
         raise UserInputError("is inside the run's checkpoints; choose another --out", str(out))
-    trained = load_checkpoint(ckpt)
+    # the base is read as the export computes each weight, and each goes once written
+    trained = load_checkpoint(ckpt, lazy=True)
     with staged_folder(out) as tmp:  # written beside it, flushed, renamed into place
         note = export(
-            trained, fmt, tmp, dtype, int(quantize) if quantize else None, int(q_group_size or 64)
-        )
+            trained, fmt, tmp, dtype, int(quantize) if quantize else None,
+            int(q_group_size or 64), consume=True,
+        )  # fmt: skip
     click.echo(f"wrote {fmt} from {ckpt} to {out}")
     if note:
         click.echo(note)

@@ -175,3 +175,100 @@ def test_each_stage_is_timed_and_its_peak_logged(tmp_path, data_dir, llama_dir):
     log = (tmp_path / "run" / "log.txt").read_text()
     assert "model, tokenizer and data loaded:" in log and "exported fused to" in log
     assert "GB resident" in log
+
+
+def test_safetensors_are_written_a_tensor_at_a_time_as_other_readers_read_them(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from mlxtune.models.building import write_safetensors
+
+    rng = np.random.default_rng(0)
+    want = {
+        "f32": rng.standard_normal((3, 5)).astype(np.float32),
+        "f16": rng.standard_normal((4,)).astype(np.float16),
+        "i64": rng.integers(-9, 9, (2, 3)).astype(np.int64),
+        "u32": rng.integers(0, 2**32 - 1, (5,), dtype=np.uint32),
+        "u8": rng.integers(0, 255, (7,), dtype=np.uint8),
+        "flag": np.array([True, False, True]),
+        "scalar": np.array(2.5, np.float32),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+    tensors = {k: mx.array(v) for k, v in want.items()}
+    bf16 = rng.standard_normal((6, 2)).astype(np.float32)
+    tensors["bf16"] = mx.array(bf16).astype(mx.bfloat16)
+    tensors["transposed"] = mx.array(want["f32"]).T  # not row-major as held
+    written = write_safetensors(tmp_path / "w.safetensors", tensors, {"format": "mlx"})
+    assert tensors == {}  # each taken out as it was written
+    theirs = load_file(tmp_path / "w.safetensors")  # safetensors' own reader
+    for k, v in want.items():
+        np.testing.assert_array_equal(theirs[k].numpy(), v)
+    np.testing.assert_array_equal(theirs["transposed"].numpy(), want["f32"].T)
+    ref = torch.tensor(bf16).to(torch.bfloat16)  # torch's rounding to bf16, not MLX's
+    assert torch.equal(theirs["bf16"], ref)
+    assert written == sum(t.numel() * t.element_size() for t in theirs.values())
+    ours = mx.load(str(tmp_path / "w.safetensors"))
+    np.testing.assert_array_equal(np.array(ours["u32"]), want["u32"])
+
+
+def _quantized_base(path, tokenizer, tokenizer_dir, layers: int):
+    """A 4-bit llama folder as mlx-community writes one (codes, scales, biases)."""
+    sizes = {**SIZES, "num_hidden_layers": layers}
+    model, config = build_model(tiny_arch("llama", **sizes), len(tokenizer._tokenizer), seed=5)
+    quantize_model(model, 4, 64)
+    config = {**config, "quantization": {"group_size": 64, "bits": 4}}
+    save_model(model, config, path, tokenizer, tokenizer_dir)
+    return path
+
+
+def test_an_export_command_reads_the_base_as_it_writes(
+    tmp_path, data_dir, tokenizer, tokenizer_dir
+):
+    """``mlxtune export`` reads the base lazily and drops each weight once its output is
+    written: it holds a weight or two, not the model; the files equal an export from the
+    model held whole, and a 4-bit export keeps the codes of every layer it did not adapt."""
+    from mlxtune.runs.checkpoint import find_checkpoint, load_checkpoint
+
+    base = _quantized_base(tmp_path / "base", tokenizer, tokenizer_dir, 16)
+    adapter = {"type": "lora", "rank": 8, "alpha": 16, "targets": ["all-linear"]}
+    r = tiny_recipe(data_dir, base, adapter=adapter, eval={"every": None})
+    r["train"] = {**r["train"], "max_steps": 2, "batch_size": 2}
+    build_run(r, tmp_path).run()
+    ckpt = find_checkpoint(tmp_path / "run")
+
+    held = load_checkpoint(ckpt)
+    mx.eval(held.model.parameters())
+    whole = sum(v.nbytes for _, v in tree_flatten(held.model.parameters()))
+    export(held, "fused", tmp_path / "held", "bfloat16")
+    del held
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    lazy = load_checkpoint(ckpt, lazy=True)
+    export(lazy, "fused", tmp_path / "lazy", "bfloat16", consume=True)
+    # one weight and its temporaries (held whole, the model alone is `whole`)
+    assert mx.get_peak_memory() - before < 0.4 * whole, (mx.get_peak_memory() - before, whole)
+    assert sum(v.size for _, v in tree_flatten(lazy.model.parameters())) == 0  # consumed
+    a = mx.load(str(tmp_path / "held" / "model.safetensors"))
+    b = mx.load(str(tmp_path / "lazy" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+    q = load_checkpoint(ckpt, lazy=True)
+    export(q, "fused", tmp_path / "q4", quantize=4, group_size=64, consume=True)
+    codes = mx.load(str(tmp_path / "q4" / "model.safetensors"))
+    src = mx.load(str(base / "model.safetensors"))
+    assert "lm_head.weight" not in src  # tied: the embedding is the head
+    for k in (
+        "model.embed_tokens.weight",
+        "model.embed_tokens.scales",
+        "model.embed_tokens.biases",
+    ):
+        np.testing.assert_array_equal(np.array(codes[k]), np.array(src[k]))
+    # an adapted layer is merged, then quantized: its de-quantized weight is the merged one's
+    name = "model.layers.3.mlp.down_proj"
+    merged = np.array(a[f"{name}.weight"].astype(mx.float32))
+    got = mx.dequantize(codes[f"{name}.weight"], codes[f"{name}.scales"], codes[f"{name}.biases"])
+    assert not np.array_equal(np.array(codes[f"{name}.weight"]), np.array(src[f"{name}.weight"]))
+    step = np.abs(merged).max() / 7
+    assert np.abs(np.array(got) - merged).max() < step

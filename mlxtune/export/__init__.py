@@ -45,6 +45,7 @@ from .weights import (
     load_trainable_weights,
     read_adapter,
     read_trainable,
+    release,
 )
 
 FORMATS = ("mlx-lm", "peft", "fused", "gguf", "gguf-adapter", "mlx-vlm")
@@ -57,9 +58,12 @@ def export(
     dtype: str | None = None,
     quantize: int | None = None,
     group_size: int = 64,
+    consume: bool = False,
 ):
     """Write format ``fmt`` into the (existing, empty) folder ``out``; returns a note for the
-    user, or None."""
+    user, or None. ``consume``: the trained model is this export's alone (a command that
+    exports once, over a base read lazily: ``load_checkpoint(..., lazy=True)``); a fused or
+    GGUF export drops each of its weights once written, and the model is left empty."""
     if quantize is not None and fmt != "fused":
         raise UserInputError(
             "--quantize applies to fused exports (gguf has --dtype q8_0)", "export"
@@ -91,7 +95,7 @@ def export(
     elif fmt == "fused":
         if dtype is not None and dtype not in DTYPES:
             raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
-        return write_fused(t, out, dtype, quantize, group_size)
+        return write_fused(t, out, dtype, quantize, group_size, consume)
     elif fmt == "gguf":
         # a GGUF base names the file after itself, without its .gguf
         name = (
@@ -102,13 +106,15 @@ def export(
         # the merge is lazy, on a copy the writer consumes: one weight computed at a time
         model, config = dequantize(fuse(shadow(t.model)), t.model_config)
         source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
+        write_reward_head(t.model, out)
+        if consume:
+            release(t.model)
         with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
             path = write_gguf_model(
                 model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source,
                 consume=True,
             )  # fmt: skip
         del model
-        write_reward_head(t.model, out)
         text = modelfile(t.tokenizer, f"./{path.name}", base_dir=t.base_dir)
         (out / "Modelfile").write_text(text)
     elif fmt == "gguf-adapter":

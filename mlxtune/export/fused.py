@@ -21,7 +21,7 @@ from ..models import (
 from ..models.building import hf_payload, write_hf
 from ..models.common import DTYPES
 from ..models.quantize import dequantized_by_rows
-from .weights import TrainedModel, adapter_modules
+from .weights import TrainedModel, adapter_modules, release
 
 
 def fuse(model: nn.Module) -> nn.Module:
@@ -32,21 +32,34 @@ def fuse(model: nn.Module) -> nn.Module:
     return model
 
 
-def dequantize(model: nn.Module, config: dict, dtype: str | None = None) -> tuple[nn.Module, dict]:
+def dequantize(
+    model: nn.Module, config: dict, dtype: str | None = None, keep: tuple[int, int] | None = None
+) -> tuple[nn.Module, dict]:
     """Every quantized layer back to a dense one (lazily; in ``dtype`` where given), and the
     config without quantization. A weight of more than ``WHOLE_ELEMENTS`` (an LM head) that
     ``dtype`` narrows is de-quantized and cast a block of rows at a time
-    (``dequantized_by_rows``)."""
+    (``dequantized_by_rows``). ``keep`` (bits, group size): affine layers quantized so stay as
+    they are, codes and all (an export quantized the same way: nothing to compute, nothing
+    lost)."""
     from mlx_lm.utils import dequantize_model
 
     if not any(is_quantized(m) for _, m in model.named_modules()):
         return model, config
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    kept = {
+        name: m
+        for name, m in model.named_modules()
+        if keep is not None
+        and is_quantized(m)
+        and (m.bits, m.group_size) == keep
+        and getattr(m, "mode", "affine") == "affine"
+    }
     target = DTYPES.get(dtype) if dtype is not None else None
     by_rows = {
         name: w
         for name, m in model.named_modules()
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        and name not in kept
         # joined blocks hold the weight twice in the narrower dtype: a gain only where that is
         # narrower than the de-quantized weight's (bf16 from fp32 scales: 2 GB for an 8B head
         # where the whole de-quantization held 4 GB)
@@ -58,6 +71,8 @@ def dequantize(model: nn.Module, config: dict, dtype: str | None = None) -> tupl
     layers = dict(model.named_modules())
     for name, w in by_rows.items():
         layers[name].weight = w
+    if kept:
+        model.update_modules(tree_unflatten(list(kept.items())))
     return model, config
 
 
@@ -67,15 +82,21 @@ def write_fused(
     dtype: str | None = None,
     quantize: int | None = None,
     group_size: int = 64,
+    consume: bool = False,
 ):
     """The model with its adapters merged in; de-quantized when the base was quantized, and
-    quantized again (``quantize`` bits, affine, per group of ``group_size``) when asked.
-    Returns a note when the weights could not be written in the published layout.
+    quantized again (``quantize`` bits, affine, per group of ``group_size``) when asked (a
+    base layer quantized that way already keeps its codes). Returns a note when the weights
+    could not be written in the published layout.
 
     The merge works on a ``shadow`` of the trained model, lazily: a weight is de-quantized and
-    merged as its shard is written, and goes once written, so the export holds the trained
-    model and one shard, never the whole model in full precision."""
+    merged as it is written, and goes once written, so the export holds the trained model and
+    one weight, never the whole model in full precision. ``consume``: the trained model is
+    the export's alone, and its weights go as they are written (over a lazily read base, the
+    export then holds one weight and what it is computed from)."""
     weights, config, published = _fused_payload(t, dtype, quantize, group_size)
+    if consume:
+        release(t.model)
     write_hf(weights, config, out, t.tokenizer, t.tokenizer_dir)
     if published or quantize is not None:  # MLX's quantized layout is mlx-lm's alone anyway
         return None
@@ -89,7 +110,8 @@ def write_fused(
 def _fused_payload(t: TrainedModel, dtype, quantize, group_size):
     """(weights, config, published) of the fused model, lazy; the shadow it is built on goes
     when this returns."""
-    model, config = dequantize(fuse(shadow(t.model)), t.model_config, dtype)
+    keep = (quantize, group_size) if quantize is not None else None
+    model, config = dequantize(fuse(shadow(t.model)), t.model_config, dtype, keep)
     if dtype is not None:
         cast_floats(model, dtype)
     if quantize is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from ..adapters import LoRALinear
 from ..errors import UserInputError
@@ -59,6 +59,14 @@ def load_trainable_weights(model: nn.Module, weights: dict, where: str):
             where,
         )
     model.load_weights(list(weights.items()), strict=False)
+
+
+def release(model: nn.Module) -> None:
+    """Drop every weight ``model`` holds (each becomes an empty array of its dtype): what an
+    export does once its lazy payload is built from a model that is its alone, so that each
+    weight (a lazily read base's, above all) goes once the output computed from it is
+    written."""
+    model.update(tree_map(lambda v: mx.zeros((0,), v.dtype), model.parameters()))
 
 
 # ------------------------------------------------------------------------------ formats

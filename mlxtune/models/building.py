@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -127,16 +128,32 @@ def _settings_left_to_defaults(model: nn.Module, config: dict) -> dict:
 
 
 SHARD_BYTES = 2 * 10**9
-"""The largest weights file a save writes (Hugging Face's sharded layout beyond it): a shard is
-computed and held whole while it is written, so this bounds what a save adds to memory."""
+"""The largest weights file a save writes (Hugging Face's sharded layout beyond it)."""
+
+# safetensors' names for MLX's dtypes
+_SAFETENSORS_DTYPES = {
+    mx.bool_: "BOOL",
+    mx.uint8: "U8",
+    mx.uint16: "U16",
+    mx.uint32: "U32",
+    mx.uint64: "U64",
+    mx.int8: "I8",
+    mx.int16: "I16",
+    mx.int32: "I32",
+    mx.int64: "I64",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.float32: "F32",
+    mx.float64: "F64",
+}
 
 
 def write_weights(weights: dict, out: Path, metadata: dict | None = None) -> list[str]:
     """``weights`` as ``model.safetensors``, or as shards of at most ``SHARD_BYTES`` with
     ``model.safetensors.index.json`` (the layout transformers and mlx-lm read) when they are
-    larger; the file names. Each weight is taken out of ``weights`` as its shard is written:
-    lazily computed weights (de-quantized, merged) are computed one shard at a time, and go
-    once written when nothing else holds them."""
+    larger; the file names. Each weight is taken out of ``weights``, computed, written and
+    dropped before the next (``write_safetensors``): lazily computed weights (de-quantized,
+    merged) hold memory one at a time, whatever the shard's size."""
     shards: list[list[str]] = [[]]
     size = 0
     for k, v in weights.items():
@@ -153,18 +170,38 @@ def write_weights(weights: dict, out: Path, metadata: dict | None = None) -> lis
     )
     total, where = 0, {}
     for name, keys in zip(names, shards, strict=True):
-        part = {k: weights.pop(k) for k in keys}
-        for v in part.values():  # one at a time: evaluated together, MLX may compute every
-            mx.eval(v)  # weight's sources (a shard's layers de-quantized) before any of them
-        total += sum(v.nbytes for v in part.values())
-        mx.save_safetensors(str(out / name), part, metadata=metadata or {})
+        total += write_safetensors(out / name, {k: weights.pop(k) for k in keys}, metadata)
         where.update(dict.fromkeys(keys, name))
-        del part
-        mx.clear_cache()  # the shard's buffers back to the system, not kept for the next
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": where}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return names
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict | None = None) -> int:
+    """A safetensors file written a tensor at a time: the header from the (lazy) tensors'
+    shapes, then each tensor taken out of ``tensors``, computed, written and dropped, so the
+    file is never held whole in memory. Returns the bytes of tensor data written."""
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for k, v in tensors.items():
+        header[k] = {
+            "dtype": _SAFETENSORS_DTYPES[v.dtype],
+            "shape": list(v.shape),
+            "data_offsets": [offset, offset + v.nbytes],
+        }
+        offset += v.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for k in list(tensors):
+            v = mx.contiguous(tensors.pop(k))  # row-major bytes (no copy when already)
+            mx.eval(v)
+            f.write(memoryview(v))
+            del v
+            mx.clear_cache()  # its buffers back to the system, not kept for the next
+    return offset
 
 
 def _layer_types_of_pattern(cfg: dict) -> dict:

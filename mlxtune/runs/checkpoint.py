@@ -370,10 +370,11 @@ def load_trained(path: str | Path, warn=None) -> TrainedModel:
     return load_checkpoint(find_checkpoint(path, warn))
 
 
-def base_model(state: dict) -> tuple[nn.Module, dict]:
+def base_model(state: dict, lazy: bool = False) -> tuple[nn.Module, dict]:
     """The model a checkpoint's run started from (``state``: its trainer_state.json), as the
     run loaded it: its base directory (a GGUF's quantized tensors kept under LoRA/DoRA, QLoRA's
-    quantization applied again), or a new model of its config for a run from scratch."""
+    quantization applied again), or a new model of its config for a run from scratch.
+    ``lazy``: a base directory's weights are not read yet (``load_model``'s ``lazy``)."""
     base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
     saved = (state.get("recipe") or {}).get("model") or {}
     # the run's recipe allowed the model's own code (or did not): so does its export
@@ -385,14 +386,18 @@ def base_model(state: dict) -> tuple[nn.Module, dict]:
         return load_vision_model(base, config, state.get("dtype", "float32"), trust), config
     keep = state["adapter"]["type"] in ("lora", "dora") and not saved.get("dequantize", False)
     q = saved.get("quantize")  # then quantized as it is read: a dense base is never held whole
-    model, config = load_model(base, state.get("dtype", "float32"), trust, keep, lazy=bool(q))
+    model, config = load_model(
+        base, state.get("dtype", "float32"), trust, keep, lazy=lazy or bool(q)
+    )
     if q:  # QLoRA: the adapters were trained over the quantized base
-        quantize_model(model, q["bits"], q["group_size"])
+        quantize_model(model, q["bits"], q["group_size"], evaluate=not lazy)
     return model, config
 
 
-def load_checkpoint(ckpt: Path) -> TrainedModel:
-    """Rebuild the trained model of a checkpoint ``find_checkpoint`` has found and checked."""
+def load_checkpoint(ckpt: Path, lazy: bool = False) -> TrainedModel:
+    """Rebuild the trained model of a checkpoint ``find_checkpoint`` has found and checked.
+    ``lazy``: the base's weights are read only when something computes with them (an export
+    that writes one weight at a time and drops each: ``export(..., consume=True)``)."""
     state = json.loads((ckpt / "trainer_state.json").read_text())
     if "model_config" not in state:
         raise UserInputError(
@@ -401,7 +406,7 @@ def load_checkpoint(ckpt: Path) -> TrainedModel:
     base = Path(state["base_model_dir"]) if state.get("base_model_dir") else None
     trust = bool(((state.get("recipe") or {}).get("model") or {}).get("trust_remote_code"))
     a = state["adapter"]
-    model, config = base_model(state)
+    model, config = base_model(state, lazy)
     adapt_model(  # as it trained (a vision model's tower frozen but where adapted)
         model,
         a["type"],

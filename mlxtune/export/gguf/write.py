@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from ...adapters import DoRALinear, LoRALinear, LoRASwitchLinear
 from ...errors import UserInputError
@@ -56,6 +56,7 @@ from ...gguf.tensors import (
     to_gguf,
 )
 from ...models.configs import standard_config
+from ..weights import release
 from .fixed import model_args, refusal
 from .hparams import add_hparams, add_rope_scaling, head_counts
 from .vocab import tokenizer_fields
@@ -298,7 +299,7 @@ def write_gguf_model(
     tied_head = scale is not None and "output.weight" not in names.values()
     tensors = held_stacked(model)
     if consume:  # the list holds the lazy weights now, and nothing else
-        model.update(tree_map(lambda v: mx.zeros((0,), v.dtype), model.parameters()))
+        release(model)
 
     def put(g: str, a: np.ndarray, kind: str = dtype) -> None:
         data, raw = _tensor_array(np.ascontiguousarray(a, dtype=np.float32), kind)
