@@ -302,7 +302,8 @@ def export_stage(work: Path, run_dir: Path, name: str, *flags: str) -> dict:
     size = (
         sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file()) if out_dir.exists() else 0
     )
-    largest = max((p.stat().st_size for p in out_dir.rglob("*.safetensors")), default=0)
+    files = [p for p in out_dir.rglob("*") if p.suffix in (".safetensors", ".gguf")]
+    largest = max((p.stat().st_size for p in files), default=0)
     res = {"exit": code, "seconds": round(seconds, 1), "peak_rss_gb": round(rss, 2)}
     res.update(written_gb=round(size / GB, 2), largest_file_gb=round(largest / GB, 2))
     if code:

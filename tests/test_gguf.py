@@ -348,3 +348,15 @@ def test_a_char_sentencepiece_model_uses_llama_cpp_llama_tokenizer(tmp_path):
     model, cfg = load_model(base)
     f, _, _ = read(write_gguf_model(model, cfg, load_tokenizer(base), base, tmp_path, "f32"))
     assert f["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.precompiled_charsmap" not in f
+
+
+def test_a_large_weight_is_quantized_to_q8_0_a_block_of_rows_at_a_time(monkeypatch):
+    """Row blocks give the same Q8_0 bytes as the whole weight quantized at once."""
+    from mlxtune.export.gguf import write
+
+    a = np.random.default_rng(0).standard_normal((37, 96)).astype(np.float32)
+    whole = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setattr(write, "_QUANTIZE_ELEMENTS", 96 * 5)  # 5 rows a block, 8 blocks
+    got, raw = write._tensor_array(a, "q8_0")
+    assert raw == gguf.GGMLQuantizationType.Q8_0
+    np.testing.assert_array_equal(got, whole)

@@ -416,9 +416,13 @@ def test_an_export_de_quantizes_a_large_head_a_block_of_rows_at_a_time(monkeypat
     got = np.array(dense.head.weight.astype(mx.float32))
     want = np.array(mx.array(whole).astype(mx.bfloat16).astype(mx.float32))
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(
-        np.array(dense.small.weight),
-        np.array(mx.dequantize(small.weight, small.scales, small.biases, 64, 4)),
+    np.testing.assert_array_equal(  # the rest de-quantized whole, then cast
+        np.array(dense.small.weight.astype(mx.float32)),
+        np.array(
+            mx.dequantize(small.weight, small.scales, small.biases, 64, 4)
+            .astype(mx.bfloat16)
+            .astype(mx.float32)
+        ),
     )
 
     def exported():  # the head's weight as an export writes it (dequantize replaces layers)
@@ -430,3 +434,75 @@ def test_an_export_de_quantizes_a_large_head_a_block_of_rows_at_a_time(monkeypat
     assert peak_memory_mb(exported) < 420  # measured 336 MB
     monkeypatch.setattr(quantize, "WHOLE_ELEMENTS", 1 << 30)  # whole: the test can fail
     assert peak_memory_mb(exported) > 500  # measured 537 MB
+
+
+def test_an_export_writes_a_large_head_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
+    """Given the blocks (``dequantize``'s ``rows``), the safetensors writer computes, writes and
+    drops the head a block at a time: it never holds the head whole, and writes MLX's whole
+    de-quantization, cast, byte for byte."""
+    from mlxtune.export.fused import dequantize
+    from mlxtune.models import quantize
+    from mlxtune.models.building import write_safetensors
+
+    monkeypatch.setattr(quantize, "WHOLE_ELEMENTS", 1 << 22)
+    head = nn.QuantizedLinear(1024, 1 << 16, bias=False, group_size=64, bits=4)
+    mx.eval(head.parameters())
+    want = np.array(
+        mx.dequantize(head.weight, head.scales, head.biases, 64, 4)
+        .astype(mx.bfloat16)
+        .astype(mx.float32)
+    )
+
+    def written(name: str, by_blocks: bool) -> int:
+        holder = nn.Module()
+        holder.head = head
+        rows: dict = {}
+        dense, _ = dequantize(holder, {}, "bfloat16", rows=rows)
+        weights = {"head.weight": dense.head.weight}
+        del dense, holder  # (de-quantized in place) the weights dict holds the head alone
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        write_safetensors(tmp_path / name, weights, None, rows if by_blocks else None)
+        assert weights == {}
+        return mx.get_peak_memory() - base
+
+    peak = written("blocks.safetensors", True)
+    assert peak < 64 * 2**20, peak  # the bf16 head alone is 128 MiB
+    got = mx.load(str(tmp_path / "blocks.safetensors"))["head.weight"]
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want)
+    assert written("joined.safetensors", False) > 2 * 128 * 2**20  # joined: the test can fail
+
+
+def test_a_gguf_export_reads_a_large_head_a_block_of_rows_at_a_time(monkeypatch):
+    """The GGUF writer fills a head ``dequantize`` holds as blocks of rows into its fp32 array a
+    block at a time: MLX never holds it whole, and the values are MLX's whole de-quantization."""
+    from mlxtune.export.fused import dequantize
+    from mlxtune.export.gguf.write import _as_numpy
+    from mlxtune.models import quantize
+
+    monkeypatch.setattr(quantize, "WHOLE_ELEMENTS", 1 << 22)
+    head = nn.QuantizedLinear(1024, 1 << 16, bias=False, group_size=64, bits=4)
+    mx.eval(head.parameters())
+    want = np.array(mx.dequantize(head.weight, head.scales, head.biases, 64, 4))
+
+    def read(by_blocks: bool):
+        holder = nn.Module()
+        holder.head = head
+        rows: dict = {}
+        dense, _ = dequantize(holder, {}, rows=rows)
+        tensors = [("head.weight", dense.head.weight)]
+        del dense, holder
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        got = _as_numpy(tensors, 0, rows if by_blocks else None)
+        assert tensors == [None] and rows == ({} if by_blocks else rows)
+        return got, mx.get_peak_memory() - base
+
+    got, peak = read(True)
+    np.testing.assert_array_equal(got, want)
+    assert peak < 64 * 2**20, peak  # the fp32 head alone is 256 MiB
+    assert read(False)[1] > 256 * 2**20  # joined: the test can fail

@@ -104,7 +104,8 @@ def export(
             else "model"
         )
         # the merge is lazy, on a copy the writer consumes: one weight computed at a time
-        model, config = dequantize(fuse(shadow(t.model)), t.model_config)
+        rows: dict = {}  # a large weight de-quantized a block of rows at a time
+        model, config = dequantize(fuse(shadow(t.model)), t.model_config, rows=rows)
         source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
         write_reward_head(t.model, out)
         if consume:
@@ -112,9 +113,10 @@ def export(
         with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
             path = write_gguf_model(
                 model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source,
-                consume=True,
+                consume=True, rows=rows,
             )  # fmt: skip
         del model
+        rows.clear()
         text = modelfile(t.tokenizer, f"./{path.name}", base_dir=t.base_dir)
         (out / "Modelfile").write_text(text)
     elif fmt == "gguf-adapter":

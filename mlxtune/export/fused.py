@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
@@ -20,7 +21,7 @@ from ..models import (
 )
 from ..models.building import hf_payload, write_hf
 from ..models.common import DTYPES
-from ..models.quantize import dequantized_by_rows
+from ..models.quantize import dequantized_rows
 from .weights import TrainedModel, adapter_modules, release
 
 
@@ -33,17 +34,27 @@ def fuse(model: nn.Module) -> nn.Module:
 
 
 def dequantize(
-    model: nn.Module, config: dict, dtype: str | None = None, keep: tuple[int, int] | None = None
+    model: nn.Module,
+    config: dict,
+    dtype: str | None = None,
+    keep: tuple[int, int] | None = None,
+    rows: dict | None = None,
 ) -> tuple[nn.Module, dict]:
-    """Every quantized layer back to a dense one (lazily; in ``dtype`` where given), and the
-    config without quantization. A weight of more than ``WHOLE_ELEMENTS`` (an LM head) that
-    ``dtype`` narrows is de-quantized and cast a block of rows at a time
-    (``dequantized_by_rows``). ``keep`` (bits, group size): affine layers quantized so stay as
-    they are, codes and all (an export quantized the same way: nothing to compute, nothing
-    lost)."""
+    """Every quantized layer back to a dense one (lazily; in ``dtype`` where given, the whole
+    model then cast to it), and the config without quantization. ``keep`` (bits, group size):
+    affine layers quantized so stay as they are, codes and all (an export quantized the same
+    way: nothing to compute, nothing lost).
+
+    A weight of more than ``WHOLE_ELEMENTS`` (an LM head) is de-quantized a block of rows at a
+    time (``dequantized_rows``) where a writer takes the blocks one by one: ``rows`` then maps
+    the id of each such weight to (the weight, its blocks), for ``write_safetensors``. Without
+    ``rows``, only where ``dtype`` narrows it (the blocks joined hold the weight twice in that
+    dtype, where de-quantizing it whole holds it twice in fp32)."""
     from mlx_lm.utils import dequantize_model
 
     if not any(is_quantized(m) for _, m in model.named_modules()):
+        if dtype is not None:
+            cast_floats(model, dtype)
         return model, config
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     kept = {
@@ -56,21 +67,22 @@ def dequantize(
     }
     target = DTYPES.get(dtype) if dtype is not None else None
     by_rows = {
-        name: w
+        name: parts
         for name, m in model.named_modules()
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and name not in kept
-        # joined blocks hold the weight twice in the narrower dtype: a gain only where that is
-        # narrower than the de-quantized weight's (bf16 from fp32 scales: 2 GB for an 8B head
-        # where the whole de-quantization held 4 GB)
-        and target is not None
-        and target.size < m.scales.dtype.size
-        and (w := dequantized_by_rows(m, target)) is not None
+        and (rows is not None or (target is not None and target.size < m.scales.dtype.size))
+        and (parts := dequantized_rows(m, target)) is not None
     }
     model = dequantize_model(model)  # the rest de-quantized whole, as mlx-lm does
+    if dtype is not None:
+        cast_floats(model, dtype)  # before the blocks go in: they are in it already
     layers = dict(model.named_modules())
-    for name, w in by_rows.items():
+    for name, parts in by_rows.items():
+        w = mx.concatenate(parts, axis=0)
         layers[name].weight = w
+        if rows is not None:
+            rows[id(w)] = (w, parts)
     if kept:
         model.update_modules(tree_unflatten(list(kept.items())))
     return model, config
@@ -94,10 +106,12 @@ def write_fused(
     one weight, never the whole model in full precision. ``consume``: the trained model is
     the export's alone, and its weights go as they are written (over a lazily read base, the
     export then holds one weight and what it is computed from)."""
-    weights, config, published = _fused_payload(t, dtype, quantize, group_size)
+    rows: dict = {}  # the weights de-quantized by blocks of rows: written a block at a time
+    weights, config, published = _fused_payload(t, dtype, quantize, group_size, rows)
     if consume:
         release(t.model)
-    write_hf(weights, config, out, t.tokenizer, t.tokenizer_dir)
+    write_hf(weights, config, out, t.tokenizer, t.tokenizer_dir, rows)
+    rows.clear()
     if published or quantize is not None:  # MLX's quantized layout is mlx-lm's alone anyway
         return None
     return (
@@ -107,11 +121,11 @@ def write_fused(
     )
 
 
-def _fused_payload(t: TrainedModel, dtype, quantize, group_size):
+def _fused_payload(t: TrainedModel, dtype, quantize, group_size, rows: dict):
     """(weights, config, published) of the fused model, lazy; the shadow it is built on goes
-    when this returns."""
+    when this returns. ``rows``: ``dequantize``'s."""
     keep = (quantize, group_size) if quantize is not None else None
-    model, config = dequantize(fuse(shadow(t.model)), t.model_config, dtype, keep)
+    model, config = dequantize(fuse(shadow(t.model)), t.model_config, dtype, keep, rows)
     if dtype is not None:
         cast_floats(model, dtype)
     if quantize is not None:

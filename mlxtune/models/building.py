@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .. import _malloc
 from ..errors import UserInputError
 from ..tokenizer import save_tokenizer
 from .common import DTYPES, cast_floats, family_classes, hf_architecture
@@ -148,7 +149,9 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def write_weights(weights: dict, out: Path, metadata: dict | None = None) -> list[str]:
+def write_weights(
+    weights: dict, out: Path, metadata: dict | None = None, rows: dict | None = None
+) -> list[str]:
     """``weights`` as ``model.safetensors``, or as shards of at most ``SHARD_BYTES`` with
     ``model.safetensors.index.json`` (the layout transformers and mlx-lm read) when they are
     larger; the file names. Each weight is taken out of ``weights``, computed, written and
@@ -170,7 +173,7 @@ def write_weights(weights: dict, out: Path, metadata: dict | None = None) -> lis
     )
     total, where = 0, {}
     for name, keys in zip(names, shards, strict=True):
-        total += write_safetensors(out / name, {k: weights.pop(k) for k in keys}, metadata)
+        total += write_safetensors(out / name, {k: weights.pop(k) for k in keys}, metadata, rows)
         where.update(dict.fromkeys(keys, name))
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": where}
@@ -178,10 +181,16 @@ def write_weights(weights: dict, out: Path, metadata: dict | None = None) -> lis
     return names
 
 
-def write_safetensors(path: Path, tensors: dict, metadata: dict | None = None) -> int:
+def write_safetensors(
+    path: Path, tensors: dict, metadata: dict | None = None, rows: dict | None = None
+) -> int:
     """A safetensors file written a tensor at a time: the header from the (lazy) tensors'
     shapes, then each tensor taken out of ``tensors``, computed, written and dropped, so the
-    file is never held whole in memory. Returns the bytes of tensor data written."""
+    file is never held whole in memory. Returns the bytes of tensor data written.
+
+    ``rows`` maps ``id(tensor)`` to (that tensor, the blocks of rows it joins): such a tensor
+    is written a block at a time, each computed and dropped before the next (an export's
+    de-quantized LM head: ``export.fused.dequantize``), never held whole."""
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for k, v in tensors.items():
@@ -196,11 +205,18 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict | None = None) -
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for k in list(tensors):
-            v = mx.contiguous(tensors.pop(k))  # row-major bytes (no copy when already)
-            mx.eval(v)
-            f.write(memoryview(v))
-            del v
+            v = tensors.pop(k)
+            entry = rows.pop(id(v), None) if rows else None
+            parts = entry[1] if entry is not None and entry[0] is v else [v]
+            del v, entry  # the joined tensor (lazy) goes: nothing holds the blocks but ``parts``
+            for i in range(len(parts)):
+                p = mx.contiguous(parts[i])  # row-major bytes (no copy when already)
+                parts[i] = None
+                mx.eval(p)
+                f.write(memoryview(p))
+                del p
             mx.clear_cache()  # its buffers back to the system, not kept for the next
+            _malloc.trim()  # and the heap's: the next weight's peak is its own
     return offset
 
 
@@ -225,9 +241,11 @@ def hf_payload(model: nn.Module, config: dict, dtype: str | None = None):
     """(weights in Hugging Face layout, config.json's contents, whether the layout is the
     published one): what ``save_model`` writes, as lazy as the model's weights are."""
     weights, published = hf_weights(model, dict(tree_flatten(model.parameters())))
-    if dtype is not None:
+    if dtype is not None:  # a weight already in it stays the same array
         weights = {
-            k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
+            k: v.astype(DTYPES[dtype])
+            if mx.issubdtype(v.dtype, mx.floating) and v.dtype != DTYPES[dtype]
+            else v
             for k, v in weights.items()
         }
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
@@ -242,12 +260,19 @@ def hf_payload(model: nn.Module, config: dict, dtype: str | None = None):
     return weights, cfg, published
 
 
-def write_hf(weights: dict, cfg: dict, out_dir: str | Path, tokenizer=None, tokenizer_dir=None):
-    """A ``hf_payload`` written: the weights (taken out of ``weights`` as written),
-    config.json and the tokenizer's files."""
+def write_hf(
+    weights: dict,
+    cfg: dict,
+    out_dir: str | Path,
+    tokenizer=None,
+    tokenizer_dir=None,
+    rows: dict | None = None,
+):
+    """A ``hf_payload`` written: the weights (taken out of ``weights`` as written; ``rows`` as
+    ``write_safetensors`` takes it), config.json and the tokenizer's files."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_weights(weights, out, {"format": "mlx"})
+    write_weights(weights, out, {"format": "mlx"}, rows)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     if tokenizer is not None:
         save_tokenizer(tokenizer, out, tokenizer_dir)

@@ -147,11 +147,11 @@ def _rows(dense, w, scales, biases, block: tuple[int, int], after):
     return dense(w[i:j], scales[i:j], None if biases is None else biases[i:j], after)
 
 
-def dequantized_by_rows(m: nn.Module, dtype=None) -> mx.array | None:
-    """A quantized linear or embedding layer's weight de-quantized (and cast to ``dtype``) a
-    block of rows at a time, each block once the one before is cast, lazily: what an export
-    writes of a weight of more than WHOLE_ELEMENTS (an LM head), which de-quantized whole holds
-    twice its fp32 size on the CPU. None for a smaller weight (de-quantized whole)."""
+def dequantized_rows(m: nn.Module, dtype=None) -> list[mx.array] | None:
+    """A quantized linear or embedding layer's weight de-quantized (and cast to ``dtype``) as
+    blocks of rows, each computed once the one before is cast, lazily: what an export writes of
+    a weight of more than WHOLE_ELEMENTS (an LM head), which de-quantized whole holds twice its
+    fp32 size on the CPU. None for a smaller weight (de-quantized whole)."""
     rows, packed = m.weight.shape[0], m.weight.shape[-1]
     blocks = _row_blocks(rows, packed * 32 // m.bits)
     if len(blocks) == 1:
@@ -163,7 +163,7 @@ def dequantized_by_rows(m: nn.Module, dtype=None) -> mx.array | None:
         if dtype is not None:
             after = after.astype(dtype)
         parts.append(after)
-    return mx.concatenate(parts, axis=0)
+    return parts
 
 
 def _dequantizing_matmul(group_size: int, bits: int, mode: str, has_biases: bool):

@@ -23,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ... import _malloc
 from ...adapters import DoRALinear, LoRALinear, LoRASwitchLinear
 from ...errors import UserInputError
 from ...gguf.file import open_gguf
@@ -94,6 +95,10 @@ def text_part(model, config: dict):
     return model, config
 
 
+_QUANTIZE_ELEMENTS = 1 << 24
+"""The most weights a GGUF type's quantizer is given at once (a head's rows go in blocks)."""
+
+
 def _tensor_array(a: np.ndarray, dtype: str):
     """(numpy data, raw dtype or None) for GGUFWriter.add_tensor, from an fp32 array."""
     import gguf
@@ -107,7 +112,35 @@ def _tensor_array(a: np.ndarray, dtype: str):
         return q, gguf.GGMLQuantizationType.BF16
     if a.shape[-1] % 32:  # q8_0 packs 32 values per block
         return a.astype(np.float16), None
-    return gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    # a block of rows at a time: the quantizer's temporaries are each the size of what it is given
+    step = max(1, _QUANTIZE_ELEMENTS // a.shape[-1]) if a.ndim == 2 else len(a)
+    if len(a) <= step:
+        return gguf.quants.quantize(a, q8), q8
+    return np.concatenate(
+        [gguf.quants.quantize(a[i : i + step], q8) for i in range(0, len(a), step)]
+    ), q8
+
+
+def _as_numpy(tensors: list, i: int, rows: dict | None) -> np.ndarray:
+    """``tensors[i]``'s weight in fp32 NumPy, taken out of the list. One that ``rows`` holds
+    as blocks of rows (``export.fused.dequantize``) is filled in a block at a time, so MLX never
+    holds it whole (on the CPU its whole de-quantization holds twice its fp32 size)."""
+    v = tensors[i][1]
+    tensors[i] = None
+    entry = rows.pop(id(v), None) if rows else None
+    if entry is None or entry[0] is not v:
+        return np.array(v.astype(mx.float32))
+    parts, out = entry[1], np.empty(v.shape, np.float32)
+    del v, entry  # the joined weight (lazy) goes: nothing holds the blocks but ``parts``
+    start = 0
+    for k in range(len(parts)):
+        block = parts[k]
+        parts[k] = None
+        out[start : start + block.shape[0]] = np.array(block.astype(mx.float32))
+        start += block.shape[0]
+        del block
+    return out
 
 
 def held_stacked(model) -> list[tuple[str, mx.array]]:
@@ -263,6 +296,7 @@ def write_gguf_model(
     name: str = "model",
     tokenizer_gguf: Path | None = None,
     consume: bool = False,
+    rows: dict | None = None,
 ):
     """The (already fused) model as one GGUF file; returns its path. ``tokenizer_gguf``: a GGUF
     file whose tokenizer fields are copied as they are (a run over a GGUF base).
@@ -270,7 +304,8 @@ def write_gguf_model(
     Tensors are written one at a time through a temporary file beside the output, so the
     writer holds one tensor, not the file. ``consume``: the model is an export's own lazy copy
     (adapters merged in, de-quantized: ``models.shadow``), whose weights are dropped from it
-    before writing, so that each is computed as it is written and goes after."""
+    before writing, so that each is computed as it is written and goes after. ``rows``:
+    weights held as blocks of rows (``export.fused.dequantize``), read a block at a time."""
     import gguf
 
     if dtype not in DTYPES:
@@ -307,9 +342,8 @@ def write_gguf_model(
         shapes[g] = a.shape[::-1]
 
     for i in range(len(tensors)):
-        hf, v = tensors[i]
-        tensors[i] = None  # the list held it: computed, written, and gone
-        held, v = np.array(v.astype(mx.float32)), None
+        hf = tensors[i][0]
+        held = _as_numpy(tensors, i, rows)  # the list held it: computed, written, and gone
         if ".xielu." in names[hf]:  # Apertus: one value per layer, as metadata
             block, key = names[hf].split(".")[1], names[hf].rsplit(".", 1)[-1]
             xielu.setdefault(key, {})[int(block)] = float(held.reshape(-1)[0])
@@ -318,6 +352,9 @@ def write_gguf_model(
             put(g, a, kind)
         if tied_head and names[hf] == "token_embd.weight":
             put("output.weight", held * scale)
+        del held
+        mx.clear_cache()  # what computing it took goes back before the next
+        _malloc.trim()
     if family.arch == "deci":  # no-op sublayers as llama.cpp's deci can hold them
         for g, a in deci_fillers(deci, int(args.hidden_size), no_op):
             if g not in shapes:
