@@ -1,0 +1,82 @@
+"""One rank of a fully sharded step (``mlxtune.fsdp``) against the unsharded one, under
+``mlx.launch``: ``fsdp_worker.py OUT MODE`` (MODE: full or lora) writes what it found to
+OUT/rank-R.json."""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import shake_adapters, tiny_arch  # noqa: E402
+from mlxtune.adapters import adapt_model  # noqa: E402
+from mlxtune.fsdp import ShardedUnit, scatter_kind, shard_blocks  # noqa: E402
+from mlxtune.models import build_model  # noqa: E402
+
+
+def loss_sum(model, x, y):
+    logits = model(x).astype(mx.float32)
+    return nn.losses.cross_entropy(logits, y, reduction="sum")
+
+
+def main():
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    group = mx.distributed.init()
+    n, rank = group.size(), group.rank()
+    model, _ = build_model(tiny_arch("llama", num_key_value_heads=1), 61, seed=7)
+    if mode == "lora":
+        adapt_model(model, "lora", 4, 8, 0.0, ["all-linear"], None, False)
+        shake_adapters(model)
+    else:
+        model.unfreeze()
+    mx.eval(model.parameters())
+    tokens = mx.random.randint(0, 61, (4, 13), key=mx.random.key(11))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    count = y.size
+
+    def loss(m, x, y):
+        return loss_sum(m, x, y) / count
+
+    want_loss, want = nn.value_and_grad(model, loss)(model, x, y)
+    want = dict(tree_flatten(want))
+    held = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
+    blocks_held = sum(v.nbytes for _, v in tree_flatten([b.parameters() for b in model.layers]))
+    mx.eval(want_loss, want)
+
+    shard_blocks(model, group)
+    mine = slice(rank, None, n)  # this rank's rows of the batch
+    got_loss, got = nn.value_and_grad(model, loss)(model, x[mine], y[mine])
+    got_loss = mx.distributed.all_sum(got_loss, group=group)
+    pieces = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
+    blocks_pieces = sum(v.nbytes for _, v in tree_flatten([b.parameters() for b in model.layers]))
+    worst = 0.0
+    for k, g in tree_flatten(got):
+        name = k.replace(".module.", ".")
+        w = want[name]
+        if k != name:  # a block's piece: the whole gradient gathered from every rank's piece
+            block = model.layers[int(k.split(".")[2])]
+            assert isinstance(block, ShardedUnit)
+            whole = mx.distributed.all_gather(g[None], group=group).reshape(-1)
+            g = whole[: w.size].reshape(w.shape)
+        else:  # outside the blocks: replicated, summed as data parallelism does
+            g = mx.distributed.all_sum(g, group=group)
+        worst = max(worst, (mx.abs(g - w).max() / (mx.abs(w).max() + 1e-12)).item())
+    result = {
+        "loss": got_loss.item(),
+        "want_loss": want_loss.item(),
+        "worst_grad": worst,
+        "grads": len(want),
+        "trainable_bytes": pieces,
+        "unsharded_bytes": held,
+        "block_bytes": blocks_pieces,  # every parameter of the blocks, frozen ones included
+        "unsharded_block_bytes": blocks_held,
+        "scatter": scatter_kind(group),
+    }
+    (out / f"rank-{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

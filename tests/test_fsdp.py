@@ -1,0 +1,52 @@
+"""Fully sharded data parallelism (``mlxtune.fsdp``) on MLX's ring backend, two processes on
+this CPU: the loss and every gradient of a sharded step equal the unsharded step's, and each
+rank holds half of what trains."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import REPO
+from mlxtune.distributed import free_ports
+from mlxtune.fsdp import shard_of
+
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+def test_pieces_of_any_shape_join_back():
+    a = mx.arange(2 * 3 * 5, dtype=mx.float32).reshape(2, 3, 5)
+    for n in (1, 2, 4, 7):
+        pieces = [np.array(shard_of(a, n, r)) for r in range(n)]
+        assert len({p.size for p in pieces}) == 1  # equal pieces
+        joined = np.concatenate(pieces)
+        np.testing.assert_array_equal(joined[: a.size], np.arange(30))
+        np.testing.assert_array_equal(joined[a.size :], 0)  # the padding
+    np.testing.assert_array_equal(np.array(shard_of(mx.array(3.0), 2, 0)), [3.0])
+
+
+@pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_sharded_step_equals_the_unsharded_one(tmp_path, mode):
+    cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
+    cmd += [sys.executable, str(WORKER), str(tmp_path), mode]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    # mlx.launch exits 0 whatever its processes did: each rank's file says it finished
+    done = all((tmp_path / f"rank-{r}.json").exists() for r in range(2))
+    assert p.returncode == 0 and done, p.stdout[-3000:] + p.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    for got in ranks:
+        assert got["scatter"] == "all_sum"  # ring has no sum_scatter: the fallback ran
+        assert got["loss"] == pytest.approx(got["want_loss"], rel=1e-5)
+        assert got["worst_grad"] < 1e-5, got
+        # every parameter of the blocks (a LoRA run's frozen base too) is halved, up to the
+        # padding of odd sizes; the embedding and head stay whole
+        assert got["block_bytes"] <= got["unsharded_block_bytes"] / 2 + 64
+        assert got["trainable_bytes"] < got["unsharded_bytes"]
+        if mode == "lora":  # everything that trains is in the blocks
+            assert got["trainable_bytes"] * 2 == got["unsharded_bytes"]
