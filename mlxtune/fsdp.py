@@ -26,6 +26,7 @@ needs ``sum_scatter``; this module shards any shape and runs on every backend.
 from __future__ import annotations
 
 import math
+import re
 from functools import cache
 
 import mlx.core as mx
@@ -133,12 +134,13 @@ class ShardedUnit(nn.Module):
                 raise
             return getattr(self["module"], name)
 
-    def whole(self) -> list[tuple[str, mx.array]]:
-        """The module's whole parameters (gathered), by path."""
+    def whole(self, frozen: bool = True) -> list[tuple[str, mx.array]]:
+        """The module's whole parameters (gathered), by path; only what trains unless
+        ``frozen``."""
         pieces = dict(tree_flatten(self.module.parameters()))
         out = []
         for spec, gather in zip((self._trained, self._frozen), self._gathers, strict=True):
-            if spec:
+            if spec and (frozen or spec is self._trained):
                 fulls = gather([pieces[k] for k, _ in spec])
                 out += [(k, w) for (k, _), w in zip(spec, fulls, strict=True)]
         return out
@@ -151,6 +153,17 @@ class ShardedUnit(nn.Module):
         finally:
             self.module.update(pieces)
 
+    def put_whole(self, weights: dict[str, mx.array]) -> None:
+        """Set parameters of the module from whole values (by path; a checkpoint written at
+        any world size): this rank keeps its pieces."""
+        n, rank = self._group.size(), self._group.rank()
+        self.module.update(tree_unflatten([(k, shard_of(v, n, rank)) for k, v in weights.items()]))
+
+    def unsharded(self) -> nn.Module:
+        """The module with its whole parameters back (every rank gathers: all must call it)."""
+        self.module.update(tree_unflatten(self.whole()))
+        return self.module
+
 
 def shard_blocks(model: nn.Module, group: mx.distributed.Group | None = None) -> int:
     """Every block of ``model.layers`` as a ``ShardedUnit``, in place; the number of blocks."""
@@ -160,4 +173,90 @@ def shard_blocks(model: nn.Module, group: mx.distributed.Group | None = None) ->
     return len(blocks)
 
 
-__all__ = ["ShardedUnit", "scatter_kind", "shard_blocks", "shard_of"]
+def unshard_blocks(model: nn.Module) -> int:
+    """Every ``ShardedUnit`` of ``model.layers`` back to its block with whole parameters, in
+    place (every rank must call it: the gathers are collectives); the number unsharded. What
+    rank 0 alone then does with the model (exports, samples) needs no other rank."""
+    blocks, n = model.layers, 0
+    for i in range(len(blocks)):
+        if isinstance(blocks[i], ShardedUnit):
+            blocks[i] = blocks[i].unsharded()
+            n += 1
+    mx.eval(model.parameters())
+    return n
+
+
+def unsharded_name(path: str) -> str:
+    """A parameter's path as the unsharded model names it (``layers.3.module.mlp...`` ->
+    ``layers.3.mlp...``)."""
+    return path.replace(".module.", ".")
+
+
+_IN_UNIT = re.compile(r"(?:^|\.)layers\.(\d+)\.module\.")
+
+
+def _unit_of(path: str, model: nn.Module) -> tuple[ShardedUnit, str] | None:
+    """(the unit, the path inside its module) of a parameter held as a piece, else None."""
+    m = _IN_UNIT.search(path)
+    if m is None:
+        return None
+    block = model.layers[int(m.group(1))]
+    return (block, path[m.end() :]) if isinstance(block, ShardedUnit) else None
+
+
+def whole_trainable(model: nn.Module) -> dict[str, mx.array]:
+    """What trains, whole and under the unsharded model's names: each block's pieces gathered
+    (a collective: every rank calls it), the rest as held. What a checkpoint writes, so that
+    it resumes at any world size."""
+    out, gathered = {}, {}
+    for k, v in tree_flatten(model.trainable_parameters()):
+        found = _unit_of(k, model)
+        if found is None:
+            out[k] = v
+            continue
+        unit, inner = found
+        if id(unit) not in gathered:
+            gathered[id(unit)] = dict(unit.whole(frozen=False))
+        out[unsharded_name(k)] = gathered[id(unit)][inner]
+    return out
+
+
+def put_whole_trainable(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Set what trains from whole values under the unsharded model's names (``whole_trainable``
+    of a run at any world size): each rank keeps its pieces of a block's, the rest as given."""
+    per_unit: dict[int, tuple[ShardedUnit, dict]] = {}
+    plain = []
+    for k, _ in tree_flatten(model.trainable_parameters()):
+        name = unsharded_name(k)
+        if name not in weights:
+            continue
+        found = _unit_of(k, model)
+        if found is None:
+            plain.append((k, weights[name]))
+        else:
+            unit, inner = found
+            per_unit.setdefault(id(unit), (unit, {}))[1][inner] = weights[name]
+    for unit, values in per_unit.values():
+        unit.put_whole(values)
+    if plain:
+        model.update(tree_unflatten(plain))
+
+
+def sharded_paths(model: nn.Module) -> set[str]:
+    """The paths (as ``tree_flatten`` of the model's parameters names them) of the pieces:
+    their gradients come summed over ranks already, and their squares sum over ranks for a
+    gradient norm, where the other parameters' are the same on every rank."""
+    return {k for k, _ in tree_flatten(model.parameters()) if _unit_of(k, model) is not None}
+
+
+__all__ = [
+    "ShardedUnit",
+    "put_whole_trainable",
+    "scatter_kind",
+    "shard_blocks",
+    "shard_of",
+    "sharded_paths",
+    "unshard_blocks",
+    "unsharded_name",
+    "whole_trainable",
+]

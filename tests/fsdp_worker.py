@@ -13,7 +13,15 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import shake_adapters, tiny_arch  # noqa: E402
 from mlxtune.adapters import adapt_model  # noqa: E402
-from mlxtune.fsdp import ShardedUnit, scatter_kind, shard_blocks  # noqa: E402
+from mlxtune.fsdp import (  # noqa: E402
+    ShardedUnit,
+    put_whole_trainable,
+    scatter_kind,
+    shard_blocks,
+    sharded_paths,
+    unshard_blocks,
+    whole_trainable,
+)
 from mlxtune.models import build_model  # noqa: E402
 
 
@@ -40,11 +48,14 @@ def main():
     def loss(m, x, y):
         return loss_sum(m, x, y) / count
 
+    original = dict(tree_flatten(model.trainable_parameters()))
+    original_all = dict(tree_flatten(model.parameters()))
+    want_logits = model(x)
     want_loss, want = nn.value_and_grad(model, loss)(model, x, y)
     want = dict(tree_flatten(want))
     held = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
     blocks_held = sum(v.nbytes for _, v in tree_flatten([b.parameters() for b in model.layers]))
-    mx.eval(want_loss, want)
+    mx.eval(want_loss, want, want_logits)
 
     shard_blocks(model, group)
     mine = slice(rank, None, n)  # this rank's rows of the batch
@@ -64,7 +75,29 @@ def main():
         else:  # outside the blocks: replicated, summed as data parallelism does
             g = mx.distributed.all_sum(g, group=group)
         worst = max(worst, (mx.abs(g - w).max() / (mx.abs(w).max() + 1e-12)).item())
+    # what a checkpoint writes: the whole trained weights under the unsharded names
+    before = dict(tree_flatten(model.trainable_parameters()))
+    whole = whole_trainable(model)
+    trained_names = set(dict(tree_flatten(want)))
+    same = whole.keys() == trained_names and all(
+        mx.array_equal(whole[k], original[k]).item() for k in whole
+    )
+    # read back at any world size: every rank keeps its pieces of the whole values
+    put_whole_trainable(model, {k: v + 1 for k, v in whole.items()})
+    again = whole_trainable(model)
+    moved = all(mx.array_equal(again[k], whole[k] + 1).item() for k in whole)
+    put_whole_trainable(model, whole)
+    n_pieces = len(sharded_paths(model))
+    unshard_blocks(model)  # whole blocks back: rank 0 alone may now use the model
+    after = dict(tree_flatten(model.parameters()))
+    logits_equal = mx.allclose(model(x), want_logits, atol=1e-5).item()
+    del before
     result = {
+        "checkpoint_round_trip": same and moved,
+        "pieces": n_pieces,
+        "block_params": sum(len(tree_flatten(b.parameters())) for b in model.layers),
+        "unsharded_names": after.keys() == original_all.keys(),
+        "unsharded_logits": logits_equal,
         "loss": got_loss.item(),
         "want_loss": want_loss.item(),
         "worst_grad": worst,

@@ -48,5 +48,10 @@ def test_a_sharded_step_equals_the_unsharded_one(tmp_path, mode):
         # padding of odd sizes; the embedding and head stay whole
         assert got["block_bytes"] <= got["unsharded_block_bytes"] / 2 + 64
         assert got["trainable_bytes"] < got["unsharded_bytes"]
+        # a checkpoint's weights: whole, under the unsharded names, read back at any world size
+        assert got["checkpoint_round_trip"]
+        assert got["pieces"] == got["block_params"]
+        # the blocks whole again (before rank 0 alone exports or samples): the same model
+        assert got["unsharded_names"] and got["unsharded_logits"]
         if mode == "lora":  # everything that trains is in the blocks
             assert got["trainable_bytes"] * 2 == got["unsharded_bytes"]
