@@ -97,28 +97,7 @@ def export(
             raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
         return write_fused(t, out, dtype, quantize, group_size, consume)
     elif fmt == "gguf":
-        # a GGUF base names the file after itself, without its .gguf
-        name = (
-            (Path(t.base_dir).stem if Path(t.base_dir).is_file() else Path(t.base_dir).name)
-            if t.base_dir
-            else "model"
-        )
-        # the merge is lazy, on a copy the writer consumes: one weight computed at a time
-        rows: dict = {}  # a large weight de-quantized a block of rows at a time
-        model, config = dequantize(fuse(shadow(t.model)), t.model_config, rows=rows)
-        source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
-        write_reward_head(t.model, out)
-        if consume:
-            release(t.model)
-        with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
-            path = write_gguf_model(
-                model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source,
-                consume=True, rows=rows,
-            )  # fmt: skip
-        del model
-        rows.clear()
-        text = modelfile(t.tokenizer, f"./{path.name}", base_dir=t.base_dir)
-        (out / "Modelfile").write_text(text)
+        _export_gguf(t, out, dtype, consume)
     elif fmt == "gguf-adapter":
         if t.adapter["type"] != "lora":
             raise UserInputError(
@@ -135,6 +114,33 @@ def export(
             (out / "Modelfile").write_text(text)
     else:
         raise UserInputError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}", "export")
+
+
+def _export_gguf(t: TrainedModel, out: Path, dtype: str | None, consume: bool) -> None:
+    """The ``gguf`` format: the fused model as one GGUF file, a Modelfile beside it (and a
+    reward model's head)."""
+    # a GGUF base names the file after itself, without its .gguf
+    name = (
+        (Path(t.base_dir).stem if Path(t.base_dir).is_file() else Path(t.base_dir).name)
+        if t.base_dir
+        else "model"
+    )
+    # the merge is lazy, on a copy the writer consumes: one weight computed at a time
+    rows: dict = {}  # a large weight de-quantized a block of rows at a time
+    model, config = dequantize(fuse(shadow(t.model)), t.model_config, rows=rows)
+    source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
+    write_reward_head(t.model, out)
+    if consume:
+        release(t.model)
+    with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
+        path = write_gguf_model(
+            model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source,
+            consume=True, rows=rows,
+        )  # fmt: skip
+    del model
+    rows.clear()
+    text = modelfile(t.tokenizer, f"./{path.name}", base_dir=t.base_dir)
+    (out / "Modelfile").write_text(text)
 
 
 __all__ = [

@@ -122,10 +122,24 @@ def _tensor_array(a: np.ndarray, dtype: str):
     ), q8
 
 
+def _writer(path: Path, arch: str, name: str, dtype: str):
+    """A GGUF writer whose tensor data goes to a temporary file beside ``path`` until the header
+    is written (the writer holds one tensor, not the file)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.temp_file = tempfile.TemporaryFile(dir=path.parent)
+    w.add_name(name)
+    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
+    return w
+
+
 def _as_numpy(tensors: list, i: int, rows: dict | None) -> np.ndarray:
     """``tensors[i]``'s weight in fp32 NumPy, taken out of the list. One that ``rows`` holds
     as blocks of rows (``export.fused.dequantize``) is filled in a block at a time, so MLX never
     holds it whole (on the CPU its whole de-quantization holds twice its fp32 size)."""
+    mx.clear_cache()  # what the tensor before took goes back first
+    _malloc.trim()
     v = tensors[i][1]
     tensors[i] = None
     entry = rows.pop(id(v), None) if rows else None
@@ -306,8 +320,6 @@ def write_gguf_model(
     (adapters merged in, de-quantized: ``models.shadow``), whose weights are dropped from it
     before writing, so that each is computed as it is written and goes after. ``rows``:
     weights held as blocks of rows (``export.fused.dequantize``), read a block at a time."""
-    import gguf
-
     if dtype not in DTYPES:
         raise UserInputError(
             f"GGUF dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "--dtype"
@@ -321,10 +333,7 @@ def write_gguf_model(
     _refuse_what_llama_cpp_reads_otherwise(model, config, head_dim, where)
     names = _names(model, config, where)
     path = out / f"{name}-{dtype}.gguf"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.temp_file = tempfile.TemporaryFile(dir=out)  # tensor data, until the header is written
-    w.add_name(name)
-    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
+    w = _writer(path, arch, name, dtype)
     rope_freqs = _settings(w, model, config, family)
     tokenizer_fields(w, tokenizer, tokenizer_dir, tokenizer_gguf)
     shapes, xielu, args = {}, {}, model_args(model)
@@ -352,9 +361,7 @@ def write_gguf_model(
             put(g, a, kind)
         if tied_head and names[hf] == "token_embd.weight":
             put("output.weight", held * scale)
-        del held
-        mx.clear_cache()  # what computing it took goes back before the next
-        _malloc.trim()
+        del held  # gone before the next is computed
     if family.arch == "deci":  # no-op sublayers as llama.cpp's deci can hold them
         for g, a in deci_fillers(deci, int(args.hidden_size), no_op):
             if g not in shapes:
