@@ -186,13 +186,13 @@ def unshard_blocks(model: nn.Module) -> int:
     return n
 
 
+_IN_UNIT = re.compile(r"(?:^|\.)layers\.(\d+)\.module\.")
+
+
 def unsharded_name(path: str) -> str:
     """A parameter's path as the unsharded model names it (``layers.3.module.mlp...`` ->
     ``layers.3.mlp...``)."""
-    return path.replace(".module.", ".")
-
-
-_IN_UNIT = re.compile(r"(?:^|\.)layers\.(\d+)\.module\.")
+    return _IN_UNIT.sub(lambda m: m.group(0).removesuffix("module."), path, count=1)
 
 
 def _unit_of(path: str, model: nn.Module) -> tuple[ShardedUnit, str] | None:

@@ -126,8 +126,6 @@ def _fused_payload(t: TrainedModel, dtype, quantize, group_size, rows: dict):
     when this returns. ``rows``: ``dequantize``'s."""
     keep = (quantize, group_size) if quantize is not None else None
     model, config = dequantize(fuse(shadow(t.model)), t.model_config, dtype, keep, rows)
-    if dtype is not None:
-        cast_floats(model, dtype)
     if quantize is not None:
         try:  # the same quantization as QLoRA's (layers whose size does not fit stay dense)
             with reward_head_aside(model):  # a reward model's score head stays dense

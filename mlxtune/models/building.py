@@ -181,16 +181,17 @@ def write_weights(
     return names
 
 
-def write_safetensors(
-    path: Path, tensors: dict, metadata: dict | None = None, rows: dict | None = None
-) -> int:
-    """A safetensors file written a tensor at a time: the header from the (lazy) tensors'
-    shapes, then each tensor taken out of ``tensors``, computed, written and dropped, so the
-    file is never held whole in memory. Returns the bytes of tensor data written.
+def taken_blocks(v: mx.array, rows: dict | None) -> list[mx.array]:
+    """The blocks of rows ``v`` joins, taken out of ``rows`` (``id(tensor)`` -> (that tensor,
+    its blocks): ``export.fused.dequantize``'s), or ``[v]``. Nothing here keeps ``v``: when
+    the caller holds it no longer, nothing but the list holds the blocks, and each goes once
+    the caller drops it from the list."""
+    entry = rows.pop(id(v), None) if rows else None
+    return entry[1] if entry is not None and entry[0] is v else [v]
 
-    ``rows`` maps ``id(tensor)`` to (that tensor, the blocks of rows it joins): such a tensor
-    is written a block at a time, each computed and dropped before the next (an export's
-    de-quantized LM head: ``export.fused.dequantize``), never held whole."""
+
+def _safetensors_header(tensors: dict, metadata: dict | None) -> tuple[bytes, int]:
+    """(the header's bytes, padded to 8, and the data's size) from the tensors' shapes."""
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for k, v in tensors.items():
@@ -201,14 +202,24 @@ def write_safetensors(
         }
         offset += v.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    return raw + b" " * (-len(raw) % 8), offset  # data 8-byte aligned, as safetensors pads it
+
+
+def write_safetensors(
+    path: Path, tensors: dict, metadata: dict | None = None, rows: dict | None = None
+) -> int:
+    """A safetensors file written a tensor at a time: the header from the (lazy) tensors'
+    shapes, then each tensor taken out of ``tensors``, computed, written and dropped, so the
+    file is never held whole in memory. Returns the bytes of tensor data written.
+
+    ``rows`` maps ``id(tensor)`` to (that tensor, the blocks of rows it joins): such a tensor
+    is written a block at a time, each computed and dropped before the next (an export's
+    de-quantized LM head: ``export.fused.dequantize``), never held whole."""
+    raw, offset = _safetensors_header(tensors, metadata)  # keeps no tensor
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for k in list(tensors):
-            v = tensors.pop(k)
-            entry = rows.pop(id(v), None) if rows else None
-            parts = entry[1] if entry is not None and entry[0] is v else [v]
-            del v, entry  # the joined tensor (lazy) goes: nothing holds the blocks but ``parts``
+            parts = taken_blocks(tensors.pop(k), rows)
             for i in range(len(parts)):
                 p = mx.contiguous(parts[i])  # row-major bytes (no copy when already)
                 parts[i] = None

@@ -56,6 +56,7 @@ from ...gguf.tensors import (
     ssm_to_gguf,
     to_gguf,
 )
+from ...models.building import taken_blocks
 from ...models.configs import standard_config
 from ..weights import release
 from .fixed import model_args, refusal
@@ -140,19 +141,17 @@ def _as_numpy(tensors: list, i: int, rows: dict | None) -> np.ndarray:
     holds it whole (on the CPU its whole de-quantization holds twice its fp32 size)."""
     mx.clear_cache()  # what the tensor before took goes back first
     _malloc.trim()
-    v = tensors[i][1]
+    parts = taken_blocks(tensors[i][1], rows)
     tensors[i] = None
-    entry = rows.pop(id(v), None) if rows else None
-    if entry is None or entry[0] is not v:
-        return np.array(v.astype(mx.float32))
-    parts, out = entry[1], np.empty(v.shape, np.float32)
-    del v, entry  # the joined weight (lazy) goes: nothing holds the blocks but ``parts``
+    if len(parts) == 1:
+        return np.array(parts[0].astype(mx.float32))
+    rows_in = [b.shape[0] for b in parts]
+    out = np.empty((sum(rows_in), *parts[0].shape[1:]), np.float32)
     start = 0
-    for k in range(len(parts)):
-        block = parts[k]
-        parts[k] = None
-        out[start : start + block.shape[0]] = np.array(block.astype(mx.float32))
-        start += block.shape[0]
+    for k, n in enumerate(rows_in):
+        block, parts[k] = parts[k], None
+        out[start : start + n] = np.array(block.astype(mx.float32))
+        start += n
         del block
     return out
 
