@@ -2,10 +2,12 @@
 forward and the backward of one unit at a time, on MLX's distributed engine.
 
 A unit is a module (a transformer block) whose parameters are sharded together. Each
-parameter is flattened, padded with zeros to a multiple of N and cut into N equal pieces;
-rank r holds piece r, as the unit's parameter (a 1-D array), so the optimizer, its state and
-the gradients are 1/N of the unsharded ones on every rank. Any shape shards, a scalar
-included; the padding is at most N - 1 values a parameter.
+parameter's rows (axis 0) are cut into N equal runs, the last padded with zero rows; rank r
+holds run r as the unit's parameter, so the optimizer, its state and the gradients are 1/N of
+the unsharded ones on every rank. Any shape shards, a scalar included (as one row); a piece
+keeps its parameter's number of dimensions, so what an optimizer decides by it (weight decay
+on matrices only) is decided as for the whole parameter. The padding is at most N - 1 rows a
+parameter, and stays zero: its gradient is zero.
 
 Calling a unit gathers its pieces (``all_gather``: one collective for its trainable
 parameters, one for its frozen ones), puts the whole parameters in, runs the module and puts
@@ -19,8 +21,8 @@ whole gradients followed by taking the rank's piece, which moves twice the bytes
 The gradients are summed over ranks, not averaged: as in data parallelism, each rank's loss is
 already divided by the whole batch's count, so the sum is the one-process gradient.
 
-MLX's own ``nn.fully_shard`` shards along axis 0 (which must divide by N) and its backward
-needs ``sum_scatter``; this module shards any shape and runs on every backend.
+MLX's own ``nn.fully_shard`` also shards along axis 0, but axis 0 must divide by N and its
+backward needs ``sum_scatter``; this module shards any shape and runs on every backend.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+
+from .models.checkpointing import checkpoint_block, is_checkpointed, uncheckpoint
 
 
 @cache
@@ -46,56 +50,75 @@ def scatter_kind(group: mx.distributed.Group | None = None) -> str:
     return "sum_scatter"
 
 
-def _piece_size(size: int, n: int) -> int:
-    return -(-size // n)
+def piece_shape(shape: tuple, n: int) -> tuple:
+    """The shape of one of ``n`` pieces of a parameter of ``shape``: its rows (axis 0) cut in
+    ``n`` equal runs, the last padded with zero rows; a scalar is one row of one value."""
+    if not shape:
+        return (1,)
+    return (-(-shape[0] // n), *shape[1:])
 
 
 def shard_of(a: mx.array, n: int, rank: int) -> mx.array:
-    """Piece ``rank`` of ``n`` of ``a`` flattened and zero-padded to a multiple of ``n``."""
-    k = _piece_size(a.size, n)
-    flat = a.reshape(-1)
-    if k * n != a.size:
-        flat = mx.concatenate([flat, mx.zeros((k * n - a.size,), a.dtype)])
-    return flat[rank * k : (rank + 1) * k]
+    """Piece ``rank`` of ``n`` of ``a``: its rows ``rank * k`` to ``(rank + 1) * k``, ``k``
+    rows a piece (``piece_shape``), zero rows past the end. A piece keeps the parameter's
+    number of dimensions, so an optimizer that treats matrices apart (weight decay on
+    matrices only) treats a matrix's piece as it treats the matrix."""
+    shape = piece_shape(a.shape, n)
+    rows = a.reshape(1) if a.ndim == 0 else a
+    k = shape[0]
+    if k * n != rows.shape[0]:
+        pad = mx.zeros((k * n - rows.shape[0], *shape[1:]), a.dtype)
+        rows = mx.concatenate([rows, pad])
+    # a copy: a slice would be a view that keeps the whole parameter's buffer alive
+    return mx.contiguous(rows[rank * k : (rank + 1) * k])
 
 
 def _gather_fn(group, shapes: list[tuple], with_backward: bool, kind: str):
     """gather(pieces) -> whole parameters of ``shapes``; its backward (``with_backward``) sums
-    the whole gradients over ranks and returns this rank's pieces."""
+    the whole gradients over ranks and returns this rank's pieces. Rows are contiguous in the
+    row-major order, so a piece is a run of its parameter's flattened values: one row of the
+    gathered table holds every piece of a rank, side by side."""
     n, rank = group.size(), group.rank()
-    whole = [math.prod(s) for s in shapes]
-    sizes = [_piece_size(w, n) for w in whole]
+    pieces = [piece_shape(s, n) for s in shapes]
+    sizes = [math.prod(p) for p in pieces]
     offsets = [0]
     for k in sizes:
         offsets.append(offsets[-1] + k)
 
-    def gather(pieces):
-        row = mx.concatenate([p.reshape(1, -1) for p in pieces], axis=1)
+    def whole_of(table, i):
+        s, p = shapes[i], pieces[i]
+        rows = table[:, offsets[i] : offsets[i + 1]].reshape(n * p[0], *p[1:])
+        return rows[: s[0]] if s else rows.reshape(())
+
+    def gather(held):
+        row = mx.concatenate([p.reshape(1, -1) for p in held], axis=1)
         table = mx.distributed.all_gather(row, group=group)  # [n, sum of piece sizes]
-        return [
-            table[:, offsets[i] : offsets[i + 1]].reshape(-1)[: whole[i]].reshape(shapes[i])
-            for i in range(len(shapes))
-        ]
+        return [whole_of(table, i) for i in range(len(shapes))]
 
     if not with_backward:
-        return lambda pieces: [mx.stop_gradient(w) for w in gather(pieces)]
+        return lambda held: [mx.stop_gradient(w) for w in gather(held)]
 
     f = mx.custom_function(gather)
 
     @f.vjp
-    def gather_vjp(pieces, cotangents, _):
+    def gather_vjp(held, cotangents, _):
         padded = []
-        for c, k in zip(cotangents, sizes, strict=True):
-            flat = c.reshape(-1)
-            if k * n != flat.size:
-                flat = mx.concatenate([flat, mx.zeros((k * n - flat.size,), flat.dtype)])
-            padded.append(flat.reshape(n, k))
+        for c, p in zip(cotangents, pieces, strict=True):
+            rows = c.reshape(1) if c.ndim == 0 else c
+            if p[0] * n != rows.shape[0]:
+                pad = mx.zeros((p[0] * n - rows.shape[0], *p[1:]), rows.dtype)
+                rows = mx.concatenate([rows, pad])
+            padded.append(rows.reshape(n, -1))
         table = mx.concatenate(padded, axis=1)  # [n, sum of piece sizes]
         if kind == "sum_scatter":
             mine = mx.distributed.sum_scatter(table, group=group)
         else:
             mine = mx.distributed.all_sum(table, group=group)[rank : rank + 1]
-        return [mine[0, offsets[i] : offsets[i + 1]].astype(p.dtype) for i, p in enumerate(pieces)]
+        # copies: views would keep the whole unit's summed gradients alive until the update
+        return [
+            mx.contiguous(mine[0, offsets[i] : offsets[i + 1]].reshape(pieces[i]).astype(h.dtype))
+            for i, h in enumerate(held)
+        ]
 
     return f
 
@@ -114,6 +137,7 @@ class ShardedUnit(nn.Module):
         object.__setattr__(self, "_group", group)
         object.__setattr__(self, "_trained", [(k, v.shape) for k, v in params if k in trainable])
         object.__setattr__(self, "_frozen", [(k, v.shape) for k, v in params if k not in trainable])
+        object.__setattr__(self, "_shapes", {k: tuple(v.shape) for k, v in params})
         kind = scatter_kind(group)
         object.__setattr__(
             self,
@@ -166,10 +190,18 @@ class ShardedUnit(nn.Module):
 
 
 def shard_blocks(model: nn.Module, group: mx.distributed.Group | None = None) -> int:
-    """Every block of ``model.layers`` as a ``ShardedUnit``, in place; the number of blocks."""
+    """Every block of ``model.layers`` as a ``ShardedUnit``, in place; the number of blocks.
+    A block that recomputes its activations (gradient checkpointing) hands that to its unit:
+    the recomputation then gathers the pieces again, so the backward keeps only the pieces of
+    a block, never its whole parameters."""
     blocks = model.layers
     for i in range(len(blocks)):
+        recomputed = is_checkpointed(blocks[i])
+        if recomputed:
+            uncheckpoint(blocks[i])
         blocks[i] = ShardedUnit(blocks[i], group)
+        if recomputed:
+            checkpoint_block(blocks[i])
     return len(blocks)
 
 
@@ -180,7 +212,10 @@ def unshard_blocks(model: nn.Module) -> int:
     blocks, n = model.layers, 0
     for i in range(len(blocks)):
         if isinstance(blocks[i], ShardedUnit):
+            recomputed = is_checkpointed(blocks[i])
             blocks[i] = blocks[i].unsharded()
+            if recomputed:
+                checkpoint_block(blocks[i])
             n += 1
     mx.eval(model.parameters())
     return n
@@ -249,8 +284,83 @@ def sharded_paths(model: nn.Module) -> set[str]:
     return {k for k, _ in tree_flatten(model.parameters()) if _unit_of(k, model) is not None}
 
 
+def _param_of(unit: ShardedUnit, inner: str) -> tuple[str, tuple] | None:
+    """(the unit's parameter, its whole shape) that ``inner`` (a path inside the unit's module:
+    a parameter's, or an entry of an optimizer's state for it) belongs to."""
+    shapes = unit._shapes
+    name = inner
+    while name:
+        if name in shapes:
+            return name, shapes[name]
+        name = name.rpartition(".")[0]
+    return None
+
+
+def whole_tree(model: nn.Module, flat: dict[str, mx.array]) -> dict[str, mx.array]:
+    """``flat`` (``tree_flatten`` of what mirrors the trainable parameters: an optimizer's
+    state, fp32 masters) with every piece gathered whole, under the unsharded model's names.
+    Lazy: each whole value is one collective when it is computed, so every rank must compute
+    them all, in the same order (rank 0 writes them, the others ``drain`` them)."""
+    out = {}
+    for k, v in flat.items():
+        found = _unit_of(k, model)
+        param = _param_of(*found) if found is not None else None
+        if param is None or v.shape != piece_shape(param[1], found[0]._group.size()):
+            out[unsharded_name(k) if found else k] = v  # a count, a scalar of the state
+            continue
+        unit = found[0]
+        gather = _gather_fn(unit._group, [param[1]], False, scatter_kind(unit._group))
+        out[unsharded_name(k)] = gather([v])[0]
+    return out
+
+
+def pieces_of_whole(model: nn.Module, keys: list[str], whole: dict[str, mx.array]) -> dict:
+    """This rank's values for ``keys`` (the sharded names of an optimizer's state or masters)
+    from ``whole`` (``whole_tree``'s, written at any world size): a piece where the key is
+    held as one, the value itself otherwise. A key ``whole`` lacks is left out."""
+    out = {}
+    for k in keys:
+        name = unsharded_name(k)
+        if name not in whole:
+            continue
+        found = _unit_of(k, model)
+        param = _param_of(*found) if found is not None else None
+        v = whole[name]
+        if param is not None and tuple(v.shape) == tuple(param[1]):
+            g = found[0]._group
+            v = shard_of(v, g.size(), g.rank())
+        out[k] = v
+    return out
+
+
+def whole_shapes(model: nn.Module) -> dict[str, tuple]:
+    """What trains, by the unsharded model's names, with each parameter's whole shape."""
+    out = {}
+    for k, v in tree_flatten(model.trainable_parameters()):
+        found = _unit_of(k, model)
+        out[unsharded_name(k)] = tuple(found[0]._shapes[found[1]]) if found else tuple(v.shape)
+    return out
+
+
+def drain(tensors: dict[str, mx.array]) -> None:
+    """Compute each of ``tensors`` in order and drop it: what a rank that writes nothing does
+    with the whole values rank 0 writes (their gathers are collectives)."""
+    for k in list(tensors):
+        mx.eval(tensors.pop(k))
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any block of ``model`` is held as pieces."""
+    layers = getattr(model, "layers", None) or []
+    return any(isinstance(b, ShardedUnit) for b in layers)
+
+
 __all__ = [
     "ShardedUnit",
+    "drain",
+    "is_sharded",
+    "piece_shape",
+    "pieces_of_whole",
     "put_whole_trainable",
     "scatter_kind",
     "shard_blocks",
@@ -258,5 +368,7 @@ __all__ = [
     "sharded_paths",
     "unshard_blocks",
     "unsharded_name",
+    "whole_shapes",
     "whole_trainable",
+    "whole_tree",
 ]

@@ -5,6 +5,7 @@ greedy or sampled (temperature, top-k, top-p, min-p) with a key of each row's ow
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -61,13 +62,43 @@ def filtered_logits(logits: mx.array, s: Sampling) -> mx.array:
     return z
 
 
+_LEADERS: list = []
+"""The group whose rank 0 draws every token (``led_by_rank0``), innermost last."""
+
+
+@contextlib.contextmanager
+def led_by_rank0(group):
+    """Every rank of ``group`` decodes in step with its rank 0: each token drawn is rank 0's
+    (one small all-reduce a token). A fully sharded model gathers its blocks in every forward,
+    so every rank must make the same calls; ranks whose arithmetic differs in the last bit
+    (other machines) would otherwise draw other tokens, end at other steps and leave a
+    collective unanswered."""
+    _LEADERS.append(group)
+    try:
+        yield
+    finally:
+        _LEADERS.pop()
+
+
+def _led(tokens: mx.array) -> mx.array:
+    """``tokens``, or rank 0's inside ``led_by_rank0``."""
+    if not _LEADERS:
+        return tokens
+    group = _LEADERS[-1]
+    # the same graph on every rank (zeros computed from its own tokens, not made apart): the
+    # ranks then order this collective and the blocks' gathers alike
+    mine = tokens.astype(mx.int32) * int(group.rank() == 0)
+    return mx.distributed.all_sum(mine, group=group).astype(tokens.dtype)
+
+
 def _draw(logits: mx.array, keys: mx.array, s: Sampling) -> tuple[mx.array, mx.array]:
     """(tokens [B], the rows' next keys): greedy, or the inverse of each row's CDF over the
     filtered softmax at one uniform from the row's own key (so a row draws what it would draw
     in any other batch)."""
     if s.temperature <= 0:
-        return mx.argmax(logits, axis=-1), keys
-    return _sampler(s)(logits, keys)
+        return _led(mx.argmax(logits, axis=-1)), keys
+    tokens, keys = _sampler(s)(logits, keys)
+    return _led(tokens), keys
 
 
 @lru_cache(maxsize=32)

@@ -1,5 +1,6 @@
 """One rank of a fully sharded step (``mlxtune.fsdp``) against the unsharded one, under
-``mlx.launch``: ``fsdp_worker.py OUT MODE`` (MODE: full or lora) writes what it found to
+``mlx.launch``: ``fsdp_worker.py OUT MODE`` (MODE: full or lora, with
+"-recomputed" for gradient checkpointing) writes what it found to
 OUT/rank-R.json."""
 
 import json
@@ -22,7 +23,7 @@ from mlxtune.fsdp import (  # noqa: E402
     unshard_blocks,
     whole_trainable,
 )
-from mlxtune.models import build_model  # noqa: E402
+from mlxtune.models import build_model, checkpoint_layers, checkpointed_layers  # noqa: E402
 
 
 def loss_sum(model, x, y):
@@ -35,6 +36,9 @@ def main():
     group = mx.distributed.init()
     n, rank = group.size(), group.rank()
     model, _ = build_model(tiny_arch("llama", num_key_value_heads=1), 61, seed=7)
+    if mode.endswith("-recomputed"):  # gradient checkpointing, handed to the units
+        mode = mode.removesuffix("-recomputed")
+        checkpoint_layers(model)
     if mode == "lora":
         adapt_model(model, "lora", 4, 8, 0.0, ["all-linear"], None, False)
         shake_adapters(model)
@@ -57,7 +61,9 @@ def main():
     blocks_held = sum(v.nbytes for _, v in tree_flatten([b.parameters() for b in model.layers]))
     mx.eval(want_loss, want, want_logits)
 
+    recomputed = checkpointed_layers(model)
     shard_blocks(model, group)
+    units_recompute = checkpointed_layers(model) == recomputed
     mine = slice(rank, None, n)  # this rank's rows of the batch
     got_loss, got = nn.value_and_grad(model, loss)(model, x[mine], y[mine])
     got_loss = mx.distributed.all_sum(got_loss, group=group)
@@ -70,8 +76,8 @@ def main():
         if k != name:  # a block's piece: the whole gradient gathered from every rank's piece
             block = model.layers[int(k.split(".")[2])]
             assert isinstance(block, ShardedUnit)
-            whole = mx.distributed.all_gather(g[None], group=group).reshape(-1)
-            g = whole[: w.size].reshape(w.shape)
+            rows = mx.distributed.all_gather(g, group=group)  # the pieces' rows, in rank order
+            g = rows.reshape(w.shape) if w.ndim == 0 else rows[: w.shape[0]]
         else:  # outside the blocks: replicated, summed as data parallelism does
             g = mx.distributed.all_sum(g, group=group)
         worst = max(worst, (mx.abs(g - w).max() / (mx.abs(w).max() + 1e-12)).item())
@@ -94,6 +100,7 @@ def main():
     del before
     result = {
         "checkpoint_round_trip": same and moved,
+        "units_recompute": units_recompute,
         "pieces": n_pieces,
         "block_params": sum(len(tree_flatten(b.parameters())) for b in model.layers),
         "unsharded_names": after.keys() == original_all.keys(),

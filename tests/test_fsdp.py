@@ -20,18 +20,19 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
 def test_pieces_of_any_shape_join_back():
-    a = mx.arange(2 * 3 * 5, dtype=mx.float32).reshape(2, 3, 5)
+    a = mx.arange(5 * 3 * 2, dtype=mx.float32).reshape(5, 3, 2)
     for n in (1, 2, 4, 7):
         pieces = [np.array(shard_of(a, n, r)) for r in range(n)]
-        assert len({p.size for p in pieces}) == 1  # equal pieces
+        assert {p.shape for p in pieces} == {(-(-5 // n), 3, 2)}  # equal, as many dimensions
         joined = np.concatenate(pieces)
-        np.testing.assert_array_equal(joined[: a.size], np.arange(30))
-        np.testing.assert_array_equal(joined[a.size :], 0)  # the padding
+        np.testing.assert_array_equal(joined[:5], np.arange(30).reshape(5, 3, 2))
+        np.testing.assert_array_equal(joined[5:], 0)  # the padding: whole zero rows
     np.testing.assert_array_equal(np.array(shard_of(mx.array(3.0), 2, 0)), [3.0])
+    np.testing.assert_array_equal(np.array(shard_of(mx.array(3.0), 2, 1)), [0.0])
 
 
 @pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
-@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize("mode", ["full", "lora", "full-recomputed"])
 def test_a_sharded_step_equals_the_unsharded_one(tmp_path, mode):
     cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
     cmd += [sys.executable, str(WORKER), str(tmp_path), mode]
@@ -50,6 +51,7 @@ def test_a_sharded_step_equals_the_unsharded_one(tmp_path, mode):
         assert got["trainable_bytes"] < got["unsharded_bytes"]
         # a checkpoint's weights: whole, under the unsharded names, read back at any world size
         assert got["checkpoint_round_trip"]
+        assert got["units_recompute"]
         assert got["pieces"] == got["block_params"]
         # the blocks whole again (before rank 0 alone exports or samples): the same model
         assert got["unsharded_names"] and got["unsharded_logits"]

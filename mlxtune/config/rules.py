@@ -384,11 +384,23 @@ def check_precision(r: Recipe, v: Fails) -> None:
     _positive(v, "precision.max_skipped", p.max_skipped)
 
 
+FSDP_OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
+"""Optimizers a fully sharded run can use: each updates a weight value by value, so a rank
+updating its rows of a weight updates them as the whole weight's update would."""
+
+
 def check_distributed(r: Recipe, v: Fails) -> None:
-    """distributed: the wait on the other ranks."""
+    """distributed: the wait on the other ranks; what the fully sharded strategy can train."""
     t = r.distributed.timeout_s
     if t not in ("auto", None) and (isinstance(t, bool) or t <= 0):
         v.fail("distributed.timeout_s", f"auto, null or a number of seconds above 0, got {t!r}")
+    if r.distributed.strategy == "fsdp" and r.optimizer.name not in FSDP_OPTIMIZERS:
+        v.fail(
+            "optimizer.name",
+            f"one of {', '.join(FSDP_OPTIMIZERS)} with distributed.strategy: fsdp (each rank "
+            f"updates only its rows of a weight; {r.optimizer.name} reads whole matrices or "
+            "blocks of values across rows), got " + repr(r.optimizer.name),
+        )
 
 
 def check_memory(r: Recipe, v: Fails) -> None:

@@ -398,7 +398,18 @@ class MemoryConfig:
 
 @dataclass
 class DistributedConfig:
-    """Data-parallel runs (``mlxtune run --nproc N``, ``mlx.launch``)."""
+    """Runs of several processes (``mlxtune run --nproc N``, ``mlx.launch``)."""
+
+    strategy: Literal["data", "fsdp"] = "data"
+    """How the ranks share the work. data: every rank holds the whole model and trains on its
+    share of each batch's rows. fsdp: the same share of the rows, and every rank holds only
+    1/N of each transformer block's weights, gradients and optimizer state, gathered a block
+    at a time for the forward and the backward: a model whose training does not fit one
+    machine trains on several (with train.grad_checkpointing, the backward holds one block
+    whole at a time). The same updates as data parallelism; checkpoints are written whole,
+    and resume at any number of ranks, with either strategy. fsdp needs an element-wise
+    optimizer (adamw, adam, lion, sgd) and an objective that does not generate while it
+    trains. One process: no effect."""
 
     timeout_s: float | Literal["auto"] | None = "auto"
     """How long a rank waits on the others before it gives up on them: a rank that froze, slept

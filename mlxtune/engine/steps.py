@@ -26,11 +26,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
+from .. import fsdp
 from ..distributed import World, collectives
 from ..errors import TrainingError, UserInputError
 from ..export import load_trainable_weights, read_trainable
 from ..kernels import forward_only
 from ..models import VisionLM, dropout_key, has_embedding_noise
+from ..models.building import write_safetensors
 from .memory import is_out_of_memory, resource_limit_note
 from .precision import all_finite, make_masters, scaling_mode, select_into, snapshot, update_scale
 from .state import EngineState
@@ -94,6 +96,10 @@ class Engine:
         self._tower_trains = isinstance(model, VisionLM) and model.tower_trains
         """A vision model with adapters in its tower: steps take the features' gradient
         through the tower (``grad_step``)."""
+        trained = {k for k, _ in tree_flatten(params)}
+        self.pieces = frozenset(fsdp.sharded_paths(model) & trained)
+        """What trains as this rank's pieces (``mlxtune.fsdp``): their gradients arrive summed
+        over ranks, and their squares sum over ranks for the norm."""
         self._build()
 
     # ---------------------------------------------------------------- compiled steps
@@ -123,7 +129,7 @@ class Engine:
         # the gradients are d(loss sum)/d(weights) x scale / count: unscale them in fp32
         inv = 1.0 / scaler["scale"]
         grads = tree_map(lambda g: g.astype(mx.float32) * inv, grads)
-        sq = sum(mx.sum(mx.square(g)) for _, g in tree_flatten(grads))
+        sq = self._squares(grads)
         ok = all_finite(loss_sum, sq)
         norm = mx.sqrt(sq)
         if self.grad_clip is not None:
@@ -146,6 +152,27 @@ class Engine:
                 scaler, ok, p.growth_factor, p.backoff_factor, p.growth_interval, p.min_scale
             )
         return norm, ok
+
+    def _squares(self, grads) -> mx.array:
+        """The gradients' sum of squares: a fully sharded run's pieces' summed over ranks
+        (each holds its own), the replicated rest's counted once."""
+        flat = tree_flatten(grads)
+        rest = sum((mx.sum(mx.square(g)) for k, g in flat if k not in self.pieces), mx.array(0.0))
+        if not self.pieces:
+            return rest
+        mine = sum((mx.sum(mx.square(g)) for k, g in flat if k in self.pieces), mx.array(0.0))
+        return self.world.all_sum(mine) + rest
+
+    def _summed(self, grads):
+        """Each rank's gradients, scaled by size / (all ranks' count), as the whole batch's:
+        their mean over ranks (a piece's arrives summed over ranks already: over size)."""
+        world, pieces = self.world, self.pieces
+        if not pieces:
+            return nn.average_gradients(grads, world.group)
+        flat = tree_flatten(grads)
+        rest = nn.average_gradients({k: g for k, g in flat if k not in pieces}, world.group)
+        rest = dict(tree_flatten(rest))  # (it gives the tree back nested)
+        return tree_map_with_path(lambda k, g: g / world.size if k in pieces else rest[k], grads)
 
     def _build(self):
         model, opt, objective, scaler = self.model, self.optimizer, self.objective, self.scaler
@@ -182,9 +209,7 @@ class Engine:
 
         @partial(mx.compile, inputs=state, outputs=state)
         def reduce_apply_step(grads, loss_sum, count, metrics):
-            # every rank's gradients were scaled by size / (all ranks' count): their mean over
-            # ranks is the gradient of the whole batch's loss sum / count
-            grads = nn.average_gradients(grads, world.group)
+            grads = self._summed(grads)
             names = sorted(metrics)
             sums = world.all_sum(
                 mx.stack([loss_sum, count.astype(mx.float32)] + [metrics[k] for k in names])
@@ -487,24 +512,58 @@ class Engine:
             rng=(hi, lo),
         )
 
-    def save(self, folder) -> None:
-        """The optimizer's whole state, the fp32 masters when there are any, and what the
-        objective carries between steps."""
-        mx.save_safetensors(
-            str(folder / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state))
-        )
+    @property
+    def sharded(self) -> bool:
+        """Whether what trains is held as pieces across ranks (a fully sharded run)."""
+        return bool(self.pieces)
+
+    def checkpoint_arrays(self) -> dict[str, dict]:
+        """What ``save`` writes, by file name: the optimizer's whole state and the fp32
+        masters when there are any. A fully sharded run's are whole, under the unsharded
+        names (``fsdp.whole_tree``): lazy gathers that every rank computes, in this order."""
+        out = {"optimizer.safetensors": dict(tree_flatten(self.optimizer.state))}
         if self.masters is not None:
-            mx.save_safetensors(
-                str(folder / "masters.safetensors"), dict(tree_flatten(self.masters))
-            )
+            out["masters.safetensors"] = dict(tree_flatten(self.masters))
+        if self.sharded:
+            out = {f: fsdp.whole_tree(self.model, d) for f, d in out.items()}
+        return out
+
+    def save(self, folder, arrays: dict[str, dict] | None = None) -> None:
+        """The optimizer's whole state, the fp32 masters when there are any
+        (``checkpoint_arrays``, or ``arrays`` made by it), and what the objective carries
+        between steps. A fully sharded run's are written a tensor at a time, each gathered,
+        written and dropped."""
+        for name, tensors in (arrays or self.checkpoint_arrays()).items():
+            if self.sharded:
+                write_safetensors(folder / name, tensors)
+            else:
+                mx.save_safetensors(str(folder / name), tensors)
         self.objective.save(folder)
+
+    def _put_trainable(self, weights: dict, where: str) -> None:
+        """Trainable weights by name and shape (``load_trainable_weights``); a fully sharded
+        run reads whole values under the unsharded names, and keeps its pieces."""
+        if not self.sharded:
+            load_trainable_weights(self.model, weights, where)
+            return
+        shapes = fsdp.whole_shapes(self.model)
+        for k, v in weights.items():
+            if k not in shapes:
+                raise UserInputError(
+                    f"{k!r} is not a trainable parameter of this model and adapter", where
+                )
+            if tuple(v.shape) != shapes[k]:
+                raise UserInputError(
+                    f"{k}: shape {tuple(v.shape)} does not match the model's {shapes[k]}", where
+                )
+        if missing := sorted(set(shapes) - set(weights)):
+            raise UserInputError(f"no weight for {missing[0]}", where)
+        fsdp.put_whole_trainable(self.model, weights)
 
     def load_weights(self, folder) -> None:
         """Put a checkpoint's trainable weights in place, each checked by name and shape, and
         its fp32 masters when this run keeps them."""
-        load_trainable_weights(
-            self.model, read_trainable(folder), str(folder / "adapters.safetensors")
-        )
+        self._put_trainable(read_trainable(folder), str(folder / "adapters.safetensors"))
         masters = folder / "masters.safetensors"
         if self.masters is not None:
             if not masters.exists():
@@ -514,7 +573,7 @@ class Engine:
                     str(folder),
                 )
             # checks names and shapes; the trainable weights are then fp32: the masters
-            load_trainable_weights(self.model, mx.load(str(masters)), str(masters))
+            self._put_trainable(mx.load(str(masters)), str(masters))
             select_into(self.masters, self.model.trainable_parameters())
             self.model.update(tree_map(lambda w, dt: w.astype(dt), self.masters, self.dtypes))
 
@@ -523,6 +582,9 @@ class Engine:
         ``host_state`` saved."""
         self.load_weights(folder)
         saved = mx.load(str(folder / "optimizer.safetensors"))
+        if self.sharded:  # whole, written at any world size: this rank's pieces of it
+            held = [k for k, _ in tree_flatten(self.optimizer.state)]
+            saved = fsdp.pieces_of_whole(self.model, held, saved)
         self.optimizer.state = tree_unflatten(list(saved.items()))
         # fills in the structure around what was saved (frozen layers hold empty states)
         self.optimizer.init(self.params())

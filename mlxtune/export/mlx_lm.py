@@ -23,6 +23,7 @@ from ..models import (
     without_reward_head,
     without_value_head,
 )
+from ..models.building import write_safetensors
 from ..models.heads import VALUE_HEAD
 from .weights import REWARD_HEAD_FILE, VALUE_HEAD_FILE, TrainedModel
 
@@ -54,20 +55,31 @@ def write_reward_head(model: nn.Module, out: Path) -> None:
         mx.save_safetensors(str(out / REWARD_HEAD_FILE), {"score.weight": head.weight})
 
 
-def write_mlx_lm(t: TrainedModel, out: Path, metadata: dict | None = None):
-    weights = without_reward_head(dict(tree_flatten(t.model.trainable_parameters())))
-    weights = without_value_head(weights)
+def write_mlx_lm(
+    t: TrainedModel, out: Path, metadata: dict | None = None, weights: dict | None = None
+):
+    """The trained weights as mlx-lm's adapter folder (``adapters.safetensors`` and
+    ``adapter_config.json``; a reward or value head beside them). ``weights``: the trainable
+    weights under the unsharded model's names (a fully sharded run's, gathered lazily), then
+    written a tensor at a time; by default the model's own, written at once."""
+    streamed = weights is not None
+    if weights is None:
+        weights = dict(tree_flatten(t.model.trainable_parameters()))
+    kept = without_value_head(without_reward_head(weights))
+    for k in [k for k in weights if k not in kept]:  # in place: the caller's dict empties
+        del weights[k]  # as it is written, holding no written tensor
+    del kept
     write_reward_head(t.model, out)
     head = value_head(t.model)  # a checkpoint of a PPO run (exports set it aside first)
     if head is not None:
         mx.save_safetensors(
             str(out / VALUE_HEAD_FILE), dict(tree_flatten({VALUE_HEAD: head.parameters()}))
         )
-    mx.save_safetensors(
-        str(out / "adapters.safetensors"),
-        weights,
-        metadata={k: str(v) for k, v in (metadata or {}).items()},
-    )
+    tags = {k: str(v) for k, v in (metadata or {}).items()}
+    if streamed:
+        write_safetensors(out / "adapters.safetensors", weights, tags)
+    else:
+        mx.save_safetensors(str(out / "adapters.safetensors"), weights, metadata=tags)
     (out / "adapter_config.json").write_text(json.dumps(mlx_lm_config(t), indent=2))
     if t.base_dir is not None and is_gguf(t.base_dir):
         write_gguf_base(t, out / "base")

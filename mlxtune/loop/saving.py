@@ -1,13 +1,18 @@
-"""The trainer's checkpoints: rank 0 saves the run's full state (``checkpoint.save``), logs it,
+"""The trainer's checkpoints: rank 0 saves the run's full state (``checkpoint.save``; in a
+fully sharded run every rank gathers the pieces it writes), logs it,
 warns once when the active memory creeps up from one checkpoint to the next, and keeps the
 newest ``checkpoints.keep_last``."""
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 
+from .. import distributed
 from ..engine.memory import creeping, described, stage
 from ..engine.state import TrainState
+from ..fsdp import drain, whole_trainable
 from ..runs.checkpoint import prune, save
 
 
@@ -22,11 +27,22 @@ class Saver:
 
     def save(self, name: str, extra: dict | None = None, prune_after: bool = True) -> None:
         t = self._trainer
+        whole = None
+        if t.engine.sharded:  # every rank gathers the pieces (collectives); rank 0 writes
+            with distributed.collectives(t.world):
+                whole = (whole_trainable(t.model), t.engine.checkpoint_arrays())
+                if not t.world.main:
+                    for tensors in (whole[0], *whole[1].values()):  # as rank 0 writes them
+                        drain(tensors)
         if not t.world.main:  # rank 0 writes the run's checkpoints
             return
         state = TrainState(t.position, t.engine.host_state())
-        with t.guard.writing(f"checkpoints/{name}"), stage("checkpoint", t.parts.stages):
-            save(t.run_dir, name, t.trained, t.recipe, t.engine, state, t.last_loss, extra)
+        with (
+            t.guard.writing(f"checkpoints/{name}"),
+            stage("checkpoint", t.parts.stages),
+            distributed.collectives(t.world) if whole else contextlib.nullcontext(),
+        ):
+            save(t.run_dir, name, t.trained, t.recipe, t.engine, state, t.last_loss, extra, whole)
         took = described(t.parts.stages["checkpoint"])
         t.log(f"saved checkpoint checkpoints/{name} at step {t.position.step} ({took})")
         self._active.append((t.position.step, mx.get_active_memory()))

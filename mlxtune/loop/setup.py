@@ -11,6 +11,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.optimizers as optim
 
 from .. import _blas
@@ -23,8 +24,10 @@ from ..engine.state import LoopPosition
 from ..engine.steps import Engine
 from ..errors import TrainingError, UserInputError
 from ..export import peft_refusal
+from ..fsdp import scatter_kind, shard_blocks
 from ..kernels.selection import kernel_tiers
 from ..memory import Planned, plan, run_budget, shape_of
+from ..models import VisionLM, checkpointed_layers
 from ..objectives import Objective
 from ..runs.checkpoint import named, restore
 from ..runs.rundir import RunDir, holds_a_run
@@ -121,6 +124,8 @@ def set_up(
     r = copy.deepcopy(recipe)  # the run's own: the lengths and sizes resolve into it
     r.data.max_length = built.max_length
     objective = built.kind(r, built.components)
+    if r.distributed.strategy == "fsdp":
+        shard_model(built.components.model, objective, world, log)
     auto_sizes = resolve_sizes(r, built, objective, tiers, world, log)
     batches_per_epoch = objective.batches_per_epoch()
     total_steps = _total_steps(r.train, batches_per_epoch)
@@ -166,6 +171,46 @@ def set_up(
         resumed,
         stages,
     )
+
+
+def shard_model(model, objective: Objective, world, log) -> None:
+    """``distributed.strategy: fsdp``: every block of ``model`` held as this rank's pieces
+    (``mlxtune.fsdp``), before the optimizer sees it; what it cannot train is refused by name.
+    One process: nothing to shard."""
+    if world.size == 1:
+        log("note: distributed.strategy: fsdp has no effect in one process (nothing to shard)")
+        return
+    where = "distributed.strategy"
+    if isinstance(model, VisionLM):
+        raise UserInputError(
+            "fsdp shards a language model's blocks; use data with a vision model", where
+        )
+    if objective.generation_layout() is not None:
+        raise UserInputError(
+            f"{objective.name} generates while it trains, one rollout per rank; fsdp shards "
+            "the blocks every forward gathers from all ranks: use data",
+            where,
+        )
+    if not list(getattr(model, "layers", None) or []):
+        raise UserInputError("this model has no list of blocks to shard: use data", where)
+    n = shard_blocks(model, world.group)
+    mx.eval(model.parameters())
+    mx.clear_cache()  # the whole blocks' buffers go back
+    log(
+        f"fully sharded: each of {world.size} ranks holds 1/{world.size} of the {n} blocks' "
+        "weights, gradients and optimizer state, gathered a block at a time"
+    )
+    if scatter_kind(world.group) == "all_sum":
+        log(
+            f"note: the {world.backend} backend has no reduce-scatter (sum_scatter): each "
+            "block's gradients are all-reduced whole and each rank keeps its rows, twice the "
+            "bytes a reduce-scatter moves"
+        )
+    if checkpointed_layers(model) < n:
+        log(
+            "note: blocks without train.grad_checkpointing keep their gathered weights for the "
+            "backward: fsdp saves most with every block checkpointed"
+        )
 
 
 def _total_steps(t, batches_per_epoch: int | None) -> int:

@@ -4,6 +4,7 @@ to save and resume; none of them knows about the loop."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import tempfile
@@ -20,6 +21,8 @@ from ..engine.state import LoopPosition
 from ..errors import Interrupted, TrainingError
 from ..evaluate import exact_match, sample
 from ..export import TrainedModel
+from ..fsdp import unshard_blocks
+from ..generate import led_by_rank0
 from ..models import kernel_attention
 from ..runs.checkpoint import last_saved
 from ..runs.rundir import RunDir, removed_if_refused, run_dir_for
@@ -145,6 +148,19 @@ class Trainer:
     )
 
     @property
+    def generates(self) -> bool:
+        """Whether this rank draws samples and exact-match answers: rank 0, and in a fully
+        sharded run every rank (its forward gathers from all of them), each taking rank 0's
+        tokens (``led_by_rank0``)."""
+        return self.world.main or self.engine.sharded
+
+    def _generating(self):
+        """Where this rank decodes: in step with rank 0 in a fully sharded run."""
+        if self.engine.sharded:
+            return led_by_rank0(self.world.group)
+        return contextlib.nullcontext()
+
+    @property
     def last_loss(self) -> float:
         """The mean loss of the last applied step read so far."""
         return self.position.last_loss
@@ -233,7 +249,7 @@ class Trainer:
             return out
         before = (
             self._exact_match("untrained", 0)
-            if r.eval.exact_match and not self.resumed and self.world.main
+            if r.eval.exact_match and not self.resumed and self.generates
             else None
         )
         self._start_eval = self._evaluate(0) if r.eval.at_start and not self.resumed else None
@@ -382,11 +398,17 @@ class Trainer:
         if best is not None:
             final_eval = best
         main = self.world.main  # the other ranks of a data-parallel run write nothing
-        if r.samples.every and main:
+        if r.samples.every:
             self._samples(pos.step)
         if r.checkpoints.save_final:
             self._checkpoint("final", prune_after=False)
-        after = self._exact_match("trained", pos.step) if r.eval.exact_match and main else None
+        trained = r.eval.exact_match and self.generates
+        after = self._exact_match("trained", pos.step) if trained else None
+        if self.engine.sharded and r.export.formats:
+            # the exports read whole blocks: the optimizer's state goes, every rank gathers
+            self.engine.optimizer.state = {}
+            with distributed.collectives(self.world):
+                unshard_blocks(self.model)
         if main:
             export_all(
                 r, self.model, self.trained, self.run_dir, self.guard.writing, self.log,
@@ -432,9 +454,12 @@ class Trainer:
         # (a KTO example's completion that is marked undesirable is no answer to match)
         wanted = (e for e in self.test_set.examples if e.prompt_ids and getattr(e, "label", True))
         examples = list(itertools.islice(wanted, n))
-        acc, rows = exact_match(
-            self.model, self.tokenizer, examples, self.recipe.eval.max_new_tokens
-        )
+        with self._generating():
+            acc, rows = exact_match(
+                self.model, self.tokenizer, examples, self.recipe.eval.max_new_tokens
+            )
+        if not self.world.main:
+            return acc
         key = f"exact_match_{'before' if when == 'untrained' else 'after'}"
         row = {"step": step, key: acc, "exact_match_examples": len(examples), "time": time.time()}
         self.records.row(row)
@@ -445,10 +470,12 @@ class Trainer:
         return acc
 
     def _samples(self, step: int):
-        if not self.world.main:
+        if not self.generates:
             return
-        drawn = sample(self.model, self.tokenizer, self.recipe.samples, self.valid_set, step)
-        self.records.samples(step, drawn)
+        with self._generating():
+            drawn = sample(self.model, self.tokenizer, self.recipe.samples, self.valid_set, step)
+        if self.world.main:
+            self.records.samples(step, drawn)
 
     def _watch(self, m: dict) -> bool:
         """``stopping.watch`` on this evaluation (a stop it asks for ends the run here)."""

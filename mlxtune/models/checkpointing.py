@@ -79,10 +79,26 @@ def checkpoint_layers(model: nn.Module, every: int = 1) -> int:
     blocks = model.layers
     chosen = range(0, len(blocks), every)
     for i in chosen:
-        blocks[i].__class__ = _checkpointed_class(type(blocks[i]))
+        checkpoint_block(blocks[i])
     return len(chosen)
+
+
+def checkpoint_block(block: nn.Module) -> None:
+    """This block recomputes its activations in the backward pass (``checkpoint_layers``)."""
+    block.__class__ = _checkpointed_class(type(block))
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether ``block`` recomputes its activations in the backward pass."""
+    return getattr(type(block), "_mlxtune_block_call", None) is not None
+
+
+def uncheckpoint(block: nn.Module) -> None:
+    """``block`` back to its own class: it keeps its activations again."""
+    if is_checkpointed(block):
+        block.__class__ = type(block).__bases__[0]
 
 
 def checkpointed_layers(model: nn.Module) -> int:
     """How many transformer blocks of a model recompute their activations (checkpoint_layers)."""
-    return sum(1 for b in model.layers if getattr(type(b), "_mlxtune_block_call", None) is not None)
+    return sum(1 for b in model.layers if is_checkpointed(b))

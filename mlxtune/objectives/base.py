@@ -376,6 +376,8 @@ class Objective:
         mine = batches[world.rank :: world.size]
         if not mine and batches:  # a rank left without batches still reports the metrics' names
             mine = [self.nothing(batches[0])]
+        if engine.sharded and batches:  # each forward gathers from every rank: as many each
+            mine += [self.nothing(batches[0])] * (-(-len(batches) // world.size) - len(mine))
         for b in mine:
             loss, n, metrics = engine.evaluate_batch(b)
             mx.eval(loss, n, metrics)

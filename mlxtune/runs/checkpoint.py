@@ -242,10 +242,12 @@ def save(
     state: TrainState,
     loss: float,
     extra: dict | None = None,
+    whole: tuple[dict, dict] | None = None,
 ) -> None:
     """Write checkpoint ``name`` of a run: the trainable weights, the engine's arrays
     (``engine.save``), and trainer_state.json with ``state`` as its ``resume`` section; staged,
-    then checksummed and moved into place whole."""
+    then checksummed and moved into place whole. ``whole``: a fully sharded run's (trainable
+    weights, ``engine.checkpoint_arrays()``), gathered whole as they are written."""
     meta = {
         "step": state.position.step,
         "loss": loss,
@@ -265,8 +267,9 @@ def save(
         "resume": state.to_json(),
     }
     with run_dir.staged("checkpoints", name) as tmp:
-        write_mlx_lm(t, tmp, meta)
-        engine.save(tmp)
+        weights, arrays = whole or (None, None)
+        write_mlx_lm(t, tmp, meta, weights)
+        engine.save(tmp, arrays)
         (tmp / "trainer_state.json").write_text(json.dumps(info, indent=2))
         write_checksums(tmp)
 
