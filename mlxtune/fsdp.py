@@ -73,27 +73,39 @@ def shard_of(a: mx.array, n: int, rank: int) -> mx.array:
     return mx.contiguous(rows[rank * k : (rank + 1) * k])
 
 
+def _by_dtype(arrays: list[mx.array]) -> dict:
+    """The indices of ``arrays`` by dtype, in order: one collective moves one dtype (codes of a
+    quantized weight must not pass through a float)."""
+    groups: dict = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault(a.dtype, []).append(i)
+    return groups
+
+
 def _gather_fn(group, shapes: list[tuple], with_backward: bool, kind: str):
     """gather(pieces) -> whole parameters of ``shapes``; its backward (``with_backward``) sums
     the whole gradients over ranks and returns this rank's pieces. Rows are contiguous in the
     row-major order, so a piece is a run of its parameter's flattened values: one row of the
-    gathered table holds every piece of a rank, side by side."""
+    gathered table holds every piece of a rank (of one dtype), side by side."""
     n, rank = group.size(), group.rank()
     pieces = [piece_shape(s, n) for s in shapes]
     sizes = [math.prod(p) for p in pieces]
-    offsets = [0]
-    for k in sizes:
-        offsets.append(offsets[-1] + k)
 
-    def whole_of(table, i):
+    def whole_of(run, i):
         s, p = shapes[i], pieces[i]
-        rows = table[:, offsets[i] : offsets[i + 1]].reshape(n * p[0], *p[1:])
+        rows = run.reshape(n * p[0], *p[1:])
         return rows[: s[0]] if s else rows.reshape(())
 
     def gather(held):
-        row = mx.concatenate([p.reshape(1, -1) for p in held], axis=1)
-        table = mx.distributed.all_gather(row, group=group)  # [n, sum of piece sizes]
-        return [whole_of(table, i) for i in range(len(shapes))]
+        out = [None] * len(held)
+        for idx in _by_dtype(held).values():
+            row = mx.concatenate([held[i].reshape(1, -1) for i in idx], axis=1)
+            table = mx.distributed.all_gather(row, group=group)  # [n, the pieces' sizes]
+            at = 0
+            for i in idx:
+                out[i] = whole_of(table[:, at : at + sizes[i]], i)
+                at += sizes[i]
+        return out
 
     if not with_backward:
         return lambda held: [mx.stop_gradient(w) for w in gather(held)]
@@ -102,23 +114,29 @@ def _gather_fn(group, shapes: list[tuple], with_backward: bool, kind: str):
 
     @f.vjp
     def gather_vjp(held, cotangents, _):
-        padded = []
-        for c, p in zip(cotangents, pieces, strict=True):
-            rows = c.reshape(1) if c.ndim == 0 else c
-            if p[0] * n != rows.shape[0]:
-                pad = mx.zeros((p[0] * n - rows.shape[0], *p[1:]), rows.dtype)
-                rows = mx.concatenate([rows, pad])
-            padded.append(rows.reshape(n, -1))
-        table = mx.concatenate(padded, axis=1)  # [n, sum of piece sizes]
-        if kind == "sum_scatter":
-            mine = mx.distributed.sum_scatter(table, group=group)
-        else:
-            mine = mx.distributed.all_sum(table, group=group)[rank : rank + 1]
-        # copies: views would keep the whole unit's summed gradients alive until the update
-        return [
-            mx.contiguous(mine[0, offsets[i] : offsets[i + 1]].reshape(pieces[i]).astype(h.dtype))
-            for i, h in enumerate(held)
-        ]
+        out = [None] * len(held)
+        for idx in _by_dtype(cotangents).values():
+            padded = []
+            for i in idx:
+                c, p = cotangents[i], pieces[i]
+                rows = c.reshape(1) if c.ndim == 0 else c
+                if p[0] * n != rows.shape[0]:
+                    pad = mx.zeros((p[0] * n - rows.shape[0], *p[1:]), rows.dtype)
+                    rows = mx.concatenate([rows, pad])
+                padded.append(rows.reshape(n, -1))
+            table = mx.concatenate(padded, axis=1)  # [n, the pieces' sizes]
+            if kind == "sum_scatter":
+                mine = mx.distributed.sum_scatter(table, group=group)
+            else:
+                mine = mx.distributed.all_sum(table, group=group)[rank : rank + 1]
+            at = 0
+            for i in idx:
+                # a copy: a view would keep the unit's whole summed gradients alive until the
+                # update
+                piece = mine[0, at : at + sizes[i]].reshape(pieces[i]).astype(held[i].dtype)
+                out[i] = mx.contiguous(piece)
+                at += sizes[i]
+        return out
 
     return f
 
@@ -189,19 +207,34 @@ class ShardedUnit(nn.Module):
         return self.module
 
 
+def _swap(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """``new`` in every list of the model's modules that holds ``old`` (``model.layers`` may
+    be a copy: mlx-lm's pipelined families give a slice of their list of blocks)."""
+    found = 0
+    for _, m in model.named_modules():
+        for v in m.values():
+            if isinstance(v, list):
+                for j, x in enumerate(v):
+                    if x is old:
+                        v[j], found = new, found + 1
+    if not found:
+        raise ValueError("a block of model.layers is in no list of the model's modules")
+
+
 def shard_blocks(model: nn.Module, group: mx.distributed.Group | None = None) -> int:
     """Every block of ``model.layers`` as a ``ShardedUnit``, in place; the number of blocks.
     A block that recomputes its activations (gradient checkpointing) hands that to its unit:
     the recomputation then gathers the pieces again, so the backward keeps only the pieces of
     a block, never its whole parameters."""
-    blocks = model.layers
-    for i in range(len(blocks)):
-        recomputed = is_checkpointed(blocks[i])
+    blocks = list(model.layers)
+    for block in blocks:
+        recomputed = is_checkpointed(block)
         if recomputed:
-            uncheckpoint(blocks[i])
-        blocks[i] = ShardedUnit(blocks[i], group)
+            uncheckpoint(block)
+        unit = ShardedUnit(block, group)
         if recomputed:
-            checkpoint_block(blocks[i])
+            checkpoint_block(unit)
+        _swap(model, block, unit)
     return len(blocks)
 
 
@@ -209,13 +242,14 @@ def unshard_blocks(model: nn.Module) -> int:
     """Every ``ShardedUnit`` of ``model.layers`` back to its block with whole parameters, in
     place (every rank must call it: the gathers are collectives); the number unsharded. What
     rank 0 alone then does with the model (exports, samples) needs no other rank."""
-    blocks, n = model.layers, 0
-    for i in range(len(blocks)):
-        if isinstance(blocks[i], ShardedUnit):
-            recomputed = is_checkpointed(blocks[i])
-            blocks[i] = blocks[i].unsharded()
+    n = 0
+    for unit in list(model.layers):
+        if isinstance(unit, ShardedUnit):
+            recomputed = is_checkpointed(unit)
+            block = unit.unsharded()
             if recomputed:
-                checkpoint_block(blocks[i])
+                checkpoint_block(block)
+            _swap(model, unit, block)
             n += 1
     mx.eval(model.parameters())
     return n

@@ -131,5 +131,126 @@ def test_the_export_equals_the_one_process_runs(full):
     a = mx.load(str(full["one"] / "export" / "fused" / "model.safetensors"))
     b = mx.load(str(full["two"] / "export" / "fused" / "model.safetensors"))
     assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-4, atol=1e-5)
+    for k in a:  # Adam turns a near-zero gradient's round-off into up to lr: atol lr / 30
+        np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-4, atol=1e-4)
+
+
+def two(tmp: Path, r: dict, run_dir: Path, *more: str, n: int = 2, timeout: int = 300):
+    """``r`` with strategy fsdp under ``mlxtune run --nproc n`` (``more``: its other options)."""
+    path = tmp / f"fsdp-{n}.yaml"
+    path.write_text(yaml.safe_dump({**r, "distributed": {"strategy": "fsdp"}}))
+    cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(path), "--run-dir", str(run_dir)]
+    cmd += [*more, "--nproc", str(n)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def cut_back(src: Path, dst: Path, keep: str) -> Path:
+    """A copy of run ``src`` whose last checkpoint is ``keep`` (the later ones removed)."""
+    shutil.copytree(src, dst)
+    for c in (dst / "checkpoints").iterdir():
+        if c.name != keep:
+            shutil.rmtree(c)
+    (dst / "summary.json").unlink()
+    return dst
+
+
+def test_a_sharded_run_resumes_exactly_at_the_same_world_size(full, tmp_path):
+    run_dir = cut_back(full["two"], tmp_path / "again", "step-000004")
+    p = two(tmp_path, full["recipe"], run_dir, "--resume", "step-000004")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert rows(run_dir) == rows(full["two"])  # the same ranks, the same pieces: exact
+
+
+@pytest.mark.slow  # four processes on two cores: about a minute
+def test_a_two_rank_checkpoint_resumes_on_four_ranks(full, tmp_path):
+    run_dir = cut_back(full["two"], tmp_path / "four", "step-000004")
+    p = two(tmp_path, full["recipe"], run_dir, "--resume", "step-000004", n=4, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "1/4 of the 2 blocks" in p.stdout + p.stderr
+    same_rows(rows(run_dir), rows(full["two"]), rel=2e-5, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory, tokenizer, tokenizer_dir):
+    from mlx_lm_archs import tiny_config
+
+    from mlxtune.models import family_classes, save_model
+
+    mx.random.seed(2)
+    config = tiny_config("qwen3_moe", 64)
+    model_class, args_class = family_classes(config)
+    folder, _ = save_model(
+        model_class(args_class.from_dict(config)),
+        config,
+        tmp_path_factory.mktemp("moe"),
+        tokenizer,
+        tokenizer_dir,
+    )
+    return folder
+
+
+LORA = {"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param("lora", id="llama-lora"),
+        pytest.param("qlora", id="llama-qlora"),
+        pytest.param("moe-full", id="qwen3_moe-full"),
+        pytest.param("moe-qlora", id="qwen3_moe-qlora"),
+    ],
+)
+def test_adapters_and_an_moe_family_shard_as_one_process(case, tmp_path, llama_dir, moe_dir):
+    model_dir = moe_dir if case.startswith("moe") else llama_dir
+    adapter = {"type": "full"} if case.endswith("full") else LORA
+    exported = "fused" if adapter["type"] == "full" else "mlx-lm"
+    r = recipe(data(tmp_path), model_dir, adapter, export={"formats": [exported]})
+    r["samples"] = {"every": None}
+    r["eval"] = {"every": 3}
+    if case.endswith("qlora"):  # the frozen quantized base is sharded too
+        r["model"] = {"path": str(model_dir), "quantize": {"bits": 4, "group_size": 32}}
+    one, two_dir, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    same_rows(rows(one), rows(two_dir), rel=2e-5, abs=1e-6)
+    file = "model.safetensors" if exported == "fused" else "adapters.safetensors"
+    a = mx.load(str(one / "export" / exported / file))
+    b = mx.load(str(two_dir / "export" / exported / file))
+    assert a.keys() == b.keys()
+    for k in a:  # Adam turns a near-zero gradient's round-off into up to lr: atol lr / 30
+        np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-4, atol=1e-4)
+
+
+def test_what_fsdp_cannot_train_is_refused_by_name(tmp_path, llama_dir):
+    from mlxtune.errors import UserInputError
+
+    r = recipe(data(tmp_path), llama_dir, {"type": "full"})
+    for name in ("muon", "adafactor", "sophia", "adamw8bit"):
+        bad = {**r, "optimizer": {"name": name}, "distributed": {"strategy": "fsdp"}}
+        with pytest.raises(UserInputError) as e:
+            recipe_from_dict(bad)
+        assert e.value.where.endswith("optimizer.name") and "fsdp" in str(e.value)
+    with pytest.raises(UserInputError) as e:
+        recipe_from_dict({**r, "distributed": {"strategy": "tensors"}})
+    assert "distributed.strategy" in str(e.value.where)
+
+
+def test_objectives_that_generate_and_vision_models_are_refused_by_name(llama_dir):
+    from mlxtune.distributed import World
+    from mlxtune.errors import UserInputError
+    from mlxtune.loop.setup import shard_model
+    from mlxtune.models import load_model
+
+    class Rollouts:  # what the set-up reads of an objective that generates while it trains
+        name = "grpo"
+
+        def generation_layout(self):
+            return (4, 32)
+
+    model, _ = load_model(llama_dir)
+    with pytest.raises(UserInputError) as e:
+        shard_model(model, Rollouts(), World(0, 2), print)
+    assert e.value.where == "distributed.strategy" and "grpo generates" in str(e.value)
+    logged = []
+    shard_model(model, Rollouts(), World(0, 1), logged.append)  # one process: nothing to do
+    assert "no effect in one process" in logged[0]
