@@ -187,6 +187,17 @@ class ShardedUnit(nn.Module):
                 out += [(k, w) for (k, _), w in zip(spec, fulls, strict=True)]
         return out
 
+    def whole_shape(self, path: str) -> tuple:
+        """The whole shape of the parameter at ``path`` inside the unit's module (with or
+        without the leading ``module.``)."""
+        return self._shapes[path.removeprefix("module.")]
+
+    def whole_sizes(self) -> tuple[int, int]:
+        """(the unit's parameters whole, in bytes as held; its trainable elements whole)."""
+        dtypes = {k: v.dtype for k, v in tree_flatten(self.module.parameters())}
+        held = sum(math.prod(s) * dtypes[k].size for k, s in self._shapes.items())
+        return held, sum(math.prod(s) for _, s in self._trained)
+
     def __call__(self, *args, **kwargs):
         pieces = self.module.parameters()
         self.module.update(tree_unflatten(self.whole()))

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten
 from .adapters import LoRALinear
 from .engine.memory import GB
 from .errors import UserInputError
+from .fsdp import ShardedUnit
 from .kernels.chunked import chunk_elements, chunk_size
 from .kernels.flash import block_for, uses_fused
 from .kernels.tune import tier_at
@@ -99,6 +100,12 @@ class Shape:
     delta_layers: int = 0  # layers mixing by the gated delta rule (hybrids), chunkwise
     delta_token: int = 0  # fp32 elements a token of one of them keeps (delta.saved_per_token)
     head_chunk_bytes: int = 0  # a quantized head's rows the chunked loss de-quantizes at once
+    # the transformer blocks, whole: what distributed.strategy: fsdp divides among its ranks
+    block_weight_bytes: int = 0  # their weights, as held
+    block_trainable: int = 0  # their trainable elements
+    block_trainable_bytes: int = 0  # ... as held
+    block_trainable_16bit: int = 0  # ... held in 16 bits
+    sharded: int = 1  # ranks the blocks are divided among (fsdp); the figures above are a rank's
 
 
 # [block, T] arrays the chunked attention's slabs add to a step's peak: a layer's attention
@@ -156,6 +163,12 @@ def estimate(s: Shape) -> dict[str, float]:
     # a vision model's tower runs before the step (its backward after it, holding the step's
     # gradients, where adapters in it train): its pass is a peak of its own
     tower = s.tower_row_bytes * s.batch
+    gathered = 0.0
+    if s.sharded > 1 and s.layers:  # fsdp: whole blocks while they compute
+        # each block's weights whole while it runs (kept for the backward where it is not
+        # checkpointed), and one block's whole gradients with their all-reduced copy
+        block = s.block_weight_bytes / s.layers
+        gathered = block * (s.layers - s.checkpointed + 1) + 2 * 4 * s.block_trainable / s.layers
     out = {
         "weights": float(s.weight_bytes + s.reference_bytes),
         "masters": float(4 * s.trainable_16bit if s.masters else 0),
@@ -169,7 +182,9 @@ def estimate(s: Shape) -> dict[str, float]:
         "activations": float(acts),
         "logits": float(logits + s.objective_bytes),
     }
-    step = out["gradients"] + out["activations"] + out["logits"]
+    if gathered:
+        out["gathered"] = gathered
+    step = out["gradients"] + out["activations"] + out["logits"] + gathered
     held = out["weights"] + out["masters"] + out["optimizer"]
     if generation:
         out["generation"] = float(generation)
@@ -208,11 +223,13 @@ def trained_inputs(block: nn.Module) -> int:
     layers (adapters, or weights that train): an input several of them read counts once, and
     one every step keeps anyway (``_KEPT_ANYWAY``) not at all."""
     seen = {}
+    whole = block.whole_shape if isinstance(block, ShardedUnit) else None  # fsdp: a piece's rows
     for name, m in block.named_modules():
         if name.rsplit(".", 1)[-1] in _KEPT_ANYWAY:
             continue
         if isinstance(m, LoRALinear):
-            dims = m.lora_a.shape[-1] if m.lora_a.ndim == 3 else m.lora_a.shape[0]
+            a = whole(f"{name}.lora_a") if whole else m.lora_a.shape
+            dims = a[-1] if len(a) == 3 else a[0]
         elif isinstance(m, nn.Linear) and "weight" in m.trainable_parameters():
             dims = m.weight.shape[-1]
         else:
@@ -302,7 +319,58 @@ def shape_of(run) -> Shape:
         ),
         tower_trains=bool(getattr(model, "tower_trains", False)),
         head_chunk_bytes=head_chunk,
+        **_blocks(blocks or []),
         **delta_layout(model, cfg),
+    )
+
+
+def _blocks(blocks) -> dict:
+    """The Shape's whole figures of the transformer blocks (``block_*``) and ``sharded``: the
+    ranks a fully sharded run divides them among."""
+    weight = trainable = trainable_bytes = trainable_16 = 0
+    sharded = 1
+    for b in blocks:
+        if isinstance(b, ShardedUnit):
+            held, elements = b.whole_sizes()
+            dtypes = {v.dtype for _, v in tree_flatten(b.trainable_parameters())}
+            size = max((d.size for d in dtypes), default=4)
+            weight, trainable = weight + held, trainable + elements
+            trainable_bytes += elements * size
+            trainable_16 += elements if size == 2 else 0
+            sharded = b._group.size()
+            continue
+        weight += sum(v.nbytes for _, v in tree_flatten(b.parameters()))
+        t = tree_flatten(b.trainable_parameters())
+        trainable += sum(v.size for _, v in t)
+        trainable_bytes += sum(v.nbytes for _, v in t)
+        trainable_16 += sum(v.size for _, v in t if v.dtype in (mx.bfloat16, mx.float16))
+    return {
+        "block_weight_bytes": weight,
+        "block_trainable": trainable,
+        "block_trainable_bytes": trainable_bytes,
+        "block_trainable_16bit": trainable_16,
+        "sharded": sharded,
+    }
+
+
+def over_ranks(s: Shape, n: int) -> Shape:
+    """``s`` as ``distributed.strategy: fsdp`` over ``n`` ranks would hold it: a rank keeps
+    what lies outside the blocks and 1/n of the blocks' weights, trainable weights, fp32
+    masters and optimizer state (n = 1: all of it, as data parallelism does)."""
+
+    def part(total: int, block: int) -> int:
+        return int(total - block / s.sharded + block / n)
+
+    trainable = part(s.trainable, s.block_trainable)
+    return replace(
+        s,
+        weight_bytes=part(s.weight_bytes, s.block_weight_bytes),
+        trainable=trainable,
+        trainable_bytes=part(s.trainable_bytes, s.block_trainable_bytes),
+        trainable_16bit=part(s.trainable_16bit, s.block_trainable_16bit),
+        # the optimizer's state follows the trainable elements
+        optimizer_bytes=int(s.optimizer_bytes * trainable / max(s.trainable, 1)),
+        sharded=n,
     )
 
 
@@ -367,6 +435,14 @@ def alternatives(s: Shape, budget: float, recipe) -> list[str]:
             masters=s.full,
         )
         fits("model.dtype: bfloat16 (fp32 master weights are kept)", half)
+    if s.sharded == 1 and s.block_weight_bytes:
+        for n in (2, 4, 8):
+            if fits(
+                f"distributed.strategy: fsdp over {n} machines (mlx.launch --hostfile; each "
+                f"rank holds 1/{n} of the blocks' weights, gradients and optimizer state)",
+                over_ranks(s, n),
+            ):
+                break
     if s.full:
         lora = s.layers * 8 * ((s.hidden + s.q_dim) + (s.hidden + s.kv_dim // 2))
         fits(
@@ -454,6 +530,12 @@ def plan(shape: Shape, recipe, log) -> dict[str, float]:
     est = estimate(shape)
     budget, what = run_budget(recipe)
     log(f"memory: estimated peak {describe(est)}; the budget is {budget / GB:.2f} GB ({what})")
+    if shape.sharded > 1:
+        whole = estimate(over_ranks(shape, 1))["total"]
+        log(
+            f"memory: that is a rank's, the blocks divided among {shape.sharded} ranks (fsdp); "
+            f"each would need about {whole / GB:.2f} GB with distributed.strategy: data"
+        )
     if est["total"] <= budget or m.check == "off":
         return est
     fits = alternatives(shape, budget, recipe)

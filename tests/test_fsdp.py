@@ -57,3 +57,23 @@ def test_a_sharded_step_equals_the_unsharded_one(tmp_path, mode):
         assert got["unsharded_names"] and got["unsharded_logits"]
         if mode == "lora":  # everything that trains is in the blocks
             assert got["trainable_bytes"] * 2 == got["unsharded_bytes"]
+
+
+@pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
+def test_each_rank_holds_half_the_blocks_weights_and_optimizer_state(tmp_path):
+    """MLX's own counter: what a rank holds between steps of full fine-tuning with AdamW
+    (weight, two moments: 12 bytes an element) is the part outside the blocks and half of the
+    blocks, within the padding and the optimizer's step count."""
+    cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
+    cmd += [sys.executable, str(WORKER), str(tmp_path), "memory"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    done = all((tmp_path / f"rank-{r}.json").exists() for r in range(2))
+    assert p.returncode == 0 and done, p.stdout[-3000:] + p.stderr[-3000:]
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank-{r}.json").read_text())
+        per_element = 12
+        assert got["whole"] == pytest.approx(
+            per_element * (got["outside"] + got["blocks"]), rel=0.02
+        )
+        want = per_element * (got["outside"] + got["blocks"] / 2)
+        assert got["sharded"] == pytest.approx(want, rel=0.02), got
