@@ -244,8 +244,8 @@ def test_objectives_that_generate_and_vision_models_are_refused_by_name(llama_di
     class Rollouts:  # what the set-up reads of an objective that generates while it trains
         name = "grpo"
 
-        def generation_layout(self):
-            return (4, 32)
+        def generates(self):
+            return True
 
     model, _ = load_model(llama_dir)
     with pytest.raises(UserInputError) as e:

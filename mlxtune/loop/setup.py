@@ -185,10 +185,10 @@ def shard_model(model, objective: Objective, world, log) -> None:
         raise UserInputError(
             "fsdp shards a language model's blocks; use data with a vision model", where
         )
-    if objective.generation_layout() is not None:
+    if objective.generates():
         raise UserInputError(
-            f"{objective.name} generates while it trains, one rollout per rank; fsdp shards "
-            "the blocks every forward gathers from all ranks: use data",
+            f"{objective.name} generates while it trains or evaluates, each rank its own "
+            "prompts; fsdp's every forward gathers from all ranks: use data",
             where,
         )
     if not list(getattr(model, "layers", None) or []):

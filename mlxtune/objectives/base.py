@@ -329,6 +329,11 @@ class Objective:
         and sampling logits, for the memory plan); None: it does not generate."""
         return None
 
+    def generates(self) -> bool:
+        """Whether the objective decodes while it trains or evaluates (each rank its own
+        prompts): a fully sharded run, whose every forward gathers from all ranks, cannot."""
+        return self.generation_layout() is not None
+
     def reference_memory(self) -> dict:
         """What a reference policy (or a teacher) adds to a step: ``forward`` (one more forward
         pass, without its backward), ``bytes`` (weights kept for it) and, optionally,

@@ -509,6 +509,10 @@ class OnPolicy(Objective):
             return None
         return self._batch_rows(), -(-self._positions() // BLOCK) * BLOCK
 
+    def generates(self) -> bool:
+        """Rollouts while training, or, offline, the held-out reward's completions."""
+        return super().generates() or bool(self.rewards or self._other_rewards())
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder) -> None:
         """The rollout being trained on, when the checkpoint falls inside it."""
