@@ -29,6 +29,7 @@ __all__ = [
     "LoRASwitchLinear",
     "adapters_disabled",
     "apply_adapters",
+    "dropout_input",
     "dropout_key",
     "lora_scale",
     "select_layers",
@@ -43,7 +44,7 @@ def _base_dims(base: nn.Module) -> tuple[int, int]:
     return in_dims, out_dims
 
 
-def _dropout(layer: nn.Dropout, x: mx.array) -> mx.array:
+def dropout_input(layer: nn.Dropout, x: mx.array) -> mx.array:
     """``layer(x)``, with the mask from the active dropout_key when there is one."""
     keys = current().dropout_keys
     if keys is None or not layer.training or layer._p_1 == 1:
@@ -100,7 +101,9 @@ class LoRALinear(nn.Module):
         if self._disabled:
             return self.linear(x)
         y = self.linear(x)
-        z = (_dropout(self.dropout, x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
+        z = (dropout_input(self.dropout, x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(
+            x.dtype
+        )
         return y + (self.scale * z).astype(y.dtype)
 
     def delta(self) -> mx.array:
@@ -132,7 +135,9 @@ class DoRALinear(LoRALinear):
             return self.linear(x)
         w = dense_weight(self.linear)
         y = x @ w.T
-        z = (_dropout(self.dropout, x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
+        z = (dropout_input(self.dropout, x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(
+            x.dtype
+        )
         out = y + (self.scale * z).astype(y.dtype)
         adapted = w.astype(mx.float32) + self.delta()
         out = out * (self.m / mx.linalg.norm(adapted, axis=1)).astype(out.dtype)
@@ -199,7 +204,7 @@ class LoRASwitchLinear(LoRALinear):
 
     def _update(self, x, indices, sorted_indices):
         z = mx.gather_mm(
-            _dropout(self.dropout, x),
+            dropout_input(self.dropout, x),
             self.lora_a.swapaxes(-1, -2).astype(x.dtype),
             rhs_indices=indices,
             sorted_indices=sorted_indices,

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import tensor
 from .adapters import LoRALinear
 from .engine.memory import GB
 from .errors import UserInputError
@@ -319,7 +320,7 @@ def shape_of(run) -> Shape:
         ),
         tower_trains=bool(getattr(model, "tower_trains", False)),
         head_chunk_bytes=head_chunk,
-        **_blocks(blocks or []),
+        **(_blocks(blocks or []) if not tensor.is_split(model) else {}),
         **delta_layout(model, cfg),
     )
 

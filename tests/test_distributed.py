@@ -240,7 +240,7 @@ def test_a_dry_run_shows_the_ranks(runs):
     p = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, timeout=240)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
-    assert "parallel 2 ranks (ring), about 4 of the 8 examples of a batch each" in out
+    assert "parallel 2 ranks (ring, data), about 4 of the 8 examples of a batch each" in out
     assert out.count("dry run: one step compiled") == 1
 
 
@@ -268,7 +268,7 @@ def test_each_rank_draws_its_own_dropout_masks_from_the_shared_state():
 
     def draw(rank, size=2):
         eng = Engine.__new__(Engine)
-        eng.world, eng._has_dropout = World(rank=rank, size=size), True
+        eng.world, eng._has_dropout, eng.layout = World(rank=rank, size=size), True, None
         mx.random.seed(7)
         with eng._rank_dropout():
             mask = mx.random.bernoulli(0.5, (64,), key=current().dropout_keys.next())

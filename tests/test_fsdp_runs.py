@@ -53,17 +53,18 @@ def recipe(data, model_dir, adapter, **more):
     return r
 
 
-def one_and_two(tmp: Path, r: dict, one_strategy="data"):
+def one_and_two(tmp: Path, r: dict, one_strategy="data", strategy="fsdp"):
     """``r`` in this process (strategy ``one_strategy``) and under ``mlxtune run --nproc 2``
-    with ``distributed.strategy: fsdp``: (the run dirs, the latter's completed process)."""
+    with ``distributed.strategy`` ``strategy``: (the run dirs, the latter's completed
+    process)."""
     one, two = tmp / "one", tmp / "two"
     Trainer(
         recipe_from_dict({**r, "distributed": {"strategy": one_strategy}}),
         one,
         console=Console(quiet=True),
     ).run()
-    path = tmp / "fsdp.yaml"
-    path.write_text(yaml.safe_dump({**r, "distributed": {"strategy": "fsdp"}}))
+    path = tmp / f"{strategy}.yaml"
+    path.write_text(yaml.safe_dump({**r, "distributed": {"strategy": strategy}}))
     cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(path), "--run-dir", str(two)]
     p = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, timeout=300)
     return one, two, p
@@ -116,8 +117,8 @@ def test_a_sharded_checkpoint_is_whole_and_resumes_on_one_process(full, tmp_path
     for name in ("final", "best", "step-000006"):
         shutil.rmtree(run_dir / "checkpoints" / name, ignore_errors=True)
     (run_dir / "summary.json").unlink()
-    tr = Trainer(
-        recipe_from_dict({**full["recipe"], "distributed": {"strategy": "fsdp"}}),
+    tr = Trainer(  # the other strategy: a change a resumed run honours
+        recipe_from_dict({**full["recipe"], "distributed": {"strategy": "data"}}),
         run_dir,
         console=Console(quiet=True),
         resume="step-000004",
@@ -254,3 +255,64 @@ def test_objectives_that_generate_and_vision_models_are_refused_by_name(llama_di
     logged = []
     shard_model(model, Rollouts(), World(0, 1), logged.append)  # one process: nothing to do
     assert "no effect in one process" in logged[0]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param("full", id="llama-full"),
+        pytest.param("lora", id="llama-lora"),
+        pytest.param("qlora", id="llama-qlora"),
+    ],
+)
+def test_tensor_parallel_trains_as_one_process(case, tmp_path, model_dir_factory):
+    """Heads and MLP columns split between two ranks, each on the whole batch: the loss rows
+    of one process, a whole checkpoint that resumes on one, and the same export."""
+    model_dir = model_dir_factory(
+        "llama", hidden_size=64, intermediate_size=128, num_key_value_heads=2
+    )
+    adapter = {"type": "full"} if case == "full" else LORA
+    exported = "fused" if case == "full" else "mlx-lm"
+    r = recipe(data(tmp_path), model_dir, adapter, export={"formats": [exported]})
+    if case == "qlora":
+        r["model"] = {"path": str(model_dir), "quantize": {"bits": 4, "group_size": 32}}
+    one, two_dir, p = one_and_two(tmp_path, r, strategy="tensor")
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "tensor-parallel: each of 2 ranks holds 1/2" in out
+    # a quantized base runs MLX's quantized product where one process de-quantizes: looser
+    tol = 2e-4 if case == "qlora" else 2e-5
+    same_rows(rows(one), rows(two_dir), rel=tol, abs=1e-6)
+    file = "model.safetensors" if exported == "fused" else "adapters.safetensors"
+    a = mx.load(str(one / "export" / exported / file))
+    b = mx.load(str(two_dir / "export" / exported / file))
+    assert a.keys() == b.keys()
+    for k in a:  # Adam turns a near-zero gradient's round-off into up to lr: atol lr / 30
+        np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-3, atol=1e-4)
+    if case == "lora":  # the checkpoint is whole: one process resumes it with strategy data
+        run_dir = cut_back(two_dir, tmp_path / "alone", "step-000004")
+        tr = Trainer(
+            recipe_from_dict({**r, "distributed": {"strategy": "data"}}),
+            run_dir,
+            console=Console(quiet=True),
+            resume="step-000004",
+        )
+        tr.run()
+        same_rows(rows(run_dir), rows(two_dir), rel=2e-5, abs=1e-6)
+
+
+def test_tensor_parallelism_refuses_what_it_cannot_split(moe_dir, llama_dir):
+    from mlxtune.distributed import World
+    from mlxtune.errors import UserInputError
+    from mlxtune.loop.setup import split_model
+    from mlxtune.models import load_model
+    from mlxtune.tensor import refusal
+
+    moe, _ = load_model(moe_dir)
+    assert "not split as heads and MLP columns" in refusal(moe, 2)
+    llama, _ = load_model(llama_dir)  # 4 heads, 4 key/value heads
+    assert refusal(llama, 2) is None
+    assert "do not divide by 3 ranks" in refusal(llama, 3)
+    with pytest.raises(UserInputError) as e:
+        split_model(moe, World(0, 2), print)
+    assert e.value.where == "distributed.strategy" and "qwen3_moe" in str(e.value)

@@ -384,22 +384,24 @@ def check_precision(r: Recipe, v: Fails) -> None:
     _positive(v, "precision.max_skipped", p.max_skipped)
 
 
-FSDP_OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
-"""Optimizers a fully sharded run can use: each updates a weight value by value, so a rank
-updating its rows of a weight updates them as the whole weight's update would."""
+SPLIT_OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
+"""Optimizers that can update a weight of which a rank holds only a part (distributed.strategy
+fsdp or tensor): each updates a weight value by value."""
 
 
 def check_distributed(r: Recipe, v: Fails) -> None:
-    """distributed: the wait on the other ranks; what the fully sharded strategy can train."""
+    """distributed: the wait on the other ranks; what the strategies that divide the weights
+    can train."""
     t = r.distributed.timeout_s
     if t not in ("auto", None) and (isinstance(t, bool) or t <= 0):
         v.fail("distributed.timeout_s", f"auto, null or a number of seconds above 0, got {t!r}")
-    if r.distributed.strategy == "fsdp" and r.optimizer.name not in FSDP_OPTIMIZERS:
+    strategy = r.distributed.strategy
+    if strategy != "data" and r.optimizer.name not in SPLIT_OPTIMIZERS:
         v.fail(
             "optimizer.name",
-            f"one of {', '.join(FSDP_OPTIMIZERS)} with distributed.strategy: fsdp (each rank "
-            f"updates only its rows of a weight; {r.optimizer.name} reads whole matrices or "
-            "blocks of values across rows), got " + repr(r.optimizer.name),
+            f"one of {', '.join(SPLIT_OPTIMIZERS)} with distributed.strategy: {strategy} (each "
+            f"rank updates only its part of a weight; {r.optimizer.name} reads whole matrices "
+            "or blocks of values across them), got " + repr(r.optimizer.name),
         )
 
 

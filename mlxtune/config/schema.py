@@ -400,16 +400,19 @@ class MemoryConfig:
 class DistributedConfig:
     """Runs of several processes (``mlxtune run --nproc N``, ``mlx.launch``)."""
 
-    strategy: Literal["data", "fsdp"] = "data"
+    strategy: Literal["data", "fsdp", "tensor"] = "data"
     """How the ranks share the work. data: every rank holds the whole model and trains on its
     share of each batch's rows. fsdp: the same share of the rows, and every rank holds only
     1/N of each transformer block's weights, gradients and optimizer state, gathered a block
-    at a time for the forward and the backward: a model whose training does not fit one
-    machine trains on several (with train.grad_checkpointing, the backward holds one block
-    whole at a time). The same updates as data parallelism; checkpoints are written whole,
-    and resume at any number of ranks, with either strategy. fsdp needs an element-wise
-    optimizer (adamw, adam, lion, sgd) and an objective that does not generate while it
-    trains. One process: no effect."""
+    at a time for the forward and the backward (with train.grad_checkpointing, the backward
+    holds one block whole at a time). tensor: every rank computes on the whole batch and holds
+    1/N of each block's attention heads and MLP columns (MLX's sharded linear layers; LoRA's
+    factors split with them), its activations divided too; each block's forward and backward
+    all-reduce the hidden states (a link as fast as Thunderbolt 5). fsdp and tensor train a
+    model whose training does not fit one machine on several, with the updates of data
+    parallelism; their checkpoints are written whole and resume at any number of ranks with
+    any strategy. Both need an element-wise optimizer (adamw, adam, lion, sgd) and an
+    objective that does not generate while it trains. One process: no effect."""
 
     timeout_s: float | Literal["auto"] | None = "auto"
     """How long a rank waits on the others before it gives up on them: a rank that froze, slept

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
-from .. import fsdp
+from .. import fsdp, tensor
 from ..distributed import World, collectives
 from ..errors import TrainingError, UserInputError
 from ..export import load_trainable_weights, read_trainable
@@ -97,10 +97,20 @@ class Engine:
         """A vision model with adapters in its tower: steps take the features' gradient
         through the tower (``grad_step``)."""
         trained = {k for k, _ in tree_flatten(params)}
-        self.pieces = frozenset(fsdp.sharded_paths(model) & trained)
-        """What trains as this rank's pieces (``mlxtune.fsdp``): their gradients arrive summed
-        over ranks, and their squares sum over ranks for the norm."""
+        self.layout = fsdp if fsdp.is_sharded(model) else tensor if tensor.is_split(model) else None
+        """How the model's weights are divided among the ranks: ``mlxtune.fsdp`` (each holds
+        its pieces of every block), ``mlxtune.tensor`` (its heads and MLP columns), or None
+        (each holds the whole model)."""
+        self.pieces = frozenset(self.layout.sharded_paths(model) & trained if self.layout else ())
+        """What trains as this rank's share: its squares sum over ranks for the norm (and a
+        fully sharded run's gradients arrive summed over ranks)."""
         self._build()
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks a batch's rows are split among (tensor parallelism: none, every rank
+        computes on the whole batch)."""
+        return 1 if self.layout is tensor else self.world.size
 
     # ---------------------------------------------------------------- compiled steps
     def params(self) -> dict:
@@ -118,7 +128,7 @@ class Engine:
         state alike (so rank 0's checkpoint holds the state of all of them, for any number of
         ranks) and draws its masks and noise from its own key split from it, so that ranks'
         rows get independent draws. Entered inside the traced step."""
-        if self.world.size == 1 or not self._has_dropout:
+        if self.data_ranks == 1 or not self._has_dropout:
             return contextlib.nullcontext()
         shared = mx.random.randint(0, 1 << 32, (2,), dtype=mx.uint32)
         return dropout_key(mx.random.split(shared, self.world.size)[self.world.rank])
@@ -331,7 +341,7 @@ class Engine:
         if total is None:
             total = sum(self.objective.count(b) for b in micro_batches)
         # each rank's gradients are summed over ranks and divided by their number: x size here
-        inv = mx.array(self.world.size / max(total, 1), dtype=mx.float32)
+        inv = mx.array(self.data_ranks / max(total, 1), dtype=mx.float32)
         if len(micro_batches) == 1 and self.world.size == 1 and not self._tower_trains:
             loss, count, metrics, norm, ok = self._train_step(self.arrays(micro_batches[0]), inv)
             mx.async_eval(self._state, loss, count, metrics, norm, ok)
@@ -378,21 +388,26 @@ class Engine:
             failed = e
         if self.world.agree([failed is not None])[0] > 0:
             raise OutOfMemoryOnARank(str(failed) if failed else "on another rank")
-        loss_sum, count_sum, metric_sums, norm, ok = self._reduce_apply_step(
-            acc, loss_sum, count_sum, metric_sums
-        )
+        if self.data_ranks > 1:
+            loss_sum, count_sum, metric_sums, norm, ok = self._reduce_apply_step(
+                acc, loss_sum, count_sum, metric_sums
+            )
+        else:  # tensor parallelism: every rank's gradients are its share already
+            norm, ok = self._apply_step(acc, loss_sum)
         mx.async_eval(self._state, loss_sum, count_sum, metric_sums, norm, ok)
         return StepResult(loss_sum, count_sum, norm, ok, metric_sums)
 
     def shares(self, batch) -> list:
         """``batch`` split among the ranks (``Objective.split``): rank r's share is item r (a
         small batch may leave some ranks none)."""
-        return [batch] if self.world.size == 1 else self.objective.split(batch, self.world.size)
+        return [batch] if self.data_ranks == 1 else self.objective.split(batch, self.data_ranks)
 
     def shard(self, batch):
         """This rank's part of ``batch``; a rank left without rows gets a batch that counts
         nothing."""
         parts = self.shares(batch)
+        if self.data_ranks == 1:
+            return parts[0]
         if self.world.rank < len(parts):
             return parts[self.world.rank]
         return self.objective.nothing(parts[0])
@@ -411,7 +426,7 @@ class Engine:
         out = []
         for b in batches:
             mine = self._parts(self.shard(b))
-            if self.world.size > 1:
+            if self.data_ranks > 1:
                 most = max(len(self._parts(s)) for s in self.shares(b))
                 mine += [self.objective.nothing(mine[0])] * (most - len(mine))
             out += mine
@@ -514,8 +529,16 @@ class Engine:
 
     @property
     def sharded(self) -> bool:
-        """Whether what trains is held as pieces across ranks (a fully sharded run)."""
-        return bool(self.pieces)
+        """Whether the weights are divided among the ranks (fsdp or tensor): every forward
+        is then a collective, which every rank must run."""
+        return self.layout is not None
+
+    def unshard(self) -> None:
+        """The model whole again on every rank (a collective), before rank 0 exports it."""
+        if self.layout is fsdp:
+            fsdp.unshard_blocks(self.model)
+        elif self.layout is tensor:
+            tensor.unshard_tensors(self.model)
 
     def checkpoint_arrays(self) -> dict[str, dict]:
         """What ``save`` writes, by file name: the optimizer's whole state and the fp32
@@ -525,7 +548,7 @@ class Engine:
         if self.masters is not None:
             out["masters.safetensors"] = dict(tree_flatten(self.masters))
         if self.sharded:
-            out = {f: fsdp.whole_tree(self.model, d) for f, d in out.items()}
+            out = {f: self.layout.whole_tree(self.model, d) for f, d in out.items()}
         return out
 
     def save(self, folder, arrays: dict[str, dict] | None = None) -> None:
@@ -546,7 +569,7 @@ class Engine:
         if not self.sharded:
             load_trainable_weights(self.model, weights, where)
             return
-        shapes = fsdp.whole_shapes(self.model)
+        shapes = self.layout.whole_shapes(self.model)
         for k, v in weights.items():
             if k not in shapes:
                 raise UserInputError(
@@ -558,7 +581,7 @@ class Engine:
                 )
         if missing := sorted(set(shapes) - set(weights)):
             raise UserInputError(f"no weight for {missing[0]}", where)
-        fsdp.put_whole_trainable(self.model, weights)
+        self.layout.put_whole_trainable(self.model, weights)
 
     def load_weights(self, folder) -> None:
         """Put a checkpoint's trainable weights in place, each checked by name and shape, and
@@ -584,7 +607,7 @@ class Engine:
         saved = mx.load(str(folder / "optimizer.safetensors"))
         if self.sharded:  # whole, written at any world size: this rank's pieces of it
             held = [k for k, _ in tree_flatten(self.optimizer.state)]
-            saved = fsdp.pieces_of_whole(self.model, held, saved)
+            saved = self.layout.pieces_of_whole(self.model, held, saved)
         self.optimizer.state = tree_unflatten(list(saved.items()))
         # fills in the structure around what was saved (frozen layers hold empty states)
         self.optimizer.init(self.params())

@@ -66,10 +66,12 @@ def parallel(trainer) -> dict:
     world = trainer.world
     if world.size == 1:
         return {}
+    ranks = trainer.engine.data_ranks  # tensor parallelism: every rank the whole batch
     return {
         "world_size": world.size,
         "distributed_backend": world.backend,
-        "batch_per_rank": -(-trainer.recipe.train.batch_size // world.size),
+        "distributed_strategy": trainer.recipe.distributed.strategy,
+        "batch_per_rank": -(-trainer.recipe.train.batch_size // ranks),
     }
 
 
@@ -115,9 +117,14 @@ def header(trainer) -> list[str]:
         f"kernels  attention {trainer.tiers['attention']}, loss {trainer.tiers['loss']}",
     ] + (
         [
-            f"parallel {d['world_size']} ranks ({d['distributed_backend']}), about "
-            f"{d['batch_per_rank']} of the {r.train.batch_size} {trainer.objective.noun} of a batch "
-            "each"
+            f"parallel {d['world_size']} ranks ({d['distributed_backend']}, "
+            f"{d['distributed_strategy']}), "
+            + (
+                f"about {d['batch_per_rank']} of the {r.train.batch_size} "
+                f"{trainer.objective.noun} of a batch each"
+                if d["batch_per_rank"] < r.train.batch_size
+                else f"each on the whole batch of {r.train.batch_size}"
+            )
         ]
         if "world_size" in d
         else []

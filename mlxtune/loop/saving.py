@@ -12,7 +12,7 @@ import mlx.core as mx
 from .. import distributed
 from ..engine.memory import creeping, described, stage
 from ..engine.state import TrainState
-from ..fsdp import drain, whole_trainable
+from ..fsdp import drain
 from ..runs.checkpoint import prune, save
 
 
@@ -30,7 +30,7 @@ class Saver:
         whole = None
         if t.engine.sharded:  # every rank gathers the pieces (collectives); rank 0 writes
             with distributed.collectives(t.world):
-                whole = (whole_trainable(t.model), t.engine.checkpoint_arrays())
+                whole = (t.engine.layout.whole_trainable(t.model), t.engine.checkpoint_arrays())
                 if not t.world.main:
                     for tensors in (whole[0], *whole[1].values()):  # as rank 0 writes them
                         drain(tensors)

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.optimizers as optim
 
-from .. import _blas
+from .. import _blas, tensor
 from ..autosize import resolve_sizes
 from ..build import Built, build
 from ..config import Recipe, dump_yaml, inert_notes
@@ -124,8 +124,8 @@ def set_up(
     r = copy.deepcopy(recipe)  # the run's own: the lengths and sizes resolve into it
     r.data.max_length = built.max_length
     objective = built.kind(r, built.components)
-    if r.distributed.strategy == "fsdp":
-        shard_model(built.components.model, objective, world, log)
+    if r.distributed.strategy != "data":
+        shard_model(built.components.model, objective, world, log, r.distributed.strategy)
     auto_sizes = resolve_sizes(r, built, objective, tiers, world, log)
     batches_per_epoch = objective.batches_per_epoch()
     total_steps = _total_steps(r.train, batches_per_epoch)
@@ -173,26 +173,30 @@ def set_up(
     )
 
 
-def shard_model(model, objective: Objective, world, log) -> None:
-    """``distributed.strategy: fsdp``: every block of ``model`` held as this rank's pieces
-    (``mlxtune.fsdp``), before the optimizer sees it; what it cannot train is refused by name.
-    One process: nothing to shard."""
+def shard_model(model, objective: Objective, world, log, strategy: str = "fsdp") -> None:
+    """``distributed.strategy`` fsdp or tensor: the weights of ``model`` divided among the
+    ranks (``mlxtune.fsdp``: each holds its pieces of every block; ``mlxtune.tensor``: its
+    heads and MLP columns), before the optimizer sees them; what cannot train so is refused by
+    name. One process: nothing to divide."""
     if world.size == 1:
-        log("note: distributed.strategy: fsdp has no effect in one process (nothing to shard)")
+        log(f"note: distributed.strategy: {strategy} has no effect in one process")
         return
     where = "distributed.strategy"
     if isinstance(model, VisionLM):
         raise UserInputError(
-            "fsdp shards a language model's blocks; use data with a vision model", where
+            f"{strategy} divides a language model's blocks; use data with a vision model", where
         )
     if objective.generates():
         raise UserInputError(
             f"{objective.name} generates while it trains or evaluates, each rank its own "
-            "prompts; fsdp's every forward gathers from all ranks: use data",
+            f"prompts; {strategy}'s every forward is a collective of all ranks: use data",
             where,
         )
     if not list(getattr(model, "layers", None) or []):
         raise UserInputError("this model has no list of blocks to shard: use data", where)
+    if strategy == "tensor":
+        split_model(model, world, log)
+        return
     n = shard_blocks(model, world.group)
     mx.eval(model.parameters())
     mx.clear_cache()  # the whole blocks' buffers go back
@@ -211,6 +215,26 @@ def shard_model(model, objective: Objective, world, log) -> None:
             "note: blocks without train.grad_checkpointing keep their gathered weights for the "
             "backward: fsdp saves most with every block checkpointed"
         )
+
+
+def split_model(model, world, log) -> None:
+    """``distributed.strategy: tensor``: each block's heads and MLP columns divided among the
+    ranks (``mlxtune.tensor``), or the reason they cannot be, naming the family."""
+    why = tensor.refusal(model, world.size)
+    if why is not None:
+        family = getattr(getattr(model, "args", None), "model_type", None) or type(model).__module__
+        raise UserInputError(
+            f"{family}: {why}; tensor parallelism splits attention heads and MLP columns "
+            "(fsdp divides any block)",
+            "distributed.strategy",
+        )
+    n = tensor.shard_tensors(model, world.group)
+    mx.eval(model.parameters())
+    mx.clear_cache()
+    log(
+        f"tensor-parallel: each of {world.size} ranks holds 1/{world.size} of the attention "
+        f"heads and MLP columns of the {n} blocks; every rank computes on the whole batch"
+    )
 
 
 def _total_steps(t, batches_per_epoch: int | None) -> int:

@@ -21,7 +21,6 @@ from ..engine.state import LoopPosition
 from ..errors import Interrupted, TrainingError
 from ..evaluate import exact_match, sample
 from ..export import TrainedModel
-from ..fsdp import unshard_blocks
 from ..generate import led_by_rank0
 from ..models import kernel_attention
 from ..runs.checkpoint import last_saved
@@ -408,7 +407,7 @@ class Trainer:
             # the exports read whole blocks: the optimizer's state goes, every rank gathers
             self.engine.optimizer.state = {}
             with distributed.collectives(self.world):
-                unshard_blocks(self.model)
+                self.engine.unshard()
         if main:
             export_all(
                 r, self.model, self.trained, self.run_dir, self.guard.writing, self.log,

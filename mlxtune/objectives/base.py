@@ -378,18 +378,19 @@ class Objective:
         running its share."""
         total, count, sums = 0.0, 0, {}
         batches = list(self.eval_batches())
-        mine = batches[world.rank :: world.size]
+        split = engine.data_ranks  # tensor parallelism: every rank runs every batch
+        mine = batches[world.rank :: world.size] if split > 1 else batches
         if not mine and batches:  # a rank left without batches still reports the metrics' names
             mine = [self.nothing(batches[0])]
         if engine.sharded and batches:  # each forward gathers from every rank: as many each
-            mine += [self.nothing(batches[0])] * (-(-len(batches) // world.size) - len(mine))
+            mine += [self.nothing(batches[0])] * (-(-len(batches) // split) - len(mine))
         for b in mine:
             loss, n, metrics = engine.evaluate_batch(b)
             mx.eval(loss, n, metrics)
             total, count = total + loss.item(), count + n.item()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.item()
-        if world.size > 1:
+        if split > 1:
             names = sorted(sums)
             got = world.agree([total, count] + [sums[k] for k in names])
             total, count = got[0], int(round(got[1]))

@@ -63,6 +63,7 @@ MAY_CHANGE = (
     "memory.",
     "report",  # where the records also go: a reporter may join or leave a resumed run
     "train.grad_checkpointing",  # the same gradients (dropout masks are drawn differently)
+    "distributed.",  # how ranks share the work: the same updates (checkpoints are whole)
 )
 
 

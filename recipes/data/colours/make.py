@@ -19,7 +19,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 HERE = Path(__file__).parent
-COLOURS = {"red": (210, 40, 40), "green": (40, 170, 60), "blue": (40, 60, 210), "yellow": (220, 200, 40)}
+COLOURS = {
+    "red": (210, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 60, 210),
+    "yellow": (220, 200, 40),
+}
 SIZES = [(56, 56), (84, 56), (56, 84)]
 SPECIALS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -73,15 +78,27 @@ def main():
         for i in range(n):
             rel = f"img/{split}-{i:03d}.png"
             name = picture(rng, HERE / rel)
-            question = [{"type": "image", "image": rel}, {"type": "text", "text": "What colour is the shape?"}]
-            rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": name}]})
+            question = [
+                {"type": "image", "image": rel},
+                {"type": "text", "text": "What colour is the shape?"},
+            ]
+            rows.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": question},
+                        {"role": "assistant", "content": name},
+                    ]
+                }
+            )
         (HERE / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = TEMPLATE
     fast.save_pretrained(HERE / "tokenizer")
     (HERE / "tokenizer" / "preprocessor_config.json").write_text(json.dumps(PROCESSOR, indent=2))

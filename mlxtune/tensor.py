@@ -1,0 +1,329 @@
+"""Tensor parallelism: each rank holds its share of every block's attention heads and MLP
+columns, with MLX's sharded linear layers, and every rank computes on the whole batch.
+
+In each block the projections that read the block's input (``q_proj``, ``k_proj``,
+``v_proj``, ``gate_proj``, ``up_proj``) become all-to-sharded layers (rank r holds rows r of
+their weights: its heads, its MLP columns; their backward sums the input's gradient over
+ranks), and those that write back (``o_proj``, ``down_proj``) sharded-to-all ones (rank r
+holds the matching columns; the forward sums their outputs over ranks). Quantized layers (a
+QLoRA base) split the same way, through MLX's quantized forms.
+
+LoRA splits with its base: over an all-to-sharded layer, B's columns are split with the
+layer's rows and A stays whole on every rank (its gradient, a sum of every rank's part, is
+summed over ranks in the backward, as is the adapter's input gradient); over a sharded-to-all
+layer, A's rows are split with the layer's columns, the low-rank product is summed over ranks
+(r values a token) and B stays whole. What stays whole (norms, embeddings, the head, those
+factors) gets the same gradient on every rank, so nothing is all-reduced after the backward:
+a step's only collectives are the layers' own.
+
+A sharded parameter's axis is kept on its module (``_tp_axes``), so a checkpoint is written
+whole (each sharded parameter gathered along its axis) and read back at any world size or
+strategy, and ``unshard`` builds the ordinary layers again for exports.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import (
+    AllToShardedLinear,
+    QuantizedAllToShardedLinear,
+    shard_linear,
+    sum_gradients,
+)
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .adapters import DoRALinear, LoRALinear, dropout_input
+
+TO_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+"""Projections that read a block's input: split by their output rows."""
+FROM_SHARDED = ("o_proj", "down_proj")
+"""Projections that write back into the residual stream: split by their input columns."""
+_HEADS = ("n_heads", "n_kv_heads")
+
+
+class LoRAToSharded(LoRALinear):
+    """LoRA over an all-to-sharded layer: this rank's columns of B, A whole."""
+
+    def __call__(self, x):
+        if self._disabled:
+            return self.linear(x)
+        y = self.linear(x)
+        g = self._group
+        # the input's and A's gradients are this rank's parts: summed over ranks backward
+        xa = sum_gradients(g)(dropout_input(self.dropout, x))
+        a = sum_gradients(g)(self.lora_a)
+        z = (xa @ a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
+        return y + (self.scale * z).astype(y.dtype)
+
+
+class LoRAFromSharded(LoRALinear):
+    """LoRA over a sharded-to-all layer: this rank's rows of A, B whole."""
+
+    def __call__(self, x):
+        if self._disabled:
+            return self.linear(x)
+        y = self.linear(x)
+        low = dropout_input(self.dropout, x) @ self.lora_a.astype(x.dtype)
+        z = mx.distributed.all_sum(low, group=self._group) @ self.lora_b.astype(x.dtype)
+        return y + (self.scale * z).astype(y.dtype)
+
+
+def _base_axes(layer: nn.Module, prefix: str = "") -> dict[str, int]:
+    """The axis each parameter of a sharded linear layer is split along (a sharded-to-all
+    layer's bias is whole)."""
+    to = isinstance(layer, (AllToShardedLinear, QuantizedAllToShardedLinear))
+    names = [k for k, _ in tree_flatten(layer.parameters())]
+    return {prefix + k: 0 if to else 1 for k in names if to or k != "bias"}
+
+
+def _trainable_names(m: nn.Module) -> set[str]:
+    return {k.rsplit(".", 1)[-1] for k, _ in tree_flatten(m.trainable_parameters())}
+
+
+def _rows(a: mx.array, axis: int, n: int, r: int) -> mx.array:
+    k = a.shape[axis] // n
+    return mx.contiguous(mx.take(a, mx.arange(r * k, (r + 1) * k), axis=axis))
+
+
+def _split(m: nn.Module, kind: str, group) -> nn.Module:
+    """``m`` (a linear layer, or LoRA over one) as this rank's share (``kind``: all-to-sharded
+    or sharded-to-all), trainable where ``m`` was."""
+    n, r = group.size(), group.rank()
+    trains = _trainable_names(m)
+    if isinstance(m, LoRALinear):
+        base = shard_linear(m.linear, kind, group=group)
+        cls = LoRAToSharded if kind == "all-to-sharded" else LoRAFromSharded
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.linear, out.dropout, out.scale = base, m.dropout, m.scale
+        if kind == "all-to-sharded":
+            out.lora_a, out.lora_b = m.lora_a, _rows(m.lora_b, 1, n, r)
+            axes = {**_base_axes(base, "linear."), "lora_b": 1}
+        else:
+            out.lora_a, out.lora_b = _rows(m.lora_a, 0, n, r), m.lora_b
+            axes = {**_base_axes(base, "linear."), "lora_a": 0}
+        if m._disabled:
+            out._disabled = m._disabled
+    else:
+        out = shard_linear(m, kind, group=group)
+        axes = _base_axes(out)
+    object.__setattr__(out, "_group", group)
+    object.__setattr__(out, "_tp_axes", axes)
+    # the class to build again whole (a QLoRA base's own quantized layer)
+    object.__setattr__(out, "_tp_from", type(m.linear if isinstance(m, LoRALinear) else m))
+    out.freeze()
+    if trains:
+        out.unfreeze(keys=sorted(trains), strict=False)
+    return out
+
+
+def refusal(model: nn.Module, n: int) -> str | None:
+    """Why ``model``'s blocks cannot be split among ``n`` ranks, or None."""
+    blocks = list(getattr(model, "layers", None) or [])
+    if not blocks:
+        return "this model has no list of blocks to split"
+    for i, b in enumerate(blocks):
+        attn, mlp = getattr(b, "self_attn", None), getattr(b, "mlp", None)
+        if attn is None or mlp is None:
+            return f"block {i} has no self_attn and mlp to split"
+        missing = [p for p in ("q_proj", "k_proj", "v_proj", "o_proj") if p not in attn]
+        missing += [p for p in ("gate_proj", "up_proj", "down_proj") if p not in mlp]
+        missing += [h for h in _HEADS if not isinstance(getattr(attn, h, None), int)]
+        if missing:  # an MoE block, MLA, a fused qkv: not the layout this splits
+            return f"block {i} is not split as heads and MLP columns (no {', '.join(missing)})"
+        for m in [*(attn[p] for p in TO_SHARDED[:3]), *(mlp[p] for p in TO_SHARDED[3:])]:
+            if isinstance(m, DoRALinear):
+                return "DoRA's magnitude needs each row's whole norm: use lora"
+        heads, kv = attn.n_heads, attn.n_kv_heads
+        width = mlp["gate_proj"].weight.shape[0] if "weight" in mlp["gate_proj"] else None
+        if heads % n or kv % n:
+            return f"{heads} attention heads and {kv} key/value heads do not divide by {n} ranks"
+        if width is not None and width % n:
+            return f"an MLP of {width} columns does not divide by {n} ranks"
+    return None
+
+
+def shard_tensors(model: nn.Module, group) -> int:
+    """Every block's heads and MLP columns split among the ranks of ``group``, in place
+    (``refusal`` first says whether they can be); the number of blocks."""
+    n = group.size()
+    blocks = list(model.layers)
+    for b in blocks:
+        attn, mlp = b.self_attn, b.mlp
+        object.__setattr__(attn, "_tp_heads", (attn.n_heads, attn.n_kv_heads))
+        for p in ("q_proj", "k_proj", "v_proj"):
+            attn[p] = _split(attn[p], "all-to-sharded", group)
+        attn["o_proj"] = _split(attn["o_proj"], "sharded-to-all", group)
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // n, attn.n_kv_heads // n
+        for p in ("gate_proj", "up_proj"):
+            mlp[p] = _split(mlp[p], "all-to-sharded", group)
+        mlp["down_proj"] = _split(mlp["down_proj"], "sharded-to-all", group)
+    return len(blocks)
+
+
+def _split_modules(model: nn.Module):
+    return [(p, m) for p, m in model.named_modules() if getattr(m, "_tp_axes", None)]
+
+
+def sharded_axes(model: nn.Module) -> dict[str, int]:
+    """Every split parameter's path, with the axis it is split along."""
+    return {
+        f"{path}.{k}": axis for path, m in _split_modules(model) for k, axis in m._tp_axes.items()
+    }
+
+
+def _group_of(model: nn.Module):
+    found = _split_modules(model)
+    return found[0][1]._group if found else None
+
+
+def _gather(a: mx.array, axis: int, group) -> mx.array:
+    """``a`` joined with every rank's along ``axis`` (in rank order)."""
+    if axis == 0:
+        return mx.distributed.all_gather(a, group=group)
+    moved = mx.moveaxis(a, axis, 0)
+    return mx.moveaxis(mx.distributed.all_gather(moved, group=group), 0, axis)
+
+
+def _param_axis(key: str, axes: dict[str, int], shape: tuple) -> int | None:
+    """The axis of the split parameter ``key`` belongs to (a parameter's path, or an entry of
+    an optimizer's state for it), None when it is whole."""
+    name = key
+    while name:
+        if name in axes:
+            return axes[name] if len(shape) > axes[name] else None
+        name = name.rpartition(".")[0]
+    return None
+
+
+def whole_tree(model: nn.Module, flat: dict[str, mx.array]) -> dict[str, mx.array]:
+    """``flat`` (trainable parameters, an optimizer's state, fp32 masters) with every split
+    value gathered whole along its axis. Lazy: each is one collective when computed, so every
+    rank computes them all, in this order."""
+    axes, group = sharded_axes(model), _group_of(model)
+    out = {}
+    for k, v in flat.items():
+        axis = _param_axis(k, axes, v.shape) if group is not None else None
+        out[k] = v if axis is None else _gather(v, axis, group)
+    return out
+
+
+def whole_trainable(model: nn.Module) -> dict[str, mx.array]:
+    """What trains, whole (gathered: every rank calls it), under the model's own names."""
+    return whole_tree(model, dict(tree_flatten(model.trainable_parameters())))
+
+
+def pieces_of_whole(model: nn.Module, keys: list[str], whole: dict[str, mx.array]) -> dict:
+    """This rank's values for ``keys`` from ``whole`` (written at any world size)."""
+    axes, group = sharded_axes(model), _group_of(model)
+    out = {}
+    for k in keys:
+        if k not in whole:
+            continue
+        v = whole[k]
+        axis = _param_axis(k, axes, v.shape) if group is not None else None
+        out[k] = v if axis is None else _rows(v, axis, group.size(), group.rank())
+    return out
+
+
+def put_whole_trainable(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Set what trains from whole values: each rank keeps its share of the split ones."""
+    model.update(tree_unflatten(list(pieces_of_whole(model, list(weights), weights).items())))
+
+
+def whole_shapes(model: nn.Module) -> dict[str, tuple]:
+    """What trains, with each parameter's whole shape."""
+    axes, group = sharded_axes(model), _group_of(model)
+    out = {}
+    for k, v in tree_flatten(model.trainable_parameters()):
+        shape = list(v.shape)
+        if k in axes and group is not None:
+            shape[axes[k]] *= group.size()
+        out[k] = tuple(shape)
+    return out
+
+
+def sharded_paths(model: nn.Module) -> set[str]:
+    """The split parameters: their squares sum over ranks for a gradient norm."""
+    return set(sharded_axes(model))
+
+
+def _whole_linear(m: nn.Module, axes: dict[str, int], cls: type, group) -> nn.Module:
+    """The ordinary layer (of class ``cls``) a split one came from, its parameters gathered
+    along ``axes``."""
+    held = dict(tree_flatten(m.parameters()))
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    if "scales" in held:
+        layer.group_size, layer.bits, layer.mode = m.group_size, m.bits, m.mode
+    for k, v in held.items():
+        layer[k] = _gather(v, axes[k], group) if k in axes else v
+    return layer
+
+
+def _whole(m: nn.Module) -> nn.Module:
+    group, trains, axes = m._group, _trainable_names(m), m._tp_axes
+    if isinstance(m, LoRALinear):
+        out = LoRALinear.__new__(LoRALinear)
+        nn.Module.__init__(out)
+        inner = {k.removeprefix("linear."): a for k, a in axes.items() if k.startswith("linear.")}
+        out.linear = _whole_linear(m.linear, inner, m._tp_from, group)
+        out.dropout, out.scale = m.dropout, m.scale
+        a_axis, b_axis = axes.get("lora_a"), axes.get("lora_b")
+        out.lora_a = m.lora_a if a_axis is None else _gather(m.lora_a, a_axis, group)
+        out.lora_b = m.lora_b if b_axis is None else _gather(m.lora_b, b_axis, group)
+        if m._disabled:
+            out._disabled = m._disabled
+    else:
+        out = _whole_linear(m, axes, m._tp_from, group)
+    out.freeze()
+    if trains:
+        out.unfreeze(keys=sorted(trains), strict=False)
+    return out
+
+
+def unshard_tensors(model: nn.Module) -> int:
+    """Every split layer back to the ordinary one with whole parameters, and every attention
+    back to its head counts, in place (every rank must call it: the gathers are collectives);
+    the number of blocks."""
+    blocks = list(getattr(model, "layers", None) or [])
+    n = 0
+    for b in blocks:
+        attn, mlp = getattr(b, "self_attn", None), getattr(b, "mlp", None)
+        heads = getattr(attn, "_tp_heads", None) if attn is not None else None
+        if heads is None:
+            continue
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            attn[p] = _whole(attn[p])
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            mlp[p] = _whole(mlp[p])
+        attn.n_heads, attn.n_kv_heads = heads
+        object.__delattr__(attn, "_tp_heads")
+        n += 1
+    mx.eval(model.parameters())
+    return n
+
+
+def is_split(model: nn.Module) -> bool:
+    """Whether any layer of ``model`` is split among ranks."""
+    return bool(_split_modules(model))
+
+
+__all__ = [
+    "FROM_SHARDED",
+    "TO_SHARDED",
+    "LoRAFromSharded",
+    "LoRAToSharded",
+    "is_split",
+    "pieces_of_whole",
+    "put_whole_trainable",
+    "refusal",
+    "shard_tensors",
+    "sharded_axes",
+    "sharded_paths",
+    "unshard_tensors",
+    "whole_shapes",
+    "whole_trainable",
+    "whole_tree",
+]

@@ -1,0 +1,93 @@
+"""One rank of a tensor-parallel step (``mlxtune.tensor``) against the whole model's, under
+``mlx.launch``: ``tensor_worker.py OUT MODE`` (MODE: full, lora or qlora) writes what it
+found to OUT/rank-R.json."""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import shake_adapters, tiny_arch  # noqa: E402
+from mlxtune.adapters import adapt_model  # noqa: E402
+from mlxtune.models import build_model, quantize_model  # noqa: E402
+from mlxtune.tensor import (  # noqa: E402
+    put_whole_trainable,
+    refusal,
+    shard_tensors,
+    sharded_axes,
+    unshard_tensors,
+    whole_trainable,
+)
+
+
+def main():
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    group = mx.distributed.init()
+    n, rank = group.size(), group.rank()
+    arch = tiny_arch("llama", hidden_size=64, intermediate_size=128, num_key_value_heads=2)
+    model, _ = build_model(arch, 61, seed=7)
+    if mode == "qlora":
+        quantize_model(model, 4, 32)
+    if mode in ("lora", "qlora"):
+        adapt_model(model, "lora", 4, 8, 0.0, ["all-linear"], None, False)
+        shake_adapters(model)
+    else:
+        model.unfreeze()
+    mx.eval(model.parameters())
+    tokens = mx.random.randint(0, 61, (3, 13), key=mx.random.key(11))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def loss(m, x, y):
+        logits = m(x).astype(mx.float32)
+        return nn.losses.cross_entropy(logits, y, reduction="mean")
+
+    want_logits = model(x)
+    want_loss, want = nn.value_and_grad(model, loss)(model, x, y)
+    want = dict(tree_flatten(want))
+    before = dict(tree_flatten(model.trainable_parameters()))
+    mx.eval(want_loss, want, want_logits)
+    why = refusal(model, n)
+    shard_tensors(model, group)
+    mx.eval(model.parameters())
+    axes = sharded_axes(model)
+    got_loss, got = nn.value_and_grad(model, loss)(model, x, y)  # every rank: the whole batch
+    worst = 0.0
+    for k, g in tree_flatten(got):
+        w = want[k]
+        if k in axes:  # this rank's share: the whole gradient's rows or columns
+            a = axes[k]
+            g = mx.moveaxis(mx.distributed.all_gather(mx.moveaxis(g, a, 0), group=group), 0, a)
+        worst = max(worst, (mx.abs(g - w).max() / (mx.abs(w).max() + 1e-12)).item())
+    whole = whole_trainable(model)
+    same = whole.keys() == before.keys() and all(
+        mx.array_equal(whole[k], before[k]).item() for k in whole
+    )
+    put_whole_trainable(model, {k: v + 1 for k, v in whole.items()})
+    again = whole_trainable(model)
+    moved = all(mx.array_equal(again[k], whole[k] + 1).item() for k in whole)
+    put_whole_trainable(model, whole)
+    held = sum(v.nbytes for _, v in tree_flatten([b.parameters() for b in model.layers]))
+    unshard_tensors(model)
+    whole_bytes = sum(v.nbytes for _, v in tree_flatten([b.parameters() for b in model.layers]))
+    after = dict(tree_flatten(model.trainable_parameters()))
+    result = {
+        "refusal": why,
+        "loss": got_loss.item(),
+        "want_loss": want_loss.item(),
+        "worst_grad": worst,
+        "split": len(axes),
+        "checkpoint_round_trip": same and moved,
+        "block_bytes": held,
+        "unsharded_block_bytes": whole_bytes,
+        "unsharded_names": after.keys() == before.keys(),
+        "unsharded_logits": mx.allclose(model(x), want_logits, atol=1e-5).item(),
+    }
+    (out / f"rank-{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
