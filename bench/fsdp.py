@@ -1,6 +1,6 @@
-"""Fully sharded training (``distributed.strategy: fsdp``) against data parallelism, two ranks
-of MLX's ring backend on this machine: the largest model each strategy trains within a rank's
-memory budget, and the step time of both on a model both fit.
+"""The distributed strategies (``distributed.strategy``: data, fsdp, tensor), two ranks of MLX's
+ring backend on this machine: the largest model each trains within a rank's memory budget,
+and the step time of each on a model all fit.
 
     python bench/fsdp.py                      # hidden 1024, budget 4 GB a rank: about 15 minutes
     python bench/fsdp.py --budget-gb 2 --hidden 512
@@ -10,7 +10,7 @@ Each trial trains a llama of hidden H and depth L from scratch (random weights) 
 128 tokens a rank, 4 steps. Its peak is MLX's own counter on rank 0 (``peak_memory_gb`` in
 summary.json; the ranks hold the same). A rank's peak grows linearly with the depth, so two
 depths give the line; the largest depth under the budget it predicts is then run, and the next
-one up, until the measured boundary is found. Both strategies run in the same invocation, with
+one up, until the measured boundary is found. Every strategy runs in the same invocation, with
 the same data, model shapes and settings. Prints a table, then one JSON line.
 """
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lora_runs as bench  # noqa: E402
 
 GB = 1e9
-STRATEGIES = ("data", "fsdp")
+STRATEGIES = ("data", "fsdp", "tensor")
 
 
 def arch(hidden: int, depth: int) -> dict:
@@ -167,9 +167,12 @@ def main(argv=None):
             f"{f['plan_gb']} GB |"
         )
     print(f"fsdp holds {ratio:.2f}x the parameters of data parallelism")
+    tensor_ratio = found["tensor"]["parameters"] / found["data"]["parameters"]
+    print(f"tensor holds {tensor_ratio:.2f}x the parameters of data parallelism")
     print(
-        f"step time at depth {depth}: data {both['data']['step_s']:.2f} s, fsdp "
-        f"{both['fsdp']['step_s']:.2f} s ({slower:.2f}x)"
+        f"step time at depth {depth}: "
+        + ", ".join(f"{s} {both[s]['step_s']:.2f} s" for s in STRATEGIES)
+        + f" (fsdp {slower:.2f}x data)"
     )
     print(
         json.dumps(
@@ -178,9 +181,13 @@ def main(argv=None):
                 "hidden": args.hidden,
                 "largest": found,
                 "fsdp_over_data_parameters": round(ratio, 3),
+                "tensor_over_data_parameters": round(tensor_ratio, 3),
                 "step_time_depth": depth,
                 "step_s": {s: both[s]["step_s"] for s in STRATEGIES},
                 "fsdp_step_time_ratio": round(slower, 3),
+                "tensor_step_time_ratio": round(
+                    both["tensor"]["step_s"] / max(both["data"]["step_s"], 1e-9), 3
+                ),
                 "trials": {s: list(seen[s].values()) for s in STRATEGIES},
             }
         )
