@@ -33,7 +33,7 @@ from mlx.nn.layers.distributed import (
 )
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .adapters import DoRALinear, LoRALinear, dropout_input
+from .adapters import DoRALinear, DoRASwitchLinear, LoRALinear, LoRASwitchLinear, dropout_input
 
 TO_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 """Projections that read a block's input: split by their output rows."""
@@ -67,6 +67,77 @@ class LoRAFromSharded(LoRALinear):
         low = dropout_input(self.dropout, x) @ self.lora_a.astype(x.dtype)
         z = mx.distributed.all_sum(low, group=self._group) @ self.lora_b.astype(x.dtype)
         return y + (self.scale * z).astype(y.dtype)
+
+
+class SummedLinear(nn.Linear):
+    """A whole linear layer (a mixture's router) whose input reaches it with its gradient
+    split among the ranks: its weight's gradient, a sum of every rank's part, is summed over
+    ranks in the backward."""
+
+    def __call__(self, x):
+        g = self._group
+        y = x @ sum_gradients(g)(self["weight"]).T
+        return y + sum_gradients(g)(self["bias"]) if "bias" in self else y
+
+
+class SummedRMSNorm(nn.RMSNorm):
+    """A whole RMS norm applied to this rank's heads only (Qwen3's q_norm and k_norm): its
+    weight's gradient, a sum over every rank's heads, is summed over ranks in the backward."""
+
+    def __call__(self, x):
+        return mx.fast.rms_norm(x, sum_gradients(self._group)(self["weight"]), self.eps)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _per_head(attn: nn.Module) -> list[str]:
+    """The attention's modules besides its projections that hold weights (per-head norms)."""
+    return [
+        k
+        for k, m in attn.children().items()
+        if k not in _PROJECTIONS and isinstance(m, nn.Module) and tree_flatten(m.parameters())
+    ]
+
+
+class LoRASwitchToSharded(LoRASwitchLinear):
+    """LoRA over experts split by their output rows: this rank's rows of each B, A whole (its
+    gradient summed over ranks)."""
+
+    def _update(self, x, indices, sorted_indices):
+        a = sum_gradients(self._group)(self.lora_a)
+        z = mx.gather_mm(
+            dropout_input(self.dropout, x),
+            a.swapaxes(-1, -2).astype(x.dtype),
+            rhs_indices=indices,
+            sorted_indices=sorted_indices,
+        )
+        return mx.gather_mm(
+            z,
+            self.lora_b.swapaxes(-1, -2).astype(x.dtype),
+            rhs_indices=indices,
+            sorted_indices=sorted_indices,
+        )
+
+
+class LoRASwitchFromSharded(LoRASwitchLinear):
+    """LoRA over experts split by their input columns: this rank's columns of each A, B whole
+    (its gradient summed over ranks); the block sums the outputs over ranks."""
+
+    def _update(self, x, indices, sorted_indices):
+        z = mx.gather_mm(
+            dropout_input(self.dropout, x),
+            self.lora_a.swapaxes(-1, -2).astype(x.dtype),
+            rhs_indices=indices,
+            sorted_indices=sorted_indices,
+        )
+        b = sum_gradients(self._group)(self.lora_b)
+        return mx.gather_mm(
+            z,
+            b.swapaxes(-1, -2).astype(x.dtype),
+            rhs_indices=indices,
+            sorted_indices=sorted_indices,
+        )
 
 
 def _base_axes(layer: nn.Module, prefix: str = "") -> dict[str, int]:
@@ -118,6 +189,41 @@ def _split(m: nn.Module, kind: str, group) -> nn.Module:
     return out
 
 
+_SWITCH_AXES = {"all-to-sharded": 1, "sharded-to-all": 2}
+"""The axis of an expert stack's weight ([experts, out, in]) each kind splits."""
+
+
+def _split_experts(m: nn.Module, kind: str, group) -> None:
+    """An expert stack (mlx-lm's SwitchLinear, quantized or under LoRA) split in place: each
+    expert's output rows (all-to-sharded) or input columns (sharded-to-all)."""
+    n, r = group.size(), group.rank()
+    axis = _SWITCH_AXES[kind]
+    base = m.linear if isinstance(m, LoRASwitchLinear) else m
+    names = [k for k, _ in tree_flatten(base.parameters())]
+    axes = {k: axis for k in names if k != "bias" or kind == "all-to-sharded"}
+    if isinstance(m, LoRASwitchLinear):
+        axes = {f"linear.{k}": a for k, a in axes.items()}
+        # lora_a [experts, r, in], lora_b [experts, out, r]
+        axes.update({"lora_b": 1} if kind == "all-to-sharded" else {"lora_a": 2})
+        m.__class__ = LoRASwitchToSharded if kind == "all-to-sharded" else LoRASwitchFromSharded
+    held = dict(tree_flatten(m.parameters()))
+    m.update(tree_unflatten([(k, _rows(held[k], a, n, r)) for k, a in axes.items()]))
+    object.__setattr__(m, "_group", group)
+    object.__setattr__(m, "_tp_axes", axes)
+
+
+def _moe_refusal(mlp: nn.Module, i: int) -> str | None:
+    """Why block ``i``'s mixture of experts cannot be split, or None."""
+    experts = getattr(mlp, "switch_mlp", None)
+    if experts is None or not hasattr(mlp, "sharding_group") or "gate" not in mlp:
+        return f"block {i}'s mixture has no stack of experts and router mlxtune splits"
+    if any(p not in experts for p in ("gate_proj", "up_proj", "down_proj")):
+        return f"block {i}'s experts are not gate, up and down projections"
+    if any(isinstance(experts[p], DoRASwitchLinear) for p in ("gate_proj", "up_proj", "down_proj")):
+        return "DoRA's magnitude needs each row's whole norm: use lora"
+    return None
+
+
 def refusal(model: nn.Module, n: int) -> str | None:
     """Why ``model``'s blocks cannot be split among ``n`` ranks, or None."""
     blocks = list(getattr(model, "layers", None) or [])
@@ -128,19 +234,32 @@ def refusal(model: nn.Module, n: int) -> str | None:
         if attn is None or mlp is None:
             return f"block {i} has no self_attn and mlp to split"
         missing = [p for p in ("q_proj", "k_proj", "v_proj", "o_proj") if p not in attn]
-        missing += [p for p in ("gate_proj", "up_proj", "down_proj") if p not in mlp]
+        mixture = "switch_mlp" in mlp
+        if mixture and (why := _moe_refusal(mlp, i)) is not None:
+            return why
+        if not mixture:
+            missing += [p for p in ("gate_proj", "up_proj", "down_proj") if p not in mlp]
         missing += [h for h in _HEADS if not isinstance(getattr(attn, h, None), int)]
         if missing:  # an MoE block, MLA, a fused qkv: not the layout this splits
             return f"block {i} is not split as heads and MLP columns (no {', '.join(missing)})"
-        for m in [*(attn[p] for p in TO_SHARDED[:3]), *(mlp[p] for p in TO_SHARDED[3:])]:
+        odd = [k for k in _per_head(attn) if type(attn[k]) is not nn.RMSNorm]
+        if odd:
+            return f"block {i}'s attention holds weights mlxtune does not split ({', '.join(odd)})"
+        dense = [] if mixture else [mlp[p] for p in TO_SHARDED[3:]]
+        for m in [*(attn[p] for p in TO_SHARDED[:3]), *dense]:
             if isinstance(m, DoRALinear):
                 return "DoRA's magnitude needs each row's whole norm: use lora"
         heads, kv = attn.n_heads, attn.n_kv_heads
-        width = mlp["gate_proj"].weight.shape[0] if "weight" in mlp["gate_proj"] else None
+        up = mlp["switch_mlp"]["gate_proj"] if mixture else mlp["gate_proj"]
+        up = up.linear if isinstance(up, LoRALinear) else up
+        width = up["scales" if "scales" in up else "weight"].shape[-2]
         if heads % n or kv % n:
             return f"{heads} attention heads and {kv} key/value heads do not divide by {n} ranks"
-        if width is not None and width % n:
+        if width % n:
             return f"an MLP of {width} columns does not divide by {n} ranks"
+        group_size = getattr(up, "group_size", None)
+        if group_size and (width // n) % group_size:
+            return f"a quantized MLP of {width} columns, in groups of {group_size}, does not split in {n}"
     return None
 
 
@@ -156,6 +275,18 @@ def shard_tensors(model: nn.Module, group) -> int:
             attn[p] = _split(attn[p], "all-to-sharded", group)
         attn["o_proj"] = _split(attn["o_proj"], "sharded-to-all", group)
         attn.n_heads, attn.n_kv_heads = attn.n_heads // n, attn.n_kv_heads // n
+        for k in _per_head(attn):  # whole, applied to this rank's heads
+            attn[k].__class__ = SummedRMSNorm
+            object.__setattr__(attn[k], "_group", group)
+        if "switch_mlp" in mlp:  # each expert's columns split; the block sums over ranks
+            for p in ("gate_proj", "up_proj"):
+                _split_experts(mlp["switch_mlp"][p], "all-to-sharded", group)
+            _split_experts(mlp["switch_mlp"]["down_proj"], "sharded-to-all", group)
+            if type(mlp["gate"]) is nn.Linear:  # (a quantized router is frozen: no sum)
+                mlp["gate"].__class__ = SummedLinear
+                object.__setattr__(mlp["gate"], "_group", group)
+            mlp.sharding_group = group
+            continue
         for p in ("gate_proj", "up_proj"):
             mlp[p] = _split(mlp[p], "all-to-sharded", group)
         mlp["down_proj"] = _split(mlp["down_proj"], "sharded-to-all", group)
@@ -283,6 +414,15 @@ def _whole(m: nn.Module) -> nn.Module:
     return out
 
 
+def _whole_experts(m: nn.Module) -> None:
+    """A split expert stack whole again, in place."""
+    held = dict(tree_flatten(m.parameters()))
+    m.update(tree_unflatten([(k, _gather(held[k], a, m._group)) for k, a in m._tp_axes.items()]))
+    if isinstance(m, (LoRASwitchToSharded, LoRASwitchFromSharded)):
+        m.__class__ = LoRASwitchLinear
+    object.__delattr__(m, "_tp_axes")
+
+
 def unshard_tensors(model: nn.Module) -> int:
     """Every split layer back to the ordinary one with whole parameters, and every attention
     back to its head counts, in place (every rank must call it: the gathers are collectives);
@@ -296,9 +436,19 @@ def unshard_tensors(model: nn.Module) -> int:
             continue
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
             attn[p] = _whole(attn[p])
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            mlp[p] = _whole(mlp[p])
+        if "switch_mlp" in mlp:
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                _whole_experts(mlp["switch_mlp"][p])
+            if type(mlp["gate"]) is SummedLinear:
+                mlp["gate"].__class__ = nn.Linear
+            mlp.sharding_group = None
+        else:
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                mlp[p] = _whole(mlp[p])
         attn.n_heads, attn.n_kv_heads = heads
+        for k in _per_head(attn):
+            if type(attn[k]) is SummedRMSNorm:
+                attn[k].__class__ = nn.RMSNorm
         object.__delattr__(attn, "_tp_heads")
         n += 1
     mx.eval(model.parameters())

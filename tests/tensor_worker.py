@@ -1,5 +1,5 @@
 """One rank of a tensor-parallel step (``mlxtune.tensor``) against the whole model's, under
-``mlx.launch``: ``tensor_worker.py OUT MODE`` (MODE: full, lora or qlora) writes what it
+``mlx.launch``: ``tensor_worker.py OUT MODE`` (MODE: full, lora or qlora, each also as moe-MODE) writes what it
 found to OUT/rank-R.json."""
 
 import json
@@ -28,7 +28,13 @@ def main():
     out, mode = Path(sys.argv[1]), sys.argv[2]
     group = mx.distributed.init()
     n, rank = group.size(), group.rank()
-    arch = tiny_arch("llama", hidden_size=64, intermediate_size=128, num_key_value_heads=2)
+    if mode.startswith("moe-"):  # a mixture of experts: each expert's columns split
+        from mlx_lm_archs import tiny_config
+
+        mode = mode.removeprefix("moe-")
+        arch = tiny_config("qwen3_moe", 61)
+    else:
+        arch = tiny_arch("llama", hidden_size=64, intermediate_size=128, num_key_value_heads=2)
     model, _ = build_model(arch, 61, seed=7)
     if mode == "qlora":
         quantize_model(model, 4, 32)
@@ -55,13 +61,15 @@ def main():
     mx.eval(model.parameters())
     axes = sharded_axes(model)
     got_loss, got = nn.value_and_grad(model, loss)(model, x, y)  # every rank: the whole batch
-    worst = 0.0
+    worst, worst_at = 0.0, None
     for k, g in tree_flatten(got):
         w = want[k]
         if k in axes:  # this rank's share: the whole gradient's rows or columns
             a = axes[k]
             g = mx.moveaxis(mx.distributed.all_gather(mx.moveaxis(g, a, 0), group=group), 0, a)
-        worst = max(worst, (mx.abs(g - w).max() / (mx.abs(w).max() + 1e-12)).item())
+        err = (mx.abs(g - w).max() / (mx.abs(w).max() + 1e-12)).item()
+        if err > worst:
+            worst, worst_at = err, k
     whole = whole_trainable(model)
     same = whole.keys() == before.keys() and all(
         mx.array_equal(whole[k], before[k]).item() for k in whole
@@ -79,6 +87,7 @@ def main():
         "loss": got_loss.item(),
         "want_loss": want_loss.item(),
         "worst_grad": worst,
+        "worst_at": worst_at,
         "split": len(axes),
         "checkpoint_round_trip": same and moved,
         "block_bytes": held,

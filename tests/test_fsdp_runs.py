@@ -263,14 +263,18 @@ def test_objectives_that_generate_and_vision_models_are_refused_by_name(llama_di
         pytest.param("full", id="llama-full"),
         pytest.param("lora", id="llama-lora"),
         pytest.param("qlora", id="llama-qlora"),
+        pytest.param("moe-full", id="qwen3_moe-full"),
+        pytest.param("moe-lora", id="qwen3_moe-lora"),
     ],
 )
-def test_tensor_parallel_trains_as_one_process(case, tmp_path, model_dir_factory):
+def test_tensor_parallel_trains_as_one_process(case, tmp_path, model_dir_factory, moe_dir):
     """Heads and MLP columns split between two ranks, each on the whole batch: the loss rows
     of one process, a whole checkpoint that resumes on one, and the same export."""
     model_dir = model_dir_factory(
         "llama", hidden_size=64, intermediate_size=128, num_key_value_heads=2
     )
+    if case.startswith("moe-"):  # each expert's columns split; the router whole
+        model_dir, case = moe_dir, case.removeprefix("moe-")
     adapter = {"type": "full"} if case == "full" else LORA
     exported = "fused" if case == "full" else "mlx-lm"
     r = recipe(data(tmp_path), model_dir, adapter, export={"formats": [exported]})
@@ -301,18 +305,19 @@ def test_tensor_parallel_trains_as_one_process(case, tmp_path, model_dir_factory
         same_rows(rows(run_dir), rows(two_dir), rel=2e-5, abs=1e-6)
 
 
-def test_tensor_parallelism_refuses_what_it_cannot_split(moe_dir, llama_dir):
+def test_tensor_parallelism_refuses_what_it_cannot_split(llama_dir):
+    from mlx_lm_archs import tiny_config
+
     from mlxtune.distributed import World
     from mlxtune.errors import UserInputError
     from mlxtune.loop.setup import split_model
-    from mlxtune.models import load_model
+    from mlxtune.models import build_model, load_model
     from mlxtune.tensor import refusal
 
-    moe, _ = load_model(moe_dir)
-    assert "not split as heads and MLP columns" in refusal(moe, 2)
     llama, _ = load_model(llama_dir)  # 4 heads, 4 key/value heads
     assert refusal(llama, 2) is None
     assert "do not divide by 3 ranks" in refusal(llama, 3)
+    mla, _ = build_model(tiny_config("deepseek_v3", 61), 61)  # multi-head latent attention
     with pytest.raises(UserInputError) as e:
-        split_model(moe, World(0, 2), print)
-    assert e.value.where == "distributed.strategy" and "qwen3_moe" in str(e.value)
+        split_model(mla, World(0, 2), print)
+    assert e.value.where == "distributed.strategy" and "deepseek_v3" in str(e.value)

@@ -1,0 +1,53 @@
+"""Tensor parallelism (``mlxtune.tensor``) on MLX's ring backend, two processes on this CPU:
+each rank holds its share of every block's heads and MLP columns (each expert's, in a
+mixture), computes on the whole batch, and gets the whole model's loss and, for every
+parameter, its share of the whole model's gradient."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from mlxtune.distributed import free_ports
+
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+WORKER = Path(__file__).with_name("tensor_worker.py")
+
+
+@pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
+@pytest.mark.parametrize("mode", ["full", "lora", "qlora", "moe-full", "moe-lora"])
+def test_a_split_step_equals_the_whole_one(tmp_path, mode):
+    cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
+    cmd += [sys.executable, str(WORKER), str(tmp_path), mode]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    # mlx.launch exits 0 whatever its processes did: each rank's file says it finished
+    done = all((tmp_path / f"rank-{r}.json").exists() for r in range(2))
+    assert p.returncode == 0 and done, p.stdout[-3000:] + p.stderr[-3000:]
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank-{r}.json").read_text())
+        assert got["refusal"] is None
+        assert got["loss"] == pytest.approx(got["want_loss"], rel=1e-5)
+        # the quantized base: MLX's quantized product on a split layer against the whole one
+        assert got["worst_grad"] < (2e-5 if mode.endswith("qlora") else 5e-6), got
+        assert got["split"] > 0
+        # every block's projections are halved (norms and routers stay whole)
+        assert got["block_bytes"] < 0.6 * got["unsharded_block_bytes"]
+        assert got["checkpoint_round_trip"]  # whole under the same names, and back
+        assert got["unsharded_names"] and got["unsharded_logits"]
+
+
+def test_what_cannot_be_split_is_named():
+    import mlx.core as mx
+    from mlx_lm_archs import tiny_config
+
+    from mlxtune.models import build_model
+    from mlxtune.tensor import refusal
+
+    mx.random.seed(0)
+    mla, _ = build_model(tiny_config("deepseek_v3", 61), 61)
+    assert "not split as heads and MLP columns" in refusal(mla, 2)
+    fused, _ = build_model(tiny_config("phi3small", 61), 61)
+    assert refusal(fused, 2) is not None
