@@ -143,7 +143,10 @@ def main(argv=None):
     ap.add_argument("--budget-gb", type=float, default=4.0)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--depth", type=int, help="only time each strategy at this depth (no search)")
     args = ap.parse_args(argv)
+    if args.depth:
+        return timed(args)
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         data = tmp / "train.jsonl"
@@ -192,6 +195,21 @@ def main(argv=None):
             }
         )
     )
+
+
+def timed(args) -> None:
+    """Each strategy at one depth, one after the other: the step times alone."""
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        data = tmp / "train.jsonl"
+        bench.write_data("text-fixed", data, 64)
+        got = {s: trial(tmp, data, args.hidden, args.depth, s, args.steps) for s in STRATEGIES}
+    base = got["data"]["step_s"]
+    print(
+        f"step time at hidden {args.hidden}, depth {args.depth}: "
+        + ", ".join(f"{s} {got[s]['step_s']:.2f} s ({got[s]['step_s'] / base:.2f}x)" for s in got)
+    )
+    print(json.dumps({"hidden": args.hidden, "depth": args.depth, "trials": got}))
 
 
 if __name__ == "__main__":

@@ -136,10 +136,12 @@ def test_the_export_equals_the_one_process_runs(full):
         np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-4, atol=1e-4)
 
 
-def two(tmp: Path, r: dict, run_dir: Path, *more: str, n: int = 2, timeout: int = 300):
-    """``r`` with strategy fsdp under ``mlxtune run --nproc n`` (``more``: its other options)."""
-    path = tmp / f"fsdp-{n}.yaml"
-    path.write_text(yaml.safe_dump({**r, "distributed": {"strategy": "fsdp"}}))
+def two(
+    tmp: Path, r: dict, run_dir: Path, *more: str, n: int = 2, timeout=300, strategy="fsdp"
+):
+    """``r`` with ``strategy`` under ``mlxtune run --nproc n`` (``more``: its other options)."""
+    path = tmp / f"{strategy}-{n}.yaml"
+    path.write_text(yaml.safe_dump({**r, "distributed": {"strategy": strategy}}))
     cmd = [sys.executable, "-m", "mlxtune.cli", "run", str(path), "--run-dir", str(run_dir)]
     cmd += [*more, "--nproc", str(n)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -293,7 +295,11 @@ def test_tensor_parallel_trains_as_one_process(case, tmp_path, model_dir_factory
     assert a.keys() == b.keys()
     for k in a:  # Adam turns a near-zero gradient's round-off into up to lr: atol lr / 30
         np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-3, atol=1e-4)
-    if case == "lora":  # the checkpoint is whole: one process resumes it with strategy data
+    if case == "lora":  # the checkpoint is whole: resumed at 2 ranks exactly, and on one
+        run_dir = cut_back(two_dir, tmp_path / "again", "step-000004")
+        p = two(tmp_path, r, run_dir, "--resume", "step-000004", strategy="tensor")
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        assert rows(run_dir) == rows(two_dir)
         run_dir = cut_back(two_dir, tmp_path / "alone", "step-000004")
         tr = Trainer(
             recipe_from_dict({**r, "distributed": {"strategy": "data"}}),
@@ -321,3 +327,17 @@ def test_tensor_parallelism_refuses_what_it_cannot_split(llama_dir):
     with pytest.raises(UserInputError) as e:
         split_model(mla, World(0, 2), print)
     assert e.value.where == "distributed.strategy" and "deepseek_v3" in str(e.value)
+
+
+@pytest.mark.slow  # four processes on two cores: about a minute
+def test_four_tensor_parallel_ranks_train_as_one_process(tmp_path, model_dir_factory):
+    model_dir = model_dir_factory(
+        "llama", hidden_size=64, intermediate_size=128, num_key_value_heads=4
+    )
+    r = recipe(data(tmp_path), model_dir, LORA, export={"formats": ["mlx-lm"]})
+    one = tmp_path / "one"
+    Trainer(recipe_from_dict(r), one, console=Console(quiet=True)).run()
+    p = two(tmp_path, r, tmp_path / "four", n=4, timeout=600, strategy="tensor")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "each of 4 ranks holds 1/4" in p.stdout + p.stderr
+    same_rows(rows(one), rows(tmp_path / "four"), rel=2e-5, abs=1e-6)

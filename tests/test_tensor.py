@@ -51,3 +51,20 @@ def test_what_cannot_be_split_is_named():
     assert "not split as heads and MLP columns" in refusal(mla, 2)
     fused, _ = build_model(tiny_config("phi3small", 61), 61)
     assert refusal(fused, 2) is not None
+
+
+@pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
+def test_each_rank_holds_half_of_every_projection_and_its_optimizer_state(tmp_path):
+    """MLX's own counter: between steps of full fine-tuning with AdamW (weight and two
+    moments: 12 bytes an element), a rank holds half of each block's projections and the rest
+    whole (norms, the tied embedding)."""
+    cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
+    cmd += [sys.executable, str(WORKER), str(tmp_path), "memory"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    done = all((tmp_path / f"rank-{r}.json").exists() for r in range(2))
+    assert p.returncode == 0 and done, p.stdout[-3000:] + p.stderr[-3000:]
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank-{r}.json").read_text())
+        assert got["whole"] == pytest.approx(12 * (got["projections"] + got["rest"]), rel=0.02)
+        want = 12 * (got["projections"] / 2 + got["rest"])
+        assert got["split"] == pytest.approx(want, rel=0.02), got
