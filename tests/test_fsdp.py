@@ -32,7 +32,14 @@ def test_pieces_of_any_shape_join_back():
 
 
 @pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
-@pytest.mark.parametrize("mode", ["full", "lora", "full-recomputed"])
+@pytest.mark.parametrize(
+    "mode",
+    [  # suite time: the runs in test_fsdp_runs train full and LoRA through the trainer too
+        pytest.param("full", marks=pytest.mark.slow),
+        pytest.param("lora", marks=pytest.mark.slow),
+        "full-recomputed",
+    ],
+)
 def test_a_sharded_step_equals_the_unsharded_one(tmp_path, mode):
     cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
     cmd += [sys.executable, str(WORKER), str(tmp_path), mode]

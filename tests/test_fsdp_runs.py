@@ -136,9 +136,7 @@ def test_the_export_equals_the_one_process_runs(full):
         np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-4, atol=1e-4)
 
 
-def two(
-    tmp: Path, r: dict, run_dir: Path, *more: str, n: int = 2, timeout=300, strategy="fsdp"
-):
+def two(tmp: Path, r: dict, run_dir: Path, *more: str, n: int = 2, timeout=300, strategy="fsdp"):
     """``r`` with ``strategy`` under ``mlxtune run --nproc n`` (``more``: its other options)."""
     path = tmp / f"{strategy}-{n}.yaml"
     path.write_text(yaml.safe_dump({**r, "distributed": {"strategy": strategy}}))
@@ -199,8 +197,9 @@ LORA = {"type": "lora", "rank": 4, "alpha": 8, "targets": ["all-linear"]}
     "case",
     [
         pytest.param("lora", id="llama-lora"),
-        pytest.param("qlora", id="llama-qlora"),
-        pytest.param("moe-full", id="qwen3_moe-full"),
+        # suite time: a QLoRA base and a mixture's full fine-tuning run with -m slow
+        pytest.param("qlora", id="llama-qlora", marks=pytest.mark.slow),
+        pytest.param("moe-full", id="qwen3_moe-full", marks=pytest.mark.slow),
         pytest.param("moe-qlora", id="qwen3_moe-qlora"),
     ],
 )
@@ -262,11 +261,12 @@ def test_objectives_that_generate_and_vision_models_are_refused_by_name(llama_di
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param("full", id="llama-full"),
+        # suite time: full fine-tuning and QLoRA of a llama, LoRA of a mixture with -m slow
+        pytest.param("full", id="llama-full", marks=pytest.mark.slow),
         pytest.param("lora", id="llama-lora"),
-        pytest.param("qlora", id="llama-qlora"),
+        pytest.param("qlora", id="llama-qlora", marks=pytest.mark.slow),
         pytest.param("moe-full", id="qwen3_moe-full"),
-        pytest.param("moe-lora", id="qwen3_moe-lora"),
+        pytest.param("moe-lora", id="qwen3_moe-lora", marks=pytest.mark.slow),
     ],
 )
 def test_tensor_parallel_trains_as_one_process(case, tmp_path, model_dir_factory, moe_dir):

@@ -18,7 +18,16 @@ WORKER = Path(__file__).with_name("tensor_worker.py")
 
 
 @pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
-@pytest.mark.parametrize("mode", ["full", "lora", "qlora", "moe-full", "moe-lora"])
+@pytest.mark.parametrize(
+    "mode",
+    [  # suite time: the runs in test_fsdp_runs cover every mode through the trainer
+        pytest.param("full", marks=pytest.mark.slow),
+        "lora",
+        pytest.param("qlora", marks=pytest.mark.slow),
+        "moe-full",
+        pytest.param("moe-lora", marks=pytest.mark.slow),
+    ],
+)
 def test_a_split_step_equals_the_whole_one(tmp_path, mode):
     cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
     cmd += [sys.executable, str(WORKER), str(tmp_path), mode]
