@@ -24,7 +24,6 @@ from mlxtune.tensor import (  # noqa: E402
     whole_trainable,
 )
 
-
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
