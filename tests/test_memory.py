@@ -669,3 +669,32 @@ def test_a_blocks_trained_inputs_count_each_kept_input_once():
     assert trained_inputs(block) == 48 + 4 * 16 + 48
     block.self_attn.o_proj = block.self_attn.o_proj.linear
     assert trained_inputs(block) == 48 + 48
+
+
+def test_the_plan_divides_the_blocks_among_fsdp_ranks_and_offers_it(tmp_path, wide, capsys):
+    from mlx.utils import tree_flatten
+
+    from mlxtune.memory import over_ranks
+
+    r = wide_recipe(wide, memory={"check": "off"})
+    tr = Trainer(recipe_from_dict(r), tmp_path / "probe", console=Console(quiet=True))
+    shape = shape_of(tr)
+    blocks = tree_flatten([b.parameters() for b in tr.model.layers])
+    block_bytes = sum(v.nbytes for _, v in blocks)
+    block_elements = sum(v.size for _, v in blocks)
+    two = over_ranks(shape, 2)
+    # a rank holds what lies outside the blocks and half of them (full fine-tuning: all trains)
+    assert two.weight_bytes == shape.weight_bytes - block_bytes // 2
+    assert two.trainable == shape.trainable - block_elements // 2
+    assert two.sharded == 2 and over_ranks(two, 1).weight_bytes == shape.weight_bytes
+    # its estimate adds the blocks gathered while they compute, and is well under the whole's
+    whole, halved = estimate(shape), estimate(two)
+    assert halved["gathered"] > 0 and halved["total"] < whole["total"]
+    # over the limit: fsdp over two machines is among the changes that fit
+    limit = (halved["total"] * 1.01) / 1e9
+    assert limit * 1e9 < whole["total"]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(wide_recipe(wide, memory={"limit_gb": limit})))
+    assert main(["run", str(path), "--run-dir", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "distributed.strategy: fsdp over 2 machines" in err, err
