@@ -341,3 +341,32 @@ def test_four_tensor_parallel_ranks_train_as_one_process(tmp_path, model_dir_fac
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "each of 4 ranks holds 1/4" in p.stdout + p.stderr
     same_rows(rows(one), rows(tmp_path / "four"), rel=2e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("tensor", marks=pytest.mark.slow)])
+def test_a_dead_rank_ends_a_divided_run_with_a_message(full, tmp_path, strategy):
+    """As in data parallelism: rank 1 dies after step 5 without a word; rank 0, inside the next
+    step's collectives, ends with the message, and checkpoint step-000004 is intact."""
+    from test_distributed import launch
+
+    from mlxtune.runs.checkpoint import verify
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**full["recipe"], "distributed": {"strategy": strategy}}))
+    run_dir = tmp_path / "dead"
+    codes, out, took = launch(tmp_path, path, run_dir, "--die-at", "5", "--rank", "1")
+    assert codes[1] is None  # it died without a word
+    assert codes[0] == 1, out[-3000:]
+    assert "rank 0 lost contact with rank 1" in out
+    assert took < 120
+    assert verify(run_dir / "checkpoints" / "step-000004") is None
+    assert not (run_dir / "checkpoints" / "step-000006").exists()
+
+
+def test_a_dry_run_shows_a_ranks_plan_and_data_parallelisms(full, tmp_path):
+    p = two(tmp_path, full["recipe"], tmp_path / "dry", "--dry-run")
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "that is a rank's, the blocks divided among 2 ranks (fsdp)" in out
+    assert "with distributed.strategy: data" in out
+    assert "parallel 2 ranks (ring, fsdp)" in out
