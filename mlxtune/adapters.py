@@ -202,16 +202,21 @@ class LoRASwitchLinear(LoRALinear):
         self.lora_a = mx.random.uniform(low=-bound, high=bound, shape=(experts, rank, in_dims))
         self.lora_b = mx.zeros((experts, out_dims, rank))
 
+    def _factors(self) -> tuple[mx.array, mx.array]:
+        """(A, B) as the update reads them."""
+        return self.lora_a, self.lora_b
+
     def _update(self, x, indices, sorted_indices):
+        a, b = self._factors()
         z = mx.gather_mm(
             dropout_input(self.dropout, x),
-            self.lora_a.swapaxes(-1, -2).astype(x.dtype),
+            a.swapaxes(-1, -2).astype(x.dtype),
             rhs_indices=indices,
             sorted_indices=sorted_indices,
         )
         return mx.gather_mm(
             z,
-            self.lora_b.swapaxes(-1, -2).astype(x.dtype),
+            b.swapaxes(-1, -2).astype(x.dtype),
             rhs_indices=indices,
             sorted_indices=sorted_indices,
         )

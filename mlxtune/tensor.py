@@ -104,40 +104,16 @@ class LoRASwitchToSharded(LoRASwitchLinear):
     """LoRA over experts split by their output rows: this rank's rows of each B, A whole (its
     gradient summed over ranks)."""
 
-    def _update(self, x, indices, sorted_indices):
-        a = sum_gradients(self._group)(self.lora_a)
-        z = mx.gather_mm(
-            dropout_input(self.dropout, x),
-            a.swapaxes(-1, -2).astype(x.dtype),
-            rhs_indices=indices,
-            sorted_indices=sorted_indices,
-        )
-        return mx.gather_mm(
-            z,
-            self.lora_b.swapaxes(-1, -2).astype(x.dtype),
-            rhs_indices=indices,
-            sorted_indices=sorted_indices,
-        )
+    def _factors(self) -> tuple[mx.array, mx.array]:
+        return sum_gradients(self._group)(self.lora_a), self.lora_b
 
 
 class LoRASwitchFromSharded(LoRASwitchLinear):
     """LoRA over experts split by their input columns: this rank's columns of each A, B whole
     (its gradient summed over ranks); the block sums the outputs over ranks."""
 
-    def _update(self, x, indices, sorted_indices):
-        z = mx.gather_mm(
-            dropout_input(self.dropout, x),
-            self.lora_a.swapaxes(-1, -2).astype(x.dtype),
-            rhs_indices=indices,
-            sorted_indices=sorted_indices,
-        )
-        b = sum_gradients(self._group)(self.lora_b)
-        return mx.gather_mm(
-            z,
-            b.swapaxes(-1, -2).astype(x.dtype),
-            rhs_indices=indices,
-            sorted_indices=sorted_indices,
-        )
+    def _factors(self) -> tuple[mx.array, mx.array]:
+        return self.lora_a, sum_gradients(self._group)(self.lora_b)
 
 
 def _base_axes(layer: nn.Module, prefix: str = "") -> dict[str, int]:

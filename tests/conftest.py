@@ -534,3 +534,60 @@ def real_kernel_clock(_kernel_clock, monkeypatch):
 def _own_data_cache(tmp_path_factory, monkeypatch):
     """Each test its own data cache (MLXTUNE_CACHE): no test reads another's encoded data."""
     monkeypatch.setenv("MLXTUNE_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
+def rank_results(worker: Path, out: Path, mode: str, n: int = 2) -> list[dict]:
+    """``worker OUT MODE`` in ``n`` processes under mlx.launch (ring, this machine): each
+    rank's OUT/rank-R.json, which says it finished (mlx.launch exits 0 whatever they did)."""
+    import subprocess
+    import sys
+
+    from mlxtune.distributed import free_ports
+
+    launch = Path(sys.executable).with_name("mlx.launch")
+    cmd = [str(launch), "-n", str(n), "--starting-port", str(free_ports(n)), "--"]
+    cmd += [sys.executable, str(worker), str(out), mode]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    done = all((out / f"rank-{r}.json").exists() for r in range(n))
+    assert p.returncode == 0 and done, p.stdout[-3000:] + p.stderr[-3000:]
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
+
+
+def held_after_a_step(divide) -> tuple[int, dict]:
+    """Full fine-tuning of a small llama (hidden 256, 4 blocks, tied embeddings), its weights
+    divided by ``divide(model)`` (sharded, split; or left whole): (MLX's active bytes after
+    one AdamW step, the gradients gone; the model's elements by parameter name, whole)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from mlxtune.models import build_model
+
+    arch = tiny_arch(
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model, _ = build_model(arch, 512, seed=7)
+    model.unfreeze()
+    mx.eval(model.parameters())
+    sizes = {k: v.size for k, v in tree_flatten(model.parameters())}
+    divide(model)
+    mx.eval(model.parameters())
+    opt = optim.AdamW(1e-3)
+    tokens = mx.random.randint(0, 512, (2, 33), key=mx.random.key(3))
+
+    def loss(m):
+        logits = m(tokens[:, :-1]).astype(mx.float32)
+        return nn.losses.cross_entropy(logits, tokens[:, 1:], reduction="mean")
+
+    grads = nn.value_and_grad(model, loss)(model)[1]
+    opt.update(model, grads)
+    mx.eval(model.parameters(), opt.state)
+    del grads
+    mx.clear_cache()
+    return mx.get_active_memory(), sizes

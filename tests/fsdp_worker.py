@@ -9,11 +9,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import shake_adapters, tiny_arch  # noqa: E402
+from conftest import held_after_a_step, shake_adapters, tiny_arch  # noqa: E402
 from mlxtune.adapters import adapt_model  # noqa: E402
 from mlxtune.fsdp import (  # noqa: E402
     ShardedUnit,
@@ -32,39 +31,12 @@ def loss_sum(model, x, y):
     return nn.losses.cross_entropy(logits, y, reduction="sum")
 
 
-def held_after_a_step(group, shard: bool) -> tuple[int, int, int]:
-    """(MLX's active bytes after one AdamW step of full fine-tuning, with the gradients gone;
-    the elements outside the blocks; the elements in them, whole)."""
-    arch = tiny_arch(
-        "llama",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model, _ = build_model(arch, 512, seed=7)
-    model.unfreeze()
-    mx.eval(model.parameters())
-    every = sum(v.size for _, v in tree_flatten(model.parameters()))
-    blocks = sum(v.size for _, v in tree_flatten([b.parameters() for b in model.layers]))
-    if shard:
-        shard_blocks(model, group)
-        mx.eval(model.parameters())
-    opt = optim.AdamW(1e-3)
-    tokens = mx.random.randint(0, 512, (2, 33), key=mx.random.key(3))
-    grads = nn.value_and_grad(model, lambda m: loss_sum(m, tokens[:, :-1], tokens[:, 1:]))(model)[1]
-    opt.update(model, grads)
-    mx.eval(model.parameters(), opt.state)
-    del grads
-    mx.clear_cache()
-    return mx.get_active_memory(), every - blocks, blocks
-
-
 def memory(out: Path, group) -> None:
     """What a rank holds between steps, sharded and not (weights and optimizer state)."""
-    whole, outside, blocks = held_after_a_step(group, False)
-    sharded, _, _ = held_after_a_step(group, True)
+    whole, sizes = held_after_a_step(lambda m: None)
+    sharded, _ = held_after_a_step(lambda m: shard_blocks(m, group))
+    blocks = sum(n for k, n in sizes.items() if k.startswith("model.layers."))
+    outside = sum(sizes.values()) - blocks
     result = {"whole": whole, "sharded": sharded, "outside": outside, "blocks": blocks}
     (out / f"rank-{group.rank()}.json").write_text(json.dumps(result))
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import shake_adapters, tiny_arch  # noqa: E402
+from conftest import held_after_a_step, shake_adapters, tiny_arch  # noqa: E402
 from mlxtune.adapters import adapt_model  # noqa: E402
 from mlxtune.models import build_model, quantize_model  # noqa: E402
 from mlxtune.tensor import (  # noqa: E402
@@ -27,46 +26,12 @@ from mlxtune.tensor import (  # noqa: E402
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def held_after_a_step(group, split: bool) -> tuple[int, int, int]:
-    """(MLX's active bytes after one AdamW step of full fine-tuning, with the gradients gone;
-    the elements of the projections, whole; every other element)."""
-    arch = tiny_arch(
-        "llama",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model, _ = build_model(arch, 512, seed=7)
-    model.unfreeze()
-    mx.eval(model.parameters())
-    flat = tree_flatten(model.parameters())
-    projections = sum(v.size for k, v in flat if k.split(".")[-2] in PROJECTIONS)
-    rest = sum(v.size for _, v in flat) - projections
-    del flat  # (it would keep the first weights alive)
-    if split:
-        shard_tensors(model, group)
-        mx.eval(model.parameters())
-    opt = optim.AdamW(1e-3)
-    tokens = mx.random.randint(0, 512, (2, 33), key=mx.random.key(3))
-
-    def loss(m):
-        logits = m(tokens[:, :-1]).astype(mx.float32)
-        return nn.losses.cross_entropy(logits, tokens[:, 1:], reduction="mean")
-
-    grads = nn.value_and_grad(model, loss)(model)[1]
-    opt.update(model, grads)
-    mx.eval(model.parameters(), opt.state)
-    del grads
-    mx.clear_cache()
-    return mx.get_active_memory(), projections, rest
-
-
 def memory(out: Path, group) -> None:
     """What a rank holds between steps, split and not (weights and optimizer state)."""
-    whole, projections, rest = held_after_a_step(group, False)
-    split, _, _ = held_after_a_step(group, True)
+    whole, sizes = held_after_a_step(lambda m: None)
+    split, _ = held_after_a_step(lambda m: shard_tensors(m, group))
+    projections = sum(n for k, n in sizes.items() if k.split(".")[-2] in PROJECTIONS)
+    rest = sum(sizes.values()) - projections
     result = {"whole": whole, "split": split, "projections": projections, "rest": rest}
     (out / f"rank-{group.rank()}.json").write_text(json.dumps(result))
 

@@ -2,8 +2,6 @@
 this CPU: the loss and every gradient of a sharded step equal the unsharded step's, and each
 rank holds half of what trains."""
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,8 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import REPO
-from mlxtune.distributed import free_ports
+from conftest import rank_results
 from mlxtune.fsdp import shard_of
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
@@ -41,14 +38,7 @@ def test_pieces_of_any_shape_join_back():
     ],
 )
 def test_a_sharded_step_equals_the_unsharded_one(tmp_path, mode):
-    cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
-    cmd += [sys.executable, str(WORKER), str(tmp_path), mode]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
-    # mlx.launch exits 0 whatever its processes did: each rank's file says it finished
-    done = all((tmp_path / f"rank-{r}.json").exists() for r in range(2))
-    assert p.returncode == 0 and done, p.stdout[-3000:] + p.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
-    for got in ranks:
+    for got in rank_results(WORKER, tmp_path, mode):
         assert got["scatter"] == "all_sum"  # ring has no sum_scatter: the fallback ran
         assert got["loss"] == pytest.approx(got["want_loss"], rel=1e-5)
         assert got["worst_grad"] < 1e-5, got
@@ -71,13 +61,7 @@ def test_each_rank_holds_half_the_blocks_weights_and_optimizer_state(tmp_path):
     """MLX's own counter: what a rank holds between steps of full fine-tuning with AdamW
     (weight, two moments: 12 bytes an element) is the part outside the blocks and half of the
     blocks, within the padding and the optimizer's step count."""
-    cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
-    cmd += [sys.executable, str(WORKER), str(tmp_path), "memory"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
-    done = all((tmp_path / f"rank-{r}.json").exists() for r in range(2))
-    assert p.returncode == 0 and done, p.stdout[-3000:] + p.stderr[-3000:]
-    for r in range(2):
-        got = json.loads((tmp_path / f"rank-{r}.json").read_text())
+    for got in rank_results(WORKER, tmp_path, "memory"):
         per_element = 12
         assert got["whole"] == pytest.approx(
             per_element * (got["outside"] + got["blocks"]), rel=0.02

@@ -128,12 +128,18 @@ def test_a_sharded_checkpoint_is_whole_and_resumes_on_one_process(full, tmp_path
     same_rows(rows(run_dir), rows(full["two"]), rel=2e-5, abs=1e-6)
 
 
-def test_the_export_equals_the_one_process_runs(full):
-    a = mx.load(str(full["one"] / "export" / "fused" / "model.safetensors"))
-    b = mx.load(str(full["two"] / "export" / "fused" / "model.safetensors"))
+def same_exports(one: Path, two: Path, exported: str, rtol: float) -> None:
+    """Run ``two``'s export ``exported`` holds the weights of run ``one``'s."""
+    file = "model.safetensors" if exported == "fused" else "adapters.safetensors"
+    a = mx.load(str(one / "export" / exported / file))
+    b = mx.load(str(two / "export" / exported / file))
     assert a.keys() == b.keys()
     for k in a:  # Adam turns a near-zero gradient's round-off into up to lr: atol lr / 30
-        np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=rtol, atol=1e-4)
+
+
+def test_the_export_equals_the_one_process_runs(full):
+    same_exports(full["one"], full["two"], "fused", rtol=1e-4)
 
 
 def two(tmp: Path, r: dict, run_dir: Path, *more: str, n: int = 2, timeout=300, strategy="fsdp"):
@@ -215,12 +221,7 @@ def test_adapters_and_an_moe_family_shard_as_one_process(case, tmp_path, llama_d
     one, two_dir, p = one_and_two(tmp_path, r)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     same_rows(rows(one), rows(two_dir), rel=2e-5, abs=1e-6)
-    file = "model.safetensors" if exported == "fused" else "adapters.safetensors"
-    a = mx.load(str(one / "export" / exported / file))
-    b = mx.load(str(two_dir / "export" / exported / file))
-    assert a.keys() == b.keys()
-    for k in a:  # Adam turns a near-zero gradient's round-off into up to lr: atol lr / 30
-        np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-4, atol=1e-4)
+    same_exports(one, two_dir, exported, rtol=1e-4)
 
 
 def test_what_fsdp_cannot_train_is_refused_by_name(tmp_path, llama_dir):
@@ -289,12 +290,7 @@ def test_tensor_parallel_trains_as_one_process(case, tmp_path, model_dir_factory
     # a quantized base runs MLX's quantized product where one process de-quantizes: looser
     tol = 2e-4 if case == "qlora" else 2e-5
     same_rows(rows(one), rows(two_dir), rel=tol, abs=1e-6)
-    file = "model.safetensors" if exported == "fused" else "adapters.safetensors"
-    a = mx.load(str(one / "export" / exported / file))
-    b = mx.load(str(two_dir / "export" / exported / file))
-    assert a.keys() == b.keys()
-    for k in a:  # Adam turns a near-zero gradient's round-off into up to lr: atol lr / 30
-        np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-3, atol=1e-4)
+    same_exports(one, two_dir, exported, rtol=1e-3)
     if case == "lora":  # the checkpoint is whole: resumed at 2 ranks exactly, and on one
         run_dir = cut_back(two_dir, tmp_path / "again", "step-000004")
         p = two(tmp_path, r, run_dir, "--resume", "step-000004", strategy="tensor")

@@ -3,15 +3,12 @@ each rank holds its share of every block's heads and MLP columns (each expert's,
 mixture), computes on the whole batch, and gets the whole model's loss and, for every
 parameter, its share of the whole model's gradient."""
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-from mlxtune.distributed import free_ports
+from conftest import rank_results
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 WORKER = Path(__file__).with_name("tensor_worker.py")
@@ -29,14 +26,7 @@ WORKER = Path(__file__).with_name("tensor_worker.py")
     ],
 )
 def test_a_split_step_equals_the_whole_one(tmp_path, mode):
-    cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
-    cmd += [sys.executable, str(WORKER), str(tmp_path), mode]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
-    # mlx.launch exits 0 whatever its processes did: each rank's file says it finished
-    done = all((tmp_path / f"rank-{r}.json").exists() for r in range(2))
-    assert p.returncode == 0 and done, p.stdout[-3000:] + p.stderr[-3000:]
-    for r in range(2):
-        got = json.loads((tmp_path / f"rank-{r}.json").read_text())
+    for got in rank_results(WORKER, tmp_path, mode):
         assert got["refusal"] is None
         assert got["loss"] == pytest.approx(got["want_loss"], rel=1e-5)
         # the quantized base: MLX's quantized product on a split layer against the whole one
@@ -67,13 +57,7 @@ def test_each_rank_holds_half_of_every_projection_and_its_optimizer_state(tmp_pa
     """MLX's own counter: between steps of full fine-tuning with AdamW (weight and two
     moments: 12 bytes an element), a rank holds half of each block's projections and the rest
     whole (norms, the tied embedding)."""
-    cmd = [str(LAUNCH), "-n", "2", "--starting-port", str(free_ports(2)), "--"]
-    cmd += [sys.executable, str(WORKER), str(tmp_path), "memory"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
-    done = all((tmp_path / f"rank-{r}.json").exists() for r in range(2))
-    assert p.returncode == 0 and done, p.stdout[-3000:] + p.stderr[-3000:]
-    for r in range(2):
-        got = json.loads((tmp_path / f"rank-{r}.json").read_text())
+    for got in rank_results(WORKER, tmp_path, "memory"):
         assert got["whole"] == pytest.approx(12 * (got["projections"] + got["rest"]), rel=0.02)
         want = 12 * (got["projections"] / 2 + got["rest"])
         assert got["split"] == pytest.approx(want, rel=0.02), got

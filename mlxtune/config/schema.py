@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .machines import DistributedConfig, MemoryConfig  # noqa: F401  (part of the schema)
 from .optimizers import (  # noqa: F401  (part of the schema, re-exported here)
     AdafactorConfig,
     MuonConfig,
@@ -373,54 +374,6 @@ class PrecisionConfig:
     checkpoints as they were; "skip" drops that update and goes on."""
     max_skipped: int = 10
     """With nonfinite: skip, stop after this many non-finite steps in a row."""
-
-
-@dataclass
-class MemoryConfig:
-    """Memory planning before the run, and what running out of memory mid-run does."""
-
-    limit_gb: float | None = None
-    """The memory the run may use, in GB; null: the device's (the GPU's recommended working set,
-    or this machine's RAM on the CPU)."""
-    check: Literal["refuse", "warn", "off"] = "refuse"
-    """When the estimated peak is over the limit: "refuse" to start (exit 2, listing changes that
-    would fit), "warn" and go on, or "off"."""
-    oom_fallback: bool = True
-    """On an out-of-memory failure mid-run: halve the micro-batch and double grad_accumulation
-    (the same examples per step), say so, and retry the step."""
-    clear_cache_every: int | None = None
-    """Free MLX's cache of released buffers every N steps (mx.clear_cache); null: never on a
-    schedule. On a long Metal run the cache counts towards the limit on live buffers."""
-    clear_cache_gb: float | None = None
-    """Free MLX's buffer cache after a step where it holds more than this many GB; null: no
-    threshold."""
-
-
-@dataclass
-class DistributedConfig:
-    """Runs of several processes (``mlxtune run --nproc N``, ``mlx.launch``)."""
-
-    strategy: Literal["data", "fsdp", "tensor"] = "data"
-    """How the ranks share the work. data: every rank holds the whole model and trains on its
-    share of each batch's rows. fsdp: the same share of the rows, and every rank holds only
-    1/N of each transformer block's weights, gradients and optimizer state, gathered a block
-    at a time for the forward and the backward (with train.grad_checkpointing, the backward
-    holds one block whole at a time). tensor: every rank computes on the whole batch and holds
-    1/N of each block's attention heads and MLP columns (MLX's sharded linear layers; LoRA's
-    factors split with them), its activations divided too; each block's forward and backward
-    all-reduce the hidden states (a link as fast as Thunderbolt 5). fsdp and tensor train a
-    model whose training does not fit one machine on several, with the updates of data
-    parallelism; their checkpoints are written whole and resume at any number of ranks with
-    any strategy. Both need an element-wise optimizer (adamw, adam, lion, sgd) and an
-    objective that does not generate while it trains. One process: no effect."""
-
-    timeout_s: float | Literal["auto"] | None = "auto"
-    """How long a rank waits on the others before it gives up on them: a rank that froze, slept
-    or dropped off the network without closing its link never fails a collective. Every live
-    rank then exits (code 1) naming the silent rank, the step and the resume command; the last
-    checkpoint is intact. auto: 20 x the longest wait so far, at least 300 s (ranks on one
-    machine also see one another alive, and give up on a frozen one after 15 s); null: wait
-    forever."""
 
 
 @dataclass

@@ -124,8 +124,7 @@ def set_up(
     r = copy.deepcopy(recipe)  # the run's own: the lengths and sizes resolve into it
     r.data.max_length = built.max_length
     objective = built.kind(r, built.components)
-    if r.distributed.strategy != "data":
-        shard_model(built.components.model, objective, world, log, r.distributed.strategy)
+    shard_model(built.components.model, objective, world, log, r.distributed.strategy)
     auto_sizes = resolve_sizes(r, built, objective, tiers, world, log)
     batches_per_epoch = objective.batches_per_epoch()
     total_steps = _total_steps(r.train, batches_per_epoch)
@@ -177,7 +176,9 @@ def shard_model(model, objective: Objective, world, log, strategy: str = "fsdp")
     """``distributed.strategy`` fsdp or tensor: the weights of ``model`` divided among the
     ranks (``mlxtune.fsdp``: each holds its pieces of every block; ``mlxtune.tensor``: its
     heads and MLP columns), before the optimizer sees them; what cannot train so is refused by
-    name. One process: nothing to divide."""
+    name. One process, or strategy data: nothing to divide."""
+    if strategy == "data":
+        return
     if world.size == 1:
         log(f"note: distributed.strategy: {strategy} has no effect in one process")
         return

@@ -563,16 +563,11 @@ class OnPolicy(Objective):
             for lb in labels:
                 vals = [v for v in each[lb] if v is not None]
                 sums[f"rewards/{lb}"], sums[f"rewards/{lb}#"] = float(sum(vals)), float(len(vals))
-            tok = c.tokenizer
-            for p, x, t in list(zip(mine, new, total, strict=True))[:2]:
-                shown.append(
-                    {
-                        "prompt": p.shown_prompt,
-                        "prompt_text": p.prompt,
-                        "completion": decode_answer(tok, x),
-                        "reward": float(t),
-                    }
-                )
+            shown = [
+                {"prompt": p.shown_prompt, "prompt_text": p.prompt, "reward": float(t),
+                 "completion": decode_answer(c.tokenizer, x)}
+                for p, x, t in list(zip(mine, new, total, strict=True))[:2]
+            ]  # fmt: skip
         names = sorted(sums)
         if world.size > 1:
             got = world.agree([sums[k] for k in names])
@@ -592,13 +587,10 @@ class OnPolicy(Objective):
 
     def eval_batches(self):
         """Offline validation groups (with their data's rewards), for the loss."""
-        r = self.recipe
         size = self.eval_batch_size
         examples = self.components.valid_set.examples
         batches = [examples[i : i + size] for i in range(0, len(examples), size)]
-        if r.eval.max_batches:
-            batches = batches[: r.eval.max_batches]
-        return [self.make_batch(b, 0) for b in batches]
+        return [self.make_batch(b, 0) for b in batches[: self.recipe.eval.max_batches or None]]
 
 
 __all__ = ["MICRO_POSITIONS", "OnPolicy", "RLConfig", "ROLLOUT_FILE", "rollout_seed"]
