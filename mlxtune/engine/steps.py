@@ -519,7 +519,11 @@ class Engine(Persisted):
         return self.layout is not None
 
     def unshard(self) -> None:
-        """The model whole again on every rank (a collective), before rank 0 exports it."""
+        """The model whole again on every rank (a collective), before rank 0 exports it; the
+        optimizer's moments go first (the run trains no more; its step count and learning
+        rate stay)."""
+        for o in getattr(self.optimizer, "optimizers", None) or [self.optimizer]:
+            o.state = {k: v for k, v in o.state.items() if isinstance(v, mx.array)}
         if self.layout is fsdp:
             fsdp.unshard_blocks(self.model)
         elif self.layout is tensor:

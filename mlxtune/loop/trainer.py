@@ -404,9 +404,7 @@ class Trainer:
         trained = r.eval.exact_match and self.generates
         after = self._exact_match("trained", pos.step) if trained else None
         if self.engine.sharded and r.export.formats:
-            # the exports read whole blocks: the optimizer's state goes, every rank gathers
-            self.engine.optimizer.state = {}
-            with distributed.collectives(self.world):
+            with distributed.collectives(self.world):  # the exports read whole blocks
                 self.engine.unshard()
         if main:
             export_all(
