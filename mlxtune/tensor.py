@@ -34,6 +34,8 @@ from mlx.nn.layers.distributed import (
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .adapters import DoRALinear, DoRASwitchLinear, LoRALinear, LoRASwitchLinear, dropout_input
+from .kernels import linear_cross_entropy
+from .models import module_at
 
 TO_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 """Projections that read a block's input: split by their output rows."""
@@ -114,6 +116,102 @@ class LoRASwitchFromSharded(LoRASwitchLinear):
 
     def _factors(self) -> tuple[mx.array, mx.array]:
         return self.lora_a, sum_gradients(self._group)(self.lora_b)
+
+
+class _VocabSplit:
+    """A head (or tied embedding) holding this rank's rows of the vocabulary, ``_offset`` the
+    first one's id: the loss reads them as they are (``split_cross_entropy``); logits the
+    model itself computes (generation) are gathered whole."""
+
+    def reading(self, x: mx.array) -> mx.array:
+        """``x`` as this rank's rows read it: its gradient, each rank's part, summed."""
+        return sum_gradients(self._group)(x)
+
+    def gather_logits(self, z: mx.array) -> mx.array:
+        """Logits of this rank's rows, [..., V / N], joined with every rank's: [..., V]."""
+        return _gather(z, z.ndim - 1, self._group)
+
+
+class VocabSplitLinear(_VocabSplit, nn.Linear):
+    def __call__(self, x):
+        return self.gather_logits(super().__call__(self.reading(x)))
+
+
+class VocabSplitEmbedding(_VocabSplit, nn.Embedding):
+    def __call__(self, ids):
+        """Each token's row, from the rank that holds it (summed over ranks)."""
+        k = self["weight"].shape[0]
+        local = ids - self._offset
+        inside = (local >= 0) & (local < k)
+        rows = self["weight"][mx.where(inside, local, 0)] * inside[..., None]
+        return mx.distributed.all_sum(rows, group=self._group)
+
+    def as_linear(self, x):
+        return self.gather_logits(super().as_linear(self.reading(x)))
+
+
+def split_head(model: nn.Module, head_path: str, softcap, group) -> str | None:
+    """The LM head (a tied embedding: the input embedding too) split by vocabulary rows among
+    the ranks of ``group``, in place; or why it stays whole."""
+    head = module_at(model, head_path)
+    n, r = group.size(), group.rank()
+    if type(head) not in (nn.Linear, nn.Embedding):
+        return f"a {type(head).__name__} head (quantized) is not split"
+    if softcap is not None:
+        return "a soft-capped head's label smoothing needs every logit"
+    vocab = head.weight.shape[0]
+    if vocab % n:
+        return f"a vocabulary of {vocab} does not divide by {n} ranks"
+    trains = _trainable_names(head)
+    held = dict(tree_flatten(head.parameters()))
+    head.update(tree_unflatten([(k, _rows(v, 0, n, r)) for k, v in held.items()]))
+    object.__setattr__(head, "_tp_from", type(head))
+    head.__class__ = VocabSplitLinear if type(head) is nn.Linear else VocabSplitEmbedding
+    object.__setattr__(head, "_group", group)
+    object.__setattr__(head, "_offset", r * (vocab // n))
+    object.__setattr__(head, "_tp_axes", {k: 0 for k in held})
+    head.freeze()
+    if trains:
+        head.unfreeze(keys=sorted(trains), strict=False)
+    return None
+
+
+def vocab_split(head: nn.Module) -> tuple | None:
+    """(group, first row's id) of a head split by vocabulary, else None."""
+    return (head._group, head._offset) if isinstance(head, _VocabSplit) else None
+
+
+def split_cross_entropy(h, weight, targets, where: tuple, *, ignore_index, label_smoothing,
+                        reduction, **kernel):  # fmt: skip
+    """``linear_cross_entropy`` over a head whose vocabulary rows are split among ranks
+    (``weight``: this rank's rows; ``where``: ``vocab_split``'s): each rank's kernel gives
+    its rows' log-sum-exp (from the loss against a row it holds) and the target's logit where
+    it holds it; the ranks' log-sum-exps meet in one, the target logits in one sum. The
+    hidden states' gradient, each rank's part, is summed over ranks."""
+    group, offset = where
+    h = sum_gradients(group)(h)
+    k = weight.shape[0]
+    valid = targets != ignore_index
+    local = targets - offset
+    inside = valid & (local >= 0) & (local < k)
+    safe = mx.where(valid, mx.where(inside, local, 0), ignore_index)
+    mine, n = linear_cross_entropy(
+        h, weight, safe, ignore_index=ignore_index, reduction="none", **kernel
+    )
+    picked = weight[mx.maximum(safe, 0)].astype(mx.float32)
+    z = (h.astype(mx.float32) * picked).sum(-1)  # the logit of the row the kernel read
+    lse = mx.logsumexp(mx.distributed.all_gather((mine + z)[None], group=group), axis=0)
+    target = mx.distributed.all_sum(mx.where(inside, z, 0.0), group=group)
+    per = lse - target
+    if label_smoothing:  # against the uniform distribution: the mean logit over the vocabulary
+        total = h.astype(mx.float32) @ weight.astype(mx.float32).sum(0)
+        mean = mx.distributed.all_sum(total, group=group) / (k * group.size())
+        per = (1 - label_smoothing) * per + label_smoothing * (lse - mean)
+    per = mx.where(valid, per, 0.0)
+    if reduction == "none":
+        return per, n
+    out = per.sum()
+    return (out / mx.maximum(n, 1) if reduction == "mean" else out), n
 
 
 def _base_axes(layer: nn.Module, prefix: str = "") -> dict[str, int]:
@@ -403,6 +501,12 @@ def unshard_tensors(model: nn.Module) -> int:
     """Every split layer back to the ordinary one with whole parameters, and every attention
     back to its head counts, in place (every rank must call it: the gathers are collectives);
     the number of blocks."""
+    for _, m in model.named_modules():  # a head split by vocabulary: whole, in place
+        if isinstance(m, _VocabSplit):
+            held = dict(tree_flatten(m.parameters()))
+            m.update(tree_unflatten([(k, _gather(v, 0, m._group)) for k, v in held.items()]))
+            m.__class__ = m._tp_from
+            object.__delattr__(m, "_tp_axes")
     blocks = list(getattr(model, "layers", None) or [])
     n = 0
     for b in blocks:
@@ -446,6 +550,9 @@ __all__ = [
     "put_whole_trainable",
     "refusal",
     "shard_tensors",
+    "split_cross_entropy",
+    "split_head",
+    "vocab_split",
     "sharded_axes",
     "sharded_paths",
     "unshard_tensors",

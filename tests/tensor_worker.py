@@ -13,12 +13,13 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import held_after_a_step, shake_adapters, tiny_arch  # noqa: E402
 from mlxtune.adapters import adapt_model  # noqa: E402
-from mlxtune.models import build_model, quantize_model  # noqa: E402
+from mlxtune.models import build_model, lm_parts, quantize_model  # noqa: E402
 from mlxtune.tensor import (  # noqa: E402
     put_whole_trainable,
     refusal,
     shard_tensors,
     sharded_axes,
+    split_head,
     unshard_tensors,
     whole_trainable,
 )
@@ -36,20 +37,60 @@ def memory(out: Path, group) -> None:
     (out / f"rank-{group.rank()}.json").write_text(json.dumps(result))
 
 
+def split_loss(out: Path, group) -> None:
+    """The cross-entropy over a head whose vocabulary rows are split among the ranks, against
+    the whole head's through the one-process kernel: values, and the gradients of the hidden
+    states and of this rank's rows, summed, per token and with label smoothing."""
+    from mlxtune.kernels import linear_cross_entropy
+    from mlxtune.tensor import split_cross_entropy
+
+    n, rank = group.size(), group.rank()
+    h = mx.random.normal((12, 16), key=mx.random.key(1))
+    w = mx.random.normal((64, 16), key=mx.random.key(2)) * 0.5
+    t = mx.random.randint(0, 64, (12,), key=mx.random.key(3))
+    t = mx.where(mx.arange(12) % 5 == 4, -100, t)  # some positions are no target
+    k = 64 // n
+    mine = w[rank * k : (rank + 1) * k]
+    worst = 0.0
+    for reduction in ("sum", "none"):
+        for smoothing in (0.0, 0.1):
+
+            def whole(h, w, smoothing=smoothing, reduction=reduction):
+                loss, _ = linear_cross_entropy(
+                    h, w, t, label_smoothing=smoothing, reduction=reduction, impl="reference"
+                )
+                return (loss * mx.arange(1, loss.size + 1)).sum()  # every position weighed
+
+            def split(h, w, smoothing=smoothing, reduction=reduction):
+                loss, _ = split_cross_entropy(
+                    h, w, t, (group, rank * k), ignore_index=-100,
+                    label_smoothing=smoothing, reduction=reduction, impl="chunked",
+                )  # fmt: skip
+                return (loss * mx.arange(1, loss.size + 1)).sum()
+
+            want, (dh, dw) = mx.value_and_grad(whole, argnums=(0, 1))(h, w)
+            got, (gh, gw) = mx.value_and_grad(split, argnums=(0, 1))(h, mine)
+            for a, b in ((got, want), (gh, dh), (gw, dw[rank * k : (rank + 1) * k])):
+                worst = max(worst, (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-12)).item())
+    (out / f"rank-{rank}.json").write_text(json.dumps({"worst": worst}))
+
+
 def main():
     out, mode = Path(sys.argv[1]), sys.argv[2]
     group = mx.distributed.init()
     n, rank = group.size(), group.rank()
     if mode == "memory":
         return memory(out, group)
+    if mode == "loss":
+        return split_loss(out, group)
     if mode.startswith("moe-"):  # a mixture of experts: each expert's columns split
         from mlx_lm_archs import tiny_config
 
         mode = mode.removeprefix("moe-")
-        arch = tiny_config("qwen3_moe", 61)
+        arch = tiny_config("qwen3_moe", 64)
     else:
         arch = tiny_arch("llama", hidden_size=64, intermediate_size=128, num_key_value_heads=2)
-    model, _ = build_model(arch, 61, seed=7)
+    model, _ = build_model(arch, 64, seed=7)  # a vocabulary the ranks split
     if mode == "qlora":
         quantize_model(model, 4, 32)
     if mode in ("lora", "qlora"):
@@ -72,6 +113,8 @@ def main():
     mx.eval(want_loss, want, want_logits)
     why = refusal(model, n)
     shard_tensors(model, group)
+    lm = lm_parts(model)
+    head_whole = split_head(model, lm.head_path, lm.softcap, group)
     mx.eval(model.parameters())
     axes = sharded_axes(model)
     got_loss, got = nn.value_and_grad(model, loss)(model, x, y)  # every rank: the whole batch
@@ -98,6 +141,7 @@ def main():
     after = dict(tree_flatten(model.trainable_parameters()))
     result = {
         "refusal": why,
+        "head_whole": head_whole,
         "loss": got_loss.item(),
         "want_loss": want_loss.item(),
         "worst_grad": worst,

@@ -287,6 +287,8 @@ def test_tensor_parallel_trains_as_one_process(case, tmp_path, model_dir_factory
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "tensor-parallel: each of 2 ranks holds 1/2" in out
+    # the head by vocabulary too (a quantized one stays whole, and the log says why)
+    assert ("the whole head (a " if case == "qlora" else "1/2 of the head's vocabulary") in out
     # a quantized base runs MLX's quantized product where one process de-quantizes: looser
     tol = 2e-4 if case == "qlora" else 2e-5
     same_rows(rows(one), rows(two_dir), rel=tol, abs=1e-6)
@@ -321,7 +323,7 @@ def test_tensor_parallelism_refuses_what_it_cannot_split(llama_dir):
     assert "do not divide by 3 ranks" in refusal(llama, 3)
     mla, _ = build_model(tiny_config("deepseek_v3", 61), 61)  # multi-head latent attention
     with pytest.raises(UserInputError) as e:
-        split_model(mla, World(0, 2), print)
+        split_model(mla, None, World(0, 2), print)
     assert e.value.where == "distributed.strategy" and "deepseek_v3" in str(e.value)
 
 

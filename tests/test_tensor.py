@@ -28,6 +28,10 @@ WORKER = Path(__file__).with_name("tensor_worker.py")
 def test_a_split_step_equals_the_whole_one(tmp_path, mode):
     for got in rank_results(WORKER, tmp_path, mode):
         assert got["refusal"] is None
+        if mode.endswith("qlora"):  # a quantized head stays whole, and says why
+            assert "quantized" in got["head_whole"]
+        else:  # split by vocabulary too
+            assert got["head_whole"] is None
         assert got["loss"] == pytest.approx(got["want_loss"], rel=1e-5)
         # the quantized base: MLX's quantized product on a split layer against the whole one
         assert got["worst_grad"] < (2e-5 if mode.endswith("qlora") else 5e-6), got
@@ -61,3 +65,15 @@ def test_each_rank_holds_half_of_every_projection_and_its_optimizer_state(tmp_pa
         assert got["whole"] == pytest.approx(12 * (got["projections"] + got["rest"]), rel=0.02)
         want = 12 * (got["projections"] / 2 + got["rest"])
         assert got["split"] == pytest.approx(want, rel=0.02), got
+
+
+@pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
+def test_the_loss_over_a_head_split_by_vocabulary_is_the_whole_heads():
+    """Each rank's rows of the head: the cross-entropy (summed and per token, with and without
+    label smoothing, some positions no target) and the gradients of the hidden states and of
+    each rank's rows equal the whole head's through the one-process kernel."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as t:
+        for got in rank_results(WORKER, Path(t), "loss"):
+            assert got["worst"] < 1e-5, got

@@ -196,7 +196,7 @@ def shard_model(model, objective: Objective, world, log, strategy: str = "fsdp")
     if not list(getattr(model, "layers", None) or []):
         raise UserInputError("this model has no list of blocks to shard: use data", where)
     if strategy == "tensor":
-        split_model(model, world, log)
+        split_model(model, objective.components.lm, world, log)
         return
     n = shard_blocks(model, world.group)
     mx.eval(model.parameters())
@@ -218,7 +218,7 @@ def shard_model(model, objective: Objective, world, log, strategy: str = "fsdp")
         )
 
 
-def split_model(model, world, log) -> None:
+def split_model(model, lm, world, log) -> None:
     """``distributed.strategy: tensor``: each block's heads and MLP columns divided among the
     ranks (``mlxtune.tensor``), or the reason they cannot be, naming the family."""
     why = tensor.refusal(model, world.size)
@@ -230,11 +230,14 @@ def split_model(model, world, log) -> None:
             "distributed.strategy",
         )
     n = tensor.shard_tensors(model, world.group)
+    whole = tensor.split_head(model, lm.head_path, lm.softcap, world.group)
     mx.eval(model.parameters())
     mx.clear_cache()
     log(
         f"tensor-parallel: each of {world.size} ranks holds 1/{world.size} of the attention "
-        f"heads and MLP columns of the {n} blocks; every rank computes on the whole batch"
+        f"heads and MLP columns of the {n} blocks, and "
+        + (f"the whole head ({whole})" if whole else f"1/{world.size} of the head's vocabulary")
+        + "; every rank computes on the whole batch"
     )
 
 

@@ -188,10 +188,13 @@ class LMParts:
     def logits(self, h: mx.array) -> mx.array:
         """fp32 logits of hidden states ``h`` [..., D], as the model computes them."""
         rows = self.head_rows()
+        split = getattr(self.head, "reading", None)  # a head split by vocabulary among ranks
+        h = h if split is None else split(h)
         if isinstance(rows, mx.array):
             z = self.loss_hidden(h).astype(mx.float32) @ rows.astype(mx.float32).T
         else:  # a quantized head, multiplied from its codes: never de-quantized whole
             z = rows.times_transposed(h).astype(mx.float32)
+        z = z if split is None else self.head.gather_logits(z)
         return z if self.softcap is None else self.softcap * mx.tanh(z / self.softcap)
 
     @property

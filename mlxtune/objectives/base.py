@@ -40,6 +40,7 @@ from ..data.cache import cached_split
 from ..errors import UserInputError
 from ..kernels import linear_cross_entropy
 from ..models import LMParts, images, packing_refusal, segments, step_images
+from ..tensor import split_cross_entropy, vocab_split
 
 IGNORE = -100
 
@@ -248,7 +249,9 @@ class Objective:
         rows = batch.get("rows")
         picked = targets if rows is None else targets[rows]
         c = self.components
-        out, n = linear_cross_entropy(
+        split = vocab_split(c.lm.head)  # tensor parallelism: this rank's rows of the head
+        loss = linear_cross_entropy if split is None else partial(split_cross_entropy, where=split)
+        out, n = loss(
             c.lm.loss_hidden(h if rows is None else h[rows]),
             c.lm.head_rows(),
             picked,
