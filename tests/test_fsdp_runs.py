@@ -368,3 +368,19 @@ def test_a_dry_run_shows_a_ranks_plan_and_data_parallelisms(full, tmp_path):
     assert "that is a rank's, the blocks divided among 2 ranks (fsdp)" in out
     assert "with distributed.strategy: data" in out
     assert "parallel 2 ranks (ring, fsdp)" in out
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("tensor", marks=pytest.mark.slow)])
+def test_mixed_precision_and_accumulation_divide_as_one_process(tmp_path, llama_dir, strategy):
+    """bf16 weights with fp32 masters and dynamic loss scaling, two micro-batches a step: the
+    rows of one process within bf16's round-off, the masters written whole."""
+    r = recipe(data(tmp_path), llama_dir, {"type": "full"}, export={"formats": []})
+    r["model"] = {"path": str(llama_dir), "dtype": "bfloat16"}
+    r["train"] = {**r["train"], "grad_accumulation": 2, "batch_size": 4}
+    r["samples"], r["eval"] = {"every": None}, {"every": 3}
+    one, two_dir, p = one_and_two(tmp_path, r, strategy=strategy)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    same_rows(rows(one), rows(two_dir), rel=2e-2, abs=1e-3)
+    a = mx.load(str(one / "checkpoints" / "step-000004" / "masters.safetensors"))
+    b = mx.load(str(two_dir / "checkpoints" / "step-000004" / "masters.safetensors"))
+    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}

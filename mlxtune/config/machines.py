@@ -36,9 +36,10 @@ class DistributedConfig:
     """How the ranks share the work (docs/distributed.md). data: each holds the whole model and
     trains on its share of a batch's rows. fsdp: the same rows, each holding 1/N of every
     block's weights, gradients and optimizer state, gathered a block at a time. tensor: each
-    computes on the whole batch with 1/N of every block's heads and MLP columns. fsdp and
-    tensor fit models one machine cannot train; their checkpoints are whole (any world size or
-    strategy resumes them); both need adamw, adam, lion or sgd. One process: no effect."""
+    computes on the whole batch with 1/N of every block's heads and MLP columns and of the
+    head's vocabulary. fsdp and tensor fit models one machine cannot train; their checkpoints
+    are whole (any world size or strategy resumes them); both need adamw, adam, lion or sgd.
+    One process: no effect."""
 
     timeout_s: float | Literal["auto"] | None = "auto"
     """How long a rank waits on the others before it gives up on them: a rank that froze, slept
