@@ -12,9 +12,15 @@ LoRA splits with its base: over an all-to-sharded layer, B's columns are split w
 layer's rows and A stays whole on every rank (its gradient, a sum of every rank's part, is
 summed over ranks in the backward, as is the adapter's input gradient); over a sharded-to-all
 layer, A's rows are split with the layer's columns, the low-rank product is summed over ranks
-(r values a token) and B stays whole. What stays whole (norms, embeddings, the head, those
-factors) gets the same gradient on every rank, so nothing is all-reduced after the backward:
-a step's only collectives are the layers' own.
+(r values a token) and B stays whole. A mixture's experts split by their columns the same
+way (the router whole). What stays whole but is used on one rank's share only (those factors,
+a router, per-head norms) has its gradient summed over ranks in the backward; the rest that
+stays whole (norms, the residual stream's) gets the same gradient on every rank, so nothing
+is all-reduced after the backward: a step's only collectives are the layers' own.
+
+The LM head (a tied embedding too) is split by vocabulary rows (``split_head``): the loss
+joins each rank's log-sum-exp and target logit (``split_cross_entropy``) and never gathers
+the logits; logits the model computes itself are gathered whole.
 
 A sharded parameter's axis is kept on its module (``_tp_axes``), so a checkpoint is written
 whole (each sharded parameter gathered along its axis) and read back at any world size or

@@ -87,7 +87,8 @@ def main():
         from mlx_lm_archs import tiny_config
 
         mode = mode.removeprefix("moe-")
-        arch = tiny_config("qwen3_moe", 64)
+        # experts 64 wide: each rank's 32 columns are whole groups of a 4-bit base
+        arch = {**tiny_config("qwen3_moe", 64), "moe_intermediate_size": 64}
     else:
         arch = tiny_arch("llama", hidden_size=64, intermediate_size=128, num_key_value_heads=2)
     model, _ = build_model(arch, 64, seed=7)  # a vocabulary the ranks split

@@ -184,7 +184,8 @@ def moe_dir(tmp_path_factory, tokenizer, tokenizer_dir):
     from mlxtune.models import family_classes, save_model
 
     mx.random.seed(2)
-    config = tiny_config("qwen3_moe", 64)
+    # experts 64 wide: each of two ranks' 32 columns are whole groups of a 4-bit base
+    config = {**tiny_config("qwen3_moe", 64), "moe_intermediate_size": 64}
     model_class, args_class = family_classes(config)
     folder, _ = save_model(
         model_class(args_class.from_dict(config)),
@@ -268,6 +269,7 @@ def test_objectives_that_generate_and_vision_models_are_refused_by_name(llama_di
         pytest.param("qlora", id="llama-qlora", marks=pytest.mark.slow),
         pytest.param("moe-full", id="qwen3_moe-full"),
         pytest.param("moe-lora", id="qwen3_moe-lora", marks=pytest.mark.slow),
+        pytest.param("moe-qlora", id="qwen3_moe-qlora", marks=pytest.mark.slow),
     ],
 )
 def test_tensor_parallel_trains_as_one_process(case, tmp_path, model_dir_factory, moe_dir):

@@ -23,6 +23,7 @@ WORKER = Path(__file__).with_name("tensor_worker.py")
         pytest.param("qlora", marks=pytest.mark.slow),
         "moe-full",
         pytest.param("moe-lora", marks=pytest.mark.slow),
+        pytest.param("moe-qlora", marks=pytest.mark.slow),
     ],
 )
 def test_a_split_step_equals_the_whole_one(tmp_path, mode):
