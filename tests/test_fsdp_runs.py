@@ -343,7 +343,8 @@ def test_four_tensor_parallel_ranks_train_as_one_process(tmp_path, model_dir_fac
     same_rows(rows(one), rows(tmp_path / "four"), rel=2e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("tensor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # suite time: data parallelism's test covers the same watchdog in the default run
+@pytest.mark.parametrize("strategy", ["fsdp", "tensor"])
 def test_a_dead_rank_ends_a_divided_run_with_a_message(full, tmp_path, strategy):
     """As in data parallelism: rank 1 dies after step 5 without a word; rank 0, inside the next
     step's collectives, ends with the message, and checkpoint step-000004 is intact."""

@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("tensor_worker.py")
     "mode",
     [  # suite time: the runs in test_fsdp_runs cover every mode through the trainer
         pytest.param("full", marks=pytest.mark.slow),
-        "lora",
+        pytest.param("lora", marks=pytest.mark.slow),
         pytest.param("qlora", marks=pytest.mark.slow),
         "moe-full",
         pytest.param("moe-lora", marks=pytest.mark.slow),
