@@ -37,8 +37,10 @@ def test_a_split_step_equals_the_whole_one(tmp_path, mode):
         # the quantized base: MLX's quantized product on a split layer against the whole one
         assert got["worst_grad"] < (2e-5 if mode.endswith("qlora") else 5e-6), got
         assert got["split"] > 0
-        # every block's projections are halved (norms and routers stay whole)
-        assert got["block_bytes"] < 0.6 * got["unsharded_block_bytes"]
+        # every block's projections are halved (norms and routers stay whole: beside 4-bit
+        # projections they weigh more)
+        most = 0.65 if mode.endswith("qlora") else 0.55
+        assert got["block_bytes"] < most * got["unsharded_block_bytes"]
         assert got["checkpoint_round_trip"]  # whole under the same names, and back
         assert got["unsharded_names"] and got["unsharded_logits"]
 
