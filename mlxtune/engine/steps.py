@@ -162,8 +162,8 @@ class Engine(Persisted):
         return norm, ok
 
     def _squares(self, grads) -> mx.array:
-        """The gradients' sum of squares: a fully sharded run's pieces' summed over ranks
-        (each holds its own), the replicated rest's counted once."""
+        """The gradients' sum of squares: the pieces' (each rank's share of a weight divided
+        among the ranks: fsdp or tensor) summed over ranks, the rest's counted once."""
         flat = tree_flatten(grads)
         rest = sum((mx.sum(mx.square(g)) for k, g in flat if k not in self.pieces), mx.array(0.0))
         if not self.pieces:
