@@ -3,6 +3,7 @@
 together, resume on one process, and end within seconds when a rank dies."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import yaml
 from conftest import REPO, TIMING, same_rows, tiny_recipe
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.console import Console
-from mlxtune.distributed import free_ports
+from mlxtune.distributed import blas_threads, free_ports
 from mlxtune.runs.checkpoint import verify
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
@@ -30,6 +31,8 @@ def recipe(data_dir, llama_dir, steps=8):
         train={"batch_size": 8, "max_steps": steps, "log_every": 1, "progress": False, "seed": 3},
         eval={"every": 3},
         checkpoints={"every": 2, "keep_last": 10},
+        # named tiers: runs compared bit for bit must not time their way to different ones
+        kernels={"loss": "chunked", "attention": "native"},
     )
 
 
@@ -53,7 +56,9 @@ def launch(tmp_path, *args, n=2, timeout=240):
     cmd = [str(LAUNCH), "-n", str(n), "--starting-port", str(free_ports(n)), "--"]
     cmd += [sys.executable, str(WORKER), *map(str, args[:2]), str(codes), *map(str, args[2:])]
     t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    # each rank's BLAS threads as `mlxtune run --nproc` gives them: the same matmul sums
+    env = {**os.environ, **blas_threads(n)}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     took = time.perf_counter() - t
     got = {}
     for rank in range(n):
