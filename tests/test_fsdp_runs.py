@@ -373,7 +373,8 @@ def test_a_dry_run_shows_a_ranks_plan_and_data_parallelisms(full, tmp_path):
     assert "parallel 2 ranks (ring, fsdp)" in out
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("tensor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # suite time: about 10 s a strategy
+@pytest.mark.parametrize("strategy", ["fsdp", "tensor"])
 def test_mixed_precision_and_accumulation_divide_as_one_process(tmp_path, llama_dir, strategy):
     """bf16 weights with fp32 masters and dynamic loss scaling, two micro-batches a step: the
     rows of one process within bf16's round-off, the masters written whole."""
