@@ -110,11 +110,17 @@ class LoRALinear(nn.Module):
         """The update to the base weight, [out, in]."""
         return self.scale * (self.lora_b.T @ self.lora_a.T)
 
+    def merged(self) -> mx.array:
+        """The base weight with the update merged in, in the base's dtype (de-quantized when
+        the base is quantized): what a fused export writes, and what QAT quantizes."""
+        w = dense_weight(self.linear)
+        return (w.astype(mx.float32) + self.delta()).astype(w.dtype)
+
     def fused(self) -> nn.Linear:
         """A plain Linear with the adapter merged in (de-quantized when the base was quantized)."""
-        w = dense_weight(self.linear)
+        w = self.merged()
         fused = nn.Linear(w.shape[1], w.shape[0], bias="bias" in self.linear)
-        fused.weight = (w.astype(mx.float32) + self.delta()).astype(w.dtype)
+        fused.weight = w
         if "bias" in self.linear:
             fused.bias = self.linear.bias
         return fused
@@ -145,15 +151,11 @@ class DoRALinear(LoRALinear):
             out = out + self.linear.bias
         return out
 
-    def fused(self) -> nn.Linear:
+    def merged(self) -> mx.array:
         w = dense_weight(self.linear)
         adapted = w.astype(mx.float32) + self.delta()
         adapted = adapted * (self.m / mx.linalg.norm(adapted, axis=1))[:, None]
-        fused = nn.Linear(w.shape[1], w.shape[0], bias="bias" in self.linear)
-        fused.weight = adapted.astype(w.dtype)
-        if "bias" in self.linear:
-            fused.bias = self.linear.bias
-        return fused
+        return adapted.astype(w.dtype)
 
 
 def _switch_weight(base: nn.Module) -> mx.array:
@@ -232,12 +234,17 @@ class LoRASwitchLinear(LoRALinear):
         """The update to each expert's weight, [experts, out, in]."""
         return self.scale * (self.lora_b @ self.lora_a)
 
+    def merged(self) -> mx.array:
+        """Each expert's weight with its update merged in, [experts, out, in]."""
+        w = _switch_weight(self.linear)
+        return (w.astype(mx.float32) + self.delta()).astype(w.dtype)
+
     def fused(self) -> nn.Module:
         """A SwitchLinear with the adapter merged in (de-quantized when the base was quantized)."""
-        w = _switch_weight(self.linear)
+        w = self.merged()
         bias = "bias" in self.linear
         fused = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=bias)
-        fused.weight = (w.astype(mx.float32) + self.delta()).astype(w.dtype)
+        fused.weight = w
         if bias:
             fused.bias = self.linear.bias
         return fused
@@ -271,16 +278,11 @@ class DoRASwitchLinear(LoRASwitchLinear):
             out = out + mx.expand_dims(self.linear.bias[indices], -2)
         return out
 
-    def fused(self) -> nn.Module:
+    def merged(self) -> mx.array:
         w = _switch_weight(self.linear)
         adapted = w.astype(mx.float32) + self.delta()
         adapted = adapted * (self.m / mx.linalg.norm(adapted, axis=-1))[..., None]
-        bias = "bias" in self.linear
-        fused = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=bias)
-        fused.weight = adapted.astype(w.dtype)
-        if bias:
-            fused.bias = self.linear.bias
-        return fused
+        return adapted.astype(w.dtype)
 
 
 def plain_layer(mod: nn.Module) -> bool:

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import qat
 from .adapters import VISION_TARGETS, adapt_model, lora_scale
 from .config import Recipe
 from .data import BadRows, lengths_of, read_rows
@@ -82,9 +83,11 @@ class Built:
             "layers": self.adapter_info.get("layers"),
             "adapted": self.adapter_info["adapted"],
         }
+        q = recipe.train.qat
         return TrainedModel(
-            c.model, c.tokenizer, self.model_config, adapter, self.model_dir, self.tokenizer_dir
-        )
+            c.model, c.tokenizer, self.model_config, adapter, self.model_dir, self.tokenizer_dir,
+            qat.Spec(q.bits, q.group_size, q.mode).as_dict() if q is not None else None,
+        )  # fmt: skip
 
 
 def tokenizer_for(
@@ -287,6 +290,8 @@ def adapt(recipe: Recipe, model: nn.Module, lm: LMParts, log) -> dict:
     if alpha and r.objective.type == "sft":
         add_embedding_noise(model, alpha, lm.embed_path)
         log(f"NEFTune: token embeddings get uniform noise of alpha {alpha:g} while training")
+    if r.train.qat is not None:
+        qat.prepare(model, r.train.qat, log)
     if r.train.grad_checkpointing and r.train.grad_checkpointing != "auto":  # auto: later
         n = checkpoint_layers(model, int(r.train.grad_checkpointing))
         log(

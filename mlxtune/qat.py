@@ -10,9 +10,18 @@ straight-through estimator: the cotangent reaches the full-precision weight unch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
+
+from .adapters import LoRALinear, LoRASwitchLinear, plain_layer
+from .errors import UserInputError
+from .models import VisionLM
+from .models.context import current, quantizing
+from .models.quantize import DequantizingLinear, DequantizingSwitchLinear, is_quantized
 
 MODES = {
     # mode: (bits it allows, group sizes it allows)
@@ -65,4 +74,182 @@ def fake_quantize(w: mx.array, bits: int = 4, group_size: int = 64, mode: str = 
     return _fake(bits, group_size, mode)(w)
 
 
-__all__ = ["MODES", "check", "fake_quantize"]
+# ---------------------------------------------------------------- the trained model's layers
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The format a QAT run trains against (``train.qat``)."""
+
+    bits: int = 4
+    group_size: int = 64
+    mode: str = "affine"
+
+    def fake(self, w: mx.array) -> mx.array:
+        """``w`` as this format stores it, the gradient straight through."""
+        return _fake(self.bits, self.group_size, self.mode)(w)
+
+    def describe(self) -> str:
+        return f"{self.bits}-bit {self.mode} in groups of {self.group_size}"
+
+    def as_dict(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size, "mode": self.mode}
+
+
+def active() -> bool:
+    """Whether prepared layers fake-quantize now (inside ``quantizing()``)."""
+    return current().quantized
+
+
+def merged_weight(layer: nn.Module) -> mx.array:
+    """The weight a prepared layer computes with: an adapter's base with the update merged in
+    (what a fused export writes), or the layer's own weight."""
+    merged = getattr(layer, "merged", None)
+    return merged() if merged is not None else layer.weight
+
+
+def _bias(layer: nn.Module):
+    inner = layer.get("linear")
+    return (inner if isinstance(inner, nn.Module) else layer).get("bias")
+
+
+def _quantized_call(self, x, *args, **kwargs):
+    """A prepared layer's call: its plain one, or inside ``quantizing()`` the same map with the
+    (merged) weight fake-quantized."""
+    plain = type(self)._mlxtune_qat_call
+    if not current().quantized or getattr(self, "_disabled", 0):
+        return plain(self, x, *args, **kwargs)
+    w = self.qat_spec.fake(merged_weight(self))
+    bias = _bias(self)
+    if not self.qat_experts:
+        y = x @ w.T
+        return y + bias if bias is not None else y
+    indices = args[0] if args else kwargs["indices"]
+    sorted_indices = args[1] if len(args) > 1 else kwargs.get("sorted_indices", False)
+    y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+    return y + mx.expand_dims(bias[indices], -2) if bias is not None else y
+
+
+_PREPARED: dict[type, type] = {}
+
+
+def _prepared_class(cls: type) -> type:
+    if getattr(cls, "_mlxtune_qat_call", None) is not None:
+        return cls
+    if cls not in _PREPARED:
+        _PREPARED[cls] = type(
+            f"QAT{cls.__name__}",
+            (cls,),
+            {
+                "__call__": _quantized_call,
+                "__module__": cls.__module__,
+                "__doc__": f"{cls.__name__} that computes with its weight fake-quantized inside "
+                "qat.quantizing().",
+                "_mlxtune_qat_call": cls.__call__,
+            },
+        )
+    return _PREPARED[cls]
+
+
+def is_prepared(m: nn.Module) -> bool:
+    """Whether ``install`` prepared this layer."""
+    return getattr(type(m), "_mlxtune_qat_call", None) is not None
+
+
+def prepared(model: nn.Module) -> list[str]:
+    """The paths of the layers ``install`` prepared: what a quantized export quantizes."""
+    return [p for p, m in model.named_modules() if is_prepared(m)]
+
+
+def install_layer(m: nn.Module, spec: Spec) -> None:
+    """Prepare one linear layer (dense, experts, or LoRA/DoRA over one) to compute inside
+    ``quantizing()`` with its (merged) weight as ``spec`` stores it: the instance's class
+    becomes a subclass of its own, nothing else changes."""
+    m.__class__ = _prepared_class(type(m))
+    m.qat_spec = spec
+    m.qat_experts = isinstance(m, (SwitchLinear, LoRASwitchLinear))
+
+
+def install(model: nn.Module, spec: Spec) -> dict:
+    """Prepare every linear layer of the transformer blocks (dense, experts, or LoRA/DoRA over
+    one: then the merged weight) to compute, inside ``quantizing()``, with its weight as
+    ``spec`` stores it. Only the instances change (each gets a subclass of its own class);
+    names, values and what trains stay as they are, and outside ``quantizing()`` they compute
+    as before. The embedding and the head stay in full precision (a quantized export leaves
+    them so). Layers a family keeps out of quantization (mlx-lm's ``quant_predicate``) and
+    layers quantized already (QLoRA's frozen base) are left as they are.
+
+    Returns ``layers`` (prepared paths) and ``kept`` (paths left out, with why). Raises
+    ValueError naming a layer whose width is not whole groups."""
+    inside = {id(m) for b in getattr(model, "layers", []) for _, m in b.named_modules()}
+    own = getattr(model, "quant_predicate", None)
+    layers: list[str] = []
+    kept: dict[str, str] = {}
+    skip: set[int] = set()
+    for path, m in model.named_modules():
+        if id(m) not in inside or id(m) in skip:
+            continue
+        adapter = isinstance(m, LoRALinear)
+        if adapter:
+            skip.update(id(c) for _, c in m.named_modules())
+        elif is_quantized(m) or isinstance(m, (DequantizingLinear, DequantizingSwitchLinear)):
+            kept[path] = "quantized already"
+            continue
+        elif not (isinstance(m, (nn.Linear, SwitchLinear)) and plain_layer(m)):
+            continue
+        if own is not None and own(path, m) is not True:
+            kept[path] = "the family keeps it out of quantization"
+            continue
+        width = merged_weight(m).shape[-1]  # (a lazy graph: its shape, nothing computed)
+        why = check(spec.bits, spec.group_size, spec.mode, width)
+        if why is not None:
+            raise ValueError(f"{path}: {why}")
+        install_layer(m, spec)
+        layers.append(path)
+    return {"layers": layers, "kept": kept}
+
+
+def prepare(model: nn.Module, q, log=None) -> Spec:
+    """train.qat: the blocks' linear layers prepared to compute with their (merged) weights
+    fake-quantized (``install``), refused by key where it cannot be; returns the format.
+    ``q``: the recipe's ``train.qat`` (bits, group_size, mode, start_step)."""
+    if isinstance(model, VisionLM):
+        raise UserInputError(
+            "quantization-aware training of vision-language models is not written yet; "
+            "train a text model, or leave train.qat out",
+            "train.qat",
+        )
+    spec = Spec(q.bits, q.group_size, q.mode)
+    try:
+        done = install(model, spec)
+    except ValueError as e:
+        raise UserInputError(
+            f"{e}; choose a group_size that divides it", "train.qat.group_size"
+        ) from None
+    if not done["layers"]:
+        raise UserInputError("the model's blocks hold no linear layer to quantize", "train.qat")
+    if log is not None:
+        kept = f"; {len(done['kept'])} left as they are" if done["kept"] else ""
+        start = f" from step {q.start_step + 1}" if q.start_step else ""
+        log(
+            f"quantization-aware training{start}: {len(done['layers'])} linear layers of the "
+            f"blocks compute with their weights as {spec.describe()} stores them (the "
+            f"embedding and head stay in full precision){kept}"
+        )
+    return spec
+
+
+__all__ = [
+    "MODES",
+    "Spec",
+    "active",
+    "check",
+    "fake_quantize",
+    "install",
+    "install_layer",
+    "is_prepared",
+    "merged_weight",
+    "prepare",
+    "prepared",
+    "quantizing",
+]

@@ -11,6 +11,8 @@ import importlib.util
 from typing import Any, NoReturn, Protocol
 
 from ..data import format_names
+from ..export.gguf.codes import refusal as gguf_refusal
+from ..qat import check as qat_refusal
 from ..safety import NOT_PLAIN, NOT_UNDER_HERE, is_plain_name, is_under_here
 from .schema import Recipe
 
@@ -332,6 +334,8 @@ def check_train(r: Recipe, v: Fails) -> None:
     gc = t.grad_checkpointing
     if gc != "auto" and not isinstance(gc, bool) and gc < 1:
         v.fail("train.grad_checkpointing", f"true, false or every k-th layer (k >= 1), got {gc}")
+    if t.qat is not None:
+        _check_qat(r, v)
     es = t.early_stopping
     _positive(v, "train.early_stopping.patience", es.patience, allow_none=True)
     if es.min_delta < 0:
@@ -342,6 +346,41 @@ def check_train(r: Recipe, v: Fails) -> None:
         v.fail(
             "train.early_stopping.patience",
             "early stopping checks at each evaluation: set eval.every",
+        )
+
+
+def _check_qat(r: Recipe, v: Fails) -> None:
+    """train.qat: a format MLX quantizes to, and what else the run does that QAT cannot
+    match."""
+    q = r.train.qat
+    why = qat_refusal(q.bits, q.group_size, q.mode)
+    if why is not None:
+        v.fail("train.qat.bits" if "bits" in why else "train.qat.group_size", why)
+    if q.start_step < 0:
+        v.fail("train.qat.start_step", f"must be 0 or more, got {q.start_step}")
+    if r.adapter.type != "full" and r.adapter.dropout:
+        v.fail(
+            "adapter.dropout",
+            "must be 0 with train.qat: QAT computes with the merged weight (base + update), "
+            "and LoRA's dropout acts on the update's input alone",
+        )
+    if r.distributed.strategy != "data":
+        v.fail(
+            "train.qat",
+            f"trains with distributed.strategy data (its layers are not divided among ranks "
+            f"yet), got {r.distributed.strategy}",
+        )
+    base = r.model.quantize
+    if base is not None and (base.bits, base.group_size, q.mode) != (
+        q.bits,
+        q.group_size,
+        "affine",
+    ):
+        v.fail(
+            "train.qat",
+            f"over a quantized base (model.quantize: {base.bits} bits, groups of "
+            f"{base.group_size}) QAT trains toward the same format, so that the layers it "
+            "leaves quantized ship as they are: set bits, group_size and mode affine alike",
         )
 
 
@@ -421,10 +460,16 @@ def check_checkpoints(r: Recipe, v: Fails) -> None:
 
 
 def check_export(r: Recipe, v: Fails) -> None:
-    """export: adapter formats need adapters."""
+    """export: adapter formats need adapters; a quantization-aware run's GGUF needs a type
+    that holds its codes."""
     for fmt in ("mlx-lm", "peft"):
         if fmt in r.export.formats and r.adapter.type == "full":
             v.fail("export.formats", f"{fmt} adapters need adapter.type lora or dora; use fused")
+    q = r.train.qat
+    if q is not None and "gguf" in r.export.formats:
+        why = gguf_refusal({"bits": q.bits, "group_size": q.group_size, "mode": q.mode})
+        if why is not None:
+            v.fail("export.formats", f"gguf of a run with train.qat ({q.mode}, {q.bits} bits): {why}")
 
 
 REPORTER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}

@@ -67,6 +67,25 @@ class QuantizeConfig:
 
 
 @dataclass
+class QATConfig:
+    """Quantization-aware training: the blocks' linear layers compute with their weights (a
+    LoRA/DoRA layer's merged weight) quantized and de-quantized exactly as the target format
+    stores them, the gradient passed straight through; fused and GGUF exports then write those
+    codes (docs/quantization.md)."""
+
+    bits: int = 4
+    """Bits per weight: affine takes 2, 3, 4, 5, 6 or 8; mxfp4 and nvfp4 4; mxfp8 8."""
+    group_size: int = 64
+    """Weights per scale (and bias): affine 32, 64 or 128; mxfp4 and mxfp8 32; nvfp4 16."""
+    mode: Literal["affine", "mxfp4", "nvfp4", "mxfp8"] = "affine"
+    """MLX's quantization format: affine (a scale and bias per group, as mlx-lm's 4-bit
+    checkpoints; a 4-bit one exports to GGUF Q4_1), mxfp4 (GGUF MXFP4), nvfp4 (GGUF NVFP4)
+    or mxfp8."""
+    start_step: int = 0
+    """Train in full precision until this optimizer step, then quantization-aware."""
+
+
+@dataclass
 class ModelConfig:
     """The model to train: a local directory in Hugging Face layout, a Hub id, or an architecture."""
 
@@ -261,6 +280,9 @@ class TrainConfig:
     batch fit at all)."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     """Stopping early on an evaluation metric."""
+    qat: QATConfig | None = None
+    """Quantization-aware training toward a quantized format; eval_loss is then the
+    quantized model's, eval_loss_unquantized the full-precision weights'; null: off."""
 
 
 @dataclass

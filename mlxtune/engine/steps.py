@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-from .. import fsdp, tensor
+from .. import fsdp, qat, tensor
 from ..distributed import World, collectives
 from ..errors import TrainingError, UserInputError
 from ..kernels import forward_only
@@ -102,7 +102,31 @@ class Engine(Persisted):
         self.pieces = frozenset(self.layout.sharded_paths(model) & trained if self.layout else ())
         """What trains as this rank's share: its squares sum over ranks for the norm (and a
         fully sharded run's gradients arrive summed over ranks)."""
+        self.qat = bool(qat.prepared(model))
+        """The model's layers are prepared for quantization-aware training (``train.qat``)."""
+        q = recipe.train.qat
+        self.qat_on = self.qat and q is not None and q.start_step == 0
+        """Training steps compute with the weights fake-quantized (from train.qat.start_step:
+        ``start_qat``)."""
+        self._unquantized = False
         self._build()
+
+    def start_qat(self) -> None:
+        """From the next step on, train with the weights fake-quantized (the steps are traced
+        again)."""
+        if self.qat and not self.qat_on:
+            self.qat_on = True
+            self._build()
+
+    @contextlib.contextmanager
+    def unquantized(self):
+        """Inside the block ``evaluate_batch`` computes with the weights as they are, not
+        fake-quantized (a QAT run's eval_loss_unquantized)."""
+        self._unquantized = True
+        try:
+            yield
+        finally:
+            self._unquantized = False
 
     @property
     def data_ranks(self) -> int:
@@ -187,7 +211,7 @@ class Engine(Persisted):
         opt.init(self.params())  # before compiling: the state's structure is then fixed
 
         def scaled_loss(model, batch, factor):
-            with self._rank_dropout():
+            with self._rank_dropout(), qat.quantizing(self.qat_on):
                 loss, count, metrics = objective.loss(model, batch)
             return loss * factor, loss, count, metrics
 
@@ -229,14 +253,20 @@ class Engine(Persisted):
         if getattr(opt, "curvature_every", None):
             self._curvature_step = self._build_curvature(state)
 
-        @partial(mx.compile, inputs=[model.state])
-        def eval_step(batch):
-            with forward_only():  # no backward follows: the loss kernel skips its gradient work
-                return objective.loss(model, batch)
+        def evaluation(quantized: bool):
+            @partial(mx.compile, inputs=[model.state])
+            def eval_step(batch):
+                # no backward follows: the loss kernel skips its gradient work
+                with forward_only(), qat.quantizing(quantized):
+                    return objective.loss(model, batch)
+
+            return eval_step
 
         self._train_step, self._grad_step, self._apply_step = train_step, grad_step, apply_step
         self._reduce_apply_step = reduce_apply_step
-        self._eval_step = eval_step
+        # a QAT run's model is evaluated as it ships, quantized (from its first evaluation)
+        self._eval_step = evaluation(self.qat)
+        self._dense_eval_step = evaluation(False) if self.qat else self._eval_step
         self._state = state
 
     def _build_feature_grads(self, scaled_loss, state: list):
@@ -277,7 +307,8 @@ class Engine(Persisted):
             )
 
         def drawn_loss(model, batch, scale):
-            loss, count = objective.sampled_loss(model, batch)
+            with qat.quantizing(self.qat_on):
+                loss, count = objective.sampled_loss(model, batch)
             return loss * scale / mx.maximum(count, 1), count
 
         grad_fn = nn.value_and_grad(model, drawn_loss)
@@ -329,7 +360,8 @@ class Engine(Persisted):
 
     def evaluate_batch(self, batch):
         """(loss sum, count, metric sums) of the objective on ``batch``, no gradients."""
-        return self._eval_step(_stepped(self.arrays(batch)))
+        step = self._dense_eval_step if self._unquantized else self._eval_step
+        return step(_stepped(self.arrays(batch)))
 
     # ---------------------------------------------------------------- optimizer steps
     def step(self, micro_batches: list, total: int | None = None) -> StepResult:

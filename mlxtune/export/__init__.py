@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import qat
 from ..adapters import lora_scale
 from ..errors import UserInputError
 from ..models import DTYPES, VisionLM, is_gguf, reward_head_aside, shadow
 from .fused import dequantize, fuse, write_fused
+from .gguf.codes import refusal as gguf_refusal
 from .gguf.write import write_gguf_adapter, write_gguf_model
 from .mlx_lm import mlx_lm_config, write_gguf_base, write_mlx_lm, write_reward_head
 from .mlx_vlm import write_mlx_vlm, write_vision_fused
@@ -57,13 +59,20 @@ def export(
     out: Path,
     dtype: str | None = None,
     quantize: int | None = None,
-    group_size: int = 64,
+    group_size: int | None = None,
     consume: bool = False,
 ):
     """Write format ``fmt`` into the (existing, empty) folder ``out``; returns a note for the
     user, or None. ``consume``: the trained model is this export's alone (a command that
     exports once, over a base read lazily: ``load_checkpoint(..., lazy=True)``); a fused or
-    GGUF export drops each of its weights once written, and the model is left empty."""
+    GGUF export drops each of its weights once written, and the model is left empty.
+
+    A quantization-aware run (``t.qat``) exports fused and GGUF models quantized as it trained,
+    with the codes it computed with; a ``dtype`` asks for the full-precision weights instead."""
+    if t.qat is not None and fmt in ("fused", "gguf"):
+        quantize, group_size = _as_trained(t.qat, fmt, dtype, quantize, group_size)
+        if fmt == "gguf":  # the GGUF's type holds the trained codes (``_export_gguf``)
+            quantize = group_size = None
     if quantize is not None and fmt != "fused":
         raise UserInputError(
             "--quantize applies to fused exports (gguf has --dtype q8_0)", "export"
@@ -95,7 +104,7 @@ def export(
     elif fmt == "fused":
         if dtype is not None and dtype not in DTYPES:
             raise UserInputError(f"--dtype for fused must be one of {', '.join(DTYPES)}", "export")
-        return write_fused(t, out, dtype, quantize, group_size, consume)
+        return write_fused(t, out, dtype, quantize, group_size or 64, consume)
     elif fmt == "gguf":
         _export_gguf(t, out, dtype, consume)
     elif fmt == "gguf-adapter":
@@ -116,6 +125,27 @@ def export(
         raise UserInputError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}", "export")
 
 
+def _as_trained(spec: dict, fmt: str, dtype, quantize, group_size):
+    """(quantize, group_size) of a quantization-aware run's fused or GGUF export: as it
+    trained, unless ``dtype`` asks for full precision; another quantization is refused."""
+    trained = f"this run trained quantization-aware at {qat.Spec(**spec).describe()}"
+    if quantize is not None and (quantize, group_size or spec["group_size"], "affine") != (
+        spec["bits"], spec["group_size"], spec["mode"]
+    ):
+        raise UserInputError(
+            f"{trained}; other codes would lose what it learned: leave --quantize out (the "
+            "export is quantized as it trained) or give --dtype for full precision",
+            "--quantize",
+        )
+    if dtype is not None and quantize is None:
+        return None, None  # full precision, asked for
+    if dtype is not None:
+        raise UserInputError(f"{trained}; give --dtype or --quantize, not both", "--dtype")
+    if fmt == "gguf" and (why := gguf_refusal(spec)) is not None:
+        raise UserInputError(f"{trained}. {why} (or give --dtype f16)", "export --format gguf")
+    return spec["bits"], spec["group_size"]
+
+
 def _export_gguf(t: TrainedModel, out: Path, dtype: str | None, consume: bool) -> None:
     """The ``gguf`` format: the fused model as one GGUF file, a Modelfile beside it (and a
     reward model's head)."""
@@ -127,6 +157,16 @@ def _export_gguf(t: TrainedModel, out: Path, dtype: str | None, consume: bool) -
     )
     # the merge is lazy, on a copy the writer consumes: one weight computed at a time
     rows: dict = {}  # a large weight de-quantized a block of rows at a time
+    trained_codes = None
+    if t.qat is not None and dtype is None:  # the codes QAT computed with, as GGUF blocks
+        layers = dict(t.model.named_modules())
+        paths = qat.prepared(t.model)
+        trained_codes = {
+            "spec": t.qat,
+            "names": {f"{p}.weight" for p in paths},
+            # the dtype QAT quantized in (a lazy graph's: nothing computed)
+            "dtype": qat.merged_weight(layers[paths[0]]).dtype,
+        }
     model, config = dequantize(fuse(shadow(t.model)), t.model_config, rows=rows)
     source = Path(t.base_dir) if t.base_dir and is_gguf(t.base_dir) else None
     write_reward_head(t.model, out)
@@ -135,7 +175,7 @@ def _export_gguf(t: TrainedModel, out: Path, dtype: str | None, consume: bool) -
     with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
         path = write_gguf_model(
             model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source,
-            consume=True, rows=rows,
+            consume=True, rows=rows, trained_codes=trained_codes,
         )  # fmt: skip
     del model
     rows.clear()

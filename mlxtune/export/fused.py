@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from .. import qat
 from ..errors import UserInputError
 from ..models import (
     cast_floats,
@@ -121,12 +122,31 @@ def write_fused(
     )
 
 
+def _quantize_trained(model: nn.Module, paths: list[str], spec: dict) -> None:
+    """The layers at ``paths`` quantized as ``spec`` says, lazily: MLX's quantize of the merged
+    weight, the codes a quantization-aware run computed with (the rest stays as it is)."""
+    chosen = set(paths)
+    nn.quantize(
+        model,
+        group_size=spec["group_size"],
+        bits=spec["bits"],
+        mode=spec["mode"],
+        class_predicate=lambda p, m: p in chosen,
+    )
+
+
 def _fused_payload(t: TrainedModel, dtype, quantize, group_size, rows: dict):
     """(weights, config, published) of the fused model, lazy; the shadow it is built on goes
     when this returns. ``rows``: ``dequantize``'s."""
     keep = (quantize, group_size) if quantize is not None else None
+    trained = qat.prepared(t.model) if t.qat is not None and quantize is not None else None
     model, config = dequantize(fuse(shadow(t.model)), t.model_config, dtype, keep, rows)
-    if quantize is not None:
+    if trained is not None:  # quantization-aware: the layers it trained so, with its codes
+        with reward_head_aside(model):
+            _quantize_trained(model, trained, t.qat)
+        config = {**config, "quantization": t.qat}
+        dtype = None
+    elif quantize is not None:
         try:  # the same quantization as QLoRA's (layers whose size does not fit stay dense)
             with reward_head_aside(model):  # a reward model's score head stays dense
                 quantize_model(model, quantize, group_size, evaluate=False)

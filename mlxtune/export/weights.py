@@ -35,6 +35,9 @@ class TrainedModel:
     """type, rank, alpha, rslora, dropout, targets, layers (indices) and adapted (module names)."""
     base_dir: Path | None
     tokenizer_dir: Path | None
+    qat: dict | None = None
+    """The format a quantization-aware run trained toward (bits, group_size, mode), or None:
+    its quantized exports hold those codes."""
 
 
 def load_trainable_weights(model: nn.Module, weights: dict, where: str):

@@ -35,7 +35,9 @@ def export_all(recipe, model, trained, run_dir, writing, log, stages: dict) -> N
     with value_head_aside(model):  # a PPO run's critic is no part of the policy
         for fmt in fmts:
             with writing(f"export/{fmt}"), run_dir.staged("export", fmt) as tmp:
-                dtype = recipe.model.dtype if fmt == "fused" else None
+                # a quantization-aware run's fused model is quantized as it trained
+                fused_dtype = recipe.model.dtype if recipe.train.qat is None else None
+                dtype = fused_dtype if fmt == "fused" else None
                 with stage(f"export/{fmt}", stages):
                     note = export(trained, fmt, tmp, dtype)
             took = described(stages[f"export/{fmt}"])

@@ -124,6 +124,14 @@ def set_up(
     r = copy.deepcopy(recipe)  # the run's own: the lengths and sizes resolve into it
     r.data.max_length = built.max_length
     objective = built.kind(r, built.components)
+    if r.train.qat is not None and objective.generates():
+        raise UserInputError(
+            f"{objective.name} generates while it trains or evaluates, and generation computes "
+            "with the unquantized weights: quantization-aware training covers objectives that "
+            "score given text (SFT, preference, KTO, reward, distillation from a teacher's "
+            "text)",
+            "train.qat",
+        )
     shard_model(built.components.model, objective, world, log, r.distributed.strategy)
     auto_sizes = resolve_sizes(r, built, objective, tiers, world, log)
     batches_per_epoch = objective.batches_per_epoch()

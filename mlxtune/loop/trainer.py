@@ -266,6 +266,9 @@ class Trainer:
         t, pos, engine = self.recipe.train, self.position, self.engine
         last_event = time.perf_counter()
         while pos.step < self.total_steps:
+            if t.qat is not None and not engine.qat_on and pos.step >= t.qat.start_step:
+                engine.start_qat()
+                self.log(f"step {pos.step + 1}: quantization-aware training starts")
             micro = []
             for _ in range(t.grad_accumulation):
                 epoch_now, batch = next(batches)
@@ -427,7 +430,12 @@ class Trainer:
         no metrics row written."""
         self.model.eval()
         try:
-            return self.objective.evaluate(self.engine, self.world)
+            m = self.objective.evaluate(self.engine, self.world)
+            if self.engine.qat:  # eval_loss is the quantized model's: the weights' beside it
+                with self.engine.unquantized():
+                    dense = self.objective.evaluate(self.engine, self.world)
+                m["eval_loss_unquantized"] = dense["eval_loss"]
+            return m
         finally:
             self.model.train()
 

@@ -5,21 +5,21 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .context import current, dropout_key, segments
+from .context import current, dropout_key, quantizing, segments
 
 
 def _plain_argument(a) -> bool:
     return a is None or isinstance(a, (mx.array, str, int, float))
 
 
-def _run_block(block: nn.Module, call, key, params: dict, seg, *args, **kwargs):
+def _run_block(block: nn.Module, call, key, quantized, params: dict, seg, *args, **kwargs):
     """The block's own forward with ``params`` in place, and the dropout key and packed segments
     of the original call: the backward pass runs this again and must see exactly the same. (The
     key is no input of the checkpointed function: nothing differentiates through a key.)"""
     held = block.trainable_parameters()
     block.update(params)
     try:
-        with segments(seg), dropout_key(key):
+        with segments(seg), dropout_key(key), quantizing(quantized):
             return call(block, *args, **kwargs)
     finally:
         block.update(held)
@@ -41,8 +41,9 @@ def _checkpointed_call(self, *args, **kwargs):
             if keys is not None
             else mx.random.randint(0, 1 << 32, (2,), dtype=mx.uint32)
         )
+    quantized = current().quantized  # (QAT) the backward's recomputation quantizes alike
     fn = mx.checkpoint(
-        lambda params, seg, *a, **kw: _run_block(self, call, key, params, seg, *a, **kw)
+        lambda params, seg, *a, **kw: _run_block(self, call, key, quantized, params, seg, *a, **kw)
     )
     return fn(self.trainable_parameters(), current().segment_ids, *args, **kwargs)
 

@@ -39,10 +39,13 @@ class ForwardContext:
     ``segment_ids``: [B, T], each position's packed example (0: padding), or None.
     ``dropout_keys``: where adapter dropout draws its masks from, or None (the global random
     state).
+    ``quantized``: layers prepared for quantization-aware training compute with their weights
+    fake-quantized (``mlxtune.qat``).
     """
 
     segment_ids: mx.array | None = None
     dropout_keys: DropoutKeys | None = None
+    quantized: bool = False
 
 
 _EMPTY = ForwardContext()
@@ -84,3 +87,11 @@ def dropout_key(key: mx.array | None):
     of the global random state, so that running a block twice draws the same masks: gradient
     checkpointing runs it again in the backward pass. ``None`` leaves the global state in use."""
     return _holding(dropout_keys=None if key is None else DropoutKeys(key))
+
+
+def quantizing(on: bool = True):
+    """While active (``on``), layers ``mlxtune.qat`` prepared compute with their (merged)
+    weights fake-quantized; outside it, and by default, with the weights as they are.
+    Gradient checkpointing runs a block again in the backward pass as its forward ran."""
+    return _holding(quantized=on)
+

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import mlx.nn as nn
 
+from .. import qat
 from ..adapters import adapt_model
-from ..config import OBJECTIVE_CONFIGS, Recipe
+from ..config import OBJECTIVE_CONFIGS, QATConfig, Recipe
 from ..engine.state import TrainState
 from ..errors import UserInputError
 from ..export import TrainedModel, load_trainable_weights, read_trainable, write_mlx_lm
@@ -421,6 +422,9 @@ def load_checkpoint(ckpt: Path, lazy: bool = False) -> TrainedModel:
         a.get("layers"),
         a.get("rslora", False),
     )
+    q = ((state.get("recipe") or {}).get("train") or {}).get("qat")
+    if q:  # trained quantization-aware: its layers as they trained (what exports quantize)
+        qat.prepare(model, QATConfig(**q))
     weights = without_value_head(read_trainable(ckpt))  # a policy needs no critic
     if has_reward_head(weights):  # a reward model
         add_reward_head(model, int(config["hidden_size"]))
@@ -435,4 +439,5 @@ def load_checkpoint(ckpt: Path, lazy: bool = False) -> TrainedModel:
     if isinstance(model, VisionLM) and tokenizer is not None:  # its data's images read as trained
         tokenizer.image_tokens = model.image_tokens
     model.eval()
-    return TrainedModel(model, tokenizer, config, a, base, tok_dir)
+    spec = qat.Spec(q["bits"], q["group_size"], q["mode"]).as_dict() if q else None
+    return TrainedModel(model, tokenizer, config, a, base, tok_dir, spec)

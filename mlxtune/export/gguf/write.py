@@ -59,6 +59,7 @@ from ...gguf.tensors import (
 from ...models.building import taken_blocks
 from ...models.configs import standard_config
 from ..weights import release
+from . import codes
 from .fixed import model_args, refusal
 from .hparams import add_hparams, add_rope_scaling, head_counts
 from .vocab import tokenizer_fields
@@ -96,6 +97,9 @@ def text_part(model, config: dict):
     return model, config
 
 
+_TRAINED_CODES = "trained codes"
+"""The kind of a tensor written as the codes a quantization-aware run trained with."""
+
 _QUANTIZE_ELEMENTS = 1 << 24
 """The most weights a GGUF type's quantizer is given at once (a head's rows go in blocks)."""
 
@@ -123,7 +127,7 @@ def _tensor_array(a: np.ndarray, dtype: str):
     ), q8
 
 
-def _writer(path: Path, arch: str, name: str, dtype: str):
+def _writer(path: Path, arch: str, name: str, dtype: str, file_type: int | None = None):
     """A GGUF writer whose tensor data goes to a temporary file beside ``path`` until the header
     is written (the writer holds one tensor, not the file)."""
     import gguf
@@ -131,7 +135,7 @@ def _writer(path: Path, arch: str, name: str, dtype: str):
     w = gguf.GGUFWriter(str(path), arch)
     w.temp_file = tempfile.TemporaryFile(dir=path.parent)
     w.add_name(name)
-    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
+    w.add_file_type(file_type or {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
     return w
 
 
@@ -310,9 +314,13 @@ def write_gguf_model(
     tokenizer_gguf: Path | None = None,
     consume: bool = False,
     rows: dict | None = None,
+    trained_codes: dict | None = None,
 ):
     """The (already fused) model as one GGUF file; returns its path. ``tokenizer_gguf``: a GGUF
     file whose tokenizer fields are copied as they are (a run over a GGUF base).
+    ``trained_codes``: a quantization-aware run's ``spec`` (bits, group_size, mode), the
+    ``names`` of the weights it trained quantized and their ``dtype``: those are written as
+    the GGUF type holding the codes QAT computed with (``codes``), the rest in ``dtype``.
 
     Tensors are written one at a time through a temporary file beside the output, so the
     writer holds one tensor, not the file. ``consume``: the model is an export's own lazy copy
@@ -331,8 +339,11 @@ def write_gguf_model(
     head_dim = head_counts(config)[2]
     _refuse_what_llama_cpp_reads_otherwise(model, config, head_dim, where)
     names = _names(model, config, where)
-    path = out / f"{name}-{dtype}.gguf"
-    w = _writer(path, arch, name, dtype)
+    coded = trained_codes or {"names": ()}
+    kind = codes.gguf_type(coded["spec"]) if trained_codes else None
+    label = kind.name.lower() if kind is not None else dtype
+    path = out / f"{name}-{label}.gguf"
+    w = _writer(path, arch, name, dtype, codes.FILE_TYPES[kind] if kind is not None else None)
     rope_freqs = _settings(w, model, config, family)
     tokenizer_fields(w, tokenizer, tokenizer_dir, tokenizer_gguf)
     shapes, xielu, args = {}, {}, model_args(model)
@@ -345,7 +356,11 @@ def write_gguf_model(
         release(model)
 
     def put(g: str, a: np.ndarray, kind: str = dtype) -> None:
-        data, raw = _tensor_array(np.ascontiguousarray(a, dtype=np.float32), kind)
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if kind == _TRAINED_CODES:
+            data, raw = codes.encode(a, coded["spec"], coded["dtype"])
+        else:
+            data, raw = _tensor_array(a, kind)
         w.add_tensor(g, data, raw_dtype=raw)
         shapes[g] = a.shape[::-1]
 
@@ -357,7 +372,7 @@ def write_gguf_model(
             xielu.setdefault(key, {})[int(block)] = float(held.reshape(-1)[0])
             continue
         for g, a, kind in _pieces(names[hf], held, config, family, args, deci, dtype):
-            put(g, a, kind)
+            put(g, a, _TRAINED_CODES if hf in coded["names"] and a.ndim > 1 else kind)
         if tied_head and names[hf] == "token_embd.weight":
             put("output.weight", held * scale)
         del held  # gone before the next is computed
