@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import tensor
+from . import qat, tensor
 from .adapters import LoRALinear
 from .engine.memory import GB
 from .errors import UserInputError
@@ -107,6 +107,9 @@ class Shape:
     block_trainable_bytes: int = 0  # ... as held
     block_trainable_16bit: int = 0  # ... held in 16 bits
     sharded: int = 1  # ranks the blocks are divided among (fsdp); the figures above are a rank's
+    # quantization-aware training (train.qat): a block's prepared weights, fake-quantized
+    qat_block_bytes: int = 0  # ... the copies its forward computes with (kept for the backward)
+    qat_block_grad_bytes: int = 0  # ... a LoRA layer's merged-weight gradient, in the backward
 
 
 # [block, T] arrays the chunked attention's slabs add to a step's peak: a layer's attention
@@ -170,6 +173,10 @@ def estimate(s: Shape) -> dict[str, float]:
         # checkpointed), and one block's whole gradients with their all-reduced copy
         block = s.block_weight_bytes / s.layers
         gathered = block * (s.layers - s.checkpointed + 1) + 2 * 4 * s.block_trainable / s.layers
+    # QAT: each block computes with fake-quantized copies of its weights, kept for the
+    # backward (a checkpointed block's made again there), and an adapted layer's gradient
+    # reaches its merged weight whole before it reaches A and B
+    qat_part = s.qat_block_bytes * (kept + again) + s.qat_block_grad_bytes
     out = {
         "weights": float(s.weight_bytes + s.reference_bytes),
         "masters": float(4 * s.trainable_16bit if s.masters else 0),
@@ -185,7 +192,9 @@ def estimate(s: Shape) -> dict[str, float]:
     }
     if gathered:
         out["gathered"] = gathered
-    step = out["gradients"] + out["activations"] + out["logits"] + gathered
+    if qat_part:
+        out["qat"] = float(qat_part)
+    step = out["gradients"] + out["activations"] + out["logits"] + gathered + qat_part
     held = out["weights"] + out["masters"] + out["optimizer"]
     if generation:
         out["generation"] = float(generation)
@@ -322,7 +331,23 @@ def shape_of(run) -> Shape:
         head_chunk_bytes=head_chunk,
         **(_blocks(blocks or []) if not tensor.is_split(model) else {}),
         **delta_layout(model, cfg),
+        **_qat_blocks(blocks or [], act_bytes),
     )
+
+
+def _qat_blocks(blocks, act_bytes: int) -> dict:
+    """The Shape's QAT figures: a block's prepared weights (as fake-quantized copies, in their
+    dtype) and, for adapted layers, their merged weights' gradients (in the activations'
+    dtype); averages over the blocks."""
+    copies = grads = 0
+    for b in blocks:
+        for _, m in b.named_modules():
+            if qat.is_prepared(m):
+                w = qat.merged_weight(m)  # a lazy graph: its shape and dtype, nothing computed
+                copies += w.size * w.dtype.size
+                grads += w.size * act_bytes if isinstance(m, LoRALinear) else 0
+    n = max(len(blocks), 1)
+    return {"qat_block_bytes": copies // n, "qat_block_grad_bytes": grads // n}
 
 
 def _blocks(blocks) -> dict:

@@ -119,7 +119,10 @@ def _quantized_call(self, x, *args, **kwargs):
     plain = type(self)._mlxtune_qat_call
     if not current().quantized or getattr(self, "_disabled", 0):
         return plain(self, x, *args, **kwargs)
-    w = self.qat_spec.fake(merged_weight(self))
+    # computed once the layer's input exists: MLX would otherwise quantize every layer's
+    # weight first (they depend on parameters alone) and hold all the copies at once
+    (w,) = mx.depends([merged_weight(self)], [x])
+    w = self.qat_spec.fake(w)
     bias = _bias(self)
     if not self.qat_experts:
         y = x @ w.T
