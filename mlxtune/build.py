@@ -73,8 +73,9 @@ class Built:
     def trained(self, recipe: Recipe) -> TrainedModel:
         """The model being trained, with what it came from, for checkpoints and exports."""
         a, c = recipe.adapter, self.components
+        learned = getattr(recipe.objective, "student_quantization", None)
         adapter = {
-            "type": a.type,
+            "type": qat.LEARNED if learned is not None else a.type,
             "rank": a.rank,
             "alpha": a.alpha,
             "rslora": a.rslora,
@@ -83,10 +84,10 @@ class Built:
             "layers": self.adapter_info.get("layers"),
             "adapted": self.adapter_info["adapted"],
         }
-        q = recipe.train.qat
+        q = recipe.train.qat or learned  # the format its quantized exports keep
         return TrainedModel(
             c.model, c.tokenizer, self.model_config, adapter, self.model_dir, self.tokenizer_dir,
-            qat.Spec(q.bits, q.group_size, q.mode).as_dict() if q is not None else None,
+            qat.Spec(q.bits, q.group_size, getattr(q, "mode", "affine")).as_dict() if q else None,
         )  # fmt: skip
 
 
@@ -242,6 +243,9 @@ def model_for(
                 log(f"de-quantized {n} quantized layers to {r.model.dtype} for full fine-tuning")
     if r.model.arch is None and r.model.quantize is not None:
         _quantize_base(model, r.model.quantize, log)
+    learned = getattr(r.objective, "student_quantization", None)
+    if learned is not None:  # learned quantization: the student is the model, quantized
+        _quantize_base(model, learned, log, "objective.student_quantization")
     model_vocab = config.get("vocab_size") or vocab
     if vocab > model_vocab:
         raise UserInputError(
@@ -252,13 +256,14 @@ def model_for(
     return model, config
 
 
-def _quantize_base(model: nn.Module, cfg, log) -> None:
-    """QLoRA: quantize the loaded base before the adapters go in."""
+def _quantize_base(model: nn.Module, cfg, log, key: str = "model.quantize") -> None:
+    """QLoRA: quantize the loaded base before the adapters go in (or, for learned
+    quantization, the student whose scales train)."""
     q = quantize_model(model, cfg.bits, cfg.group_size)
     if not q["layers"] and not q["already"]:
         raise UserInputError(
             f"no layer's input size is a multiple of {q['group_size']}; use a smaller group_size",
-            "model.quantize.group_size",
+            f"{key}.group_size",
         )
     log(
         f"quantized the base to {q['bits']} bits in groups of {q['group_size']}: "
@@ -274,7 +279,14 @@ def adapt(recipe: Recipe, model: nn.Module, lm: LMParts, log) -> dict:
     did."""
     r, a = recipe, recipe.adapter
     mx.random.seed(r.train.seed)
-    info = adapt_model(model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers, a.rslora)
+    if getattr(r.objective, "student_quantization", None) is not None:
+        info = qat.learn_scales(model)
+        log(
+            f"learned quantization: the scales and biases of {len(info['adapted'])} quantized "
+            "layers train; their codes and every other weight are frozen"
+        )
+    else:
+        info = adapt_model(model, a.type, a.rank, a.alpha, a.dropout, a.targets, a.layers, a.rslora)
     if a.init_from is not None:
         import_adapter(model, r.resolve_path(a.init_from))
         log(f"adapter weights from {a.init_from}")

@@ -15,7 +15,7 @@ from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .adapters import LoRALinear, LoRASwitchLinear, plain_layer
 from .errors import UserInputError
@@ -242,7 +242,78 @@ def prepare(model: nn.Module, q, log=None) -> Spec:
     return spec
 
 
+# ---------------------------------------------------------------- learned quantization
+
+LEARNED = "learned_quantization"
+"""The adapter type a learned quantization's checkpoint records: what trains is the quantized
+layers' scales and biases."""
+
+
+def _dequantized(m: nn.Module, after: mx.array) -> mx.array:
+    """A quantized layer's weight de-quantized (differentiably in its scales and biases), once
+    ``after`` exists: not all layers' at the start of the step."""
+    w, scales = mx.depends([m["weight"], m["scales"]], [after])
+    return mx.dequantize(
+        w, scales, m.get("biases"), m.group_size, m.bits, mode=getattr(m, "mode", "affine")
+    )
+
+
+def _learned_call(self, x, *args, **kwargs):
+    """A quantized layer's map through its de-quantized weight, so that the loss's gradient
+    reaches its scales and biases (the codes stay as they are)."""
+    if isinstance(self, nn.QuantizedEmbedding):  # the rows of the tokens x holds
+        return mx.dequantize(
+            self["weight"][x], self["scales"][x], self["biases"][x], self.group_size, self.bits
+        )
+    w = _dequantized(self, x)
+    if isinstance(self, QuantizedSwitchLinear):
+        indices = args[0] if args else kwargs["indices"]
+        sort = args[1] if len(args) > 1 else kwargs.get("sorted_indices", False)
+        y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sort)
+        return y + mx.expand_dims(self["bias"][indices], -2) if "bias" in self else y
+    y = x @ w.T.astype(x.dtype)
+    return y + self["bias"] if "bias" in self else y
+
+
+def _learned_as_linear(self, x):
+    return x @ _dequantized(self, x).T.astype(x.dtype)
+
+
+_LEARNED: dict[type, type] = {}
+
+
+def _learned_class(cls: type) -> type:
+    if getattr(cls, "_mlxtune_learned", False):
+        return cls
+    if cls not in _LEARNED:
+        body = {
+            "__call__": _learned_call,
+            "__module__": cls.__module__,
+            "__doc__": f"{cls.__name__} whose scales and biases learn.",
+            "_mlxtune_learned": True,
+        }
+        if issubclass(cls, nn.QuantizedEmbedding):
+            body["as_linear"] = _learned_as_linear
+        _LEARNED[cls] = type(f"Learned{cls.__name__}", (cls,), body)
+    return _LEARNED[cls]
+
+
+def learn_scales(model: nn.Module) -> dict:
+    """Learned quantization (as mlx-lm's DWQ): every affine-quantized layer of ``model`` trains
+    its scales and biases, through its de-quantized weight; everything else, the codes
+    included, is frozen. Returns ``adapted`` (the layers' paths) and ``layers`` (None)."""
+    model.freeze()
+    adapted = []
+    for path, m in model.named_modules():
+        if is_quantized(m) and getattr(m, "mode", "affine") == "affine":
+            m.__class__ = _learned_class(type(m))
+            m.unfreeze(keys=["scales", "biases"], recurse=False)
+            adapted.append(path)
+    return {"adapted": adapted, "layers": None}
+
+
 __all__ = [
+    "LEARNED",
     "MODES",
     "Spec",
     "active",
@@ -251,6 +322,7 @@ __all__ = [
     "install",
     "install_layer",
     "is_prepared",
+    "learn_scales",
     "merged_weight",
     "prepare",
     "prepared",

@@ -11,6 +11,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.switch_layers import SwitchLinear
+from test_gguf import llama_cpp_forward, read
+from test_preference import pair_rows
+
 from conftest import (
     build_run,
     crash_and_resume,
@@ -20,10 +24,6 @@ from conftest import (
     tiny_recipe,
     write_splits,
 )
-from mlx_lm.models.switch_layers import SwitchLinear
-from test_gguf import llama_cpp_forward, read
-from test_preference import pair_rows
-
 from mlxtune import qat
 from mlxtune.adapters import DoRALinear, LoRALinear
 from mlxtune.cli import main
@@ -106,7 +106,7 @@ def test_prepared_dense_layers_experts_and_dora_compute_with_the_format():
 def qat_recipe(data_dir, model_dir, adapter="lora", formats=(), **q):
     r = tiny_recipe(data_dir, model_dir, export={"formats": list(formats)})
     r["adapter"] = {**r["adapter"], "type": adapter, "targets": ["q_proj", "v_proj", "down_proj"]}
-    r["optimizer"] = {"lr": 2e-2}
+    r["optimizer"] = {"lr": 1e-4}
     r["train"] = {**r["train"], "log_every": 1, "qat": {"bits": 4, "group_size": 32, **q}}
     return r
 
@@ -139,7 +139,7 @@ def test_a_lora_run_trains_quantized_from_its_start_step_and_exports_its_codes(
     losses = [x["loss"] for x in rows if "loss" in x]
     plain_losses = [x["loss"] for x in base_rows if "loss" in x]
     assert losses[:2] == plain_losses[:2]  # full precision until step 2
-    assert all(abs(a - b) > 1e-6 for a, b in zip(losses[2:], plain_losses[2:]))
+    assert all(abs(a - b) > 1e-6 for a, b in zip(losses[2:], plain_losses[2:], strict=True))
     evals = [x for x in rows if "eval_loss" in x]
     assert all(abs(e["eval_loss"] - e["eval_loss_unquantized"]) > 1e-5 for e in evals)
     # the base stayed frozen: its weights are the model directory's
@@ -216,7 +216,10 @@ def test_a_preference_objective_trains_quantization_aware(tmp_path, llama_dir):
         ({"train.qat.mode": "mxfp8", "train.qat.bits": 8, "export": ["gguf"]}, "export.formats"),
         ({"train.qat.bits": 8, "export": ["gguf"]}, "export.formats"),
         ({"adapter.dropout": 0.1}, "adapter.dropout"),
-        ({"objective": {"type": "grpo", "rewards": [{"name": "length", "target": 3}]}}, "train.qat"),
+        (
+            {"objective": {"type": "grpo", "rewards": [{"name": "length", "target": 3}]}},
+            "train.qat",
+        ),
     ],
 )
 def test_what_qat_cannot_do_is_refused_naming_the_key(
@@ -266,7 +269,6 @@ def test_the_memory_plan_counts_the_quantized_copies(tmp_path, tokenizer, tokeni
     import random
 
     from conftest import measured_peak, tiny_arch, write_jsonl
-
     from mlxtune.memory import estimate, shape_of
     from mlxtune.models import build_model, save_model
 
@@ -295,3 +297,93 @@ def test_the_memory_plan_counts_the_quantized_copies(tmp_path, tokenizer, tokeni
     # its merged weights: measured 63 MB here, as planned
     assert 0.6 < planned["qat"] / (peak - plain_peak) < 1.6, (planned, peak, plain_peak)
     assert 0.8 < planned["total"] / peak < 1.5
+
+
+def test_a_learned_quantization_layer_passes_gradients_to_its_scales_and_biases():
+    rng = np.random.default_rng(2)
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(64, 16, bias=False), group_size=32, bits=4)
+    qat.learn_scales(layer)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    c = rng.standard_normal((5, 16)).astype(np.float32)
+    s, b = np.array(layer.scales), np.array(layer.biases)
+    codes = np.array(mx.dequantize(layer.weight, mx.ones_like(layer.scales),
+                                   mx.zeros_like(layer.biases), 32, 4))  # fmt: skip
+
+    def loss(s_, b_):
+        layer.scales, layer.biases = s_, b_
+        return (layer(mx.array(x)) * mx.array(c)).sum()
+
+    ds, db = mx.grad(loss, argnums=(0, 1))(mx.array(s), mx.array(b))
+    # W = s q + b per group of 32: dL/ds = sum over the group of dW q, dL/db = sum of dW
+    dw = (c.T @ x).reshape(16, 2, 32)
+    np.testing.assert_allclose(np.array(ds), (dw * codes.reshape(16, 2, 32)).sum(-1), rtol=1e-4)
+    np.testing.assert_allclose(np.array(db), dw.sum(-1), rtol=1e-4, atol=1e-5)
+    assert set(dict(nn.utils.tree_flatten(layer.trainable_parameters()))) == {"scales", "biases"}
+
+
+def test_learned_quantization_distils_the_model_into_its_quantized_copy(
+    tmp_path, data_dir, llama_dir
+):
+    from mlx_lm.utils import load as mlx_lm_load
+
+    from mlxtune.models import quantize_model
+
+    r = tiny_recipe(data_dir, llama_dir, export={"formats": ["fused"]})
+    del r["adapter"]  # what trains is the scales and biases
+    r["objective"] = {
+        "type": "distill",
+        "teacher": str(llama_dir),
+        "student_quantization": {"bits": 4, "group_size": 32},
+        "alpha": 1.0,
+    }
+    r["optimizer"] = {"lr": 1e-4}
+    r["train"] = {**r["train"], "max_steps": 16, "log_every": 1}
+    r["eval"] = {"every": 16, "at_start": True}
+    tr = build_run(r, tmp_path)
+    tr.run()
+    evals = [x["eval_loss"] for x in run_rows(tmp_path / "run") if "eval_loss" in x]
+    assert evals[-1] < 0.8 * evals[0]  # closer to the teacher than the plain quantized copy
+    # the codes are those MLX's quantize gives the base; only scales and biases moved
+    ptq = load_model(llama_dir)[0]
+    quantize_model(ptq, 4, 32)
+    want = dict(nn.utils.tree_flatten(ptq.parameters()))
+    got = dict(nn.utils.tree_flatten(tr.model.parameters()))
+    moved = {k for k in want if not mx.array_equal(want[k], got[k]).item()}
+    assert moved and all(k.endswith((".scales", ".biases")) for k in moved), moved
+    # mlx-lm reads the fused export: the same quantized model, the learned scales in it
+    fused, _ = mlx_lm_load(str(tmp_path / "run" / "export" / "fused"))
+    ids = tr.valid_set.examples[0].ids
+    tr.model.eval()
+    np.testing.assert_allclose(
+        np.array(fused(mx.array([ids]))), np.array(tr.model(mx.array([ids]))), rtol=1e-4, atol=1e-4
+    )
+    t = load_trained(tmp_path / "run")  # the checkpoint rebuilds it
+    np.testing.assert_allclose(
+        np.array(t.model(mx.array([ids]))), np.array(tr.model(mx.array([ids]))), atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"adapter": {"type": "lora"}}, "adapter"),
+        ({"export": {"formats": ["gguf"]}}, "export.formats"),
+        ({"model": {"quantize": {"bits": 4, "group_size": 32}}}, "model.quantize"),
+        ({"objective": {"student_quantization": {"bits": 7, "group_size": 32}}},
+         "objective.student_quantization.bits"),
+    ],
+)  # fmt: skip
+def test_what_learned_quantization_cannot_do_is_refused(
+    tmp_path, data_dir, llama_dir, capsys, change, key
+):
+    r = tiny_recipe(data_dir, llama_dir)
+    del r["adapter"]
+    r["objective"] = {
+        "type": "distill",
+        "teacher": str(llama_dir),
+        "student_quantization": {"bits": 4, "group_size": 32},
+    }
+    for k, v in change.items():
+        r[k] = {**r.get(k, {}), **v}
+    err = refused_run(r, tmp_path, capsys)
+    assert key in err and "Traceback" not in err, err

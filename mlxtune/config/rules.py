@@ -80,6 +80,32 @@ def check_objective(r: Recipe, v: Fails) -> None:
     for ok, key, what in o.checks():
         if not ok:
             v.fail(f"objective.{key}", f"must be {what}, got {show_value(getattr(o, key))}")
+    if getattr(o, "student_quantization", None) is not None:
+        _check_learned_quantization(r, v)
+
+
+def _check_learned_quantization(r: Recipe, v: Fails) -> None:
+    """objective.student_quantization: an affine format, and nothing else that decides what
+    trains or how the model is quantized."""
+    q, key = r.objective.student_quantization, "objective.student_quantization"
+    why = qat_refusal(q.bits, q.group_size, "affine")
+    if why is not None:
+        v.fail(f"{key}.bits" if "bits" in why else f"{key}.group_size", why)
+    if any(k == "adapter" or k.startswith("adapter.") for k in r.explicit):
+        v.fail(
+            "adapter",
+            "learned quantization trains the quantized student's scales and biases (its codes "
+            "ship as they are); leave the adapter section out",
+        )
+    if any(f != "fused" for f in r.export.formats):
+        v.fail(
+            "export.formats",
+            "a learned quantization ships as its quantized model: fused (GGUF's types round "
+            "its learned scales differently; it has no adapter)",
+        )
+    for other, what in (("model.quantize", r.model.quantize), ("train.qat", r.train.qat)):
+        if what is not None:
+            v.fail(other, f"{key} quantizes the student itself; leave {other} out")
 
 
 def check_run(r: Recipe, v: Fails) -> None:
@@ -469,7 +495,9 @@ def check_export(r: Recipe, v: Fails) -> None:
     if q is not None and "gguf" in r.export.formats:
         why = gguf_refusal({"bits": q.bits, "group_size": q.group_size, "mode": q.mode})
         if why is not None:
-            v.fail("export.formats", f"gguf of a run with train.qat ({q.mode}, {q.bits} bits): {why}")
+            v.fail(
+                "export.formats", f"gguf of a run with train.qat ({q.mode}, {q.bits} bits): {why}"
+            )
 
 
 REPORTER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}

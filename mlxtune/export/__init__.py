@@ -69,6 +69,13 @@ def export(
 
     A quantization-aware run (``t.qat``) exports fused and GGUF models quantized as it trained,
     with the codes it computed with; a ``dtype`` asks for the full-precision weights instead."""
+    if t.adapter["type"] == qat.LEARNED and (fmt != "fused" or dtype is not None):
+        raise UserInputError(
+            "a learned quantization's scales and biases ship in its quantized model: export "
+            "--format fused (MLX's quantized checkpoint, as trained); GGUF's types round its "
+            "learned scales differently, and it has no adapter",
+            "export",
+        )
     if t.qat is not None and fmt in ("fused", "gguf"):
         quantize, group_size = _as_trained(t.qat, fmt, dtype, quantize, group_size)
         if fmt == "gguf":  # the GGUF's type holds the trained codes (``_export_gguf``)
@@ -130,7 +137,9 @@ def _as_trained(spec: dict, fmt: str, dtype, quantize, group_size):
     trained, unless ``dtype`` asks for full precision; another quantization is refused."""
     trained = f"this run trained quantization-aware at {qat.Spec(**spec).describe()}"
     if quantize is not None and (quantize, group_size or spec["group_size"], "affine") != (
-        spec["bits"], spec["group_size"], spec["mode"]
+        spec["bits"],
+        spec["group_size"],
+        spec["mode"],
     ):
         raise UserInputError(
             f"{trained}; other codes would lose what it learned: leave --quantize out (the "

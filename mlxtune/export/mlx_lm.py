@@ -25,14 +25,15 @@ from ..models import (
 )
 from ..models.building import write_safetensors
 from ..models.heads import VALUE_HEAD
+from ..qat import LEARNED
 from .weights import REWARD_HEAD_FILE, VALUE_HEAD_FILE, TrainedModel
 
 
 def mlx_lm_config(t: TrainedModel) -> dict:
     a = t.adapter
     n_layers = len(t.model.layers)
-    if a["type"] == "full":
-        return {"fine_tune_type": "full", "num_layers": n_layers}
+    if a["type"] in ("full", LEARNED):  # every weight, or the quantized layers' scales
+        return {"fine_tune_type": a["type"], "num_layers": n_layers}
     keys = sorted({name.split(".", 2)[2] for name in a["adapted"]})
     return {
         "fine_tune_type": a["type"],

@@ -36,7 +36,7 @@ def export_all(recipe, model, trained, run_dir, writing, log, stages: dict) -> N
         for fmt in fmts:
             with writing(f"export/{fmt}"), run_dir.staged("export", fmt) as tmp:
                 # a quantization-aware run's fused model is quantized as it trained
-                fused_dtype = recipe.model.dtype if recipe.train.qat is None else None
+                fused_dtype = recipe.model.dtype if trained.qat is None else None
                 dtype = fused_dtype if fmt == "fused" else None
                 with stage(f"export/{fmt}", stages):
                     note = export(trained, fmt, tmp, dtype)

@@ -94,4 +94,3 @@ def quantizing(on: bool = True):
     weights fake-quantized; outside it, and by default, with the weights as they are.
     Gradient checkpointing runs a block again in the backward pass as its forward ran."""
     return _holding(quantized=on)
-

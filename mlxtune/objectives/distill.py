@@ -50,6 +50,19 @@ TEACHER_FILE = "teacher_topk.safetensors"
 
 
 @dataclass
+class StudentQuantization:
+    """Learned quantization (as mlx-lm's DWQ): the student is the model quantized as it loads
+    (affine, as mlx-lm's convert: every linear layer and the embedding whose width is whole
+    groups), and what trains is its scales and biases; the codes stay. The teacher is
+    typically the same model in full precision."""
+
+    bits: int = 4
+    """Bits per weight: 2, 3, 4, 5, 6 or 8."""
+    group_size: int = 64
+    """Weights per scale and bias: 32, 64 or 128."""
+
+
+@dataclass
 class DistillConfig(ObjectiveConfig):
     """Distillation from a teacher model with the student's vocabulary."""
 
@@ -89,6 +102,11 @@ class DistillConfig(ObjectiveConfig):
     """gkd and on_policy: tokens a drawn completion may have."""
     generation_temperature: float = 1.0
     """gkd and on_policy: sampling temperature of drawn completions (0: greedy)."""
+    student_quantization: StudentQuantization | None = None
+    """Learned quantization: quantize the student (the model) as it loads and train its scales
+    and biases to match the teacher (with the adapter section left out); its fused export is
+    that quantized model (docs/quantization.md). null: the student trains as the adapter
+    section says."""
 
     def checks(self) -> tuple:
         return (

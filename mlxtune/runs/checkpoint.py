@@ -389,8 +389,13 @@ def base_model(state: dict, lazy: bool = False) -> tuple[nn.Module, dict]:
         return build_model(cfg, cfg["vocab_size"], state.get("dtype", "float32"))
     if base.is_dir() and is_vision_config(config := check_model_dir(base, trust)):
         return load_vision_model(base, config, state.get("dtype", "float32"), trust), config
-    keep = state["adapter"]["type"] in ("lora", "dora") and not saved.get("dequantize", False)
-    q = saved.get("quantize")  # then quantized as it is read: a dense base is never held whole
+    keep = state["adapter"]["type"] in ("lora", "dora", qat.LEARNED) and not saved.get(
+        "dequantize", False
+    )
+    objective = (state.get("recipe") or {}).get("objective") or {}
+    # then quantized as it is read (a dense base is never held whole): QLoRA's base, or the
+    # student of a learned quantization
+    q = saved.get("quantize") or objective.get("student_quantization")
     model, config = load_model(
         base, state.get("dtype", "float32"), trust, keep, lazy=lazy or bool(q)
     )
@@ -412,16 +417,19 @@ def load_checkpoint(ckpt: Path, lazy: bool = False) -> TrainedModel:
     trust = bool(((state.get("recipe") or {}).get("model") or {}).get("trust_remote_code"))
     a = state["adapter"]
     model, config = base_model(state, lazy)
-    adapt_model(  # as it trained (a vision model's tower frozen but where adapted)
-        model,
-        a["type"],
-        a.get("rank", 8),
-        a.get("alpha", 16.0),
-        0.0,
-        a.get("targets", []),
-        a.get("layers"),
-        a.get("rslora", False),
-    )
+    if a["type"] == qat.LEARNED:  # the quantized layers' scales and biases trained
+        qat.learn_scales(model)
+    else:
+        adapt_model(  # as it trained (a vision model's tower frozen but where adapted)
+            model,
+            a["type"],
+            a.get("rank", 8),
+            a.get("alpha", 16.0),
+            0.0,
+            a.get("targets", []),
+            a.get("layers"),
+            a.get("rslora", False),
+        )
     q = ((state.get("recipe") or {}).get("train") or {}).get("qat")
     if q:  # trained quantization-aware: its layers as they trained (what exports quantize)
         qat.prepare(model, QATConfig(**q))
@@ -439,5 +447,7 @@ def load_checkpoint(ckpt: Path, lazy: bool = False) -> TrainedModel:
     if isinstance(model, VisionLM) and tokenizer is not None:  # its data's images read as trained
         tokenizer.image_tokens = model.image_tokens
     model.eval()
-    spec = qat.Spec(q["bits"], q["group_size"], q["mode"]).as_dict() if q else None
+    learned = ((state.get("recipe") or {}).get("objective") or {}).get("student_quantization")
+    q = q or learned  # the format its quantized exports keep
+    spec = qat.Spec(q["bits"], q["group_size"], q.get("mode", "affine")).as_dict() if q else None
     return TrainedModel(model, tokenizer, config, a, base, tok_dir, spec)
