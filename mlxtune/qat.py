@@ -1,11 +1,16 @@
-"""Quantization-aware training's core: weights quantized and de-quantized exactly as the
-target format stores them, with the gradient passed straight through.
+"""Training the quantized model that ships (docs/quantization.md).
 
-``fake_quantize(w, bits, group_size, mode)`` is ``mx.dequantize(*mx.quantize(w, ...))`` in
-``w``'s dtype: the forward computes with the values an MLX quantized checkpoint of that mode
-(affine: 2-8 bits with a scale and bias a group; mxfp4, nvfp4, mxfp8: MLX's floating-point
-formats) will hold, bit for bit. Rounding has no useful derivative, so the backward is the
-straight-through estimator: the cotangent reaches the full-precision weight unchanged.
+- Quantization-aware training (``train.qat``). ``fake_quantize(w, bits, group_size, mode)``
+  is ``mx.dequantize(*mx.quantize(w, ...))`` in ``w``'s dtype: the values an MLX quantized
+  checkpoint of that mode (affine: 2-8 bits with a scale and bias a group; mxfp4, nvfp4, mxfp8:
+  MLX's floating-point formats) holds, bit for bit. Rounding has no useful derivative, so the
+  backward is the straight-through estimator: the cotangent reaches the full-precision weight
+  unchanged. ``install`` prepares the blocks' linear layers (a LoRA/DoRA layer's merged
+  weight) to compute so inside ``quantizing()``; the engine enters it in its training and
+  evaluation steps, and the exports write the codes of the same weights (``prepared``).
+- Learned quantization (``objective.student_quantization``, as mlx-lm's DWQ): ``learn_scales``
+  makes a quantized model's affine layers train their scales and biases through their
+  de-quantized weights, the codes frozen.
 """
 
 from __future__ import annotations

@@ -529,3 +529,12 @@ def test_online_dpo_pairs_train_as_one(runs, tmp_path):
     _, got, want = prompt_runs(runs, tmp_path, {"type": "online_dpo", "beta": 0.5}, batch_size=5)
     assert got[0]["world_size"] == 2 and any(x.get("rewards/margins") for x in got)
     same(want, got, abs=2e-5)
+
+
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
+def test_quantization_aware_training_trains_as_one(runs, tmp_path):
+    """QAT (from step 2): every rank's layers fake-quantize alike, so two processes log what
+    one does, the unquantized eval loss too."""
+    qat = {"bits": 4, "group_size": 32, "start_step": 1}
+    got = four_steps_as_one(runs, tmp_path, {"type": "sft"}, qat=qat)
+    assert any("eval_loss_unquantized" in x for x in got)

@@ -387,3 +387,43 @@ def test_what_learned_quantization_cannot_do_is_refused(
         r[k] = {**r.get(k, {}), **v}
     err = refused_run(r, tmp_path, capsys)
     assert key in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("setting", ["qlora", "bfloat16"])
+def test_qat_over_a_quantized_base_and_in_bf16_exports_what_it_computed(
+    tmp_path, data_dir, llama_dir, setting
+):
+    """QLoRA + QAT: the layers QLoRA leaves quantized ship with their codes, the adapted ones
+    with the merged weights' codes; bf16: the codes of the bf16 merged weights."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    r = qat_recipe(data_dir, llama_dir, formats=["fused"])
+    r["train"]["max_steps"] = 3
+    if setting == "qlora":
+        r["model"]["quantize"] = {"bits": 4, "group_size": 32}
+    else:
+        r["model"]["dtype"] = "bfloat16"
+    tr = build_run(r, tmp_path)
+    tr.run()
+    tr.model.eval()
+    ids = tr.valid_set.examples[0].ids
+    with qat.quantizing():
+        want = np.array(tr.model(mx.array([ids])).astype(mx.float32))
+    fused, _ = mlx_lm_load(str(tmp_path / "run" / "export" / "fused"))
+    quantized = {p for p, m in fused.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert set(qat.prepared(tr.model)) <= quantized
+    if setting == "qlora":  # k_proj, o_proj, gate and up: QLoRA's codes as they were
+        assert len(quantized) == 14
+    got = np.array(fused(mx.array([ids])).astype(mx.float32))
+    tol = 1e-5 if setting == "qlora" else 3e-2  # bf16: its products' round-off
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_a_start_step_the_run_never_reaches_is_reported(data_dir, llama_dir):
+    from mlxtune import recipe_from_dict
+    from mlxtune.config import inert_keys
+
+    r = qat_recipe(data_dir, llama_dir, start_step=6)  # the run has 6 steps
+    assert [k for k, _ in inert_keys(recipe_from_dict(r))] == ["train.qat.start_step"]
+    r["train"]["qat"]["start_step"] = 5
+    assert inert_keys(recipe_from_dict(r)) == []

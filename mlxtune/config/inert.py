@@ -39,6 +39,13 @@ def inert_keys(recipe: Recipe) -> list[tuple[str, str]]:
         inert(("schedule.decay_fraction",), f"schedule.name is {r.schedule.name}")
     if r.train.max_steps is not None:
         inert(("train.epochs",), "train.max_steps is set")
+        q = r.train.qat
+        if q is not None and q.start_step >= r.train.max_steps:
+            inert(
+                ("train.qat.start_step",),
+                f"the run ends at step {r.train.max_steps}, before QAT would start (its "
+                "exports are then quantized after training)",
+            )
     if r.eval.exact_match == 0:
         inert(("eval.max_new_tokens",), "eval.exact_match is 0")
     if r.samples.every is None:
