@@ -21,7 +21,8 @@ questions, greedy, 12 tokens), each model as the tool that ships it reads it:
    it), where mlx-lm-lora is installed (``--no-peer``: skipped).
 6. Through GGUF in llama.cpp (where llama-cpp-python is installed): QAT's Q4_1 export against
    llama.cpp's own Q4_1 quantization of the fp32 model's f32 GGUF (the token embedding kept
-   f16 in both), the loss from llama.cpp's logits and exact match from its greedy decoding.
+   f16 in both), and the f32 file itself, the loss from llama.cpp's logits and exact match
+   from its greedy decoding.
 
 The gap recovered is (PTQ loss - method's loss) / (PTQ loss - fp32 loss), each method against
 the PTQ of the same layers. Prints a table, then one JSON line.
@@ -119,6 +120,19 @@ def run(r: dict, where: Path):
     return tr, s, took
 
 
+# mlx-lm-lora's trainer, with mlxtune's BLAS set up first (the same matmuls), and the key its
+# SFT trainer reads to set a wired limit, which MLX's CPU backend lacks (0: no limit)
+_PEER = """
+import runpy, sys
+import mlxtune
+import mlx.core as mx
+_info = mx.device_info
+mx.device_info = lambda: {"max_recommended_working_set_size": 0, **_info()}
+sys.argv = ["mlx_lm_lora.train", "--config", sys.argv[1]]
+runpy.run_module("mlx_lm_lora.train", run_name="__main__")
+"""
+
+
 def peer_qat(base: Path, tmp: Path, steps: int, r: dict) -> Path | None:
     """mlx-lm-lora's QAT on the recipe's data: its adapter fused into the base and quantized
     to 4 bits by mlx-lm; the folder, or None when it is not installed or fails."""
@@ -141,10 +155,8 @@ def peer_qat(base: Path, tmp: Path, steps: int, r: dict) -> Path | None:
     }  # fmt: skip
     (tmp / "peer.yaml").write_text(yaml.safe_dump(cfg))
     t = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "mlx_lm_lora.train", "--config", str(tmp / "peer.yaml")],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _PEER, str(tmp / "peer.yaml")],
+                          capture_output=True, text=True)  # fmt: skip
     if done.returncode:
         print(f"  mlx-lm-lora failed:\n{done.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -210,7 +222,12 @@ def through_gguf(tmp: Path, fp32_run: Path, qat_run: Path, valid, test, tokenize
     params.output_tensor_type = llama_cpp.GGML_TYPE_F16
     assert llama_cpp.llama_model_quantize(str(f32).encode(), str(q41).encode(), params) == 0
     out = {}
-    for name, path in (("gguf_ptq", q41), ("gguf_qat", next((tmp / "gqat").glob("*.gguf")))):
+    files = (
+        ("gguf_fp32", f32),
+        ("gguf_ptq", q41),
+        ("gguf_qat", next((tmp / "gqat").glob("*.gguf"))),
+    )
+    for name, path in files:
         out[name] = llama_cpp_scores(path, valid, test, tokenizer)
         print(f"  {name:9} loss {out[name]['loss']:.4f}  exact match "
               f"{100 * out[name]['exact_match']:5.1f}%", file=sys.stderr)  # fmt: skip
@@ -219,7 +236,7 @@ def through_gguf(tmp: Path, fp32_run: Path, qat_run: Path, valid, test, tokenize
 
 def recovered(ptq_loss: float, method: float, fp32: float) -> float | None:
     gap = ptq_loss - fp32
-    return round((ptq_loss - method) / gap, 3) if gap > 0 else None
+    return round(float((ptq_loss - method) / gap), 3) if gap > 0 else None
 
 
 def main(argv=None) -> int:

@@ -47,3 +47,36 @@ def test_what_cannot_be_quantized_is_said():
     assert all(check(b, g, m) is None for m, (bs, gs) in MODES.items() for b in bs for g in gs)
     with pytest.raises(ValueError, match="groups of 64"):
         fake_quantize(mx.zeros((2, 96)), 4, 64)
+
+
+@pytest.mark.parametrize(
+    "mode, group", [("affine", 32), ("affine", 64), ("affine", 128), ("mxfp4", 32), ("nvfp4", 16)]
+)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gguf_blocks_hold_the_codes_mlx_quantize_gives(mode, group, dtype):
+    """A QAT run's GGUF blocks, read back by the gguf package (llama.cpp's reader): MXFP4 and
+    NVFP4 the fake-quantized values exactly; Q4_1 each MLX group's codes with its scale and
+    bias in fp16 (value = q x fp16(scale) + fp16(bias), the codes unpacked here from MLX's
+    uint32 words)."""
+    import gguf
+
+    from mlxtune.export.gguf.codes import CodesError, encode
+
+    w = (mx.random.normal((8, 256), key=mx.random.key(4)) * 0.05).astype(dtype)
+    spec = {"bits": 4, "group_size": group, "mode": mode}
+    data, kind = encode(np.array(w.astype(mx.float32)), spec, dtype)
+    back = gguf.quants.dequantize(data, kind)
+    if mode != "affine":
+        want = fake_quantize(w, 4, group, mode).astype(mx.float32)
+        np.testing.assert_array_equal(back, np.array(want))
+    else:
+        q, s, b = mx.quantize(w, group_size=group, bits=4)
+        words = np.array(q).astype(np.uint32)
+        codes = (words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+        codes = codes.reshape(8, 256 // group, group).astype(np.float32)
+        s16 = np.array(s.astype(mx.float32)).astype(np.float16).astype(np.float32)[..., None]
+        b16 = np.array(b.astype(mx.float32)).astype(np.float16).astype(np.float32)[..., None]
+        np.testing.assert_allclose(back, (codes * s16 + b16).reshape(8, 256), rtol=1e-6, atol=1e-7)
+    if mode == "nvfp4":
+        with pytest.raises(CodesError, match="64 weights a block"):
+            encode(np.zeros((2, 32), np.float32), spec, dtype)

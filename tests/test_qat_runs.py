@@ -427,3 +427,27 @@ def test_a_start_step_the_run_never_reaches_is_reported(data_dir, llama_dir):
     assert [k for k, _ in inert_keys(recipe_from_dict(r))] == ["train.qat.start_step"]
     r["train"]["qat"]["start_step"] = 5
     assert inert_keys(recipe_from_dict(r)) == []
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("mode, group", [("affine", 32), ("mxfp4", 32)])
+def test_llama_cpp_reads_the_qat_gguf_with_the_qat_eval_loss(
+    tmp_path, data_dir, llama_dir, mode, group
+):
+    """llama.cpp itself (llama-cpp-python) runs the GGUF of a QAT run: its held-out loss from
+    llama.cpp's logits is the run's eval_loss (Q4_1: the scales and biases in fp16; MXFP4: the
+    same codes exactly)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    r = qat_recipe(data_dir, llama_dir, formats=["gguf"], mode=mode, group_size=group)
+    tr = build_run(r, tmp_path)
+    tr.run()
+    final = [x for x in run_rows(tmp_path / "run") if "eval_loss" in x][-1]["eval_loss"]
+    path = next((tmp_path / "run" / "export" / "gguf").glob("*.gguf"))
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False)
+
+    def forward(ids):
+        llm.reset()
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)])
+
+    assert valid_loss(forward, list(tr.valid_set.examples)) == pytest.approx(final, rel=2e-3)

@@ -31,6 +31,7 @@ from ..adapters import lora_scale
 from ..errors import UserInputError
 from ..models import DTYPES, VisionLM, is_gguf, reward_head_aside, shadow
 from .fused import dequantize, fuse, write_fused
+from .gguf import codes
 from .gguf.codes import refusal as gguf_refusal
 from .gguf.write import write_gguf_adapter, write_gguf_model
 from .mlx_lm import mlx_lm_config, write_gguf_base, write_mlx_lm, write_reward_head
@@ -182,10 +183,15 @@ def _export_gguf(t: TrainedModel, out: Path, dtype: str | None, consume: bool) -
     if consume:
         release(t.model)
     with reward_head_aside(model):  # GGUF holds the language model; the head goes beside
-        path = write_gguf_model(
-            model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source,
-            consume=True, rows=rows, trained_codes=trained_codes,
-        )  # fmt: skip
+        try:
+            path = write_gguf_model(
+                model, config, t.tokenizer, t.tokenizer_dir, out, dtype or "f16", name, source,
+                consume=True, rows=rows, trained_codes=trained_codes,
+            )  # fmt: skip
+        except codes.CodesError as e:  # a shape the trained codes' GGUF type cannot pack
+            raise UserInputError(
+                f"{e} (export --dtype f16 for full precision)", "export --format gguf"
+            ) from None
     del model
     rows.clear()
     text = modelfile(t.tokenizer, f"./{path.name}", base_dir=t.base_dir)

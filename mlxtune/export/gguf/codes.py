@@ -34,6 +34,10 @@ _ROWS_ELEMENTS = 1 << 24
 time)."""
 
 
+class CodesError(ValueError):
+    """A weight the GGUF type of the trained codes cannot pack (its shape)."""
+
+
 def gguf_type(spec: dict):
     """The GGUF type holding ``spec``'s codes (bits, group_size, mode), or None."""
     return _TYPES.get((spec["mode"], spec["bits"]))
@@ -99,10 +103,10 @@ def encode(a: np.ndarray, spec: dict, dtype) -> tuple[np.ndarray, object]:
     MLX dtype, in which QAT quantized them)."""
     kind = gguf_type(spec)
     if kind is None:
-        raise ValueError(refusal(spec))
+        raise CodesError(refusal(spec))
     n = a.shape[-1]
     if spec["mode"] == "nvfp4" and n % 64:
-        raise ValueError(f"NVFP4 packs 64 weights a block; a row of {n} is not whole blocks")
+        raise CodesError(f"NVFP4 packs 64 weights a block; a row of {n} is not whole blocks")
     flat = a.reshape(-1, n)
     step = max(1, _ROWS_ELEMENTS // n)
     data = np.concatenate(
@@ -111,4 +115,4 @@ def encode(a: np.ndarray, spec: dict, dtype) -> tuple[np.ndarray, object]:
     return data.reshape(*a.shape[:-1], -1), kind
 
 
-__all__ = ["FILE_TYPES", "encode", "gguf_type", "refusal"]
+__all__ = ["FILE_TYPES", "CodesError", "encode", "gguf_type", "refusal"]
