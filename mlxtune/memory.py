@@ -338,7 +338,9 @@ def shape_of(run) -> Shape:
 def _qat_blocks(blocks, act_bytes: int) -> dict:
     """The Shape's QAT figures: a block's prepared weights (as fake-quantized copies, in their
     dtype) and, for adapted layers, their merged weights' gradients (in the activations'
-    dtype); averages over the blocks."""
+    dtype); a learned quantization's layers likewise (their de-quantized weights and codes,
+    and those weights' gradients on the way to the scales and biases); averages over the
+    blocks."""
     copies = grads = 0
     for b in blocks:
         for _, m in b.named_modules():
@@ -346,6 +348,10 @@ def _qat_blocks(blocks, act_bytes: int) -> dict:
                 w = qat.merged_weight(m)  # a lazy graph: its shape and dtype, nothing computed
                 copies += w.size * w.dtype.size
                 grads += w.size * act_bytes if isinstance(m, LoRALinear) else 0
+            elif qat.is_learned(m):  # its de-quantized weight and its codes as numbers
+                size = m.scales.size * m.group_size  # (both kept for the scales' gradient)
+                copies += 2 * size * m.scales.dtype.size
+                grads += size * act_bytes
     n = max(len(blocks), 1)
     return {"qat_block_bytes": copies // n, "qat_block_grad_bytes": grads // n}
 

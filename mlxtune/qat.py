@@ -303,6 +303,11 @@ def _learned_class(cls: type) -> type:
     return _LEARNED[cls]
 
 
+def is_learned(m: nn.Module) -> bool:
+    """Whether ``learn_scales`` made this layer's scales and biases train."""
+    return bool(getattr(type(m), "_mlxtune_learned", False))
+
+
 def learn_scales(model: nn.Module) -> dict:
     """Learned quantization (as mlx-lm's DWQ): every affine-quantized layer of ``model`` trains
     its scales and biases, through its de-quantized weight; everything else, the codes
@@ -326,6 +331,7 @@ __all__ = [
     "fake_quantize",
     "install",
     "install_layer",
+    "is_learned",
     "is_prepared",
     "learn_scales",
     "merged_weight",

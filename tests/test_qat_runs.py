@@ -297,6 +297,19 @@ def test_the_memory_plan_counts_the_quantized_copies(tmp_path, tokenizer, tokeni
     # its merged weights: measured 63 MB here, as planned
     assert 0.6 < planned["qat"] / (peak - plain_peak) < 1.6, (planned, peak, plain_peak)
     assert 0.8 < planned["total"] / peak < 1.5
+    # a learned quantization of the same model, its teacher beside it
+    del tr
+    gc.collect()
+    mx.clear_cache()
+    del r["adapter"], r["train"]["qat"]
+    r["objective"] = {
+        "type": "distill",
+        "teacher": str(tmp_path / "model"),
+        "student_quantization": {"bits": 4, "group_size": 64},
+    }
+    tr = build_run(r, tmp_path, "learned")
+    peak, planned = measured_peak(tr), estimate(shape_of(tr))
+    assert planned["qat"] > 0 and 0.8 < planned["total"] / peak < 1.5, (planned, peak)
 
 
 def test_a_learned_quantization_layer_passes_gradients_to_its_scales_and_biases():
