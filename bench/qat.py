@@ -27,6 +27,10 @@ questions, greedy, 12 tokens), each model as the tool that ships it reads it:
 
 The gap recovered is (PTQ loss - method's loss) / (PTQ loss - fp32 loss), each method against
 the PTQ of the same layers. Prints a table, then one JSON line.
+
+``--q4-1`` stops after PTQ, adding the blocks in GGUF's Q4_1 (read back by the gguf package):
+quantized by llama.cpp's rule (min and max of each 32 weights), and MLX's affine codes of groups
+of 32 packed into Q4_1 as a QAT export packs them.
 """
 
 from __future__ import annotations
@@ -109,6 +113,28 @@ def ptq(path: Path, blocks_only: bool):
         return isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % GROUP == 0
 
     nn.quantize(model, group_size=GROUP, bits=BITS, class_predicate=chosen)
+    return model
+
+
+def q4_1(path: Path, llama_cpp_rule: bool):
+    """The fused fp32 model at ``path`` with its blocks' linear layers as GGUF Q4_1 holds
+    them, read back by the gguf package: quantized by llama.cpp's own rule (min and max of each
+    32 weights; the gguf package's reference, as llama.cpp's quantizer without an importance
+    matrix), or MLX's affine codes of groups of 32 packed into Q4_1 (what a QAT export does)."""
+    import gguf
+
+    from mlxtune.export.gguf.codes import encode
+
+    model, _ = mlx_lm_load(str(path))
+    kind = gguf.GGMLQuantizationType.Q4_1
+    spec = {"bits": BITS, "group_size": 32, "mode": "affine"}
+    new = []
+    for k, v in nn.utils.tree_flatten(model.parameters()):
+        if ".layers." in k and v.ndim == 2:
+            a = np.array(v)
+            data = gguf.quants.quantize(a, kind) if llama_cpp_rule else encode(a, spec, v.dtype)[0]
+            new.append((k, mx.array(gguf.quants.dequantize(data, kind))))
+    model.load_weights(new, strict=False)
     return model
 
 
@@ -246,6 +272,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dwq-steps", type=int, default=40)
     ap.add_argument("--dwq-lr", type=float, default=1e-5)
     ap.add_argument("--no-peer", action="store_true", help="skip mlx-lm-lora")
+    ap.add_argument(
+        "--q4-1", action="store_true",
+        help="only fp32, PTQ and Q4_1 by llama.cpp's rule and with MLX's codes, then stop",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     gguf = cm.gguf_path("smollm2")
     if gguf is None:
@@ -268,6 +298,11 @@ def main(argv=None) -> int:
         scores = {"fp32": scored("fp32", mlx_lm_load(str(fused))[0], tokenizer, valid, test)}
         # 2. quantized after training
         scores["ptq"] = scored("ptq", ptq(fused, True), tokenizer, valid, test)
+        if args.q4_1:  # the same, in GGUF's Q4_1: llama.cpp's rounding, or MLX's codes
+            for name, rule in (("q4_1_llama", True), ("q4_1_mlx", False)):
+                scores[name] = scored(name, q4_1(fused, rule), tokenizer, valid, test)
+            print(json.dumps({"steps": args.steps, "scores": scores}))
+            return 0
         # 3. quantization-aware
         r = recipe(base, args.steps)
         r["train"]["qat"] = {"bits": BITS, "group_size": GROUP}

@@ -167,16 +167,7 @@ def estimate(s: Shape) -> dict[str, float]:
     # a vision model's tower runs before the step (its backward after it, holding the step's
     # gradients, where adapters in it train): its pass is a peak of its own
     tower = s.tower_row_bytes * s.batch
-    gathered = 0.0
-    if s.sharded > 1 and s.layers:  # fsdp: whole blocks while they compute
-        # each block's weights whole while it runs (kept for the backward where it is not
-        # checkpointed), and one block's whole gradients with their all-reduced copy
-        block = s.block_weight_bytes / s.layers
-        gathered = block * (s.layers - s.checkpointed + 1) + 2 * 4 * s.block_trainable / s.layers
-    # QAT: each block computes with fake-quantized copies of its weights, kept for the
-    # backward (a checkpointed block's made again there), and an adapted layer's gradient
-    # reaches its merged weight whole before it reaches A and B
-    qat_part = s.qat_block_bytes * (kept + again) + s.qat_block_grad_bytes
+    gathered, qat_part = _block_copies(s, kept + again)
     out = {
         "weights": float(s.weight_bytes + s.reference_bytes),
         "masters": float(4 * s.trainable_16bit if s.masters else 0),
@@ -203,6 +194,22 @@ def estimate(s: Shape) -> dict[str, float]:
         tower += out["gradients"] if s.tower_trains else 0.0
     out["total"] = (held + max(step, generation, tower)) * OVERHEAD
     return out
+
+
+def _block_copies(s: Shape, held: int) -> tuple[float, float]:
+    """What the blocks hold besides their own weights while the step runs, for the ``held``
+    blocks that keep their forward's arrays (the rest recompute them): (fsdp's gathered
+    weights and gradients, QAT's quantized copies)."""
+    gathered = 0.0
+    if s.sharded > 1 and s.layers:  # fsdp: whole blocks while they compute
+        # each block's weights whole while it runs (kept for the backward where it is not
+        # checkpointed), and one block's whole gradients with their all-reduced copy
+        block = s.block_weight_bytes / s.layers
+        gathered = block * (s.layers - s.checkpointed + 1) + 2 * 4 * s.block_trainable / s.layers
+    # QAT: each block computes with fake-quantized copies of its weights, kept for the
+    # backward (a checkpointed block's made again there), and an adapted layer's gradient
+    # reaches its merged weight whole before it reaches A and B
+    return gathered, float(s.qat_block_bytes * held + s.qat_block_grad_bytes)
 
 
 def describe(parts: dict[str, float]) -> str:

@@ -25,6 +25,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from .adapters import LoRALinear, LoRASwitchLinear, plain_layer
 from .errors import UserInputError
 from .models import VisionLM
+from .models.common import derived_class
 from .models.context import current, quantizing
 from .models.quantize import DequantizingLinear, DequantizingSwitchLinear, is_quantized
 
@@ -144,19 +145,10 @@ _PREPARED: dict[type, type] = {}
 def _prepared_class(cls: type) -> type:
     if getattr(cls, "_mlxtune_qat_call", None) is not None:
         return cls
-    if cls not in _PREPARED:
-        _PREPARED[cls] = type(
-            f"QAT{cls.__name__}",
-            (cls,),
-            {
-                "__call__": _quantized_call,
-                "__module__": cls.__module__,
-                "__doc__": f"{cls.__name__} that computes with its weight fake-quantized inside "
-                "qat.quantizing().",
-                "_mlxtune_qat_call": cls.__call__,
-            },
-        )
-    return _PREPARED[cls]
+    doc = f"{cls.__name__} that computes with its weight fake-quantized in qat.quantizing()."
+    return derived_class(
+        cls, _PREPARED, "QAT", doc, __call__=_quantized_call, _mlxtune_qat_call=cls.__call__
+    )
 
 
 def is_prepared(m: nn.Module) -> bool:
@@ -290,17 +282,11 @@ _LEARNED: dict[type, type] = {}
 def _learned_class(cls: type) -> type:
     if getattr(cls, "_mlxtune_learned", False):
         return cls
-    if cls not in _LEARNED:
-        body = {
-            "__call__": _learned_call,
-            "__module__": cls.__module__,
-            "__doc__": f"{cls.__name__} whose scales and biases learn.",
-            "_mlxtune_learned": True,
-        }
-        if issubclass(cls, nn.QuantizedEmbedding):
-            body["as_linear"] = _learned_as_linear
-        _LEARNED[cls] = type(f"Learned{cls.__name__}", (cls,), body)
-    return _LEARNED[cls]
+    more = {"as_linear": _learned_as_linear} if issubclass(cls, nn.QuantizedEmbedding) else {}
+    doc = f"{cls.__name__} whose scales and biases learn."
+    return derived_class(
+        cls, _LEARNED, "Learned", doc, __call__=_learned_call, _mlxtune_learned=True, **more
+    )
 
 
 def is_learned(m: nn.Module) -> bool:

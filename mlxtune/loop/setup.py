@@ -124,14 +124,7 @@ def set_up(
     r = copy.deepcopy(recipe)  # the run's own: the lengths and sizes resolve into it
     r.data.max_length = built.max_length
     objective = built.kind(r, built.components)
-    if r.train.qat is not None and objective.generates():
-        raise UserInputError(
-            f"{objective.name} generates while it trains or evaluates, and generation computes "
-            "with the unquantized weights: quantization-aware training covers objectives that "
-            "score given text (SFT, preference, KTO, reward, distillation from a teacher's "
-            "text)",
-            "train.qat",
-        )
+    refuse_qat_generating(r, objective)
     shard_model(built.components.model, objective, world, log, r.distributed.strategy)
     auto_sizes = resolve_sizes(r, built, objective, tiers, world, log)
     batches_per_epoch = objective.batches_per_epoch()
@@ -143,14 +136,9 @@ def set_up(
     # (a resumed run reads the times the run it continues measured: the same tiers run)
     recorded = recorded_times(source.inside("config_resolved.json")) if resuming else None
     measured, kernel_table = measure_tiers(
-        r,
-        tiers,
-        shape_of(planned),
-        run_budget(r)[0],
-        built.components.head_trains,
-        log,
+        r, tiers, shape_of(planned), run_budget(r)[0], built.components.head_trains, log,
         recorded=recorded,
-    )
+    )  # fmt: skip
     tiers.update(measured)
     # the plan before the objective's preparation: a run it refuses pays for no reference pass
     estimate = plan(shape_of(planned), r, log)
@@ -178,6 +166,18 @@ def set_up(
         resumed,
         stages,
     )
+
+
+def refuse_qat_generating(r, objective: Objective) -> None:
+    """train.qat with an objective that decodes while it trains or evaluates: refused."""
+    if r.train.qat is not None and objective.generates():
+        raise UserInputError(
+            f"{objective.name} generates while it trains or evaluates, and generation computes "
+            "with the unquantized weights: quantization-aware training covers objectives that "
+            "score given text (SFT, preference, KTO, reward, distillation from a teacher's "
+            "text)",
+            "train.qat",
+        )
 
 
 def shard_model(model, objective: Objective, world, log, strategy: str = "fsdp") -> None:

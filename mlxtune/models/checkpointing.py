@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .common import derived_class
 from .context import current, dropout_key, quantizing, segments
 
 
@@ -54,18 +55,11 @@ _CHECKPOINTED: dict[type, type] = {}
 def _checkpointed_class(cls: type) -> type:
     if getattr(cls, "_mlxtune_block_call", None) is not None:
         return cls
-    if cls not in _CHECKPOINTED:
-        _CHECKPOINTED[cls] = type(
-            f"Checkpointed{cls.__name__}",
-            (cls,),
-            {
-                "__call__": _checkpointed_call,
-                "__module__": cls.__module__,
-                "__doc__": f"{cls.__name__} that recomputes its activations in the backward pass.",
-                "_mlxtune_block_call": cls.__call__,
-            },
-        )
-    return _CHECKPOINTED[cls]
+    doc = f"{cls.__name__} that recomputes its activations in the backward pass."
+    return derived_class(
+        cls, _CHECKPOINTED, "Checkpointed", doc,
+        __call__=_checkpointed_call, _mlxtune_block_call=cls.__call__,
+    )  # fmt: skip
 
 
 def checkpoint_layers(model: nn.Module, every: int = 1) -> int:

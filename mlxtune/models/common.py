@@ -119,3 +119,13 @@ def _shadowed(v):
     if isinstance(v, dict):
         return {k: _shadowed(x) for k, x in v.items()}
     return v
+
+
+def derived_class(cls: type, made: dict, prefix: str, doc: str, **attrs) -> type:
+    """The subclass of ``cls`` named ``prefix`` + its name with ``attrs`` (a call of its own,
+    say), made once per class (``made`` keeps them): what changes a layer's behaviour by
+    changing its instance's class, its parameters and names left as they are."""
+    if cls not in made:
+        body = {"__module__": cls.__module__, "__doc__": doc, **attrs}
+        made[cls] = type(f"{prefix}{cls.__name__}", (cls,), body)
+    return made[cls]

@@ -97,17 +97,18 @@ def text_part(model, config: dict):
     return model, config
 
 
-_TRAINED_CODES = "trained codes"
-"""The kind of a tensor written as the codes a quantization-aware run trained with."""
-
 _QUANTIZE_ELEMENTS = 1 << 24
 """The most weights a GGUF type's quantizer is given at once (a head's rows go in blocks)."""
 
 
-def _tensor_array(a: np.ndarray, dtype: str):
-    """(numpy data, raw dtype or None) for GGUFWriter.add_tensor, from an fp32 array."""
+def _tensor_array(a: np.ndarray, dtype: str | dict):
+    """(numpy data, raw dtype or None) for GGUFWriter.add_tensor, from an fp32 array; ``dtype``
+    a dict: the codes a quantization-aware run trained with (``write_gguf_model``'s
+    ``trained_codes``)."""
     import gguf
 
+    if isinstance(dtype, dict):
+        return codes.encode(a, dtype["spec"], dtype["dtype"])
     if dtype == "f32" or a.ndim == 1:  # norms and biases stay f32, as llama.cpp's converter does
         return a, None
     if dtype == "f16":
@@ -137,6 +138,15 @@ def _writer(path: Path, arch: str, name: str, dtype: str, file_type: int | None 
     w.add_name(name)
     w.add_file_type(file_type or {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
     return w
+
+
+def _file(out: Path, name: str, arch: str, dtype: str, trained_codes: dict | None):
+    """(path, writer) of a model's GGUF: named and typed after ``dtype``, or after the GGUF
+    type of a quantization-aware run's codes."""
+    kind = codes.gguf_type(trained_codes["spec"]) if trained_codes else None
+    label = kind.name.lower() if kind is not None else dtype
+    path = out / f"{name}-{label}.gguf"
+    return path, _writer(path, arch, name, dtype, codes.FILE_TYPES.get(kind))
 
 
 def _as_numpy(tensors: list, i: int, rows: dict | None) -> np.ndarray:
@@ -317,10 +327,9 @@ def write_gguf_model(
     trained_codes: dict | None = None,
 ):
     """The (already fused) model as one GGUF file; returns its path. ``tokenizer_gguf``: a GGUF
-    file whose tokenizer fields are copied as they are (a run over a GGUF base).
-    ``trained_codes``: a quantization-aware run's ``spec`` (bits, group_size, mode), the
-    ``names`` of the weights it trained quantized and their ``dtype``: those are written as
-    the GGUF type holding the codes QAT computed with (``codes``), the rest in ``dtype``.
+    file whose tokenizer fields are copied as they are (a run over a GGUF base). ``trained_codes``:
+    a QAT run's ``spec``, the ``names`` of the weights it quantized and their ``dtype``: those
+    go in the GGUF type holding the codes QAT computed with (``codes``), the rest in ``dtype``.
 
     Tensors are written one at a time through a temporary file beside the output, so the
     writer holds one tensor, not the file. ``consume``: the model is an export's own lazy copy
@@ -340,10 +349,7 @@ def write_gguf_model(
     _refuse_what_llama_cpp_reads_otherwise(model, config, head_dim, where)
     names = _names(model, config, where)
     coded = trained_codes or {"names": ()}
-    kind = codes.gguf_type(coded["spec"]) if trained_codes else None
-    label = kind.name.lower() if kind is not None else dtype
-    path = out / f"{name}-{label}.gguf"
-    w = _writer(path, arch, name, dtype, codes.FILE_TYPES[kind] if kind is not None else None)
+    path, w = _file(out, name, arch, dtype, trained_codes)
     rope_freqs = _settings(w, model, config, family)
     tokenizer_fields(w, tokenizer, tokenizer_dir, tokenizer_gguf)
     shapes, xielu, args = {}, {}, model_args(model)
@@ -355,12 +361,8 @@ def write_gguf_model(
     if consume:  # the list holds the lazy weights now, and nothing else
         release(model)
 
-    def put(g: str, a: np.ndarray, kind: str = dtype) -> None:
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        if kind == _TRAINED_CODES:
-            data, raw = codes.encode(a, coded["spec"], coded["dtype"])
-        else:
-            data, raw = _tensor_array(a, kind)
+    def put(g: str, a: np.ndarray, kind: str | dict = dtype) -> None:
+        data, raw = _tensor_array(np.ascontiguousarray(a, dtype=np.float32), kind)
         w.add_tensor(g, data, raw_dtype=raw)
         shapes[g] = a.shape[::-1]
 
@@ -372,7 +374,7 @@ def write_gguf_model(
             xielu.setdefault(key, {})[int(block)] = float(held.reshape(-1)[0])
             continue
         for g, a, kind in _pieces(names[hf], held, config, family, args, deci, dtype):
-            put(g, a, _TRAINED_CODES if hf in coded["names"] and a.ndim > 1 else kind)
+            put(g, a, coded if hf in coded["names"] and a.ndim > 1 else kind)
         if tied_head and names[hf] == "token_embd.weight":
             put("output.weight", held * scale)
         del held  # gone before the next is computed
