@@ -464,3 +464,18 @@ def test_llama_cpp_reads_the_qat_gguf_with_the_qat_eval_loss(
         return np.array(llm.scores[: len(ids)])
 
     assert valid_loss(forward, list(tr.valid_set.examples)) == pytest.approx(final, rel=2e-3)
+
+
+def test_a_learned_quantization_resumes_exactly(tmp_path, data_dir, llama_dir):
+    r = tiny_recipe(data_dir, llama_dir, checkpoints={"every": 1})
+    del r["adapter"]
+    r["objective"] = {
+        "type": "distill",
+        "teacher": str(llama_dir),
+        "student_quantization": {"bits": 4, "group_size": 32},
+    }
+    r["optimizer"] = {"lr": 1e-4}
+    r["train"]["log_every"] = 1
+    build_run(r, tmp_path, "whole").run()
+    cut = crash_and_resume(r, tmp_path, at=3)
+    same_rows(run_rows(cut), run_rows(tmp_path / "whole"), rel=0, abs=0)
