@@ -374,6 +374,14 @@ def test_learned_quantization_distils_the_model_into_its_quantized_copy(
     np.testing.assert_allclose(
         np.array(t.model(mx.array([ids]))), np.array(tr.model(mx.array([ids]))), atol=1e-5
     )
+    # no adapter to export; GGUF only as its de-quantized weights
+    run = str(tmp_path / "run")
+    assert main(["export", run, "--format", "mlx-lm", "--out", str(tmp_path / "a")]) == 2
+    assert main(["export", run, "--format", "gguf", "--out", str(tmp_path / "g")]) == 2
+    assert (
+        main(["export", run, "--format", "gguf", "--dtype", "f32", "--out", str(tmp_path / "f")])
+        == 0
+    )
 
 
 @pytest.mark.parametrize(

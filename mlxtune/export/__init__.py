@@ -70,11 +70,12 @@ def export(
 
     A quantization-aware run (``t.qat``) exports fused and GGUF models quantized as it trained,
     with the codes it computed with; a ``dtype`` asks for the full-precision weights instead."""
-    if t.adapter["type"] == qat.LEARNED and (fmt != "fused" or dtype is not None):
+    if t.adapter["type"] == qat.LEARNED and fmt != "fused" and (fmt != "gguf" or dtype is None):
         raise UserInputError(
             "a learned quantization's scales and biases ship in its quantized model: export "
-            "--format fused (MLX's quantized checkpoint, as trained); GGUF's types round its "
-            "learned scales differently, and it has no adapter",
+            "--format fused (MLX's quantized checkpoint, as trained); it has no adapter, and "
+            "GGUF's types would round its learned scales into another form (--format gguf "
+            "--dtype f16 writes its de-quantized weights)",
             "export",
         )
     if t.qat is not None and fmt in ("fused", "gguf"):
