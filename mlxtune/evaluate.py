@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.nn as nn
@@ -29,6 +30,14 @@ SHOWN = 3
 
 def normalise_answer(s: str) -> str:
     return " ".join(s.split())
+
+
+def answerable(examples) -> Iterator:
+    """The examples whose completion is a reference answer for exact match: a prompt, an
+    answer, and not marked undesirable (a KTO row's completion that is a bad answer)."""
+    return (
+        e for e in examples if e.prompt_ids and e.answer is not None and getattr(e, "label", True)
+    )
 
 
 def exact_match(model, tokenizer, examples, max_new_tokens: int) -> tuple[float, list[dict]]:
@@ -124,8 +133,7 @@ def evaluate_run(run_dir: str | Path, base: bool = False, shown: int = SHOWN, wa
     train, valid, test = objective_class(recipe).datasets(recipe, tok)
     pad = next(i for i in (tok._tokenizer.pad_token_id, tok.eos_token_id, 0) if i is not None)
     tiers = kernel_tiers(recipe, lambda _: None)
-    examples = [e for e in test.examples if e.prompt_ids and e.answer is not None]
-    examples = examples[: recipe.eval.exact_match or 100]
+    examples = list(itertools.islice(answerable(test.examples), recipe.eval.exact_match or 100))
     out: dict = {"run": str(run), "checkpoint": ckpt.name, "models": {}, "answers": []}
     answers = {}
     for name, model in models.items():

@@ -29,6 +29,7 @@ from mlxtune import Trainer, recipe_from_dict
 from mlxtune.adapters import LoRALinear
 from mlxtune.cli import main
 from mlxtune.console import Console
+from mlxtune.objectives.base import metric_means
 from mlxtune.objectives.kto import class_balance_advice
 
 
@@ -122,12 +123,9 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, f
     assert loss.item() == pytest.approx(want.sum(), rel=2e-5, abs=1e-5)
     assert metrics["kl"].item() / len(exs) == pytest.approx(z0, rel=1e-4, abs=1e-5)
     good, bad = label > 0, label == 0
-    assert metrics["rewards/chosen"].item() / len(exs) == pytest.approx(
-        (b * r[good]).mean(), rel=1e-4, abs=1e-5
-    )
-    assert metrics["logps/rejected"].item() / len(exs) == pytest.approx(
-        pol[bad].mean(), rel=1e-4, abs=1e-5
-    )
+    means = metric_means({k: v.item() for k, v in metrics.items()}, len(exs))
+    assert means["rewards/chosen"] == pytest.approx((b * r[good]).mean(), rel=1e-4, abs=1e-5)
+    assert means["logps/rejected"] == pytest.approx(pol[bad].mean(), rel=1e-4, abs=1e-5)
 
     def naive(model):  # the formula in MLX over full logits; the reference and z0 constants
         total = 0.0
@@ -261,3 +259,61 @@ def test_the_quickstart_learns_to_copy(tmp_path):
     assert s["exact_match_before"] <= 0.4 and s["exact_match_after"] >= 0.9
     evals = [x for x in rows(tmp_path / "run") if "eval_rewards/margins" in x]
     assert evals[-1]["eval_rewards/margins"] > 0
+
+
+def test_class_means_average_the_batches_that_hold_the_class(tmp_path, llama_dir):
+    """As TRL's KTOTrainer logs them: a class's mean reward in each batch that holds the class,
+    averaged over those batches (a batch without it adds nothing, and counts for nothing); the
+    margin over the batches that hold both."""
+    from mlx_lm import load
+
+    valid = feedback_rows(6, 4)
+    for i, r in enumerate(valid):  # one undesirable row in the validation set
+        w = r["prompt"].split()[1]
+        r["label"], r["completion"] = i != 0, " " + (w if i == 0 else w[::-1])
+    data = write_splits(
+        tmp_path / "fb", lambda n, seed: valid if seed == 2 else feedback_rows(n, 5), 24, 6
+    )
+    t = build(recipe(data, llama_dir, eval={"every": None, "batch_size": 2}), tmp_path)
+    shake_adapters(t.model)
+    base, _ = load(str(llama_dir))
+    b = t.recipe.objective.beta
+    per_class: dict = {"chosen": [], "rejected": [], "margins": []}
+    for batch in t.objective.eval_batches():
+        exs = [t.valid_set.examples[i] for i in batch.pairs if i >= 0]
+        r = np.array(
+            [naive_logp(t.model, e.ids, e.mask) - naive_logp(base, e.ids, e.mask) for e in exs]
+        )
+        label = np.array([e.label for e in exs])
+        means = {
+            c: (b * r[m]).mean() for c, m in (("chosen", label), ("rejected", ~label)) if m.any()
+        }
+        for c, v in means.items():
+            per_class[c].append(v)
+        if len(means) == 2:
+            per_class["margins"].append(means["chosen"] - means["rejected"])
+    assert len(per_class["rejected"]) == 1 < len(per_class["chosen"])  # a batch lacks the class
+    got = t.evaluate()
+    for c, values in per_class.items():
+        assert got[f"eval_rewards/{c}"] == pytest.approx(np.mean(values), rel=1e-4, abs=1e-5)
+
+
+def test_exact_match_uses_desirable_rows_only_in_training_and_in_eval(
+    tmp_path, llama_dir, feedback
+):
+    """An undesirable completion is no reference answer: neither the run's exact match nor
+    ``mlxtune eval``'s scores it."""
+    from mlxtune.evaluate import evaluate_run
+
+    test = feedback_rows(10, 7)
+    write_jsonl(feedback / "test.jsonl", test)
+    r = recipe(feedback, llama_dir, max_steps=1)
+    r["data"]["test"] = str(feedback / "test.jsonl")
+    r["eval"] = {"every": None, "exact_match": 100, "max_new_tokens": 4}
+    build(r, tmp_path).run()
+    desirable = sum(row["label"] for row in test)
+    assert 0 < desirable < len(test)
+    trained = [x for x in rows(tmp_path / "run") if "exact_match_after" in x]
+    assert trained[-1]["exact_match_examples"] == desirable
+    out = evaluate_run(tmp_path / "run")
+    assert all(m["exact_match_examples"] == desirable for m in out["models"].values())

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from ..engine.state import LoopPosition, Window
 from ..errors import TrainingError
+from ..objectives.base import metric_means
 from .callbacks import StepRecord
 
 
@@ -68,7 +69,7 @@ class StepMeter:
             loss_sum = q.result.loss_sum.item()
             sums = {k: v.item() for k, v in q.result.metrics.items()}
             q.loss = loss_sum / max(q.n, 1)
-            q.metrics = {k: v / max(q.n, 1) for k, v in sums.items()}
+            q.metrics = metric_means(sums, max(q.n, 1))
             if q.applied:
                 engine.in_a_row = 0
                 pos.tokens_seen += q.targets  # trained on: a skipped step's do not count
@@ -112,7 +113,7 @@ class StepMeter:
             "cache_memory_gb": mx.get_cache_memory() / 1e9,
             "time": time.time(),
         }
-        row.update({k: v / w.n if w.n else None for k, v in w.metrics.items()})
+        row.update(metric_means(w.metrics, w.n))
         for k, (v, weight) in sorted(w.host.items()):
             row[k] = v if k.endswith("_max") else v / weight if weight else None
         if packed:

@@ -19,7 +19,7 @@ from ..console import Console
 from ..engine import memory
 from ..engine.state import LoopPosition
 from ..errors import Interrupted, TrainingError
-from ..evaluate import exact_match, sample
+from ..evaluate import answerable, exact_match, sample
 from ..export import TrainedModel
 from ..generate import led_by_rank0
 from ..models import kernel_attention
@@ -456,9 +456,7 @@ class Trainer:
 
     def _exact_match(self, when: str, step: int) -> float:
         n = self.recipe.eval.exact_match
-        # (a KTO example's completion that is marked undesirable is no answer to match)
-        wanted = (e for e in self.test_set.examples if e.prompt_ids and getattr(e, "label", True))
-        examples = list(itertools.islice(wanted, n))
+        examples = list(itertools.islice(answerable(self.test_set.examples), n))
         with self._generating():
             acc, rows = exact_match(
                 self.model, self.tokenizer, examples, self.recipe.eval.max_new_tokens

@@ -415,8 +415,28 @@ class Objective:
         """The eval row's values from the summed losses over ``eval_batches()``."""
         loss = loss_sum / max(count, 1)
         out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": count}
-        out.update({f"eval_{k}": v / max(count, 1) for k, v in metrics.items()})
+        out.update({f"eval_{k}": v for k, v in metric_means(metrics, count).items()})
         return out
+
+
+WEIGHT = "@weight"
+"""A metric named ``GROUP@weight`` is what the sums of the metrics ``.../GROUP`` are divided by
+in a row (``metric_means``), in place of the row's examples or tokens: ``chosen@weight`` for
+``rewards/chosen`` and ``logps/chosen``."""
+
+
+def metric_means(sums: dict[str, float], count: float) -> dict[str, float | None]:
+    """A row's metrics from their sums over its micro-batches: each divided by ``count`` (the
+    examples or tokens the row counts), or by its own weight where the objective gives one
+    (``GROUP@weight`` for ``.../GROUP``: a class's mean over the batches that hold the class,
+    say); None where that is 0. The weights themselves are no metric."""
+    out: dict[str, float | None] = {}
+    for k, v in sums.items():
+        if k.endswith(WEIGHT):
+            continue
+        w = sums.get(k.rsplit("/", 1)[-1] + WEIGHT, count)
+        out[k] = v / w if w else None
+    return out
 
 
 # target_rows pads its row count up to a multiple of 1/ROW_STEPS of the positions (and of

@@ -30,6 +30,7 @@ from ..data.cache import cached_split
 from ..data.feedback import FeedbackExample, load_feedback
 from ..data.preference import PairBatch, PairEncoder
 from ..distributed import current
+from .base import WEIGHT, metric_means
 from .preference import DPO
 
 
@@ -147,23 +148,34 @@ class KTO(DPO):
             good = 1 - mx.sigmoid(beta * ratio)
             bad = mx.sigmoid(beta * ratio)
         losses = label * cfg.desirable_weight * good + (1 - label) * cfg.undesirable_weight * bad
-        metrics = {"kl": z0 * n}
-        rewards = mx.stop_gradient(beta * ratio)
-        logps = mx.stop_gradient(policy[:, 0])
-        # each class's mean, as sums that a row's division by the examples turns into it:
-        # exactly over one micro-batch and the ranks' shares of it
-        for cls, w, total in (("chosen", good_w, sums[2]), ("rejected", bad_w, sums[3])):
-            share = sums[1] / mx.maximum(total, 1.0)
-            metrics[f"rewards/{cls}"] = mx.sum(rewards * w) * share
-            metrics[f"logps/{cls}"] = mx.sum(logps * w) * share
-        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        means = _class_means(beta * ratio, policy[:, 0], (good_w, bad_w), sums, model.training)
+        metrics = {"kl": z0 * n, **means}
         return mx.sum(losses * valid), n.astype(mx.int32), metrics
 
     def eval_metrics(self, loss_sum: float, count: int, metrics: dict[str, float]) -> dict:
-        n = max(count, 1)
-        out = {"eval_loss": loss_sum / n, "eval_examples": count}
-        out.update({f"eval_{k}": v / n for k, v in metrics.items()})
+        out = {"eval_loss": loss_sum / max(count, 1), "eval_examples": count}
+        out.update({f"eval_{k}": v for k, v in metric_means(metrics, max(count, 1)).items()})
         return out
+
+
+def _class_means(rewards, logps, weights, sums, training: bool) -> dict:
+    """Each class's mean reward and log-prob over one micro-batch, weighted 1 where it holds
+    the class and 0 where not (``WEIGHT``): a row is then their mean over the batches that hold
+    the class, as TRL's KTOTrainer logs them, and the margin's over the batches that hold both.
+    ``weights``: the desirable and undesirable rows' masks. In training each rank adds its
+    share of the whole batch's mean (``sums``: over every rank's rows) and 1/N of the weight."""
+    world = current()
+    ranks = world.size if world.size > 1 and training else 1
+    out, present = {}, {}
+    for cls, w, total in (("chosen", weights[0], sums[2]), ("rejected", weights[1], sums[3])):
+        present[cls] = (total > 0).astype(mx.float32)
+        out[cls + WEIGHT] = present[cls] / ranks  # rewards/CLASS and logps/CLASS
+        for name, v in (("rewards", rewards), ("logps", logps)):
+            out[f"{name}/{cls}"] = mx.sum(mx.stop_gradient(v) * w) / mx.maximum(total, 1.0)
+    both = present["chosen"] * present["rejected"]
+    out["rewards/margins"] = (out["rewards/chosen"] - out["rewards/rejected"]) * both
+    out["margins" + WEIGHT] = both / ranks
+    return out
 
 
 __all__ = ["KTO", "KTOConfig", "class_balance_advice"]
