@@ -86,20 +86,31 @@ def naive_grpo(model, batch, old, ref, cfg):
         c1 = mx.exp(lr)
         c2 = mx.clip(c1, 1 - el, 1 + eh)
         a = float(batch.advantages[i])
-        per = -mx.minimum(c1 * a, c2 * a)
+        if kind == "cispo":  # ScaleRL's CISPO as TRL writes it: -sg(min(r, eps_max)) A log p
+            per = -mx.stop_gradient(mx.minimum(c1, eh)) * a * lp
+        elif kind == "sapo":  # SAPO: -sigmoid(tau (r - 1)) 4 / tau A, tau by A's sign
+            tau = (
+                cfg.get("sapo_temperature_pos", 1.0)
+                if a > 0
+                else cfg.get("sapo_temperature_neg", 1.05)
+            )
+            per = -mx.sigmoid(tau * (c1 - 1)) * 4 / tau * a
+        else:
+            per = -mx.minimum(c1 * a, c2 * a)
         kl = 0.0
         if beta:
             d = mx.array(ref[i][where]) - lp
             per = per + beta * (mx.exp(d) - d - 1)
             kl = float(mx.sum(mx.exp(d) - d - 1))
         low, high = float(mx.sum((c1 < 1 - el) & (a < 0))), float(mx.sum((c1 > 1 + eh) & (a > 0)))
-        stats.append((low, high, kl))
+        capped = float(mx.sum((c1 > eh) & (a > 0)))  # CISPO's cap on the ratio itself
+        stats.append((low, high, kl, capped))
         seq_sums.append(mx.sum(per))
         seq_ns.append(len(where))
     stats = np.array(stats, np.float64)
-    if kind == "dapo":
+    if kind in ("dapo", "cispo"):
         return sum(seq_sums) / sum(seq_ns), stats
-    if kind == "grpo":
+    if kind in ("grpo", "sapo"):
         return sum(s / k for s, k in zip(seq_sums, seq_ns, strict=True)) / len(seq_ns), stats
     return sum(seq_sums) / (len(seq_ns) * cfg["max_completion_length"]), stats
 
@@ -111,6 +122,10 @@ VARIANTS = [
     {"loss": "dapo", "epsilon_high": 0.28, "beta": 0.1},
     {"loss": "grpo", "importance_sampling": "sequence", "beta": 0.05},
     {"loss": "dr_grpo", "importance_sampling": "sequence", "epsilon": 0.1},
+    {"loss": "cispo", "epsilon_high": 1.2},
+    {"loss": "cispo", "epsilon_high": 1.2, "importance_sampling": "sequence", "beta": 0.05},
+    {"loss": "sapo"},
+    {"loss": "sapo", "sapo_temperature_pos": 2.0, "beta": 0.1},
 ]
 
 
@@ -122,7 +137,8 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
     t = build(recipe(prompts, llama_dir, variant), tmp_path)
     obj = t.objective
     batch = next(obj.batches())[1]
-    assert obj.count(batch) == (batch.n_targets if cfg["loss"] == "dapo" else len(batch.tokens))
+    tokens = cfg["loss"] in ("dapo", "cispo")
+    assert obj.count(batch) == (batch.n_targets if tokens else len(batch.tokens))
     rng = np.random.default_rng(0)
     # ratios on both sides of both clip bounds, advantages of both signs
     shift = rng.choice([-0.5, -0.05, 0.05, 0.5], size=batch.mask[:, 1:].shape)
@@ -142,13 +158,20 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
     assert loss.item() / count.item() == pytest.approx(want.item(), rel=2e-5, abs=1e-6)
     # the metrics add up as the loss counts: over tokens (dapo), or each completion's mean
     ns = batch.mask[:, 1:].sum(axis=1)
-    summed = stats.sum(axis=0) if cfg["loss"] == "dapo" else (stats / ns[:, None]).sum(axis=0)
-    if cfg.get("importance_sampling") != "sequence":
+    summed = stats.sum(axis=0) if tokens else (stats / ns[:, None]).sum(axis=0)
+    clipping = cfg["loss"] not in ("cispo", "sapo")
+    if cfg.get("importance_sampling") != "sequence" and clipping:
         assert stats[:, 0].sum() > 0 and stats[:, 1].sum() > 0  # both bounds were reached
     for k, j in (("clip_ratio/low", 0), ("clip_ratio/high", 1), ("kl", 2)):
         if k in metrics:
             assert metrics[k].item() == pytest.approx(summed[j], rel=1e-4, abs=1e-5), k
-    assert metrics["clip_ratio"].item() == pytest.approx(summed[0] + summed[1], rel=1e-4, abs=1e-5)
+    if clipping:
+        want_clip = summed[0] + summed[1]
+        assert metrics["clip_ratio"].item() == pytest.approx(want_clip, rel=1e-4, abs=1e-5)
+    assert ("clip_ratio" in metrics) == clipping
+    if cfg["loss"] == "cispo":  # ratios capped where the advantage is positive
+        assert metrics["cispo_clip_ratio"].item() == pytest.approx(summed[3], rel=1e-4, abs=1e-5)
+        assert summed[3] > 0 or cfg.get("importance_sampling") == "sequence"
     assert ("kl" in metrics) == bool(cfg.get("beta"))
 
     def naive(model):
@@ -341,6 +364,8 @@ def test_a_failing_reward_function_is_named_and_exits_2(
         ({"num_generations": 1}, "objective.num_generations", "no spread"),
         ({"temperature": 0}, "objective.temperature", "greater than 0"),
         ({"micro_batch_size": 0}, "objective.micro_batch_size", "at least 1"),
+        ({"loss": "cispo"}, "objective.epsilon_high", "the cap on the importance ratio"),
+        ({"loss": "sapo", "sapo_temperature_neg": 0}, "objective.sapo_temperature_neg", "than 0"),
     ],
 )
 def test_bad_grpo_settings_exit_2(tmp_path, llama_dir, prompts, capsys, objective, where, message):

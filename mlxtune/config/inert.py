@@ -159,6 +159,9 @@ def _objective_inert(r: Recipe, inert) -> None:
             inert(("data.mask_boundary_loss",), "a pair's sequences never score their first token")
     if kind == "cpo" and r.objective.loss != "simpo":
         inert(("objective.simpo_gamma",), f"objective.loss is {r.objective.loss}, not simpo")
+    if kind == "grpo" and r.objective.loss != "sapo":
+        keys = ("objective.sapo_temperature_pos", "objective.sapo_temperature_neg")
+        inert(keys, f"objective.loss is {r.objective.loss}, not sapo")
     if kind == "reward":
         why = "a reward model scores each sequence's last token, with no LM head or loss kernel"
         inert(("data.train_on_eos", "kernels.loss"), why)

@@ -35,6 +35,9 @@ from ..kernels import forward_only
 from .online import OnPolicy, RLConfig
 from .rollout import RolloutBatch, advantages
 
+TOKEN_MEAN = ("dapo", "cispo")
+"""The loss types that sum over every completion token of a step and divide by their number."""
+
 
 @dataclass
 class GRPOConfig(RLConfig):
@@ -49,10 +52,17 @@ class GRPOConfig(RLConfig):
     """Clip range above 1 (DAPO's clip-higher: e.g. 0.28); default epsilon."""
     beta: float = 0.0
     """Weight of the KL to the reference policy (k3 estimator); 0: no reference pass."""
-    loss: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
+    loss: Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
     """Normalisation: dapo (sum over every completion token of the step / their number), grpo
     (each completion's token mean, averaged over completions), dr_grpo (token sum /
-    (completions x max_completion_length))."""
+    (completions x max_completion_length)); cispo (the importance ratio capped at epsilon_high
+    and detached, times A and the token's log-probability; dapo's normalisation) and sapo (a
+    soft clip, sigmoid(tau (r - 1)) x 4 / tau, tau by the advantage's sign; grpo's), as TRL
+    defines them."""
+    sapo_temperature_pos: float = 1.0
+    """sapo: tau for tokens of a positive advantage."""
+    sapo_temperature_neg: float = 1.05
+    """sapo: tau for tokens of a non-positive advantage."""
     importance_sampling: Literal["token", "sequence"] = "token"
     """token: a ratio per token; sequence (GSPO): the completion's mean log-ratio."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -64,6 +74,14 @@ class GRPOConfig(RLConfig):
         return super().checks() + (
             (0 <= self.epsilon < 1, "epsilon", "in [0, 1)"),
             (self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", "at least 0"),
+            (
+                self.loss != "cispo" or self.epsilon_high is not None,
+                "epsilon_high",
+                "set with loss cispo (the cap on the importance ratio, the ScaleRL paper's "
+                "epsilon_max: 5.0 recommended)",
+            ),
+            (self.sapo_temperature_pos > 0, "sapo_temperature_pos", "greater than 0"),
+            (self.sapo_temperature_neg > 0, "sapo_temperature_neg", "greater than 0"),
             (self.beta >= 0, "beta", "at least 0"),
             (self.num_iterations >= 1, "num_iterations", "at least 1"),
         )
@@ -143,29 +161,22 @@ class GRPO(OnPolicy):
             log_ratio = (mx.sum(log_ratio, axis=-1) / n)[:, None]
         ratio = mx.exp(log_ratio)
         adv = batch["advantages"][:, None]
-        clipped = mx.clip(ratio, 1 - self.eps_low, 1 + self.eps_high)
-        per_token = -mx.minimum(ratio * adv, clipped * adv)
-        metrics = {}
+        per_token, metrics = self._policy_term(ratio, adv, logp)
         if cfg.beta > 0:
             d = batch["ref"] - logp
             kl = mx.exp(d) - d - 1
             per_token = per_token + cfg.beta * kl
             metrics["kl"] = kl
-        low = ((ratio < 1 - self.eps_low) & (adv < 0)).astype(mx.float32)
-        high = ((ratio > 1 + self.eps_high) & (adv > 0)).astype(mx.float32)
-        metrics["clip_ratio/low"] = low
-        metrics["clip_ratio/high"] = high
-        metrics["clip_ratio"] = low + high
 
-        def total(x):  # summed as the loss counts: tokens (dapo) or completions
+        def total(x):  # summed as the loss counts: tokens (dapo, cispo) or completions
             x = mx.broadcast_to(x, m.shape) * m
-            if cfg.loss == "dapo":
+            if cfg.loss in TOKEN_MEAN:
                 return mx.sum(x)
             return mx.sum(mx.sum(x, axis=-1) / n * valid)
 
-        if cfg.loss == "dapo":
+        if cfg.loss in TOKEN_MEAN:
             loss, count = mx.sum(per_token * m), mx.sum(m)
-        elif cfg.loss == "grpo":
+        elif cfg.loss in ("grpo", "sapo"):
             loss, count = total(per_token), mx.sum(valid)
         else:  # dr_grpo
             loss = mx.sum(per_token * m * valid[:, None]) / cfg.max_completion_length
@@ -173,14 +184,31 @@ class GRPO(OnPolicy):
         sums = {k: mx.stop_gradient(total(v)) for k, v in metrics.items()}
         return loss, count.astype(mx.int32), sums
 
+    def _policy_term(self, ratio, adv, logp) -> tuple[mx.array, dict]:
+        """The policy-gradient part of each token's loss, and the clip metrics of the loss
+        type (per token, before they are summed as the loss counts)."""
+        cfg = self.config
+        if cfg.loss == "cispo":  # the ratio's weight capped and detached: -w A log p
+            capped = mx.stop_gradient(mx.minimum(ratio, self.eps_high))
+            clipped = ((ratio > self.eps_high) & (adv > 0)).astype(mx.float32)
+            return -capped * adv * logp, {"cispo_clip_ratio": clipped}
+        if cfg.loss == "sapo":  # a soft clip: sigmoid(tau (r - 1)) x 4 / tau, no hard bound
+            tau = mx.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+            return -(mx.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv, {}
+        clipped = mx.clip(ratio, 1 - self.eps_low, 1 + self.eps_high)
+        low = ((ratio < 1 - self.eps_low) & (adv < 0)).astype(mx.float32)
+        high = ((ratio > 1 + self.eps_high) & (adv > 0)).astype(mx.float32)
+        metrics = {"clip_ratio/low": low, "clip_ratio/high": high, "clip_ratio": low + high}
+        return -mx.minimum(ratio * adv, clipped * adv), metrics
+
     def count(self, batch: RolloutBatch) -> int:
-        if self.config.loss == "dapo":
+        if self.config.loss in TOKEN_MEAN:
             return batch.n_targets
         return int(batch.valid.sum())
 
     def eval_metrics(self, loss_sum: float, count: int, metrics: dict) -> dict:
         n = max(count, 1)
-        counted = "eval_tokens" if self.config.loss == "dapo" else "eval_completions"
+        counted = "eval_tokens" if self.config.loss in TOKEN_MEAN else "eval_completions"
         out = {"eval_loss": loss_sum / n, counted: count}
         out.update({f"eval_{k}": v / n for k, v in metrics.items()})
         return out
