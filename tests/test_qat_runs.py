@@ -487,3 +487,21 @@ def test_a_learned_quantization_resumes_exactly(tmp_path, data_dir, llama_dir):
     build_run(r, tmp_path, "whole").run()
     cut = crash_and_resume(r, tmp_path, at=3)
     same_rows(run_rows(cut), run_rows(tmp_path / "whole"), rel=0, abs=0)
+
+
+@pytest.mark.parametrize("adapter", ["lora", "full"])
+def test_the_reference_policy_stays_in_full_precision(tmp_path, llama_dir, adapter):
+    """DPO's reference (adapters off, or a copy of the starting weights) computes with the
+    weights as they are, also inside a quantization-aware step."""
+    prefs = write_splits(tmp_path / "prefs", pair_rows, 24, 8)
+    r = qat_recipe(prefs, llama_dir, adapter=adapter)
+    r["objective"] = {"type": "dpo", "beta": 0.1}
+    t = build_run(r, tmp_path)
+    obj = t.objective
+    arrays = t.engine.arrays(next(obj.batches())[1])
+    dense = np.array(obj.reference_logps(t.model, arrays))
+    with qat.quantizing():
+        inside = np.array(obj.reference_logps(t.model, arrays))
+        policy = np.array(obj.sequence_logps(arrays))
+    np.testing.assert_array_equal(inside, dense)
+    assert np.abs(policy - dense).max() > 1e-4  # while the policy computes quantized

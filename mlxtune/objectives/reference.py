@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..adapters import adapters_disabled
 from ..kernels import forward_only
+from ..models.context import quantizing
 
 
 def reference_kind(asked: str, adapter_type: str) -> str:
@@ -57,10 +58,11 @@ class ReferencePolicy:
 
     @contextlib.contextmanager
     def active(self):
-        """Inside the block the model is the reference (no dropout, nothing flows back):
-        enter it inside a traced function, like ``adapters_disabled``."""
+        """Inside the block the model is the reference (no dropout, nothing flows back, in
+        full precision also in a quantization-aware run): enter it inside a traced function,
+        like ``adapters_disabled``."""
         model = self.model
-        with forward_only():
+        with forward_only(), quantizing(False):
             if self.kind == "adapters_off":
                 with adapters_disabled(model):
                     yield model
