@@ -27,7 +27,7 @@ from .errors import UserInputError
 from .models import VisionLM
 from .models.common import derived_class
 from .models.context import current, quantizing
-from .models.quantize import DequantizingLinear, DequantizingSwitchLinear, is_quantized
+from .models.quantize import is_quantized
 
 MODES = {
     # mode: (bits it allows, group sizes it allows)
@@ -100,11 +100,6 @@ class Spec:
 
     def as_dict(self) -> dict:
         return {"bits": self.bits, "group_size": self.group_size, "mode": self.mode}
-
-
-def active() -> bool:
-    """Whether prepared layers fake-quantize now (inside ``quantizing()``)."""
-    return current().quantized
 
 
 def merged_weight(layer: nn.Module) -> mx.array:
@@ -192,7 +187,7 @@ def install(model: nn.Module, spec: Spec) -> dict:
         adapter = isinstance(m, LoRALinear)
         if adapter:
             skip.update(id(c) for _, c in m.named_modules())
-        elif is_quantized(m) or isinstance(m, (DequantizingLinear, DequantizingSwitchLinear)):
+        elif is_quantized(m):  # (the CPU's de-quantizing layers among them)
             kept[path] = "quantized already"
             continue
         elif not (isinstance(m, (nn.Linear, SwitchLinear)) and plain_layer(m)):
@@ -312,7 +307,6 @@ __all__ = [
     "LEARNED",
     "MODES",
     "Spec",
-    "active",
     "check",
     "fake_quantize",
     "install",

@@ -17,6 +17,8 @@ import gguf
 import mlx.core as mx
 import numpy as np
 
+from ...models.gguf.load import mlx_codes
+
 _TYPES = {
     ("affine", 4): gguf.GGMLQuantizationType.Q4_1,
     ("mxfp4", 4): gguf.GGMLQuantizationType.MXFP4,
@@ -59,13 +61,6 @@ def refusal(spec: dict) -> str | None:
     )
 
 
-def _nibbles(wq: mx.array, n: int) -> np.ndarray:
-    """MLX's packed 4-bit codes (8 a uint32, the first in the low bits) as [rows, n] uint8."""
-    words = np.array(wq).astype(np.uint32)
-    shifts = np.arange(8, dtype=np.uint32) * 4
-    return ((words[..., None] >> shifts) & 0xF).astype(np.uint8).reshape(*words.shape[:-1], n)
-
-
 def _halves(q: np.ndarray, size: int) -> np.ndarray:
     """Codes [rows, blocks, size] as llama.cpp packs a block's: byte j = code j | code
     j + size/2 << 4."""
@@ -77,7 +72,7 @@ def _pack(w: mx.array, spec: dict) -> np.ndarray:
     bits, group, mode = spec["bits"], spec["group_size"], spec["mode"]
     parts = mx.quantize(w, group_size=group, bits=bits, mode=mode)
     rows, n = w.shape
-    q = _nibbles(parts[0], n)
+    q = mlx_codes(np.array(parts[0]), 4)
     if mode == "affine":  # one Q4_1 block per 32 weights: the group's scale and bias, in fp16
         per = group // 32
         d = np.repeat(np.array(parts[1].astype(mx.float32)), per, axis=-1).astype(np.float16)

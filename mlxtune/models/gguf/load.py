@@ -115,12 +115,21 @@ def _blocks(t, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.reshape(rows, -1), d, m
 
 
-def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+def mlx_words(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes [rows, cols] as MLX packs them: 32 // bits per uint32, the first in the low bits."""
     per = 32 // bits
     c = codes.astype(np.uint32).reshape(codes.shape[0], -1, per)
     shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
     return np.bitwise_or.reduce(c << shifts, axis=-1)
+
+
+def mlx_codes(words: np.ndarray, bits: int) -> np.ndarray:
+    """``mlx_words`` undone: MLX's packed uint32 words [..., n] as the codes [..., n x 32 //
+    bits] (uint8)."""
+    per = 32 // bits
+    shifts = np.arange(per, dtype=np.uint32) * bits
+    codes = (words.astype(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    return codes.astype(np.uint8).reshape(*words.shape[:-1], -1)
 
 
 @dataclass
@@ -311,7 +320,7 @@ def _weights(g, table, config, quant, target, done: GGUFLoad) -> list[tuple[str,
                     deci_qk(a, gname, deci, back=True) for a in (codes, scales, offsets)
                 )
             weights += [
-                (hf, mx.array(_pack(codes, quant[mod]))),
+                (hf, mx.array(mlx_words(codes, quant[mod]))),
                 (f"{mod}.scales", mx.array(scales).astype(target)),
                 (f"{mod}.biases", mx.array(offsets).astype(target)),
             ]
