@@ -1,5 +1,6 @@
 """GRPO: every loss variant against its formula written here over full logits (values and
-gradients), clipping at both bounds, the k3 KL, group advantages against NumPy float64 from
+gradients), clipping at both bounds, the k3 KL, the entropy mask (entropies, quantile and
+masked loss from full logits), group advantages against NumPy float64 from
 rewards recomputed here, reward functions (built-ins, the user's, and their errors), prompt
 data and its errors, exact resume inside a rollout, offline groups, and learning on the shipped
 quickstart-grpo task measured with mlx-lm's own generation."""
@@ -31,6 +32,7 @@ from conftest import (
 from conftest import build_run as build
 from mlxtune import Trainer, recipe_from_dict
 from mlxtune.console import Console
+from mlxtune.objectives.grpo import high_entropy
 from mlxtune.rewards import RewardSpec, build_rewards, score
 
 TIMING = TIMING | {"generation_s", "generation_tokens_per_sec"}
@@ -68,9 +70,36 @@ def token_logps(model, ids):
     return mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
 
 
-def naive_grpo(model, batch, old, ref, cfg):
+def token_entropies(model, ids):
+    """[T-1] the entropy of the model's next-token distribution at each position, float64
+    NumPy from its full logits: -sum p log p."""
+    z = np.array(model(mx.array([ids[:-1]]))[0].astype(mx.float32), np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return -(np.exp(logp) * logp).sum(axis=-1)
+
+
+def naive_entropy_mask(model, batch, top):
+    """TRL's get_high_entropy_mask written out: every completion token's entropy, the
+    (1 - top) quantile of them all (torch.quantile's linear interpolation, by hand), and each
+    completion's mask of the tokens at or above it: (masks, entropies, threshold)."""
+    ents = []
+    for i, (t, m) in enumerate(zip(batch.tokens, batch.mask, strict=True)):
+        n = int(batch.lengths[i])
+        where = [j for j in range(n - 1) if m[j + 1]]
+        ents.append(token_entropies(model, [int(x) for x in t[:n]])[where])
+    flat = np.sort(np.concatenate(ents))
+    pos = (1 - top) * (len(flat) - 1)
+    lo = int(np.floor(pos))
+    hi = min(lo + 1, len(flat) - 1)
+    threshold = flat[lo] + (pos - lo) * (flat[hi] - flat[lo])
+    return [e >= threshold for e in ents], np.concatenate(ents), threshold
+
+
+def naive_grpo(model, batch, old, ref, cfg, keep=None):
     """TRL's GRPO loss, written out completion by completion: (loss, each completion's count of
-    tokens clipped low and high and its KL sum, as [R, 3] float64)."""
+    tokens clipped low and high and its KL sum, as [R, 3] float64). ``keep``: each
+    completion's entropy mask, which multiplies the policy term alone (TRL's order)."""
     el = cfg["epsilon"]
     eh = cfg.get("epsilon_high") or el
     beta, kind = cfg.get("beta", 0.0), cfg.get("loss", "dapo")
@@ -97,6 +126,8 @@ def naive_grpo(model, batch, old, ref, cfg):
             per = -mx.sigmoid(tau * (c1 - 1)) * 4 / tau * a
         else:
             per = -mx.minimum(c1 * a, c2 * a)
+        if keep is not None:
+            per = per * mx.array(keep[i].astype(np.float32))
         kl = 0.0
         if beta:
             d = mx.array(ref[i][where]) - lp
@@ -113,6 +144,22 @@ def naive_grpo(model, batch, old, ref, cfg):
     if kind in ("grpo", "sapo"):
         return sum(s / k for s, k in zip(seq_sums, seq_ns, strict=True)) / len(seq_ns), stats
     return sum(seq_sums) / (len(seq_ns) * cfg["max_completion_length"]), stats
+
+
+def perturb(model, batch, cfg):
+    """Old log-probs that put ratios on both sides of both clip bounds, a reference (beta),
+    and advantages of both signs, seeded."""
+    rng = np.random.default_rng(0)
+    shift = rng.choice([-0.5, -0.05, 0.05, 0.5], size=batch.mask[:, 1:].shape)
+    cur = np.zeros(batch.mask[:, 1:].shape, np.float32)
+    for i in range(len(batch.tokens)):
+        n = int(batch.lengths[i])
+        cur[i, : n - 1] = np.array(token_logps(model, [int(x) for x in batch.tokens[i, :n]]))
+    batch.old = (cur + shift).astype(np.float32)
+    batch.ref = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
+    if not cfg.get("beta"):
+        batch.ref = None
+    batch.advantages = rng.normal(0, 1, len(batch.tokens)).astype(np.float32)
 
 
 VARIANTS = [
@@ -139,18 +186,7 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
     batch = next(obj.batches())[1]
     tokens = cfg["loss"] in ("dapo", "cispo")
     assert obj.count(batch) == (batch.n_targets if tokens else len(batch.tokens))
-    rng = np.random.default_rng(0)
-    # ratios on both sides of both clip bounds, advantages of both signs
-    shift = rng.choice([-0.5, -0.05, 0.05, 0.5], size=batch.mask[:, 1:].shape)
-    cur = np.zeros(batch.mask[:, 1:].shape, np.float32)
-    for i in range(len(batch.tokens)):
-        n = int(batch.lengths[i])
-        cur[i, : n - 1] = np.array(token_logps(t.model, [int(x) for x in batch.tokens[i, :n]]))
-    batch.old = (cur + shift).astype(np.float32)
-    batch.ref = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
-    if not cfg.get("beta"):
-        batch.ref = None
-    batch.advantages = rng.normal(0, 1, len(batch.tokens)).astype(np.float32)
+    perturb(t.model, batch, cfg)
     arrays = t.engine.arrays(batch)
     want, stats = naive_grpo(t.model, batch, batch.old, batch.ref, cfg)
     loss, count, metrics = obj.loss(t.model, arrays)
@@ -179,6 +215,151 @@ def test_each_loss_is_its_formula_in_values_and_gradients(tmp_path, llama_dir, p
 
     n = count.item()
     same_gradients(t.model, naive, lambda m: obj.loss(m, arrays)[0] / n, rtol=3e-4)
+
+
+def peaked(t):
+    """The run's model with its final norm x 4: distributions from near-certain to near-uniform
+    (a random one's are all near uniform), so that entropies spread out."""
+    norm = t.model.model.norm
+    norm.weight = norm.weight * 4
+    return t
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"loss": "dapo", "beta": 0.1},
+        {"loss": "grpo", "importance_sampling": "sequence"},
+        {"loss": "dr_grpo", "micro_batch_size": 5},
+        {"loss": "cispo", "epsilon_high": 1.2},
+    ],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_the_entropy_mask_keeps_the_policy_term_of_high_entropy_tokens(
+    tmp_path, llama_dir, prompts, variant
+):
+    """entropy_mask 0.3, as TRL's top_entropy_quantile 0.3: the mask is the batch's completion
+    tokens at or above the 0.7 quantile of their entropies, written here from full logits; it
+    multiplies the policy term only (the KL term and the normalisation counts are the
+    unmasked ones), in values and gradients; the quantile is the whole batch's whatever its
+    passes (micro_batch_size 5: three passes)."""
+    top = 0.3
+    cfg = {"epsilon": 0.2, "max_completion_length": 6, **variant, "entropy_mask": top}
+    t = peaked(build(recipe(prompts, llama_dir, cfg), tmp_path))
+    obj = t.objective
+    batch = next(obj.batches())[1]
+    keep, ents, threshold = naive_entropy_mask(t.model, batch, top)
+    # clear of every entropy, so that fp32 and float64 draw the same line
+    assert np.abs(ents - threshold).min() > 1e-4
+    got = [batch.keep[i, np.flatnonzero(batch.mask[i, 1:])] for i in range(len(batch.tokens))]
+    for g, k in zip(got, keep, strict=True):
+        np.testing.assert_array_equal(g, k.astype(np.float32))
+    assert batch.keep.sum() == sum(k.sum() for k in keep) == np.ceil(top * len(ents))
+    assert not batch.keep[batch.mask[:, 1:] == 0].any()
+    entropy = obj.host_metrics(batch)["entropy"]  # TRL's metric: the tokens' mean entropy
+    assert entropy[0] / entropy[1] == pytest.approx(ents.mean(), rel=1e-5)
+    perturb(t.model, batch, cfg)
+    want, stats = naive_grpo(t.model, batch, batch.old, batch.ref, cfg, keep)
+    unmasked = naive_grpo(t.model, batch, batch.old, batch.ref, cfg)[0]
+    assert abs(want.item() - unmasked.item()) > 1e-3  # the mask matters here
+    parts = obj.micro(batch)
+    assert len(parts) == (3 if "micro_batch_size" in variant else 1)
+    n = obj.count(batch)
+    total = sum(obj.loss(t.model, t.engine.arrays(p))[0].item() for p in parts)
+    assert total / n == pytest.approx(want.item(), rel=2e-5, abs=1e-6)
+    if cfg.get("beta"):  # the KL is every token's, unmasked, as the loss counts it
+        kl = obj.loss(t.model, t.engine.arrays(batch))[2]["kl"].item()
+        assert kl == pytest.approx(stats[:, 2].sum(), rel=1e-4, abs=1e-5)
+
+    def naive(model):
+        return naive_grpo(model, batch, batch.old, batch.ref, cfg, keep)[0]
+
+    arrays = t.engine.arrays(batch)
+    same_gradients(t.model, naive, lambda m: obj.loss(m, arrays)[0] / n, rtol=3e-4)
+
+
+def test_the_entropy_mask_is_the_policys_as_each_step_starts(tmp_path, llama_dir, prompts):
+    """num_iterations 2: the rollout's rows are handed out again after a step, and their mask
+    and entropies are then the updated policy's (TRL computes them in each step's forward),
+    not the generating one's."""
+    cfg = {"num_iterations": 2, "entropy_mask": 0.3}
+    t = peaked(build(recipe(prompts, llama_dir, cfg, optimizer={"lr": 0.05}), tmp_path))
+    batches = t.objective.batches()
+    first = next(batches)[1]
+    t.engine.step(t.engine.micro_batches([first]))
+    mx.eval(t.model.parameters())
+    again = next(batches)[1]
+    assert np.array_equal(again.tokens, first.tokens)
+    keep, ents, threshold = naive_entropy_mask(t.model, again, 0.3)
+    assert np.abs(ents - threshold).min() > 1e-4
+    mean = again.host["entropy"][0] / again.host["entropy"][1]
+    assert mean == pytest.approx(ents.mean(), rel=1e-5)
+    assert abs(mean - first.host["entropy"][0] / first.host["entropy"][1]) > 1e-3
+    for i, k in enumerate(keep):
+        np.testing.assert_array_equal(again.keep[i, np.flatnonzero(again.mask[i, 1:])], k)
+
+
+def test_the_entropies_are_the_models_own_under_a_soft_cap(
+    tmp_path, model_dir_factory, tokenizer_dir, prompts
+):
+    """gemma2 (logits soft-capped at 5), on offline groups: the entropies the mask reads,
+    through the head's kernel at the target positions only, are those of the model's own
+    logits."""
+    groups = [
+        {"prompt": r["prompt"], "responses": [" " + r["answer"], " x"], "rewards": [1.0, 0.0]}
+        for r in prompt_rows(6, 5)
+    ]
+    write_jsonl(tmp_path / "off" / "train.jsonl", groups)
+    write_jsonl(tmp_path / "off" / "valid.jsonl", groups[:2])
+    r = recipe(tmp_path / "off", model_dir_factory("gemma2"), {"entropy_mask": 0.5, "rewards": []})
+    r["tokenizer"] = {"path": str(tokenizer_dir)}
+    t = build(r, tmp_path)
+    obj = t.objective
+    assert obj.components.lm.softcap == 5.0
+    batch = next(obj.batches())[1]
+    arrays = t.engine.arrays(batch)
+    assert "rows" in arrays  # the prompts' positions skip the head
+    # the offline evaluation's loss masks its batches as training does
+    for b in obj.eval_batches():
+        assert np.ceil(0.5 * b.n_targets) <= b.keep.sum() < b.n_targets
+    got = np.array(obj.token_entropies(arrays))
+    assert not got[batch.mask[:, 1:] == 0].any()
+    for i, (tok, m) in enumerate(zip(batch.tokens, batch.mask, strict=True)):
+        n = int(batch.lengths[i])
+        where = [j for j in range(n - 1) if m[j + 1]]
+        want = token_entropies(t.model, [int(x) for x in tok[:n]])[where]
+        np.testing.assert_allclose(got[i, where], want, rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_mask_1_is_no_mask_and_the_quantile_is_torchs():
+    """The mask as TRL's get_high_entropy_mask takes it: over the targets only, linear
+    interpolation, entropies at or above the threshold (ties all kept); 1.0 keeps every
+    target."""
+    ent = np.array([[0.1, 0.5, 0.3, 0.9, 0.7, 5.0]], np.float32)
+    mask = np.array([[1, 1, 1, 1, 1, 0]])  # the last is no target: neither counted nor kept
+    # the 0.6 quantile of (0.1, 0.3, 0.5, 0.7, 0.9): position 2.4, 0.5 + 0.4 x 0.2 = 0.58
+    np.testing.assert_array_equal(high_entropy(ent, mask, 0.4), [[0, 0, 0, 1, 1, 0]])
+    np.testing.assert_array_equal(high_entropy(ent, mask, 1.0), [[1, 1, 1, 1, 1, 0]])
+    np.testing.assert_array_equal(high_entropy(ent, mask, 0.01), [[0, 0, 0, 1, 0, 0]])
+    ties = np.full((1, 4), 0.5, np.float32)
+    np.testing.assert_array_equal(high_entropy(ties, np.ones((1, 4)), 0.2), [[1, 1, 1, 1]])
+    assert not high_entropy(ent, np.zeros_like(mask), 0.2).any()
+
+
+def test_entropy_mask_1_trains_as_no_mask(tmp_path, llama_dir, prompts):
+    """entropy_mask 1.0 is every token (no entropy forward, no mask): the loss and rows of a
+    run without the key; a mask of 0.5 changes them, and logs the tokens' mean entropy."""
+    rows_of = {}
+    for name, top in (("none", None), ("all", 1.0), ("half", 0.5)):
+        obj = {"beta": 0.05} if top is None else {"beta": 0.05, "entropy_mask": top}
+        r = recipe(prompts, llama_dir, obj, max_steps=2)
+        build(r, tmp_path, name).run()
+        rows_of[name] = rows(tmp_path / name)
+    same_rows(rows_of["all"], rows_of["none"], 0, 0)
+    train = [x for x in rows_of["half"] if "loss" in x]
+    assert all(x["entropy"] > 0 for x in train)
+    assert all("entropy" not in x for x in rows_of["none"])
+    assert [x["loss"] for x in train] != [x["loss"] for x in rows_of["none"] if "loss" in x]
 
 
 def test_on_the_first_iteration_the_loss_is_the_policy_gradient(tmp_path, llama_dir, prompts):
@@ -285,12 +466,16 @@ def test_passes_cut_groups_and_add_up_to_the_batch(tmp_path, llama_dir, prompts)
     assert [p.groups for p in obj.micro(batch)] == [(3,), (1, 2), (2, 1), (3,)]
 
 
-def test_passes_train_the_same_update_as_the_whole_batch(tmp_path, llama_dir, prompts):
-    """A run in passes of 3 completions (the old and reference log-probs too) gives the rows of
-    one that takes each batch in one pass."""
-    obj = {"num_iterations": 2, "beta": 0.05}
-    build(recipe(prompts, llama_dir, {**obj, "micro_batch_size": 64}), tmp_path, "whole").run()
-    build(recipe(prompts, llama_dir, {**obj, "micro_batch_size": 3}), tmp_path, "cut").run()
+@pytest.mark.parametrize("entropy_mask", [None, 0.3])
+def test_passes_train_the_same_update_as_the_whole_batch(
+    tmp_path, llama_dir, prompts, entropy_mask
+):
+    """A run in passes of 3 completions (the old and reference log-probs too, and the
+    entropies of the batch's mask) gives the rows of one that takes each batch in one pass."""
+    obj = {"num_iterations": 2, "beta": 0.05, "entropy_mask": entropy_mask}
+    for name, size in (("whole", 64), ("cut", 3)):
+        t = build(recipe(prompts, llama_dir, {**obj, "micro_batch_size": size}), tmp_path, name)
+        (peaked(t) if entropy_mask else t).run()  # entropies clear of the quantiles
     whole, cut = rows(tmp_path / "whole"), rows(tmp_path / "cut")
     assert any(x.get("kl", 0) > 0 for x in whole)
     same_rows(cut, whole, rel=2e-4, abs=1e-5)
@@ -366,6 +551,8 @@ def test_a_failing_reward_function_is_named_and_exits_2(
         ({"micro_batch_size": 0}, "objective.micro_batch_size", "at least 1"),
         ({"loss": "cispo"}, "objective.epsilon_high", "the cap on the importance ratio"),
         ({"loss": "sapo", "sapo_temperature_neg": 0}, "objective.sapo_temperature_neg", "than 0"),
+        ({"entropy_mask": 0}, "objective.entropy_mask", "in (0, 1]: the top fraction"),
+        ({"entropy_mask": 1.5}, "objective.entropy_mask", "in (0, 1]"),
     ],
 )
 def test_bad_grpo_settings_exit_2(tmp_path, llama_dir, prompts, capsys, objective, where, message):
@@ -419,13 +606,15 @@ def test_rows_carry_the_rollout_metrics_and_eval_the_held_out_reward(tmp_path, l
     assert {x["step"] for x in samples} == {0, 3, 6} and all("reward" in x for x in samples)
 
 
-def test_resume_inside_a_rollout_is_exact(tmp_path, llama_dir, prompts):
+@pytest.mark.parametrize("entropy_mask", [None, 0.5])
+def test_resume_inside_a_rollout_is_exact(tmp_path, llama_dir, prompts, entropy_mask):
     """num_iterations 2 with grad accumulation 2: a rollout trains steps 3 and 4; the run dies
-    after step 3's checkpoint and resumes on the same completions and kept log-probs."""
+    after step 3's checkpoint and resumes on the same completions and kept log-probs (and
+    entropy masks, drawn again from the restored policy)."""
     r = recipe(
         prompts,
         llama_dir,
-        {"num_iterations": 2, "beta": 0.05},
+        {"num_iterations": 2, "beta": 0.05, "entropy_mask": entropy_mask},
         checkpoints={"every": 3},
     )
     r["train"] = {**r["train"], "grad_accumulation": 2}

@@ -380,3 +380,78 @@ def test_a_quantized_heads_chunked_loss_never_holds_the_dense_head():
     )
     peak = peak_memory_mb(lambda: step(h))
     assert peak < 0.5 * v * d * 4 / 2**20, peak
+
+
+def naive_entropy(hidden, weight, softcap=None):
+    """[N] entropies of softmax(hidden @ weight.T) from the full logits, float64 NumPy:
+    logsumexp(z) - sum softmax(z) z."""
+    h, w = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (hidden, weight))
+    z = h @ w.T
+    if softcap is not None:
+        z = softcap * np.tanh(z / softcap)
+    m = z.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    p = np.exp(z - lse[:, None])
+    return lse - (p * z).sum(axis=1)
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+@pytest.mark.parametrize("chunk", [None, 256, 7])  # V=1000: 3 x 256 + 232; 142 x 7 + 6
+def test_linear_entropy_is_the_entropy_of_the_full_logits(softcap, chunk):
+    """Per-row entropies over vocabulary chunks (the running maximum moving chunk by chunk)
+    match float64 NumPy over the full logits, from near-uniform rows to near-certain ones; no
+    gradient flows through them."""
+    from mlxtune.kernels import linear_entropy
+
+    n, d, v = 40, 12, 1000
+    h, w, _ = inputs(n=n, d=d, v=v, seed=11)
+    h = h * mx.linspace(0.05, 6.0, n)[:, None]  # entropies from about log V down to about 0
+    w = w * mx.linspace(0.2, 3.0, v)[:, None]  # logits grow chunk by chunk: m moves
+    got = linear_entropy(h, w, softcap=softcap, chunk=chunk)
+    want = naive_entropy(h, w, softcap)
+    assert got.dtype == mx.float32 and got.shape == (n,)
+    if softcap is None:  # the range the rows cover (a cap of 4 keeps them near log V)
+        assert want.max() > 6.0 and want.min() < 0.5
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
+    gh, gw = mx.grad(lambda h, w: linear_entropy(h, w, softcap=softcap).sum(), (0, 1))(h, w)
+    assert not np.array(gh).any() and not np.array(gw).any()
+    with pytest.raises(ValueError, match="expected hidden"):
+        linear_entropy(h, w[:, :5])
+
+
+def test_linear_entropy_of_a_quantized_head_and_bf16_inputs():
+    from mlxtune.kernels import QuantizedRows, linear_entropy
+
+    h, w, _ = inputs(n=37, d=128, v=3000, seed=4)
+    codes, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    rows = QuantizedRows(codes, scales, biases, 64, 4, scale=2.0)
+    deq = 2.0 * mx.dequantize(codes, scales, biases, 64, 4)
+    want = naive_entropy(h, deq)
+    np.testing.assert_allclose(np.array(linear_entropy(h, rows)), want, rtol=1e-5, atol=1e-5)
+    hb, wb = h.astype(mx.bfloat16), w.astype(mx.bfloat16)
+    got = linear_entropy(hb, wb, chunk=512)
+    assert got.dtype == mx.float32
+    # the logits rounded to bf16 by the matmul, as the loss rounds them: within 1.5%
+    np.testing.assert_allclose(np.array(got), naive_entropy(hb, wb), rtol=1.5e-2, atol=1e-3)
+
+
+def test_linear_entropy_never_builds_the_logits(monkeypatch):
+    """Measured, not assumed: at N=512, V=16384 (0.5 MB chunks) the entropies' peak is a small
+    share of the [N, V] logits that the naive form builds."""
+    from mlxtune.kernels import chunked as chunked_mod
+    from mlxtune.kernels import linear_entropy
+
+    monkeypatch.setattr(chunked_mod, "CHUNK_ELEMENTS", 1 << 17)
+    monkeypatch.setattr(chunked_mod, "GPU_CHUNK_ELEMENTS", 1 << 17)
+    h, w, _ = inputs(n=512, d=64, v=16384, seed=3, ignored=0)
+
+    def naive_form(h, w):
+        z = h @ w.T
+        p = mx.softmax(z, axis=-1)
+        return mx.logsumexp(z, axis=-1) - (p * z).sum(axis=-1)
+
+    logits_mb = 512 * 16384 * 4 / 1e6
+    naive = peak_memory_mb(naive_form, h, w)
+    ours = peak_memory_mb(linear_entropy, h, w)
+    assert naive > logits_mb, naive
+    assert ours < 0.25 * logits_mb, (ours, naive)

@@ -8,7 +8,8 @@ the tier every other one is tested against; "chunked" is portable MLX that never
 both backends (fused.py, mlxtune.metal_kernels), and exist where that GPU backend does.
 Attention has one more, "native": MLX's own fused attention, a boolean mask keeping packed
 sequences apart. ``impl`` may also be a ``tune.Tuned``: the tier measured fastest for each
-shape (tune.py).
+shape (tune.py). ``linear_entropy(hidden, weight)``, the entropy of the head's distributions
+(forward only, for GRPO's entropy mask), has one portable form, chunked like the loss.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import os
 
 import mlx.core as mx
 
-from .chunked import QuantizedRows, dense, forward_only, linear_cross_entropy_chunked
+from .chunked import (
+    QuantizedRows,
+    dense,
+    forward_only,
+    linear_cross_entropy_chunked,
+    linear_entropy_chunked,
+)
 from .flash import attention_chunked, attention_native, attention_reference
 from .fused import FastLauncher, make_attention, make_linear_cross_entropy
 from .reference import linear_cross_entropy_reference
@@ -217,6 +224,22 @@ def linear_cross_entropy(
     return total, n_valid
 
 
+def linear_entropy(
+    hidden: mx.array, weight, *, softcap: float | None = None, chunk: int | None = None
+) -> mx.array:
+    """Entropy [N] (fp32, nats) of the distribution softmax(hidden @ weight.T) of each row,
+    ``softcap`` applied to the logits first as ``linear_cross_entropy`` applies it:
+    logsumexp(z) - sum softmax(z) z. Never builds the [N, V] logits: it streams over vocabulary
+    chunks of ``chunk`` columns (default: as the loss sizes them) with an online maximum, one
+    [N, chunk] block at a time. Forward only: no gradient flows to ``hidden`` or ``weight``
+    (what reads it, GRPO's entropy mask, takes none). ``weight`` may be ``QuantizedRows``."""
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"expected hidden [N, D] and weight [V, D], got {hidden.shape} and {weight.shape}"
+        )
+    return linear_entropy_chunked(hidden, weight, softcap, chunk)
+
+
 def attention(
     q: mx.array,
     k: mx.array,
@@ -259,6 +282,7 @@ __all__ = [
     "best_impl",
     "forward_only",
     "linear_cross_entropy",
+    "linear_entropy",
     "resolve",
     "self_check",
 ]

@@ -339,3 +339,35 @@ def linear_cross_entropy_chunked(
     arrays = weight.arrays() if quantized else [weight]
     losses, _ = losses_fn(hidden, safe, *arrays)
     return losses, valid
+
+
+def linear_entropy_chunked(hidden, weight, softcap=None, chunk=None) -> mx.array:
+    """Entropy [N] (fp32, nats) of softmax(z) for each row of z = hidden @ weight.T (soft-capped
+    as the loss caps it), streamed over vocabulary chunks as the loss's forward streams its
+    logsumexp: per row the running maximum m, s = sum e^(z - m) and t = sum e^(z - m) (z - m),
+    both rescaled when m grows, so H = log s - t / s (z - m, not z, keeps the difference of two
+    large numbers out of it). Only an [N, chunk] block of logits exists at a time; no gradient
+    flows (forward only)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    c = chunk or chunk_size(n, v)
+    if isinstance(weight, QuantizedRows) and not chunk:
+        c = min(c, chunk_size(weight.shape[1], v, 4 * chunk_elements()))
+    h = mx.stop_gradient(hidden)
+    weight = mx.stop_gradient(weight) if isinstance(weight, mx.array) else weight
+    state = None  # [N, 3]: m, s, t
+    for start in range(0, v, c):
+        # chunk k only once chunk k-1 is folded in (one block of logits at a time, as _forward)
+        after = h if state is None else mx.depends(h, state)
+        z = _logits(after, _chunk(weight, start, c, state), softcap)
+        top = z.max(axis=-1)
+        if state is None:
+            m, s, t = top, 0.0, 0.0
+        else:
+            old, s, t = state[:, 0], state[:, 1], state[:, 2]
+            m = mx.maximum(old, top)
+            shrink = cpu.exp_of_nonpositive(old - m)
+            s, t = s * shrink, (t + s * (old - m)) * shrink
+        d = cpu.materialized(z - m[:, None])
+        e = cpu.exp_of_nonpositive(d)
+        state = mx.stack([m, s + e.sum(axis=-1), t + (e * d).sum(axis=-1)], axis=-1)
+    return mx.log(state[:, 1]) - state[:, 2] / state[:, 1]

@@ -38,7 +38,7 @@ from ..data import (
 )
 from ..data.cache import cached_split
 from ..errors import UserInputError
-from ..kernels import linear_cross_entropy
+from ..kernels import linear_cross_entropy, linear_entropy
 from ..models import LMParts, images, packing_refusal, segments, step_images
 from ..tensor import split_cross_entropy, vocab_split
 
@@ -267,6 +267,25 @@ class Objective:
         if rows is not None:  # back to every position; the filler rows add their 0 loss
             out = mx.zeros(targets.shape, out.dtype).at[rows].add(out)
         return out.reshape(mask.shape[0], -1), n
+
+    def token_entropies(self, batch: dict[str, mx.array], hidden: mx.array | None = None):
+        """The entropy (fp32, nats) of the model's next-token distribution at each target
+        position [B, T-1] (0 off-target), through ``linear_entropy``: the head, soft cap and
+        ``rows`` as ``token_losses`` reads them, no [tokens, vocabulary] logits, no gradient. A
+        head split by vocabulary among ranks (tensor parallelism) is not supported."""
+        c = self.components
+        if vocab_split(c.lm.head) is not None:
+            raise ValueError("token_entropies: the head is split by vocabulary among ranks")
+        mask = batch["mask"][:, 1:] > 0
+        h = self.hidden(batch) if hidden is None else hidden
+        h = h.reshape(-1, h.shape[-1])
+        rows = batch.get("rows")
+        out = linear_entropy(
+            c.lm.loss_hidden(h if rows is None else h[rows]), c.lm.head_rows(), softcap=c.lm.softcap
+        )
+        if rows is not None:  # back to every position (the filler rows land off-target)
+            out = mx.zeros((h.shape[0],), out.dtype).at[rows].add(out)
+        return mx.where(mask, out.reshape(mask.shape), 0.0)
 
     # --------------------------------------------------------------------- batches
     def batches(self, start_epoch: int = 0, skip: int = 0) -> Iterator[tuple[int, Batch]]:

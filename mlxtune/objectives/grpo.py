@@ -17,12 +17,13 @@ updates (r = 1, gradients of r A = the policy gradient), kept from generation fo
 Offline, where another policy wrote the completions, the model as the run starts stands for it
 (its log-probs from a copy of the starting trainable weights): the clip then keeps every given
 token's probability within epsilon of where it began, where fixed completions with negative
-advantages would otherwise be pushed down without end.
+advantages would otherwise be pushed down without end. ``entropy_mask`` (TRL's
+top_entropy_quantile) keeps the policy term of a batch's highest-entropy completion tokens only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import mlx.core as mx
@@ -32,6 +33,7 @@ import numpy as np
 from ..data.prompts import PromptExample
 from ..errors import UserInputError
 from ..kernels import forward_only
+from ..tensor import vocab_split
 from .online import OnPolicy, RLConfig
 from .rollout import RolloutBatch, advantages
 
@@ -69,6 +71,10 @@ class GRPOConfig(RLConfig):
     """Divide advantages by the group's reward standard deviation, the whole batch's, or not."""
     num_iterations: int = 1
     """Optimizer steps each rollout trains (> 1 keeps the generating policy's log-probs)."""
+    entropy_mask: float | None = None
+    """Train on the highest-entropy tokens only: the top fraction of a batch's completion tokens
+    by the policy's entropy at each keeps its policy term (0.2: the top fifth, as TRL's
+    top_entropy_quantile 0.2); null or 1.0: every token."""
 
     def checks(self) -> tuple:
         return super().checks() + (
@@ -84,7 +90,48 @@ class GRPOConfig(RLConfig):
             (self.sapo_temperature_neg > 0, "sapo_temperature_neg", "greater than 0"),
             (self.beta >= 0, "beta", "at least 0"),
             (self.num_iterations >= 1, "num_iterations", "at least 1"),
+            (
+                self.entropy_mask is None or 0 < self.entropy_mask <= 1,
+                "entropy_mask",
+                "in (0, 1]: the top fraction of completion tokens by entropy that train (null: all)",
+            ),
         )
+
+
+@dataclass
+class EntropyMasked(RolloutBatch):
+    """A batch with its entropy mask (``entropy_mask``), which its passes and shares carry."""
+
+    keep: np.ndarray | None = None
+    """[R, L-1] 1 where a target's entropy reaches the batch's quantile, else 0."""
+
+
+def with_keep(b: RolloutBatch, keep: np.ndarray, host: dict | None = None) -> EntropyMasked:
+    """``b`` carrying the entropy mask ``keep`` (and ``host`` for its host metrics)."""
+    kw = {f.name: getattr(b, f.name) for f in fields(RolloutBatch)}
+    return EntropyMasked(**{**kw, "host": b.host if host is None else host}, keep=keep)
+
+
+def carry_keep(batch: RolloutBatch, pieces: list[RolloutBatch]) -> list[RolloutBatch]:
+    """``pieces`` (``batch``'s rows, in order), each with its rows of ``batch``'s mask."""
+    if not isinstance(batch, EntropyMasked):
+        return pieces
+    out, at = [], 0
+    for p in pieces:
+        out.append(with_keep(p, batch.keep[at : at + len(p.tokens)]))
+        at += len(p.tokens)
+    return out
+
+
+def high_entropy(entropy: np.ndarray, mask: np.ndarray, top: float) -> np.ndarray:
+    """TRL's high-entropy mask: 1 where a target (``mask`` > 0) has an entropy at least the
+    (1 - ``top``) quantile of every target's entropy (linear interpolation, as torch.quantile),
+    else 0."""
+    on = mask > 0
+    if not on.any():
+        return np.zeros(entropy.shape, np.float32)
+    threshold = np.quantile(entropy[on].astype(np.float64), 1.0 - top)
+    return (on & (entropy >= threshold)).astype(np.float32)
 
 
 class GRPO(OnPolicy):
@@ -98,6 +145,8 @@ class GRPO(OnPolicy):
         cfg = self.config
         self.eps_low = cfg.epsilon
         self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        top = cfg.entropy_mask
+        self.entropy_top = top if top is not None and top < 1 else None  # null: no mask
         if not self.offline and cfg.scale_rewards == "group" and cfg.num_generations < 2:
             raise UserInputError(
                 "a group of one has no spread to compare within: num_generations >= 2, "
@@ -138,10 +187,47 @@ class GRPO(OnPolicy):
                 with self._reference.active():
                     batch.ref = self._passes(batch, logps)[0]
 
+    def prepare(self, run_dir, source, log) -> None:
+        super().prepare(run_dir, source, log)
+        if self.entropy_top is not None and vocab_split(self.components.lm.head) is not None:
+            raise UserInputError(
+                "needs each rank's whole head for the entropies: not with a head split by "
+                "vocabulary (distributed.strategy: tensor)",
+                "objective.entropy_mask",
+            )
+
+    # ------------------------------------------------------------------ the entropy mask
+    def _hand_out(self, rollout: list[RolloutBatch], j: int) -> RolloutBatch:
+        b = super()._hand_out(rollout, j)
+        return b if self.entropy_top is None else self._entropy_masked(b)
+
+    def eval_batches(self):
+        got = super().eval_batches()
+        return got if self.entropy_top is None else [self._entropy_masked(b) for b in got]
+
+    def _entropy_masked(self, b: RolloutBatch) -> EntropyMasked:
+        """``b`` with its entropy mask over all its targets, from the policy as it is when the
+        batch is handed to its step (one forward over its passes, no gradient), and their mean
+        entropy as the ``entropy`` metric."""
+        with forward_only():
+            ent = self._passes(b, lambda arrays: (self.token_entropies(arrays),))[0]
+        on = b.mask[:, 1:] > 0
+        host = {**b.host, "entropy": (float(ent[on].sum()), float(on.sum()))}
+        return with_keep(b, high_entropy(ent, b.mask[:, 1:], self.entropy_top), host)
+
+    def micro(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        return carry_keep(batch, super().micro(batch))
+
+    def split(self, batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
+        return carry_keep(batch, super().split(batch, parts))
+
     def arrays(self, batch: RolloutBatch) -> dict[str, np.ndarray]:
         out = super().arrays(batch)
         out["advantages"] = batch.advantages.astype(np.float32)
         out["valid"] = batch.valid.astype(np.float32)
+        if self.entropy_top is not None:  # a batch without one counts nothing (``nothing``)
+            keep = getattr(batch, "keep", None)
+            out["keep"] = np.zeros(batch.mask[:, 1:].shape, np.float32) if keep is None else keep
         if batch.old is not None:
             out["old"] = batch.old
         if batch.ref is not None:
@@ -162,6 +248,8 @@ class GRPO(OnPolicy):
         ratio = mx.exp(log_ratio)
         adv = batch["advantages"][:, None]
         per_token, metrics = self._policy_term(ratio, adv, logp)
+        if "keep" in batch:  # entropy_mask: the high-entropy targets' policy term alone
+            per_token = per_token * batch["keep"]
         if cfg.beta > 0:
             d = batch["ref"] - logp
             kl = mx.exp(d) - d - 1
@@ -214,4 +302,4 @@ class GRPO(OnPolicy):
         return out
 
 
-__all__ = ["GRPO", "GRPOConfig", "RolloutBatch", "advantages"]
+__all__ = ["GRPO", "GRPOConfig", "RolloutBatch", "advantages", "high_entropy"]
