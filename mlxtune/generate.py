@@ -91,7 +91,7 @@ def _led(tokens: mx.array) -> mx.array:
     return mx.distributed.all_sum(mine, group=group).astype(tokens.dtype)
 
 
-def _draw(logits: mx.array, keys: mx.array, s: Sampling) -> tuple[mx.array, mx.array]:
+def draw(logits: mx.array, keys: mx.array, s: Sampling) -> tuple[mx.array, mx.array]:
     """(tokens [B], the rows' next keys): greedy, or the inverse of each row's CDF over the
     filtered softmax at one uniform from the row's own key (so a row draws what it would draw
     in any other batch)."""
@@ -160,6 +160,7 @@ def generate_ids(
     on_token=None,
     on_logits=None,
     images: list | None = None,
+    logps: list | None = None,
 ) -> list[list[int]]:
     """New token ids (without the prompt, EOS left out) of ``group`` completions of each prompt,
     prompt-major. Prompts of any lengths decode together, left-padded in one batched KV cache;
@@ -171,7 +172,9 @@ def generate_ids(
     each token is drawn from ([batch rows, vocab]; ``rows[j]`` is batch row j's output row, -1
     once it has finished; the batch is the call's prompts x ``group`` until rows finish).
     ``images``: a vision model's prompts' image files (a list of paths a prompt), which its
-    image tokens show."""
+    image tokens show. ``logps``: a list that gets each row's drawn tokens' log-probabilities
+    under the logits they were drawn from, at temperature 1 (``token_logps``; EOS included where
+    a row ended at it)."""
     s = sampling or Sampling(temperature=temperature)
     keys = keys if keys is not None else row_keys(seed, len(prompts), group)
     was_training = model.training
@@ -192,10 +195,22 @@ def generate_ids(
                     [r + base if r >= 0 else r for r in rs], z
                 )
             shown = {} if images is None else {"images": images[at : at + step]}
-            out += decode(model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see, **shown)
+            got = [] if logps is not None else None
+            out += decode(
+                model, chunk, max_new_tokens, eos, s, group, ks, stop, hear, see, got, **shown
+            )
+            if logps is not None:
+                logps += got
     finally:
         model.train(was_training)
     return out
+
+
+def token_logps(logits: mx.array, tokens: mx.array) -> mx.array:
+    """[B] each row's ``tokens`` log-probability under its fp32 ``logits`` (temperature 1, no
+    filtering: the distribution the training forward scores)."""
+    picked = mx.take_along_axis(logits, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
+    return picked - mx.logsumexp(logits, axis=-1)
 
 
 def _ends(row: list[int], token: int, r: int, eos, stop, on_token) -> bool:
@@ -236,6 +251,7 @@ def _decode_own_caches(
     stop=None,
     on_token=None,
     on_logits=None,
+    logps=None,
     images=None,
 ) -> list[list[int]]:
     """``_decode`` for models whose caches are not plain KV caches (sliding windows, conv or
@@ -245,6 +261,8 @@ def _decode_own_caches(
     gives them, so a row's tokens do not depend on which path decodes it. A vision model's
     prompts read their ``images`` (the prompts' files)."""
     new: list[list[int]] = [[] for _ in range(len(prompts) * group)]
+    if logps is not None:
+        logps += [[] for _ in new]
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)
@@ -263,11 +281,14 @@ def _decode_own_caches(
         ks = keys[mx.array(rows)]
         done = [False] * len(rows)
         for t in range(max_new_tokens):
-            tokens, ks = _draw(logits, ks, s)
+            tokens, ks = draw(logits, ks, s)
             if on_logits is not None:
                 on_logits([r if not done[j] else -1 for j, r in enumerate(rows)], logits)
+            lps = token_logps(logits, tokens).tolist() if logps is not None else None
             for j, tok in enumerate(tokens.tolist()):
                 if not done[j]:
+                    if lps is not None:
+                        logps[rows[j]].append(lps[j])
                     done[j] = _ends(new[rows[j]], tok, rows[j], eos, stop, on_token)
             if all(done) or t == max_new_tokens - 1:
                 break
@@ -352,7 +373,7 @@ def _decode_step(model):
     return steps.step
 
 
-def _grow(ks: list, vs: list, to: int) -> tuple[list, list]:
+def grow_caches(ks: list, vs: list, to: int) -> tuple[list, list]:
     """The caches' buffers zero-padded to ``to`` positions."""
 
     def pad(a):
@@ -361,7 +382,7 @@ def _grow(ks: list, vs: list, to: int) -> tuple[list, list]:
     return [pad(k) for k in ks], [pad(v) for v in vs]
 
 
-def _prefill(model, prompts, group: int, images=None):
+def prefill(model, prompts, group: int, images=None):
     """The prompts read left-padded into mlx-lm's batched cache, each once (all but the last
     position through the backbone alone: their cache, none of their [B, T, vocab] logits), then
     tiled ``group`` times: (the last position's fp32 logits, the caches' keys and values in
@@ -386,7 +407,7 @@ def _prefill(model, prompts, group: int, images=None):
             c.filter(rows)
         logits = logits[rows]
     cap = -(-(width + 1) // BLOCK) * BLOCK  # room for the first decode step
-    ks, vs = _grow(
+    ks, vs = grow_caches(
         [c.keys[..., :width, :] for c in cache], [c.values[..., :width, :] for c in cache], cap
     )
     left, shift = mx.array(pad, dtype=mx.int32)[rows], mx.array(shift, dtype=mx.int32)[rows]
@@ -404,6 +425,7 @@ def _decode(
     stop=None,
     on_token=None,
     on_logits=None,
+    logps=None,
     images=None,
 ) -> list[list[int]]:
     """One batch of prompts: read left-padded into one cache, the cache and the last logits
@@ -411,39 +433,49 @@ def _decode(
     grown ``BLOCK`` positions at a time), the device up to ``AHEAD`` steps ahead of the host that
     reads the tokens. Rows that finish stay in the batch until half of it has, then the batch is
     cut to the next power of two that holds the rows still going."""
-    logits, ks, vs, left, shift, cap = _prefill(model, prompts, group, images)
+    logits, ks, vs, left, shift, cap = prefill(model, prompts, group, images)
     pos = max(len(p) for p in prompts)  # positions written
     idx = mx.array([pos], dtype=mx.int32)
     slots = list(range(len(prompts) * group))  # each batch row's output row; -1: a filler
     new: list[list[int]] = [[] for _ in slots]
+    if logps is not None:
+        logps += [[] for _ in slots]
     done = [False] * len(slots)
-    tokens, keys = _draw(logits, keys, s)
+    tokens, keys = draw(logits, keys, s)
     step = _decode_step(model)
+
+    def lp(z, t):  # the drawn tokens' log-probabilities, when asked for
+        return token_logps(z, t) if logps is not None else None
+
     # steps the device runs ahead of the host: each entry, a step's tokens, the batch layout
     # they were drawn in and the logits they were drawn from
-    queue = deque([(tokens, slots, logits if on_logits else None)])
+    queue = deque([(tokens, slots, logits if on_logits else None, lp(logits, tokens))])
     queued = 1
     while queue:
         while queued < max_new_tokens and len(queue) < AHEAD:
             if pos == cap:
                 cap += BLOCK
-                ks, vs = _grow(ks, vs, cap)
+                ks, vs = grow_caches(ks, vs, cap)
             # the caches go in with no other reference left, so the step writes into them in
             # place (a buffer still referenced would be copied whole, every layer, every step)
             caches, ks, vs = (ks, vs), None, None
             z, ks, vs, idx = step(tokens, *caches, idx, left, shift)
             del caches
-            tokens, keys = _draw(z, keys, s)
-            mx.async_eval(tokens, keys, ks, vs, idx)
-            queue.append((tokens, slots, z if on_logits else None))
+            tokens, keys = draw(z, keys, s)
+            got = lp(z, tokens)
+            mx.async_eval(tokens, keys, ks, vs, idx, *([] if got is None else [got]))
+            queue.append((tokens, slots, z if on_logits else None, got))
             queued += 1
             pos += 1
-        drawn, layout, z = queue.popleft()
+        drawn, layout, z, got = queue.popleft()
         if on_logits is not None:
             on_logits([r if r >= 0 and not done[r] else -1 for r in layout], z)
+        lps = got.tolist() if got is not None else None
         for j, t in enumerate(drawn.tolist()):
             r = layout[j]
             if r >= 0 and not done[r]:
+                if lps is not None:
+                    logps[r].append(lps[j])
                 done[r] = _ends(new[r], t, r, eos, stop, on_token)
         going = [j for j, r in enumerate(slots) if r >= 0 and not done[r]]
         if not going:

@@ -106,14 +106,22 @@ def length_reward(target: int) -> Callable:
 
 
 def _user_function(ref: str, recipe, key: str) -> Callable:
+    return load_user(ref, recipe, key, "reward function")
+
+
+def load_user(ref: str, recipe, key: str, what: str) -> Callable:
+    """``FILE.py:NAME`` (the file relative to the recipe) imported: a function or class of the
+    user's (``what`` it is, for messages); one that cannot be imported is a
+    ``UserInputError`` naming ``key``."""
     file, sep, name = ref.rpartition(":")
     if not sep or not file or not name.isidentifier():
-        raise UserInputError(f"expected FILE.py:FUNCTION, got {ref!r}", key)
+        kind = "CLASS" if "class" in what else "FUNCTION"
+        raise UserInputError(f"expected FILE.py:{kind}, got {ref!r}", key)
     path = recipe.resolve_path(file)
     if path is None or not path.is_file():
         raise UserInputError(f"no such file: {path}", key)
     if path.suffix != ".py":
-        raise UserInputError(f"a reward function lives in a .py file, not {path.name}", key)
+        raise UserInputError(f"a {what} lives in a .py file, not {path.name}", key)
     mod_name = f"mlxtune_rewards_{abs(hash(str(path.resolve())))}"
     try:
         spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -124,7 +132,8 @@ def _user_function(ref: str, recipe, key: str) -> Callable:
         raise UserInputError(f"{path} failed to load: {type(e).__name__}: {e}", key) from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise UserInputError(f"{path} defines no function {name!r}", key)
+        kind = "class" if "class" in what else "function"
+        raise UserInputError(f"{path} defines no {kind} {name!r}", key)
     return fn
 
 
@@ -236,6 +245,7 @@ __all__ = [
     "Reward",
     "RewardSpec",
     "build_rewards",
+    "load_user",
     "exact_match_reward",
     "length_reward",
     "regex_reward",

@@ -543,3 +543,25 @@ def test_quantization_aware_training_trains_as_one(runs, tmp_path):
     qat = {"bits": 4, "group_size": 32, "start_step": 1}
     got = four_steps_as_one(runs, tmp_path, {"type": "sft"}, qat=qat)
     assert any("eval_loss_unquantized" in x for x in got)
+
+
+@pytest.mark.slow  # suite time: the default run stays under 10 minutes
+def test_tool_rollouts_train_as_one(tmp_path):
+    """Multi-turn rollouts with tools: each rank converses its share of the prompts (each row
+    from its own key) and scores it, the ranks gather tokens, masks and rewards, and the
+    two-process run logs what one process does."""
+    from test_tool_runs import tool_recipe
+
+    r = tool_recipe(tmp_path, {"beta": 0.05}, steps=3)
+    r["train"]["batch_size"] = 4
+    r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
+    one, two, p = one_and_two(tmp_path, r)
+    assert p.returncode == 0, p.stdout + p.stderr
+    drop = {"generation_s", "generation_tokens_per_sec"}
+
+    def kept(d):
+        return [{k: v for k, v in x.items() if k not in drop} for x in rows(d)]
+
+    got, want = kept(two), kept(one)
+    assert got[0]["world_size"] == 2 and any(x.get("tool_calls", 0) > 0 for x in got)
+    same(want, got, abs=2e-5)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from mlxtune.generate import Sampling, _draw, filtered_logits, generate_ids, row_keys
+from mlxtune.generate import Sampling, draw, filtered_logits, generate_ids, row_keys
 
 WORDS = ["hello", "ab", "abcdefg", "zq", "mississippi", "x"]
 
@@ -173,7 +173,7 @@ def test_sampling_keeps_what_its_rules_name_with_softmax_probabilities(s):
     n = 20000
     keys = mx.random.split(mx.random.key(1), n)
     for b in range(3):
-        tokens, _ = _draw(mx.broadcast_to(mx.array(logits[b]), (n, 8)), keys, s)
+        tokens, _ = draw(mx.broadcast_to(mx.array(logits[b]), (n, 8)), keys, s)
         freq = np.bincount(np.array(tokens), minlength=8) / n
         p = np.exp(want[b] - want[b][np.isfinite(want[b])].max())
         p /= p.sum()
@@ -202,3 +202,25 @@ def test_stop_strings_end_a_row_at_the_token_that_completes_them(reverse):
         hits += bool(ends)
         assert c == want
     assert hits >= 3  # some rows did stop (mississippi reversed has s; zq has q)
+
+
+def test_the_drawn_tokens_log_probabilities_are_the_full_forwards(reverse):
+    """logps: each drawn token's log-probability at temperature 1 (whatever the sampling's
+    temperature and filters), as the model over the whole sequence gives it, EOS included where
+    a row ended at it; for both decoding paths' engine (mixed prompt lengths, a group of 2)."""
+    model, tok = reverse
+    eos = {tok.eos_token_id}
+    got: list = []
+    s = Sampling(temperature=0.7, top_k=8)
+    new = generate_ids(model, prompts(tok)[:4], 10, eos, sampling=s, group=2, seed=5, logps=got)
+    assert len(got) == 8
+    for r, (ids, lps) in enumerate(zip(new, got, strict=True)):
+        ended = len(lps) == len(ids) + 1
+        assert ended or len(lps) == len(ids) == 10
+        seq = prompts(tok)[r // 2] + ids + ([tok.eos_token_id] if ended else [])
+        z = np.array(model(mx.array([seq[:-1]]))[0].astype(mx.float32), np.float64)
+        z = z - z.max(axis=-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        k = len(prompts(tok)[r // 2])
+        want = [logp[k - 1 + j, seq[k + j]] for j in range(len(lps))]
+        np.testing.assert_allclose(lps, want, atol=1e-4)

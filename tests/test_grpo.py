@@ -96,7 +96,7 @@ def naive_entropy_mask(model, batch, top):
     return [e >= threshold for e in ents], np.concatenate(ents), threshold
 
 
-def naive_grpo(model, batch, old, ref, cfg, keep=None):
+def naive_grpo(model, batch, old, ref, cfg, keep=None, is_weight=None):
     """TRL's GRPO loss, written out completion by completion: (loss, each completion's count of
     tokens clipped low and high and its KL sum, as [R, 3] float64). ``keep``: each
     completion's entropy mask, which multiplies the policy term alone (TRL's order)."""
@@ -128,6 +128,8 @@ def naive_grpo(model, batch, old, ref, cfg, keep=None):
             per = -mx.minimum(c1 * a, c2 * a)
         if keep is not None:
             per = per * mx.array(keep[i].astype(np.float32))
+        if is_weight is not None:  # after the entropy mask, before the KL term (TRL's order)
+            per = per * mx.array(is_weight[i].astype(np.float32))
         kl = 0.0
         if beta:
             d = mx.array(ref[i][where]) - lp
@@ -174,6 +176,43 @@ VARIANTS = [
     {"loss": "sapo"},
     {"loss": "sapo", "sapo_temperature_pos": 2.0, "beta": 0.1},
 ]
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_importance_sampling_correction_weights_by_the_truncated_ratio(
+    tmp_path, llama_dir, prompts, mode
+):
+    """The weights exp(p_old - p_sampled), per token or the completion's summed log-ratio,
+    truncated at the cap, multiply the policy term (TRL's order: before the KL term): written out
+    in float64 over the rollout's own targets. The sampler's log-probs, recorded as each token
+    was drawn, are the trainer's (both at temperature 1): the rollout's own weights are 1."""
+    v = {"importance_sampling_correction": mode, "importance_sampling_cap": 1.5, "beta": 0.1}
+    cfg = {"epsilon": 0.2, "max_completion_length": 6, "loss": "dapo", **v}
+    t = build(recipe(prompts, llama_dir, v), tmp_path)
+    obj = t.objective
+    batch = next(obj.batches())[1]
+    m = batch.mask[:, 1:] > 0
+    np.testing.assert_allclose(batch.is_weight[m], 1.0, atol=2e-4)
+    assert batch.host["is_weight"][1] == m.sum()
+    perturb(t.model, batch, cfg)
+    cur = np.zeros(m.shape, np.float64)
+    for i in range(len(batch.tokens)):
+        n = int(batch.lengths[i])
+        cur[i, : n - 1] = np.array(token_logps(t.model, [int(x) for x in batch.tokens[i, :n]]))
+    rng = np.random.default_rng(1)
+    shift = rng.choice([-0.8, -0.1, 0.1, 0.8], size=m.shape)
+    drawn = [list((cur[i] + shift[i])[m[i]]) for i in range(len(m))]
+    obj._is_weights(batch, cur.astype(np.float32), drawn)
+    d = np.where(m, -shift, 0.0)
+    if mode == "sequence":
+        d = np.broadcast_to(d.sum(axis=1, keepdims=True), d.shape)
+    want_w = np.minimum(np.exp(d), 1.5)
+    assert (want_w[m] == 1.5).any() and (want_w[m] < 1).any()  # truncated, and both sides of 1
+    np.testing.assert_allclose(batch.is_weight[m], want_w[m], rtol=1e-5)
+    each = [want_w[i][m[i]] for i in range(len(m))]
+    want, _ = naive_grpo(t.model, batch, batch.old, batch.ref, cfg, is_weight=each)
+    loss, count, _ = obj.loss(t.model, t.engine.arrays(batch))
+    assert loss.item() / count.item() == pytest.approx(want.item(), rel=2e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -606,15 +645,19 @@ def test_rows_carry_the_rollout_metrics_and_eval_the_held_out_reward(tmp_path, l
     assert {x["step"] for x in samples} == {0, 3, 6} and all("reward" in x for x in samples)
 
 
-@pytest.mark.parametrize("entropy_mask", [None, 0.5])
-def test_resume_inside_a_rollout_is_exact(tmp_path, llama_dir, prompts, entropy_mask):
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"entropy_mask": 0.5}, {"filter_groups": True, "importance_sampling_correction": "token"}],
+    ids=["plain", "entropy_mask", "filtered-is"],
+)
+def test_resume_inside_a_rollout_is_exact(tmp_path, llama_dir, prompts, extra):
     """num_iterations 2 with grad accumulation 2: a rollout trains steps 3 and 4; the run dies
     after step 3's checkpoint and resumes on the same completions and kept log-probs (and
     entropy masks, drawn again from the restored policy)."""
     r = recipe(
         prompts,
         llama_dir,
-        {"num_iterations": 2, "beta": 0.05, "entropy_mask": entropy_mask},
+        {"num_iterations": 2, "beta": 0.05, **extra},
         checkpoints={"every": 3},
     )
     r["train"] = {**r["train"], "grad_accumulation": 2}
@@ -742,3 +785,41 @@ def test_stop_strings_end_completions_without_eos(tmp_path, llama_dir, prompts):
     assert stopped > 0
     host = t.objective.host_metrics(batch)
     assert host["frac_truncated"][0] == cut
+
+
+PARITY = '''
+def parity(prompts, completions, completion_ids, word, **_):
+    """Odd-length words: 1 for a completion whose first token is even; even-length words: 0
+    whatever the completion (a group without spread)."""
+    return [float(len(w) % 2 == 1 and c[0] % 2 == 0) for w, c in zip(word, completion_ids)]
+'''
+
+
+@pytest.mark.parametrize("draws", [1, 4])
+def test_group_filtering_keeps_the_groups_with_spread(tmp_path, llama_dir, prompts, draws):
+    """filter_groups: the batch holds only groups whose rewards differ, topped up from extra
+    draws to batch_size groups (within filter_max_draws); the metrics count what was drawn."""
+    (tmp_path / "parity.py").write_text(PARITY)
+    rewards = [{"function": str(tmp_path / "parity.py:parity")}]
+    obj = {"filter_groups": True, "filter_max_draws": draws, "rewards": rewards}
+    t = build(recipe(prompts, llama_dir, obj), tmp_path)
+    batch = next(t.objective.batches())[1]
+    host = batch.host
+    dropped, seen = host["filtered_groups"]
+    n = host["filter_draws"][0]
+    assert 1 <= n <= draws and seen == 3 * n  # batch_size 3 groups a draw
+    starts = np.cumsum([0, *batch.groups])
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        assert np.abs(batch.advantages[a:b]).max() > 0  # every group kept has a spread
+    kept = len(batch.groups)
+    assert kept == min(3, int(seen - dropped))
+    if draws == 1:
+        assert dropped > 0 and kept < 3  # the first draw alone falls short
+    else:
+        assert kept == 3 and n > 1  # topped up from further draws
+    # the prompts of the batch: odd-length words only (the even ones never spread)
+    tok = t.tokenizer
+    for a in starts[:-1]:
+        n = int(np.argmax(batch.mask[a] > 0))
+        text = tok.decode([int(x) for x in batch.tokens[a, :n]])
+        assert len(text.split()[1]) % 2 == 1

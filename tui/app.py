@@ -240,6 +240,12 @@ class WatchApp(PollingApp):
                 else ""
             )
             + f" · grad norm {_metric(last, 'grad_norm', '.3f')}"
+            + (  # multi-turn rollouts: each conversation's turns, tool calls and tool errors
+                f" · turns {_metric(last, 'turns', '.2f')} · tool calls "
+                f"{_metric(last, 'tool_calls', '.2f')} (errors {_metric(last, 'tool_errors', '.2f')})"
+                if last and "turns" in last
+                else ""
+            )
             + (f" · {d.bad_lines} malformed lines skipped" if d.bad_lines else "")
         )
         if d.samples:

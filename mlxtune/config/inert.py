@@ -162,6 +162,13 @@ def _objective_inert(r: Recipe, inert) -> None:
     if kind == "grpo" and r.objective.loss != "sapo":
         keys = ("objective.sapo_temperature_pos", "objective.sapo_temperature_neg")
         inert(keys, f"objective.loss is {r.objective.loss}, not sapo")
+    if kind == "grpo" and not (r.objective.tools or r.objective.environment):
+        keys = ("max_turns", "max_rollout_length", "tool_timeout_s", "tool_format")
+        why = "neither objective.tools nor objective.environment is set (single-turn rollouts)"
+        inert(tuple(f"objective.{k}" for k in keys), why)
+    if kind == "grpo" and r.objective.environment and not r.objective.tools:
+        why = "objective.tools is not set (the environment answers every turn)"
+        inert(("objective.tool_timeout_s", "objective.tool_format"), why)
     if kind == "reward":
         why = "a reward model scores each sequence's last token, with no LM head or loss kernel"
         inert(("data.train_on_eos", "kernels.loss"), why)

@@ -49,14 +49,22 @@ class PromptEncoder:
     """Encodes prompt rows for one tokenizer: strings as written, messages through the chat
     template with the generation prompt."""
 
-    def __init__(self, tokenizer, add_eos: bool = True, template_kwargs: dict | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        add_eos: bool = True,
+        template_kwargs: dict | None = None,
+        tools: list | None = None,
+    ):
         self.tok = tokenizer
         self.add_eos = add_eos
         # arguments the chat template reads (data.chat_template_kwargs: enable_thinking, ...)
         self.template_kwargs = dict(template_kwargs or {})
         self.eos = tokenizer.eos_token_id
+        self.tools = list(tools or [])
+        """Function schemas every prompt shows besides its row's own (objective.tools)."""
 
-    def _template(self, where: str):
+    def template(self, where: str):
         tmpl = self.tok._tokenizer if hasattr(self.tok, "_tokenizer") else self.tok
         if not getattr(tmpl, "chat_template", None):
             raise UserInputError(
@@ -67,9 +75,9 @@ class PromptEncoder:
             )
         return tmpl
 
-    def _render(self, messages: list, where: str, gen: bool, tokenize: bool = True, tools=None):
+    def render(self, messages: list, where: str, gen: bool, tokenize: bool = True, tools=None):
         try:
-            out = self._template(where).apply_chat_template(
+            out = self.template(where).apply_chat_template(
                 messages,
                 tools=tools,
                 tokenize=tokenize,
@@ -87,8 +95,9 @@ class PromptEncoder:
 
     def prompt(self, value, where: str, tools: list | None = None) -> tuple[list[int], str, str]:
         """(ids, the text the model reads, the prompt as rows show it). ``tools`` (the row's
-        function schemas) reach the chat template; a template that does not show them, or a
-        prompt given as a string, is refused."""
+        function schemas, and the encoder's ``tools``) reach the chat template; a template that
+        does not show them, or a prompt given as a string, is refused."""
+        tools = [*(tools or []), *self.tools] or None
         if isinstance(value, str):
             if not value:
                 raise UserInputError("'prompt' is empty", where)
@@ -102,15 +111,15 @@ class PromptEncoder:
             check_messages(value, where)
             users = [m for m in value if m["role"] == "user"]
             shown = (users or value)[-1]["content"]
-            ids = self._render(value, where, gen=True, tools=tools)
-            if tools and ids == self._render(value, where, gen=True):
+            ids = self.render(value, where, gen=True, tools=tools)
+            if tools and ids == self.render(value, where, gen=True):
                 raise UserInputError(
                     "the row has tools, and the chat template does not show them to the model "
                     "(it renders the prompt alike without them); use a template that renders "
                     "tools",
                     where,
                 )
-            return ids, self._render(value, where, gen=True, tokenize=False, tools=tools), shown
+            return ids, self.render(value, where, gen=True, tokenize=False, tools=tools), shown
         raise UserInputError("'prompt' must be a string or a list of role/content messages", where)
 
     def response(
@@ -125,7 +134,7 @@ class PromptEncoder:
                 out.append(self.eos)
         else:
             turn = [*prompt_value, {"role": "assistant", "content": text}]
-            ids = self._render(turn, where, gen=False, tools=tools)
+            ids = self.render(turn, where, gen=False, tools=tools)
             out = ids[common_prefix(prompt_ids, ids) :]
         if not out:
             raise UserInputError("a response encodes to no tokens", where)

@@ -23,17 +23,22 @@ top_entropy_quantile) keeps the policy term of a batch's highest-entropy complet
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..data.prompts import PromptExample
+from ..data import read_positions
+from ..data.prompts import PromptEncoder, PromptExample
 from ..errors import UserInputError
+from ..generate import plain_kv_caches
 from ..kernels import forward_only
+from ..models import VisionLM
 from ..tensor import vocab_split
+from .agentic import Agent, recipe_tools, rollouts, score_talks, transcript_text
+from .filtering import Draw, filtered
 from .online import OnPolicy, RLConfig
 from .rollout import RolloutBatch, advantages
 
@@ -67,10 +72,40 @@ class GRPOConfig(RLConfig):
     """sapo: tau for tokens of a non-positive advantage."""
     importance_sampling: Literal["token", "sequence"] = "token"
     """token: a ratio per token; sequence (GSPO): the completion's mean log-ratio."""
+    importance_sampling_correction: Literal["none", "token", "sequence"] = "none"
+    """Weight each token's policy term by exp(p_old - p_sampled), the trainer's log-prob of the
+    token at the rollout over the log-prob it was drawn with (token: each token's; sequence:
+    the completion's summed log-ratio), truncated at importance_sampling_cap (truncated
+    importance sampling: where generation's numbers differ from training's)."""
+    importance_sampling_cap: float = 3.0
+    """The largest importance weight (the weights are truncated there)."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: drop the groups whose rewards are all equal (no advantage to
+    learn from) and draw more prompts until the batch holds batch_size groups again, within
+    filter_max_draws."""
+    filter_max_draws: int = 4
+    """filter_groups: prompt batches drawn for one batch at most, the first included (a batch
+    still short then trains on the groups it has)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's reward standard deviation, the whole batch's, or not."""
     num_iterations: int = 1
     """Optimizer steps each rollout trains (> 1 keeps the generating policy's log-probs)."""
+    tools: list[str] = field(default_factory=list)
+    """Multi-turn rollouts: FILE.py:FUNCTION tools (a file relative to the recipe) the chat
+    template shows the model and its tool calls run."""
+    environment: str | None = None
+    """Multi-turn rollouts: FILE.py:CLASS, one instance a conversation: reset(row) -> first
+    messages or None, step(assistant message) -> (messages, done, reward)."""
+    max_turns: int = 4
+    """Multi-turn rollouts: the model's turns in a conversation, at most."""
+    max_rollout_length: int | None = None
+    """Multi-turn rollouts: tokens after the prompt, the model's and the tools' (default
+    max_turns x max_completion_length, which caps each of the model's turns)."""
+    tool_timeout_s: float = 10.0
+    """Multi-turn rollouts: seconds a tool call may take; then the model reads an error."""
+    tool_format: Literal["auto", "hermes", "llama3", "mistral"] = "auto"
+    """How tool calls are written: auto (as the chat template shows), hermes (<tool_call>
+    JSON), llama3 (a JSON object), mistral ([TOOL_CALLS])."""
     entropy_mask: float | None = None
     """Train on the highest-entropy tokens only: the top fraction of a batch's completion tokens
     by the policy's entropy at each keeps its policy term (0.2: the top fifth, as TRL's
@@ -147,12 +182,57 @@ class GRPO(OnPolicy):
         self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
         top = cfg.entropy_mask
         self.entropy_top = top if top is not None and top < 1 else None  # null: no mask
+        self.agent = self._agent(recipe, components) if cfg.tools or cfg.environment else None
         if not self.offline and cfg.scale_rewards == "group" and cfg.num_generations < 2:
             raise UserInputError(
                 "a group of one has no spread to compare within: num_generations >= 2, "
                 "or scale_rewards: batch / none",
                 "objective.num_generations",
             )
+
+    def _agent(self, recipe, components) -> Agent:
+        key = "objective.tools" if self.config.tools else "objective.environment"
+        if self.offline:
+            raise UserInputError(
+                "multi-turn rollouts generate their conversations; offline rows give theirs",
+                key,
+            )
+        if not plain_kv_caches(components.model) or isinstance(components.model, VisionLM):
+            raise UserInputError(
+                "multi-turn rollouts keep a plain KV cache across turns; this model's layers "
+                "keep other state (sliding windows, recurrent layers) or read images",
+                key,
+            )
+        d = recipe.data
+        schemas = recipe_tools(recipe)[1]
+        enc = PromptEncoder(components.tokenizer, d.add_eos, d.chat_template_kwargs, schemas)
+        return Agent(recipe, components, enc)
+
+    def _other_rewards(self) -> bool:
+        return bool(self.config.environment)
+
+    def _labels(self) -> list[str]:
+        env = ["environment"] if self.config.environment else []
+        return super()._labels() + env
+
+    def _positions(self) -> int:
+        if self.agent is None:
+            return super()._positions()
+        longest = max(len(e.prompt_ids) for e in self.components.train_set.examples)
+        if self.config.environment:  # its first messages may be longer
+            longest = self.recipe.data.max_length
+        return read_positions(longest + self.agent.budget(), self._multiple())
+
+    def _held_out(self, prompts, sampling, keys):
+        if self.agent is None:
+            return super()._held_out(prompts, sampling, keys)
+        transcripts, talks, _ = self.agent.run(
+            self.components.model, prompts, 1, keys, sampling, self.stop
+        )
+        total, each = score_talks(self.agent, self.rewards, prompts, transcripts, talks)
+        tok = self.components.tokenizer
+        texts = [transcript_text(tok, t) for t in transcripts]
+        return total, each, [len(t.tokens) for t in transcripts], texts
 
     def _kl_weight(self) -> float:
         return self.config.beta
@@ -165,21 +245,64 @@ class GRPO(OnPolicy):
     def make_batch(self, prompts: list[PromptExample], seed: int) -> RolloutBatch:
         """The completions of ``prompts`` (generated with ``seed``, or the data's), their rewards
         and advantages, as one batch."""
-        ids, ended, groups, rewards, host = self.complete(prompts, seed)
-        adv = advantages(rewards, groups, self.config.scale_rewards)
-        batch = self._rows(prompts, groups, ids, ended, adv)
-        batch.host = host
-        self._logps(batch)
+        d = self._draw(prompts, seed)
+        if self.config.filter_groups and not self.offline:
+            d = filtered(d, self._draw, self._spare, self.config.filter_max_draws, seed)
+        adv = advantages(d.rewards, d.groups, self.config.scale_rewards)
+        batch = self._rows(d.prompts, d.groups, d.ids, d.ended, adv, d.written, d.read)
+        batch.host = d.host
+        self._logps(batch, d.drawn)
         return batch
 
-    def _logps(self, batch: RolloutBatch) -> None:
-        """The generating policy's log-probs (``num_iterations`` > 1) and the reference's
-        (``beta`` > 0) of the batch's targets, one forward each, no gradients."""
+    def _draw(self, prompts: list[PromptExample], seed: int) -> Draw:
+        """``prompts``' completions (conversations, with tools), scored."""
+        drawn = [] if self.config.importance_sampling_correction != "none" else None
+        if self.agent is not None:
+            ids, written, ended, groups, rewards, host, read, drawn = rollouts(self, prompts, seed)
+            return Draw(prompts, ids, ended, groups, rewards, host, written, read, drawn)
+        ids, ended, groups, rewards, host = self.complete(prompts, seed, drawn)
+        return Draw(prompts, ids, ended, groups, rewards, host, drawn=drawn)
+
+    def _spare(self, seed: int, draw: int) -> list[PromptExample]:
+        """Draw ``draw`` of extra prompts for the batch seeded ``seed`` (group filtering): a
+        batch's worth, from the training prompts, by a generator of its own."""
+        ds, b = self.components.train_set.examples, self.recipe.train.batch_size
+        rng = np.random.default_rng([self.recipe.train.seed, seed, draw])
+        return [ds[i] for i in rng.choice(len(ds), size=min(b, len(ds)), replace=False)]
+
+    def _is_weights(self, batch: RolloutBatch, old: np.ndarray, drawn: list) -> None:
+        """The truncated importance weights exp(p_old - p_sampled) of the batch's targets, and
+        their metrics (the mean weight, and the largest before truncation)."""
+        cfg = self.config
+        sampled = np.zeros_like(old)
+        for i, lps in enumerate(drawn):
+            start = int(batch.lengths[i]) - len(lps) - 1  # the completion's first target
+            sampled[i, start : start + len(lps)] = lps
+        m = batch.mask[:, 1:] > 0
+        d = np.where(m, old - sampled, 0.0).astype(np.float64)
+        if cfg.importance_sampling_correction == "sequence":
+            d = np.broadcast_to(d.sum(axis=-1, keepdims=True), d.shape)
+        ratio = np.exp(np.minimum(d, 80.0))
+        batch.is_weight = np.where(m, np.minimum(ratio, cfg.importance_sampling_cap), 1.0).astype(
+            np.float32
+        )
+        n = max(int(m.sum()), 1)
+        batch.host["is_weight"] = (float(batch.is_weight[m].sum()), n)
+        batch.host["is_ratio_max"] = (float(ratio[m].max()) if m.any() else 1.0, 1)
+
+    def _logps(self, batch: RolloutBatch, drawn: list | None = None) -> None:
+        """The generating policy's log-probs (``num_iterations`` > 1, or the importance weights
+        of ``drawn``, the sampler's) and the reference's (``beta`` > 0) of the batch's targets,
+        one forward each, no gradients."""
         want_old = self.config.num_iterations > 1 and self._behaviour is None
         logps = self._target_logps
         with forward_only():
-            if want_old:
-                batch.old = self._passes(batch, logps)[0]
+            if want_old or drawn is not None:
+                old = self._passes(batch, logps)[0]
+                if want_old:
+                    batch.old = old
+                if drawn is not None:
+                    self._is_weights(batch, old, drawn)
             if self._behaviour is not None:
                 with self._behaviour.active():
                     batch.old = self._passes(batch, logps)[0]
@@ -228,6 +351,9 @@ class GRPO(OnPolicy):
         if self.entropy_top is not None:  # a batch without one counts nothing (``nothing``)
             keep = getattr(batch, "keep", None)
             out["keep"] = np.zeros(batch.mask[:, 1:].shape, np.float32) if keep is None else keep
+        if self.config.importance_sampling_correction != "none":  # ones for a batch that has none
+            w = batch.is_weight
+            out["is_weight"] = np.ones(batch.mask[:, 1:].shape, np.float32) if w is None else w
         if batch.old is not None:
             out["old"] = batch.old
         if batch.ref is not None:
@@ -250,6 +376,8 @@ class GRPO(OnPolicy):
         per_token, metrics = self._policy_term(ratio, adv, logp)
         if "keep" in batch:  # entropy_mask: the high-entropy targets' policy term alone
             per_token = per_token * batch["keep"]
+        if "is_weight" in batch:  # the sampler's tokens, reweighted towards the trainer's
+            per_token = per_token * batch["is_weight"]
         if cfg.beta > 0:
             d = batch["ref"] - logp
             kl = mx.exp(d) - d - 1

@@ -27,6 +27,7 @@ from ..distributed import current
 from ..errors import UserInputError
 from ..generate import BLOCK, Sampling, StopStrings, decode_answer, eos_ids, generate_ids
 from ..rewards import RewardSpec, build_rewards, score
+from .agentic import recipe_tools
 from .base import Objective, Usage
 from .reference import ReferencePolicy, reference_kind
 from .rollout import (
@@ -34,6 +35,7 @@ from .rollout import (
     cut_rows,
     even_sizes,
     gather_completions,
+    gather_floats,
     handed_again,
     load_rollout,
     reward_means,
@@ -186,7 +188,8 @@ class OnPolicy(Objective):
     def datasets(cls, recipe, tokenizer):
         """(train, valid, test) prompt rows; valid is split off train when not named."""
         r, d, cfg = recipe, recipe.data, recipe.objective
-        enc = PromptEncoder(tokenizer, d.add_eos, d.chat_template_kwargs)
+        tools = recipe_tools(recipe)[1] if getattr(cfg, "tools", None) else None
+        enc = PromptEncoder(tokenizer, d.add_eos, d.chat_template_kwargs, tools)
 
         def load(path):
             source, limits = r.resolve_path(path), (d.max_length, cfg.max_completion_length)
@@ -278,9 +281,11 @@ class OnPolicy(Objective):
         objective's loss reads beside them."""
         raise NotImplementedError(f"{type(self).__name__} must define make_batch()")
 
-    def complete(self, prompts: list[PromptExample], seed: int):
+    def complete(self, prompts: list[PromptExample], seed: int, logps: list | None = None):
         """(completions' token ids, whether each ended, group sizes, rewards, host metrics):
-        generated with ``seed`` and scored by the reward functions, or (offline) as given."""
+        generated with ``seed`` and scored by the reward functions, or (offline) as given.
+        ``logps`` (online) gets each completion's tokens' log-probabilities as they were drawn
+        (``generate_ids``)."""
         cfg, c = self.config, self.components
         model = c.model
         host: dict = {}
@@ -295,6 +300,7 @@ class OnPolicy(Objective):
             g = cfg.num_generations
             keys = mx.random.split(mx.random.key(seed), len(prompts) * g)
             world = current()
+            drawn = [] if logps is not None else None
             # data-parallel: each rank completes its share of the prompts (a row draws from its
             # own key, whatever it is batched with), then every rank gathers them all
             share = np.array_split(np.arange(len(prompts)), world.size)[world.rank]
@@ -308,11 +314,15 @@ class OnPolicy(Objective):
                 group=g,
                 keys=keys[mx.array(rows)] if world.size > 1 else keys,
                 stop=self.stop,
+                logps=drawn,
             )
             if world.size > 1:
-                new = gather_completions(
-                    world, new, len(prompts) * g, rows, cfg.max_completion_length
-                )
+                width, n = cfg.max_completion_length, len(prompts) * g
+                new = gather_completions(world, new, n, rows, width)
+                if logps is not None:
+                    drawn = gather_floats(world, drawn, n, rows, width + 1)
+            if logps is not None:
+                logps += drawn
             took = time.perf_counter() - t0
             # a completion ended at EOS (added back to train on), at a stop string, or was cut
             stopped = [self.stop is not None and self.stop.ends(n) for n in new]
@@ -328,6 +338,11 @@ class OnPolicy(Objective):
             host["generation_tokens_per_sec"] = (made, took)
             rewards, each = self._score(prompts, groups, new)
             reward_means(host, each)
+        self._group_metrics(host, ids, ended, groups, rewards)
+        return ids, ended, groups, rewards, host
+
+    def _group_metrics(self, host: dict, ids, ended, groups, rewards) -> None:
+        """The rollout's reward, spread and length metrics, into ``host``."""
         n = len(ids)
         host["reward"] = (float(rewards.sum()), n)
         stds, at = [], 0
@@ -340,7 +355,6 @@ class OnPolicy(Objective):
         host["completion_length"] = (float(sum(lengths)), n)
         host["completion_length_max"] = (float(max(lengths)), 1)
         host["frac_truncated"] = (float(sum(not e for e in ended)), n)
-        return ids, ended, groups, rewards, host
 
     def _steps_per_rollout(self) -> float:
         """Optimizer steps a rollout trains (how generation time is shared out over steps)."""
@@ -359,16 +373,20 @@ class OnPolicy(Objective):
         )
         return np.array(total, np.float64), each
 
-    def _rows(self, prompts, groups, ids, ended, adv) -> RolloutBatch:
+    def _rows(self, prompts, groups, ids, ended, adv, written=None, read=None) -> RolloutBatch:
+        """The completions as rows after their prompts (``read``: each row's own prompt, where
+        an environment gave it); ``written`` marks the completion tokens the model wrote (the
+        others are context, never targets)."""
         cfg = self.config
         seqs, masks = [], []
         r = 0
         for p, g in zip(prompts, groups, strict=True):
             for _ in range(g):
-                comp = ids[r]
-                seqs.append(p.prompt_ids + comp)
-                train = ended[r] or not cfg.mask_truncated_completions
-                masks.append([0] * len(p.prompt_ids) + [int(train)] * len(comp))
+                comp, head = ids[r], p.prompt_ids if read is None else read[r]
+                seqs.append(head + comp)
+                train = int(ended[r] or not cfg.mask_truncated_completions)
+                own = [1] * len(comp) if written is None else written[r]
+                masks.append([0] * len(head) + [train * w for w in own])
                 r += 1
         width = read_positions(max(len(s) for s in seqs), self._multiple()) + 1
         tokens = np.full((len(seqs), width), self.components.pad_id, np.int32)
@@ -548,25 +566,18 @@ class OnPolicy(Objective):
             sums[f"rewards/{lb}"] = sums[f"rewards/{lb}#"] = 0.0
         shown = []
         if mine:
-            new = generate_ids(
-                c.model,
-                [p.prompt_ids for p in mine],
-                cfg.max_completion_length,
-                self.eos,
-                sampling=Sampling(cfg.eval_temperature, cfg.top_k, cfg.top_p, cfg.min_p),
-                keys=mx.random.split(mx.random.key(rollout_seed(r.train.seed, 1 << 40)), len(mine)),
-                stop=self.stop,
-            )
-            total, each = self._score(mine, [1] * len(mine), new)
+            sampling = Sampling(cfg.eval_temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+            keys = mx.random.split(mx.random.key(rollout_seed(r.train.seed, 1 << 40)), len(mine))
+            total, each, lengths, texts = self._held_out(mine, sampling, keys)
             sums["reward"], sums["n"] = float(total.sum()), float(len(mine))
-            sums["completion_length"] = float(sum(len(x) for x in new))
+            sums["completion_length"] = float(sum(lengths))
             for lb in labels:
                 vals = [v for v in each[lb] if v is not None]
                 sums[f"rewards/{lb}"], sums[f"rewards/{lb}#"] = float(sum(vals)), float(len(vals))
             shown = [
                 {"prompt": p.shown_prompt, "prompt_text": p.prompt, "reward": float(t),
-                 "completion": decode_answer(c.tokenizer, x)}
-                for p, x, t in list(zip(mine, new, total, strict=True))[:2]
+                 "completion": x}
+                for p, x, t in list(zip(mine, texts, total, strict=True))[:2]
             ]  # fmt: skip
         names = sorted(sums)
         if world.size > 1:
@@ -584,6 +595,22 @@ class OnPolicy(Objective):
             k = sums[f"rewards/{lb}#"]
             out[f"eval_rewards/{lb}"] = sums[f"rewards/{lb}"] / k if k else None
         return out
+
+    def _held_out(self, prompts, sampling, keys):
+        """One completion of each held-out prompt: (rewards, each function's values, lengths,
+        texts shown in samples)."""
+        c = self.components
+        new = generate_ids(
+            c.model,
+            [p.prompt_ids for p in prompts],
+            self.config.max_completion_length,
+            self.eos,
+            sampling=sampling,
+            keys=keys,
+            stop=self.stop,
+        )
+        total, each = self._score(prompts, [1] * len(prompts), new)
+        return total, each, [len(x) for x in new], [decode_answer(c.tokenizer, x) for x in new]
 
     def eval_batches(self):
         """Offline validation groups (with their data's rewards), for the loss."""

@@ -18,6 +18,7 @@ ROLLOUT_ARRAYS = (
     "valid",
     "old",
     "ref",
+    "is_weight",
     "values",
     "returns",
     "token_advantages",
@@ -43,6 +44,9 @@ class RolloutBatch(Batch):
     """[R, L-1] the generating policy's log-probs of the targets (num_iterations > 1)."""
     ref: np.ndarray | None = None
     """[R, L-1] the reference policy's (beta > 0)."""
+    is_weight: np.ndarray | None = None
+    """[R, L-1] the truncated importance weights of the sampler's log-probs (GRPO's
+    importance_sampling_correction)."""
     values: np.ndarray | None = None
     """[R, L-1] PPO: the value head's estimates at generation."""
     returns: np.ndarray | None = None
@@ -89,6 +93,21 @@ def gather_completions(
     with collectives(world):
         mx.eval(got)
     return [[int(t) - 1 for t in row if t > 0] for row in np.array(got)]
+
+
+def gather_floats(
+    world, mine: list[list[float]], rows: int, where, width: int
+) -> list[list[float]]:
+    """``gather_completions`` for per-token numbers: every rank's rows, in row order (a row's
+    list as long as its rank gave it)."""
+    table = np.zeros((rows, width), np.float32)
+    sizes = np.zeros((rows,), np.float32)
+    for r, xs in zip(where, mine, strict=True):
+        table[r, : len(xs)], sizes[r] = xs, len(xs)
+    got, n = world.all_sum(mx.array(table)), world.all_sum(mx.array(sizes))
+    with collectives(world):
+        mx.eval(got, n)
+    return [row[: int(k)].tolist() for row, k in zip(np.array(got), np.array(n), strict=True)]
 
 
 def reward_means(host: dict, each: dict) -> None:

@@ -56,6 +56,8 @@ def main():
     preferences(HERE / "prefs", train, held)
     # quickstart-grpo: the same words as prompts to complete, rewarded for copying the word
     copy_prompts(HERE / "copy-prompts", train, held)
+    # quickstart-tools: arithmetic the model answers only by calling the calculator
+    calc_prompts(HERE / "calc-prompts", random.Random(11))
     # quickstart-kto: the same words as unpaired feedback, one completion a word (the copy a
     # thumbs-up, the reversal a thumbs-down); test holds the copies (exact match checks them)
     feedback(HERE / "feedback", train, held, random.Random(11))
@@ -119,6 +121,27 @@ def feedback(folder, train, held, rng):
     write(folder / "train.jsonl", [row(w, rng.random() < 0.55) for w in train])
     write(folder / "valid.jsonl", [row(w, rng.random() < 0.55) for w in held[:100]])
     write(folder / "test.jsonl", [row(w, True) for w in held[100:300]])
+
+
+def calc_prompts(folder, rng):
+    """train/valid/test.jsonl of {"prompt": [{"role": "user", "content": "add A B"}],
+    "answer": "A+B"} (and "mul A B"): quickstart-tools' questions, which its model answers
+    right only by calling the calculator. Held-out pairs never appear in training."""
+    folder.mkdir(exist_ok=True)
+    pairs = [(op, a, b) for op in ("add", "mul") for a in range(10, 50) for b in range(10, 50)]
+    rng.shuffle(pairs)
+    splits = (("valid", pairs[:50]), ("test", pairs[50:250]), ("train", pairs[250:]))
+    for name, rows in splits:
+        write(
+            folder / f"{name}.jsonl",
+            [
+                {
+                    "prompt": [{"role": "user", "content": f"{op} {a} {b}"}],
+                    "answer": str(a + b if op == "add" else a * b),
+                }
+                for op, a, b in rows
+            ],
+        )
 
 
 def copy_prompts(folder, train, held):
