@@ -103,7 +103,9 @@ def main(argv=None) -> int:
         }
         tokens[name] = [t.tokens for t in out]
     same = tokens["kept"] == tokens["recomputed"]
-    ratio = results["kept"]["written_tokens_per_sec"] / results["recomputed"]["written_tokens_per_sec"]
+    ratio = (
+        results["kept"]["written_tokens_per_sec"] / results["recomputed"]["written_tokens_per_sec"]
+    )
     print(f"{'decoding':<12} {'s':>7} {'written tok/s':>14} {'turns':>6} {'transcript':>11}")
     for name, r in results.items():
         print(

@@ -65,6 +65,9 @@ def recipe_files(recipe: Path) -> list[Path]:
     root = recipe.parent.resolve()
     needed: set[Path] = set()
     for s in _strings(yaml.safe_load(recipe.read_text(encoding="utf-8"))):
+        file, sep, name = s.rpartition(":")
+        if sep and file.endswith(".py") and name.isidentifier():
+            s = file  # FILE.py:NAME (a tool, an environment, a reward function)
         if ":" in s or "\n" in s or Path(s).is_absolute():
             continue
         target = (root / s).resolve()

@@ -592,6 +592,13 @@ def test_a_failing_reward_function_is_named_and_exits_2(
         ({"loss": "sapo", "sapo_temperature_neg": 0}, "objective.sapo_temperature_neg", "than 0"),
         ({"entropy_mask": 0}, "objective.entropy_mask", "in (0, 1]: the top fraction"),
         ({"entropy_mask": 1.5}, "objective.entropy_mask", "in (0, 1]"),
+        ({"importance_sampling_cap": 0}, "objective.importance_sampling_cap", "than 0"),
+        ({"filter_max_draws": 0}, "objective.filter_max_draws", "at least 1"),
+        ({"max_turns": 0}, "objective.max_turns", "at least 1"),
+        ({"tool_timeout_s": 0}, "objective.tool_timeout_s", "greater than 0"),
+        ({"tools": ["nope.py:add"]}, "objective.tools[0]", "no such file"),
+        # string prompts: a template cannot show tools to a prompt written out
+        ({"environment": "nope.py:Env"}, "objective.environment", "no such file"),
     ],
 )
 def test_bad_grpo_settings_exit_2(tmp_path, llama_dir, prompts, capsys, objective, where, message):

@@ -305,6 +305,7 @@ def test_every_shipped_recipe_loads_with_its_objective_and_no_inert_keys(path):
     kinds = {
         "quickstart-dpo.yaml": "dpo",
         "quickstart-grpo.yaml": "grpo",
+        "quickstart-tools.yaml": "grpo",
         "quickstart-ppo.yaml": "ppo",
         "quickstart-online-dpo.yaml": "online_dpo",
         "quickstart-kto.yaml": "kto",

@@ -156,6 +156,21 @@ def test_the_samples_panel_names_an_image_prompts_pictures(tmp_path):
     assert asyncio.run(drive()) == "sample @ 40: '[image]colour?' → 'red' (images: valid3.png)"
 
 
+def test_the_stats_line_shows_a_tool_runs_turns_calls_and_errors(tmp_path):
+    run = recorded_run(tmp_path / "run", bad=False)
+    row = {"step": 31, "loss": 0.1, "turns": 1.75, "tool_calls": 0.5, "tool_errors": 0.125}
+    (run / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+
+    async def drive():
+        app = WatchApp(run, read_only=True, poll_s=0.05)
+        async with app.run_test(size=(200, 40)) as pilot:
+            await pilot.pause()
+            return str(app.query_one("#stats", Static).render())
+
+    stats = asyncio.run(drive())
+    assert "turns 1.75 · tool calls 0.50 (errors 0.12)" in stats, stats
+
+
 def test_keys_send_requests_to_the_trainer(tmp_path):
     run = recorded_run(tmp_path / "run")
 

@@ -166,6 +166,11 @@ def _objective_inert(r: Recipe, inert) -> None:
         keys = ("max_turns", "max_rollout_length", "tool_timeout_s", "tool_format")
         why = "neither objective.tools nor objective.environment is set (single-turn rollouts)"
         inert(tuple(f"objective.{k}" for k in keys), why)
+    if kind == "grpo" and r.objective.importance_sampling_correction == "none":
+        why = "objective.importance_sampling_correction is none"
+        inert(("objective.importance_sampling_cap",), why)
+    if kind == "grpo" and not r.objective.filter_groups:
+        inert(("objective.filter_max_draws",), "objective.filter_groups is off")
     if kind == "grpo" and r.objective.environment and not r.objective.tools:
         why = "objective.tools is not set (the environment answers every turn)"
         inert(("objective.tool_timeout_s", "objective.tool_format"), why)

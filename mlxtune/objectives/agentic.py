@@ -137,9 +137,9 @@ class Agent:
         ids = []
         for i, t in enumerate(talks):
             p = prompts[i // group]
-            t.env = self.environment()
+            t.env = self._call("the environment", self.environment)
             row = {**p.fields, "prompt": p.prompt, "answer": p.answer}
-            first = t.env.reset(row)
+            first = self._call("reset()", t.env.reset, row)
             if first is None:
                 ids.append(p.prompt_ids)
                 continue
@@ -176,20 +176,32 @@ class Agent:
             return self._tokens(out, tokens, how)
         if talk.env is None:
             return None
-        got = talk.env.step(message)
+        got = self._call("step()", talk.env.step, message)
         try:
             messages, done, reward = got
+            reward = None if reward is None else float(reward)
         except (TypeError, ValueError):
             raise UserInputError(
-                f"step() returned {type(got).__name__}; expected (messages, done, reward)",
+                f"step() returned {got!r:.200}; expected (messages, done, reward: a number or "
+                "None)",
                 "objective.environment",
             ) from None
         if reward is not None:
-            talk.reward = (talk.reward or 0.0) + float(reward)
+            talk.reward = (talk.reward or 0.0) + reward
         if done or not messages or last:
             return None
         talk.messages += list(messages)
         return self._tokens(list(messages), tokens, how)
+
+    def _call(self, what: str, fn, *args):
+        """``fn(*args)``, the environment's code: what it raises stops the run naming it."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise UserInputError(
+                f"{what} failed: {type(e).__name__}: {e}",
+                f"objective.environment ({self.cfg.environment})",
+            ) from None
 
     def _tokens(self, messages, turn: list[int], how: str) -> list[int]:
         ids = self.context(messages)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .online import rollout_seed
+from .rollout import rollout_seed
 
 
 @dataclass

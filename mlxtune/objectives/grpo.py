@@ -130,6 +130,15 @@ class GRPOConfig(RLConfig):
                 "entropy_mask",
                 "in (0, 1]: the top fraction of completion tokens by entropy that train (null: all)",
             ),
+            (self.max_turns >= 1, "max_turns", "at least 1"),
+            (
+                self.max_rollout_length is None or self.max_rollout_length >= 1,
+                "max_rollout_length",
+                "at least 1",
+            ),
+            (self.tool_timeout_s > 0, "tool_timeout_s", "greater than 0"),
+            (self.importance_sampling_cap > 0, "importance_sampling_cap", "greater than 0"),
+            (self.filter_max_draws >= 1, "filter_max_draws", "at least 1"),
         )
 
 
@@ -183,6 +192,17 @@ class GRPO(OnPolicy):
         top = cfg.entropy_mask
         self.entropy_top = top if top is not None and top < 1 else None  # null: no mask
         self.agent = self._agent(recipe, components) if cfg.tools or cfg.environment else None
+        if self.offline and cfg.importance_sampling_correction != "none":
+            raise UserInputError(
+                "offline groups carry no log-probabilities of the policy that sampled them",
+                "objective.importance_sampling_correction",
+            )
+        if self.offline and cfg.filter_groups:
+            raise UserInputError(
+                "offline groups are trained as given: drop the groups you do not want from the "
+                "file",
+                "objective.filter_groups",
+            )
         if not self.offline and cfg.scale_rewards == "group" and cfg.num_generations < 2:
             raise UserInputError(
                 "a group of one has no spread to compare within: num_generations >= 2, "

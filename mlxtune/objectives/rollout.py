@@ -122,6 +122,11 @@ def handed_again(b: RolloutBatch) -> RolloutBatch:
     return out
 
 
+def rollout_seed(seed: int, k: int) -> int:
+    """A sampling seed for rollout ``k`` of a run seeded ``seed``."""
+    return int(np.random.SeedSequence([seed, k]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def even_sizes(n: int, parts: int) -> list[int]:
     """``n`` as ``parts`` sizes that differ by at most one, the larger first."""
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
@@ -198,6 +203,7 @@ def load_rollout(path, count: int) -> tuple[list[RolloutBatch], dict[str, str]]:
 
 
 __all__ = [
+    "rollout_seed",
     "ADV_EPS",
     "ROLLOUT_ARRAYS",
     "RolloutBatch",

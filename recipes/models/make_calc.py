@@ -4,15 +4,16 @@
 
 A small Unigram tokenizer (printable ASCII, a newline, two-digit numbers and the calls' JSON
 pieces; <tool_call> / </tool_call> special tokens), a chat template that shows tools and writes tool calls as Hermes does
-(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``), and a 2-layer llama (hidden 128)
-trained from scratch on conversations about "add A B" and "mul A B": a fifth of the time the
-assistant calls the calculator tool and answers with its result, otherwise it answers at once
-with the two numbers run together (always wrong). The model so does both: greedy, it answers at
-once (held-out reward near 0); sampled, about one completion in five calls the tool. The
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``), and a 3-layer llama (hidden 128)
+trained from scratch on conversations about "add A B" and "mul A B" (A, B from 10 to 49): about
+a third of the time the assistant calls the calculator tool and answers with its result,
+otherwise it answers at once with the two numbers run together (always wrong). The model so does
+both: greedy, it answers at once (held-out reward near 0); sampled, about one completion in three
+calls the tool. The
 quickstart's reinforcement learning finds which pays. Deterministic: the same files every time.
 """
 
-import json
+import json  # noqa: I001  (mlxtune before mlx: its OpenBLAS set-up)
 import random
 from pathlib import Path
 
@@ -26,8 +27,8 @@ HERE = Path(__file__).parent
 OUT = HERE / "calc-tiny"
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<tool_call>", "</tool_call>"]
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
-CALL_RATE = 0.2
-STEPS = 5000
+CALL_RATE = 0.35
+STEPS = 6000
 LO, HI = 10, 49
 ROWS = 20000
 
@@ -120,7 +121,7 @@ def main():
         "intermediate_size": 256,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": 3,
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000,
@@ -147,7 +148,9 @@ def main():
     rows = []
     for _ in range(ROWS):
         msgs, _ = conversation(rng)
-        head = tok.apply_chat_template(msgs[:1], tools=TOOLS, add_generation_prompt=True, return_dict=False)
+        head = tok.apply_chat_template(
+            msgs[:1], tools=TOOLS, add_generation_prompt=True, return_dict=False
+        )
         whole = tok.apply_chat_template(msgs, tools=TOOLS, return_dict=False)
         ids = list(whole)
         # targets: what the assistant writes (its turns, end of turn included), not the tool's
@@ -155,10 +158,15 @@ def main():
         text = tok.decode(ids)
         at = 0
         for m in msgs[1:]:
-            part = tok.apply_chat_template(msgs[: msgs.index(m) + 1], tools=TOOLS, return_dict=False)
+            part = tok.apply_chat_template(
+                msgs[: msgs.index(m) + 1], tools=TOOLS, return_dict=False
+            )
             if m["role"] == "assistant":
                 opened = tok.apply_chat_template(
-                    msgs[: msgs.index(m)], tools=TOOLS, add_generation_prompt=True, return_dict=False
+                    msgs[: msgs.index(m)],
+                    tools=TOOLS,
+                    add_generation_prompt=True,
+                    return_dict=False,
                 )
                 for i in range(len(opened), len(part) - 1):  # the newline after EOS is not
                     mask[i] = 1
@@ -169,7 +177,10 @@ def main():
     mx.random.seed(0)
     args = ModelArgs.from_dict(config)
     model = Model(args)
-    opt = optim.AdamW(learning_rate=optim.cosine_decay(3e-3, STEPS, 1e-4), weight_decay=0.0)
+    lr = optim.join_schedules(
+        [optim.linear_schedule(1e-5, 1e-3, 200), optim.cosine_decay(1e-3, STEPS - 200, 5e-5)], [200]
+    )
+    opt = optim.AdamW(learning_rate=lr, weight_decay=0.0)
 
     def loss_fn(model, x, y, m):
         logits = model(x)
