@@ -349,28 +349,32 @@ class FixedKVCache:
 
 
 class _Steps:
-    """A model's compiled decode step (an attribute of the model, not one of its arrays)."""
+    """A model's compiled decode steps by kind (an attribute of the model, not one of its
+    arrays)."""
 
-    def __init__(self, step):
-        self.step = step
+    def __init__(self):
+        self.steps: dict = {}
 
 
-def _decode_step(model):
-    """The model's compiled forward step: (tokens [B], the caches' keys and values, idx, left)
-    -> fp32 last-position logits, the new keys and values, idx + 1. The model's weights are read
-    at each call (training changes them between calls). The draw stays outside: compiled, its
-    elementwise work ran slower on the CPU."""
-    steps = model.__dict__.get("_mlxtune_steps")
-    if steps is None:
+def decode_step(model, cache_class):
+    """The model's compiled forward step over ``cache_class`` caches: (tokens [B], the caches'
+    keys and values, idx, then what else each cache takes) -> fp32 last-position logits, the new
+    keys and values, idx + 1. The model's weights are read at each call (training changes them
+    between calls). The draw stays outside: compiled, its elementwise work ran slower on the
+    CPU."""
+    kept = model.__dict__.get("_mlxtune_steps")
+    if kept is None:
+        kept = _Steps()
+        object.__setattr__(model, "_mlxtune_steps", kept)
+    if cache_class not in kept.steps:
 
-        def step(tokens, ks, vs, idx, left, shift):
-            caches = [FixedKVCache(k, v, idx, left, shift) for k, v in zip(ks, vs, strict=True)]
+        def step(tokens, ks, vs, idx, *rest):
+            caches = [cache_class(k, v, idx, *rest) for k, v in zip(ks, vs, strict=True)]
             logits = model(tokens[:, None], cache=caches)[:, -1, :].astype(mx.float32)
             return logits, [c.keys for c in caches], [c.values for c in caches], idx + 1
 
-        steps = _Steps(mx.compile(step, inputs=[model.state]))
-        object.__setattr__(model, "_mlxtune_steps", steps)
-    return steps.step
+        kept.steps[cache_class] = mx.compile(step, inputs=[model.state])
+    return kept.steps[cache_class]
 
 
 def grow_caches(ks: list, vs: list, to: int) -> tuple[list, list]:
@@ -442,7 +446,7 @@ def _decode(
         logps += [[] for _ in slots]
     done = [False] * len(slots)
     tokens, keys = draw(logits, keys, s)
-    step = _decode_step(model)
+    step = decode_step(model, FixedKVCache)
 
     def lp(z, t):  # the drawn tokens' log-probabilities, when asked for
         return token_logps(z, t) if logps is not None else None

@@ -25,8 +25,10 @@ import numpy as np
 
 from .generate import (
     BLOCK,
+    FixedKVCache,
     Sampling,
     StopStrings,
+    decode_step,
     draw,
     grow_caches,
     plain_kv_caches,
@@ -40,50 +42,23 @@ Respond = Callable[[int, list[int], str, bool], "list[int] | None"]
 conversation is over. A turn cut at a length limit is not answered."""
 
 
-class TurnKVCache:
-    """One layer's batched KV cache of a fixed capacity, with holes: ``hole`` [B, S] marks the
-    positions no token of the row's transcript holds (masked out), ``gap`` [B] counts a row's
-    holes before the next position (its rotary position is the positions written less them).
-    The interface mlx-lm's attention layers call."""
+class TurnKVCache(FixedKVCache):
+    """``FixedKVCache`` with holes: ``hole`` [B, S] marks the positions no token of the row's
+    transcript holds (masked out), ``gap`` [B] counts a row's holes before the next position (its
+    rotary position is the positions written less them)."""
 
     def __init__(self, keys, values, idx, hole, gap):
-        self.keys, self.values = keys, values
-        self.idx, self.hole, self.gap = idx, hole, gap
+        self.keys, self.values, self.idx = keys, values, idx
+        self.hole, self.gap = hole, gap
 
     @property
     def offset(self) -> mx.array:
         return self.idx - self.gap
 
-    def update_and_fetch(self, keys, values):
-        self.keys = mx.slice_update(self.keys, keys, self.idx, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.idx, axes=(2,))
-        self.idx = self.idx + keys.shape[2]
-        return self.keys, self.values
-
     def make_mask(self, n: int, return_array: bool = False, **kwargs) -> mx.array:
         cols = mx.arange(self.keys.shape[2])
         causal = cols[None, :] <= (self.idx + mx.arange(n))[:, None]  # [n, S]
         return causal[None, None] & ~self.hole[:, None, None, :]  # [B, 1, n, S]
-
-
-class _TurnSteps:
-    def __init__(self, step):
-        self.step = step
-
-
-def _turn_step(model):
-    """The model's compiled decode step over ``TurnKVCache``s (weights read at each call)."""
-    steps = model.__dict__.get("_mlxtune_turn_steps")
-    if steps is None:
-
-        def step(tokens, ks, vs, idx, hole, gap):
-            caches = [TurnKVCache(k, v, idx, hole, gap) for k, v in zip(ks, vs, strict=True)]
-            logits = model(tokens[:, None], cache=caches)[:, -1, :].astype(mx.float32)
-            return logits, [c.keys for c in caches], [c.values for c in caches], idx + 1
-
-        steps = _TurnSteps(mx.compile(step, inputs=[model.state]))
-        object.__setattr__(model, "_mlxtune_turn_steps", steps)
-    return steps.step
 
 
 def turn_keys(keys: mx.array, turn: int) -> mx.array:
@@ -256,7 +231,7 @@ def _decode_turn(model, state: _Rows, keys, s, eos, stop, caps):
     """One turn of every row in the batch: (each row's tokens, how its turn ended). Rows stay in
     the batch until the last ends (their caches are kept for the next turn)."""
     rows = len(state.rows)
-    step = _turn_step(model)
+    step = decode_step(model, TurnKVCache)
     hole, gap = mx.array(state.hole), mx.array(state.gap)
     idx = mx.array([state.idx], mx.int32)
     start = state.idx

@@ -479,12 +479,13 @@ def prompt_runs(runs, tmp_path, objective: dict, batch_size: int):
     r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
     one, two, p = one_and_two(tmp_path, r)
     assert p.returncode == 0, p.stdout + p.stderr
+    return two, untimed(two), untimed(one)
+
+
+def untimed(run_dir):
+    """A run's rows without generation's timings (each rank's own)."""
     drop = {"generation_s", "generation_tokens_per_sec"}
-
-    def kept(d):
-        return [{k: v for k, v in x.items() if k not in drop} for x in rows(d)]
-
-    return two, kept(two), kept(one)
+    return [{k: v for k, v in x.items() if k not in drop} for x in rows(run_dir)]
 
 
 @pytest.mark.slow  # suite time: the default run stays under 10 minutes
@@ -552,16 +553,11 @@ def test_tool_rollouts_train_as_one(tmp_path):
     two-process run logs what one process does."""
     from test_tool_runs import tool_recipe
 
-    r = tool_recipe(tmp_path, {"beta": 0.05}, steps=3)
+    r = tool_recipe(tmp_path, {"beta": 0.05}, steps=3, sleepy=False)
     r["train"]["batch_size"] = 4
     r["checkpoints"] = {"every": None, "save_final": False, "save_best": False}
     one, two, p = one_and_two(tmp_path, r)
     assert p.returncode == 0, p.stdout + p.stderr
-    drop = {"generation_s", "generation_tokens_per_sec"}
-
-    def kept(d):
-        return [{k: v for k, v in x.items() if k not in drop} for x in rows(d)]
-
-    got, want = kept(two), kept(one)
+    got, want = untimed(two), untimed(one)
     assert got[0]["world_size"] == 2 and any(x.get("tool_calls", 0) > 0 for x in got)
     same(want, got, abs=2e-5)

@@ -26,6 +26,8 @@ CALC = REPO / "recipes" / "models" / "calc-tiny"
 TOOLS = '''
 import time
 
+SLEEPY = {sleepy}
+
 
 def add(a: int, b: int) -> int:
     """Add.
@@ -46,8 +48,8 @@ def mul(a: int, b: int) -> int:
         a: one
         b: two
     """
-    if a % 2:
-        time.sleep(2)
+    if SLEEPY and a % 2:
+        time.sleep(1)
     return a * b
 
 
@@ -90,15 +92,17 @@ def rows(n: int, seed: int):
     return out
 
 
-def tool_recipe(tmp_path, objective: dict, steps: int = 2, **over) -> dict:
-    (tmp_path / "calc.py").write_text(TOOLS)
+def tool_recipe(tmp_path, objective: dict, steps: int = 2, sleepy: bool = True, **over) -> dict:
+    """A short GRPO run of calc-tiny with tools: add raises on equal numbers, mul runs past the
+    time limit on an odd first number (``sleepy``)."""
+    (tmp_path / "calc.py").write_text(TOOLS.replace("{sleepy}", str(sleepy)))
     (tmp_path / "quiz.py").write_text(ENV)
     write_jsonl(tmp_path / "train.jsonl", rows(40, 1))
     write_jsonl(tmp_path / "valid.jsonl", rows(4, 2))
     obj = {
         "type": "grpo",
         "tools": [str(tmp_path / "calc.py:add"), str(tmp_path / "calc.py:mul")],
-        "tool_timeout_s": 0.5,
+        "tool_timeout_s": 0.2,
         "max_turns": 2,
         "max_completion_length": 48,
         "num_generations": 8,
@@ -175,7 +179,7 @@ def test_tool_results_are_context_and_rewards_read_the_final_turn(tmp_path):
         if got["name"] == "add" and a == b:
             assert value == "error: ValueError: equal numbers"
         elif got["name"] == "mul" and a % 2:
-            assert value == "error: mul did not answer within 0.5 s"
+            assert value == "error: mul did not answer within 0.2 s"
         elif got["name"] in ("add", "mul"):
             assert value == str(a + b if got["name"] == "add" else a * b)
         assert final.endswith("</s>")
@@ -235,7 +239,7 @@ def test_bad_tools_stop_the_run_naming_the_key(tmp_path, capsys):
 
 
 def test_a_rollout_resumes_exactly_with_its_tool_results(tmp_path):
-    r = tool_recipe(tmp_path, {"num_iterations": 2, "beta": 0.05}, steps=4)
+    r = tool_recipe(tmp_path, {"num_iterations": 2, "beta": 0.05}, steps=4, sleepy=False)
     r["train"]["grad_accumulation"] = 2
     r["checkpoints"] = {"every": 3}
     build_run(r, tmp_path, "whole").run()
