@@ -172,6 +172,7 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow  # 23 s: the default run stays under 10 minutes (a dead rank's test stays)
 @pytest.mark.skipif(not Path("/proc").exists(), reason="finds the rank's process in /proc")
 def test_a_frozen_rank_ends_the_others_naming_it(runs, tmp_path):
     """A rank stopped (SIGSTOP: a machine that froze or slept, its sockets open) fails no
