@@ -66,7 +66,7 @@ class Agent:
     def __init__(self, recipe, components, encoder: PromptEncoder):
         cfg = recipe.objective
         self.max_prompt = recipe.data.max_length
-        self.cfg, self.components, self.enc = cfg, components, encoder
+        self.cfg, self.enc = cfg, encoder
         functions, self.schemas = recipe_tools(recipe)
         self.toolbox = Toolbox(functions, cfg.tool_timeout_s) if functions else None
         self.environment = (
@@ -340,7 +340,7 @@ def rollouts(obj, prompts: list[PromptExample], seed: int):
     host: dict = {}
     made = sum(sum(w) for w in tokens["written"])
     host["generation_s"] = (took, obj._steps_per_rollout() / obj._batches_per_rollout())
-    host["generation_tokens_per_sec"] = (made * len(mine) / max(len(prompts), 1), took)
+    host["generation_tokens_per_sec"] = (made, took)  # as single-turn generation counts them
     n = len(ended)
     for k in ("turns", "tool_calls", "tool_errors"):
         host[k] = (float(sum(values[k])), n)
