@@ -490,16 +490,28 @@ def untimed(run_dir):
 
 
 @pytest.mark.slow  # suite time: the default run stays under 10 minutes
-@pytest.mark.parametrize("entropy_mask", [None, 0.5])
-def test_grpo_groups_train_as_one(runs, tmp_path, entropy_mask):
+@pytest.mark.parametrize(
+    "entropy_mask, extra",
+    [
+        (None, {}),
+        (0.5, {}),
+        (None, {"filter_groups": True, "importance_sampling_correction": "sequence"}),
+    ],
+    ids=["plain", "entropy-mask", "filtered-is"],
+)
+def test_grpo_groups_train_as_one(runs, tmp_path, entropy_mask, extra):
     """GRPO: each rank completes its share of a step's prompts with the rows' keys (from the
     seed and the step) and every rank gathers them all, so the completions are one process's;
     the groups split whole among the ranks; the held-out reward is summed over ranks. With an
-    entropy mask, every rank takes the whole batch's quantile: the same update again."""
-    objective = {"type": "grpo", "num_generations": 4, "beta": 0.05}
+    entropy mask, every rank takes the whole batch's quantile: the same update again. Group
+    filtering decides from the gathered rewards and draws its extra prompts from the batch's
+    seed on every rank; the sampler's log-probs are gathered with the completions."""
+    objective = {"type": "grpo", "num_generations": 4, "beta": 0.05, **extra}
     if entropy_mask is not None:
         objective["entropy_mask"] = entropy_mask
     two, got, want = prompt_runs(runs, tmp_path, objective, batch_size=3)
+    if extra:
+        assert all("is_weight" in x and "filter_draws" in x for x in got if "loss" in x)
     assert got[0]["world_size"] == 2 and all(x["grad_norm"] > 1e-3 for x in got if "loss" in x)
     assert [x["eval_prompts"] for x in got if "eval_reward" in x] == [5, 5]
     assert "each of the 2 ranks completes its share" in (two / "log.txt").read_text()
