@@ -224,7 +224,8 @@ def _ends(row: list[int], token: int, r: int, eos, stop, on_token) -> bool:
     return stop is not None and stop.ends(row)
 
 
-def _own_caches(model) -> list:
+def own_caches(model) -> list:
+    """The model's own per-layer caches, as mlx-lm makes them for it."""
     return model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
 
 
@@ -232,12 +233,12 @@ def plain_kv_caches(model) -> bool:
     """Whether every layer of the model caches plain keys and values (mlx-lm's KVCache): then
     prompts decode left-padded in fixed-capacity caches. Sliding windows (rotating caches) and
     recurrent layers (conv or SSM state) decode in the model's own caches instead."""
-    return all(type(c) is KVCache for c in _own_caches(model))
+    return all(type(c) is KVCache for c in own_caches(model))
 
 
 def _batch_cache(model, pad: list[int]) -> list:
     """The model's per-layer caches as mlx-lm's batched, left-padded KV caches."""
-    return [BatchKVCache(pad) for _ in _own_caches(model)]
+    return [BatchKVCache(pad) for _ in own_caches(model)]
 
 
 def _decode_own_caches(
@@ -275,7 +276,7 @@ def _decode_own_caches(
             shown, shift = model.prompt_arrays(read, files)
             if any(shift):  # positions the caches' offsets do not give
                 raise ValueError("prompts whose rotary positions shift decode in _decode")
-        cache = _own_caches(model)
+        cache = own_caches(model)
         with image_inputs(shown):
             logits = model(mx.array(read), cache=cache)[:, -1, :].astype(mx.float32)
         ks = keys[mx.array(rows)]

@@ -31,6 +31,7 @@ from .generate import (
     decode_step,
     draw,
     grow_caches,
+    own_caches,
     plain_kv_caches,
     prefill,
     token_logps,
@@ -117,8 +118,9 @@ def converse(
     """``group`` conversations from each prompt (prompt-major, ``keys`` one a row): each turn
     decodes every live row up to its end of turn (``eos``, kept as the turn's last token), a
     ``stop`` string, or ``turn_tokens``; ``respond`` gives each the context that follows, which
-    is prefilled into its cache (``reuse``; else each turn reads the whole transcript afresh, for
-    models whose caches are not plain KV caches, and to measure against). A conversation ends
+    is prefilled into its cache (``reuse``; else each turn reads the whole transcript afresh, to
+    measure against). Models whose caches are not plain KV caches (sliding windows, recurrent
+    state) read each turn's whole transcript afresh into their own caches. A conversation ends
     when ``respond`` gives None, after ``max_turns`` turns, or when the next context and one
     more token would pass ``budget`` tokens after the prompt (then its last turn counts as
     cut)."""
@@ -128,25 +130,28 @@ def converse(
     live = list(range(n))
     was = model.training
     model.eval()
-    if not plain_kv_caches(model):
-        reuse = False
+    own = not plain_kv_caches(model)
     try:
         state = None
         pending: dict[int, list[int]] = {}
         for turn in range(max_turns):
             ks = turn_keys(keys[mx.array(live)], turn)
             caps = [min(turn_tokens, budget - len(out[r].tokens)) for r in live]
-            if turn == 0 or not reuse:
-                seqs = [base[r] + out[r].tokens for r in live]
-                state = _fresh(
-                    model, seqs, prompts if turn == 0 else None, group if turn == 0 else 1
-                )
-                state.rows = list(live)
+            seqs = [base[r] + out[r].tokens for r in live]
+            if own:
+                rows = list(live)
+                drawn, how, lps = _own_turn(model, seqs, ks, sampling, eos, stop, caps)
             else:
-                _append(model, state, live, [pending[r] for r in live])
-            drawn, how, lps = _decode_turn(model, state, ks, sampling, eos, stop, caps)
+                if turn == 0 or not reuse:
+                    first = turn == 0
+                    state = _fresh(model, seqs, prompts if first else None, group if first else 1)
+                    state.rows = list(live)
+                else:
+                    _append(model, state, live, [pending[r] for r in live])
+                drawn, how, lps = _decode_turn(model, state, ks, sampling, eos, stop, caps)
+                rows = state.rows
             nxt, pending = [], {}
-            for j, r in enumerate(state.rows):
+            for j, r in enumerate(rows):
                 t = out[r]
                 t.tokens += drawn[j]
                 t.written += [1] * len(drawn[j])
@@ -168,8 +173,8 @@ def converse(
                 pending[r] = [drawn[j][-1], *ctx]
             if not nxt:
                 break
-            live = [state.rows[j] for j in nxt]
-            if reuse:
+            live = [rows[j] for j in nxt]
+            if reuse and not own:
                 _keep(state, nxt)
     finally:
         model.train(was)
@@ -227,6 +232,47 @@ def _append(model, state: _Rows, live: list[int], chunks: list[list[int]]) -> No
     state.idx = idx + width
 
 
+def _turn_end(drawn: list[int], eos, stop, cap: int) -> str:
+    """How a turn whose tokens so far are ``drawn`` ends with its last one: "eos", "stop",
+    "cut" (at ``cap`` tokens), or "" (it goes on)."""
+    if drawn[-1] in eos:
+        return "eos"
+    if stop is not None and stop.ends(drawn):
+        return "stop"
+    return "cut" if len(drawn) >= cap else ""
+
+
+def _own_turn(model, seqs, keys, s, eos, stop, caps):
+    """One turn of rows whose caches are the model's own (sliding windows, conv or SSM state):
+    each row's whole transcript read afresh into them, rows of one length together (padding
+    would flow into a recurrent state), one uncompiled step a token, each row drawing from its
+    own key as in the batched cache: (each row's tokens, how its turn ended, their log-probs)."""
+    drawn: list[list[int]] = [[] for _ in seqs]
+    lps: list[list[float]] = [[] for _ in seqs]
+    how = [""] * len(seqs)
+    by_length: dict[int, list[int]] = {}
+    for i, q in enumerate(seqs):
+        by_length.setdefault(len(q), []).append(i)
+    for idx in by_length.values():
+        cache = own_caches(model)
+        logits = model(mx.array([seqs[i] for i in idx]), cache=cache)[:, -1, :]
+        logits = logits.astype(mx.float32)
+        ks = keys[mx.array(idx)]
+        while True:
+            tokens, ks = draw(logits, ks, s)
+            lp = token_logps(logits, tokens).tolist()
+            for j, t in enumerate(tokens.tolist()):
+                i = idx[j]
+                if not how[i]:
+                    drawn[i].append(t)
+                    lps[i].append(lp[j])
+                    how[i] = _turn_end(drawn[i], eos, stop, caps[i])
+            if all(how[i] for i in idx):
+                break
+            logits = model(tokens[:, None], cache=cache)[:, -1, :].astype(mx.float32)
+    return drawn, how, lps
+
+
 def _decode_turn(model, state: _Rows, keys, s, eos, stop, caps):
     """One turn of every row in the batch: (each row's tokens, how its turn ended). Rows stay in
     the batch until the last ends (their caches are kept for the next turn)."""
@@ -249,12 +295,7 @@ def _decode_turn(model, state: _Rows, keys, s, eos, stop, caps):
                 continue
             drawn[j].append(t)
             lps[j].append(lp[j])
-            if t in eos:
-                how[j] = "eos"
-            elif stop is not None and stop.ends(drawn[j]):
-                how[j] = "stop"
-            elif len(drawn[j]) >= caps[j]:
-                how[j] = "cut"
+            how[j] = _turn_end(drawn[j], eos, stop, caps[j])
         if all(how):
             break
         while len(pending) < 2:

@@ -197,3 +197,23 @@ def test_the_budget_ends_a_conversation_as_cut(reverse):
     )[0]  # fmt: skip
     # the first turn fits; its context and one more token would pass 20
     assert len(got.turns) == 1 and not got.ended and len(got.tokens) == got.turns[0]
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "lfm2"])
+def test_models_with_their_own_caches_converse_as_the_whole_transcript_reads(family):
+    """A sliding window (gemma3_text, a window of 4) and conv state (lfm2): each turn reads the
+    row's whole transcript afresh into the model's own caches; greedy, every row's tokens are the
+    no-cache model's, across turns of different lengths and contexts."""
+    from test_family_generation import PROMPTS, model_of
+
+    model = model_of(family, scale=4.0)
+    eos = set(range(1, 40, 3))  # turns that end at different steps
+
+    def respond(r, tokens, how, last):
+        return None if (r + len(tokens)) % 4 == 3 else [5, 6, 8, 9][: 1 + (r + len(tokens)) % 4]
+
+    got = converse(model, PROMPTS, 2, row_keys(0, 4, 2), Sampling(), eos, 6, 40, respond, 3)
+    assert max(len(t.turns) for t in got) > 1
+    for r, t in enumerate(got):
+        want, written = naive_turns(model, PROMPTS[r // 2], respond, r, eos, 6, 40, 3)
+        assert t.tokens == want and t.written == written, r

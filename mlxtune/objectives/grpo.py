@@ -33,7 +33,6 @@ import numpy as np
 from ..data import read_positions
 from ..data.prompts import PromptEncoder, PromptExample
 from ..errors import UserInputError
-from ..generate import plain_kv_caches
 from ..kernels import forward_only
 from ..models import VisionLM
 from ..tensor import vocab_split
@@ -217,12 +216,8 @@ class GRPO(OnPolicy):
                 "multi-turn rollouts generate their conversations; offline rows give theirs",
                 key,
             )
-        if not plain_kv_caches(components.model) or isinstance(components.model, VisionLM):
-            raise UserInputError(
-                "multi-turn rollouts keep a plain KV cache across turns; this model's layers "
-                "keep other state (sliding windows, recurrent layers) or read images",
-                key,
-            )
+        if isinstance(components.model, VisionLM):
+            raise UserInputError("multi-turn rollouts take text models, not vision models", key)
         d = recipe.data
         schemas = recipe_tools(recipe)[1]
         enc = PromptEncoder(components.tokenizer, d.add_eos, d.chat_template_kwargs, schemas)
