@@ -63,11 +63,14 @@ class Agent:
     """The recipe's tools and environment, and the chat template's markup around turns, for
     one objective's rollouts."""
 
-    def __init__(self, recipe, components, encoder: PromptEncoder):
-        cfg = recipe.objective
-        self.max_prompt = recipe.data.max_length
-        self.cfg, self.enc = cfg, encoder
+    def __init__(self, recipe, components):
+        cfg, d = recipe.objective, recipe.data
+        self.max_prompt = d.max_length
         functions, self.schemas = recipe_tools(recipe)
+        self.cfg = cfg
+        self.enc = encoder = PromptEncoder(
+            components.tokenizer, d.add_eos, d.chat_template_kwargs, self.schemas
+        )
         self.toolbox = Toolbox(functions, cfg.tool_timeout_s) if functions else None
         self.environment = (
             load_user(cfg.environment, recipe, "objective.environment", "environment class")
@@ -89,7 +92,8 @@ class Agent:
             if cfg.tool_format == "auto"
             else cfg.tool_format
         )
-        self.eos_text = [tok.decode([t]) for t in sorted(self._eos())]
+        self.eos = eos_ids(tok)
+        self.eos_text = [tok.decode([t]) for t in sorted(self.eos)]
         first = self._render(PROBE + [{"role": "assistant", "content": SENTINEL}], False)
         at = first.find(SENTINEL)
         if at < 0:
@@ -105,9 +109,6 @@ class Agent:
             self.context([probe], "objective.tools")
         else:
             self.context([{"role": "user", "content": "1"}], "objective.environment")
-
-    def _eos(self) -> set[int]:
-        return eos_ids(self.tok)
 
     def _render(self, messages: list, gen: bool, where: str = "objective.tools") -> str:
         return self.enc.render(messages, where, gen, tokenize=False, tools=self.schemas or None)
@@ -220,7 +221,7 @@ class Agent:
             g,
             keys,
             sampling,
-            self._eos(),
+            self.eos,
             cfg.max_completion_length,
             budget,
             lambda r, toks, how, last: self.respond(talks[r], toks, how, last),
@@ -240,7 +241,7 @@ class Agent:
         """The last turn's tokens (its end of turn left out)."""
         n = transcript.turns[-1]
         ids = transcript.tokens[len(transcript.tokens) - n :]
-        return ids[:-1] if transcript.ended and ids and ids[-1] in self._eos() else ids
+        return ids[:-1] if transcript.ended and ids and ids[-1] in self.eos else ids
 
 
 def score_talks(

@@ -31,12 +31,12 @@ import mlx.nn as nn
 import numpy as np
 
 from ..data import read_positions
-from ..data.prompts import PromptEncoder, PromptExample
+from ..data.prompts import PromptExample
 from ..errors import UserInputError
 from ..kernels import forward_only
 from ..models import VisionLM
 from ..tensor import vocab_split
-from .agentic import Agent, recipe_tools, rollouts, score_talks, transcript_text
+from .agentic import Agent, rollouts, score_talks, transcript_text
 from .filtering import Draw, filtered
 from .online import OnPolicy, RLConfig
 from .rollout import RolloutBatch, advantages
@@ -218,10 +218,7 @@ class GRPO(OnPolicy):
             )
         if isinstance(components.model, VisionLM):
             raise UserInputError("multi-turn rollouts take text models, not vision models", key)
-        d = recipe.data
-        schemas = recipe_tools(recipe)[1]
-        enc = PromptEncoder(components.tokenizer, d.add_eos, d.chat_template_kwargs, schemas)
-        return Agent(recipe, components, enc)
+        return Agent(recipe, components)
 
     def _other_rewards(self) -> bool:
         return bool(self.config.environment)
